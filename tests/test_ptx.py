@@ -1,0 +1,19 @@
+"""The GPU type check: every kernel compiles to PTX for sm_90 (the simulator checks no types)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_every_kernel_compiles_to_ptx_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    script = Path(__file__).with_name("ptx_check.py")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    results = json.loads(res.stdout)
+    print("\n".join(results["compiled"]))
+    assert not results["missing_signature"], f"kernels with no PTX_SIGNATURES entry: {results['missing_signature']}"
+    assert not results["failed"], "\n".join(results["failed"])
+    assert results["compiled"], "no kernel was compiled"
