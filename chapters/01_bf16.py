@@ -107,6 +107,16 @@ def bit_layout(ax, rows: list[tuple[str, int, int, int]]):
     return ax
 
 
+def glue(name: str, text: str) -> None:
+    """Hand a value to the book's prose ({glue:text}`name`); outside Jupyter Book, print it."""
+    try:
+        from myst_nb import glue as myst_glue
+    except ImportError:
+        print(f"{name} = {text}")
+    else:
+        myst_glue(name, text, display=False)
+
+
 # %%
 FORMATS = [("fp32", 1, 8, 23), ("fp16", 1, 5, 10), ("bf16", 1, 8, 7)]
 fig, ax = new_figure(width=9, height=2.2)
@@ -296,6 +306,37 @@ else:
 
 
 # %% [markdown]
+# Kernels also write bf16: a normalised activation that feeds a matrix product is rounded to
+# bf16 on the way out. The device version of the rounding is the same integer recipe as the
+# host one above, on one value (`float_as_int` is `int_as_float`'s mirror image).
+
+# %%
+#| export
+from numba import uint16
+
+if config.ENABLE_CUDASIM:
+
+    @cuda.jit(device=True)
+    def _f32_bits(x):
+        return np.float32(x).view(np.uint32)
+
+else:
+
+    @cuda.jit(device=True)
+    def _f32_bits(x):
+        return uint32(cuda.libdevice.float_as_int(x))
+
+
+@cuda.jit(device=True)
+def f32_to_bf16(x):
+    """Round one float32 to bf16 bits (uint16): nearest, ties to even; NaN -> quiet NaN with its sign."""
+    u = _f32_bits(x)
+    if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+        return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
+    return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
+
+
+# %% [markdown]
 # The kernel gives each thread one index $i$ and stops threads past the end (the grid is
 # rounded up to whole blocks). The *launcher* beside it is plain Python: it checks the dtypes
 # and shapes — a kernel that reads past a buffer does not raise, it corrupts memory or faults
@@ -311,7 +352,17 @@ def widen_bf16_kernel(src, dst):
         dst[i] = bf16_to_f32(src[i])
 
 
-PTX_SIGNATURES = {"widen_bf16_kernel": ["void(uint16[::1], float32[::1])"]}
+@cuda.jit
+def narrow_f32_kernel(src, dst):
+    i = cuda.grid(1)
+    if i < src.shape[0]:
+        dst[i] = f32_to_bf16(src[i])
+
+
+PTX_SIGNATURES = {
+    "widen_bf16_kernel": ["void(uint16[::1], float32[::1])"],
+    "narrow_f32_kernel": ["void(float32[::1], uint16[::1])"],
+}
 
 
 def widen_bf16(src, out, threads_per_block: int = 256, stream=0):
@@ -324,6 +375,17 @@ def widen_bf16(src, out, threads_per_block: int = 256, stream=0):
         raise ValueError(f"widen_bf16: src {src.shape} and out {out.shape} must be 1-D and the same length")
     num_blocks = max(1, (src.shape[0] + threads_per_block - 1) // threads_per_block)
     widen_bf16_kernel[num_blocks, threads_per_block, stream](src, out)
+    return out
+
+
+def narrow_f32(src, out, threads_per_block: int = 256, stream=0):
+    """Launch: out[i] = bf16 bits of float32 src[i], rounded to nearest even."""
+    if src.dtype != np.float32 or out.dtype != np.uint16:
+        raise TypeError(f"narrow_f32: src must be float32 and out uint16, got {src.dtype} and {out.dtype}")
+    if src.ndim != 1 or out.shape != src.shape:
+        raise ValueError(f"narrow_f32: src {src.shape} and out {out.shape} must be 1-D and the same length")
+    num_blocks = max(1, (src.shape[0] + threads_per_block - 1) // threads_per_block)
+    narrow_f32_kernel[num_blocks, threads_per_block, stream](src, out)
     return out
 
 
@@ -346,11 +408,20 @@ def check_widen(num_elements: int, threads_per_block: int = 128) -> None:
     assert np.array_equal(got, want), f"kernel disagrees on {(got != want).sum()} of {num_elements}"
 
 
+def check_narrow(num_elements: int, threads_per_block: int = 128) -> None:
+    src = rng.integers(0, 2**32, size=num_elements, dtype=np.uint32).view(np.float32)
+    src[: num_elements // 4] = (rng.integers(0, 2**16, size=num_elements // 4, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # ties
+    d_out = cuda.to_device(np.full(num_elements, 0xDEAD, np.uint16))  # poison
+    narrow_f32(cuda.to_device(src), d_out, threads_per_block)
+    assert np.array_equal(d_out.copy_to_host(), f32_to_bf16_bits(src)), "narrowing kernel disagrees"
+
+
 if can_launch():
     sizes = [1, 200, 1000] if is_simulator() else [1, 65_536 + 17, 50_000_003]
     for n in sizes:
         check_widen(n)
-    print(f"widen_bf16 agrees bit for bit with ml_dtypes on {sizes} random elements")
+        check_narrow(n)
+    print(f"widen_bf16 and narrow_f32 agree bit for bit with the references on {sizes} random elements")
 else:
     print("no GPU and no simulator: set NUMBA_ENABLE_CUDASIM=1 to run the kernel")
 
@@ -367,6 +438,254 @@ for bad_src, bad_out in [(np.zeros(4, np.float32), np.zeros(4, np.float32)), (np
         raise AssertionError("bad input was accepted")
 
 # %% [markdown]
+# ## How fast is it? Measuring a kernel honestly
+#
+# **Count first.** Widening reads 2 bytes and writes 4 per element and does no arithmetic to
+# speak of, so it is *memory-bound*: its floor is the bytes it must move over the memory
+# bandwidth. The ceiling to compare with is not the datasheet's 4.8 TB/s but what a plain copy
+# achieves on the same GPU, so we measure that too. A kernel at 80% of copy bandwidth has
+# little left to gain; one at 20% is doing something wrong.
+#
+# **Then time the kernel itself.** Three traps:
+#
+# 1. *Launch overhead.* A numba launch from Python costs 25–70 µs of CPU time, longer than
+#    most kernels in this book run. CUDA events around a Python launch measure Python. Instead
+#    we **capture** many launches into a **CUDA graph** once and replay the graph: the GPU then
+#    runs them back to back (about 0.5–0.8 µs apart), and events around the replay measure the
+#    kernels. The same mechanism later makes a whole decoding step one launch (chapter 11).
+# 2. *The L2 cache.* An H200 has about 60 MB of L2. A kernel timed over and over on one small
+#    buffer reads it from L2, not memory, and looks faster than it will be in a model. We
+#    rotate through enough distinct buffers to exceed the cache.
+# 3. *Noise.* Warm up first (compilation, first-touch), repeat, and take the median.
+#
+# In the simulator the graph is just the Python function, replayed by calling it: the code
+# runs, the times mean nothing.
+
+# %%
+#| export cuda_graph
+from typing import Callable
+
+from numba import config, cuda
+
+if not config.ENABLE_CUDASIM:
+    from cuda.bindings import driver as _drv
+
+
+def _check(result):
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {err!r}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+class CudaGraph:
+    """Capture the kernel launches that `launch(stream)` makes, once; replay them with one call.
+
+    `launch` must only launch kernels on the stream it is given (no allocation, no copies to
+    or from the host, no synchronisation). In the simulator, replay simply calls `launch` again.
+    """
+
+    def __init__(self, launch: Callable, stream=None):
+        self.launch = launch
+        self.stream = stream if stream is not None else cuda.stream()
+        self._exec = None
+        if config.ENABLE_CUDASIM:
+            return
+        launch(self.stream)  # warm-up: compile and load every kernel before capturing
+        self.stream.synchronize()
+        handle = _drv.CUstream(int(self.stream.handle))
+        mode = _drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        _check(_drv.cuStreamBeginCapture(handle, mode))
+        try:
+            launch(self.stream)
+        finally:
+            graph = _check(_drv.cuStreamEndCapture(handle))
+        self._graph = graph
+        self._exec = _check(_drv.cuGraphInstantiate(graph, 0))
+
+    def replay(self):
+        """Run every captured launch again, on the graph's stream (asynchronously)."""
+        if self._exec is None:
+            self.launch(self.stream)
+        else:
+            _check(_drv.cuGraphLaunch(self._exec, _drv.CUstream(int(self.stream.handle))))
+
+
+# %%
+#| export measure
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from typing import Callable
+
+import numpy as np
+from numba import config, cuda
+
+from tinyvllm_lib.cuda_graph import CudaGraph
+
+DATA_DIR = Path(os.environ.get("TINYVLLM_DATA", Path(__file__).resolve().parent.parent / "book" / "data"))
+
+
+def time_launches(launch_one: Callable, num_launches: int, repeats: int = 10) -> float:
+    """Median seconds per launch of `launch_one(i, stream)`, i = 0..num_launches-1, replayed from a CUDA graph."""
+    graph = CudaGraph(lambda stream: [launch_one(i, stream) for i in range(num_launches)])
+    start, end = cuda.event(), cuda.event()
+    graph.replay()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()  # the simulator's events record no time: fall back to the host clock
+        start.record(graph.stream)
+        graph.replay()
+        end.record(graph.stream)
+        end.synchronize()
+        seconds = time.perf_counter() - t0 if config.ENABLE_CUDASIM else cuda.event_elapsed_time(start, end) / 1e3
+        samples.append(seconds / num_launches)
+    return statistics.median(samples)
+
+
+def num_rotations(bytes_per_call: int, cache_bytes: int = 60 * 2**20, at_least: int = 4) -> int:
+    """How many distinct buffer sets to rotate through so the working set is ~4x the L2 cache."""
+    return max(at_least, int(np.ceil(4 * cache_bytes / max(bytes_per_call, 1))))
+
+
+def device_info() -> dict:
+    """Name and properties of the GPU the measurement ran on."""
+    if config.ENABLE_CUDASIM:
+        return {"name": "CUDA simulator"}
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    return {"name": name, "compute_capability": list(dev.compute_capability), "multiprocessors": dev.MULTIPROCESSOR_COUNT}
+
+
+def versions() -> dict:
+    """Versions that a measurement depends on."""
+    import numba
+
+    out = {"python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__}
+    try:
+        from importlib.metadata import version
+
+        out["numba-cuda"] = version("numba-cuda")
+    except Exception:
+        pass
+    if not config.ENABLE_CUDASIM:
+        try:
+            out["cuda_driver"] = ".".join(map(str, cuda.cudadrv.driver.driver.get_version()))
+        except Exception:
+            pass
+    return out
+
+
+class Recorder:
+    """Collects measurement records and writes them to book/data/<chapter>.json (one list per chapter)."""
+
+    def __init__(self, chapter: str, command: str | None = None):
+        self.chapter = chapter
+        self.command = command or " ".join([Path(sys.executable).name] + sys.argv)
+        self.device = device_info()
+        self.records: list[dict] = []
+
+    def add(self, name: str, shape, metric: str, value: float, ceiling: float | None = None, **extra) -> dict:
+        rec = {"chapter": self.chapter, "name": name, "shape": list(shape), "metric": metric, "value": float(value)}
+        if ceiling is not None:
+            rec["ceiling"] = float(ceiling)
+            rec["ratio"] = float(value) / float(ceiling)
+        rec.update(extra)
+        rec.update(device=self.device, date=datetime.date.today().isoformat(), versions=versions(), command=self.command)
+        self.records.append(rec)
+        return rec
+
+    def save(self, data_dir: Path = DATA_DIR) -> Path:
+        """Replace this chapter's records for the same device; keep other devices' records."""
+        path = Path(data_dir) / f"{self.chapter}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(path.read_text()) if path.exists() else []
+        kept = [r for r in old if r.get("device", {}).get("name") != self.device.get("name")]
+        path.write_text(json.dumps(kept + self.records, indent=1) + "\n")
+        return path
+
+
+def load_records(chapter: str, data_dir: Path = DATA_DIR) -> list[dict]:
+    """The recorded measurements of a chapter (empty when none were recorded yet)."""
+    path = Path(data_dir) / f"{chapter}.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+# %% [markdown]
+# The ceiling: a copy kernel that moves 8 bytes per thread per step (wide loads matter: the
+# same copy with 4-byte words is about a quarter slower on an H200), over a buffer far larger
+# than L2. Bytes moved count both the read and the write.
+
+# %%
+#| export
+@cuda.jit
+def copy_u64_kernel(src, dst):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < src.shape[0]:  # grid-stride loop: any grid size covers any length
+        dst[i] = src[i]
+        i += stride
+
+
+PTX_SIGNATURES["copy_u64_kernel"] = ["void(uint64[::1], uint64[::1])"]
+
+
+# %% [markdown]
+# The measurement itself lives in a script, `bench/ch01_bf16.py`, which runs on a GPU and
+# records each result — value, ceiling, device, date, versions and the command — in
+# `book/data/ch01_bf16.json`. The book plots that file, so every machine shows the same
+# numbers, and none is typed by hand. On a GPU you can run it from here:
+
+# %%
+from tinyvllm_lib.measure import load_records
+
+if has_gpu():
+    import runpy
+    from pathlib import Path
+
+    bench = Path("../bench/ch01_bf16.py") if Path("../bench").exists() else Path("bench/ch01_bf16.py")
+    runpy.run_path(str(bench), run_name="__main__")
+
+records = load_records("ch01_bf16")
+print(f"{len(records)} recorded measurements")
+for r in records:
+    print(f"{r['device']['name']:>16} {r['name']:>14} {str(r['shape']):>14}: {r['value']:8.1f} {r['metric']}"
+          + (f" = {r['ratio']:.0%} of {r['ceiling']:.0f}" if "ratio" in r else "") + f"  ({r['date']})")
+
+# %%
+by_name = {r["name"]: r for r in records}
+copy_gbs = by_name["copy"]["value"] if "copy" in by_name else float("nan")
+widen = by_name.get("widen_bf16")
+glue("ch01_copy", f"{copy_gbs / 1e3:.2f} TB/s" if "copy" in by_name else "(not yet measured)")
+glue("ch01_widen", f"{widen['ratio']:.0%}" if widen else "(not yet measured)")
+glue("ch01_device", records[0]["device"]["name"] if records else "no GPU yet")
+
+if records:
+    fig, ax = new_figure(width=6, height=2.5)
+    names = [r["name"] for r in records if r["metric"] == "GB/s"]
+    values = [r["value"] for r in records if r["metric"] == "GB/s"]
+    ax.barh(names, values, color="#1f77b4")
+    ax.axvline(copy_gbs, color="k", ls="--", lw=1, label="copy ceiling")
+    ax.set_xlabel("GB/s (bytes read + written)")
+    ax.set_title(f"measured on {records[0]['device']['name']}")
+    ax.legend()
+    plt.show()
+
+# %% [markdown]
+# On the {glue:text}`ch01_device`, a plain copy moves {glue:text}`ch01_copy`, and the widening
+# kernel reaches {glue:text}`ch01_widen` of that. Why not all of it? Each thread makes one
+# 2-byte load and one 4-byte store: the memory system moves data in 32-byte sectors, and
+# keeping it busy takes many bytes in flight per thread, not many tiny requests. The copy
+# kernel moves 8 bytes per request. Later kernels read weights 8 or 16 bytes at a time
+# (chapter 06's GEMV) for exactly this reason — exercise 5 asks you to try it here.
+
+# %% [markdown]
 # ## Summary
 #
 # - bf16 is float32 with the low 16 mantissa bits gone: float32's range, about 3 decimal
@@ -378,9 +697,13 @@ for bad_src, bad_out in [(np.zeros(4, np.float32), np.zeros(4, np.float32)), (np
 # - Our first kernel widens a buffer, one element per thread; the same code runs on a GPU and
 #   in the simulator.
 #
+# - To time a kernel: count its compulsory bytes, capture many launches in a CUDA graph,
+#   rotate buffers past the L2 cache, and compare with a measured copy ceiling.
+#
 # Exported to `tinyvllm_lib`: `kernels.bf16` (`f32_to_bf16_bits`, `bf16_bits_to_f32`, the
-# device helper `bf16_to_f32`, `widen_bf16`), `runtime` (`is_simulator`, `has_gpu`,
-# `can_launch`) and `plots` (the book's plotting helpers).
+# device helpers `bf16_to_f32` and `f32_to_bf16`, `widen_bf16`, `narrow_f32`, `copy_u64_kernel`), `runtime` (`is_simulator`,
+# `has_gpu`, `can_launch`), `cuda_graph` (`CudaGraph`), `measure` (`time_launches`,
+# `Recorder`, `load_records`) and `plots` (the book's plotting helpers).
 #
 # ## Exercises
 #
@@ -391,5 +714,8 @@ for bad_src, bad_out in [(np.zeros(4, np.float32), np.zeros(4, np.float32)), (np
 #    Which of the three could hold its activations without overflow, and why?
 # 3. Remove `uint32(...)` around the shift's right operand in `bf16_to_f32`, compile the kernel
 #    with `cuda.compile_ptx` and find the 64-bit shift (`shl.b64`) in the PTX.
-# 4. The widening kernel reads 2 bytes and writes 4 per element. At 3.9 TB/s of copy
-#    bandwidth, how long should widening Llama 3.2 1B's weights take? Time it on a GPU.
+# 4. The widening kernel reads 2 bytes and writes 4 per element. At the copy bandwidth
+#    measured above, how long should widening Llama 3.2 1B's weights take? Time it on a GPU.
+# 5. Write a kernel in which each thread loads one `uint64` (four bf16 values) and writes four
+#    float32s. Predict its fraction of copy bandwidth, then add it to `bench/ch01_bf16.py`
+#    and measure.

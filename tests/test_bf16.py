@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits, widen_bf16
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits, narrow_f32, widen_bf16
 from tinyvllm_lib.runtime import can_launch
 
 ALL_BF16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
@@ -87,3 +87,31 @@ def test_widen_launcher_rejects_bad_input():
         widen_bf16(np.zeros(4, np.uint16), np.zeros(4, np.float64))
     with pytest.raises(ValueError, match="same length"):
         widen_bf16(np.zeros(4, np.uint16), np.zeros(5, np.float32))
+
+
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+def test_time_launches_and_records(rng, tmp_path):
+    from tinyvllm_lib.measure import Recorder, load_records, time_launches
+
+    src = cuda.to_device(rng.integers(0, 2**16, size=100, dtype=np.uint32).astype(np.uint16))
+    out = cuda.device_array(100, np.float32)
+    sec = time_launches(lambda i, s: widen_bf16(src, out, 64, s), num_launches=2, repeats=2)
+    assert sec > 0
+    want = src.copy_to_host().view(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32)
+    assert np.array_equal(out.copy_to_host().view(np.uint32), want)  # the replayed launches ran (bits: NaN != NaN)
+    rec = Recorder("test_chapter", command="pytest")
+    rec.add("widen", [100], "GB/s", 12.5, ceiling=50.0)
+    rec.save(tmp_path)
+    (got,) = load_records("test_chapter", tmp_path)
+    assert got["ratio"] == 0.25 and got["command"] == "pytest" and got["device"]["name"] and got["date"]
+
+
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+@pytest.mark.parametrize("n", [1, 333])
+def test_narrow_kernel_matches_host(rng, n):
+    src = rng.integers(0, 2**32, size=n, dtype=np.uint32)
+    src[::3] = (src[::3] & 0xFFFF0000) | 0x8000  # ties
+    src = src.view(np.float32)
+    d_out = cuda.to_device(np.full(n, 0xDEAD, np.uint16))
+    narrow_f32(cuda.to_device(src), d_out, 64)
+    assert np.array_equal(d_out.copy_to_host(), ref_narrow(src))

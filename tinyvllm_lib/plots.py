@@ -29,3 +29,13 @@ def bit_layout(ax, rows: list[tuple[str, int, int, int]]):
     ax.axis("off")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=3, frameon=False)
     return ax
+
+
+def glue(name: str, text: str) -> None:
+    """Hand a value to the book's prose ({glue:text}`name`); outside Jupyter Book, print it."""
+    try:
+        from myst_nb import glue as myst_glue
+    except ImportError:
+        print(f"{name} = {text}")
+    else:
+        myst_glue(name, text, display=False)

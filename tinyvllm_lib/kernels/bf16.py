@@ -42,6 +42,31 @@ else:
 
 
 # defined in chapters/01_bf16.py
+from numba import uint16
+
+if config.ENABLE_CUDASIM:
+
+    @cuda.jit(device=True)
+    def _f32_bits(x):
+        return np.float32(x).view(np.uint32)
+
+else:
+
+    @cuda.jit(device=True)
+    def _f32_bits(x):
+        return uint32(cuda.libdevice.float_as_int(x))
+
+
+@cuda.jit(device=True)
+def f32_to_bf16(x):
+    """Round one float32 to bf16 bits (uint16): nearest, ties to even; NaN -> quiet NaN with its sign."""
+    u = _f32_bits(x)
+    if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+        return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
+    return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
+
+
+# defined in chapters/01_bf16.py
 @cuda.jit
 def widen_bf16_kernel(src, dst):
     i = cuda.grid(1)  # this thread's global index: blockIdx.x * blockDim.x + threadIdx.x
@@ -49,7 +74,17 @@ def widen_bf16_kernel(src, dst):
         dst[i] = bf16_to_f32(src[i])
 
 
-PTX_SIGNATURES = {"widen_bf16_kernel": ["void(uint16[::1], float32[::1])"]}
+@cuda.jit
+def narrow_f32_kernel(src, dst):
+    i = cuda.grid(1)
+    if i < src.shape[0]:
+        dst[i] = f32_to_bf16(src[i])
+
+
+PTX_SIGNATURES = {
+    "widen_bf16_kernel": ["void(uint16[::1], float32[::1])"],
+    "narrow_f32_kernel": ["void(float32[::1], uint16[::1])"],
+}
 
 
 def widen_bf16(src, out, threads_per_block: int = 256, stream=0):
@@ -63,3 +98,27 @@ def widen_bf16(src, out, threads_per_block: int = 256, stream=0):
     num_blocks = max(1, (src.shape[0] + threads_per_block - 1) // threads_per_block)
     widen_bf16_kernel[num_blocks, threads_per_block, stream](src, out)
     return out
+
+
+def narrow_f32(src, out, threads_per_block: int = 256, stream=0):
+    """Launch: out[i] = bf16 bits of float32 src[i], rounded to nearest even."""
+    if src.dtype != np.float32 or out.dtype != np.uint16:
+        raise TypeError(f"narrow_f32: src must be float32 and out uint16, got {src.dtype} and {out.dtype}")
+    if src.ndim != 1 or out.shape != src.shape:
+        raise ValueError(f"narrow_f32: src {src.shape} and out {out.shape} must be 1-D and the same length")
+    num_blocks = max(1, (src.shape[0] + threads_per_block - 1) // threads_per_block)
+    narrow_f32_kernel[num_blocks, threads_per_block, stream](src, out)
+    return out
+
+
+# defined in chapters/01_bf16.py
+@cuda.jit
+def copy_u64_kernel(src, dst):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < src.shape[0]:  # grid-stride loop: any grid size covers any length
+        dst[i] = src[i]
+        i += stride
+
+
+PTX_SIGNATURES["copy_u64_kernel"] = ["void(uint64[::1], uint64[::1])"]
