@@ -42,8 +42,10 @@ chapters_to_notebooks() {
 }
 
 book() {
-    export MPLBACKEND=Agg
-    rm -rf book/_build/html book/_build/jupyter_execute book/_build/.doctrees
+    unset MPLBACKEND  # the notebook kernel must keep its inline backend, or figures vanish from the pages
+    rm -rf book/_build/html book/_build/jupyter_execute book/_build/.doctrees book/_static/mathjax
+    mkdir -p book/_static
+    cp -r "$("$PY" -c 'import mathjax, os; print(os.path.join(mathjax.__path__[0], "static", "mathjax", "es5"))')" book/_static/mathjax
     "$VENV/bin/jupyter-book" build . --path-output book --warningiserror --keep-going --quiet
     echo "book: $(pwd)/book/_build/html/index.html"
 }
@@ -66,7 +68,7 @@ case "$cmd" in
         book ;;
     test)
         setup
-        export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg PYTHONUNBUFFERED=1
+        export NUMBA_ENABLE_CUDASIM=1 PYTHONUNBUFFERED=1
         total=$SECONDS
         step "library in sync with chapters" "$PY" book/export.py --check
         step "lint" "$VENV/bin/ruff" check chapters tests book bench

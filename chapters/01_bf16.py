@@ -170,7 +170,7 @@ for name, dtype, (_, _, e, m) in zip(["fp32", "fp16", "bf16"], [np.float32, np.f
 # the low half with zeros. Every bf16 value — subnormals, infinities and NaN payloads included —
 # becomes the float32 with exactly the same value. There is nothing to round.
 #
-# $$ \text{f32\_bits} = \text{bf16\_bits} \ll 16 $$
+# $$ \text{float32 bits} = \text{bf16 bits} \ll 16 $$
 
 # %%
 #| export
@@ -529,7 +529,10 @@ from numba import config, cuda
 
 from tinyvllm_lib.cuda_graph import CudaGraph
 
-DATA_DIR = Path(os.environ.get("TINYVLLM_DATA", Path(__file__).resolve().parent.parent / "book" / "data"))
+import tinyvllm_lib
+
+# Recorded GPU results live in the repository's book/data/ (override with TINYVLLM_DATA).
+DATA_DIR = Path(os.environ.get("TINYVLLM_DATA", Path(tinyvllm_lib.__file__).resolve().parent.parent / "book" / "data"))
 
 
 def time_launches(launch_one: Callable, num_launches: int, repeats: int = 10) -> float:

@@ -17,7 +17,10 @@ from numba import config, cuda
 
 from tinyvllm_lib.cuda_graph import CudaGraph
 
-DATA_DIR = Path(os.environ.get("TINYVLLM_DATA", Path(__file__).resolve().parent.parent / "book" / "data"))
+import tinyvllm_lib
+
+# Recorded GPU results live in the repository's book/data/ (override with TINYVLLM_DATA).
+DATA_DIR = Path(os.environ.get("TINYVLLM_DATA", Path(tinyvllm_lib.__file__).resolve().parent.parent / "book" / "data"))
 
 
 def time_launches(launch_one: Callable, num_launches: int, repeats: int = 10) -> float:
