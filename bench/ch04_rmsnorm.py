@@ -1,0 +1,124 @@
+"""Chapter 04 on a GPU: the RMSNorm ladder at a 2,048-token prefill, the fused residual add + norm
+with float32 and bf16 outputs, and decode sizes (1-256 rows), against the copy bandwidth recorded
+by bench/ch01_bf16.py. Records to book/data/ch04_rmsnorm.json.
+
+    python bench/ch04_rmsnorm.py
+
+With NUMBA_ENABLE_CUDASIM=1 it is a dry run on tiny shapes that records nothing.
+"""
+
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, copy_u64_kernel, f32_to_bf16_bits
+from tinyvllm_lib.kernels.rmsnorm import (
+    RMSNORM_VARIANTS,
+    fused_add_rmsnorm,
+    fused_add_rmsnorm_ref,
+    rmsnorm,
+    rmsnorm_ref,
+)
+from tinyvllm_lib.measure import Recorder, device_info, load_records, num_rotations, time_launches
+from tinyvllm_lib.runtime import has_gpu, is_simulator
+
+EPS = 1e-5  # Llama 3.2 1B's rms_norm_eps
+if is_simulator():
+    HIDDEN, PREFILL, DECODE, MAX_SETS, REPEATS = 96, 5, [1, 2], 2, 1
+else:
+    HIDDEN, PREFILL, DECODE, MAX_SETS, REPEATS = 2048, 2048, [1, 8, 64, 256], 64, 10  # Llama 3.2 1B's hidden_size
+
+
+def copy_ceiling() -> float:
+    """The copy bandwidth recorded for this GPU by bench/ch01_bf16.py; measured here if there is none."""
+    name = device_info()["name"]
+    for r in load_records("ch01_bf16"):
+        if r["name"] == "copy" and r["device"]["name"] == name:
+            return r["value"]
+    if is_simulator():
+        return float("nan")
+    n = 2**27  # 1 GiB of uint64 words
+    src = cuda.to_device(np.arange(n, dtype=np.uint64))
+    dst = cuda.device_array_like(src)
+    blocks = cuda.get_current_device().MULTIPROCESSOR_COUNT * 8
+    sec = time_launches(lambda i, s: copy_u64_kernel[blocks, 256, s](src, dst), num_launches=10)
+    print(f"no copy record for {name}: measured {2 * n * 8 / sec / 1e9:.0f} GB/s here")
+    return 2 * n * 8 / sec / 1e9
+
+
+def num_launches(num_sets: int) -> int:
+    """Launches per graph replay: every buffer set at least twice, and at least 20 (2 in the simulator)."""
+    return num_sets if is_simulator() else max(2 * num_sets, 20)
+
+
+def assert_matches(got, want, is_bf16: bool, what: str) -> None:
+    if is_bf16:
+        got, want, rtol = bf16_bits_to_f32(got), bf16_bits_to_f32(f32_to_bf16_bits(want)), 2**-7
+    else:
+        rtol = 1e-5
+    err = np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-30))
+    assert err <= rtol, f"{what}: relative error {err:.2e} against the NumPy reference"
+
+
+def bench_rmsnorm(rec, rng, variant: str, num_rows: int, out_dtype, ceiling: float, name: str):
+    """Time rmsnorm(variant) on fresh rows; bytes = read x, write out, the weight once."""
+    out_itemsize = np.dtype(out_dtype).itemsize
+    nbytes = num_rows * HIDDEN * (4 + out_itemsize) + HIDDEN * 2
+    num_sets = min(num_rotations(nbytes), MAX_SETS)
+    weight = cuda.to_device(f32_to_bf16_bits(rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)))
+    xs = [cuda.to_device(rng.standard_normal((num_rows, HIDDEN), dtype=np.float32)) for _ in range(num_sets)]
+    outs = [cuda.device_array((num_rows, HIDDEN), out_dtype) for _ in range(num_sets)]
+    rmsnorm(xs[0], weight, EPS, outs[0], variant=variant)
+    want = rmsnorm_ref(xs[0].copy_to_host(), weight.copy_to_host(), EPS)
+    assert_matches(outs[0].copy_to_host(), want, out_dtype == np.uint16, name)
+    sec = time_launches(lambda i, s: rmsnorm(xs[i % num_sets], weight, EPS, outs[i % num_sets], s, variant), num_launches(num_sets), REPEATS)
+    rec.add(name, [num_rows, HIDDEN], "GB/s", nbytes / sec / 1e9, ceiling=ceiling, us=sec * 1e6, bytes=nbytes, buffer_sets=num_sets)
+
+
+def bench_fused(rec, rng, num_rows: int, out_dtype, ceiling: float, name: str):
+    """Time fused_add_rmsnorm; bytes = read residual and delta, write residual and out, the weight once."""
+    out_itemsize = np.dtype(out_dtype).itemsize
+    nbytes = num_rows * HIDDEN * (4 + 4 + 4 + out_itemsize) + HIDDEN * 2
+    num_sets = min(num_rotations(nbytes), MAX_SETS)
+    weight = cuda.to_device(f32_to_bf16_bits(rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)))
+    residuals = [cuda.to_device(rng.standard_normal((num_rows, HIDDEN), dtype=np.float32)) for _ in range(num_sets)]
+    deltas = [cuda.to_device(rng.standard_normal((num_rows, HIDDEN), dtype=np.float32)) for _ in range(num_sets)]
+    outs = [cuda.device_array((num_rows, HIDDEN), out_dtype) for _ in range(num_sets)]
+    before = residuals[0].copy_to_host()
+    fused_add_rmsnorm(residuals[0], deltas[0], weight, EPS, outs[0])
+    want_residual, want = fused_add_rmsnorm_ref(before, deltas[0].copy_to_host(), weight.copy_to_host(), EPS)
+    assert np.array_equal(residuals[0].copy_to_host(), want_residual), f"{name}: residual add is wrong"
+    assert_matches(outs[0].copy_to_host(), want, out_dtype == np.uint16, name)
+
+    def launch(i, stream):
+        j = i % num_sets
+        fused_add_rmsnorm(residuals[j], deltas[j], weight, EPS, outs[j], stream)
+
+    sec = time_launches(launch, num_launches(num_sets), REPEATS)  # the residuals grow by delta per call: harmless
+    rec.add(name, [num_rows, HIDDEN], "GB/s", nbytes / sec / 1e9, ceiling=ceiling, us=sec * 1e6, bytes=nbytes, buffer_sets=num_sets)
+
+
+def main():
+    if not (has_gpu() or is_simulator()):
+        raise SystemExit("bench/ch04_rmsnorm.py needs a CUDA GPU (or NUMBA_ENABLE_CUDASIM=1 for a dry run)")
+    rng = np.random.default_rng()
+    rec = Recorder("ch04_rmsnorm")
+    ceiling = copy_ceiling()
+
+    for variant in RMSNORM_VARIANTS:  # the ladder, float32 out
+        bench_rmsnorm(rec, rng, variant, PREFILL, np.float32, ceiling, f"rmsnorm_{variant}")
+    for num_rows in [PREFILL] + DECODE:
+        bench_rmsnorm(rec, rng, "registers", num_rows, np.uint16, ceiling, "rmsnorm_registers_bf16")
+        bench_fused(rec, rng, num_rows, np.uint16, ceiling, "fused_add_rmsnorm_bf16")
+    bench_fused(rec, rng, PREFILL, np.float32, ceiling, "fused_add_rmsnorm_f32")
+
+    print(f"{'kernel':>26} {'rows x hidden':>14} {'GB/s':>8} {'of copy':>8} {'µs':>9}")
+    for r in rec.records:
+        print(f"{r['name']:>26} {'x'.join(map(str, r['shape'])):>14} {r['value']:8.1f} {r['ratio']:8.0%} {r['us']:9.2f}")
+    if is_simulator():
+        print("simulator dry run: nothing recorded")
+    else:
+        print(f"recorded in {rec.save()}")
+
+
+if __name__ == "__main__":
+    main()
