@@ -521,15 +521,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
 from typing import Callable
 
 import numpy as np
 from numba import config, cuda
 
-from tinyvllm_lib.cuda_graph import CudaGraph
-
 import tinyvllm_lib
+from tinyvllm_lib.cuda_graph import CudaGraph
 
 # Recorded GPU results live in the repository's book/data/ (override with TINYVLLM_DATA).
 DATA_DIR = Path(os.environ.get("TINYVLLM_DATA", Path(tinyvllm_lib.__file__).resolve().parent.parent / "book" / "data"))
