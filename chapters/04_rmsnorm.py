@@ -18,7 +18,8 @@
 # Each normalisation reads a row of the residual stream (2,048 floats), sums its squares, and
 # scales the row. The arithmetic is trivial; the interesting part is that *one sum* has to be
 # computed by *many threads*. That is a **reduction**, the first cooperative algorithm in this
-# book, and we will build it four times, each time a little faster.
+# book, and we will build it four times, each time a little faster, then make the memory
+# traffic around it as cheap as it can be.
 #
 # In this chapter you will learn:
 #
@@ -27,7 +28,9 @@
 #   `cuda.syncthreads()` → warp shuffles → the row held in registers, read from memory once;
 # - how to fuse the residual add that precedes every normalisation into the same kernel, and how
 #   many bytes that saves;
-# - how numba compiles one kernel for a float32 or a bf16 output.
+# - how numba compiles one kernel for a float32 or a bf16 output;
+# - how to move a row in 8-byte words, and why the machine code, not the PTX, decides how many
+#   loads a thread has in flight.
 #
 # It uses the bf16 helpers and the measuring tools of [chapter 1](01_bf16.py); chapter 3 explains
 # grids, blocks and threads ([chapter 3](03_first_kernel.py)).
@@ -358,16 +361,17 @@ def rmsnorm_warp_shuffle_kernel(x, weight, eps, out):
 # exercise 3 checks). The launcher picks the number of threads so that each thread has at most
 # `ITEMS_PER_THREAD` elements: hidden sizes up to 8,192 fit in a 1,024-thread block.
 #
-# The unrolled loop also issues all eight loads before it needs any of them. That matters more
-# than it seems: a load takes several hundred nanoseconds to return, and a memory system that
-# moves 4 TB/s must have about $4\,\text{TB/s} \times 0.7\,\mu\text{s} \approx 3\,\text{MB}$ in
-# flight at any moment (*Little's law*). Chapter 1's copy kept bytes in flight with 8-byte loads;
-# here each thread keeps eight 4-byte loads (and eight of the weight) in flight at once. For that
-# the loads must come *before any store*: a store waits until its value has arrived, the
-# instructions behind it wait for the store, and the compiler may not move a load above a store
-# into an array that could, for all it knows, be the same memory. So the weights are loaded into
-# registers in the first loop too, and the stores come last — the PTX then shows sixteen loads in
-# a row, then the shuffles, then eight stores.
+# The unrolled loop is also meant to issue all eight loads before it needs any of them. That
+# matters more than it seems: a load takes several hundred nanoseconds to return, and a memory
+# system that moves 4 TB/s must have about $4\,\text{TB/s} \times 0.7\,\mu\text{s} \approx
+# 3\,\text{MB}$ in flight at any moment (*Little's law*). Chapter 1's copy kept bytes in flight
+# with 8-byte loads; here each thread is to keep eight 4-byte loads (and eight of the weight) in
+# flight at once. For that the loads must come *before any store*: a store waits until its value
+# has arrived, the instructions behind it wait for the store, and the compiler may not move a load
+# above a store into an array that could, for all it knows, be the same memory. So the weights
+# are loaded into registers in the first loop too, and the stores come last — the PTX then shows
+# sixteen loads in a row, then the shuffles, then eight stores. (Whether the machine code that
+# actually runs keeps the loads together is another question, which rung 6 asks.)
 #
 # This is also the rung that writes **bf16**: the normalised row is the input of a matrix product
 # (the QKV or the gate/up projection), and those read bf16 activations. numba compiles a kernel
@@ -504,13 +508,236 @@ PTX_SIGNATURES = {
 }
 
 # %% [markdown]
+# ## Rung 6: wide loads and stores
+#
+# Rung 5 moves every byte in the smallest piece it can: a thread loads one 4-byte float at a
+# time and, with a bf16 output, stores one 2-byte value at a time. Chapter 1 saw what that
+# costs: its copy kernel is slower with 4-byte words than with 8-byte ones, and its widening
+# kernel, with 2-byte loads, falls far short of the copy. Keeping memory busy takes many bytes in
+# flight, not many tiny requests. So rung 6 moves the row in 8-byte **words**, each holding a
+# *pair* of neighbouring elements:
+#
+# - the float32 rows are viewed as `uint64` (`residual.view(np.uint64)`, shape
+#   `(num_rows, hidden / 2)`): word $j$ holds element $2j$ in its low half (the lower address)
+#   and element $2j + 1$ in its high half;
+# - the bf16 weight is viewed as `uint32`: word $j$ holds the two weights of the same pair;
+# - the new residual is stored as `uint64` words, and so is a float32 output; a bf16 output
+#   packs its pair into one `uint32`, $b_{2j} + 2^{16} b_{2j+1}$.
+#
+# No arithmetic turns a word into floats: the two halves of a `uint64` *are* the two float32 bit
+# patterns, and `cuda.libdevice.int_as_float` reinterprets each half (a register move, not a
+# conversion); `float_as_int` goes back. The simulator has no libdevice, so there NumPy
+# reinterprets the word with `.view`, chosen at import as in chapter 1. Masks and shifts use
+# typed constants, `uint64(32)` rather than `32`: numba types a bare integer literal as a signed
+# 64-bit integer, and mixing it with an unsigned word changes the type of the result. Which
+# store a kernel compiles is decided, as in rung 4, by the type of `out`: `uint64` words mean
+# float32 pairs, `uint32` words bf16 pairs.
+#
+# **Loads without an `if`.** Rung 4 promised that its unrolled loop issues every load before it
+# needs any, and its PTX shows them in a row. But PTX is not what the GPU runs: `ptxas` compiles
+# it to machine code (SASS), and there each load of rung 5 still sits inside its
+# `if i < num_cols` block, followed in that block by the add that needs its value. A warp issues
+# its instructions in order, so it stops at the add until the load has returned, and only then
+# reaches the next block's loads: a thread of rung 5 makes its eight trips to memory one after
+# another. Rung 6 takes the loads out of the `if`s. A slot past the end of the row loads the
+# row's last word instead (the index is clamped with `min`) and replaces the value with zero by a
+# select, which is not a branch; the loads are then straight-line code, which `ptxas` is free to
+# issue many at a time (exercise 6 reads the SASS). Only the stores stay behind `if`s, and a
+# store does not wait for memory.
+#
+# **Which words a thread owns.** Each warp takes a stretch of `32 * WIDE_WORDS` consecutive
+# words, and lane $l$ of it takes words $l, l + 32, l + 64, \dots$ of the stretch. Every load
+# instruction of a warp then reads 32 consecutive words, 256 bytes, and the distance between one
+# thread's words is a constant 256 bytes, which the compiler writes into the store instructions
+# (`st.global.u64 [%rd4+256]`) instead of computing and keeping one address per word. For the
+# same reason the kernel takes each row as a 1-D view (`residual64[row]`) and counts with
+# unsigned `uint64` indices: numba then skips its test for negative indices (Python's `a[-1]`),
+# which costs instructions and registers at every access.
+#
+# **How many threads.** What limits how many rows a multiprocessor works on at once is its
+# 65,536 registers, shared by all the threads resident on it. Every thread needs some for
+# itself — addresses, indices, its partial sum — however few elements it holds, so fewer threads
+# holding more elements each fit more rows into the same registers. Rung 6 gives each thread
+# `WIDE_WORDS = 8` words, 16 elements: a row of 2,048 takes a block of **128** threads, four
+# warps, where rung 5 took 256 threads of 8 elements. `wide_block_threads` takes the fewest
+# whole warps that cover the row (64 threads for SmolLM2's 576, 256 for 4,096). More words per
+# thread is not free: the registers per thread grow with them and `ptxas` spreads the loads over
+# more batches; exercise 7 measures 4 and 16. The benchmark below records each kernel's
+# registers per thread and how many of its blocks fit on a multiprocessor.
+#
+# The views exist when a row is a whole number of words — `hidden` even — and every buffer
+# starts on an 8-byte boundary (`cuda.device_array` returns 256-byte aligned memory, so only a
+# buffer cut out of a larger one at an odd offset misses it); every row then starts on a word
+# boundary too, in the float32 arrays and in a bf16 output. Otherwise the launchers fall back to
+# rung 4 or 5.
+
+# %%
+#| export
+from numba import int32, uint32, uint64
+
+WIDE_WORDS = 8  # 8-byte words (float32 pairs) of a row that each thread of rung 6 keeps
+WIDE_ITEMS = 2 * WIDE_WORDS  # the same, in elements: 16
+WARP_WORDS = WARP_SIZE * WIDE_WORDS  # the consecutive words one warp takes: 256
+
+if config.ENABLE_CUDASIM:
+
+    @cuda.jit(device=True)
+    def unpack_f32_pair(word):
+        """Simulator: the two float32 values in a uint64 word, the lower address first (NumPy reinterprets)."""
+        pair = np.array([word], np.uint64).view(np.float32)
+        return pair[0], pair[1]
+
+    @cuda.jit(device=True)
+    def pack_f32_pair(first, second):
+        """Simulator: two float32 values as one uint64 word, `first` at the lower address."""
+        return np.array([first, second], np.float32).view(np.uint64)[0]
+
+else:
+
+    @cuda.jit(device=True)
+    def unpack_f32_pair(word):
+        """The two float32 values in a uint64 word, its low half (the lower address) first: reinterpreted, not converted."""
+        first = cuda.libdevice.int_as_float(int32(uint32(word & uint64(0xFFFFFFFF))))
+        second = cuda.libdevice.int_as_float(int32(uint32(word >> uint64(32))))
+        return first, second
+
+    @cuda.jit(device=True)
+    def pack_f32_pair(first, second):
+        """Two float32 values as one uint64 word, `first` in the low half (the lower address)."""
+        low = uint64(uint32(cuda.libdevice.float_as_int(first)))
+        return low | (uint64(uint32(cuda.libdevice.float_as_int(second))) << uint64(32))
+
+
+@cuda.jit(device=True)
+def pack_bf16_pair(first, second):
+    """Two float32 values rounded to bf16 and packed in one uint32 word, `first` in the low half."""
+    return uint32(f32_to_bf16(first)) | (uint32(f32_to_bf16(second)) << uint32(16))
+
+
+if config.ENABLE_CUDASIM:
+
+    @cuda.jit(device=True)
+    def store_pair(out_row, j, first, second):
+        """Simulator: out_row[j] = the pair as a uint64 word (float32 out) or a uint32 word (bf16 out)."""
+        out_row[j] = pack_f32_pair(first, second) if out_row.dtype == np.uint64 else pack_bf16_pair(first, second)
+
+else:
+    from numba import types
+    from numba.cuda.extending import overload
+
+    def store_pair(out_row, j, first, second):
+        """out_row[j] = the pair as one word: two float32 (uint64 out) or two bf16 (uint32 out); compiled per out type."""
+        raise NotImplementedError("store_pair is called from kernels only")
+
+    @overload(store_pair, target="cuda")
+    def _store_pair(out_row, j, first, second):
+        if out_row.dtype == types.uint64:
+
+            def store_f32_pair(out_row, j, first, second):
+                out_row[j] = pack_f32_pair(first, second)
+
+            return store_f32_pair
+        if out_row.dtype == types.uint32:
+
+            def store_bf16_pair(out_row, j, first, second):
+                out_row[j] = pack_bf16_pair(first, second)
+
+            return store_bf16_pair
+
+
+@cuda.jit(device=True)
+def first_word():
+    """The first word of a row this thread takes: its warp's stretch of WARP_WORDS, plus its lane."""
+    tid = uint64(cuda.threadIdx.x)
+    return (tid // uint64(WARP_SIZE)) * uint64(WARP_WORDS) + tid % uint64(WARP_SIZE)
+
+
+@cuda.jit
+def rmsnorm_wide_kernel(x64, weight32, eps, out):
+    row = cuda.blockIdx.x
+    x_row, out_row = x64[row], out[row]  # 1-D views of this row, in words
+    num_words = uint64(x64.shape[1])  # hidden / 2: word j holds elements 2j and 2j + 1
+    start = first_word()
+    warp_sums = cuda.shared.array(WARP_SIZE, float32)
+    scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)
+    values = cuda.local.array(WIDE_ITEMS, float32)  # in registers: every index below is a constant
+    weights = cuda.local.array(WIDE_WORDS, uint32)  # bf16 pairs, widened when used
+    sum_squares = float32(0.0)
+    for k in range(WIDE_WORDS):  # every load is issued before any store, and none behind an `if`
+        j = start + uint64(k * WARP_SIZE)  # a warp loads 32 consecutive words: 256 bytes
+        is_in_row = j < num_words
+        j = min(j, num_words - uint64(1))  # past the end: load the last word again, ignore it
+        first, second = unpack_f32_pair(x_row[j])
+        weights[k] = weight32[j]
+        first = first if is_in_row else float32(0.0)
+        second = second if is_in_row else float32(0.0)
+        values[2 * k] = first
+        values[2 * k + 1] = second
+        sum_squares += first * first + second * second
+    total = block_sum(sum_squares, warp_sums, scratch)
+    scale = float32(1.0) / math.sqrt(total / float32(2 * x64.shape[1]) + eps)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        if j < num_words:
+            w = weights[k]
+            store_pair(out_row, j, values[2 * k] * scale * bf16_to_f32(w & uint32(0xFFFF)),
+                       values[2 * k + 1] * scale * bf16_to_f32(w >> uint32(16)))
+
+
+@cuda.jit
+def fused_add_rmsnorm_wide_kernel(residual64, delta64, weight32, eps, out):
+    row = cuda.blockIdx.x
+    residual_row, delta_row, out_row = residual64[row], delta64[row], out[row]
+    num_words = uint64(residual64.shape[1])
+    start = first_word()
+    warp_sums = cuda.shared.array(WARP_SIZE, float32)
+    scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)
+    values = cuda.local.array(WIDE_ITEMS, float32)
+    weights = cuda.local.array(WIDE_WORDS, uint32)
+    sum_squares = float32(0.0)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        is_in_row = j < num_words
+        j = min(j, num_words - uint64(1))
+        r_first, r_second = unpack_f32_pair(residual_row[j])
+        d_first, d_second = unpack_f32_pair(delta_row[j])
+        weights[k] = weight32[j]
+        first = r_first + d_first if is_in_row else float32(0.0)
+        second = r_second + d_second if is_in_row else float32(0.0)
+        values[2 * k] = first
+        values[2 * k + 1] = second
+        sum_squares += first * first + second * second
+    for k in range(WIDE_WORDS):  # only after every load has been issued
+        j = start + uint64(k * WARP_SIZE)
+        if j < num_words:
+            residual_row[j] = pack_f32_pair(values[2 * k], values[2 * k + 1])  # the new residual, in place
+    total = block_sum(sum_squares, warp_sums, scratch)
+    scale = float32(1.0) / math.sqrt(total / float32(2 * residual64.shape[1]) + eps)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        if j < num_words:
+            w = weights[k]
+            store_pair(out_row, j, values[2 * k] * scale * bf16_to_f32(w & uint32(0xFFFF)),
+                       values[2 * k + 1] * scale * bf16_to_f32(w >> uint32(16)))
+
+
+_WIDE_OUT = ("uint64", "uint32")  # float32 pairs, bf16 pairs
+PTX_SIGNATURES["rmsnorm_wide_kernel"] = [f"void(uint64[:, ::1], uint32[::1], float32, {o}[:, ::1])" for o in _WIDE_OUT]
+PTX_SIGNATURES["fused_add_rmsnorm_wide_kernel"] = [
+    f"void(uint64[:, ::1], uint64[:, ::1], uint32[::1], float32, {o}[:, ::1])" for o in _WIDE_OUT
+]
+
+
+# %% [markdown]
 # ## The launchers
 #
 # One launcher per job, with the ladder's rungs selectable by name so that the tests and the
 # benchmark can run each. They check everything a kernel cannot — dtypes, shapes, contiguity,
 # $\varepsilon$ — and raise before launching, pick the block size, and write into the caller's
 # `out`. `eps` comes in as a Python float (from `config.rms_norm_eps`) and goes to the kernel as
-# a float32.
+# a float32. By default both launchers take rung 6 and fall back to rung 4 (`rmsnorm`) or rung 5
+# (`fused_add_rmsnorm`) when the rows cannot be viewed as 8-byte words; `variant=` picks a rung
+# by name.
 
 # %%
 #| export
@@ -519,11 +746,20 @@ RMSNORM_VARIANTS = {
     "shared_tree": rmsnorm_shared_tree_kernel,
     "warp_shuffle": rmsnorm_warp_shuffle_kernel,
     "registers": rmsnorm_kernel,
+    "wide": rmsnorm_wide_kernel,
 }
+FUSED_VARIANTS = ("registers", "wide")  # rung 5, rung 6
 
 
 def _is_c_contiguous(a) -> bool:
     return bool(a.flags["C_CONTIGUOUS"])
+
+
+def _address(a) -> int:
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
+    pointer = getattr(a, "device_ctypes_pointer", None)  # a numba device array
+    return (pointer.value or 0) if pointer is not None else a.ctypes.data  # the simulator wraps NumPy
 
 
 def _check_rows(name: str, what: str, a, shape=None, dtypes=(np.float32,)):
@@ -558,16 +794,49 @@ def block_threads(hidden: int, threads_per_block: int | None = None) -> int:
     return threads_per_block
 
 
-def rmsnorm(x, weight, eps: float, out, stream=0, variant: str = "registers", threads_per_block: int | None = None):
-    """out = RMSNorm(x) * weight, row by row. x: float32 (num_rows, hidden); out: float32, or uint16 (bf16) for 'registers'."""
+def wide_block_threads(hidden: int, threads_per_block: int | None = None) -> int:
+    """Threads per block for rung 6: the fewest whole warps that cover hidden / 2 words, WIDE_WORDS per thread (128 for 2,048)."""
+    if hidden > MAX_THREADS * WIDE_ITEMS:
+        raise ValueError(f"hidden size {hidden} is over {MAX_THREADS * WIDE_ITEMS} = MAX_THREADS * WIDE_ITEMS")
+    auto = max(1, -(-(hidden // 2) // WARP_WORDS)) * WARP_SIZE  # one warp per WARP_WORDS words
+    if threads_per_block is None:
+        return auto
+    if threads_per_block % WARP_SIZE or not auto <= threads_per_block <= MAX_THREADS:
+        raise ValueError(f"threads_per_block must be a multiple of {WARP_SIZE} from {auto} to {MAX_THREADS} for hidden {hidden}, got {threads_per_block}")
+    return threads_per_block
+
+
+def can_go_wide(rows, *others) -> bool:
+    """Rung 6 applies: rows (num_rows, hidden) of whole 8-byte words (hidden even, 2..MAX_THREADS * WIDE_ITEMS), every buffer 8-byte aligned."""
+    hidden = rows.shape[1]
+    return hidden % 2 == 0 and 2 <= hidden <= MAX_THREADS * WIDE_ITEMS and all(_address(a) % 8 == 0 for a in (rows, *others))
+
+
+def _words(out):
+    """out as rung 6 writes it: float32 rows as uint64 words (pairs), bf16 rows as uint32 words (pairs)."""
+    return out.view(np.uint64 if out.dtype == np.float32 else np.uint32)
+
+
+def rmsnorm(x, weight, eps: float, out, stream=0, variant: str = "wide", threads_per_block: int | None = None):
+    """out = RMSNorm(x) * weight, row by row. x: float32 (num_rows, hidden); out: float32, or uint16 (bf16) for 'registers' and 'wide'.
+
+    'wide' (rung 6) falls back to 'registers' (rung 4) when the rows are not whole 8-byte words (see can_go_wide).
+    """
     if variant not in RMSNORM_VARIANTS:
         raise ValueError(f"rmsnorm: variant must be one of {list(RMSNORM_VARIANTS)}, got {variant!r}")
     _check_rows("rmsnorm", "x", x)
-    out_dtypes = (np.float32, np.uint16) if variant == "registers" else (np.float32,)
+    out_dtypes = (np.float32, np.uint16) if variant in ("registers", "wide") else (np.float32,)
     _check_rows("rmsnorm", "out", out, x.shape, out_dtypes)
     eps32 = _check_weight_eps("rmsnorm", weight, x.shape[1], eps)
-    threads = block_threads(x.shape[1], threads_per_block)
     num_rows = x.shape[0]
+    if variant == "wide" and can_go_wide(x, weight, out):
+        threads = wide_block_threads(x.shape[1], threads_per_block)
+        if num_rows > 0:
+            rmsnorm_wide_kernel[num_rows, threads, stream](x.view(np.uint64), weight.view(np.uint32), eps32, _words(out))
+        return out
+    if variant == "wide":
+        variant = "registers"  # the fallback
+    threads = block_threads(x.shape[1], threads_per_block)
     if num_rows == 0:
         return out
     if variant == "thread_per_row":
@@ -577,22 +846,35 @@ def rmsnorm(x, weight, eps: float, out, stream=0, variant: str = "registers", th
     return out
 
 
-def fused_add_rmsnorm(residual, delta, weight, eps: float, out, stream=0, threads_per_block: int | None = None):
-    """residual += delta (in place); out = RMSNorm(residual) * weight. float32 rows; out float32 or uint16 (bf16)."""
+def fused_add_rmsnorm(residual, delta, weight, eps: float, out, stream=0, threads_per_block: int | None = None, variant: str = "wide"):
+    """residual += delta (in place); out = RMSNorm(residual) * weight. float32 rows; out float32 or uint16 (bf16).
+
+    variant 'wide' (rung 6) falls back to 'registers' (rung 5) when the rows are not whole 8-byte words (see can_go_wide).
+    """
+    if variant not in FUSED_VARIANTS:
+        raise ValueError(f"fused_add_rmsnorm: variant must be one of {list(FUSED_VARIANTS)}, got {variant!r}")
     _check_rows("fused_add_rmsnorm", "residual", residual)
     _check_rows("fused_add_rmsnorm", "delta", delta, residual.shape)
     _check_rows("fused_add_rmsnorm", "out", out, residual.shape, (np.float32, np.uint16))
     eps32 = _check_weight_eps("fused_add_rmsnorm", weight, residual.shape[1], eps)
+    num_rows = residual.shape[0]
+    if variant == "wide" and can_go_wide(residual, delta, weight, out):
+        threads = wide_block_threads(residual.shape[1], threads_per_block)
+        if num_rows > 0:
+            fused_add_rmsnorm_wide_kernel[num_rows, threads, stream](
+                residual.view(np.uint64), delta.view(np.uint64), weight.view(np.uint32), eps32, _words(out))
+        return out
     threads = block_threads(residual.shape[1], threads_per_block)
-    if residual.shape[0] > 0:
-        fused_add_rmsnorm_kernel[residual.shape[0], threads, stream](residual, delta, weight, eps32, out)
+    if num_rows > 0:
+        fused_add_rmsnorm_kernel[num_rows, threads, stream](residual, delta, weight, eps32, out)
     return out
 
 
 # %% [markdown]
 # ## Test every rung against the reference
 #
-# Fresh random rows, a width that is not a multiple of the block size, a poisoned output, and
+# Fresh random rows, a width that is not a multiple of the block size, an odd width that rung 6
+# cannot view as words (the launchers fall back to rungs 4 and 5), a poisoned output, and
 # three special rows: all zeros (ε at work), one NaN (the whole row must be NaN, and only that
 # row), and huge values (their squares overflow fp16 but not float32). The tolerance: float32
 # results that differ only in the order of additions agree to a few ulps, so we ask for a
@@ -632,11 +914,11 @@ def check_rmsnorm(num_rows: int, hidden: int, variant: str, out_dtype=np.float32
         assert_close(out.copy_to_host(), want)
 
 
-def check_fused(num_rows: int, hidden: int, out_dtype=np.float32, threads=None) -> None:
+def check_fused(num_rows: int, hidden: int, out_dtype=np.float32, threads=None, variant: str = "wide") -> None:
     residual, delta, w = random_rows(num_rows, hidden), random_rows(num_rows, hidden)[::-1].copy(), random_weight(hidden)
     d_residual = cuda.to_device(residual)
-    out = cuda.to_device(np.zeros((num_rows, hidden), out_dtype))
-    fused_add_rmsnorm(d_residual, cuda.to_device(delta), cuda.to_device(w), eps, out, threads_per_block=threads)
+    out = cuda.to_device(np.full((num_rows, hidden), 0xBEEF, np.uint16) if out_dtype == np.uint16 else np.full((num_rows, hidden), -7.0, np.float32))
+    fused_add_rmsnorm(d_residual, cuda.to_device(delta), cuda.to_device(w), eps, out, threads_per_block=threads, variant=variant)
     want_residual, want = fused_add_rmsnorm_ref(residual, delta, w, eps)
     assert np.array_equal(d_residual.copy_to_host(), want_residual, equal_nan=True), "residual add is not exact"
     got = out.copy_to_host()
@@ -647,14 +929,17 @@ def check_fused(num_rows: int, hidden: int, out_dtype=np.float32, threads=None) 
 
 
 if can_launch():
-    shapes = [(5, 300, 64)] if is_simulator() else [(2048, 2048, None), (37, 1000, None), (4, 4096, 1024)]
+    shapes = [(5, 300, 64), (4, 77, None)] if is_simulator() else [(2048, 2048, None), (37, 1000, None), (37, 1001, None), (4, 4096, 1024)]
     for num_rows, hidden, threads in shapes:
         for variant in RMSNORM_VARIANTS:
             check_rmsnorm(num_rows, hidden, variant, threads=threads)
-        check_rmsnorm(num_rows, hidden, "registers", np.uint16, threads)
-        check_fused(num_rows, hidden, np.float32, threads)
-        check_fused(num_rows, hidden, np.uint16, threads)
+        for variant in ("registers", "wide"):  # the rungs that can write bf16
+            check_rmsnorm(num_rows, hidden, variant, np.uint16, threads)
+        for variant in FUSED_VARIANTS:
+            check_fused(num_rows, hidden, np.float32, threads, variant)
+            check_fused(num_rows, hidden, np.uint16, threads, variant)
     print(f"every rung agrees with rmsnorm_ref on {shapes} (rows, hidden, threads)")
+    assert any(not can_go_wide(np.zeros((1, h), np.float32)) for _, h, _ in shapes), "no shape tests the fallback"
 else:
     print("no GPU and no simulator: set NUMBA_ENABLE_CUDASIM=1 to run the kernels")
 
@@ -712,10 +997,12 @@ glue("ch04_copy", f"{copy_gbs / 1e3:.2f} TB/s" if copy_records else "(not yet me
 # block, the round trips of a load, the barriers of a reduction — so for them we report
 # microseconds, not a fraction of bandwidth.
 #
-# The measurement is `bench/ch04_rmsnorm.py`: every rung at 2,048 rows, the fused kernel with
-# both outputs, and decode sizes, each timed inside a CUDA graph over enough buffers to miss the
-# L2 cache (chapter 1), each verified against `rmsnorm_ref` first. On a GPU it runs here and
-# rewrites `book/data/ch04_rmsnorm.json`; elsewhere we plot that file.
+# The measurement is `bench/ch04_rmsnorm.py`: every rung at 2,048 rows, the fused kernels of
+# rungs 5 and 6 with both outputs, and decode sizes, each timed inside a CUDA graph over enough
+# buffers to miss the L2 cache (chapter 1), each verified against `rmsnorm_ref` first. Each
+# record also notes the kernel's block size, its registers per thread, and how many of its blocks
+# — rows — the driver fits on one multiprocessor at a time. On a GPU it runs here and rewrites
+# `book/data/ch04_rmsnorm.json`; elsewhere we plot that file.
 
 # %%
 if has_gpu():
@@ -725,35 +1012,58 @@ if has_gpu():
 records = load_records("ch04_rmsnorm")
 print(f"{len(records)} recorded measurements")
 for r in records:
-    print(f"{r['device']['name']:>14} {r['name']:>26} {str(r['shape']):>12}: {r['value']:8.1f} {r['metric']}"
-          + (f" = {r['ratio']:4.0%} of copy" if "ratio" in r else "") + f", {r['us']:7.2f} µs  ({r['date']})")
+    print(f"{r['device']['name']:>14} {r['name']:>28} {str(r['shape']):>12}: {r['value']:8.1f} {r['metric']}"
+          + (f" = {r['ratio']:4.0%} of copy" if "ratio" in r else "") + f", {r['us']:7.2f} µs"
+          + (f", {r['threads']} threads x {r['registers']} registers, {r['blocks_per_sm']} rows/SM" if "registers" in r else "")
+          + f"  ({r['date']})")
 
 # %%
 def find(name: str, num_rows: int) -> dict | None:
     return next((r for r in records if r["name"] == name and r["shape"][0] == num_rows), None)
 
 
+def glue_ratio(key: str, record: dict | None) -> None:
+    glue(key, f"{record['ratio']:.0%}" if record else "(not yet measured)")
+
+
+def glue_us(key: str, record: dict | None) -> None:
+    glue(key, f"{record['us']:.1f} µs" if record else "(not yet measured)")
+
+
+def glue_fact(key: str, record: dict | None, fact: str) -> None:
+    glue(key, str(record[fact]) if record and fact in record else "(not yet measured)")
+
+
 fused_bf16, fused_f32 = find("fused_add_rmsnorm_bf16", prefill_tokens), find("fused_add_rmsnorm_f32", prefill_tokens)
+wide_bf16, wide_f32 = find("fused_add_rmsnorm_wide_bf16", prefill_tokens), find("fused_add_rmsnorm_wide_f32", prefill_tokens)
 naive = find("rmsnorm_thread_per_row", prefill_tokens)
-decode_1 = find("fused_add_rmsnorm_bf16", 1)
+decode_1 = find("fused_add_rmsnorm_wide_bf16", 1) or find("fused_add_rmsnorm_bf16", 1)
 glue("ch04_device", records[0]["device"]["name"] if records else "GPU (not yet measured)")
-glue("ch04_fused_bf16", f"{fused_bf16['ratio']:.0%}" if fused_bf16 else "(not yet measured)")
-glue("ch04_fused_f32", f"{fused_f32['ratio']:.0%}" if fused_f32 else "(not yet measured)")
-glue("ch04_fused_us", f"{fused_bf16['us']:.1f} µs" if fused_bf16 else "(not yet measured)")
-glue("ch04_naive", f"{naive['ratio']:.1%}" if naive else "(not yet measured)")
-glue("ch04_decode_us", f"{decode_1['us']:.1f} µs" if decode_1 else "(not yet measured)")
+glue_ratio("ch04_naive", naive)
+glue_ratio("ch04_fused_bf16", fused_bf16)
+glue_ratio("ch04_fused_f32", fused_f32)
+glue_us("ch04_fused_us", fused_bf16)
+glue_ratio("ch04_wide_bf16", wide_bf16)
+glue_ratio("ch04_wide_f32", wide_f32)
+glue_us("ch04_wide_us", wide_bf16)
+glue_us("ch04_decode_us", decode_1)
+for key, record in [("fused", fused_bf16), ("wide", wide_bf16)]:  # rung 5 and rung 6, bf16 out
+    glue_fact(f"ch04_{key}_threads", record, "threads")
+    glue_fact(f"ch04_{key}_registers", record, "registers")
+    glue_fact(f"ch04_{key}_rows_per_sm", record, "blocks_per_sm")
 
 if records:
-    fig, (ax_bw, ax_us) = new_figure(1, 2, width=11, height=3.4)
+    fig, (ax_bw, ax_us) = new_figure(1, 2, width=11, height=3.8)
     ladder = [r for r in records if r["shape"][0] == prefill_tokens]
     ax_bw.barh([r["name"].replace("rmsnorm_", "") for r in ladder], [r["value"] for r in ladder], color="#1f77b4")
     ax_bw.axvline(ladder[0]["ceiling"], color="k", ls="--", lw=1, label="copy")
     ax_bw.set_xlabel("GB/s (compulsory bytes)")
     ax_bw.set_title(f"{prefill_tokens} rows of {hidden}")
     ax_bw.legend()
-    for name in ("fused_add_rmsnorm_bf16", "rmsnorm_registers_bf16"):
+    for name in ("fused_add_rmsnorm_bf16", "fused_add_rmsnorm_wide_bf16", "rmsnorm_registers_bf16", "rmsnorm_wide_bf16"):
         pts = sorted((r["shape"][0], r["us"]) for r in records if r["name"] == name)
-        ax_us.plot(*zip(*pts), "o-", label=name)
+        if pts:
+            ax_us.plot(*zip(*pts), "o-", label=name)
     ax_us.set_xscale("log", base=2)
     ax_us.set_xlabel("rows (tokens)")
     ax_us.set_ylabel("µs per call")
@@ -765,14 +1075,22 @@ if records:
 # On the {glue:text}`ch04_device`, one thread per row reaches {glue:text}`ch04_naive` of the copy
 # bandwidth: too few threads, each reading memory 4 bytes at a time from addresses that no
 # neighbour shares. A block per row with coalesced loads is the big step; the shuffles remove
-# barriers, and holding the row in registers removes the second read. The fused kernel moves its
-# compulsory bytes at {glue:text}`ch04_fused_bf16` of the copy bandwidth with a bf16 output
-# ({glue:text}`ch04_fused_f32` with float32), {glue:text}`ch04_fused_us` for 2,048 tokens. The
-# suspects for what is left: the reduction's barrier, at which each block waits for its slowest
-# warp with no loads in flight, and the last, partial wave of blocks (exercise 4 measures the
-# first). A single decode row takes {glue:text}`ch04_decode_us`:
-# at that size a kernel costs its latency, whatever it reads — one more reason why chapter 11
-# captures a whole decode step in a CUDA graph, where launches cost no Python time.
+# barriers, and holding the row in registers removes the second read. Rung 5, the fused kernel,
+# moves its compulsory bytes at {glue:text}`ch04_fused_bf16` of the copy bandwidth with a bf16
+# output ({glue:text}`ch04_fused_f32` with float32), {glue:text}`ch04_fused_us` for 2,048 tokens.
+#
+# Rung 6 moves the same bytes at {glue:text}`ch04_wide_bf16` of the copy bandwidth
+# ({glue:text}`ch04_wide_f32` with float32), {glue:text}`ch04_wide_us`. Its threads no longer wait
+# for one element before they ask for the next: their loads go out in a few large batches, each
+# load carrying 8 bytes; and with {glue:text}`ch04_wide_registers` registers per thread in blocks of
+# {glue:text}`ch04_wide_threads`, a multiprocessor works on {glue:text}`ch04_wide_rows_per_sm`
+# rows at once, where rung 5's {glue:text}`ch04_fused_registers` registers in blocks of
+# {glue:text}`ch04_fused_threads` allowed {glue:text}`ch04_fused_rows_per_sm`. The suspects for
+# what is left: the reduction's barrier, at which a block has no loads in flight, and the last,
+# partial wave of rows (exercise 4 measures the first). A single decode row takes
+# {glue:text}`ch04_decode_us`: at that size a kernel costs its latency, whatever it reads — one
+# more reason why chapter 11 captures a whole decode step in a CUDA graph, where launches cost no
+# Python time.
 
 # %% [markdown]
 # ## Summary
@@ -787,10 +1105,16 @@ if records:
 #   same reduction code.
 # - Fusing `residual += delta` with the norm saves 22% of the bytes and a launch; numba compiles
 #   the kernel once per output type (float32 or bf16 bits), chosen with an `overload`.
+# - Rung 6 moves the row as 8-byte words (`uint64` views of the float32 rows, `uint32` pairs of
+#   bf16), loads them without an `if` in front so the machine code can issue them together, and
+#   gives each thread 16 elements, so a row of 2,048 takes 128 threads and more rows fit in a
+#   multiprocessor's registers. The PTX is what numba writes; the SASS is what runs.
 #
 # Exported to `tinyvllm_lib`: `kernels.rmsnorm` (`rmsnorm_ref`, `fused_add_rmsnorm_ref`, the
-# kernels of the ladder, `rmsnorm`, `fused_add_rmsnorm`, `block_threads`, `store_activation`,
-# `ITEMS_PER_THREAD`) and `kernels.reduce` (`shfl_xor`, `warp_sum`, `block_sum`).
+# kernels of the ladder, `rmsnorm`, `fused_add_rmsnorm`, `block_threads`, `wide_block_threads`,
+# `can_go_wide`, `store_activation`, `store_pair`, `unpack_f32_pair`, `pack_f32_pair`,
+# `pack_bf16_pair`, `ITEMS_PER_THREAD`, `WIDE_WORDS`) and `kernels.reduce` (`shfl_xor`,
+# `warp_sum`, `block_sum`).
 #
 # ## Exercises
 #
@@ -808,3 +1132,11 @@ if records:
 # 5. Decode normalises one row per sequence, so at batch 1 only one of 132 multiprocessors works.
 #    Sketch a kernel that splits one row over several blocks. What does it have to do that a
 #    single block does not, and would it be faster for hidden = 2,048?
+# 6. Read the machine code of rungs 5 and 6: on a GPU, after a launch,
+#    `fused_add_rmsnorm_kernel.inspect_sass()` (it needs `nvdisasm`, from the
+#    `nvidia-cuda-nvdisasm` wheel). Find the global loads (`LDG`) and the first `FADD` that uses
+#    each. How many times does a thread of each rung wait for memory before its reduction? Then
+#    put rung 6's loads back inside `if j < num_words:` and count again.
+# 7. Set `WIDE_WORDS` to 4 and to 16, re-export, and run the benchmark. How do the registers per
+#    thread, the rows per multiprocessor and the bandwidth change? Why is more data per thread
+#    not always better?

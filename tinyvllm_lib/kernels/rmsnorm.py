@@ -200,16 +200,181 @@ PTX_SIGNATURES = {
 
 
 # defined in chapters/04_rmsnorm.py
+from numba import int32, uint32, uint64
+
+WIDE_WORDS = 8  # 8-byte words (float32 pairs) of a row that each thread of rung 6 keeps
+WIDE_ITEMS = 2 * WIDE_WORDS  # the same, in elements: 16
+WARP_WORDS = WARP_SIZE * WIDE_WORDS  # the consecutive words one warp takes: 256
+
+if config.ENABLE_CUDASIM:
+
+    @cuda.jit(device=True)
+    def unpack_f32_pair(word):
+        """Simulator: the two float32 values in a uint64 word, the lower address first (NumPy reinterprets)."""
+        pair = np.array([word], np.uint64).view(np.float32)
+        return pair[0], pair[1]
+
+    @cuda.jit(device=True)
+    def pack_f32_pair(first, second):
+        """Simulator: two float32 values as one uint64 word, `first` at the lower address."""
+        return np.array([first, second], np.float32).view(np.uint64)[0]
+
+else:
+
+    @cuda.jit(device=True)
+    def unpack_f32_pair(word):
+        """The two float32 values in a uint64 word, its low half (the lower address) first: reinterpreted, not converted."""
+        first = cuda.libdevice.int_as_float(int32(uint32(word & uint64(0xFFFFFFFF))))
+        second = cuda.libdevice.int_as_float(int32(uint32(word >> uint64(32))))
+        return first, second
+
+    @cuda.jit(device=True)
+    def pack_f32_pair(first, second):
+        """Two float32 values as one uint64 word, `first` in the low half (the lower address)."""
+        low = uint64(uint32(cuda.libdevice.float_as_int(first)))
+        return low | (uint64(uint32(cuda.libdevice.float_as_int(second))) << uint64(32))
+
+
+@cuda.jit(device=True)
+def pack_bf16_pair(first, second):
+    """Two float32 values rounded to bf16 and packed in one uint32 word, `first` in the low half."""
+    return uint32(f32_to_bf16(first)) | (uint32(f32_to_bf16(second)) << uint32(16))
+
+
+if config.ENABLE_CUDASIM:
+
+    @cuda.jit(device=True)
+    def store_pair(out_row, j, first, second):
+        """Simulator: out_row[j] = the pair as a uint64 word (float32 out) or a uint32 word (bf16 out)."""
+        out_row[j] = pack_f32_pair(first, second) if out_row.dtype == np.uint64 else pack_bf16_pair(first, second)
+
+else:
+    from numba import types
+    from numba.cuda.extending import overload
+
+    def store_pair(out_row, j, first, second):
+        """out_row[j] = the pair as one word: two float32 (uint64 out) or two bf16 (uint32 out); compiled per out type."""
+        raise NotImplementedError("store_pair is called from kernels only")
+
+    @overload(store_pair, target="cuda")
+    def _store_pair(out_row, j, first, second):
+        if out_row.dtype == types.uint64:
+
+            def store_f32_pair(out_row, j, first, second):
+                out_row[j] = pack_f32_pair(first, second)
+
+            return store_f32_pair
+        if out_row.dtype == types.uint32:
+
+            def store_bf16_pair(out_row, j, first, second):
+                out_row[j] = pack_bf16_pair(first, second)
+
+            return store_bf16_pair
+
+
+@cuda.jit(device=True)
+def first_word():
+    """The first word of a row this thread takes: its warp's stretch of WARP_WORDS, plus its lane."""
+    tid = uint64(cuda.threadIdx.x)
+    return (tid // uint64(WARP_SIZE)) * uint64(WARP_WORDS) + tid % uint64(WARP_SIZE)
+
+
+@cuda.jit
+def rmsnorm_wide_kernel(x64, weight32, eps, out):
+    row = cuda.blockIdx.x
+    x_row, out_row = x64[row], out[row]  # 1-D views of this row, in words
+    num_words = uint64(x64.shape[1])  # hidden / 2: word j holds elements 2j and 2j + 1
+    start = first_word()
+    warp_sums = cuda.shared.array(WARP_SIZE, float32)
+    scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)
+    values = cuda.local.array(WIDE_ITEMS, float32)  # in registers: every index below is a constant
+    weights = cuda.local.array(WIDE_WORDS, uint32)  # bf16 pairs, widened when used
+    sum_squares = float32(0.0)
+    for k in range(WIDE_WORDS):  # every load is issued before any store, and none behind an `if`
+        j = start + uint64(k * WARP_SIZE)  # a warp loads 32 consecutive words: 256 bytes
+        is_in_row = j < num_words
+        j = min(j, num_words - uint64(1))  # past the end: load the last word again, ignore it
+        first, second = unpack_f32_pair(x_row[j])
+        weights[k] = weight32[j]
+        first = first if is_in_row else float32(0.0)
+        second = second if is_in_row else float32(0.0)
+        values[2 * k] = first
+        values[2 * k + 1] = second
+        sum_squares += first * first + second * second
+    total = block_sum(sum_squares, warp_sums, scratch)
+    scale = float32(1.0) / math.sqrt(total / float32(2 * x64.shape[1]) + eps)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        if j < num_words:
+            w = weights[k]
+            store_pair(out_row, j, values[2 * k] * scale * bf16_to_f32(w & uint32(0xFFFF)),
+                       values[2 * k + 1] * scale * bf16_to_f32(w >> uint32(16)))
+
+
+@cuda.jit
+def fused_add_rmsnorm_wide_kernel(residual64, delta64, weight32, eps, out):
+    row = cuda.blockIdx.x
+    residual_row, delta_row, out_row = residual64[row], delta64[row], out[row]
+    num_words = uint64(residual64.shape[1])
+    start = first_word()
+    warp_sums = cuda.shared.array(WARP_SIZE, float32)
+    scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)
+    values = cuda.local.array(WIDE_ITEMS, float32)
+    weights = cuda.local.array(WIDE_WORDS, uint32)
+    sum_squares = float32(0.0)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        is_in_row = j < num_words
+        j = min(j, num_words - uint64(1))
+        r_first, r_second = unpack_f32_pair(residual_row[j])
+        d_first, d_second = unpack_f32_pair(delta_row[j])
+        weights[k] = weight32[j]
+        first = r_first + d_first if is_in_row else float32(0.0)
+        second = r_second + d_second if is_in_row else float32(0.0)
+        values[2 * k] = first
+        values[2 * k + 1] = second
+        sum_squares += first * first + second * second
+    for k in range(WIDE_WORDS):  # only after every load has been issued
+        j = start + uint64(k * WARP_SIZE)
+        if j < num_words:
+            residual_row[j] = pack_f32_pair(values[2 * k], values[2 * k + 1])  # the new residual, in place
+    total = block_sum(sum_squares, warp_sums, scratch)
+    scale = float32(1.0) / math.sqrt(total / float32(2 * residual64.shape[1]) + eps)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        if j < num_words:
+            w = weights[k]
+            store_pair(out_row, j, values[2 * k] * scale * bf16_to_f32(w & uint32(0xFFFF)),
+                       values[2 * k + 1] * scale * bf16_to_f32(w >> uint32(16)))
+
+
+_WIDE_OUT = ("uint64", "uint32")  # float32 pairs, bf16 pairs
+PTX_SIGNATURES["rmsnorm_wide_kernel"] = [f"void(uint64[:, ::1], uint32[::1], float32, {o}[:, ::1])" for o in _WIDE_OUT]
+PTX_SIGNATURES["fused_add_rmsnorm_wide_kernel"] = [
+    f"void(uint64[:, ::1], uint64[:, ::1], uint32[::1], float32, {o}[:, ::1])" for o in _WIDE_OUT
+]
+
+
+# defined in chapters/04_rmsnorm.py
 RMSNORM_VARIANTS = {
     "thread_per_row": rmsnorm_thread_per_row_kernel,
     "shared_tree": rmsnorm_shared_tree_kernel,
     "warp_shuffle": rmsnorm_warp_shuffle_kernel,
     "registers": rmsnorm_kernel,
+    "wide": rmsnorm_wide_kernel,
 }
+FUSED_VARIANTS = ("registers", "wide")  # rung 5, rung 6
 
 
 def _is_c_contiguous(a) -> bool:
     return bool(a.flags["C_CONTIGUOUS"])
+
+
+def _address(a) -> int:
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
+    pointer = getattr(a, "device_ctypes_pointer", None)  # a numba device array
+    return (pointer.value or 0) if pointer is not None else a.ctypes.data  # the simulator wraps NumPy
 
 
 def _check_rows(name: str, what: str, a, shape=None, dtypes=(np.float32,)):
@@ -244,16 +409,49 @@ def block_threads(hidden: int, threads_per_block: int | None = None) -> int:
     return threads_per_block
 
 
-def rmsnorm(x, weight, eps: float, out, stream=0, variant: str = "registers", threads_per_block: int | None = None):
-    """out = RMSNorm(x) * weight, row by row. x: float32 (num_rows, hidden); out: float32, or uint16 (bf16) for 'registers'."""
+def wide_block_threads(hidden: int, threads_per_block: int | None = None) -> int:
+    """Threads per block for rung 6: the fewest whole warps that cover hidden / 2 words, WIDE_WORDS per thread (128 for 2,048)."""
+    if hidden > MAX_THREADS * WIDE_ITEMS:
+        raise ValueError(f"hidden size {hidden} is over {MAX_THREADS * WIDE_ITEMS} = MAX_THREADS * WIDE_ITEMS")
+    auto = max(1, -(-(hidden // 2) // WARP_WORDS)) * WARP_SIZE  # one warp per WARP_WORDS words
+    if threads_per_block is None:
+        return auto
+    if threads_per_block % WARP_SIZE or not auto <= threads_per_block <= MAX_THREADS:
+        raise ValueError(f"threads_per_block must be a multiple of {WARP_SIZE} from {auto} to {MAX_THREADS} for hidden {hidden}, got {threads_per_block}")
+    return threads_per_block
+
+
+def can_go_wide(rows, *others) -> bool:
+    """Rung 6 applies: rows (num_rows, hidden) of whole 8-byte words (hidden even, 2..MAX_THREADS * WIDE_ITEMS), every buffer 8-byte aligned."""
+    hidden = rows.shape[1]
+    return hidden % 2 == 0 and 2 <= hidden <= MAX_THREADS * WIDE_ITEMS and all(_address(a) % 8 == 0 for a in (rows, *others))
+
+
+def _words(out):
+    """out as rung 6 writes it: float32 rows as uint64 words (pairs), bf16 rows as uint32 words (pairs)."""
+    return out.view(np.uint64 if out.dtype == np.float32 else np.uint32)
+
+
+def rmsnorm(x, weight, eps: float, out, stream=0, variant: str = "wide", threads_per_block: int | None = None):
+    """out = RMSNorm(x) * weight, row by row. x: float32 (num_rows, hidden); out: float32, or uint16 (bf16) for 'registers' and 'wide'.
+
+    'wide' (rung 6) falls back to 'registers' (rung 4) when the rows are not whole 8-byte words (see can_go_wide).
+    """
     if variant not in RMSNORM_VARIANTS:
         raise ValueError(f"rmsnorm: variant must be one of {list(RMSNORM_VARIANTS)}, got {variant!r}")
     _check_rows("rmsnorm", "x", x)
-    out_dtypes = (np.float32, np.uint16) if variant == "registers" else (np.float32,)
+    out_dtypes = (np.float32, np.uint16) if variant in ("registers", "wide") else (np.float32,)
     _check_rows("rmsnorm", "out", out, x.shape, out_dtypes)
     eps32 = _check_weight_eps("rmsnorm", weight, x.shape[1], eps)
-    threads = block_threads(x.shape[1], threads_per_block)
     num_rows = x.shape[0]
+    if variant == "wide" and can_go_wide(x, weight, out):
+        threads = wide_block_threads(x.shape[1], threads_per_block)
+        if num_rows > 0:
+            rmsnorm_wide_kernel[num_rows, threads, stream](x.view(np.uint64), weight.view(np.uint32), eps32, _words(out))
+        return out
+    if variant == "wide":
+        variant = "registers"  # the fallback
+    threads = block_threads(x.shape[1], threads_per_block)
     if num_rows == 0:
         return out
     if variant == "thread_per_row":
@@ -263,13 +461,25 @@ def rmsnorm(x, weight, eps: float, out, stream=0, variant: str = "registers", th
     return out
 
 
-def fused_add_rmsnorm(residual, delta, weight, eps: float, out, stream=0, threads_per_block: int | None = None):
-    """residual += delta (in place); out = RMSNorm(residual) * weight. float32 rows; out float32 or uint16 (bf16)."""
+def fused_add_rmsnorm(residual, delta, weight, eps: float, out, stream=0, threads_per_block: int | None = None, variant: str = "wide"):
+    """residual += delta (in place); out = RMSNorm(residual) * weight. float32 rows; out float32 or uint16 (bf16).
+
+    variant 'wide' (rung 6) falls back to 'registers' (rung 5) when the rows are not whole 8-byte words (see can_go_wide).
+    """
+    if variant not in FUSED_VARIANTS:
+        raise ValueError(f"fused_add_rmsnorm: variant must be one of {list(FUSED_VARIANTS)}, got {variant!r}")
     _check_rows("fused_add_rmsnorm", "residual", residual)
     _check_rows("fused_add_rmsnorm", "delta", delta, residual.shape)
     _check_rows("fused_add_rmsnorm", "out", out, residual.shape, (np.float32, np.uint16))
     eps32 = _check_weight_eps("fused_add_rmsnorm", weight, residual.shape[1], eps)
+    num_rows = residual.shape[0]
+    if variant == "wide" and can_go_wide(residual, delta, weight, out):
+        threads = wide_block_threads(residual.shape[1], threads_per_block)
+        if num_rows > 0:
+            fused_add_rmsnorm_wide_kernel[num_rows, threads, stream](
+                residual.view(np.uint64), delta.view(np.uint64), weight.view(np.uint32), eps32, _words(out))
+        return out
     threads = block_threads(residual.shape[1], threads_per_block)
-    if residual.shape[0] > 0:
-        fused_add_rmsnorm_kernel[residual.shape[0], threads, stream](residual, delta, weight, eps32, out)
+    if num_rows > 0:
+        fused_add_rmsnorm_kernel[num_rows, threads, stream](residual, delta, weight, eps32, out)
     return out
