@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the project does, with its own set-up: ./dev.sh COMMAND
-#   run      the main job (for now: build the book; later: the engine answering a prompt)
+#   run      the main job: the embedded model (SmolLM2) answers "What is the capital of France?",
+#            streamed (CPU, or the GPU once a CUDA runner exists); the book is ./dev.sh book
 #   test     everything CI runs: export check, lint, pytest (CUDA simulator), PTX type check,
 #            every chapter through nbval, and the book with warnings as errors
 #   book     build the book into book/_build/html
@@ -65,7 +66,7 @@ case "$cmd" in
         exec "$VENV/bin/jupyter" lab --ServerApp.root_dir="$(pwd)" ;;
     run)
         setup
-        book ;;
+        "$PY" -m tinyvllm_lib generate "What is the capital of France?" --chat ;;
     test)
         setup
         export NUMBA_ENABLE_CUDASIM=1 PYTHONUNBUFFERED=1

@@ -1,0 +1,325 @@
+"""Chapter 06: the GEMM ladder, the GEMV, cuBLAS's row-major wiring and the linear layer against float64 NumPy."""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.kernels.cublas import CublasGemm, cublas_available, gemm_cublas
+from tinyvllm_lib.kernels.gemm import gemm_blocked, gemm_naive, gemm_shared
+from tinyvllm_lib.kernels.gemv import GEMV_BUCKETS, GEMV_MAX_ACC, GEMV_VARIANTS, gemv
+from tinyvllm_lib.layers.linear import LINEAR_GEMV_MAX_TOKENS, gemv_wins_up_to, linear, linear_path
+from tinyvllm_lib.measure import load_records
+from tinyvllm_lib.runtime import can_launch, is_simulator
+
+TOL = 1e-4  # max|got - want| / max|want|, float32 accumulation against float64
+needs_launch = pytest.mark.skipif(not can_launch(), reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+needs_cublas = pytest.mark.skipif(not cublas_available(), reason="needs a GPU and nvmath-python")
+LLAMA_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)]  # (N, K): qkv, o, gate_up, down, lm_head
+
+
+def random_bf16(rng, shape, scale=1.0):
+    return f32_to_bf16_bits(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def reference(x, w):
+    return bf16_bits_to_f32(x).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
+
+
+def rel_error(got, want):
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def run(launch, rng, M, N, K, **kw):
+    """Launch on fresh random inputs into a NaN-poisoned output; return (result, reference)."""
+    x, w = random_bf16(rng, (M, K)), random_bf16(rng, (N, K), scale=0.05)
+    out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    launch(cuda.to_device(x), cuda.to_device(w), out, **kw)
+    return out.copy_to_host(), reference(x, w)
+
+
+def test_tolerance_catches_a_dropped_tail(rng):
+    """Dropping the last 16 terms of K fails the tolerance by orders of magnitude; float32 sums pass it."""
+    for K in (64 + 16, 1024 + 16, 8192 + 16):
+        x, w = random_bf16(rng, (4, K)), random_bf16(rng, (9, K))
+        want = reference(x, w)
+        assert rel_error(reference(x[:, :-16], w[:, :-16]), want) > 100 * TOL
+        f32 = bf16_bits_to_f32(x) @ bf16_bits_to_f32(w).T  # float32 matmul
+        assert rel_error(f32, want) < TOL / 10
+
+
+# --- the ladder, in the simulator: tiny odd shapes -------------------------------------------------------
+
+
+@needs_launch
+@pytest.mark.parametrize("launch", [gemm_naive, gemm_shared, gemm_blocked])
+def test_rung_matches_reference(rng, launch):
+    got, want = run(launch, rng, 19, 37, 45)  # no dimension a multiple of any tile
+    assert rel_error(got, want) <= TOL
+
+
+@needs_launch
+def test_nan_in_x_poisons_exactly_its_row(rng):
+    x, w = random_bf16(rng, (5, 24)), random_bf16(rng, (6, 24))
+    x[2, 7] = 0x7FC0
+    for launch in (gemm_blocked, lambda *a: gemv(*a, variant="block")):
+        out = cuda.to_device(np.zeros((5, 6), np.float32))
+        launch(cuda.to_device(x), cuda.to_device(w), out)
+        y = out.copy_to_host()
+        assert np.isnan(y[2]).all() and np.isfinite(np.delete(y, 2, axis=0)).all()
+
+
+# --- GEMV -------------------------------------------------------------------------------------------------
+
+
+@needs_launch
+@pytest.mark.parametrize("variant", list(GEMV_VARIANTS))
+@pytest.mark.parametrize("M, N, K", [(1, 13, 100), (3, 9, 1024 + 16)])  # 25 words < one warp; a 16-value tail
+def test_gemv_matches_reference(rng, variant, M, N, K):
+    got, want = run(gemv, rng, M, N, K, variant=variant)
+    assert rel_error(got, want) <= TOL
+
+
+@needs_launch
+@pytest.mark.parametrize("variant", list(GEMV_VARIANTS))
+@pytest.mark.parametrize("M", [11, 16])  # more than one pass of 8 tokens: a partial and a full second pass
+def test_gemv_more_tokens_than_one_pass(rng, variant, M):
+    got, want = run(gemv, rng, M, 5, 136, variant=variant)
+    assert rel_error(got, want) <= TOL
+
+
+def test_gemv_accumulators_fit_the_cap():
+    for variant, config in GEMV_VARIANTS.items():
+        for tokens in GEMV_BUCKETS:
+            warps_per_row, rows, unroll = config(tokens)
+            assert rows * tokens <= GEMV_MAX_ACC, (variant, tokens)
+
+
+# Compile every GEMV kernel to PTX for sm_90 (no GPU, no simulator) and list its local-memory accesses.
+_LOCAL_MEMORY_SCRIPT = """
+import json, re, types
+import numba.cuda.dispatcher as cuda_dispatcher
+from numba import cuda
+cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+from tinyvllm_lib.kernels import gemv
+found = {}
+for name, sigs in gemv.PTX_SIGNATURES.items():
+    ptx, _ = cuda.compile_ptx(getattr(gemv, name).py_func, sigs[0], cc=(9, 0))
+    found[name] = len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx))
+print(json.dumps(found))
+"""
+
+
+def test_gemv_accumulators_stay_in_registers():
+    """No GEMV kernel may touch local memory: a run-time index into acc (a loop the compiler did not unroll)
+    moves the array there, and the kernel still gives right answers, many times more slowly."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    res = subprocess.run([sys.executable, "-c", _LOCAL_MEMORY_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(found) == len(GEMV_VARIANTS) * len(GEMV_BUCKETS)
+    assert not any(found.values()), f"ld.local / st.local in the PTX: {found}"
+
+
+# --- the row-major trick, checked on host memory with a stand-in for cuBLAS --------------------------------
+
+
+class HostCublas:
+    """Stands in for nvmath.bindings.cublas on host buffers: gemm_ex reads and writes them column-major."""
+
+    def __init__(self):
+        self.calls = []
+
+    def set_stream(self, handle, stream):
+        self.calls.append(("set_stream", stream))
+
+    def set_workspace(self, handle, ptr, nbytes):
+        self.calls.append(("set_workspace", nbytes))
+
+    def gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c, ctype, ldc, compute, algo):
+        def colmajor(ptr, dtype, rows, cols, ld):  # element (i, j) at offset i + j * ld
+            itemsize = np.dtype(dtype).itemsize
+            raw = (ctypes.c_char * (((cols - 1) * ld + rows) * itemsize)).from_address(ptr)
+            return np.lib.stride_tricks.as_strided(np.frombuffer(raw, dtype), (rows, cols), (itemsize, ld * itemsize))
+
+        assert (atype, btype, ctype) == ("bf16", "bf16", "f32")
+        op_a = colmajor(a, np.uint16, k, m, lda).T if transa == "T" else colmajor(a, np.uint16, m, k, lda)
+        op_b = colmajor(b, np.uint16, n, k, ldb).T if transb == "T" else colmajor(b, np.uint16, k, n, ldb)
+        product = bf16_bits_to_f32(np.ascontiguousarray(op_a)).astype(np.float64) @ bf16_bits_to_f32(np.ascontiguousarray(op_b))
+        c_mat = colmajor(c, np.float32, m, n, ldc)
+        alpha, beta = ctypes.c_float.from_address(alpha).value, ctypes.c_float.from_address(beta).value
+        c_mat[...] = alpha * product + (beta * c_mat if beta != 0 else 0)  # BLAS: beta = 0 does not read C
+
+
+def host_cublas_gemm():
+    gemm = object.__new__(CublasGemm)  # skip __init__: no nvmath, no GPU
+    gemm.cublas, gemm.handle, gemm._bound = HostCublas(), 0, None
+    gemm.alpha, gemm.beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+    gemm.bf16, gemm.f32, gemm.compute, gemm.algo, gemm.op_t, gemm.op_n = "bf16", "f32", 0, 0, "T", "N"
+    return gemm
+
+
+@pytest.mark.parametrize("M, N, K", [(3, 5, 7), (37, 13, 29), (1, 300, 64), (64, 1, 9)])
+def test_cublas_arguments_compute_row_major_x_times_w_transposed(rng, M, N, K):
+    gemm = host_cublas_gemm()
+    x, w = random_bf16(rng, (M, K)), random_bf16(rng, (N, K))
+    out = np.full((M, N), np.nan, np.float32)
+    gemm.gemm(x, w, out, M, N, K)
+    assert rel_error(out, reference(x, w)) <= TOL
+
+
+def test_cublas_bind_sets_stream_and_workspace_only_when_they_change():
+    gemm = host_cublas_gemm()
+    workspace = np.zeros(1024, np.uint8)
+    gemm.bind(0)
+    gemm.bind(0)
+    gemm.bind(0, workspace)
+    gemm.bind(0, workspace)
+    gemm.bind(0)
+    assert gemm.cublas.calls == [("set_stream", 0), ("set_stream", 0), ("set_workspace", 1024), ("set_stream", 0)]
+
+
+# --- the linear layer and bad input -----------------------------------------------------------------------
+
+
+@needs_launch
+def test_linear_chooses_by_shape(rng):
+    w = cuda.to_device(random_bf16(rng, (10, 64)))
+    one = cuda.to_device(random_bf16(rng, (1, 64)))
+    assert linear_path(one, w) == "gemv"
+    few = cuda.to_device(random_bf16(rng, (LINEAR_GEMV_MAX_TOKENS + 1, 64)))  # cuBLAS won there on the H200
+    assert linear_path(few, w) == ("cublas" if cublas_available() else "gemv")
+    sixteen = cuda.to_device(random_bf16(rng, (16, 64)))
+    assert linear_path(sixteen, w) == ("cublas" if cublas_available() else "gemv")
+    big = cuda.to_device(random_bf16(rng, (21, 64)))
+    assert linear_path(big, w) == ("cublas" if cublas_available() else "blocked")
+    odd_k = cuda.to_device(random_bf16(rng, (1, 30)))
+    assert linear_path(odd_k, cuda.to_device(random_bf16(rng, (10, 30)))) != "gemv"  # K % 4: no 8-byte rows
+
+
+def test_linear_switches_where_the_recorded_data_does():
+    """LINEAR_GEMV_MAX_TOKENS is the token count up to which the recorded GEMV decoding step beat cuBLAS's."""
+    records = load_records("ch06_gemm")
+    if records:
+        records = [r for r in records if r["device"]["name"] == records[0]["device"]["name"]]
+    wins = gemv_wins_up_to(records)
+    if wins is None:
+        pytest.skip("no decoding steps recorded (run bench/ch06_gemm.py on a GPU)")
+    assert wins == LINEAR_GEMV_MAX_TOKENS, (
+        f"recorded on {records[0]['device']['name']}: the GEMV beats cuBLAS up to {wins} token vectors, "
+        f"but LINEAR_GEMV_MAX_TOKENS = {LINEAR_GEMV_MAX_TOKENS}: update it in chapters/06_gemm.py")
+
+
+def test_gemv_wins_up_to_reads_consecutive_token_counts():
+    def step(M, gemv_us, cublas_us):
+        return [{"name": "decode_step_gemv", "shape": [M], "us": gemv_us},
+                {"name": "decode_step_cublas", "shape": [M], "us": cublas_us}]
+
+    assert gemv_wins_up_to([]) is None
+    assert gemv_wins_up_to(step(1, 900, 850)) == 0
+    assert gemv_wins_up_to(step(1, 800, 850) + step(2, 840, 850) + step(3, 900, 850) + step(4, 800, 850)) == 2
+    assert gemv_wins_up_to(step(1, 800, 850) + step(3, 800, 850)) == 1  # 2 unmeasured: no claim past it
+
+
+@needs_launch
+@pytest.mark.parametrize("M, K", [(1, 64), (3, 64), (21, 20), (2, 30)])
+def test_linear_matches_reference(rng, M, K):
+    got, want = run(linear, rng, M, 10, K)
+    assert rel_error(got, want) <= TOL
+
+
+def test_bad_input_is_rejected_before_launch():
+    x, w, out = np.zeros((2, 8), np.uint16), np.zeros((3, 8), np.uint16), np.zeros((2, 3), np.float32)
+    for launch in (gemm_naive, gemm_shared, gemm_blocked, gemv, linear, gemm_cublas):
+        with pytest.raises(TypeError, match="uint16"):
+            launch(x.astype(np.float32), w, out)
+        with pytest.raises(TypeError, match="float32"):
+            launch(x, w, out.astype(np.float64))
+        with pytest.raises(ValueError, match="in_features"):
+            launch(x, np.zeros((3, 9), np.uint16), out)
+        with pytest.raises(ValueError, match="shape"):
+            launch(x, w, np.zeros((3, 2), np.float32))
+        with pytest.raises(ValueError, match="C-contiguous"):
+            launch(np.zeros((8, 2), np.uint16).T, w, out)
+        with pytest.raises(ValueError, match="2-D"):
+            launch(x.ravel(), w, out)
+    with pytest.raises(TypeError, match="device arrays"):
+        linear(x, w, out)  # host arrays: linear copies nothing
+    with pytest.raises(ValueError, match="at most 16"):
+        gemv(np.zeros((17, 8), np.uint16), w, np.zeros((17, 3), np.float32))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        gemv(np.zeros((2, 6), np.uint16), np.zeros((3, 6), np.uint16), out)
+    with pytest.raises(ValueError, match="8-byte"):
+        gemv(np.zeros(17, np.uint16)[1:].reshape(2, 8), w, out)  # rows start off an 8-byte boundary
+    with pytest.raises(ValueError, match="variant"):
+        gemv(x, w, out, variant="fast")
+
+
+@pytest.mark.skipif(not is_simulator(), reason="simulator only")
+def test_cublas_is_reported_unavailable_in_the_simulator():
+    assert not cublas_available()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        gemm_cublas(cuda.to_device(np.zeros((2, 8), np.uint16)), cuda.to_device(np.zeros((3, 8), np.uint16)),
+                    cuda.device_array((2, 3), np.float32))
+
+
+# --- on a GPU: real shapes, cuBLAS, CUDA graphs -------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", LLAMA_1B + [(2048, 2048 + 16)])  # and a 16-value tail past a block's 2048
+def test_gemv_llama_shapes(rng, N, K):
+    w = random_bf16(rng, (N, K), scale=0.05)
+    d_w, w64 = cuda.to_device(w), bf16_bits_to_f32(w).astype(np.float64)
+    for M in (1, 2, 5, 9, 16):
+        x = random_bf16(rng, (M, K))
+        want = bf16_bits_to_f32(x).astype(np.float64) @ w64.T
+        for variant in ("auto", *GEMV_VARIANTS):
+            out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+            gemv(cuda.to_device(x), d_w, out, variant=variant)
+            assert rel_error(out.copy_to_host(), want) <= TOL, (M, N, K, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", [gemm_naive, gemm_shared, gemm_blocked])
+def test_rung_real_sizes(rng, launch):
+    for M, N, K in [(300, 3072, 2048), (129, 257, 8192 + 13), (1, 1, 7)]:  # partial tiles of k
+        got, want = run(launch, rng, M, N, K)
+        assert rel_error(got, want) <= TOL, (M, N, K)
+
+
+@pytest.mark.gpu
+@needs_cublas
+@pytest.mark.parametrize("M, N, K", [(2048, 3072, 2048), (37, 16384, 2048), (1000, 2048, 8192), (3, 5, 7), (513, 129, 1000)])
+def test_cublas_non_square(rng, M, N, K):
+    got, want = run(gemm_cublas, rng, M, N, K)
+    assert rel_error(got, want) <= TOL
+
+
+@pytest.mark.gpu
+def test_linear_in_a_cuda_graph(rng):
+    """Decode-sized (GEMV) and prefill-sized (cuBLAS or rung 3) calls captured together replay on new inputs."""
+    from tinyvllm_lib.cuda_graph import CudaGraph
+
+    N, K = 3072, 2048
+    w = cuda.to_device(random_bf16(rng, (N, K), 0.05))
+    x1, x2 = cuda.device_array((1, K), np.uint16), cuda.device_array((300, K), np.uint16)
+    y1, y2 = cuda.device_array((1, N), np.float32), cuda.device_array((300, N), np.float32)
+    workspace = cuda.device_array(32 * 2**20, np.uint8)
+    graph = CudaGraph(lambda s: (linear(x1, w, y1, stream=s), linear(x2, w, y2, stream=s, workspace=workspace)))
+    for _ in range(2):
+        a, b = random_bf16(rng, (1, K)), random_bf16(rng, (300, K))
+        x1.copy_to_device(a, stream=graph.stream)
+        x2.copy_to_device(b, stream=graph.stream)
+        graph.replay()
+        graph.stream.synchronize()
+        w_host = w.copy_to_host()
+        assert rel_error(y1.copy_to_host(), reference(a, w_host)) <= TOL
+        assert rel_error(y2.copy_to_host(), reference(b, w_host)) <= TOL

@@ -1,0 +1,198 @@
+"""Chapter 08's sampler and SamplingParams: validation, greedy, and temperature / top-k / top-p
+tested as distributions (chi-square against probabilities worked out independently), seeds,
+and log-probabilities. No model needed."""
+
+import numpy as np
+import pytest
+
+from tinyvllm_lib import SamplingParams
+from tinyvllm_lib.engine.sampler import Sampler, SamplingMetadata, top_logprobs
+from tinyvllm_lib.models.llama_numpy import log_softmax
+
+# Upper 0.1% points of the chi-square distribution, P(X > x) = 0.001, by degrees of freedom.
+CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124, 9: 27.877}
+NUM_SAMPLES = 20_000
+LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+
+
+def expected_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The distribution vLLM samples from, computed one token at a time in float64: T, then top-k, then top-p."""
+    z = np.asarray(logits, np.float64) / temperature
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    kept = order[:top_k] if top_k > 0 else order
+    weights = {i: np.exp(z[i] - z[order[0]]) for i in kept}
+    total = sum(weights.values())
+    probs, mass = np.zeros(len(z)), 0.0
+    for i in kept:  # most likely first: keep while the mass before it is below p
+        if mass >= top_p:
+            break
+        probs[i] = weights[i] / total
+        mass += weights[i] / total
+    return probs / probs.sum()
+
+
+def draw(params: SamplingParams, logits=LOGITS, num: int = NUM_SAMPLES, seed: int = 0) -> np.ndarray:
+    gen = np.random.default_rng(seed)
+    batch = np.tile(np.asarray(logits, np.float32), (num, 1))
+    return Sampler()(batch, SamplingMetadata.from_params([params] * num, [gen] * num)).token_ids
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom; categories expected fewer than 5 times are pooled."""
+    expected = probs * counts.sum()
+    is_big = expected >= 5
+    observed_bins, expected_bins = list(counts[is_big]), list(expected[is_big])
+    rare = (probs > 0) & ~is_big
+    if rare.any():
+        if expected[rare].sum() >= 5:
+            observed_bins.append(counts[rare].sum())
+            expected_bins.append(expected[rare].sum())
+        else:  # too rare even pooled: fold into the smallest category
+            i = int(np.argmin(expected_bins))
+            observed_bins[i] += counts[rare].sum()
+            expected_bins[i] += expected[rare].sum()
+    o, e = np.array(observed_bins, np.float64), np.array(expected_bins)
+    return float(((o - e) ** 2 / e).sum()), len(e) - 1
+
+
+# --- SamplingParams ---
+
+
+def test_defaults_are_vllms():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, p.ignore_eos) == (1, 1.0, 1.0, -1, 16, None, False)
+    assert p.stop == [] and p.stop_token_ids == [] and p.logprobs is None and p.prompt_logprobs is None
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(temperature=0).is_greedy and not SamplingParams(temperature=0.1).is_greedy
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": "hot"},
+    {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": -0.2}, {"top_k": -2}, {"top_k": 2.5},
+    {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": 1.5}, {"n": 2}, {"n": 0},
+    {"logprobs": -1}, {"prompt_logprobs": -2}, {"seed": 1.5}, {"seed": "x"},
+    {"stop": [""]}, {"stop": ["ok", 3]}, {"stop": 5}, {"stop_token_ids": [-1]}, {"stop_token_ids": ["a"]},
+    {"ignore_eos": "yes"},
+])
+def test_bad_sampling_params_raise(bad):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**bad)
+    assert next(iter(bad)) in str(err.value)  # the message names the field
+
+
+# --- greedy and the sampler's interface ---
+
+
+def test_greedy_is_argmax(rng):
+    logits = rng.standard_normal((7, 1000)).astype(np.float32)
+    out = Sampler()(logits, SamplingMetadata.from_params([SamplingParams(temperature=0)] * 7, [rng] * 7))
+    np.testing.assert_array_equal(out.token_ids, np.argmax(logits, axis=1))
+    assert out.logprobs is None and out.top_ids is None
+
+
+def test_greedy_ignores_top_k_top_p_and_draws_nothing():
+    gen = np.random.default_rng(5)
+    state = gen.bit_generator.state
+    params = SamplingParams(temperature=0, top_k=2, top_p=0.1)
+    out = Sampler()(LOGITS[None], SamplingMetadata.from_params([params], [gen]))
+    assert out.token_ids[0] == 0 and gen.bit_generator.state == state
+
+
+def test_bad_logits_shape_raises():
+    meta = SamplingMetadata.from_params([SamplingParams()], [np.random.default_rng()])
+    with pytest.raises(ValueError, match="batch, vocab"):
+        Sampler()(np.zeros((2, 5), np.float32), meta)
+
+
+# --- distributions ---
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, -1, 1.0), (0.5, -1, 1.0), (2.0, 0, 1.0),  # temperature alone
+    (1.0, 3, 1.0), (1.0, 1, 1.0), (0.7, 5, 1.0),  # top-k
+    (1.0, -1, 0.7), (1.0, -1, 0.9), (1.0, -1, 0.05),  # top-p (0.05: only the first token)
+    (0.7, 5, 0.8), (1.5, 4, 0.6), (0.8, 2, 0.9),  # all three, in vLLM's order
+])
+def test_sampling_frequencies_match_the_distribution(rng, temperature, top_k, top_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = expected_probs(LOGITS, temperature, top_k, top_p)
+    counts = np.bincount(draw(params, seed=int(rng.integers(2**32))), minlength=len(LOGITS))
+    assert counts[probs == 0].sum() == 0, f"drew tokens {np.flatnonzero((probs == 0) & (counts > 0))} that must not appear"
+    if (probs > 0).sum() == 1:
+        return
+    stat, dof = chi_square(counts, probs)
+    assert stat < CHI2_CRITICAL_0_001[dof], f"chi2 = {stat:.1f} with {dof} degrees of freedom; counts {counts}, expected {probs}"
+
+
+def test_top_p_boundary_is_the_mass_before_the_token():
+    # four equal logits: probabilities exactly 0.25, so the mass before the third token is exactly 0.5:
+    # p = 0.5 drops it, p = 0.51 keeps it
+    logits = np.zeros(4, np.float32)
+    assert len(set(draw(SamplingParams(top_p=0.5), logits, 4000))) == 2
+    assert len(set(draw(SamplingParams(top_p=0.51), logits, 4000))) == 3
+
+
+def test_top_k_keeps_ties_with_the_kth():
+    logits = np.array([3.0, 1.0, 1.0, 0.0], np.float32)
+    assert set(draw(SamplingParams(top_k=2, temperature=2.0), logits, 4000)) == {0, 1, 2}
+
+
+def test_order_temperature_then_top_k_then_top_p():
+    # top-p acts on the top-k survivors' renormalised probabilities. Alone, p = 0.6 keeps tokens 0 and 1
+    # (the mass before token 1 is 0.40); after top-k = 2 token 0 holds 0.62 of the mass, so only it is kept
+    assert set(draw(SamplingParams(top_p=0.6), num=4000)) == {0, 1}
+    assert set(draw(SamplingParams(top_k=2, top_p=0.6), num=4000)) == {0}
+    assert (expected_probs(LOGITS, 1.0, 2, 0.6) > 0).sum() == 1
+    # temperature comes first: at T = 3 the distribution is flatter, and top-p = 0.6 keeps more tokens
+    assert (expected_probs(LOGITS, 3.0, -1, 0.6) > 0).sum() > (expected_probs(LOGITS, 1.0, -1, 0.6) > 0).sum()
+    assert set(draw(SamplingParams(temperature=3.0, top_p=0.6), num=4000)) == set(np.flatnonzero(expected_probs(LOGITS, 3.0, -1, 0.6)))
+
+
+def test_masked_tokens_never_drawn_even_at_u_close_to_one():
+    logits = np.array([[1.0, 0.5, -np.inf, -np.inf]], np.float32)
+    meta = SamplingMetadata(np.ones(1, np.float32), np.zeros(1, np.int64), np.ones(1, np.float32),
+                            np.array([np.nextafter(1.0, 0.0)]), np.full(1, -1, np.int64))
+    assert Sampler()(logits, meta).token_ids[0] == 1
+
+
+# --- seeds ---
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    params = SamplingParams(temperature=1.0)
+    a, b, c = draw(params, num=200, seed=42), draw(params, num=200, seed=42), draw(params, num=200, seed=43)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_each_row_uses_its_own_generator():
+    logits = np.tile(LOGITS, (3, 1))
+    params = [SamplingParams(seed=1), SamplingParams(temperature=0), SamplingParams(seed=2)]
+    gens = [np.random.default_rng(1), np.random.default_rng(99), np.random.default_rng(2)]
+    batch = Sampler()(logits, SamplingMetadata.from_params(params, gens)).token_ids
+    alone = [Sampler()(LOGITS[None], SamplingMetadata.from_params([p], [np.random.default_rng(s)])).token_ids[0]
+             for p, s in zip(params, (1, 99, 2))]
+    np.testing.assert_array_equal(batch, alone)
+    assert batch[1] == 0  # the greedy row
+
+
+# --- log-probabilities ---
+
+
+def test_logprobs_are_the_raw_distributions(rng):
+    logits = (rng.standard_normal((4, 300)) * 3).astype(np.float32)
+    params = [SamplingParams(temperature=0.5, top_k=10, logprobs=5), SamplingParams(temperature=0, logprobs=0),
+              SamplingParams(top_p=0.5, logprobs=3), SamplingParams()]
+    out = Sampler()(logits, SamplingMetadata.from_params(params, [rng] * 4))
+    want = log_softmax(logits)  # before temperature, top-k and top-p
+    np.testing.assert_allclose(out.logprobs, want[np.arange(4), out.token_ids], atol=1e-6)
+    assert out.top_ids.shape == (4, 5)
+    for row in range(4):
+        np.testing.assert_array_equal(out.top_ids[row], np.argsort(-want[row], kind="stable")[:5])
+        np.testing.assert_allclose(out.top_logprobs[row], np.sort(want[row])[::-1][:5], atol=1e-6)
+
+
+def test_top_logprobs_clamps_k_to_the_vocabulary():
+    ids, values = top_logprobs(log_softmax(LOGITS[None]), 100)
+    assert ids.shape == (1, len(LOGITS)) and list(ids[0]) == list(range(len(LOGITS)))
+    assert np.all(np.diff(values[0]) <= 0)
