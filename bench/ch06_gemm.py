@@ -33,6 +33,7 @@ TOKEN_COUNTS = range(1, 17)  # token vectors per decoding step
 FP32_PEAK, BF16_PEAK = 67.0, 989.0  # TFLOP/s, H200 SXM datasheet (CUDA-core FMA; dense bf16 tensor cores)
 WORKSPACE_BYTES = 32 * 2**20  # cuBLAS workspace handed over by the caller
 ROUNDS = 15  # alternating replays per compared path
+DECODE_ROUNDS = 10  # the same for whole decoding steps (65 launches per replay)
 WARM_SECONDS = 0.05  # replays of each graph before sampling: clocks up, caches and cuBLAS's heuristics settled
 
 
@@ -115,7 +116,6 @@ def main():
         offsets = rng.integers(0, pool.size - N * K, size=NUM_LAYERS)
         weights[name] = [cuda.to_device(pool[o : o + N * K].reshape(N, K)) for o in offsets]
     weights["lm_head"] = [cuda.to_device(pool[: LM_HEAD[0] * LM_HEAD[1]].reshape(LM_HEAD))]
-    del pool
     shapes = {**PROJECTIONS, "lm_head": LM_HEAD}
     xs = {K: cuda.to_device(random_bits(rng, PREFILL_TOKENS * K).reshape(PREFILL_TOKENS, K)) for K in {K for _, K in shapes.values()}}
     outs = {name: cuda.device_array((PREFILL_TOKENS if name != "lm_head" else max(TOKEN_COUNTS), N), np.float32)
@@ -161,7 +161,7 @@ def main():
             for i in (0, 1, 2, 3, len(launches) - 1):  # one layer's four projections and the LM head
                 launch(i, 0)
                 check(*launches[i], f"decode step {path}, M={M}, {step[i][0]}")
-        for path, samples in time_interleaved(paths, len(launches), rounds=10).items():
+        for path, samples in time_interleaved(paths, len(launches), rounds=DECODE_ROUNDS).items():
             t = summary(samples)
             total = t["sec"] * len(launches)
             rec.add(f"decode_step_{path}", [M], "GB/s", weight_bytes / total / 1e9, ceiling=copy_gbs,
@@ -175,8 +175,10 @@ def main():
     cublas_sec = {}
     for name, (N, K) in PROJECTIONS.items():
         ws, x, out = weights[name], xs[K], outs[name]
-        rotations = len(ws)  # 16 weight matrices, rotated alike in both paths: each is evicted from L2 before its turn
-        assert rotations >= num_rotations(2 * N * K), (name, rotations)
+        need = num_rotations(2 * N * K)  # enough matrices that each is evicted from L2 before its turn
+        if len(ws) < need:
+            ws = ws + [cuda.to_device(pool[o : o + N * K].reshape(N, K)) for o in rng.integers(0, pool.size - N * K, size=need - len(ws))]
+        rotations = len(ws)  # rotated alike in both paths
         if cublas_ok:
             g = get_cublas()
             cb = g.cublas

@@ -89,7 +89,8 @@ def bench_length(rec: Recorder, rng, num_tokens: int) -> None:
         if name == "attention_flash_bf16":  # against the float32 kernel's output (checked first): one bf16 step
             got, ref, tol = bf16_bits_to_f32(outs_bf16[0].copy_to_host()), bf16_bits_to_f32(f32_to_bf16_bits(outs[0].copy_to_host())), 2**-7
         else:
-            got, ref, tol = outs[0].copy_to_host()[:, cols], want, 1e-5
+            # float32 sums over up to T keys: their rounding error grows with T, so the bound does too
+            got, ref, tol = outs[0].copy_to_host()[:, cols], want, 1e-5 * max(1.0, num_tokens / 2048)
         err = max_rel_error(got, ref)
         assert err <= tol, f"{name} at {num_tokens} tokens: relative error {err:.2e}"
         sec = time_launches(launch, max(num_sets, 4), repeats=2 if is_simulator() else 10)
