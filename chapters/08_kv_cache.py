@@ -50,8 +50,10 @@ from contextlib import redirect_stdout
 
 import matplotlib.pyplot as plt
 import numpy as np
+from numba import cuda
 
 from tinyvllm_lib.cli import command, main
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy, log_softmax
@@ -999,9 +1001,10 @@ class Request:
 # %%
 #| export
 import importlib
+import os
 from typing import Callable
 
-from tinyvllm_lib.runtime import has_gpu
+from tinyvllm_lib.runtime import has_gpu, is_simulator
 
 DEVICES = ("auto", "cpu", "cuda")
 RUNNERS: dict[str, Callable] = {}  # device -> factory(folder, num_slots, kv_cache_dtype) -> runner
@@ -1009,11 +1012,16 @@ RUNNER_MODULES = {"cuda": "tinyvllm_lib.engine.runner_cuda"}  # imported on dema
 
 
 def register_runner(device: str, factory: Callable) -> None:
-    """Make `factory(folder, num_slots, kv_cache_dtype)` the runner of `device`."""
+    """Make `factory(folder, num_slots, kv_cache_dtype, max_num_seqs=..., max_model_len=...)` the runner of `device`."""
     RUNNERS[device] = factory
 
 
-def _numpy_runner(folder, num_slots: int, kv_cache_dtype: str):
+def cuda_in_simulator() -> bool:
+    """The simulator runs device='cuda' only when asked (TINYVLLM_SIM_CUDA=1): it is slow, for tiny models."""
+    return is_simulator() and os.environ.get("TINYVLLM_SIM_CUDA") == "1"
+
+
+def _numpy_runner(folder, num_slots: int, kv_cache_dtype: str, **limits):
     from tinyvllm_lib.engine.runner_numpy import NumpyRunner
 
     return NumpyRunner.from_folder(folder, num_slots, "float32" if kv_cache_dtype == "auto" else kv_cache_dtype)
@@ -1032,17 +1040,17 @@ def _has_runner(device: str) -> bool:
     return device in RUNNERS
 
 
-def runner_for(device: str, folder, num_slots: int, kv_cache_dtype: str = "auto"):
+def runner_for(device: str, folder, num_slots: int, kv_cache_dtype: str = "auto", **limits):
     """The runner for `device`: "cpu" (NumPy), "cuda" (when a CUDA runner exists), "auto" (cuda if possible)."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cuda" and not _has_runner("cuda"):
         raise NotImplementedError("device='cuda': there is no CUDA runner yet (chapter 11 adds it); use device='cpu'")
-    if device == "cuda" and not has_gpu():
+    if device == "cuda" and not (has_gpu() or cuda_in_simulator()):
         raise RuntimeError("device='cuda' but no CUDA GPU is available; use device='cpu'")
     if device == "auto":
         device = "cuda" if has_gpu() and _has_runner("cuda") else "cpu"
-    return RUNNERS[device](folder, num_slots, kv_cache_dtype)
+    return RUNNERS[device](folder, num_slots, kv_cache_dtype, **limits)
 
 
 # %% [markdown]
@@ -1094,7 +1102,8 @@ class LLM:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         self.max_model_len = max_model_len
         self.slots = ContiguousSlots(max_num_seqs, max_model_len)
-        self.runner = runner_for(device, self.folder, self.slots.num_slots, kv_cache_dtype)
+        self.runner = runner_for(device, self.folder, self.slots.num_slots, kv_cache_dtype,
+                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.device = self.runner.device
         self.rng = np.random.default_rng(seed)  # for requests without a seed of their own
         self._request_ids = itertools.count()
@@ -1177,9 +1186,9 @@ class LLM:
             wants_prompt_logprobs = request.params.prompt_logprobs is not None
             logits = self.runner.execute(request.prompt_token_ids, positions, self.slots.metadata([row], [positions]),
                                          logits_indices=None if wants_prompt_logprobs else [num_prompt - 1])
-            if wants_prompt_logprobs:
-                request.set_prompt_logprobs(logits)
-                logits = logits[-1:]
+            if wants_prompt_logprobs:  # a GPU runner's logits stay on the GPU: copy them here
+                request.set_prompt_logprobs(logits.copy_to_host() if hasattr(logits, "copy_to_host") else logits)
+                logits = logits[logits.shape[0] - 1 :]
             while True:
                 out = self.runner.sampler(logits, SamplingMetadata.from_params([request.params], [request.generator]))
                 token = int(out.token_ids[0])
@@ -1601,7 +1610,815 @@ if decode:
 # the work around the matrix products — a NumPy step is about fifteen array operations per
 # layer. On a GPU the same step is bound by 4.8 TB/s instead, and Python's overhead per
 # operation becomes the problem; chapter 11 answers it with CUDA graphs.
+
+# %% [markdown]
+# ## Decoding on the GPU
 #
+# Everything so far ran on the CPU. The GPU backend keeps the engine, the metadata and the
+# sampler's interface, and replaces the runner. Three pieces are new: a kernel that stores the
+# new tokens' keys and values in a **bf16** cache, a **decode attention** kernel — one new query
+# per sequence over its whole past — and a sampler that runs on the GPU, so that only token ids
+# cross to the host.
+#
+# **Decode attention is memory-bound.** For one new query per sequence, a layer reads every
+# cached key and value once and does $4 D$ FLOPs per key per query head: with grouped-query
+# attention ($G = H / H_{kv}$ query heads per KV head) that is $G$ FLOPs per byte of bf16 cache,
+# 4 for Llama 3.2 1B — far below the ridge. So the kernel is designed around bytes:
+#
+# - a block handles **all $G$ query heads** of one KV head, so each K and V row is read once,
+#   not $G$ times; the $G$ queries and their accumulators stay in registers;
+# - 8 lanes share one key row (head dim 64: 128 bytes): each loads two **8-byte words** (4 bf16
+#   values each), and 8 neighbouring lanes read 64 contiguous bytes per load — two whole memory
+#   sectors; a warp covers 4 keys per step and loads the next step's rows while it computes;
+# - the 8 lanes add their partial dot products with three shuffles, and every key's lanes keep
+#   their own **online softmax** (chapter 7), rescaling only when their maximum grows — no
+#   warp-wide maximum per step; at the end the warp's keys, then the block's warps, are merged,
+#   each rescaled to the common maximum;
+# - **the context is split over several blocks** (flash-decoding): the grid is (sequence, KV head,
+#   split), about 256 keys a block, and more splits while the grid is small, so even one
+#   sequence fills the GPU. Each block writes its partial — unnormalised output, maximum and
+#   sum — to a float32 **workspace** the caller made once (`decode_workspace`), and a small
+#   second kernel combines the splits into the output — float32, or bf16 bits for `o_proj`
+#   (chapter 4's `store_activation`). With one split the first kernel writes the output itself.
+#
+# Where position $p$ of sequence $s$ lives is the runner's business: the kernel takes a **block
+# table** and a block size, slot $= \text{table}[s, \lfloor p / B \rfloor] \cdot B + p \bmod B$.
+# This chapter's contiguous rows are blocks of $B = 16$ slots laid end to end; chapter 10's
+# paging hands out blocks anywhere, and the kernel does not change. The simulator has no warp
+# shuffles, so there the shuffles go through shared memory (chapter 4's `shfl_xor`).
+
+# %%
+#| export kernels.decode_attention
+import math
+
+import numpy as np
+from numba import config, cuda, float32, uint32
+
+from tinyvllm_lib.kernels.attention import cdiv, check_out, check_qkv
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, bf16_to_f32, f32_to_bf16, f32_to_bf16_bits
+from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
+from tinyvllm_lib.kernels.rmsnorm import store_activation
+
+MAX_LANES_PER_KEY = 8  # lanes that share one key row: head_dim 64 is 16 words of 8 bytes, 2 per lane
+DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 4  # warps per block: they share the block's part of the context
+SPLIT_KEYS = 256  # keys per block when a sequence's context is split over several blocks (flash-decoding)
+MIN_SPLIT_KEYS = 8  # never fewer keys per split than this (then rounded up to a block's step)
+TARGET_BLOCKS = 1024  # split further while the grid has fewer blocks than this (a few per SM)
+MAX_SPLITS = 32  # the most splits a workspace holds
+
+
+def decode_attention_ref(qkv, k_cache, v_cache, block_tables, block_size, context_lens, num_heads, num_kv_heads, head_dim):
+    """Float64 reference: row s of qkv (its query) over positions 0..context_lens[s]-1 of the bf16 cache -> (rows, H D)."""
+    H, KVH, D = num_heads, num_kv_heads, head_dim
+    q = qkv[:, : H * D].astype(np.float64).reshape(len(qkv), KVH, H // KVH, D)
+    out = np.zeros((len(qkv), H * D))
+    for s, n in enumerate(np.asarray(context_lens)):
+        pos = np.arange(n)
+        slots = np.asarray(block_tables)[s, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        k = bf16_bits_to_f32(k_cache[slots]).astype(np.float64)  # (n, KVH, D)
+        v = bf16_bits_to_f32(v_cache[slots]).astype(np.float64)
+        scores = np.einsum("hgd,nhd->hgn", q[s], k) / math.sqrt(D)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out[s] = (np.einsum("hgn,nhd->hgd", p, v) / p.sum(-1, keepdims=True)).reshape(-1)
+    return out
+
+
+def write_kv_cache_ref(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache) -> None:
+    """Round the new tokens' k and v (after RoPE) to bf16 and store them at their slots (negative slots: skipped)."""
+    num_tokens, KVH = qkv.shape[0], num_kv_heads
+    D = qkv.shape[1] // (num_heads + 2 * KVH)
+    keep = np.asarray(slot_mapping) >= 0
+    k = qkv[:, num_heads * D : (num_heads + KVH) * D].reshape(num_tokens, KVH, D)
+    v = qkv[:, (num_heads + KVH) * D :].reshape(num_tokens, KVH, D)
+    k_cache[np.asarray(slot_mapping)[keep]] = f32_to_bf16_bits(k[keep])
+    v_cache[np.asarray(slot_mapping)[keep]] = f32_to_bf16_bits(v[keep])
+
+
+# %%
+#| export kernels.decode_attention
+@cuda.jit
+def write_kv_cache_kernel(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache):
+    """One thread per (token, element of the KV heads): round k and v to bf16, store at the token's slot."""
+    head_dim = k_cache.shape[2]
+    width = num_kv_heads * head_dim
+    i = cuda.grid(1)
+    token, e = i // width, i % width
+    if token < qkv.shape[0]:
+        slot = slot_mapping[token]
+        if slot >= 0:  # -1: a padding row (a batch padded to a captured size)
+            h, d = e // head_dim, e % head_dim
+            k_cache[slot, h, d] = f32_to_bf16(qkv[token, num_heads * head_dim + e])
+            v_cache[slot, h, d] = f32_to_bf16(qkv[token, (num_heads + num_kv_heads) * head_dim + e])
+
+
+# %%
+#| export kernels.decode_attention
+from numba import uint64
+
+
+@cuda.jit(device=True)
+def bf16_lane(word, e):
+    """Element e (0..3) of an 8-byte word holding four bf16 values (the lowest address in the lowest bits)."""
+    return bf16_to_f32(uint32((word >> uint64(16 * e)) & uint64(0xFFFF)))
+
+
+def lanes_per_key(head_dim: int) -> int:
+    """Lanes that share one key row: the most, up to 8, that split its head_dim / 4 words of 8 bytes evenly."""
+    lanes = MAX_LANES_PER_KEY
+    while (head_dim // 4) % lanes:
+        lanes //= 2
+    return lanes
+
+
+def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int):
+    """A block per (sequence, KV head, split of the context), all `group` query heads of it; L lanes per key."""
+    D, G, W, L = head_dim, group, num_warps, lanes_per_key(head_dim)
+    WPL = D // 4 // L  # 8-byte words per lane per row: 2 for head_dim 64
+    EPL = 4 * WPL  # elements per lane per row
+    QN = G * EPL  # query and accumulator values per lane
+    KPW = WARP_SIZE // L  # keys per warp per step: 4 for head_dim 64
+    DOT_MASKS = tuple(1 << i for i in range(L.bit_length() - 1))  # the L lanes of a key: 1, 2, 4
+    GROUP_MASKS = tuple(L << i for i in range((WARP_SIZE // L).bit_length() - 1))  # the warp's keys: 8, 16
+
+    @cuda.jit
+    def kernel(qkv, k_cache, v_cache, block_tables, block_size, context_lens, scale, split_len, workspace, out):
+        s, kvh, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        n = context_lens[s]
+        begin = split * split_len
+        if split > 0 and begin >= n:  # past this sequence's end: the combine skips this split
+            return
+        end = min(n, begin + split_len)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
+        key_in_warp, sub = lane // L, lane % L  # which key of the warp's KPW, which part of its row
+        scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)  # the simulator's shuffles
+        sm_m = cuda.shared.array((W, G), float32)
+        sm_l = cuda.shared.array((W, G), float32)
+        sm_acc = cuda.shared.array((W, G, D), float32)
+        q = cuda.local.array(QN, float32)  # every index below is a constant: registers, not local memory
+        acc = cuda.local.array(QN, float32)
+        m = cuda.local.array(G, float32)
+        ell = cuda.local.array(G, float32)
+        kw = cuda.local.array(WPL, uint64)
+        vw = cuda.local.array(WPL, uint64)
+        kn = cuda.local.array(WPL, uint64)
+        vn = cuda.local.array(WPL, uint64)
+        for g in range(G):
+            m[g] = -math.inf
+            ell[g] = float32(0.0)
+            for i in range(WPL):
+                for e in range(4):
+                    col = (kvh * G + g) * D + 4 * (sub + L * i) + e
+                    q[g * EPL + 4 * i + e] = qkv[s, col] * scale
+                    acc[g * EPL + 4 * i + e] = float32(0.0)
+        for i in range(WPL):  # rows past the end are never used, but keep their registers defined
+            kw[i], vw[i], kn[i], vn[i] = uint64(0), uint64(0), uint64(0), uint64(0)
+        step = W * KPW
+        key = begin + warp * KPW + key_in_warp
+        if key < end:
+            slot = block_tables[s, key // block_size] * block_size + key % block_size
+            for i in range(WPL):
+                kw[i] = k_cache[slot, kvh, sub + L * i]
+                vw[i] = v_cache[slot, kvh, sub + L * i]
+        for _ in range(begin, end, step):  # the same steps in every warp: the simulator's shuffles need the block
+            nxt = key + step
+            if nxt < end:  # load the next step's row while this one is used
+                slot = block_tables[s, nxt // block_size] * block_size + nxt % block_size
+                for i in range(WPL):
+                    kn[i] = k_cache[slot, kvh, sub + L * i]
+                    vn[i] = v_cache[slot, kvh, sub + L * i]
+            for g in range(G):
+                x = float32(0.0)
+                for i in range(WPL):
+                    for e in range(4):
+                        x += q[g * EPL + 4 * i + e] * bf16_lane(kw[i], e)
+                for mask in DOT_MASKS:  # the L lanes of a key add their partial dot products
+                    x += shfl_xor(x, mask, scratch)
+                if key < end:  # each key keeps its own online softmax: no warp-wide maximum per step
+                    if x > m[g]:
+                        alpha = math.exp(m[g] - x)
+                        ell[g] *= alpha
+                        for j in range(EPL):
+                            acc[g * EPL + j] *= alpha
+                        m[g] = x
+                    p = math.exp(x - m[g])
+                    ell[g] += p
+                    for i in range(WPL):
+                        for e in range(4):
+                            acc[g * EPL + 4 * i + e] += p * bf16_lane(vw[i], e)
+            for i in range(WPL):
+                kw[i] = kn[i]
+                vw[i] = vn[i]
+            key = nxt
+        for g in range(G):  # merge the warp's KPW keys: rescale each to the warp's maximum, then add
+            top = m[g]
+            for mask in GROUP_MASKS:
+                top = max(top, shfl_xor(top, mask, scratch))
+            f = math.exp(m[g] - top) if m[g] > -math.inf else float32(0.0)
+            ell[g] *= f
+            for j in range(EPL):
+                acc[g * EPL + j] *= f
+            for mask in GROUP_MASKS:
+                ell[g] += shfl_xor(ell[g], mask, scratch)
+                for j in range(EPL):
+                    acc[g * EPL + j] += shfl_xor(acc[g * EPL + j], mask, scratch)
+            m[g] = top
+        if key_in_warp == 0:
+            for g in range(G):
+                if sub == 0:
+                    sm_m[warp, g], sm_l[warp, g] = m[g], ell[g]
+                for i in range(WPL):
+                    for e in range(4):
+                        sm_acc[warp, g, 4 * (sub + L * i) + e] = acc[g * EPL + 4 * i + e]
+        cuda.syncthreads()
+        for t in range(tid, G * D, W * WARP_SIZE):  # combine the warps: rescale each to the block's maximum
+            g, d = t // D, t % D
+            top = sm_m[0, g]
+            for w in range(1, W):
+                top = max(top, sm_m[w, g])
+            num, den = float32(0.0), float32(0.0)
+            for w in range(W):
+                if sm_m[w, g] > -math.inf:
+                    f = math.exp(sm_m[w, g] - top)
+                    num += f * sm_acc[w, g, d]
+                    den += f * sm_l[w, g]
+            h = kvh * G + g
+            if cuda.gridDim.z == 1:  # the whole context in one block: the final output
+                store_activation(out, s, h * D + d, num / den if den > 0 else float32(0.0))
+            else:  # this split's partial: unnormalised output, then its maximum and sum
+                workspace[s, split, h, d] = num
+                if d == 0:
+                    workspace[s, split, h, D] = top
+                    workspace[s, split, h, D + 1] = den
+
+    kernel.head_dim, kernel.group, kernel.num_warps, kernel.keys_per_step = D, G, W, W * KPW
+    return kernel
+
+
+@cuda.jit
+def decode_combine_kernel(workspace, context_lens, split_len, num_splits, out):
+    """A block per (row, query head), a thread per element: add the splits' partials, rescaled to their common maximum."""
+    s, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    D = workspace.shape[3] - 2
+    used = min(num_splits, (context_lens[s] + split_len - 1) // split_len)  # splits past the end wrote nothing
+    if d < D:
+        top = -math.inf
+        for j in range(used):
+            top = max(top, workspace[s, j, h, D])
+        num, den = float32(0.0), float32(0.0)
+        for j in range(used):
+            mj = workspace[s, j, h, D]
+            if mj > -math.inf:
+                f = math.exp(mj - top)
+                num += f * workspace[s, j, h, d]
+                den += f * workspace[s, j, h, D + 1]
+        store_activation(out, s, h * D + d, num / den if den > 0 else float32(0.0))
+
+
+decode_attention_d64_g4_kernel = make_decode_attention_kernel(64, 4, DECODE_WARPS)  # Llama 3.2 1B: 32 / 8 heads
+decode_attention_d64_g3_kernel = make_decode_attention_kernel(64, 3, DECODE_WARPS)  # SmolLM2: 9 / 3 heads
+_DECODE_KERNELS = {(64, 4, DECODE_WARPS): decode_attention_d64_g4_kernel, (64, 3, DECODE_WARPS): decode_attention_d64_g3_kernel}
+
+_DECODE_ARGS = ("float32[:, ::1], uint64[:, :, ::1], uint64[:, :, ::1], int32[:, ::1], int64, int32[::1], float32, int64, "
+                "float32[:, :, :, ::1]")
+PTX_SIGNATURES = {
+    "write_kv_cache_kernel": [f"void(float32[:, ::1], int64, int64, {idx}[::1], uint16[:, :, ::1], uint16[:, :, ::1])"
+                              for idx in ("int32", "int64")],
+    **{name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
+       for name in ("decode_attention_d64_g4_kernel", "decode_attention_d64_g3_kernel")},
+    "decode_combine_kernel": [f"void(float32[:, :, :, ::1], int32[::1], int64, int64, {out}[:, ::1])" for out in ("float32", "uint16")],
+}
+
+# %%
+#| export kernels.decode_attention
+def decode_attention_kernel_for(head_dim: int, group: int, num_warps: int = DECODE_WARPS):
+    """The kernel for these compile-time sizes, built on first use."""
+    key = (head_dim, group, num_warps)
+    if key not in _DECODE_KERNELS:
+        _DECODE_KERNELS[key] = make_decode_attention_kernel(*key)
+    return _DECODE_KERNELS[key]
+
+
+def _check_cache(name: str, cache, num_kv_heads: int, head_dim: int):
+    """A layer's K or V cache: uint16 (num_slots, KVH, D), or the same bytes viewed as uint64 (num_slots, KVH, D / 4)."""
+    if cache.dtype == np.uint16:
+        if tuple(cache.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"{name}: the cache must be (num_slots, {num_kv_heads}, {head_dim}), got {tuple(cache.shape)}")
+        return cache.view(np.uint64)
+    if cache.dtype != np.uint64 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim // 4):
+        raise TypeError(f"{name}: the cache must hold bf16 bits, uint16 (num_slots, {num_kv_heads}, {head_dim}), "
+                        f"got {cache.dtype} {tuple(cache.shape)}")
+    return cache
+
+
+def decode_workspace(max_rows: int, max_context_len: int, num_heads: int, head_dim: int, max_splits: int = MAX_SPLITS):
+    """The split path's float32 scratch, made once by the caller: (max_rows, splits, num_heads, head_dim + 2)."""
+    splits = max(1, min(max_splits, cdiv(max_context_len, MIN_SPLIT_KEYS)))
+    return cuda.device_array((max_rows, splits, num_heads, head_dim + 2), np.float32)
+
+
+def decode_splits(max_context_len: int, rows: int, num_kv_heads: int, max_splits: int, step: int) -> tuple[int, int]:
+    """(number of splits, keys per split): SPLIT_KEYS keys a block, more splits while the grid is small; a multiple of step."""
+    want = max(cdiv(max_context_len, SPLIT_KEYS), cdiv(TARGET_BLOCKS, rows * num_kv_heads))
+    splits = max(1, min(max_splits, want, cdiv(max_context_len, MIN_SPLIT_KEYS)))
+    split_len = cdiv(cdiv(max_context_len, splits), step) * step
+    return cdiv(max_context_len, split_len), split_len
+
+
+def decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int, context_lens, num_heads: int, num_kv_heads: int,
+                     head_dim: int, out, stream=0, num_warps: int = DECODE_WARPS, workspace=None, max_context_len=None):
+    """Row s of qkv (one new query per row, after RoPE) over positions 0..context_lens[s]-1 of a bf16 KV cache.
+
+    Position p of row s is at slot block_tables[s, p // block_size] * block_size + p % block_size.
+    out: (rows, H D), float32 or bf16 bits. The new token's own K/V must already be in the cache.
+    workspace (from decode_workspace): lets several blocks share a sequence's context (flash-decoding);
+    without it one block per (row, KV head) walks the whole context. max_context_len: at least every
+    context length (default: what the block table can address); it sets the number of splits.
+    """
+    rows = check_qkv("decode_attention", qkv, num_heads, num_kv_heads, head_dim)
+    check_out("decode_attention", out, (rows, num_heads * head_dim))
+    if head_dim % 16:
+        raise ValueError(f"decode_attention: head_dim must be a multiple of 16, got {head_dim}")
+    k64, v64 = (_check_cache("decode_attention", c, num_kv_heads, head_dim) for c in (k_cache, v_cache))
+    if block_tables.dtype != np.int32 or block_tables.ndim != 2 or block_tables.shape[0] < rows:
+        raise TypeError(f"decode_attention: block_tables must be int32 (rows, max_blocks), got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if context_lens.dtype != np.int32 or context_lens.ndim != 1 or context_lens.shape[0] < rows:
+        raise TypeError(f"decode_attention: context_lens must be int32 (rows,), got {context_lens.dtype} {tuple(context_lens.shape)}")
+    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"decode_attention: block_size must be a positive integer, got {block_size!r}")
+    if workspace is not None and (workspace.dtype != np.float32 or workspace.ndim != 4 or workspace.shape[0] < rows
+                                  or tuple(workspace.shape[2:]) != (num_heads, head_dim + 2)):
+        raise TypeError(f"decode_attention: workspace must be float32 (>= {rows}, splits, {num_heads}, {head_dim + 2}) "
+                        f"from decode_workspace, got {workspace.dtype} {tuple(workspace.shape)}")
+    if rows == 0:
+        return out
+    kernel = decode_attention_kernel_for(head_dim, num_heads // num_kv_heads, num_warps)
+    max_len = int(max_context_len) if max_context_len is not None else block_tables.shape[1] * int(block_size)
+    splits, split_len = 1, 2**30  # one split: the whole context
+    if workspace is not None and workspace.shape[1] > 1:
+        splits, split_len = decode_splits(max(max_len, 1), rows, num_kv_heads, workspace.shape[1], kernel.keys_per_step)
+    scratch = workspace if splits > 1 else qkv.reshape(1, 1, *qkv.shape)  # one split writes no partials: any float32 view
+    kernel[(rows, num_kv_heads, splits), num_warps * WARP_SIZE, stream](
+        qkv, k64, v64, block_tables, int(block_size), context_lens, np.float32(1 / math.sqrt(head_dim)), split_len, scratch, out)
+    if splits > 1:
+        decode_combine_kernel[(rows, num_heads), cdiv(head_dim, WARP_SIZE) * WARP_SIZE, stream](
+            workspace, context_lens, split_len, splits, out)
+    return out
+
+
+def write_kv_cache(qkv, num_heads: int, num_kv_heads: int, slot_mapping, k_cache, v_cache, stream=0, threads: int = 256):
+    """Store the new tokens' K and V (qkv float32 after RoPE) as bf16 at slot_mapping[t] (int32/int64; -1 skips)."""
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    check_qkv("write_kv_cache", qkv, num_heads, num_kv_heads, head_dim)
+    for cache in (k_cache, v_cache):
+        if cache.dtype != np.uint16 or cache.ndim != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim):
+            raise TypeError(f"write_kv_cache: caches must be uint16 (num_slots, {num_kv_heads}, {head_dim}), got {cache.dtype} {tuple(cache.shape)}")
+    if slot_mapping.dtype not in (np.int32, np.int64) or slot_mapping.shape != (num_tokens,):
+        raise TypeError(f"write_kv_cache: slot_mapping must be int32 or int64 ({num_tokens},), got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if num_tokens:
+        total = num_tokens * num_kv_heads * head_dim
+        write_kv_cache_kernel[cdiv(total, threads), threads, stream](qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache)
+
+# %% [markdown]
+# The NumPy reference works in float64 on the same bf16 cache, so the kernel's only error is
+# its float32 arithmetic. A test with several sequences of odd lengths, grouped heads and a
+# block table that scatters the blocks (as paging will):
+
+# %%
+from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref
+from tinyvllm_lib.runtime import can_launch
+
+
+def random_decode_case(num_seqs, max_len, num_heads, num_kv_heads, head_dim, block_size, gen):
+    """qkv, a filled bf16 cache, a shuffled block table and random context lengths."""
+    lens = gen.integers(1, max_len + 1, num_seqs).astype(np.int32)
+    max_blocks = -(-max_len // block_size)
+    blocks = gen.permutation(num_seqs * max_blocks).astype(np.int32).reshape(num_seqs, max_blocks)
+    num_slots = num_seqs * max_blocks * block_size
+    k = f32_to_bf16_bits(gen.standard_normal((num_slots, num_kv_heads, head_dim)).astype(np.float32))
+    v = f32_to_bf16_bits(gen.standard_normal((num_slots, num_kv_heads, head_dim)).astype(np.float32))
+    qkv = gen.standard_normal((num_seqs, (num_heads + 2 * num_kv_heads) * head_dim)).astype(np.float32)
+    return qkv, k, v, blocks, lens
+
+
+if can_launch():
+    from tinyvllm_lib.kernels.decode_attention import decode_workspace
+
+    qkv_d, k_d, v_d, bt_d, lens_d = random_decode_case(3, 37, 4, 2, 16, 4, rng)
+    want = decode_attention_ref(qkv_d, k_d, v_d, bt_d, 4, lens_d, 4, 2, 16)
+    args = [cuda.to_device(a) for a in (qkv_d, k_d, v_d, bt_d)] + [4, cuda.to_device(lens_d), 4, 2, 16]
+    for label, split in [("one block per sequence", {}),
+                         ("context split over blocks", {"workspace": decode_workspace(3, 37, 4, 16), "max_context_len": 37})]:
+        got = decode_attention(*args, cuda.device_array((3, 64), np.float32), **split).copy_to_host()
+        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        print(f"{label}, context lengths {lens_d.tolist()}: max relative error {rel:.1e}")
+        assert rel < 1e-5
+
+# %%
+decode_records = {r["shape"][0]: r for r in records if r["name"] == "decode_attention"}
+for n in (1, 64):
+    r = decode_records.get(n)
+    glue(f"ch08_decode_{n}_us", f"{r['us']:.1f} µs" if r else "(not yet measured)")
+    glue(f"ch08_decode_{n}_copy", f"{r['ratio']:.0%}" if r and r.get("ratio") else "(not yet measured)")
+glue("ch08_decode_device", decode_records[64]["device"]["name"] if 64 in decode_records else "the GPU")
+glue("ch08_decode_sms", str(decode_records[64]["device"].get("multiprocessors", "its")) if 64 in decode_records else "its")
+
+# %% [markdown]
+# On the {glue:text}`ch08_decode_device`, at Llama 3.2 1B's shapes and 1024 tokens of context,
+# 64 sequences take {glue:text}`ch08_decode_64_us` per layer — {glue:text}`ch08_decode_64_copy` of
+# the copy bandwidth — and one sequence {glue:text}`ch08_decode_1_us`. Splitting the context is
+# what gets there: one block per (sequence, KV head) is 8 blocks for one sequence and 512 for 64,
+# too few to keep enough loads in flight on {glue:text}`ch08_decode_sms` SMs, while the splits give
+# every SM several blocks at any batch size, for a small combine step.
+
+
+# %% [markdown]
+# ### Sampling on the GPU
+#
+# The runner's logits stay on the GPU; only token ids come back. The sampler takes the same
+# `SamplingMetadata` as the NumPy one, including each row's uniform number drawn on the host
+# from the request's own generator — so a seed gives the same draw on both devices. A block
+# per row: greedy rows take the argmax (a block reduction that keeps the first of equal
+# values, as `np.argmax` does). Sampled rows find their thresholds without sorting: top-k is
+# the largest value $t$ with at least $k$ logits $\ge t$, top-p the largest $t$ whose kept
+# mass $\sum_{z_i \ge t} e^{(z_i - m)/T}$ still reaches $p$ of the total. Both are found by
+# **bisection** over the 32-bit keys that order float32 values like the floats themselves
+# (flip the sign bit of positives, every bit of negatives), so 32 passes over the row find
+# the exact threshold. The draw is the inverse CDF in token order: each thread sums a
+# contiguous segment, a prefix over the threads finds the segment where $u \cdot$ total falls.
+
+# %%
+#| export engine.sampler_cuda
+import math
+
+import numpy as np
+from numba import config, cuda, float32, int64, uint32
+
+from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
+from tinyvllm_lib.kernels.bf16 import _f32_bits
+from tinyvllm_lib.models.llama_numpy import log_softmax
+
+SAMPLER_THREADS = 32 if config.ENABLE_CUDASIM else 256  # a power of two: the reductions halve it
+MAX_THREADS = 1024
+
+
+@cuda.jit(device=True)
+def order_key(x):
+    """A uint32 that orders like the float32 x: flip all bits of negatives, the sign bit of the rest."""
+    u = _f32_bits(x)
+    return u ^ uint32(0xFFFFFFFF) if u >> uint32(31) else u | uint32(0x80000000)
+
+
+@cuda.jit(device=True)
+def block_argmax(value, index, sv, si):
+    """(largest value, its smallest index) over the block; every thread gets them."""
+    tid = cuda.threadIdx.x
+    sv[tid], si[tid] = value, index
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride and (sv[tid + stride] > sv[tid] or (sv[tid + stride] == sv[tid] and si[tid + stride] < si[tid])):
+            sv[tid], si[tid] = sv[tid + stride], si[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    value, index = sv[0], si[0]
+    cuda.syncthreads()
+    return value, index
+
+
+@cuda.jit(device=True)
+def block_total(value, sv):
+    """Sum over the block; every thread gets it."""
+    tid = cuda.threadIdx.x
+    sv[tid] = value
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            sv[tid] += sv[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    value = sv[0]
+    cuda.syncthreads()
+    return value
+
+
+@cuda.jit(device=True)
+def row_argmax(z, sv, si):
+    best, best_i = -math.inf, int64(z.shape[0])
+    for i in range(cuda.threadIdx.x, z.shape[0], cuda.blockDim.x):
+        if z[i] > best:  # increasing i: the first of equal values stays
+            best, best_i = z[i], i
+    return block_argmax(float32(best), best_i, sv, si)
+
+
+@cuda.jit
+def argmax_kernel(logits, out):
+    """Greedy: a block per row, out[row] = the index of the row's largest logit (the first, on ties)."""
+    sv = cuda.shared.array(MAX_THREADS, float32)
+    si = cuda.shared.array(MAX_THREADS, int64)
+    _, i = row_argmax(logits[cuda.blockIdx.x], sv, si)
+    if cuda.threadIdx.x == 0:
+        out[cuda.blockIdx.x] = i
+
+# %%
+#| export engine.sampler_cuda
+@cuda.jit(device=True)
+def kept_sum(z, m, inv_t, threshold, count_only, sv):
+    """Over the row's tokens whose order key is >= threshold: their count, or their mass sum exp((z - m) / T)."""
+    acc = float32(0.0)
+    for i in range(cuda.threadIdx.x, z.shape[0], cuda.blockDim.x):
+        if order_key(z[i]) >= threshold:
+            acc += float32(1.0) if count_only else math.exp((z[i] - m) * inv_t)
+    return block_total(acc, sv)
+
+
+@cuda.jit
+def sample_kernel(logits, temperature, top_k, top_p, uniform, out):
+    """A block per row: temperature, top-k and top-p thresholds by bisection over the float order, inverse-CDF draw."""
+    sv = cuda.shared.array(MAX_THREADS, float32)
+    si = cuda.shared.array(MAX_THREADS, int64)
+    r, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    z = logits[r]
+    m, best_i = row_argmax(z, sv, si)
+    if temperature[r] <= 0:  # greedy (the whole block takes this branch)
+        if tid == 0:
+            out[r] = best_i
+        return
+    inv_t = float32(1.0) / temperature[r]
+    threshold = uint32(0)  # keep tokens whose order key is >= threshold: all of them
+    if 0 < top_k[r] < z.shape[0]:  # the largest threshold that keeps at least k tokens: the k-th largest logit
+        lo, hi = int64(0), int64(1) << 32
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if kept_sum(z, m, inv_t, uint32(mid), True, sv) >= top_k[r]:
+                lo = mid
+            else:
+                hi = mid
+        threshold = uint32(lo)
+    if top_p[r] < 1:  # the largest threshold whose kept mass still reaches p of the total
+        goal = top_p[r] * kept_sum(z, m, inv_t, threshold, False, sv)
+        lo, hi = int64(threshold), int64(1) << 32
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if kept_sum(z, m, inv_t, uint32(mid), False, sv) >= goal:
+                lo = mid
+            else:
+                hi = mid
+        threshold = uint32(lo)
+    # inverse CDF in token order: each thread sums a contiguous segment, a prefix over the threads finds the segment
+    seg = (z.shape[0] + nt - 1) // nt
+    part = float32(0.0)
+    for i in range(tid * seg, min(z.shape[0], (tid + 1) * seg)):
+        if order_key(z[i]) >= threshold:
+            part += math.exp((z[i] - m) * inv_t)
+    total = block_total(part, sv)
+    sv[tid] = part
+    cuda.syncthreads()
+    before = float32(0.0)
+    for j in range(tid):
+        before += sv[j]
+    target = float32(uniform[r]) * total
+    found, last = int64(-1), int64(-1)
+    if before <= target < before + part:
+        run = before
+        for i in range(tid * seg, min(z.shape[0], (tid + 1) * seg)):
+            if order_key(z[i]) >= threshold:
+                run += math.exp((z[i] - m) * inv_t)
+                if run > target and found < 0:
+                    found = i
+    for i in range(tid * seg, min(z.shape[0], (tid + 1) * seg)):
+        if order_key(z[i]) >= threshold:
+            last = i
+    cuda.syncthreads()
+    _, pick = block_argmax(float32(1.0) if found >= 0 else float32(0.0), found if found >= 0 else int64(1) << 40, sv, si)
+    _, final = block_argmax(float32(last), last, sv, si)  # u * total rounded up past the last kept token
+    if tid == 0:
+        out[r] = pick if pick < z.shape[0] else final
+
+
+_ROW_ARGS = "float32[::1], int64[::1], float32[::1], float64[::1], int64[::1]"  # temperature, top_k, top_p, uniform, out
+PTX_SIGNATURES = {"argmax_kernel": ["void(float32[:, ::1], int64[::1])"],
+                  "sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"]}
+
+
+class CudaSampler:
+    """The GPU sampler: logits (batch, vocab) on the GPU -> token ids on the host; the same SamplingMetadata as Sampler."""
+
+    def __init__(self, vocab_size: int, max_rows: int, stream=0):
+        self.vocab_size, self.max_rows, self.stream = vocab_size, max_rows, stream
+        self.ids = cuda.device_array(max_rows, np.int64)
+        self.rows = {name: cuda.device_array(max_rows, dtype) for name, dtype in
+                     (("temperature", np.float32), ("top_k", np.int64), ("top_p", np.float32), ("uniform", np.float64))}
+        self.host_ids = cuda.pinned_array(max_rows, np.int64)
+
+    def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
+        n, s = len(metadata.temperature), self.stream
+        if not hasattr(logits, "copy_to_host"):  # host logits: copy them over
+            logits = cuda.to_device(np.ascontiguousarray(logits, np.float32), stream=s)
+        if tuple(logits.shape) != (n, self.vocab_size) or logits.dtype != np.float32 or n > self.max_rows:
+            raise ValueError(f"logits must be float32 ({n}, {self.vocab_size}) with n <= {self.max_rows}, got {logits.dtype} {tuple(logits.shape)}")
+        threads = SAMPLER_THREADS
+        if np.all(metadata.temperature <= 0):
+            argmax_kernel[n, threads, s](logits, self.ids[:n])
+        else:
+            for name in self.rows:
+                host = np.ascontiguousarray(getattr(metadata, name), self.rows[name].dtype)
+                cuda.to_device(host, to=self.rows[name][:n], stream=s)
+            r = self.rows
+            sample_kernel[n, threads, s](logits, r["temperature"][:n], r["top_k"][:n], r["top_p"][:n], r["uniform"][:n], self.ids[:n])
+        self.ids[:n].copy_to_host(self.host_ids[:n], stream=s)
+        s.synchronize() if s else cuda.synchronize()
+        out = SamplerOutput(self.host_ids[:n].copy())
+        k = int(metadata.num_logprobs.max(initial=-1))
+        if k >= 0:  # log-probs of the raw logits: copy the rows back (only when asked for)
+            logprobs = log_softmax(logits.copy_to_host(stream=s))
+            out.logprobs = logprobs[np.arange(n), out.token_ids]
+            if k > 0:
+                out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
+        return out
+
+
+# %% [markdown]
+# ### The CUDA runner
+#
+# The runner reuses chapter 7's `LlamaCuda` for its weights (bf16 on the GPU, q/k/v and gate/up
+# fused), its RoPE table and its activation buffers, and writes the layer loop itself, because
+# two steps are new: after RoPE, `write_kv_cache` stores the new tokens' keys and values; and
+# attention is `flash_attention` for a prompt that starts at position 0 (one sequence at a time,
+# causal among its own tokens, as in chapter 7) and `decode_attention` otherwise — every new
+# token then is a row with its own context length, which covers decode steps of many
+# sequences and also a prompt that continues a cached one. Activations keep chapter 7's rule:
+# float32 residual stream, bf16 inputs to the linear layers, float32 outputs.
+#
+# A decode step of up to `max_num_seqs` sequences uses buffers made once, at construction, and
+# allocates nothing on the GPU: it copies the step's token ids, positions, slot mapping, block
+# table and context lengths into them on the runner's stream, launches the layers, and
+# synchronises only when the sampler hands the token ids back. The block table is built from
+# the metadata's context slots — blocks of 16 when the slots form aligned blocks of 16 (this
+# chapter's rows do whenever `max_model_len` is a multiple of 16), single slots otherwise.
+
+# %%
+#| export engine.runner_cuda
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.engine.kv_cache import AttentionMetadata
+from tinyvllm_lib.engine.llm import register_runner
+from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+from tinyvllm_lib.kernels.activation import silu_mul
+from tinyvllm_lib.kernels.attention import flash_attention
+from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_workspace, write_kv_cache
+from tinyvllm_lib.kernels.embedding import check_token_ids, embed
+from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from tinyvllm_lib.kernels.rope import rope_qkv
+from tinyvllm_lib.layers.linear import linear
+from tinyvllm_lib.models.llama_cuda import LlamaCuda
+from tinyvllm_lib.models.llama_numpy import check_positions
+
+CACHE_BLOCK = 16  # the block size of the block table when the slots allow it (else 1: any slot anywhere)
+
+
+def block_table_row(slots: np.ndarray, block_size: int, out: np.ndarray) -> bool:
+    """Write slots // block_size per block into `out`; False when the slots are not whole aligned blocks."""
+    n = len(slots)
+    firsts = slots[::block_size]
+    if block_size > 1 and (np.any(firsts % block_size) or
+                           np.any(slots != np.repeat(firsts, block_size)[:n] + np.arange(n) % block_size)):
+        return False
+    out[: len(firsts)] = firsts // block_size
+    return True
+
+
+class CudaRunner:
+    """The GPU backend: LlamaCuda's weights and kernels, a bf16 KV cache, decode attention, a GPU sampler.
+
+    Activations as in chapter 7: the residual stream float32, the inputs of linear layers bf16 bits,
+    their outputs float32. A decode step (one new token per sequence, up to max_num_seqs) uses buffers
+    made here and allocates nothing; it copies its small int arrays to the GPU on the runner's stream.
+    """
+
+    device = "cuda"
+
+    def __init__(self, model: LlamaCuda, num_slots: int, max_num_seqs: int = 8, max_model_len: int | None = None):
+        c = self.config = model.config
+        self.model, self.num_slots, self.max_num_seqs = model, num_slots, max_num_seqs
+        self.max_model_len = max_model_len or min(num_slots, c.max_position_embeddings)
+        self.stream = cuda.stream()
+        shape = (num_slots, c.num_key_value_heads, c.head_dim)
+        self.k_cache = [cuda.device_array(shape, np.uint16) for _ in range(c.num_hidden_layers)]
+        self.v_cache = [cuda.device_array(shape, np.uint16) for _ in range(c.num_hidden_layers)]
+        self.k64 = [k.view(np.uint64) for k in self.k_cache]  # the same bytes, as the kernel's 8-byte words
+        self.v64 = [v.view(np.uint64) for v in self.v_cache]
+        self.max_blocks = self.max_model_len  # room for a block size of 1
+        self.max_context_len = self.max_model_len  # the step's longest context, set by execute
+        self.decode_buffers = self._make_buffers(max_num_seqs)
+        self._prefill: dict[int, dict] = {}
+        self.host = {"bt": np.zeros((max_num_seqs, self.max_blocks), np.int32), "lens": np.zeros(max_num_seqs, np.int32)}
+        self.sampler = CudaSampler(c.vocab_size, max_num_seqs, self.stream)
+
+    @classmethod
+    def from_folder(cls, folder, num_slots: int, kv_cache_dtype: str = "auto", max_num_seqs: int = 8,
+                    max_model_len: int | None = None) -> "CudaRunner":
+        if kv_cache_dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"device='cuda' keeps its KV cache in bfloat16, got kv_cache_dtype={kv_cache_dtype!r}")
+        return cls(LlamaCuda.from_folder(folder), num_slots, max_num_seqs, max_model_len)
+
+    def _make_buffers(self, rows: int) -> dict:
+        b = dict(self.model.buffers(rows))  # chapter 7's activation buffers for `rows` tokens
+        self.model._buffers = {}  # they are ours now
+        b["slot_mapping"] = cuda.device_array(rows, np.int64)
+        b["context_lens"] = cuda.device_array(rows, np.int32)
+        b["block_tables"] = cuda.device_array((rows, self.max_blocks), np.int32)
+        c = self.config  # decode attention's split partials (flash-decoding) for decode steps; long prompts need none
+        b["attn_workspace"] = (decode_workspace(rows, self.max_model_len, c.num_attention_heads, c.head_dim)
+                               if rows <= self.max_num_seqs else None)
+        return b
+
+    def _buffers_for(self, n: int) -> dict:
+        if n <= self.max_num_seqs:
+            return {k: v[:n] for k, v in self.decode_buffers.items()}
+        if n not in self._prefill:
+            self._prefill = {n: self._make_buffers(n)}  # keep one prefill size: the last
+        return self._prefill[n]
+
+
+# %%
+#| export engine.runner_cuda
+def _execute(self, token_ids, positions, metadata: AttentionMetadata, logits_indices=None):
+    """Write the new tokens' K/V to the cache and return the logits (rows logits_indices, default all) on the GPU."""
+    c, s = self.config, self.stream
+    ids = check_token_ids(token_ids, c.vocab_size)
+    positions = check_positions(positions, len(ids))
+    n = len(ids)
+    if len(metadata.slot_mapping) != n:
+        raise ValueError(f"{n} tokens but {len(metadata.slot_mapping)} slots in the slot mapping")
+    b = self._buffers_for(n)
+    # a prompt from position 0 attends causally among its own tokens: flash attention (chapter 7)
+    is_prefill = len(metadata.query_lens) == 1 and n > 1 and int(positions[0]) == 0 and np.all(np.diff(positions) == 1)
+    cuda.to_device(np.ascontiguousarray(ids, np.int64), to=b["ids"], stream=s)
+    cuda.to_device(positions, to=b["positions"], stream=s)
+    cuda.to_device(np.ascontiguousarray(metadata.slot_mapping, np.int64), to=b["slot_mapping"], stream=s)
+    block_size = 1
+    if not is_prefill:  # every new token is a row of decode attention: its sequence's slots up to its position
+        bt = self.host["bt"][:n] if n <= self.max_num_seqs else np.zeros((n, self.max_blocks), np.int32)
+        lens = self.host["lens"][:n] if n <= self.max_num_seqs else np.zeros(n, np.int32)
+        rows = np.repeat(np.arange(len(metadata.query_lens)), metadata.query_lens)
+        block_size = CACHE_BLOCK
+        for size in (CACHE_BLOCK, 1):
+            block_size = size
+            if all(block_table_row(metadata.context_slots[r], size, bt[t]) for t, r in enumerate(rows)):
+                break
+        lens[:] = positions + 1
+        self.max_context_len = int(lens.max())  # sets decode attention's number of splits
+        cuda.to_device(bt, to=b["block_tables"], stream=s)
+        cuda.to_device(lens, to=b["context_lens"], stream=s)
+    self.run(b, is_prefill, block_size)
+    if logits_indices is None:
+        rows_out = slice(0, n)
+    else:
+        idx = np.asarray(logits_indices, np.int64)
+        if idx.size == 0 or np.any(np.diff(idx) != 1):
+            raise ValueError("the CUDA runner returns a contiguous range of rows: give logits_indices in order")
+        rows_out = slice(int(idx[0]), int(idx[-1]) + 1)
+    linear(b["normed"][rows_out], self.model.weights["lm_head"], b["logits"][rows_out], stream=s)
+    return b["logits"][rows_out]
+
+
+def _run(self, b: dict, is_prefill: bool, block_size: int) -> None:
+    """Launch the layers on the runner's stream (LlamaCuda.run, with the cache write and decode attention added)."""
+    c, w, eps, s = self.config, self.model.weights, self.config.rms_norm_eps, self.stream
+    H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    embed(b["ids"], w["embed_tokens"], b["residual"], stream=s)
+    rmsnorm(b["residual"], w["layers.0.input_layernorm"], eps, b["normed"], stream=s)
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        linear(b["normed"], w[p + "qkv_proj"], b["qkv"], stream=s)
+        rope_qkv(b["qkv"], b["positions"], self.model.rope, H, KVH, stream=s)
+        write_kv_cache(b["qkv"], H, KVH, b["slot_mapping"], self.k_cache[i], self.v_cache[i], stream=s)
+        if is_prefill:
+            flash_attention(b["qkv"], H, KVH, D, b["attn"], stream=s)
+        else:
+            decode_attention(b["qkv"], self.k64[i], self.v64[i], b["block_tables"], block_size, b["context_lens"],
+                             H, KVH, D, b["attn"], stream=s, workspace=b["attn_workspace"],
+                             max_context_len=self.max_context_len)
+        linear(b["attn"], w[p + "o_proj"], b["delta"], stream=s)
+        fused_add_rmsnorm(b["residual"], b["delta"], w[p + "post_attention_layernorm"], eps, b["normed"], stream=s)
+        linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], stream=s)
+        silu_mul(b["gate_up"], b["act"], stream=s)
+        linear(b["act"], w[p + "down_proj"], b["delta"], stream=s)
+        next_norm = w[f"layers.{i + 1}.input_layernorm"] if i + 1 < c.num_hidden_layers else w["norm"]
+        fused_add_rmsnorm(b["residual"], b["delta"], next_norm, eps, b["normed"], stream=s)
+
+
+CudaRunner.execute, CudaRunner.run = _execute, _run
+
+
+
+register_runner("cuda", CudaRunner.from_folder)
+
+# %% [markdown]
 # ## Summary
 #
 # - Prefill processes the prompt's tokens together and is compute-bound; decode processes one

@@ -2,9 +2,10 @@
 
 # defined in chapters/08_kv_cache.py
 import importlib
+import os
 from typing import Callable
 
-from tinyvllm_lib.runtime import has_gpu
+from tinyvllm_lib.runtime import has_gpu, is_simulator
 
 DEVICES = ("auto", "cpu", "cuda")
 RUNNERS: dict[str, Callable] = {}  # device -> factory(folder, num_slots, kv_cache_dtype) -> runner
@@ -12,11 +13,16 @@ RUNNER_MODULES = {"cuda": "tinyvllm_lib.engine.runner_cuda"}  # imported on dema
 
 
 def register_runner(device: str, factory: Callable) -> None:
-    """Make `factory(folder, num_slots, kv_cache_dtype)` the runner of `device`."""
+    """Make `factory(folder, num_slots, kv_cache_dtype, max_num_seqs=..., max_model_len=...)` the runner of `device`."""
     RUNNERS[device] = factory
 
 
-def _numpy_runner(folder, num_slots: int, kv_cache_dtype: str):
+def cuda_in_simulator() -> bool:
+    """The simulator runs device='cuda' only when asked (TINYVLLM_SIM_CUDA=1): it is slow, for tiny models."""
+    return is_simulator() and os.environ.get("TINYVLLM_SIM_CUDA") == "1"
+
+
+def _numpy_runner(folder, num_slots: int, kv_cache_dtype: str, **limits):
     from tinyvllm_lib.engine.runner_numpy import NumpyRunner
 
     return NumpyRunner.from_folder(folder, num_slots, "float32" if kv_cache_dtype == "auto" else kv_cache_dtype)
@@ -35,17 +41,17 @@ def _has_runner(device: str) -> bool:
     return device in RUNNERS
 
 
-def runner_for(device: str, folder, num_slots: int, kv_cache_dtype: str = "auto"):
+def runner_for(device: str, folder, num_slots: int, kv_cache_dtype: str = "auto", **limits):
     """The runner for `device`: "cpu" (NumPy), "cuda" (when a CUDA runner exists), "auto" (cuda if possible)."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cuda" and not _has_runner("cuda"):
         raise NotImplementedError("device='cuda': there is no CUDA runner yet (chapter 11 adds it); use device='cpu'")
-    if device == "cuda" and not has_gpu():
+    if device == "cuda" and not (has_gpu() or cuda_in_simulator()):
         raise RuntimeError("device='cuda' but no CUDA GPU is available; use device='cpu'")
     if device == "auto":
         device = "cuda" if has_gpu() and _has_runner("cuda") else "cpu"
-    return RUNNERS[device](folder, num_slots, kv_cache_dtype)
+    return RUNNERS[device](folder, num_slots, kv_cache_dtype, **limits)
 
 
 # defined in chapters/08_kv_cache.py
@@ -87,7 +93,8 @@ class LLM:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         self.max_model_len = max_model_len
         self.slots = ContiguousSlots(max_num_seqs, max_model_len)
-        self.runner = runner_for(device, self.folder, self.slots.num_slots, kv_cache_dtype)
+        self.runner = runner_for(device, self.folder, self.slots.num_slots, kv_cache_dtype,
+                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.device = self.runner.device
         self.rng = np.random.default_rng(seed)  # for requests without a seed of their own
         self._request_ids = itertools.count()
@@ -170,9 +177,9 @@ class LLM:
             wants_prompt_logprobs = request.params.prompt_logprobs is not None
             logits = self.runner.execute(request.prompt_token_ids, positions, self.slots.metadata([row], [positions]),
                                          logits_indices=None if wants_prompt_logprobs else [num_prompt - 1])
-            if wants_prompt_logprobs:
-                request.set_prompt_logprobs(logits)
-                logits = logits[-1:]
+            if wants_prompt_logprobs:  # a GPU runner's logits stay on the GPU: copy them here
+                request.set_prompt_logprobs(logits.copy_to_host() if hasattr(logits, "copy_to_host") else logits)
+                logits = logits[logits.shape[0] - 1 :]
             while True:
                 out = self.runner.sampler(logits, SamplingMetadata.from_params([request.params], [request.generator]))
                 token = int(out.token_ids[0])

@@ -1,0 +1,143 @@
+"""Chapter 08's decode attention and KV-cache write kernels against float64 NumPy on the same bf16 cache."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+from tinyvllm_lib.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_ref,
+    decode_splits,
+    decode_workspace,
+    write_kv_cache,
+    write_kv_cache_ref,
+)
+from tinyvllm_lib.runtime import can_launch
+
+pytestmark = pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+
+
+def case(gen, num_seqs, max_len, H, KVH, D, block_size):
+    lens = gen.integers(1, max_len + 1, num_seqs).astype(np.int32)
+    max_blocks = -(-max_len // block_size)
+    blocks = gen.permutation(num_seqs * max_blocks).astype(np.int32).reshape(num_seqs, max_blocks)
+    num_slots = num_seqs * max_blocks * block_size
+    k = f32_to_bf16_bits(gen.standard_normal((num_slots, KVH, D)).astype(np.float32))
+    v = f32_to_bf16_bits(gen.standard_normal((num_slots, KVH, D)).astype(np.float32))
+    qkv = gen.standard_normal((num_seqs, (H + 2 * KVH) * D)).astype(np.float32)
+    return qkv, k, v, blocks, lens
+
+
+def run(qkv, k, v, blocks, block_size, lens, H, KVH, D, out_dtype=np.float32, **kw):
+    out = cuda.device_array((len(qkv), H * D), out_dtype)
+    decode_attention(cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v), cuda.to_device(blocks), block_size,
+                     cuda.to_device(lens), H, KVH, D, out, **kw)
+    return out.copy_to_host()
+
+
+@pytest.mark.parametrize("num_warps", [1, 2])
+def test_decode_attention_odd_lengths_gqa(rng, num_warps):
+    qkv, k, v, bt, lens = case(rng, 3, 29, 4, 2, 16, 4)
+    lens[0] = 1  # a sequence of one token
+    got = run(qkv, k, v, bt, 4, lens, 4, 2, 16, num_warps=num_warps)
+    want = decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+def run_split(qkv, k, v, blocks, block_size, lens, H, KVH, D, max_splits, out_dtype=np.float32, **kw):
+    """The split path: a workspace of max_splits, the output poisoned with NaN first (every element must be written)."""
+    out = cuda.to_device(np.full((len(qkv), H * D), np.nan if out_dtype == np.float32 else 0x7FC0, out_dtype))
+    ws = cuda.to_device(np.full((len(qkv), max_splits, H, D + 2), np.nan, np.float32))  # stale partials must not leak
+    decode_attention(cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v), cuda.to_device(blocks), block_size,
+                     cuda.to_device(lens), H, KVH, D, out, workspace=ws, **kw)
+    got = out.copy_to_host()
+    assert not (np.isnan(got).any() if out_dtype == np.float32 else (got == 0x7FC0).any())
+    return got
+
+
+def rel_error(got, want):
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
+@pytest.mark.parametrize("num_warps", [1, 2])
+def test_decode_attention_split_odd_lengths(rng, num_warps):
+    qkv, k, v, bt, lens = case(rng, 4, 45, 4, 2, 16, 4)
+    lens[:] = [1, 45, 17, 30]  # one token; the longest; just past a split; several splits
+    got = run_split(qkv, k, v, bt, 4, lens, 4, 2, 16, 8, num_warps=num_warps, max_context_len=45)
+    assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)) < 1e-5
+
+
+def test_decode_attention_split_shorter_than_one_split(rng):
+    qkv, k, v, bt, lens = case(rng, 3, 6, 6, 2, 16, 2)  # every context shorter than one step of keys
+    lens[:] = [1, 6, 3]
+    got = run_split(qkv, k, v, bt, 2, lens, 6, 2, 16, 4, max_context_len=6)
+    assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 2, lens, 6, 2, 16)) < 1e-5
+
+
+def test_decode_attention_many_splits_default_length(rng):
+    qkv, k, v, bt, lens = case(rng, 2, 64, 2, 1, 16, 4)
+    lens[:] = [64, 33]
+    splits, split_len = decode_splits(64, 2, 1, 32, 4)
+    assert splits > 4 and splits * split_len >= 64
+    got = run_split(qkv, k, v, bt, 4, lens, 2, 1, 16, 32)  # max_context_len from the block table: 16 blocks of 4
+    assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 4, lens, 2, 1, 16)) < 1e-5
+
+
+def test_decode_attention_split_bf16_out(rng):
+    qkv, k, v, bt, lens = case(rng, 3, 40, 2, 1, 16, 8)
+    got = run_split(qkv, k, v, bt, 8, lens, 2, 1, 16, 8, out_dtype=np.uint16, max_context_len=40)
+    want = f32_to_bf16_bits(decode_attention_ref(qkv, k, v, bt, 8, lens, 2, 1, 16).astype(np.float32))
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
+def test_decode_splits_and_workspace():
+    for max_len, rows in [(1, 1), (17, 3), (1024, 1), (1024, 64), (1024, 256), (100_000, 8)]:
+        splits, split_len = decode_splits(max_len, rows, 8, 32, 16)
+        assert 1 <= splits <= 32 and split_len % 16 == 0 and splits * split_len >= max_len > (splits - 1) * split_len
+    assert decode_splits(1024, 64, 8, 32, 16) == (4, 256)
+    ws = decode_workspace(8, 1024, 32, 64)
+    assert ws.dtype == np.float32 and ws.shape[0] == 8 and ws.shape[2:] == (32, 66) and ws.shape[1] > 1
+
+
+def test_decode_attention_bf16_out_and_block_size_1(rng):
+    qkv, k, v, bt, lens = case(rng, 2, 13, 2, 1, 16, 1)
+    got = run(qkv, k, v, bt, 1, lens, 2, 1, 16, out_dtype=np.uint16)
+    want = f32_to_bf16_bits(decode_attention_ref(qkv, k, v, bt, 1, lens, 2, 1, 16).astype(np.float32))
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1  # at most one bf16 step
+
+
+def test_write_kv_cache(rng):
+    qkv = rng.standard_normal((5, (4 + 2 * 2) * 16)).astype(np.float32)
+    slots = np.array([7, 0, -1, 12, 3], np.int32)  # -1: a padding row, skipped
+    k, v = np.zeros((16, 2, 16), np.uint16), np.zeros((16, 2, 16), np.uint16)
+    k_d, v_d = cuda.to_device(k), cuda.to_device(v)
+    write_kv_cache(cuda.to_device(qkv), 4, 2, cuda.to_device(slots), k_d, v_d)
+    write_kv_cache_ref(qkv, 4, 2, slots, k, v)
+    assert np.array_equal(k_d.copy_to_host(), k) and np.array_equal(v_d.copy_to_host(), v)
+
+
+def test_bad_arguments(rng):
+    qkv, k, v, bt, lens = case(rng, 1, 4, 4, 2, 16, 4)
+    out = cuda.device_array((1, 64), np.float32)
+    with pytest.raises(TypeError, match="block_tables"):
+        decode_attention(cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v), cuda.to_device(bt.astype(np.int64)), 4,
+                         cuda.to_device(lens), 4, 2, 16, out)
+    with pytest.raises(TypeError, match="workspace"):
+        decode_attention(cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v), cuda.to_device(bt), 4,
+                         cuda.to_device(lens), 4, 2, 16, out, workspace=cuda.device_array((1, 4, 4, 16), np.float32))
+    with pytest.raises(ValueError, match="cache"):
+        decode_attention(cuda.to_device(qkv), cuda.to_device(np.ascontiguousarray(k[:, :1])), cuda.to_device(v), cuda.to_device(bt), 4,
+                         cuda.to_device(lens), 4, 2, 16, out)
+
+
+@pytest.mark.gpu
+def test_decode_attention_llama_1b_shapes(rng):
+    qkv, k, v, bt, lens = case(rng, 64, 1024, 32, 8, 64, 16)
+    lens[:] = 1024
+    lens[1::2] = rng.integers(1, 1025, 32)
+    want = decode_attention_ref(qkv, k, v, bt, 16, lens, 32, 8, 64)
+    assert rel_error(run(qkv, k, v, bt, 16, lens, 32, 8, 64), want) < 1e-5
+    assert rel_error(run_split(qkv, k, v, bt, 16, lens, 32, 8, 64, 32, max_context_len=1024), want) < 1e-5
+    one = run_split(qkv[:1], k, v, bt[:1], 16, lens[:1], 32, 8, 64, 32, max_context_len=1024)  # 1 sequence: 32 splits
+    assert rel_error(one, want[:1]) < 1e-5
