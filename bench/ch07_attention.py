@@ -18,7 +18,7 @@ from numba import cuda
 from tinyvllm_lib.kernels.attention import attention_flops, flash_attention
 from tinyvllm_lib.kernels.attention_materialized import attention_materialized
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.measure import Recorder, num_rotations, time_launches
+from tinyvllm_lib.measure import Recorder, max_rel_error, num_rotations, time_launches
 from tinyvllm_lib.runtime import has_gpu, is_simulator
 
 FP32_PEAK = 67.0  # TFLOP/s, H200 SXM datasheet: float32 FMA on CUDA cores (these kernels use no tensor cores)
@@ -30,10 +30,6 @@ else:
     MATERIALIZED_MAX = 4096  # its scores are H T^2 float32: 2 GiB at 4,096 tokens, 8 GiB at 8,192
     CHECK_MAX = 2048  # the NumPy reference holds the scores too
     MAX_SETS = 8
-
-
-def max_rel_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 def attention_f64(qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:

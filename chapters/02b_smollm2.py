@@ -196,16 +196,21 @@ assert magic == b"GGUF" and num_tensors == len(reader.tensors)
 
 # %% [markdown]
 # The metadata says what the model is. Keys are namespaced by the architecture (`llama.*`);
-# the tokenizer lives under `tokenizer.ggml.*`. We turn every field into a plain Python value:
+# the tokenizer lives under `tokenizer.ggml.*`. We turn every field into a plain Python value.
+# (The library imports `gguf` inside the functions that use it, so that `import tinyvllm_lib`
+# does not load it: only building the model folder needs it.)
 
 # %%
 #| export models.gguf_convert
+from typing import TYPE_CHECKING
+
 import numpy as np
-from gguf import GGUFReader
-from gguf.quants import dequantize as gguf_dequantize
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 
-def gguf_metadata(reader: GGUFReader) -> dict:
+def gguf_metadata(reader: "GGUFReader") -> dict:
     """Every metadata field of a GGUF file as a plain Python value (str, int, float, bool or list)."""
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
@@ -467,8 +472,10 @@ for num_heads in (9, 3, 1):
 
 # %%
 #| export models.gguf_convert
-def gguf_to_hf_tensors(reader: GGUFReader, config: dict, unpermute: bool = True, dtype=np.float32):
+def gguf_to_hf_tensors(reader: "GGUFReader", config: dict, unpermute: bool = True, dtype=np.float32):
     """Yield (Hugging Face name, array of `dtype`) per tensor: dequantized, renamed, q/k rows un-permuted."""
+    from gguf.quants import dequantize as gguf_dequantize
+
     for tensor in reader.tensors:
         w = gguf_dequantize(tensor.data, tensor.tensor_type)
         w = w.reshape(tuple(int(n) for n in reversed(tensor.shape)))  # GGUF lists ne[0] (row length) first
@@ -660,7 +667,6 @@ assert prompt_ids[0] == 1 and prompt_ids.count(2) == 2  # <|im_start|> first, tw
 import json
 
 import ml_dtypes
-from gguf import GGUFReader
 from safetensors.numpy import save_file
 
 from tinyvllm_lib.models.gguf_convert import gguf_metadata, gguf_to_hf_tensors, hf_config, hf_generation_config
@@ -669,6 +675,8 @@ from tinyvllm_lib.models.gguf_tokenizer import build_tokenizer, hf_tokenizer_con
 
 def write_hf_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     """Convert a llama GGUF file into a Hugging Face folder: bf16 model.safetensors, configs, tokenizer."""
+    from gguf import GGUFReader
+
     out_dir = Path(out_dir)
     reader = GGUFReader(gguf_path)
     meta = gguf_metadata(reader)

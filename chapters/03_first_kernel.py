@@ -32,8 +32,9 @@
 #
 # It uses the bf16 helpers and the measuring kit of [chapter 01](01_bf16.py), the safetensors
 # reader of [chapter 02](02_safetensors.py), and the SmolLM2 folder of
-# [chapter 2b](02b_smollm2.py). It exports `tinyvllm_lib.tokenizer` (`Tokenizer`) and
-# `tinyvllm_lib.kernels.embedding` (`embed`).
+# [chapter 2b](02b_smollm2.py). It exports `tinyvllm_lib.tokenizer` (`Tokenizer`),
+# `tinyvllm_lib.kernels.embedding` (`embed`) and `tinyvllm_lib.kernels.checks`
+# (`is_c_contiguous`, the launchers' contiguity check).
 
 # %%
 #| default_exp kernels.embedding
@@ -626,9 +627,19 @@ PTX_SIGNATURES["embed_wide_kernel"] = [
 # logits, where they cannot be missed.
 
 # %%
+#| export kernels.checks
+def is_c_contiguous(a) -> bool:
+    """Whether a NumPy array or a device array (numba's, or the simulator's stand-in) is C-contiguous."""
+    return a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else bool(a.flags["C_CONTIGUOUS"])
+
+
+# %% [markdown]
+# Every later launcher needs that contiguity check, so it sits in a module of its own,
+# `kernels.checks`; the launcher imports it from there.
+
+# %%
 #| export
-def _is_c_contiguous(a) -> bool:
-    return a.flags.c_contiguous if isinstance(a, np.ndarray) else a.is_c_contiguous()
+from tinyvllm_lib.kernels.checks import is_c_contiguous
 
 
 def _address(a) -> int:
@@ -652,7 +663,7 @@ def _check_embed_args(ids, table, out) -> None:
         raise ValueError(f"embed: need ids (num_tokens,), table (vocab, hidden), out (num_tokens, hidden); "
                          f"got ids {tuple(ids.shape)}, table {tuple(table.shape)}, out {tuple(out.shape)}")
     for name, arr in (("ids", ids), ("table", table), ("out", out)):
-        if not _is_c_contiguous(arr):
+        if not is_c_contiguous(arr):
             raise ValueError(f"embed: {name} must be C-contiguous")
     if isinstance(ids, np.ndarray):  # host ids: cheap to check here; device ids were checked where they entered
         check_token_ids(ids, table.shape[0])

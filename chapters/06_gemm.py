@@ -187,6 +187,7 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32
+from tinyvllm_lib.kernels.checks import is_c_contiguous
 
 
 def is_device_array(a) -> bool:
@@ -201,17 +202,13 @@ def device_pointer(a) -> int:
     return a.__array_interface__["data"][0]
 
 
-def _is_c_contiguous(a) -> bool:
-    return a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else a.flags["C_CONTIGUOUS"]
-
-
 def check_linear_args(name: str, x, w, out) -> tuple[int, int, int]:
     """Check y = x · Wᵀ operands: x (M, K) bf16 bits, w (N, K) bf16 bits, out (M, N) float32; return M, N, K."""
     for label, a, dtype in (("x", x, np.uint16), ("w", w, np.uint16), ("out", out, np.float32)):
         if a.dtype != dtype:
             what = "bf16 bits as uint16" if dtype == np.uint16 else "float32"
             raise TypeError(f"{name}: {label} must hold {what}, got {a.dtype}")
-        if a.ndim != 2 or not _is_c_contiguous(a):
+        if a.ndim != 2 or not is_c_contiguous(a):
             raise ValueError(f"{name}: {label} must be a 2-D C-contiguous array, got shape {tuple(a.shape)}")
     (M, K), (N, K_w) = x.shape, w.shape
     if K_w != K:

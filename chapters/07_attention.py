@@ -339,6 +339,9 @@ def attention_ref(qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: 
 
 # %%
 #| export
+from tinyvllm_lib.kernels.checks import is_c_contiguous
+
+
 def check_qkv(name: str, qkv, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """Check a fused qkv buffer and its head counts; return num_tokens."""
     for label, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -352,13 +355,9 @@ def check_qkv(name: str, qkv, num_heads: int, num_kv_heads: int, head_dim: int) 
     if qkv.ndim != 2 or qkv.shape[1] != width:
         raise ValueError(f"{name}: qkv must be (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim) = (T, {width}), "
                          f"got {tuple(qkv.shape)}")
-    if not _is_c_contiguous(qkv):
+    if not is_c_contiguous(qkv):
         raise ValueError(f"{name}: qkv must be C-contiguous")
     return qkv.shape[0]
-
-
-def _is_c_contiguous(a) -> bool:
-    return a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else bool(a.flags["C_CONTIGUOUS"])
 
 
 def cdiv(a: int, b: int) -> int:
@@ -370,7 +369,7 @@ def check_out(name: str, out, shape: tuple, dtypes=(np.float32, np.uint16)) -> N
     """Check an output buffer: dtype among `dtypes` (uint16 = bf16 bits), shape, C-contiguous."""
     if out.dtype not in dtypes:
         raise TypeError(f"{name}: out must be {' or '.join(np.dtype(d).name for d in dtypes)} (uint16 = bf16 bits), got {out.dtype}")
-    if tuple(out.shape) != tuple(shape) or not _is_c_contiguous(out):
+    if tuple(out.shape) != tuple(shape) or not is_c_contiguous(out):
         raise ValueError(f"{name}: out must be C-contiguous of shape {tuple(shape)}, got {tuple(out.shape)}")
 
 
@@ -686,6 +685,7 @@ PTX_SIGNATURES = {
 # Llama 3.2 1B's: 32 heads, 8 KV heads of 64, 2,048 tokens.
 
 # %%
+#| export measure
 def max_rel_error(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| / max |want| over the finite entries (NaNs must agree)."""
     assert np.array_equal(np.isnan(got), np.isnan(want)), "NaNs in different places"
@@ -693,6 +693,11 @@ def max_rel_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got[ok] - want[ok])) / np.max(np.abs(want[ok])))
 
 
+# %% [markdown]
+# That measure of error goes to `tinyvllm_lib.measure`, beside the timing kit: the tests and the
+# benchmark script check the kernels with it too.
+
+# %%
 def assert_bf16_close(got_bits: np.ndarray, want: np.ndarray) -> None:
     """bf16 output = the float32 reference rounded to bf16, up to one bf16 step (2^-7 of the largest value)."""
     err = max_rel_error(bf16_bits_to_f32(got_bits), bf16_bits_to_f32(f32_to_bf16_bits(want)))
@@ -780,6 +785,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.checks import is_c_contiguous
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
@@ -812,7 +818,7 @@ def silu_mul(gate_up, out, stream=0, threads_per_block: int = 256):
     if gate_up.ndim != 2 or gate_up.shape[1] % 2 or tuple(out.shape) != (gate_up.shape[0], gate_up.shape[1] // 2):
         raise ValueError(f"silu_mul: need gate_up (T, 2 I) and out (T, I), got {tuple(gate_up.shape)} and {tuple(out.shape)}")
     for name, a in (("gate_up", gate_up), ("out", out)):
-        if not (a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else a.flags["C_CONTIGUOUS"]):
+        if not is_c_contiguous(a):
             raise ValueError(f"silu_mul: {name} must be C-contiguous")
     num_tokens, width = out.shape
     if num_tokens > 65535:
@@ -1415,8 +1421,9 @@ if records:
 # `flash_attention`, `make_flash_attention_kernel`, `attention_flops`), `kernels.attention_materialized`
 # (rung 1: `attention_materialized` and its three kernels),
 # `kernels.activation` (`silu_mul_ref`, `silu_mul`), `models.llama_numpy` (`fuse_llama_weights`,
-# `LlamaNumpy`, `log_softmax`, `check_positions`), `models.llama_cuda` (`LlamaCuda`) and
-# `models.random_llama` (`make_random_llama`, `tiny_llama_config`, `LLAMA_3_2_1B_CONFIG`).
+# `LlamaNumpy`, `log_softmax`, `check_positions`), `models.llama_cuda` (`LlamaCuda`),
+# `models.random_llama` (`make_random_llama`, `tiny_llama_config`, `LLAMA_3_2_1B_CONFIG`) and,
+# into `measure`, `max_rel_error`.
 #
 # ## Exercises
 #

@@ -10,16 +10,10 @@ from tinyvllm_lib.kernels.activation import silu_mul, silu_mul_ref
 from tinyvllm_lib.kernels.attention import attention_flops, attention_ref, flash_attention, softmax_ref, split_qkv
 from tinyvllm_lib.kernels.attention_materialized import attention_materialized
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.measure import max_rel_error
 from tinyvllm_lib.runtime import can_launch
 
 needs_kernels = pytest.mark.skipif(not can_launch(), reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1")
-
-
-def max_rel_error(got: np.ndarray, want: np.ndarray) -> float:
-    """max |got - want| / max |want| over finite entries; NaNs must be in the same places."""
-    assert np.array_equal(np.isnan(got), np.isnan(want)), "NaNs in different places"
-    ok = ~np.isnan(want)
-    return float(np.max(np.abs(got[ok] - want[ok])) / np.max(np.abs(want[ok])))
 
 
 def random_qkv(rng, num_tokens, num_heads, num_kv_heads, head_dim) -> np.ndarray:

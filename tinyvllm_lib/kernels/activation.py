@@ -6,6 +6,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.checks import is_c_contiguous
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
@@ -38,7 +39,7 @@ def silu_mul(gate_up, out, stream=0, threads_per_block: int = 256):
     if gate_up.ndim != 2 or gate_up.shape[1] % 2 or tuple(out.shape) != (gate_up.shape[0], gate_up.shape[1] // 2):
         raise ValueError(f"silu_mul: need gate_up (T, 2 I) and out (T, I), got {tuple(gate_up.shape)} and {tuple(out.shape)}")
     for name, a in (("gate_up", gate_up), ("out", out)):
-        if not (a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else a.flags["C_CONTIGUOUS"]):
+        if not is_c_contiguous(a):
             raise ValueError(f"silu_mul: {name} must be C-contiguous")
     num_tokens, width = out.shape
     if num_tokens > 65535:

@@ -41,6 +41,9 @@ def attention_ref(qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: 
 
 
 # defined in chapters/07_attention.py
+from tinyvllm_lib.kernels.checks import is_c_contiguous
+
+
 def check_qkv(name: str, qkv, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """Check a fused qkv buffer and its head counts; return num_tokens."""
     for label, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -54,13 +57,9 @@ def check_qkv(name: str, qkv, num_heads: int, num_kv_heads: int, head_dim: int) 
     if qkv.ndim != 2 or qkv.shape[1] != width:
         raise ValueError(f"{name}: qkv must be (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim) = (T, {width}), "
                          f"got {tuple(qkv.shape)}")
-    if not _is_c_contiguous(qkv):
+    if not is_c_contiguous(qkv):
         raise ValueError(f"{name}: qkv must be C-contiguous")
     return qkv.shape[0]
-
-
-def _is_c_contiguous(a) -> bool:
-    return a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else bool(a.flags["C_CONTIGUOUS"])
 
 
 def cdiv(a: int, b: int) -> int:
@@ -72,7 +71,7 @@ def check_out(name: str, out, shape: tuple, dtypes=(np.float32, np.uint16)) -> N
     """Check an output buffer: dtype among `dtypes` (uint16 = bf16 bits), shape, C-contiguous."""
     if out.dtype not in dtypes:
         raise TypeError(f"{name}: out must be {' or '.join(np.dtype(d).name for d in dtypes)} (uint16 = bf16 bits), got {out.dtype}")
-    if tuple(out.shape) != tuple(shape) or not _is_c_contiguous(out):
+    if tuple(out.shape) != tuple(shape) or not is_c_contiguous(out):
         raise ValueError(f"{name}: out must be C-contiguous of shape {tuple(shape)}, got {tuple(out.shape)}")
 
 

@@ -81,8 +81,7 @@ PTX_SIGNATURES["embed_wide_kernel"] = [
 
 
 # defined in chapters/03_first_kernel.py
-def _is_c_contiguous(a) -> bool:
-    return a.flags.c_contiguous if isinstance(a, np.ndarray) else a.is_c_contiguous()
+from tinyvllm_lib.kernels.checks import is_c_contiguous
 
 
 def _address(a) -> int:
@@ -106,7 +105,7 @@ def _check_embed_args(ids, table, out) -> None:
         raise ValueError(f"embed: need ids (num_tokens,), table (vocab, hidden), out (num_tokens, hidden); "
                          f"got ids {tuple(ids.shape)}, table {tuple(table.shape)}, out {tuple(out.shape)}")
     for name, arr in (("ids", ids), ("table", table), ("out", out)):
-        if not _is_c_contiguous(arr):
+        if not is_c_contiguous(arr):
             raise ValueError(f"embed: {name} must be C-contiguous")
     if isinstance(ids, np.ndarray):  # host ids: cheap to check here; device ids were checked where they entered
         check_token_ids(ids, table.shape[0])

