@@ -1659,9 +1659,12 @@ from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, bf16_to_f32, f32_to_bf16
 from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
-MAX_LANES_PER_KEY = 8  # lanes that share one key row: head_dim 64 is 16 words of 8 bytes, 2 per lane
-DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 4  # warps per block: they share the block's part of the context
-SPLIT_KEYS = 256  # keys per block when a sequence's context is split over several blocks (flash-decoding)
+# The defaults below were chosen from bench/ch08_decode_tune.py's sweep on an H200 (plotted below).
+LANE_ELEMENTS = 8  # bf16 values of a key row per lane (two 8-byte words): head_dim 64 is 8 lanes a key
+KEYS_PER_LANE = 3  # rows each lane loads before it uses any (bytes in flight)
+MAX_REGISTERS = None  # a cap on registers per thread (more warps per SM), or None
+DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 2  # warps per block: they share the block's part of the context
+SPLIT_KEYS = 512  # keys per block when a sequence's context is split over several blocks (flash-decoding)
 MIN_SPLIT_KEYS = 8  # never fewer keys per split than this (then rounded up to a block's step)
 TARGET_BLOCKS = 1024  # split further while the grid has fewer blocks than this (a few per SM)
 MAX_SPLITS = 32  # the most splits a workspace holds
@@ -1715,143 +1718,174 @@ def write_kv_cache_kernel(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v
 #| export kernels.decode_attention
 from numba import uint64
 
+LOG2_E = 1.4426950408889634  # exp(x) = exp2(x log2 e): scores are kept in base 2, so each exponential is one exp2
+
 
 @cuda.jit(device=True)
 def bf16_lane(word, e):
     """Element e (0..3) of an 8-byte word holding four bf16 values (the lowest address in the lowest bits)."""
-    return bf16_to_f32(uint32((word >> uint64(16 * e)) & uint64(0xFFFF)))
+    return bf16_to_f32(uint32(word >> uint64(16 * e)))  # bf16_to_f32 keeps the low 16 bits: one shift or mask
 
 
-def lanes_per_key(head_dim: int) -> int:
-    """Lanes that share one key row: the most, up to 8, that split its head_dim / 4 words of 8 bytes evenly."""
-    lanes = MAX_LANES_PER_KEY
-    while (head_dim // 4) % lanes:
-        lanes //= 2
+@cuda.jit(device=True)
+def cache_word(bt_row, key, block_shift, block_mask, num_kv_heads, kvh, words_per_row, sub):
+    """Index of lane `sub`'s first 8-byte word of position `key` in the cache viewed as words: 32-bit arithmetic.
+
+    Numba widens integer arithmetic to 64 bits; truncating every step to uint32 lets the compiler use
+    32-bit instructions (a 64-bit add or multiply costs two or more), and unsigned indices skip the
+    check for negative indices."""
+    slot = uint32(uint32(bt_row[key >> block_shift]) << block_shift) | uint32(key & block_mask)
+    return uint32(uint32(uint32(slot * num_kv_heads) + kvh) * uint32(words_per_row)) + sub
+
+
+def lanes_per_key(head_dim: int, lane_elements: int = LANE_ELEMENTS) -> int:
+    """Lanes that share one key row: about lane_elements values each, a power of two that splits its words evenly."""
+    lanes = 1
+    while 2 * lanes * lane_elements <= head_dim and (head_dim // 4) % (2 * lanes) == 0 and 2 * lanes <= WARP_SIZE:
+        lanes *= 2
     return lanes
 
 
-def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int):
-    """A block per (sequence, KV head, split of the context), all `group` query heads of it; L lanes per key."""
-    D, G, W, L = head_dim, group, num_warps, lanes_per_key(head_dim)
-    WPL = D // 4 // L  # 8-byte words per lane per row: 2 for head_dim 64
-    EPL = 4 * WPL  # elements per lane per row
-    QN = G * EPL  # query and accumulator values per lane
-    KPW = WARP_SIZE // L  # keys per warp per step: 4 for head_dim 64
-    DOT_MASKS = tuple(1 << i for i in range(L.bit_length() - 1))  # the L lanes of a key: 1, 2, 4
-    GROUP_MASKS = tuple(L << i for i in range((WARP_SIZE // L).bit_length() - 1))  # the warp's keys: 8, 16
+def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys_per_lane: int = KEYS_PER_LANE,
+                                 lane_elements: int = LANE_ELEMENTS, max_registers: int | None = MAX_REGISTERS):
+    """A block per (KV head, sequence, split of the context), all `group` query heads of it; L lanes per key."""
+    D, G, W, L, C = head_dim, group, num_warps, lanes_per_key(head_dim, lane_elements), keys_per_lane
+    # flush-to-zero and fast division: exp2 becomes one MUFU.EX2 instruction. The set keeps LLVM's
+    # "no infinities" assumption off (fastmath=True would allow it), since -inf marks "no key yet".
+    options = {"fastmath": {"contract", "afn"}}
+    if max_registers and not config.ENABLE_CUDASIM:
+        options["max_registers"] = max_registers
+    WPL = D // 4 // L  # 8-byte words per lane per row: 4 for head_dim 64
+    EPL = 4 * WPL  # elements per lane per row: 16
+    QN, CW, CG = G * EPL, C * WPL, C * G  # query (and accumulator) values per lane; words of its rows; scores
+    KPW = WARP_SIZE // L  # keys per warp at a time: 8 for head_dim 64
+    LOG_L, LOG_KPW = L.bit_length() - 1, KPW.bit_length() - 1  # shuffle rounds: L lanes of a key, a warp's KPW keys
+    GD = G * D  # outputs of a block
+    WPR, STEP = D // 4, W * KPW * C  # 8-byte words per row; keys a block covers per step
+    PER_THREAD = cdiv(GD, W * WARP_SIZE)  # outputs each thread adds up at the end
 
-    @cuda.jit
-    def kernel(qkv, k_cache, v_cache, block_tables, block_size, context_lens, scale, split_len, workspace, out):
-        s, kvh, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        n = context_lens[s]
-        begin = split * split_len
+    @cuda.jit(**options)
+    def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens, qscale, split_len, workspace, out):
+        # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit multiplies in the address arithmetic
+        kvh, s, split = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)  # KV heads side by side
+        num_kv_heads = uint32(cuda.gridDim.x)
+        n = uint32(context_lens[s])
+        begin = split * uint32(split_len)
         if split > 0 and begin >= n:  # past this sequence's end: the combine skips this split
             return
-        end = min(n, begin + split_len)
-        tid = cuda.threadIdx.x
-        warp, lane = tid // WARP_SIZE, tid % WARP_SIZE
-        key_in_warp, sub = lane // L, lane % L  # which key of the warp's KPW, which part of its row
+        end = min(n, begin + uint32(split_len))
+        tid = uint32(cuda.threadIdx.x)
+        warp, lane = tid // uint32(WARP_SIZE), tid % uint32(WARP_SIZE)
+        key_in_warp, sub = lane // uint32(L), lane % uint32(L)  # which of the warp's KPW keys, which part of its row
+        block_mask = (uint32(1) << block_shift) - uint32(1)
+        bt_row = block_tables[s]  # this sequence's blocks
+        q_row = qkv[s]
         scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)  # the simulator's shuffles
-        sm_m = cuda.shared.array((W, G), float32)
-        sm_l = cuda.shared.array((W, G), float32)
-        sm_acc = cuda.shared.array((W, G, D), float32)
+        sm_top = cuda.shared.array((W, G), float32)  # each warp's maximum score per query head
+        sm_block_top = cuda.shared.array(G, float32)
+        sm_acc = cuda.shared.array((KPW, GD), float32)  # one warp's KPW partial outputs at a time
+        sm_l = cuda.shared.array((KPW, G), float32)
         q = cuda.local.array(QN, float32)  # every index below is a constant: registers, not local memory
         acc = cuda.local.array(QN, float32)
         m = cuda.local.array(G, float32)
         ell = cuda.local.array(G, float32)
-        kw = cuda.local.array(WPL, uint64)
-        vw = cuda.local.array(WPL, uint64)
-        kn = cuda.local.array(WPL, uint64)
-        vn = cuda.local.array(WPL, uint64)
+        kw = cuda.local.array(CW, uint64)
+        vw = cuda.local.array(CW, uint64)
+        x = cuda.local.array(CG, float32)  # the scores of this step's C keys, for each query head
         for g in range(G):
             m[g] = -math.inf
             ell[g] = float32(0.0)
             for i in range(WPL):
                 for e in range(4):
-                    col = (kvh * G + g) * D + 4 * (sub + L * i) + e
-                    q[g * EPL + 4 * i + e] = qkv[s, col] * scale
+                    q[g * EPL + 4 * i + e] = q_row[(kvh * uint32(G) + uint32(g)) * uint32(D) + uint32(4) * (sub + uint32(L * i)) + uint32(e)] * qscale
                     acc[g * EPL + 4 * i + e] = float32(0.0)
-        for i in range(WPL):  # rows past the end are never used, but keep their registers defined
-            kw[i], vw[i], kn[i], vn[i] = uint64(0), uint64(0), uint64(0), uint64(0)
-        step = W * KPW
-        key = begin + warp * KPW + key_in_warp
-        if key < end:
-            slot = block_tables[s, key // block_size] * block_size + key % block_size
-            for i in range(WPL):
-                kw[i] = k_cache[slot, kvh, sub + L * i]
-                vw[i] = v_cache[slot, kvh, sub + L * i]
-        for _ in range(begin, end, step):  # the same steps in every warp: the simulator's shuffles need the block
-            nxt = key + step
-            if nxt < end:  # load the next step's row while this one is used
-                slot = block_tables[s, nxt // block_size] * block_size + nxt % block_size
+        for base in range(begin, end, uint32(STEP)):  # the same steps in every warp: the simulator's shuffles need the block
+            first = uint32(base + warp * uint32(KPW * C) + key_in_warp)  # this lane's keys: first, first + KPW, ...
+            for c in range(C):  # issue all C rows' loads before using any; past the end, reload the last row (masked below)
+                key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
+                word = cache_word(bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR, sub)
                 for i in range(WPL):
-                    kn[i] = k_cache[slot, kvh, sub + L * i]
-                    vn[i] = v_cache[slot, kvh, sub + L * i]
-            for g in range(G):
-                x = float32(0.0)
-                for i in range(WPL):
-                    for e in range(4):
-                        x += q[g * EPL + 4 * i + e] * bf16_lane(kw[i], e)
-                for mask in DOT_MASKS:  # the L lanes of a key add their partial dot products
-                    x += shfl_xor(x, mask, scratch)
-                if key < end:  # each key keeps its own online softmax: no warp-wide maximum per step
-                    if x > m[g]:
-                        alpha = math.exp(m[g] - x)
-                        ell[g] *= alpha
-                        for j in range(EPL):
-                            acc[g * EPL + j] *= alpha
-                        m[g] = x
-                    p = math.exp(x - m[g])
+                    kw[c * WPL + i] = k_cache[word + uint32(L * i)]
+                    vw[c * WPL + i] = v_cache[word + uint32(L * i)]
+            for c in range(C):  # scores: each lane's part of the dot products, then the L lanes of a key add them
+                for g in range(G):
+                    dot = float32(0.0)
+                    for i in range(WPL):
+                        for e in range(4):
+                            dot += q[g * EPL + 4 * i + e] * bf16_lane(kw[c * WPL + i], e)
+                    for r in range(LOG_L):  # lane masks 1, 2, ..., L / 2
+                        dot += shfl_xor(dot, 1 << r, scratch)
+                    x[c * G + g] = dot if first + uint32(c * KPW) < end else -math.inf
+            for g in range(G):  # each key slot of the warp keeps its own online softmax: no warp-wide maximum
+                top = m[g]
+                for c in range(C):
+                    top = max(top, x[c * G + g])
+                if top > m[g]:  # the running maximum grew: rescale what was summed so far (rare after a few keys)
+                    alpha = math.exp2(m[g] - top)
+                    ell[g] *= alpha
+                    for j in range(EPL):
+                        acc[g * EPL + j] *= alpha
+                    m[g] = top
+            for c in range(C):  # add each key's value row, weighted by its exponential
+                for g in range(G):
+                    p = math.exp2(x[c * G + g] - m[g]) if first + uint32(c * KPW) < end else float32(0.0)
                     ell[g] += p
                     for i in range(WPL):
                         for e in range(4):
-                            acc[g * EPL + 4 * i + e] += p * bf16_lane(vw[i], e)
-            for i in range(WPL):
-                kw[i] = kn[i]
-                vw[i] = vn[i]
-            key = nxt
-        for g in range(G):  # merge the warp's KPW keys: rescale each to the warp's maximum, then add
+                            acc[g * EPL + 4 * i + e] += p * bf16_lane(vw[c * WPL + i], e)
+        # merge the block's W * KPW partial softmaxes: rescale each to the block's maximum, then add them up
+        for g in range(G):
             top = m[g]
-            for mask in GROUP_MASKS:
-                top = max(top, shfl_xor(top, mask, scratch))
-            f = math.exp(m[g] - top) if m[g] > -math.inf else float32(0.0)
+            for r in range(LOG_KPW):  # lane masks L, 2 L, ..., 16
+                top = max(top, shfl_xor(top, L << r, scratch))
+            if lane == 0:
+                sm_top[warp, g] = top
+        cuda.syncthreads()
+        for g in range(G):
+            top = sm_top[0, g]
+            for w in range(1, W):
+                top = max(top, sm_top[w, g])
+            if tid == 0:
+                sm_block_top[g] = top
+            f = math.exp2(m[g] - top) if m[g] > -math.inf else float32(0.0)
             ell[g] *= f
             for j in range(EPL):
                 acc[g * EPL + j] *= f
-            for mask in GROUP_MASKS:
-                ell[g] += shfl_xor(ell[g], mask, scratch)
-                for j in range(EPL):
-                    acc[g * EPL + j] += shfl_xor(acc[g * EPL + j], mask, scratch)
-            m[g] = top
-        if key_in_warp == 0:
-            for g in range(G):
-                if sub == 0:
-                    sm_m[warp, g], sm_l[warp, g] = m[g], ell[g]
-                for i in range(WPL):
-                    for e in range(4):
-                        sm_acc[warp, g, 4 * (sub + L * i) + e] = acc[g * EPL + 4 * i + e]
-        cuda.syncthreads()
-        for t in range(tid, G * D, W * WARP_SIZE):  # combine the warps: rescale each to the block's maximum
-            g, d = t // D, t % D
-            top = sm_m[0, g]
-            for w in range(1, W):
-                top = max(top, sm_m[w, g])
-            num, den = float32(0.0), float32(0.0)
-            for w in range(W):
-                if sm_m[w, g] > -math.inf:
-                    f = math.exp(sm_m[w, g] - top)
-                    num += f * sm_acc[w, g, d]
-                    den += f * sm_l[w, g]
-            h = kvh * G + g
-            if cuda.gridDim.z == 1:  # the whole context in one block: the final output
-                store_activation(out, s, h * D + d, num / den if den > 0 else float32(0.0))
-            else:  # this split's partial: unnormalised output, then its maximum and sum
-                workspace[s, split, h, d] = num
-                if d == 0:
-                    workspace[s, split, h, D] = top
-                    workspace[s, split, h, D + 1] = den
+        num = cuda.local.array(PER_THREAD, float32)
+        den = cuda.local.array(PER_THREAD, float32)
+        for j in range(PER_THREAD):
+            num[j], den[j] = float32(0.0), float32(0.0)
+        for w in range(W):  # one warp's partials at a time through shared memory
+            if warp == w:
+                for g in range(G):
+                    if sub == 0:
+                        sm_l[key_in_warp, g] = ell[g]
+                    for i in range(WPL):
+                        for e in range(4):
+                            sm_acc[key_in_warp, g * D + 4 * (sub + L * i) + e] = acc[g * EPL + 4 * i + e]
+            cuda.syncthreads()
+            for j in range(PER_THREAD):
+                t = tid + j * W * WARP_SIZE
+                if t < GD:
+                    for r in range(KPW):
+                        num[j] += sm_acc[r, t]
+                        den[j] += sm_l[r, t // D]
+            cuda.syncthreads()
+        for j in range(PER_THREAD):
+            t = tid + j * W * WARP_SIZE
+            if t < GD:
+                g, d = t // D, t % D
+                h = kvh * G + g
+                if cuda.gridDim.z == 1:  # the whole context in one block: the final output
+                    store_activation(out, s, h * D + d, num[j] / den[j] if den[j] > 0 else float32(0.0))
+                else:  # this split's partial: unnormalised output, then its maximum (base 2) and sum
+                    workspace[s, split, h, d] = num[j]
+                    if d == 0:
+                        workspace[s, split, h, D] = sm_block_top[g]
+                        workspace[s, split, h, D + 1] = den[j]
 
-    kernel.head_dim, kernel.group, kernel.num_warps, kernel.keys_per_step = D, G, W, W * KPW
+    kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
+    kernel.keys_per_step = W * KPW * C  # keys a block covers per step of its loop
     return kernel
 
 
@@ -1869,7 +1903,7 @@ def decode_combine_kernel(workspace, context_lens, split_len, num_splits, out):
         for j in range(used):
             mj = workspace[s, j, h, D]
             if mj > -math.inf:
-                f = math.exp(mj - top)
+                f = math.exp2(mj - top)  # maxima are in base 2 (scores times log2 e)
                 num += f * workspace[s, j, h, d]
                 den += f * workspace[s, j, h, D + 1]
         store_activation(out, s, h * D + d, num / den if den > 0 else float32(0.0))
@@ -1877,10 +1911,11 @@ def decode_combine_kernel(workspace, context_lens, split_len, num_splits, out):
 
 decode_attention_d64_g4_kernel = make_decode_attention_kernel(64, 4, DECODE_WARPS)  # Llama 3.2 1B: 32 / 8 heads
 decode_attention_d64_g3_kernel = make_decode_attention_kernel(64, 3, DECODE_WARPS)  # SmolLM2: 9 / 3 heads
-_DECODE_KERNELS = {(64, 4, DECODE_WARPS): decode_attention_d64_g4_kernel, (64, 3, DECODE_WARPS): decode_attention_d64_g3_kernel}
+_DEFAULTS = (KEYS_PER_LANE, LANE_ELEMENTS, MAX_REGISTERS)
+_DECODE_KERNELS = {(64, 4, DECODE_WARPS, *_DEFAULTS): decode_attention_d64_g4_kernel,
+                   (64, 3, DECODE_WARPS, *_DEFAULTS): decode_attention_d64_g3_kernel}
 
-_DECODE_ARGS = ("float32[:, ::1], uint64[:, :, ::1], uint64[:, :, ::1], int32[:, ::1], int64, int32[::1], float32, int64, "
-                "float32[:, :, :, ::1]")
+_DECODE_ARGS = "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], float32, int64, float32[:, :, :, ::1]"
 PTX_SIGNATURES = {
     "write_kv_cache_kernel": [f"void(float32[:, ::1], int64, int64, {idx}[::1], uint16[:, :, ::1], uint16[:, :, ::1])"
                               for idx in ("int32", "int64")],
@@ -1891,9 +1926,9 @@ PTX_SIGNATURES = {
 
 # %%
 #| export kernels.decode_attention
-def decode_attention_kernel_for(head_dim: int, group: int, num_warps: int = DECODE_WARPS):
-    """The kernel for these compile-time sizes, built on first use."""
-    key = (head_dim, group, num_warps)
+def decode_attention_kernel_for(head_dim: int, group: int, num_warps: int = DECODE_WARPS, keys_per_lane: int | None = None):
+    """The kernel for these compile-time sizes (and the module's LANE_ELEMENTS and MAX_REGISTERS), built on first use."""
+    key = (head_dim, group, num_warps, keys_per_lane or KEYS_PER_LANE, LANE_ELEMENTS, MAX_REGISTERS)
     if key not in _DECODE_KERNELS:
         _DECODE_KERNELS[key] = make_decode_attention_kernel(*key)
     return _DECODE_KERNELS[key]
@@ -1926,7 +1961,8 @@ def decode_splits(max_context_len: int, rows: int, num_kv_heads: int, max_splits
 
 
 def decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int, context_lens, num_heads: int, num_kv_heads: int,
-                     head_dim: int, out, stream=0, num_warps: int = DECODE_WARPS, workspace=None, max_context_len=None):
+                     head_dim: int, out, stream=0, num_warps: int = DECODE_WARPS, workspace=None, max_context_len=None,
+                     keys_per_lane: int | None = None):
     """Row s of qkv (one new query per row, after RoPE) over positions 0..context_lens[s]-1 of a bf16 KV cache.
 
     Position p of row s is at slot block_tables[s, p // block_size] * block_size + p % block_size.
@@ -1940,26 +1976,29 @@ def decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int, conte
     if head_dim % 16:
         raise ValueError(f"decode_attention: head_dim must be a multiple of 16, got {head_dim}")
     k64, v64 = (_check_cache("decode_attention", c, num_kv_heads, head_dim) for c in (k_cache, v_cache))
+    if k64.size >= 2**32:
+        raise ValueError(f"decode_attention: the kernel indexes the cache with 32 bits; {k64.size} words is too many")
     if block_tables.dtype != np.int32 or block_tables.ndim != 2 or block_tables.shape[0] < rows:
         raise TypeError(f"decode_attention: block_tables must be int32 (rows, max_blocks), got {block_tables.dtype} {tuple(block_tables.shape)}")
     if context_lens.dtype != np.int32 or context_lens.ndim != 1 or context_lens.shape[0] < rows:
         raise TypeError(f"decode_attention: context_lens must be int32 (rows,), got {context_lens.dtype} {tuple(context_lens.shape)}")
-    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"decode_attention: block_size must be a positive integer, got {block_size!r}")
+    if not isinstance(block_size, (int, np.integer)) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"decode_attention: block_size must be a power of two (1, 2, 4, ... 16, ...), got {block_size!r}")
     if workspace is not None and (workspace.dtype != np.float32 or workspace.ndim != 4 or workspace.shape[0] < rows
                                   or tuple(workspace.shape[2:]) != (num_heads, head_dim + 2)):
         raise TypeError(f"decode_attention: workspace must be float32 (>= {rows}, splits, {num_heads}, {head_dim + 2}) "
                         f"from decode_workspace, got {workspace.dtype} {tuple(workspace.shape)}")
     if rows == 0:
         return out
-    kernel = decode_attention_kernel_for(head_dim, num_heads // num_kv_heads, num_warps)
+    kernel = decode_attention_kernel_for(head_dim, num_heads // num_kv_heads, num_warps, keys_per_lane)
     max_len = int(max_context_len) if max_context_len is not None else block_tables.shape[1] * int(block_size)
     splits, split_len = 1, 2**30  # one split: the whole context
     if workspace is not None and workspace.shape[1] > 1:
         splits, split_len = decode_splits(max(max_len, 1), rows, num_kv_heads, workspace.shape[1], kernel.keys_per_step)
     scratch = workspace if splits > 1 else qkv.reshape(1, 1, *qkv.shape)  # one split writes no partials: any float32 view
-    kernel[(rows, num_kv_heads, splits), num_warps * WARP_SIZE, stream](
-        qkv, k64, v64, block_tables, int(block_size), context_lens, np.float32(1 / math.sqrt(head_dim)), split_len, scratch, out)
+    kernel[(num_kv_heads, rows, splits), num_warps * WARP_SIZE, stream](
+        qkv, k64.reshape(-1), v64.reshape(-1), block_tables, np.uint32(int(block_size).bit_length() - 1), context_lens,
+        np.float32(LOG2_E / math.sqrt(head_dim)), split_len, scratch, out)
     if splits > 1:
         decode_combine_kernel[(rows, num_heads), cdiv(head_dim, WARP_SIZE) * WARP_SIZE, stream](
             workspace, context_lens, split_len, splits, out)

@@ -68,6 +68,22 @@ def test_decode_attention_split_odd_lengths(rng, num_warps):
     assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)) < 1e-5
 
 
+@pytest.mark.parametrize("head_dim, keys_per_lane", [(32, 1), (64, 2), (128, 3)])
+def test_decode_attention_lanes_per_key(rng, head_dim, keys_per_lane):
+    """Several lanes share a key row (2, 4, 8 for head_dim 32, 64, 128), each holding several rows at a time."""
+    qkv, k, v, bt, lens = case(rng, 3, 70, 6, 2, head_dim, 8)
+    lens[:] = [70, 9, 41]
+    want = decode_attention_ref(qkv, k, v, bt, 8, lens, 6, 2, head_dim)
+    got = run_split(qkv, k, v, bt, 8, lens, 6, 2, head_dim, 4, keys_per_lane=keys_per_lane, max_context_len=70)
+    assert rel_error(got, want) < 1e-5
+
+
+def test_decode_attention_block_size_power_of_two(rng):
+    qkv, k, v, bt, lens = case(rng, 1, 12, 2, 1, 16, 3)
+    with pytest.raises(ValueError, match="power of two"):
+        run(qkv, k, v, bt, 3, lens, 2, 1, 16)
+
+
 def test_decode_attention_split_shorter_than_one_split(rng):
     qkv, k, v, bt, lens = case(rng, 3, 6, 6, 2, 16, 2)  # every context shorter than one step of keys
     lens[:] = [1, 6, 3]
@@ -95,7 +111,7 @@ def test_decode_splits_and_workspace():
     for max_len, rows in [(1, 1), (17, 3), (1024, 1), (1024, 64), (1024, 256), (100_000, 8)]:
         splits, split_len = decode_splits(max_len, rows, 8, 32, 16)
         assert 1 <= splits <= 32 and split_len % 16 == 0 and splits * split_len >= max_len > (splits - 1) * split_len
-    assert decode_splits(1024, 64, 8, 32, 16) == (4, 256)
+    assert decode_splits(1024, 64, 8, 32, 16) == (2, 512)  # SPLIT_KEYS = 512 keys a block; 1024 blocks
     ws = decode_workspace(8, 1024, 32, 64)
     assert ws.dtype == np.float32 and ws.shape[0] == 8 and ws.shape[2:] == (32, 66) and ws.shape[1] > 1
 

@@ -1,0 +1,112 @@
+"""Chapter 8: what each knob of the decode attention kernel does, at Llama 3.2 1B's shapes.
+
+Moves one knob at a time away from the module's defaults: values per lane of a key row
+(lane_elements), rows a lane loads at once (keys_per_lane), a register cap, warps per block, keys
+per split and the grid size the splits aim for, at 1, 8 and 64 sequences x 1024 tokens of context (a paged cache of
+16-slot blocks in shuffled order). Every variant is checked against the float64 reference before
+it is timed (in a CUDA graph, rotating through K/V sets larger than L2). Records to
+book/data/ch08_decode_tune.json; the chapter plots it and the defaults are chosen from it.
+
+    python bench/ch08_decode_tune.py [--grid]
+"""
+
+import argparse
+import itertools
+
+import numpy as np
+from numba import cuda
+
+import tinyvllm_lib.kernels.decode_attention as da
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+from tinyvllm_lib.measure import Recorder, load_records, num_rotations, time_launches
+
+H, KVH, D, CONTEXT, BLOCK = 32, 8, 64, 1024, 16
+
+
+def make_case(gen, num_seqs: int) -> dict:
+    """Rotating K/V sets, a shuffled block table, full contexts, random queries; the reference for set 0."""
+    blocks_per_seq = CONTEXT // BLOCK
+    num_slots = num_seqs * CONTEXT
+    kv_bytes = 2 * num_slots * KVH * D * 2
+    host = []  # the first set's bits, for the reference
+    sets = []
+    for _ in range(num_rotations(kv_bytes)):
+        k, v = (f32_to_bf16_bits(gen.standard_normal((num_slots, KVH, D), np.float32)) for _ in range(2))
+        host = host or [k, v]
+        sets.append((cuda.to_device(k), cuda.to_device(v)))
+    bt = gen.permutation(num_seqs * blocks_per_seq).astype(np.int32).reshape(num_seqs, blocks_per_seq)
+    lens = np.full(num_seqs, CONTEXT, np.int32)
+    qkv = gen.standard_normal((num_seqs, (H + 2 * KVH) * D)).astype(np.float32)
+    want = da.decode_attention_ref(qkv, *host, bt, BLOCK, lens, H, KVH, D)
+    return {"n": num_seqs, "kv_bytes": kv_bytes, "sets": sets, "bt": cuda.to_device(bt),
+            "lens": cuda.to_device(lens), "qkv": cuda.to_device(qkv), "want": want,
+            "out": cuda.device_array((num_seqs, H * D), np.float32), "ws": da.decode_workspace(num_seqs, CONTEXT, H, D)}
+
+
+def run_variant(case: dict, lane_elements: int, keys_per_lane: int, max_registers, num_warps: int, split_keys: int,
+                target_blocks: int) -> tuple[float, int, float, int]:
+    """(seconds per call, number of splits, relative error, registers per thread) for one setting."""
+    da.SPLIT_KEYS, da.TARGET_BLOCKS = split_keys, target_blocks  # read by decode_splits at each call
+    da.LANE_ELEMENTS, da.MAX_REGISTERS = lane_elements, max_registers  # read by decode_attention_kernel_for
+
+    def call(i, stream):
+        k, v = case["sets"][i % len(case["sets"])]
+        da.decode_attention(case["qkv"], k, v, case["bt"], BLOCK, case["lens"], H, KVH, D, case["out"], stream=stream,
+                            num_warps=num_warps, keys_per_lane=keys_per_lane, workspace=case["ws"], max_context_len=CONTEXT)
+
+    call(0, 0)
+    cuda.synchronize()
+    err = float(np.abs(case["out"].copy_to_host() - case["want"]).max() / np.abs(case["want"]).max())
+    seconds = time_launches(call, 2 * len(case["sets"]))
+    kernel = da.decode_attention_kernel_for(D, H // KVH, num_warps, keys_per_lane)
+    splits, _ = da.decode_splits(CONTEXT, case["n"], KVH, case["ws"].shape[1], kernel.keys_per_step)
+    return seconds, splits, err, max(kernel.get_regs_per_thread().values())
+
+
+def settings(grid: dict, defaults: dict) -> list[dict]:
+    """The defaults, then each knob moved alone through its values (the others at their defaults)."""
+    out = [dict(defaults)]
+    for knob, values in grid.items():
+        out += [{**defaults, knob: v} for v in values if v != defaults[knob]]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--grid", action="store_true", help="every combination of the knobs (64 sequences only; minutes)")
+    args = ap.parse_args()
+    copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
+    copy_gbs = copy[0]["value"] if copy else None
+    saved = (da.SPLIT_KEYS, da.TARGET_BLOCKS, da.LANE_ELEMENTS, da.MAX_REGISTERS)
+    defaults = {"lane_elements": da.LANE_ELEMENTS, "keys_per_lane": da.KEYS_PER_LANE, "max_registers": da.MAX_REGISTERS,
+                "num_warps": da.DECODE_WARPS, "split_keys": da.SPLIT_KEYS, "target_blocks": da.TARGET_BLOCKS}
+    grid = {"lane_elements": (8, 16), "keys_per_lane": (1, 2, 3, 4), "max_registers": (None, 128), "num_warps": (1, 2, 4, 8),
+            "split_keys": (256, 512, 1024), "target_blocks": (512, 1024, 2048)}
+    gen = np.random.default_rng(0)
+    rec = Recorder("ch08_decode_tune")
+    for n in ((64,) if args.grid else (64, 8, 1)):
+        case = make_case(gen, n)
+        best = None
+        todo = [dict(zip(grid, v)) for v in itertools.product(*grid.values())] if args.grid else settings(grid, defaults)
+        for knobs in todo:
+            seconds, splits, err, regs = run_variant(case, *knobs.values())
+            gbs = case["kv_bytes"] / seconds / 1e9
+            ok = err < 1e-5
+            moved = [k for k in knobs if knobs[k] != defaults[k]]
+            rec.add("decode_attention_variant", [n, CONTEXT, H, KVH, D], "GB/s", gbs, copy_gbs, us=seconds * 1e6,
+                    **knobs, moved=moved, splits=splits, registers=regs, rel_error=err, correct=ok)
+            label = "  ".join(f"{k} {v}" for k, v in knobs.items())
+            print(f"{n:>3} seqs  {label}  splits {splits:>2}  regs {regs}: {seconds * 1e6:7.1f} us {gbs:6.0f} GB/s"
+                  + (f" {gbs / copy_gbs:4.0%}" if copy_gbs else "") + ("" if ok else f"  WRONG (rel error {err:.1e})"))
+            if ok and (best is None or seconds < best[0]):
+                best = (seconds, label)
+        if best:
+            print(f"best at {n} seqs: {best[0] * 1e6:.1f} us with {best[1]}"
+                  + (f" = {case['kv_bytes'] / best[0] / 1e9 / copy_gbs:.0%} of copy" if copy_gbs else ""))
+        del case
+    da.SPLIT_KEYS, da.TARGET_BLOCKS, da.LANE_ELEMENTS, da.MAX_REGISTERS = saved
+    print("saved", rec.save())
+
+
+if __name__ == "__main__":
+    main()
