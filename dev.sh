@@ -73,7 +73,7 @@ case "$cmd" in
         total=$SECONDS
         step "library in sync with chapters" "$PY" book/export.py --check
         step "lint" "$VENV/bin/ruff" check chapters tests book bench
-        step "pytest (CUDA simulator; PTX for sm_90 without it)" "$VENV/bin/pytest" -q -p no:cacheprovider tests
+        step "pytest (CUDA simulator; PTX for sm_90 without it)" "$VENV/bin/pytest" -q -p no:cacheprovider --durations=12 tests
         step "chapters to notebooks" chapters_to_notebooks
         step "chapters through nbval" "$VENV/bin/pytest" -q -p no:cacheprovider --nbval-lax --nbval-current-env book/_build/nb
         step "book (warnings are errors)" book

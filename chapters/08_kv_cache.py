@@ -1628,18 +1628,43 @@ if decode:
 # - a block handles **all $G$ query heads** of one KV head, so each K and V row is read once,
 #   not $G$ times; the $G$ queries and their accumulators stay in registers;
 # - 8 lanes share one key row (head dim 64: 128 bytes): each loads two **8-byte words** (4 bf16
-#   values each), and 8 neighbouring lanes read 64 contiguous bytes per load — two whole memory
-#   sectors; a warp covers 4 keys per step and loads the next step's rows while it computes;
-# - the 8 lanes add their partial dot products with three shuffles, and every key's lanes keep
-#   their own **online softmax** (chapter 7), rescaling only when their maximum grows — no
-#   warp-wide maximum per step; at the end the warp's keys, then the block's warps, are merged,
-#   each rescaled to the common maximum;
-# - **the context is split over several blocks** (flash-decoding): the grid is (sequence, KV head,
-#   split), about 256 keys a block, and more splits while the grid is small, so even one
-#   sequence fills the GPU. Each block writes its partial — unnormalised output, maximum and
-#   sum — to a float32 **workspace** the caller made once (`decode_workspace`), and a small
-#   second kernel combines the splits into the output — float32, or bf16 bits for `o_proj`
+#   values each), and the 8 lanes read 64 contiguous bytes per load — two whole memory sectors;
+#   a warp covers 4 keys at a time, and each lane loads **3 rows before it uses any**, so that
+#   enough bytes are in flight to cover the memory's latency;
+# - the 8 lanes add their partial dot products with three shuffles, and every key slot of the
+#   warp keeps its own **online softmax** (chapter 7): its maximum rarely grows after the first
+#   few keys, so the rescaling is a rare branch, not work done per key; at the end the warp's
+#   slots, then the block's warps, are merged, each rescaled to the common maximum;
+# - **the context is split over several blocks** (flash-decoding): the grid is (KV head,
+#   sequence, split), about 512 keys a block, and more splits while the grid is small, so even
+#   one sequence spreads over the GPU. Each block writes its partial — unnormalised output,
+#   maximum and sum — to a float32 **workspace** the caller made once (`decode_workspace`), and a
+#   small second kernel combines the splits into the output — float32, or bf16 bits for `o_proj`
 #   (chapter 4's `store_activation`). With one split the first kernel writes the output itself.
+#   KV heads are the grid's fastest index, so the blocks that run side by side read whole slots.
+#
+# **It is also an instruction budget.** At 4 FLOPs per byte the FMAs alone are a quarter of
+# the SM's issue slots at full bandwidth, and every bf16 value costs one more instruction to
+# widen; what is left over for address arithmetic, shuffles and the softmax is small. The first
+# versions of this kernel — a row at a time per lane, 64-bit indexing — reached about a third
+# of the copy bandwidth, and Nsight Compute showed why: the schedulers were issuing
+# nearly every cycle while DRAM sat mostly idle. What brought it up, in order of effect:
+#
+# - **registers**: with 16 values a lane, the queries and accumulators of 4 heads took 128
+#   registers before anything else, the compiler used about 240, and only 8 warps fitted on an
+#   SM; 8 values a lane (one more shuffle) leaves room for 3 rows in flight at 127 registers;
+# - **32-bit indices**: Numba widens integer arithmetic to 64 bits, and a 64-bit add or multiply
+#   is two or more instructions; signed indices also get a check for negative values. The cache
+#   is passed as one flat array of 8-byte words and `cache_word` computes a lane's word in
+#   truncated `uint32` steps;
+# - **exp2 in one instruction**: the query is pre-scaled by $\log_2 e / \sqrt{D}$, so each
+#   exponential is `exp2`, and flush-to-zero (a fastmath *set* that keeps the "no infinities"
+#   assumption off, since $-\infty$ marks an empty softmax) makes it a single `MUFU.EX2`;
+# - **no branches around loads**: keys past the end reload the last valid row and are masked
+#   out of the softmax, instead of skipping the load.
+#
+# The sweep below moves one of these knobs at a time away from the defaults and records each
+# setting's speed (`bench/ch08_decode_tune.py`).
 #
 # Where position $p$ of sequence $s$ lives is the runner's business: the kernel takes a **block
 # table** and a block size, slot $= \text{table}[s, \lfloor p / B \rfloor] \cdot B + p \bmod B$.
@@ -2066,10 +2091,42 @@ glue("ch08_decode_sms", str(decode_records[64]["device"].get("multiprocessors", 
 # %% [markdown]
 # On the {glue:text}`ch08_decode_device`, at Llama 3.2 1B's shapes and 1024 tokens of context,
 # 64 sequences take {glue:text}`ch08_decode_64_us` per layer — {glue:text}`ch08_decode_64_copy` of
-# the copy bandwidth — and one sequence {glue:text}`ch08_decode_1_us`. Splitting the context is
-# what gets there: one block per (sequence, KV head) is 8 blocks for one sequence and 512 for 64,
-# too few to keep enough loads in flight on {glue:text}`ch08_decode_sms` SMs, while the splits give
-# every SM several blocks at any batch size, for a small combine step.
+# the copy bandwidth. One sequence takes {glue:text}`ch08_decode_1_us`: its 2 MiB of K and V per
+# layer is too little to fill {glue:text}`ch08_decode_sms` SMs, so latency, not bandwidth, sets its
+# time, and splitting the context is what keeps it that short. Here is what each knob does at
+# 64 sequences, moved alone away from the defaults (the dark bar):
+
+# %%
+tune = [r for r in load_records("ch08_decode_tune") if r["shape"][0] == 64 and r.get("correct")]
+KNOBS = {"lane_elements": "values per lane", "keys_per_lane": "rows in flight per lane", "max_registers": "register cap",
+         "num_warps": "warps per block", "split_keys": "keys per split", "target_blocks": "grid target"}
+if tune and tune[0].get("ratio"):
+    base = next(r for r in tune if not r["moved"])
+    fig, axes = new_figure(1, len(KNOBS), width=9, height=2.3, sharey=True)
+    for ax, (knob, title) in zip(axes, KNOBS.items()):
+        points = sorted([base] + [r for r in tune if r["moved"] == [knob]], key=lambda r: (r[knob] is not None, r[knob] or 0))
+        labels = [str(r[knob]) if r[knob] is not None else "none" for r in points]
+        ax.bar(labels, [100 * r["ratio"] for r in points], color=["#1f4e79" if r is base else "#9ecae1" for r in points])
+        ax.set_title(title, fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("% of copy bandwidth")
+    fig.suptitle(f"decode attention, 64 sequences x 1024 tokens, {base['device']['name']}", fontsize=9)
+    plt.show()
+    for r in sorted(tune, key=lambda r: -r["ratio"])[:3]:
+        print(f"{r['ratio']:.0%} of copy: " + ", ".join(f"{k} {r[k]}" for k in KNOBS) + f" ({r['registers']} registers)")
+else:
+    print("no GPU sweep recorded yet: run bench/ch08_decode_tune.py on a GPU")
+
+# %% [markdown]
+# Rows in flight matter most: with one row per lane the memory waits between loads; three and
+# four are about equal, four at the 128 registers that still let 16 warps share an SM. Sixteen
+# values a lane pushes the registers past that and halves the warps. One warp a block leaves
+# half the GPU idle — 64 × 8 × 2 blocks of one warp each are fewer warps than 132 SMs hold —
+# and eight warps a block give each warp too short a share of its 512 keys to pay for loading
+# the queries and merging at the end; shorter splits (more of them) cost the same way. The kernel
+# is not the ceiling of the hardware — FlashInfer-style kernels use 16-byte loads and tensor
+# cores, which Numba does not reach — but it is within sight of the copy bandwidth at the batch
+# sizes where attention's bytes are a large part of a step.
 
 
 # %% [markdown]

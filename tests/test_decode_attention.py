@@ -71,10 +71,10 @@ def test_decode_attention_split_odd_lengths(rng, num_warps):
 @pytest.mark.parametrize("head_dim, keys_per_lane", [(32, 1), (64, 2), (128, 3)])
 def test_decode_attention_lanes_per_key(rng, head_dim, keys_per_lane):
     """Several lanes share a key row (2, 4, 8 for head_dim 32, 64, 128), each holding several rows at a time."""
-    qkv, k, v, bt, lens = case(rng, 3, 70, 6, 2, head_dim, 8)
-    lens[:] = [70, 9, 41]
-    want = decode_attention_ref(qkv, k, v, bt, 8, lens, 6, 2, head_dim)
-    got = run_split(qkv, k, v, bt, 8, lens, 6, 2, head_dim, 4, keys_per_lane=keys_per_lane, max_context_len=70)
+    qkv, k, v, bt, lens = case(rng, 2, 40, 4, 2, head_dim, 8)
+    lens[:] = [40, 9]
+    want = decode_attention_ref(qkv, k, v, bt, 8, lens, 4, 2, head_dim)
+    got = run_split(qkv, k, v, bt, 8, lens, 4, 2, head_dim, 4, keys_per_lane=keys_per_lane, max_context_len=40)
     assert rel_error(got, want) < 1e-5
 
 
