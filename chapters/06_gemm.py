@@ -551,7 +551,8 @@ else:
 # needs no barrier and no second reduction, so the launcher's `"auto"` choice gives each row its
 # own warp there (for one or two tokens; with more, the block's loads of $x$, shared by its
 # rows, should matter more). The measurements below compare the two on every shape, and on
-# whole decoding steps at every token count.
+# whole decoding steps at every token count. (In the simulator, where every thread is a Python
+# thread, `"auto"` always takes the warp per row: 8 times fewer threads for the same result.)
 #
 # The same kernel serves 1 to 16 token vectors. The tokens share each weight word, so the
 # weights are read from memory once whatever $M$ is, and each thread keeps `rows × tokens`
@@ -687,6 +688,8 @@ def gemv(x, w, out, stream=0, variant: str = "auto"):
     if K % 4 or device_pointer(x) % 8 or device_pointer(w) % 8:
         raise ValueError(f"gemv: reads 4 bf16 at a time, so rows must start on 8-byte boundaries: "
                          f"K={K} must be a multiple of 4 and x, w 8-byte aligned")
+    if variant == "auto" and config.ENABLE_CUDASIM:
+        variant = "warp"  # the simulator runs every thread in Python: the variant with 8x fewer threads per row
     if variant == "auto":
         variant = "warp" if N >= GEMV_WARP_MIN_ROWS and M <= 2 else "block"
     if variant not in GEMV_VARIANTS:

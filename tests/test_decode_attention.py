@@ -13,6 +13,7 @@ from tinyvllm_lib.kernels.decode_attention import (
     write_kv_cache,
     write_kv_cache_ref,
 )
+from tinyvllm_lib.measure import max_rel_error as rel_error
 from tinyvllm_lib.runtime import can_launch
 
 pytestmark = pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
@@ -54,10 +55,6 @@ def run_split(qkv, k, v, blocks, block_size, lens, H, KVH, D, max_splits, out_dt
     got = out.copy_to_host()
     assert not (np.isnan(got).any() if out_dtype == np.float32 else (got == 0x7FC0).any())
     return got
-
-
-def rel_error(got, want):
-    return np.abs(got - want).max() / np.abs(want).max()
 
 
 @pytest.mark.parametrize("num_warps", [1, 2])

@@ -16,6 +16,7 @@ from tinyvllm_lib.kernels.gemm import gemm_blocked, gemm_naive, gemm_shared
 from tinyvllm_lib.kernels.gemv import GEMV_BUCKETS, GEMV_MAX_ACC, GEMV_VARIANTS, gemv
 from tinyvllm_lib.layers.linear import LINEAR_GEMV_MAX_TOKENS, gemv_wins_up_to, linear, linear_path
 from tinyvllm_lib.measure import load_records
+from tinyvllm_lib.measure import max_rel_error as rel_error
 from tinyvllm_lib.runtime import can_launch, is_simulator
 
 TOL = 1e-4  # max|got - want| / max|want|, float32 accumulation against float64
@@ -30,10 +31,6 @@ def random_bf16(rng, shape, scale=1.0):
 
 def reference(x, w):
     return bf16_bits_to_f32(x).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
-
-
-def rel_error(got, want):
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 def run(launch, rng, M, N, K, **kw):
