@@ -1668,7 +1668,8 @@ if decode:
 #
 # Where position $p$ of sequence $s$ lives is the runner's business: the kernel takes a **block
 # table** and a block size, slot $= \text{table}[s, \lfloor p / B \rfloor] \cdot B + p \bmod B$.
-# This chapter's contiguous rows are blocks of $B = 16$ slots laid end to end; chapter 10's
+# $B$ must be a power of two (vLLM's are 8, 16 or 32), so the division and the remainder are a
+# shift and a mask. This chapter's contiguous rows are blocks of $B = 16$ slots laid end to end; chapter 10's
 # paging hands out blocks anywhere, and the kernel does not change. The simulator has no warp
 # shuffles, so there the shuffles go through shared memory (chapter 4's `shfl_xor`).
 
@@ -1990,7 +1991,8 @@ def decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int, conte
                      keys_per_lane: int | None = None):
     """Row s of qkv (one new query per row, after RoPE) over positions 0..context_lens[s]-1 of a bf16 KV cache.
 
-    Position p of row s is at slot block_tables[s, p // block_size] * block_size + p % block_size.
+    Position p of row s is at slot block_tables[s, p // block_size] * block_size + p % block_size;
+    block_size is a power of two.
     out: (rows, H D), float32 or bf16 bits. The new token's own K/V must already be in the cache.
     workspace (from decode_workspace): lets several blocks share a sequence's context (flash-decoding);
     without it one block per (row, KV head) walks the whole context. max_context_len: at least every

@@ -315,7 +315,8 @@ def decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int, conte
                      keys_per_lane: int | None = None):
     """Row s of qkv (one new query per row, after RoPE) over positions 0..context_lens[s]-1 of a bf16 KV cache.
 
-    Position p of row s is at slot block_tables[s, p // block_size] * block_size + p % block_size.
+    Position p of row s is at slot block_tables[s, p // block_size] * block_size + p % block_size;
+    block_size is a power of two.
     out: (rows, H D), float32 or bf16 bits. The new token's own K/V must already be in the cache.
     workspace (from decode_workspace): lets several blocks share a sequence's context (flash-decoding);
     without it one block per (row, KV head) walks the whole context. max_context_len: at least every
