@@ -70,9 +70,12 @@ def bench_length(rec: Recorder, rng, num_tokens: int) -> None:
     outs_bf16 = [cuda.device_array((num_tokens, H * D), np.uint16) for _ in range(num_sets)]
     scores = cuda.device_array((H, num_tokens, num_tokens), np.float32) if num_tokens <= MATERIALIZED_MAX else None
 
+    starts = cuda.to_device(np.array([0, num_tokens], np.int32))  # query_start_loc: one sequence
     variants = {
-        "attention_flash": lambda i, s: flash_attention(qkvs[i % num_sets], H, KVH, D, outs[i % num_sets], stream=s),
-        "attention_flash_bf16": lambda i, s: flash_attention(qkvs[i % num_sets], H, KVH, D, outs_bf16[i % num_sets], stream=s),
+        "attention_flash": lambda i, s: flash_attention(qkvs[i % num_sets], starts, num_tokens, H, KVH, D,
+                                                        outs[i % num_sets], stream=s),
+        "attention_flash_bf16": lambda i, s: flash_attention(qkvs[i % num_sets], starts, num_tokens, H, KVH, D,
+                                                             outs_bf16[i % num_sets], stream=s),
     }
     if scores is not None:
         variants["attention_materialized"] = lambda i, s: attention_materialized(

@@ -71,14 +71,15 @@ def main() -> None:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    llm = LLM("smollm2", device="cpu")
+    llm = LLM("smollm2", device="cpu", max_num_seqs=1)
     prompt_ids = llm.tokenizer.apply_chat_template(QUESTION, tokenize=True)
     hf = AutoModelForCausalLM.from_pretrained(str(llm.folder), dtype=torch.float32).eval()
     input_ids = torch.tensor([prompt_ids])
     mask = torch.ones_like(input_ids)
 
-    steps = Timestamps(llm.runner.execute)
-    llm.runner.execute = steps  # the runner's calls: the prefill, then one per decode step
+    runner = llm.llm_engine.model_runner
+    steps = Timestamps(runner.execute)
+    runner.execute = steps  # the runner's calls (an instance attribute): the prefill, then one per decode step
 
     def ours(num_tokens: int) -> tuple[list[int], float, float]:
         """(tokens, decode seconds for num_tokens - 1 steps, wall seconds)."""

@@ -11,6 +11,7 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib import LLM, SamplingParams
+from tinyvllm_lib.engine.model_runner import SchedulerOutput, prepare_inputs
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref, decode_workspace
 from tinyvllm_lib.measure import Recorder, load_records, num_rotations, time_launches
@@ -23,7 +24,8 @@ rec = Recorder("ch08_kv_cache")
 gen = np.random.default_rng(0)
 
 
-def bench_decode_attention(num_seqs: int) -> None:
+def bench_decode_attention(num_seqs: int, bound: int = CONTEXT) -> None:
+    """Decode attention over CONTEXT tokens per sequence; `bound` (max_context_len) sizes the grid's splits."""
     blocks_per_seq = CONTEXT // BLOCK
     num_slots = num_seqs * CONTEXT
     kv_bytes = 2 * num_slots * KVH * D * 2  # compulsory: every cached K and V once
@@ -36,8 +38,8 @@ def bench_decode_attention(num_seqs: int) -> None:
     lens = cuda.to_device(np.full(num_seqs, CONTEXT, np.int32))
     qkv_h = gen.standard_normal((num_seqs, (H + 2 * KVH) * D)).astype(np.float32)
     qkv, out = cuda.to_device(qkv_h), cuda.device_array((num_seqs, H * D), np.float32)
-    ws = decode_workspace(num_seqs, CONTEXT, H, D)  # split partials (flash-decoding), made once
-    split = {"workspace": ws, "max_context_len": CONTEXT}
+    ws = decode_workspace(num_seqs, bound, H, D)  # split partials (flash-decoding), made once
+    split = {"workspace": ws, "max_context_len": bound}
     decode_attention(qkv, *sets[0][:2], bt, BLOCK, lens, H, KVH, D, out, **split)  # check before timing
     want = decode_attention_ref(qkv_h, sets[0][2].copy_to_host(), sets[0][3].copy_to_host(), bt.copy_to_host(), BLOCK,
                                 lens.copy_to_host(), H, KVH, D)
@@ -45,12 +47,14 @@ def bench_decode_attention(num_seqs: int) -> None:
     seconds = time_launches(lambda i, s: decode_attention(qkv, *sets[i % len(sets)][:2], bt, BLOCK, lens, H, KVH, D, out,
                                                            stream=s, **split), 2 * len(sets))
     gbs = kv_bytes / seconds / 1e9
-    r = rec.add("decode_attention", [num_seqs, CONTEXT, H, KVH, D], "GB/s", gbs, copy_gbs, us=seconds * 1e6)
-    print(f"decode attention {num_seqs:>3} seqs x {CONTEXT}: {seconds * 1e6:7.1f} us, {gbs:6.0f} GB/s"
+    name = "decode_attention" if bound == CONTEXT else f"decode_attention_bound{bound}"
+    r = rec.add(name, [num_seqs, CONTEXT, H, KVH, D], "GB/s", gbs, copy_gbs, us=seconds * 1e6, max_context_len=bound)
+    print(f"decode attention {num_seqs:>3} seqs x {CONTEXT} (grid for {bound}): {seconds * 1e6:7.1f} us, {gbs:6.0f} GB/s"
           + (f" = {r['ratio']:.0%} of copy" if copy_gbs else ""))
 
 
 def bench_engine(label: str, model: str, max_model_len: int = 512) -> None:
+    """Batch 1 on the GPU: tokens/s end to end, and one decode step from Python against its kernels in a graph."""
     llm = LLM(model, device="cuda", max_model_len=max_model_len, max_num_seqs=1)
     prompt = list(range(100, 116))
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -59,24 +63,28 @@ def bench_engine(label: str, model: str, max_model_len: int = 512) -> None:
     llm.generate([prompt], params, use_tqdm=False)
     total = time.perf_counter() - t0
     # one decode step from Python (wall) vs its kernels alone: the same step replayed from a captured graph
-    runner, slots = llm.runner, llm.slots
-    row = slots.allocate()
+    engine = llm.llm_engine
+    runner, alloc = engine.model_runner, engine.allocator
+    request = engine.make_request("bench", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    row = alloc.allocate()
     try:
-        pos = np.arange(len(prompt))
-        runner.execute(prompt, pos, slots.metadata([row], [pos]))
-        p = np.array([len(prompt)])
-        meta = slots.metadata([row], [p])
-        steps = 20
+        tables = alloc.block_tables([row])
+        runner.execute(SchedulerOutput([request], [len(prompt)], 1, tables))  # the prompt, cached
+        request.num_computed_tokens = len(prompt)
+        request.output_token_ids.append(7)
+        step = SchedulerOutput([request], [1], 0, tables)  # the same decode step, again and again
+        runner.execute(step)
         runner.stream.synchronize()
+        steps = 20
         t0 = time.perf_counter()
         for _ in range(steps):
-            logits = runner.execute([7], p, meta)
-            runner.sampler(logits, _greedy_metadata())
+            runner.execute(step)
         wall = (time.perf_counter() - t0) / steps
-        b = runner._buffers_for(1)
-        kernels = time_launches(lambda i, s: _step_on(runner, b, s), 1, repeats=20)
+        staged = runner.upload(prepare_inputs(step, runner.block_size))
+        runner.stream.synchronize()
+        kernels = time_launches(lambda i, s: runner.launch(staged, s), 1, repeats=20)
     finally:
-        slots.free(row)
+        alloc.free(row)
     tok_s = 64 / total
     rec.add(f"gpu_engine_{label}", [1, 64], "tok/s", tok_s, None, seconds=total)
     rec.add(f"gpu_step_wall_{label}", [1], "us", wall * 1e6, None)
@@ -85,28 +93,11 @@ def bench_engine(label: str, model: str, max_model_len: int = 512) -> None:
           f"{kernels * 1e6:.0f} us of kernels in a graph: {1 - kernels / wall:.0%} lost to launches and the host")
 
 
-def _greedy_metadata():
-    from tinyvllm_lib.engine.sampler import SamplingMetadata
-
-    return SamplingMetadata.from_params([SamplingParams(temperature=0)], [None])
-
-
-def _step_on(runner, b, stream):
-    """The decode step's launches only (inputs already on the GPU), on `stream`: what a captured graph replays."""
-    old = runner.stream
-    runner.stream = stream
-    try:
-        runner.run(b, False, 16)
-        from tinyvllm_lib.layers.linear import linear
-
-        linear(b["normed"], runner.model.weights["lm_head"], b["logits"], stream=stream)
-    finally:
-        runner.stream = old
-
-
 if __name__ == "__main__":
     for n in (1, 8, 64, 256):
         bench_decode_attention(n)
+    for n in (1, 64, 256):  # the engine sizes the grid for max_model_len: what do the empty splits cost?
+        bench_decode_attention(n, bound=4096)
     bench_engine("smollm2", "smollm2")
     with tempfile.TemporaryDirectory() as tmp:
         bench_engine("llama_1b_random", str(make_random_llama(tmp, LLAMA_3_2_1B_CONFIG, seed=0)))

@@ -43,23 +43,21 @@ def make_case(gen, num_seqs: int) -> dict:
             "out": cuda.device_array((num_seqs, H * D), np.float32), "ws": da.decode_workspace(num_seqs, CONTEXT, H, D)}
 
 
-def run_variant(case: dict, lane_elements: int, keys_per_lane: int, max_registers, num_warps: int, split_keys: int,
-                target_blocks: int) -> tuple[float, int, float, int]:
-    """(seconds per call, number of splits, relative error, registers per thread) for one setting."""
-    da.SPLIT_KEYS, da.TARGET_BLOCKS = split_keys, target_blocks  # read by decode_splits at each call
-    da.LANE_ELEMENTS, da.MAX_REGISTERS = lane_elements, max_registers  # read by decode_attention_kernel_for
+def run_variant(case: dict, **knobs) -> tuple[float, int, float, int]:
+    """(seconds per call, number of splits, relative error, registers per thread) for one setting of the knobs."""
+    config = da.DecodeAttentionConfig(**knobs)  # every knob is a field: nothing global is changed
 
     def call(i, stream):
         k, v = case["sets"][i % len(case["sets"])]
         da.decode_attention(case["qkv"], k, v, case["bt"], BLOCK, case["lens"], H, KVH, D, case["out"], stream=stream,
-                            num_warps=num_warps, keys_per_lane=keys_per_lane, workspace=case["ws"], max_context_len=CONTEXT)
+                            workspace=case["ws"], max_context_len=CONTEXT, config=config)
 
     call(0, 0)
     cuda.synchronize()
     err = float(np.abs(case["out"].copy_to_host() - case["want"]).max() / np.abs(case["want"]).max())
     seconds = time_launches(call, 2 * len(case["sets"]))
-    kernel = da.decode_attention_kernel_for(D, H // KVH, num_warps, keys_per_lane)
-    splits, _ = da.decode_splits(CONTEXT, case["n"], KVH, case["ws"].shape[1], kernel.keys_per_step)
+    kernel = da.decode_attention_kernel_for(D, H // KVH, config)
+    splits = da.decode_splits(CONTEXT, case["n"], KVH, config, max_splits=case["ws"].shape[1])
     return seconds, splits, err, max(kernel.get_regs_per_thread().values())
 
 
@@ -77,9 +75,9 @@ def main() -> None:
     args = ap.parse_args()
     copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
     copy_gbs = copy[0]["value"] if copy else None
-    saved = (da.SPLIT_KEYS, da.TARGET_BLOCKS, da.LANE_ELEMENTS, da.MAX_REGISTERS)
-    defaults = {"lane_elements": da.LANE_ELEMENTS, "keys_per_lane": da.KEYS_PER_LANE, "max_registers": da.MAX_REGISTERS,
-                "num_warps": da.DECODE_WARPS, "split_keys": da.SPLIT_KEYS, "target_blocks": da.TARGET_BLOCKS}
+    base = da.DEFAULT_DECODE_CONFIG
+    defaults = {"lane_elements": base.lane_elements, "keys_per_lane": base.keys_per_lane, "max_registers": base.max_registers,
+                "num_warps": base.num_warps, "split_keys": base.split_keys, "target_blocks": base.target_blocks}
     grid = {"lane_elements": (8, 16), "keys_per_lane": (1, 2, 3, 4), "max_registers": (None, 128), "num_warps": (1, 2, 4, 8),
             "split_keys": (256, 512, 1024), "target_blocks": (512, 1024, 2048)}
     gen = np.random.default_rng(0)
@@ -89,7 +87,7 @@ def main() -> None:
         best = None
         todo = [dict(zip(grid, v)) for v in itertools.product(*grid.values())] if args.grid else settings(grid, defaults)
         for knobs in todo:
-            seconds, splits, err, regs = run_variant(case, *knobs.values())
+            seconds, splits, err, regs = run_variant(case, **knobs)
             gbs = case["kv_bytes"] / seconds / 1e9
             ok = err < 1e-5
             moved = [k for k in knobs if knobs[k] != defaults[k]]
@@ -104,7 +102,6 @@ def main() -> None:
             print(f"best at {n} seqs: {best[0] * 1e6:.1f} us with {best[1]}"
                   + (f" = {case['kv_bytes'] / best[0] / 1e9 / copy_gbs:.0%} of copy" if copy_gbs else ""))
         del case
-    da.SPLIT_KEYS, da.TARGET_BLOCKS, da.LANE_ELEMENTS, da.MAX_REGISTERS = saved
     print("saved", rec.save())
 
 

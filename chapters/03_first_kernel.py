@@ -633,20 +633,31 @@ def is_c_contiguous(a) -> bool:
     return a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else bool(a.flags["C_CONTIGUOUS"])
 
 
+def is_device_array(a) -> bool:
+    """A GPU array (numba, CuPy, torch...) or, in the simulator, numba's stand-in for one."""
+    return hasattr(a, "__cuda_array_interface__") or hasattr(a, "copy_to_host")
+
+
+def device_pointer(a) -> int:
+    """Address of an array's first element (in the simulator: of the host buffer behind it)."""
+    if hasattr(a, "__cuda_array_interface__"):
+        return a.__cuda_array_interface__["data"][0]
+    return a.__array_interface__["data"][0]
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: blocks to cover a items, b per block."""
+    return (a + b - 1) // b
+
+
 # %% [markdown]
-# Every later launcher needs that contiguity check, so it sits in a module of its own,
-# `kernels.checks`; the launcher imports it from there.
+# Every later launcher needs these small checks — contiguity, whether an array lives on the GPU,
+# its address (wide loads need 8-byte alignment), and the ceiling division that sizes a grid —
+# so they sit in a module of their own, `kernels.checks`; the launchers import them from there.
 
 # %%
 #| export
-from tinyvllm_lib.kernels.checks import is_c_contiguous
-
-
-def _address(a) -> int:
-    if isinstance(a, np.ndarray):
-        return a.ctypes.data
-    pointer = getattr(a, "device_ctypes_pointer", None)  # a numba device array
-    return (pointer.value or 0) if pointer is not None else a.ctypes.data  # the simulator wraps NumPy
+from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 
 
 def _check_embed_args(ids, table, out) -> None:
@@ -684,7 +695,7 @@ def embed_rows(ids, table, out, threads_per_block: int = 256, stream=0):
 
 def can_embed_wide(table, out) -> bool:
     """Rows are whole uint64 words (hidden % 4 == 0) and both buffers start 8-byte aligned."""
-    return table.shape[1] % 4 == 0 and _address(table) % 8 == 0 and _address(out) % 8 == 0
+    return table.shape[1] % 4 == 0 and device_pointer(table) % 8 == 0 and device_pointer(out) % 8 == 0
 
 
 def embed(ids, table, out, threads_per_block: int = 256, stream=0):

@@ -190,18 +190,6 @@ from tinyvllm_lib.kernels.bf16 import bf16_to_f32
 from tinyvllm_lib.kernels.checks import is_c_contiguous
 
 
-def is_device_array(a) -> bool:
-    """A GPU array (numba, CuPy, torch...) or, in the simulator, numba's stand-in for one."""
-    return hasattr(a, "__cuda_array_interface__") or hasattr(a, "copy_to_host")
-
-
-def device_pointer(a) -> int:
-    """Address of an array's first element (in the simulator: of the host buffer behind it)."""
-    if hasattr(a, "__cuda_array_interface__"):
-        return a.__cuda_array_interface__["data"][0]
-    return a.__array_interface__["data"][0]
-
-
 def check_linear_args(name: str, x, w, out) -> tuple[int, int, int]:
     """Check y = x · Wᵀ operands: x (M, K) bf16 bits, w (N, K) bf16 bits, out (M, N) float32; return M, N, K."""
     for label, a, dtype in (("x", x, np.uint16), ("w", w, np.uint16), ("out", out, np.float32)):
@@ -487,7 +475,8 @@ import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32
-from tinyvllm_lib.kernels.gemm import check_linear_args, device_pointer
+from tinyvllm_lib.kernels.checks import device_pointer
+from tinyvllm_lib.kernels.gemm import check_linear_args
 
 
 @cuda.jit(device=True)
@@ -783,7 +772,8 @@ print("transa=T on W's buffer, transb=N on x's, m=N, n=M, lda=ldb=K, ldc=N: row-
 import numpy as np
 from numba import config, cuda
 
-from tinyvllm_lib.kernels.gemm import check_linear_args, device_pointer, is_device_array
+from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
+from tinyvllm_lib.kernels.gemm import check_linear_args
 
 _STATE = {"gemm": None, "error": None}
 
@@ -891,8 +881,9 @@ else:
 
 # %%
 #| export layers.linear
+from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.cublas import cublas_available, gemm_cublas
-from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked, is_device_array
+from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked
 from tinyvllm_lib.kernels.gemv import can_gemv, gemv
 
 # Up to how many token vectors `linear` prefers the GEMV to cuBLAS. Recorded on the H200

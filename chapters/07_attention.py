@@ -238,6 +238,9 @@ with np.errstate(over="ignore", invalid="ignore"):
 # cannot underflow to 0 either. This **safe softmax** is the library's reference:
 #
 # $$ m = \max_k s_k, \qquad p_j = \frac{e^{s_j - m}}{\sum_k e^{s_k - m}}. $$
+#
+# Its logarithm, $\log p_j = s_j - m - \log \sum_k e^{s_k - m}$, is how we will compare models
+# (log-probabilities) and what the sampler reports: `log_softmax`, beside it.
 
 # %%
 #| export
@@ -251,6 +254,12 @@ def softmax_ref(scores: np.ndarray) -> np.ndarray:
     m = np.max(scores, axis=-1, keepdims=True)
     e = np.exp(scores - m)
     return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p = logits - max - log(sum(exp(logits - max))) along the last axis (float32 in, float32 out)."""
+    shifted = logits - np.max(logits, axis=-1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
 
 
 # %%
@@ -360,11 +369,6 @@ def check_qkv(name: str, qkv, num_heads: int, num_kv_heads: int, head_dim: int) 
     return qkv.shape[0]
 
 
-def cdiv(a: int, b: int) -> int:
-    """a / b rounded up: blocks to cover a items, b per block."""
-    return (a + b - 1) // b
-
-
 def check_out(name: str, out, shape: tuple, dtypes=(np.float32, np.uint16)) -> None:
     """Check an output buffer: dtype among `dtypes` (uint16 = bf16 bits), shape, C-contiguous."""
     if out.dtype not in dtypes:
@@ -414,7 +418,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from tinyvllm_lib.kernels.attention import cdiv, check_out, check_qkv
+from tinyvllm_lib.kernels.attention import check_out, check_qkv
+from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 SCORES_BLOCK = (32, 8)  # threads along keys, along queries
@@ -557,11 +562,20 @@ PTX_SIGNATURES = {
 # The kernel writes its output through `store_activation`: bf16 bits when `out` is `uint16`
 # (what the model passes, since `o_proj` reads bf16), float32 when `out` is float32 (what the
 # tests compare).
+#
+# One more argument prepares for serving many requests at once (chapter 9): the buffer may hold
+# **several sequences back to back**, each causal within itself and blind to the others. Where
+# each begins is `query_start_loc`, the running sum of their lengths — for lengths 5, 11 and 1
+# it is `[0, 5, 16, 17]`; one sequence of $T$ tokens is `[0, T]`. The grid gets a third axis,
+# one slice per sequence, as tall as the longest one's tiles (`max_query_len`); a block whose
+# tile lies past its own sequence's end returns at once. Nothing is padded: the rows of a short
+# sequence are not computed for the length of the longest.
 
 # %%
 #| export
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 FLASH_BLOCK_Q = 64  # queries per block: one thread each
@@ -577,11 +591,14 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
     D, BQ, BK = head_dim, block_q, block_k
 
     @cuda.jit
-    def kernel(qkv, num_heads, num_kv_heads, scale, out):
-        num_tokens = qkv.shape[0]
-        h, t = cuda.blockIdx.x, cuda.threadIdx.x  # query head, this thread's row of the tile
+    def kernel(qkv, query_start_loc, num_heads, num_kv_heads, scale, out):
+        h, t, seq = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockIdx.z  # query head, row of the tile, sequence
+        start = query_start_loc[seq]  # the sequence's first row in qkv
+        num_tokens = query_start_loc[seq + 1] - start
         q_tile = (num_tokens + BQ - 1) // BQ - 1 - cuda.blockIdx.y  # the longest (last) tiles first
-        i = q_tile * BQ + t  # this thread's query
+        if q_tile < 0:  # this sequence has fewer tiles than the longest: the whole block leaves
+            return
+        i = q_tile * BQ + t  # this thread's query, counted from the sequence's start
         is_query = i < num_tokens
         k_col = (num_heads + h // (num_heads // num_kv_heads)) * D  # this head's KV head
         v_col = k_col + num_kv_heads * D
@@ -591,7 +608,7 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
         acc = cuda.local.array(D, float32)
         s = cuda.local.array(BK, float32)
         for d in range(D):
-            q[d] = qkv[i, h * D + d] * scale if is_query else float32(0.0)
+            q[d] = qkv[start + i, h * D + d] * scale if is_query else float32(0.0)
             acc[d] = float32(0.0)
         m, ell = float32(-math.inf), float32(0.0)
         num_keys = min(num_tokens, (q_tile + 1) * BQ)  # causal: no key after the tile's last query
@@ -600,8 +617,8 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
             for e in range(t, BK * D, BQ):  # stage K and V: consecutive threads, consecutive floats
                 r, d = e // D, e % D
                 if k_start + r < num_keys:
-                    k_tile[r, d] = qkv[k_start + r, k_col + d]
-                    v_tile[r, d] = qkv[k_start + r, v_col + d]
+                    k_tile[r, d] = qkv[start + k_start + r, k_col + d]
+                    v_tile[r, d] = qkv[start + k_start + r, v_col + d]
             cuda.syncthreads()
             if is_query and k_start <= i:
                 num_visible = min(BK, i - k_start + 1)  # causal: keys k_start .. i; later rows are never read
@@ -627,7 +644,7 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
         if is_query:
             inv_ell = float32(1.0) / ell
             for d in range(D):
-                store_activation(out, i, h * D + d, acc[d] * inv_ell)
+                store_activation(out, start + i, h * D + d, acc[d] * inv_ell)
 
     kernel.block_q, kernel.block_k, kernel.head_dim = BQ, BK, D
     return kernel
@@ -647,24 +664,47 @@ def flash_attention_kernel_for(head_dim: int, block_q: int = FLASH_BLOCK_Q, bloc
     return _FLASH_KERNELS[key]
 
 
-def flash_attention(qkv, num_heads: int, num_kv_heads: int, head_dim: int, out, stream=0,
-                    block_q: int = FLASH_BLOCK_Q, block_k: int | None = None):
-    """Rung 2: causal GQA attention in one kernel. qkv float32 (T, (H + 2 KVH) D) -> out (T, H D) float32 or bf16 bits."""
+def check_query_start_loc(name: str, query_start_loc, max_query_len: int, num_tokens: int) -> int:
+    """Check the sequences' start rows (int32, num_seqs + 1) and the longest length; return num_seqs.
+
+    A NumPy array is checked in full (starts at 0, never decreases, ends at num_tokens, no length
+    above max_query_len); a device array only by dtype and shape (reading it would be a copy)."""
+    if query_start_loc.dtype != np.int32 or query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
+        raise TypeError(f"{name}: query_start_loc must be int32 (num_seqs + 1,), got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    if not isinstance(max_query_len, (int, np.integer)) or max_query_len < 0:
+        raise ValueError(f"{name}: max_query_len must be an integer >= 0, got {max_query_len!r}")
+    if isinstance(query_start_loc, np.ndarray):
+        lens = np.diff(query_start_loc)
+        if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens or lens.min() < 0 or lens.max() > max_query_len:
+            raise ValueError(f"{name}: query_start_loc must rise from 0 to num_tokens = {num_tokens} in steps of at most "
+                             f"max_query_len = {max_query_len}, got {query_start_loc.tolist()}")
+    return query_start_loc.shape[0] - 1
+
+
+def flash_attention(qkv, query_start_loc, max_query_len: int, num_heads: int, num_kv_heads: int, head_dim: int, out,
+                    stream=0, block_q: int = FLASH_BLOCK_Q, block_k: int | None = None):
+    """Rung 2: causal GQA attention in one kernel, each sequence of the batch within itself.
+
+    qkv float32 (T, (H + 2 KVH) D) holds the sequences back to back; sequence s is rows
+    query_start_loc[s] .. query_start_loc[s + 1] - 1, none longer than max_query_len.
+    out (T, H D): float32, or bf16 bits (uint16).
+    """
     num_tokens = check_qkv("flash_attention", qkv, num_heads, num_kv_heads, head_dim)
     check_out("flash_attention", out, (num_tokens, num_heads * head_dim))
+    num_seqs = check_query_start_loc("flash_attention", query_start_loc, max_query_len, num_tokens)
     block_k = block_k or flash_block_k(head_dim)
     if head_dim % 2 or not 1 <= block_q <= 1024 or block_k < 1 or 2 * block_k * head_dim * 4 > 48 * 1024:
         raise ValueError(f"flash_attention: need an even head_dim, 1 <= block_q <= 1024 and K/V tiles within 48 KiB; "
                          f"got head_dim {head_dim}, block_q {block_q}, block_k {block_k}")
-    if num_tokens == 0:
+    if num_tokens == 0 or max_query_len == 0:
         return out
     kernel = flash_attention_kernel_for(head_dim, block_q, block_k)
-    grid = (num_heads, cdiv(num_tokens, block_q))  # x fastest: every head's longest tile is scheduled first
-    kernel[grid, block_q, stream](qkv, num_heads, num_kv_heads, np.float32(1 / math.sqrt(head_dim)), out)
+    grid = (num_heads, cdiv(max_query_len, block_q), num_seqs)  # x fastest: every head's longest tile first
+    kernel[grid, block_q, stream](qkv, query_start_loc, num_heads, num_kv_heads, np.float32(1 / math.sqrt(head_dim)), out)
     return out
 
 
-_ARGS = "float32[:, ::1], int64, int64, float32"  # qkv, num_heads, num_kv_heads, scale
+_ARGS = "float32[:, ::1], int32[::1], int64, int64, float32"  # qkv, query_start_loc, num_heads, num_kv_heads, scale
 PTX_SIGNATURES = {
     name: [f"void({_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
     for name in ("flash_attention_d64_kernel", "flash_attention_d128_kernel")
@@ -718,20 +758,37 @@ def check_attention_rungs(num_tokens: int, num_heads: int, num_kv_heads: int, he
     with np.errstate(invalid="ignore"):
         want = attention_ref(qkv, num_heads, num_kv_heads, head_dim)
     d_qkv, worst = cuda.to_device(qkv), 0.0
+    one_sequence = cuda.to_device(np.array([0, num_tokens], np.int32))  # query_start_loc
     for rung in rungs:
         out = cuda.to_device(np.full(want.shape, -7.0, np.float32))  # poison
         if rung == "materialized":
             scores = cuda.device_array((num_heads, num_tokens, num_tokens), np.float32)
             attention_materialized(d_qkv, num_heads, num_kv_heads, head_dim, scores, out)
         else:
-            flash_attention(d_qkv, num_heads, num_kv_heads, head_dim, out, block_q=block_q, block_k=block_k)
+            flash_attention(d_qkv, one_sequence, num_tokens, num_heads, num_kv_heads, head_dim, out,
+                            block_q=block_q, block_k=block_k)
         err = max_rel_error(out.copy_to_host(), want)
         assert err <= 1e-5, f"{rung}: relative error {err:.1e} at {(num_tokens, num_heads, num_kv_heads, head_dim)}"
         worst = max(worst, err)
     out_bf16 = cuda.device_array(want.shape, np.uint16)
-    flash_attention(d_qkv, num_heads, num_kv_heads, head_dim, out_bf16, block_q=block_q, block_k=block_k)
+    flash_attention(d_qkv, one_sequence, num_tokens, num_heads, num_kv_heads, head_dim, out_bf16, block_q=block_q,
+                    block_k=block_k)
     assert_bf16_close(out_bf16.copy_to_host(), want)
     return worst
+
+
+def check_packed_sequences(lengths: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_q: int = FLASH_BLOCK_Q,
+                           block_k: int | None = None) -> float:
+    """Several sequences back to back in one launch: each must equal attention_ref of that sequence alone."""
+    qkv = random_qkv(sum(lengths), num_heads, num_kv_heads, head_dim)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    want = np.concatenate([attention_ref(qkv[a:b], num_heads, num_kv_heads, head_dim) for a, b in zip(starts, starts[1:])])
+    out = cuda.to_device(np.full(want.shape, -7.0, np.float32))
+    flash_attention(cuda.to_device(qkv), cuda.to_device(starts), max(lengths), num_heads, num_kv_heads, head_dim, out,
+                    block_q=block_q, block_k=block_k)
+    err = max_rel_error(out.copy_to_host(), want)
+    assert err <= 1e-5, f"packed sequences {lengths}: relative error {err:.1e}"
+    return err
 
 
 if can_launch():
@@ -740,6 +797,9 @@ if can_launch():
     for num_tokens, num_heads, num_kv_heads, head_dim, block_q, block_k in cases:
         err = check_attention_rungs(num_tokens, num_heads, num_kv_heads, head_dim, block_q, block_k)
         print(f"T={num_tokens}, {num_heads}/{num_kv_heads} heads of {head_dim}: both rungs within {err:.1e} of attention_ref")
+    packed = [5, 11, 1] if is_simulator() else [700, 1, 2048, 93]
+    err = check_packed_sequences(packed, *((4, 2, 16, 4, 4) if is_simulator() else (32, 8, 64)))
+    print(f"sequences of {packed} tokens packed in one launch: within {err:.1e} of attention_ref on each")
 else:
     print("no GPU and no simulator: set NUMBA_ENABLE_CUDASIM=1 to run the kernels")
 
@@ -747,13 +807,15 @@ else:
 # And bad input is refused before anything runs:
 
 # %%
-good = np.zeros((3, (4 + 2 * 2) * 8), np.float32)
+good, starts = np.zeros((3, (4 + 2 * 2) * 8), np.float32), np.array([0, 3], np.int32)
 for args in [
-    (good.astype(np.float64), 4, 2, 8, np.zeros((3, 32), np.float32)),  # qkv of the wrong dtype
-    (good, 4, 3, 8, np.zeros((3, 32), np.float32)),  # 4 heads cannot share 3 KV heads
-    (good, 4, 2, 16, np.zeros((3, 64), np.float32)),  # qkv too narrow for head_dim 16
-    (good, 4, 2, 8, np.zeros((3, 31), np.float32)),  # out of the wrong shape
-    (good, 4, 2, 8, np.zeros((3, 32), np.int32)),  # out of the wrong dtype
+    (good.astype(np.float64), starts, 3, 4, 2, 8, np.zeros((3, 32), np.float32)),  # qkv of the wrong dtype
+    (good, starts, 3, 4, 3, 8, np.zeros((3, 32), np.float32)),  # 4 heads cannot share 3 KV heads
+    (good, starts, 3, 4, 2, 16, np.zeros((3, 64), np.float32)),  # qkv too narrow for head_dim 16
+    (good, starts, 3, 4, 2, 8, np.zeros((3, 31), np.float32)),  # out of the wrong shape
+    (good, starts, 3, 4, 2, 8, np.zeros((3, 32), np.int32)),  # out of the wrong dtype
+    (good, np.array([0, 2], np.int32), 3, 4, 2, 8, np.zeros((3, 32), np.float32)),  # sequences end before the rows
+    (good, starts.astype(np.int64), 3, 4, 2, 8, np.zeros((3, 32), np.float32)),  # query_start_loc not int32
 ]:
     try:
         flash_attention(*args)
@@ -859,38 +921,76 @@ if can_launch():
 # and sine for every position once, and `rope_qkv_ref` rotates the pairs $(x_d, x_{d + D/2})$ of
 # each query and key head by the angle of the token's position.
 #
-# The model class holds the widened weights and runs one sequence. `bf16_activations=True`
-# rounds the input of every linear layer to bf16, exactly where the kernels do, so the NumPy
-# model can also predict what the kernel model's dtype choices cost. It can hand back every
-# layer's attention probabilities, for pictures.
+# The model class holds the widened weights. `bf16_activations=True` rounds the input of every
+# linear layer to bf16, exactly where the kernels do, so the NumPy model can also predict what the
+# kernel model's dtype choices cost.
+#
+# **Attention is an argument.** Everything in a layer works on each token alone except
+# attention, and attention is also what changes from here on: chapter 8 makes it read and write
+# a cache of keys and values, chapter 9 runs many requests in one batch, chapter 10 pages the
+# cache. So the layer loop does not decide how tokens attend: it calls an *attention object* it
+# is handed, `attention(layer, qkv) -> (T, H D)`, which carries whatever that step needs to know
+# — here, where each sequence of the batch begins. The loop is written once and never changes.
+# This chapter's attention is causal within each sequence and has no cache; it can also keep
+# every layer's probabilities, for pictures.
+
+# %%
+#| export layers.attention
+import numpy as np
+
+from tinyvllm_lib.kernels.attention import attention_ref, flash_attention
+
+
+class CausalAttention:
+    """The NumPy model's attention without a cache: causal within each sequence of the batch.
+
+    Called by the layer loop as attention(layer, qkv) -> (T, H D). query_start_loc (default: one
+    sequence) marks where each sequence begins; keep_probs=True keeps each layer's (H, T, T)
+    probabilities in self.probs (one sequence only)."""
+
+    def __init__(self, config, query_start_loc=None, keep_probs: bool = False):
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.query_start_loc = None if query_start_loc is None else np.asarray(query_start_loc, np.int64)
+        if keep_probs and self.query_start_loc is not None and len(self.query_start_loc) != 2:
+            raise ValueError("keep_probs keeps the probabilities of one sequence; got several")
+        self.probs: dict[int, np.ndarray] | None = {} if keep_probs else None
+
+    def __call__(self, layer: int, qkv: np.ndarray) -> np.ndarray:
+        starts = [0, len(qkv)] if self.query_start_loc is None else self.query_start_loc
+        outs = []
+        for begin, end in zip(starts[:-1], starts[1:]):  # each sequence alone
+            out = attention_ref(qkv[begin:end], self.num_heads, self.num_kv_heads, self.head_dim,
+                                return_probs=self.probs is not None)
+            if self.probs is not None:
+                out, self.probs[layer] = out
+            outs.append(out)
+        return np.concatenate(outs)  # (T, H D)
+
+
+class FlashAttention:
+    """The kernel model's attention without a cache: flash_attention over the batch's sequences.
+
+    Called by the layer loop as attention(layer, qkv, out, stream); query_start_loc (int32, on the
+    GPU) and max_query_len describe the batch, as flash_attention takes them."""
+
+    def __init__(self, config, query_start_loc, max_query_len: int):
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.query_start_loc, self.max_query_len = query_start_loc, int(max_query_len)
+
+    def __call__(self, layer: int, qkv, out, stream=0) -> None:
+        flash_attention(qkv, self.query_start_loc, self.max_query_len, self.num_heads, self.num_kv_heads,
+                        self.head_dim, out, stream=stream)
+
 
 # %%
 #| export models.llama_numpy
 from tinyvllm_lib.kernels.activation import silu_mul_ref
-from tinyvllm_lib.kernels.attention import attention_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed_reference
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
-from tinyvllm_lib.kernels.rope import rope_qkv_ref, rope_table_from_config
+from tinyvllm_lib.kernels.rope import check_positions, rope_qkv_ref, rope_table_from_config
+from tinyvllm_lib.layers.attention import CausalAttention
 from tinyvllm_lib.models.loader import load_weights
-
-
-def check_positions(positions, num_tokens: int) -> np.ndarray:
-    """Positions as a validated 1-D int64 array of length num_tokens (default 0, 1, ..., num_tokens - 1)."""
-    if positions is None:
-        return np.arange(num_tokens, dtype=np.int64)
-    positions = np.asarray(positions)
-    if positions.shape != (num_tokens,) or not (positions.dtype.kind in "iu" or positions.size == 0):
-        raise ValueError(f"positions must be {num_tokens} integers, one per token, got shape {positions.shape} of {positions.dtype}")
-    if positions.size and positions.min() < 0:
-        raise ValueError(f"positions must be >= 0, got {positions.min()}")
-    return positions.astype(np.int64)
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """log p = logits - max - log(sum(exp(logits - max))) along the last axis (float32 in, float32 out)."""
-    shifted = logits - np.max(logits, axis=-1, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
 
 
 class LlamaNumpy:
@@ -917,26 +1017,34 @@ class LlamaNumpy:
             x = bf16_bits_to_f32(f32_to_bf16_bits(x))
         return x @ self.matrices[name].T
 
-    def forward(self, token_ids, positions=None, attention_probs: dict | None = None) -> np.ndarray:
-        """Logits (T, vocab_size), float32, of one sequence; fills attention_probs[layer] = (H, T, T) if given."""
+    def hidden_states(self, token_ids, positions=None, attention=None) -> np.ndarray:
+        """The layer loop: the final-normed hidden states (T, hidden), float32.
+
+        attention(layer, qkv) -> (T, H D) is how tokens attend (default: CausalAttention, one sequence)."""
         c = self.config
-        num_heads, num_kv_heads, head_dim, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         ids = check_token_ids(token_ids, c.vocab_size)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
         positions = check_positions(positions, len(ids))
+        attention = CausalAttention(c) if attention is None else attention
+        eps = c.rms_norm_eps
         x = embed_reference(ids, self.embed_tokens)  # (T, hidden): the residual stream
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             qkv = self.linear(rmsnorm_ref(x, self.norms[p + "input_layernorm"], eps), p + "qkv_proj")  # (T, (H + 2 KVH) D)
-            qkv = rope_qkv_ref(qkv, positions, self.rope, num_heads, num_kv_heads)
-            attn = attention_ref(qkv, num_heads, num_kv_heads, head_dim, return_probs=attention_probs is not None)
-            if attention_probs is not None:
-                attn, attention_probs[i] = attn
-            x = x + self.linear(attn, p + "o_proj")  # (T, H D) -> (T, hidden)
+            qkv = rope_qkv_ref(qkv, positions, self.rope, c.num_attention_heads, c.num_key_value_heads)
+            x = x + self.linear(attention(i, qkv), p + "o_proj")  # (T, H D) -> (T, hidden)
             gate_up = self.linear(rmsnorm_ref(x, self.norms[p + "post_attention_layernorm"], eps), p + "gate_up_proj")
             x = x + self.linear(silu_mul_ref(gate_up), p + "down_proj")  # (T, 2 I) -> (T, I) -> (T, hidden)
-        return self.linear(rmsnorm_ref(x, self.norms["norm"], eps), "lm_head")  # (T, vocab_size)
+        return rmsnorm_ref(x, self.norms["norm"], eps)
+
+    def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The LM head: (rows, hidden) -> logits (rows, vocab_size), float32."""
+        return self.linear(hidden, "lm_head")
+
+    def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
+        """Logits (T, vocab_size), float32: the layer loop, then the head on every row."""
+        return self.compute_logits(self.hidden_states(token_ids, positions, attention))
 
 
 # %% [markdown]
@@ -944,7 +1052,9 @@ class LlamaNumpy:
 # likely next token again and again (*greedy* decoding):
 
 # %%
-from tinyvllm_lib.models.llama_numpy import LlamaNumpy, log_softmax
+from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.layers.attention import CausalAttention
+from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
 model = LlamaNumpy(config, weights)
 messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -1083,8 +1193,8 @@ else:
 # %% [markdown]
 # ## What attention looks at
 #
-# With the forward pass in hand we can look inside. The NumPy model hands back every layer's
-# probabilities $p_{ij}$ for SmolLM2's chat prompt, 30 layers × 9 heads. Most heads put most of
+# With the forward pass in hand we can look inside. Handed an attention object that keeps what
+# it computes, the NumPy model gives back every layer's probabilities $p_{ij}$ for SmolLM2's chat prompt, 30 layers × 9 heads. Most heads put most of
 # their weight on the very first token, `<|im_start|>` — an *attention sink*, a place to park
 # probability when nothing else is relevant. Two kinds of heads stand out; we let the numbers pick
 # them: the head that most often looks at the **previous token** (the diagonal just below the
@@ -1092,9 +1202,9 @@ else:
 # predicted — looks hardest at a word of the question.
 
 # %%
-probs = {}
-model.forward(prompt_ids, attention_probs=probs)
-P = np.stack([probs[layer] for layer in range(config.num_hidden_layers)])  # (layers, H, T, T)
+looking = CausalAttention(config, keep_probs=True)  # the same attention, keeping what it computed
+model.forward(prompt_ids, attention=looking)
+P = np.stack([looking.probs[layer] for layer in range(config.num_hidden_layers)])  # (layers, H, T, T)
 labels = [tokenizer.decode([i], skip_special_tokens=False).replace("\n", "\\n") for i in prompt_ids]
 T_prompt = len(prompt_ids)
 previous = P[:, :, np.arange(1, T_prompt), np.arange(T_prompt - 1)].mean(-1)  # (layers, H): mean p_{i, i-1}
@@ -1135,7 +1245,9 @@ plt.show()
 # GPU once, as bf16, already fused; a tied head uploads the embedding table once and uses it
 # twice. Its `run` method only launches kernels, on one stream, into buffers allocated
 # beforehand: no allocation and no copy between the host and the GPU, so chapter 11 can capture
-# it in a CUDA graph. The dtypes follow the table at the start of the chapter; two fusions save
+# it in a CUDA graph. Like the NumPy model it takes its attention as an argument — an object
+# called as `attention(layer, qkv, out, stream)` — and stops at the final norm; the head is a
+# separate call, `compute_logits`, because an engine needs logits for only a few rows. The dtypes follow the table at the start of the chapter; two fusions save
 # launches and bytes:
 #
 # - chapter 4's **fused residual add + RMSNorm** adds the attention output to the stream and
@@ -1154,13 +1266,13 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
-from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-from tinyvllm_lib.kernels.rope import rope_qkv, rope_table_from_config
+from tinyvllm_lib.kernels.rope import check_positions, rope_qkv, rope_table_from_config
+from tinyvllm_lib.layers.attention import FlashAttention
 from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.models.llama_numpy import check_positions, fuse_llama_weights
+from tinyvllm_lib.models.llama_numpy import fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
 
 
@@ -1174,7 +1286,6 @@ class LlamaCuda:
         is_tied = fused["lm_head"] is fused["embed_tokens"]
         self.weights["lm_head"] = self.weights["embed_tokens"] if is_tied else cuda.to_device(fused["lm_head"])
         self.rope = rope_table_from_config(config).to_device()  # cos and sin tables (chapter 5)
-        self._buffers: dict[int, dict] = {}
 
     @classmethod
     def from_folder(cls, folder) -> "LlamaCuda":
@@ -1182,27 +1293,27 @@ class LlamaCuda:
         config = ModelConfig.from_folder(folder)
         return cls(config, load_weights(folder, config, progress=False))
 
-    def buffers(self, num_tokens: int) -> dict:
-        """Device buffers for a forward pass of num_tokens (the last size used is kept)."""
-        if num_tokens not in self._buffers:
-            c = self.config
-            q_width, kv_width, hidden = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
-            shapes = {
-                "ids": ((num_tokens,), np.int64), "positions": ((num_tokens,), np.int64),
-                "residual": ((num_tokens, hidden), np.float32),  # the residual stream
-                "normed": ((num_tokens, hidden), np.uint16),  # RMSNorm output, bf16: a linear layer's input
-                "qkv": ((num_tokens, q_width + 2 * kv_width), np.float32),
-                "attn": ((num_tokens, q_width), np.uint16),  # attention output, bf16: o_proj's input
-                "delta": ((num_tokens, hidden), np.float32),  # o_proj and down_proj outputs
-                "gate_up": ((num_tokens, 2 * c.intermediate_size), np.float32),
-                "act": ((num_tokens, c.intermediate_size), np.uint16),  # SiLU(gate) * up, bf16: down_proj's input
-                "logits": ((num_tokens, c.vocab_size), np.float32),
-            }
-            self._buffers = {num_tokens: {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in shapes.items()}}
-        return self._buffers[num_tokens]
+    def make_buffers(self, num_tokens: int) -> dict:
+        """Device buffers for a forward pass of up to num_tokens tokens (the caller owns and keeps them)."""
+        c = self.config
+        q_width, kv_width, hidden = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
+        shapes = {
+            "ids": ((num_tokens,), np.int64), "positions": ((num_tokens,), np.int64),
+            "residual": ((num_tokens, hidden), np.float32),  # the residual stream
+            "normed": ((num_tokens, hidden), np.uint16),  # RMSNorm output, bf16: a linear layer's input
+            "qkv": ((num_tokens, q_width + 2 * kv_width), np.float32),
+            "attn": ((num_tokens, q_width), np.uint16),  # attention output, bf16: o_proj's input
+            "delta": ((num_tokens, hidden), np.float32),  # o_proj and down_proj outputs
+            "gate_up": ((num_tokens, 2 * c.intermediate_size), np.float32),
+            "act": ((num_tokens, c.intermediate_size), np.uint16),  # SiLU(gate) * up, bf16: down_proj's input
+        }
+        return {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in shapes.items()}
 
-    def run(self, b: dict, stream=0) -> None:
-        """Launch one forward pass on `stream`: b["ids"], b["positions"] in, b["logits"] out; allocates and copies nothing."""
+    def run(self, b: dict, attention, stream=0) -> None:
+        """The layer loop, launched on `stream`: b["ids"], b["positions"] in, the final-normed b["normed"] out.
+
+        b: make_buffers' arrays, each cut to this pass's tokens; attention(layer, qkv, out, stream)
+        writes the attention output. Allocates and copies nothing."""
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         embed(b["ids"], w["embed_tokens"], b["residual"], stream=stream)
         rmsnorm(b["residual"], w["layers.0.input_layernorm"], eps, b["normed"], stream=stream)
@@ -1210,7 +1321,7 @@ class LlamaCuda:
             p = f"layers.{i}."
             linear(b["normed"], w[p + "qkv_proj"], b["qkv"], stream=stream)
             rope_qkv(b["qkv"], b["positions"], self.rope, c.num_attention_heads, c.num_key_value_heads, stream=stream)
-            flash_attention(b["qkv"], c.num_attention_heads, c.num_key_value_heads, c.head_dim, b["attn"], stream=stream)
+            attention(i, b["qkv"], b["attn"], stream)
             linear(b["attn"], w[p + "o_proj"], b["delta"], stream=stream)
             fused_add_rmsnorm(b["residual"], b["delta"], w[p + "post_attention_layernorm"], eps, b["normed"], stream=stream)
             linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], stream=stream)
@@ -1218,18 +1329,27 @@ class LlamaCuda:
             linear(b["act"], w[p + "down_proj"], b["delta"], stream=stream)
             next_norm = w[f"layers.{i + 1}.input_layernorm"] if i + 1 < c.num_hidden_layers else w["norm"]
             fused_add_rmsnorm(b["residual"], b["delta"], next_norm, eps, b["normed"], stream=stream)
-        linear(b["normed"], w["lm_head"], b["logits"], stream=stream)
 
-    def forward(self, token_ids, positions=None) -> np.ndarray:
-        """Logits (T, vocab_size), float32 on the host, of one sequence; positions default to 0, 1, ..., T - 1."""
+    def compute_logits(self, hidden, out, stream=0) -> None:
+        """The LM head: hidden (rows, hidden) bf16 bits on the GPU -> out (rows, vocab_size) float32."""
+        linear(hidden, self.weights["lm_head"], out, stream=stream)
+
+    def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
+        """Logits (T, vocab_size), float32 on the host; one sequence by default, positions 0, 1, ..., T - 1.
+
+        Allocates its buffers on every call: for checks and demos, not for an engine's steps."""
         ids = check_token_ids(token_ids, self.config.vocab_size)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
-        b = self.buffers(ids.size)
+        b = self.make_buffers(ids.size)
         b["ids"].copy_to_device(np.ascontiguousarray(ids, np.int64))
         b["positions"].copy_to_device(check_positions(positions, ids.size))
-        self.run(b)
-        return b["logits"].copy_to_host()
+        if attention is None:
+            attention = FlashAttention(self.config, cuda.to_device(np.array([0, ids.size], np.int32)), ids.size)
+        self.run(b, attention)
+        logits = cuda.device_array((ids.size, self.config.vocab_size), np.float32)
+        self.compute_logits(b["normed"], logits)
+        return logits.copy_to_host()
 
 
 # %% [markdown]
@@ -1411,17 +1531,22 @@ if records:
 #   it; the online softmax does it in one pass with a running maximum and sum, and carries an
 #   output accumulator along — the heart of FlashAttention.
 # - Two attention kernels: materialised scores (three launches, $O(H T^2)$ bytes of traffic),
-#   and a fused kernel with a block per (query tile, head), K/V tiles in shared memory and the
-#   query, accumulator, maximum and sum in registers.
+#   and a fused kernel with a block per (query tile, head, sequence), K/V tiles in shared memory
+#   and the query, accumulator, maximum and sum in registers; it runs several sequences packed
+#   back to back (`query_start_loc`) in one launch.
+# - The layer loop is written once per backend and takes attention as an argument, so later
+#   chapters change how tokens attend (a cache, a batch, pages) without touching it.
 # - The NumPy forward pass matches `transformers` to $10^{-3}$ in log-probability (in practice
 #   $10^{-5}$–$10^{-4}$); the kernel model matches the NumPy model run with the same bf16
 #   roundings.
 #
-# Exported to `tinyvllm_lib`: `kernels.attention` (`attention_ref`, `softmax_ref`, `split_qkv`,
-# `flash_attention`, `make_flash_attention_kernel`, `attention_flops`), `kernels.attention_materialized`
+# Exported to `tinyvllm_lib`: `kernels.attention` (`attention_ref`, `softmax_ref`, `log_softmax`,
+# `split_qkv`, `flash_attention` over sequences packed by `query_start_loc`,
+# `make_flash_attention_kernel`, `attention_flops`), `kernels.attention_materialized`
 # (rung 1: `attention_materialized` and its three kernels),
-# `kernels.activation` (`silu_mul_ref`, `silu_mul`), `models.llama_numpy` (`fuse_llama_weights`,
-# `LlamaNumpy`, `log_softmax`, `check_positions`), `models.llama_cuda` (`LlamaCuda`),
+# `kernels.activation` (`silu_mul_ref`, `silu_mul`), `layers.attention` (`CausalAttention`,
+# `FlashAttention`: attention as an object the layer loop is handed), `models.llama_numpy`
+# (`fuse_llama_weights`, `LlamaNumpy`), `models.llama_cuda` (`LlamaCuda`),
 # `models.random_llama` (`make_random_llama`, `tiny_llama_config`, `LLAMA_3_2_1B_CONFIG`) and,
 # into `measure`, `max_rel_error`.
 #

@@ -82,7 +82,8 @@ def run_rung(rung, qkv, num_heads, num_kv_heads, head_dim, out_dtype=np.float32,
         scores = cuda.device_array((num_heads, num_tokens, num_tokens), np.float32)
         attention_materialized(d_qkv, num_heads, num_kv_heads, head_dim, scores, out)
     else:
-        flash_attention(d_qkv, num_heads, num_kv_heads, head_dim, out, block_q=block_q, block_k=block_k)
+        starts = cuda.to_device(np.array([0, num_tokens], np.int32))
+        flash_attention(d_qkv, starts, num_tokens, num_heads, num_kv_heads, head_dim, out, block_q=block_q, block_k=block_k)
     return out.copy_to_host()
 
 
@@ -129,6 +130,36 @@ def test_flash_bf16_output(rng):
     assert max_rel_error(got, bf16_bits_to_f32(f32_to_bf16_bits(want))) <= 2**-7  # at most one bf16 step
 
 
+def run_packed(qkv, lengths, num_heads, num_kv_heads, head_dim, block_q=64, block_k=None):
+    """flash_attention over sequences of `lengths` packed back to back in qkv, in one launch."""
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    out = cuda.to_device(np.full((qkv.shape[0], num_heads * head_dim), -7.0, np.float32))
+    flash_attention(cuda.to_device(qkv), cuda.to_device(starts), max(lengths), num_heads, num_kv_heads, head_dim, out,
+                    block_q=block_q, block_k=block_k)
+    want = np.concatenate([attention_ref(qkv[a:b], num_heads, num_kv_heads, head_dim) for a, b in zip(starts, starts[1:])])
+    return out.copy_to_host(), want
+
+
+@needs_kernels
+@pytest.mark.parametrize("lengths", [[5, 1, 9], [1, 1], [4, 4, 3]])
+def test_flash_packed_sequences_are_independent(rng, lengths):
+    """Each sequence attends only within itself, whatever its neighbours; a length-1 sequence sees only itself."""
+    qkv = random_qkv(rng, sum(lengths), 4, 2, 8)
+    got, want = run_packed(qkv, lengths, 4, 2, 8, block_q=4, block_k=4)
+    assert max_rel_error(got, want) <= 1e-5
+    changed = qkv.copy()
+    changed[lengths[0] :] = rng.standard_normal(changed[lengths[0] :].shape)  # every later sequence changes
+    again, _ = run_packed(changed, lengths, 4, 2, 8, block_q=4, block_k=4)
+    assert np.array_equal(again[: lengths[0]], got[: lengths[0]])  # the first sequence's rows do not move
+
+
+@pytest.mark.gpu
+def test_flash_packed_at_real_shapes(rng):
+    lengths = [700, 1, 2048, 93, 64]
+    got, want = run_packed(random_qkv(rng, sum(lengths), 32, 8, 64), lengths, 32, 8, 64)
+    assert max_rel_error(got, want) <= 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(2048, 32, 8, 64), (1000, 9, 3, 64), (77, 32, 8, 128), (1, 4, 1, 64)])
 def test_rungs_at_real_shapes(rng, case):
@@ -152,20 +183,25 @@ def test_flash_tile_sizes(rng, block_q, block_k):
 def test_bad_input_is_refused():
     qkv, out = np.zeros((3, (4 + 2 * 2) * 8), np.float32), np.zeros((3, 32), np.float32)
     scores = np.zeros((4, 3, 3), np.float32)
+    one = np.array([0, 3], np.int32)  # query_start_loc: one sequence of 3 tokens
     cases = [
-        ((qkv.astype(np.float64), 4, 2, 8, out), TypeError),
-        ((qkv, 4, 3, 8, out), ValueError),  # 4 heads cannot share 3 KV heads
-        ((qkv, 4, 2, 16, out), ValueError),  # too narrow for head_dim 16
-        ((qkv, 4, 0, 8, out), ValueError),
-        ((qkv, 4, 2, 8, np.zeros((3, 31), np.float32)), ValueError),
-        ((qkv, 4, 2, 8, np.zeros((3, 32), np.int32)), TypeError),
-        ((np.asfortranarray(np.zeros((3, 64), np.float32)), 4, 2, 8, out), ValueError),
+        ((qkv.astype(np.float64), one, 3, 4, 2, 8, out), TypeError),
+        ((qkv, one, 3, 4, 3, 8, out), ValueError),  # 4 heads cannot share 3 KV heads
+        ((qkv, one, 3, 4, 2, 16, out), ValueError),  # too narrow for head_dim 16
+        ((qkv, one, 3, 4, 0, 8, out), ValueError),
+        ((qkv, one, 3, 4, 2, 8, np.zeros((3, 31), np.float32)), ValueError),
+        ((qkv, one, 3, 4, 2, 8, np.zeros((3, 32), np.int32)), TypeError),
+        ((np.asfortranarray(np.zeros((3, 64), np.float32)), one, 3, 4, 2, 8, out), ValueError),
+        ((qkv, one.astype(np.int64), 3, 4, 2, 8, out), TypeError),  # query_start_loc must be int32
+        ((qkv, np.array([0, 2], np.int32), 3, 4, 2, 8, out), ValueError),  # the sequences end before the rows do
+        ((qkv, np.array([0, 2, 1, 3], np.int32), 3, 4, 2, 8, out), ValueError),  # a negative length
+        ((qkv, one, 2, 4, 2, 8, out), ValueError),  # a sequence longer than max_query_len
     ]
     for args, error in cases:
         with pytest.raises(error):
             flash_attention(*args)
     with pytest.raises(ValueError):
-        flash_attention(qkv, 4, 2, 8, out, block_q=0)
+        flash_attention(qkv, one, 3, 4, 2, 8, out, block_q=0)
     with pytest.raises(ValueError):
         attention_materialized(qkv, 4, 2, 8, np.zeros((4, 3, 2), np.float32), out)
     with pytest.raises(TypeError):

@@ -6,10 +6,14 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.kernels.decode_attention import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeAttentionConfig,
     decode_attention,
     decode_attention_ref,
     decode_splits,
     decode_workspace,
+    num_splits_for,
+    split_length,
     write_kv_cache,
     write_kv_cache_ref,
 )
@@ -41,7 +45,7 @@ def run(qkv, k, v, blocks, block_size, lens, H, KVH, D, out_dtype=np.float32, **
 def test_decode_attention_odd_lengths_gqa(rng, num_warps):
     qkv, k, v, bt, lens = case(rng, 3, 29, 4, 2, 16, 4)
     lens[0] = 1  # a sequence of one token
-    got = run(qkv, k, v, bt, 4, lens, 4, 2, 16, num_warps=num_warps)
+    got = run(qkv, k, v, bt, 4, lens, 4, 2, 16, config=DecodeAttentionConfig(num_warps=num_warps))
     want = decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
@@ -61,7 +65,8 @@ def run_split(qkv, k, v, blocks, block_size, lens, H, KVH, D, max_splits, out_dt
 def test_decode_attention_split_odd_lengths(rng, num_warps):
     qkv, k, v, bt, lens = case(rng, 4, 45, 4, 2, 16, 4)
     lens[:] = [1, 45, 17, 30]  # one token; the longest; just past a split; several splits
-    got = run_split(qkv, k, v, bt, 4, lens, 4, 2, 16, 8, num_warps=num_warps, max_context_len=45)
+    config = DecodeAttentionConfig(num_warps=num_warps, split_keys=16, keys_per_lane=1)  # short splits: several a sequence
+    got = run_split(qkv, k, v, bt, 4, lens, 4, 2, 16, 8, config=config, max_context_len=45)
     assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)) < 1e-5
 
 
@@ -71,7 +76,8 @@ def test_decode_attention_lanes_per_key(rng, head_dim, keys_per_lane):
     qkv, k, v, bt, lens = case(rng, 2, 40, 4, 2, head_dim, 8)
     lens[:] = [40, 9]
     want = decode_attention_ref(qkv, k, v, bt, 8, lens, 4, 2, head_dim)
-    got = run_split(qkv, k, v, bt, 8, lens, 4, 2, head_dim, 4, keys_per_lane=keys_per_lane, max_context_len=40)
+    got = run_split(qkv, k, v, bt, 8, lens, 4, 2, head_dim, 4, config=DecodeAttentionConfig(keys_per_lane=keys_per_lane),
+                    max_context_len=40)
     assert rel_error(got, want) < 1e-5
 
 
@@ -91,10 +97,23 @@ def test_decode_attention_split_shorter_than_one_split(rng):
 def test_decode_attention_many_splits_default_length(rng):
     qkv, k, v, bt, lens = case(rng, 2, 64, 2, 1, 16, 4)
     lens[:] = [64, 33]
-    splits, split_len = decode_splits(64, 2, 1, 32, 4)
-    assert splits > 4 and splits * split_len >= 64
-    got = run_split(qkv, k, v, bt, 4, lens, 2, 1, 16, 32)  # max_context_len from the block table: 16 blocks of 4
+    config = DecodeAttentionConfig(split_keys=8, keys_per_lane=1)
+    assert decode_splits(64, 2, 1, config) > 4
+    got = run_split(qkv, k, v, bt, 4, lens, 2, 1, 16, 32, config=config)  # max_context_len from the block table: 64
     assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 4, lens, 2, 1, 16)) < 1e-5
+
+
+def test_decode_attention_same_launch_while_contexts_grow(rng):
+    """The grid is fixed by rows and the bound (a captured graph's launch): every length up to it is right."""
+    qkv, k, v, bt, lens = case(rng, 3, 60, 2, 1, 16, 4)
+    config = DecodeAttentionConfig(split_keys=8, keys_per_lane=1)
+    ws = cuda.to_device(np.full((3, 8, 2, 18), np.nan, np.float32))
+    d = [cuda.to_device(a) for a in (qkv, k, v, bt)]
+    for step_lens in ([1, 2, 3], [9, 17, 33], [60, 1, 47]):
+        out = cuda.to_device(np.full((3, 32), np.nan, np.float32))
+        lens[:] = step_lens
+        decode_attention(*d, 4, cuda.to_device(lens), 2, 1, 16, out, workspace=ws, max_context_len=60, config=config)
+        assert rel_error(out.copy_to_host(), decode_attention_ref(qkv, k, v, bt, 4, lens, 2, 1, 16)) < 1e-5
 
 
 def test_decode_attention_split_bf16_out(rng):
@@ -105,12 +124,19 @@ def test_decode_attention_split_bf16_out(rng):
 
 
 def test_decode_splits_and_workspace():
+    cfg, step = DEFAULT_DECODE_CONFIG, 48
     for max_len, rows in [(1, 1), (17, 3), (1024, 1), (1024, 64), (1024, 256), (100_000, 8)]:
-        splits, split_len = decode_splits(max_len, rows, 8, 32, 16)
-        assert 1 <= splits <= 32 and split_len % 16 == 0 and splits * split_len >= max_len > (splits - 1) * split_len
-    assert decode_splits(1024, 64, 8, 32, 16) == (2, 512)  # SPLIT_KEYS = 512 keys a block; 1024 blocks
+        grid = decode_splits(max_len, rows, 8)
+        assert 1 <= grid <= cfg.max_splits
+        for n in {1, max_len // 3 + 1, max_len}:  # every length up to the bound fits in the grid's splits
+            splits = num_splits_for(n, cfg.max_splits, rows * 8, cfg.split_keys, cfg.target_blocks, cfg.min_split_keys)
+            length = split_length(n, splits, step)
+            assert length % step == 0 and -(-n // length) <= splits <= grid
+    assert decode_splits(1024, 64, 8) == 2  # 512 keys a block; 1024 blocks wanted, 64 x 8 x 2 there
     ws = decode_workspace(8, 1024, 32, 64)
     assert ws.dtype == np.float32 and ws.shape[0] == 8 and ws.shape[2:] == (32, 66) and ws.shape[1] > 1
+    with pytest.raises(ValueError, match="split_keys"):
+        DecodeAttentionConfig(split_keys=0)
 
 
 def test_decode_attention_bf16_out_and_block_size_1(rng):

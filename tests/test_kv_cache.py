@@ -1,13 +1,13 @@
-"""Chapter 08's KV cache: its size, layout and slots, and the NumPy runner — cached prefill and
-decode give the logits of a full forward pass without a cache (chapter 7) to 1e-4."""
+"""Chapter 08's KV cache: its size, layout, blocks and attention metadata, and attention over the cache in
+the NumPy model — cached prefill and decode give the logits of a full forward pass without a cache (chapter 7) to 1e-4."""
 
 import numpy as np
 import pytest
 
-from tinyvllm_lib.engine.kv_cache import AttentionMetadata, ContiguousSlots, KVCache, kv_cache_bytes_per_token
-from tinyvllm_lib.engine.runner_numpy import NumpyRunner, cached_attention_ref
-from tinyvllm_lib.kernels.attention import attention_ref
+from tinyvllm_lib.engine.kv_cache import ContiguousAllocator, KVCache, kv_cache_bytes_per_token
+from tinyvllm_lib.kernels.attention import attention_ref, cached_attention_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.layers.attention import AttentionMetadata, CachedAttention, build_attention_metadata, context_slots
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 from tinyvllm_lib.models.random_llama import (
@@ -33,18 +33,19 @@ def model(request, tmp_path_factory) -> LlamaNumpy:
     return LlamaNumpy.from_folder(folder)
 
 
-def new_runner(model: LlamaNumpy, max_num_seqs: int = 2, max_model_len: int = 64, dtype: str = "float32"):
-    slots = ContiguousSlots(max_num_seqs, max_model_len)
-    return NumpyRunner(model, KVCache(model.config, slots.num_slots, dtype)), slots
+class Cached:
+    """A model, a cache and an allocator of `max_num_seqs` rows: runs steps as an engine's runner would."""
 
+    def __init__(self, model: LlamaNumpy, max_num_seqs: int = 2, max_model_len: int = 64, dtype: str = "float32",
+                 block_size: int = 16):
+        self.model, self.alloc = model, ContiguousAllocator(max_num_seqs, max_model_len, block_size)
+        self.cache = KVCache(model.config, self.alloc.num_slots, dtype)
 
-def prefill(runner, slots, row, ids, start: int = 0):
-    positions = np.arange(start, start + len(ids))
-    return runner.execute(ids, positions, slots.metadata([row], [positions]))
-
-
-def decode(runner, slots, row, token, position):
-    return runner.execute([token], [position], slots.metadata([row], [np.array([position])]))[0]
+    def step(self, rows: list[int], new_ids: list, seq_lens: list[int], num_prefills: int) -> np.ndarray:
+        """Each sequence's new tokens (ending at its seq_len), packed: logits of every new row."""
+        positions, meta = build_attention_metadata([len(n) for n in new_ids], seq_lens, self.alloc.block_tables(rows),
+                                                   self.alloc.block_size, num_prefills)
+        return self.model.forward(np.concatenate(new_ids), positions, CachedAttention(self.model.config, self.cache, meta))
 
 
 # --- size and layout ---
@@ -86,30 +87,50 @@ def test_write_then_read(rng, dtype):
     assert not cache.k[0].any()  # other layers untouched
 
 
-def test_contiguous_slots():
-    slots = ContiguousSlots(max_num_seqs=3, max_model_len=10)
-    assert slots.num_slots == 30
-    rows = [slots.allocate() for _ in range(3)]
-    assert rows == [0, 1, 2]
+def test_contiguous_allocator():
+    alloc = ContiguousAllocator(max_num_seqs=3, max_model_len=10, block_size=4)
+    assert alloc.max_blocks == 3 and alloc.num_blocks == 9 and alloc.num_slots == 36
+    rows = [alloc.allocate() for _ in range(3)]
+    assert rows == [0, 1, 2] and alloc.num_free_rows == 0
     with pytest.raises(RuntimeError, match="in use"):
-        slots.allocate()
-    np.testing.assert_array_equal(slots.slots(2, [0, 3, 9]), [20, 23, 29])
-    with pytest.raises(ValueError, match="max_model_len"):
-        slots.slots(1, [10])
-    meta = slots.metadata([1, 2], [np.array([4]), np.arange(3)])
-    assert meta.query_lens == (1, 3)
-    np.testing.assert_array_equal(meta.slot_mapping, [14, 20, 21, 22])
-    np.testing.assert_array_equal(meta.context_slots[0], np.arange(10, 15))
-    np.testing.assert_array_equal(meta.context_slots[1], [20, 21, 22])
-    slots.free(1)
-    assert slots.allocate() == 1
+        alloc.allocate()
+    np.testing.assert_array_equal(alloc.block_tables([2, 0]), [[6, 7, 8], [0, 1, 2]])
+    alloc.free(1)
+    assert alloc.allocate() == 1
     with pytest.raises(ValueError, match="not in use"):
-        slots.free(7)
+        alloc.free(7)
+    with pytest.raises(ValueError, match="power of two"):
+        ContiguousAllocator(2, 10, block_size=6)
+
+
+def test_attention_metadata_of_a_mixed_batch():
+    tables = np.array([[4, 5, 6], [0, 1, 2], [7, 3, 8]], np.int32)  # blocks of 4, in any order
+    positions, meta = build_attention_metadata([3, 1, 1], [3, 9, 5], tables, 4, num_prefills=1)
+    np.testing.assert_array_equal(positions, [0, 1, 2, 8, 4])
+    np.testing.assert_array_equal(meta.query_start_loc, [0, 3, 4, 5])
+    np.testing.assert_array_equal(meta.slot_mapping, [16, 17, 18, 2 * 4 + 0, 3 * 4 + 0])
+    assert (meta.num_prefills, meta.num_prefill_tokens, meta.num_decodes, meta.max_query_len) == (1, 3, 2, 3)
+    np.testing.assert_array_equal(context_slots(tables[2], 5, 4), [28, 29, 30, 31, 12])
+
+
+def test_metadata_decode_fast_path_equals_general_path(rng):
+    tables = rng.permutation(40).astype(np.int32).reshape(5, 8)
+    lens = rng.integers(1, 33, 5)
+    pos_fast, fast = build_attention_metadata([1] * 5, lens, tables, 4, num_prefills=0)
+    pos_slow, slow = build_attention_metadata([1, 1, 1, 1, 2], np.r_[lens[:4], lens[4] + 1], tables, 4, num_prefills=0)
+    np.testing.assert_array_equal(pos_fast, lens - 1)
+    np.testing.assert_array_equal(fast.slot_mapping, tables[np.arange(5), (lens - 1) // 4] * 4 + (lens - 1) % 4)
+    np.testing.assert_array_equal(slow.slot_mapping[:4], fast.slot_mapping[:4])
 
 
 def test_metadata_must_agree():
+    tables = np.zeros((1, 2), np.int32)
+    with pytest.raises(ValueError, match="new tokens"):
+        build_attention_metadata([3], [2], tables, 4, num_prefills=1)  # more new tokens than the sequence has
+    with pytest.raises(ValueError, match="block_tables"):
+        build_attention_metadata([1], [9], tables, 4, num_prefills=0)  # position 8 needs a third block
     with pytest.raises(ValueError, match="disagrees"):
-        AttentionMetadata((2,), np.arange(3), (np.arange(3),))
+        AttentionMetadata(1, 2, 2, np.array([0, 2], np.int32), np.array([2], np.int32), np.arange(3), tables, 4)
 
 
 # --- attention over the cache ---
@@ -130,72 +151,69 @@ def test_cached_attention_matches_chapter_7(rng, num_heads, num_kv_heads, head_d
     np.testing.assert_allclose(tail, want[6:], atol=1e-5)
 
 
-# --- the runner: cached = recomputed ---
+# --- attention over the cache in the model: cached = recomputed ---
 
 
 def test_prefill_then_decode_equals_full_forward(model, rng):
-    runner, slots = new_runner(model)
-    row = slots.allocate()
+    c = Cached(model)
+    row = c.alloc.allocate()
     ids = list(rng.integers(0, model.config.vocab_size, 9))
-    logits = prefill(runner, slots, row, ids)
+    logits = c.step([row], [ids], [len(ids)], num_prefills=1)
     np.testing.assert_allclose(logits, model.forward(ids), atol=1e-4)  # every prompt position
     for _ in range(8):
         ids.append(int(np.argmax(logits[-1])))
-        logits = decode(runner, slots, row, ids[-1], len(ids) - 1)[None]
+        logits = c.step([row], [ids[-1:]], [len(ids)], num_prefills=0)
         worst = np.abs(logits[0] - model.forward(ids)[-1]).max()
         assert worst < 1e-4, f"step {len(ids)}: cached decode differs from the full forward by {worst:.2e}"
 
 
-def test_batched_decode_and_rows_are_independent(model, rng):
-    runner, slots = new_runner(model, max_num_seqs=3)
+def test_mixed_batch_rows_are_independent(model, rng):
+    """One step: a new prompt (prefill) and two decodes of sequences in other rows, block size 4."""
+    c = Cached(model, max_num_seqs=3, block_size=4)
     vocab = model.config.vocab_size
-    a, b = list(rng.integers(0, vocab, 5)), list(rng.integers(0, vocab, 12))
-    row_a, row_b = slots.allocate(), slots.allocate()
-    prefill(runner, slots, row_a, a[:-1])
-    prefill(runner, slots, row_b, b[:-1])
-    positions = [np.array([len(a) - 1]), np.array([len(b) - 1])]
-    both = runner.execute([a[-1], b[-1]], np.concatenate(positions), slots.metadata([row_a, row_b], positions))
-    np.testing.assert_allclose(both[0], model.forward(a)[-1], atol=1e-4)
-    np.testing.assert_allclose(both[1], model.forward(b)[-1], atol=1e-4)
+    a, b, p = list(rng.integers(0, vocab, 5)), list(rng.integers(0, vocab, 12)), list(rng.integers(0, vocab, 7))
+    row_a, row_b, row_p = c.alloc.allocate(), c.alloc.allocate(), c.alloc.allocate()
+    c.step([row_a, row_b], [a[:-1], b[:-1]], [4, 11], num_prefills=2)  # two prompts packed in one prefill
+    both = c.step([row_p, row_a, row_b], [p, a[-1:], b[-1:]], [7, 5, 12], num_prefills=1)
+    np.testing.assert_allclose(both[:7], model.forward(p), atol=1e-4)
+    np.testing.assert_allclose(both[7], model.forward(a)[-1], atol=1e-4)
+    np.testing.assert_allclose(both[8], model.forward(b)[-1], atol=1e-4)
 
 
-def test_chunked_prefill_and_logits_indices(model, rng):
-    runner, slots = new_runner(model)
+def test_chunk_after_a_cached_prefix(model, rng):
+    c = Cached(model)
     ids = rng.integers(0, model.config.vocab_size, 14)
-    row = slots.allocate()
-    prefill(runner, slots, row, ids[:6])
-    positions = np.arange(6, 14)
-    tail = runner.execute(ids[6:], positions, slots.metadata([row], [positions]), logits_indices=[7])
-    assert tail.shape == (1, model.config.vocab_size)
-    np.testing.assert_allclose(tail[0], model.forward(ids)[-1], atol=1e-4)
+    row = c.alloc.allocate()
+    c.step([row], [ids[:6]], [6], num_prefills=1)
+    tail = c.step([row], [ids[6:]], [14], num_prefills=1)  # queries at 6..13 over the cached 0..5 and themselves
+    np.testing.assert_allclose(tail, model.forward(ids)[6:], atol=1e-4)
 
 
 def test_bf16_cache_is_close_but_rounded(model, rng):
     ids = rng.integers(0, model.config.vocab_size, 10)
-    exact = prefill(*new_runner(model, dtype="float32"), 0, ids)
-    runner, slots = new_runner(model, dtype="bfloat16")
-    rounded = prefill(runner, slots, 0, ids)
-    assert runner.cache.k[0].dtype == np.uint16
-    assert 0 < np.abs(rounded - exact).max() < 0.25
+    exact = Cached(model, dtype="float32")
+    rounded = Cached(model, dtype="bfloat16")
+    a = exact.step([exact.alloc.allocate()], [ids], [10], 1)
+    b = rounded.step([rounded.alloc.allocate()], [ids], [10], 1)
+    assert rounded.cache.k[0].dtype == np.uint16
+    assert 0 < np.abs(b - a).max() < 0.25
 
 
-def test_runner_rejects_bad_input(model):
-    runner, slots = new_runner(model)
-    meta = slots.metadata([0], [np.arange(3)])
+def test_bad_input_is_refused(model):
+    c = Cached(model)
     with pytest.raises(ValueError, match="vocabulary"):
-        runner.execute([0, 1, model.config.vocab_size], np.arange(3), meta)
-    with pytest.raises(ValueError, match="slot"):
-        runner.execute([0, 1], np.arange(2), meta)
+        c.step([0], [[0, 1, model.config.vocab_size]], [3], 1)
+    with pytest.raises(ValueError, match="hold every position"):
+        c.step([0], [[1]], [65], 0)  # past max_model_len: no block for it
 
 
 def test_smollm2_cached_decode_equals_full_forward():
-    folder = resolve_model("smollm2")
-    model = LlamaNumpy.from_folder(folder)
-    runner, slots = new_runner(model, max_num_seqs=1, max_model_len=32)
+    model = LlamaNumpy.from_folder(resolve_model("smollm2"))
+    c = Cached(model, max_num_seqs=1, max_model_len=32)
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646]  # a short prompt
-    logits = prefill(runner, slots, 0, ids)[-1]
+    logits = c.step([0], [ids], [len(ids)], 1)[-1]
     for _ in range(3):
         ids.append(int(np.argmax(logits)))
-        logits = decode(runner, slots, 0, ids[-1], len(ids) - 1)
+        logits = c.step([0], [ids[-1:]], [len(ids)], 0)[0]
         worst = np.abs(logits - model.forward(ids)[-1]).max()
         assert worst < 1e-4, f"SmolLM2, {len(ids)} tokens: cached decode differs by {worst:.2e}"

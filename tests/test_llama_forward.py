@@ -12,8 +12,11 @@ import json
 import numpy as np
 import pytest
 
+from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.rope import check_positions
+from tinyvllm_lib.layers.attention import CausalAttention
 from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.models.llama_numpy import LlamaNumpy, check_positions, fuse_llama_weights, log_softmax
+from tinyvllm_lib.models.llama_numpy import LlamaNumpy, fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
 from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama, tiny_llama_config
 from tinyvllm_lib.runtime import can_launch
@@ -214,3 +217,12 @@ def test_kernel_model_prefill_lengths(tmp_path, rng):
     for num_tokens in (1, 16, 17, 64, 65, 200):
         ids = rng.integers(0, 1000, num_tokens)
         assert_kernel_model_matches(log_softmax(gpu.forward(ids)), log_softmax(ref.forward(ids)))
+
+
+def test_packed_sequences_equal_separate_forwards(tmp_path, rng):
+    """One forward over two sequences back to back (CausalAttention with query_start_loc) = two forwards."""
+    model = LlamaNumpy.from_folder(make_random_llama(tmp_path, tiny_llama_config()))
+    a, b = rng.integers(0, 256, 7), rng.integers(0, 256, 4)
+    both = model.forward(np.concatenate([a, b]), np.r_[0:7, 0:4], CausalAttention(model.config, query_start_loc=[0, 7, 11]))
+    np.testing.assert_allclose(both[:7], model.forward(a), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(both[7:], model.forward(b), rtol=1e-5, atol=1e-5)

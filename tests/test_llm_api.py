@@ -12,7 +12,7 @@ import pytest
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.cli import main
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from tinyvllm_lib.engine.llm import runner_for
+from tinyvllm_lib.engine.llm_engine import resolve_device
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.verify import default_prompt, greedy_agreement, verify_against_transformers
 from tinyvllm_lib.models.config import ModelConfig
@@ -314,16 +314,21 @@ def test_bad_engine_arguments(tiny):
         LLM(tiny.folder, device="cpu", max_model_len=10**6)
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(tiny.folder, device="cpu", max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(tiny.folder, device="cpu", max_model_len=64, max_num_batched_tokens=32)  # a prompt must fit in one step
     if not has_gpu():
-        with pytest.raises((RuntimeError, NotImplementedError), match="cuda"):
+        with pytest.raises(RuntimeError, match="cuda"):
             LLM(tiny.folder, device="cuda")
         assert LLM(tiny.folder, device="auto", max_model_len=64).device == "cpu"
 
 
-def test_runner_for_cpu(tiny):
-    runner = runner_for("cpu", tiny.folder, num_slots=32)
-    assert runner.device == "cpu" and runner.cache.num_slots == 32 and runner.cache.dtype == "float32"
-    assert runner_for("cpu", tiny.folder, 32, "bfloat16").cache.dtype == "bfloat16"
+def test_cpu_cache_dtypes(tiny):
+    runner = tiny.llm_engine.model_runner
+    assert runner.device == "cpu" and runner.kv_cache.dtype == "float32"
+    assert runner.kv_cache.num_slots == tiny.llm_engine.allocator.num_slots
+    bf16 = LLM(tiny.folder, device="cpu", max_model_len=64, max_num_seqs=2, kv_cache_dtype="bfloat16")
+    assert bf16.llm_engine.model_runner.kv_cache.dtype == "bfloat16"
+    assert resolve_device("cpu") == "cpu" and resolve_device("auto") == ("cuda" if has_gpu() else "cpu")
 
 
 def test_config_keeps_llama_3_eos_ids():

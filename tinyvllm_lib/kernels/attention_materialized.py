@@ -6,7 +6,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from tinyvllm_lib.kernels.attention import cdiv, check_out, check_qkv
+from tinyvllm_lib.kernels.attention import check_out, check_qkv
+from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 SCORES_BLOCK = (32, 8)  # threads along keys, along queries

@@ -4,3 +4,20 @@
 def is_c_contiguous(a) -> bool:
     """Whether a NumPy array or a device array (numba's, or the simulator's stand-in) is C-contiguous."""
     return a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else bool(a.flags["C_CONTIGUOUS"])
+
+
+def is_device_array(a) -> bool:
+    """A GPU array (numba, CuPy, torch...) or, in the simulator, numba's stand-in for one."""
+    return hasattr(a, "__cuda_array_interface__") or hasattr(a, "copy_to_host")
+
+
+def device_pointer(a) -> int:
+    """Address of an array's first element (in the simulator: of the host buffer behind it)."""
+    if hasattr(a, "__cuda_array_interface__"):
+        return a.__cuda_array_interface__["data"][0]
+    return a.__array_interface__["data"][0]
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: blocks to cover a items, b per block."""
+    return (a + b - 1) // b

@@ -4,7 +4,8 @@
 import numpy as np
 from numba import config, cuda
 
-from tinyvllm_lib.kernels.gemm import check_linear_args, device_pointer, is_device_array
+from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
+from tinyvllm_lib.kernels.gemm import check_linear_args
 
 _STATE = {"gemm": None, "error": None}
 

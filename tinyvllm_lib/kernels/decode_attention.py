@@ -2,24 +2,44 @@
 
 # defined in chapters/08_kv_cache.py
 import math
+from dataclasses import dataclass
 
 import numpy as np
-from numba import config, cuda, float32, uint32
+from numba import config, cuda, float32, int64, uint32
 
-from tinyvllm_lib.kernels.attention import cdiv, check_out, check_qkv
+from tinyvllm_lib.kernels.attention import check_out, check_qkv
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, bf16_to_f32, f32_to_bf16, f32_to_bf16_bits
+from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
-# The defaults below were chosen from bench/ch08_decode_tune.py's sweep on an H200 (plotted below).
-LANE_ELEMENTS = 8  # bf16 values of a key row per lane (two 8-byte words): head_dim 64 is 8 lanes a key
-KEYS_PER_LANE = 3  # rows each lane loads before it uses any (bytes in flight)
-MAX_REGISTERS = None  # a cap on registers per thread (more warps per SM), or None
-DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 2  # warps per block: they share the block's part of the context
-SPLIT_KEYS = 512  # keys per block when a sequence's context is split over several blocks (flash-decoding)
-MIN_SPLIT_KEYS = 8  # never fewer keys per split than this (then rounded up to a block's step)
-TARGET_BLOCKS = 1024  # split further while the grid has fewer blocks than this (a few per SM)
-MAX_SPLITS = 32  # the most splits a workspace holds
+DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 2  # the simulator runs each thread in Python: one warp a block there
+
+
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """The decode attention kernel's knobs. The defaults were chosen from bench/ch08_decode_tune.py's sweep
+    on an H200 (plotted below); the first four are compiled into the kernel, the rest shape its grid."""
+
+    lane_elements: int = 8  # bf16 values of a key row per lane (two 8-byte words): head_dim 64 is 8 lanes a key
+    keys_per_lane: int = 3  # rows each lane loads before it uses any (bytes in flight)
+    num_warps: int = DECODE_WARPS  # warps per block: they share the block's part of the context
+    max_registers: int | None = None  # a cap on registers per thread (more warps per SM), or None
+    split_keys: int = 512  # keys per block when a context is split over several blocks (flash-decoding)
+    min_split_keys: int = 8  # never fewer keys per split than this (then rounded up to a block's step)
+    target_blocks: int = 1024  # split further while the grid has fewer blocks than this (a few per SM)
+    max_splits: int = 32  # the most splits a workspace holds
+
+    def __post_init__(self):
+        for name in ("lane_elements", "keys_per_lane", "num_warps", "split_keys", "min_split_keys", "target_blocks", "max_splits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeAttentionConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_registers is not None and (not isinstance(self.max_registers, int) or self.max_registers < 32):
+            raise ValueError(f"DecodeAttentionConfig.max_registers must be None or at least 32, got {self.max_registers!r}")
+
+
+DEFAULT_DECODE_CONFIG = DecodeAttentionConfig()
 
 
 def decode_attention_ref(qkv, k_cache, v_cache, block_tables, block_size, context_lens, num_heads, num_kv_heads, head_dim):
@@ -88,7 +108,26 @@ def cache_word(bt_row, key, block_shift, block_mask, num_kv_heads, kvh, words_pe
     return uint32(uint32(uint32(slot * num_kv_heads) + kvh) * uint32(words_per_row)) + sub
 
 
-def lanes_per_key(head_dim: int, lane_elements: int = LANE_ELEMENTS) -> int:
+def num_splits_for(n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys):
+    """How many blocks share a context of n keys: about split_keys keys a block, more while the grid's
+    num_row_blocks = rows x KV heads is small; at most max_splits, at least min_split_keys keys each.
+    It never falls as n grows, so the grid's split axis is this for the longest context."""
+    want = max((n + split_keys - 1) // split_keys, (target_blocks + num_row_blocks - 1) // num_row_blocks)
+    return max(1, min(max_splits, want, (n + min_split_keys - 1) // min_split_keys))
+
+
+def split_length(n, num_splits, step):
+    """Keys per split of a context of n keys in num_splits splits: a multiple of step (a block's keys per step)."""
+    per_split = (n + num_splits - 1) // num_splits
+    return max(step, (per_split + step - 1) // step * step)
+
+
+# the same two functions compiled for the GPU: each block works out its own sequence's split
+num_splits_on_device = cuda.jit(device=True)(num_splits_for)
+split_length_on_device = cuda.jit(device=True)(split_length)
+
+
+def lanes_per_key(head_dim: int, lane_elements: int = 8) -> int:
     """Lanes that share one key row: about lane_elements values each, a power of two that splits its words evenly."""
     lanes = 1
     while 2 * lanes * lane_elements <= head_dim and (head_dim // 4) % (2 * lanes) == 0 and 2 * lanes <= WARP_SIZE:
@@ -96,8 +135,8 @@ def lanes_per_key(head_dim: int, lane_elements: int = LANE_ELEMENTS) -> int:
     return lanes
 
 
-def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys_per_lane: int = KEYS_PER_LANE,
-                                 lane_elements: int = LANE_ELEMENTS, max_registers: int | None = MAX_REGISTERS):
+def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys_per_lane: int, lane_elements: int,
+                                 max_registers: int | None):
     """A block per (KV head, sequence, split of the context), all `group` query heads of it; L lanes per key."""
     D, G, W, L, C = head_dim, group, num_warps, lanes_per_key(head_dim, lane_elements), keys_per_lane
     # flush-to-zero and fast division: exp2 becomes one MUFU.EX2 instruction. The set keeps LLVM's
@@ -115,15 +154,21 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
     PER_THREAD = cdiv(GD, W * WARP_SIZE)  # outputs each thread adds up at the end
 
     @cuda.jit(**options)
-    def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens, qscale, split_len, workspace, out):
+    def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens, qscale, split_keys, min_split_keys,
+               target_blocks, workspace, out):
         # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit multiplies in the address arithmetic
         kvh, s, split = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)  # KV heads side by side
         num_kv_heads = uint32(cuda.gridDim.x)
         n = uint32(context_lens[s])
-        begin = split * uint32(split_len)
-        if split > 0 and begin >= n:  # past this sequence's end: the combine skips this split
+        # this sequence's own split, from its length: the grid holds the most splits any length may want
+        splits = num_splits_on_device(int64(n), int64(cuda.gridDim.z), int64(cuda.gridDim.x) * int64(cuda.gridDim.y),
+                                      split_keys, target_blocks, min_split_keys)
+        split_len = uint32(split_length_on_device(int64(n), splits, int64(STEP)))
+        used = max(uint32(1), (n + split_len - uint32(1)) // split_len)  # splits this sequence uses
+        if split >= used:  # past this sequence's last split: nothing to do, and the combine reads nothing here
             return
-        end = min(n, begin + uint32(split_len))
+        begin = split * split_len
+        end = min(n, begin + split_len)
         tid = uint32(cuda.threadIdx.x)
         warp, lane = tid // uint32(WARP_SIZE), tid % uint32(WARP_SIZE)
         key_in_warp, sub = lane // uint32(L), lane % uint32(L)  # which of the warp's KPW keys, which part of its row
@@ -226,7 +271,7 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
             if t < GD:
                 g, d = t // D, t % D
                 h = kvh * G + g
-                if cuda.gridDim.z == 1:  # the whole context in one block: the final output
+                if used == 1:  # the whole context in one block: the final output
                     store_activation(out, s, h * D + d, num[j] / den[j] if den[j] > 0 else float32(0.0))
                 else:  # this split's partial: unnormalised output, then its maximum (base 2) and sum
                     workspace[s, split, h, d] = num[j]
@@ -240,12 +285,17 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
 
 
 @cuda.jit
-def decode_combine_kernel(workspace, context_lens, split_len, num_splits, out):
+def decode_combine_kernel(workspace, context_lens, num_splits, num_kv_heads, split_keys, min_split_keys, target_blocks,
+                          step, out):
     """A block per (row, query head), a thread per element: add the splits' partials, rescaled to their common maximum."""
     s, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     D = workspace.shape[3] - 2
-    used = min(num_splits, (context_lens[s] + split_len - 1) // split_len)  # splits past the end wrote nothing
-    if d < D:
+    n = int64(context_lens[s])
+    splits = num_splits_on_device(n, num_splits, int64(cuda.gridDim.x) * num_kv_heads, split_keys, target_blocks,
+                                  min_split_keys)  # the attention kernel's split of this sequence
+    split_len = split_length_on_device(n, splits, step)
+    used = max(int64(1), (n + split_len - 1) // split_len)
+    if used > 1 and d < D:  # one split: the attention kernel wrote this row itself
         top = -math.inf
         for j in range(used):
             top = max(top, workspace[s, j, h, D])
@@ -259,74 +309,85 @@ def decode_combine_kernel(workspace, context_lens, split_len, num_splits, out):
         store_activation(out, s, h * D + d, num / den if den > 0 else float32(0.0))
 
 
-decode_attention_d64_g4_kernel = make_decode_attention_kernel(64, 4, DECODE_WARPS)  # Llama 3.2 1B: 32 / 8 heads
-decode_attention_d64_g3_kernel = make_decode_attention_kernel(64, 3, DECODE_WARPS)  # SmolLM2: 9 / 3 heads
-_DEFAULTS = (KEYS_PER_LANE, LANE_ELEMENTS, MAX_REGISTERS)
-_DECODE_KERNELS = {(64, 4, DECODE_WARPS, *_DEFAULTS): decode_attention_d64_g4_kernel,
-                   (64, 3, DECODE_WARPS, *_DEFAULTS): decode_attention_d64_g3_kernel}
+def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
+    return head_dim, group, cfg.num_warps, cfg.keys_per_lane, cfg.lane_elements, cfg.max_registers
 
-_DECODE_ARGS = "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], float32, int64, float32[:, :, :, ::1]"
+
+_DECODE_KERNELS = {}  # (head_dim, group, warps, keys per lane, lane elements, register cap) -> kernel
+for _name, _group in (("decode_attention_d64_g4_kernel", 4), ("decode_attention_d64_g3_kernel", 3)):  # Llama 3.2 1B, SmolLM2
+    _key = _kernel_key(64, _group, DEFAULT_DECODE_CONFIG)
+    _DECODE_KERNELS[_key] = globals()[_name] = make_decode_attention_kernel(*_key)
+
+_DECODE_ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], float32, int64, int64, int64, "
+                "float32[:, :, :, ::1]")
 PTX_SIGNATURES = {
     "write_kv_cache_kernel": [f"void(float32[:, ::1], int64, int64, {idx}[::1], uint16[:, :, ::1], uint16[:, :, ::1])"
                               for idx in ("int32", "int64")],
     **{name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
        for name in ("decode_attention_d64_g4_kernel", "decode_attention_d64_g3_kernel")},
-    "decode_combine_kernel": [f"void(float32[:, :, :, ::1], int32[::1], int64, int64, {out}[:, ::1])" for out in ("float32", "uint16")],
+    "decode_combine_kernel": [f"void(float32[:, :, :, ::1], int32[::1], {', '.join(['int64'] * 6)}, {out}[:, ::1])"
+                              for out in ("float32", "uint16")],
 }
 
 
 # defined in chapters/08_kv_cache.py
-def decode_attention_kernel_for(head_dim: int, group: int, num_warps: int = DECODE_WARPS, keys_per_lane: int | None = None):
-    """The kernel for these compile-time sizes (and the module's LANE_ELEMENTS and MAX_REGISTERS), built on first use."""
-    key = (head_dim, group, num_warps, keys_per_lane or KEYS_PER_LANE, LANE_ELEMENTS, MAX_REGISTERS)
+def decode_attention_kernel_for(head_dim: int, group: int, cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
+    """The kernel for these sizes and the config's compile-time knobs, built on first use."""
+    key = _kernel_key(head_dim, group, cfg)
     if key not in _DECODE_KERNELS:
         _DECODE_KERNELS[key] = make_decode_attention_kernel(*key)
     return _DECODE_KERNELS[key]
 
 
-def _check_cache(name: str, cache, num_kv_heads: int, head_dim: int):
-    """A layer's K or V cache: uint16 (num_slots, KVH, D), or the same bytes viewed as uint64 (num_slots, KVH, D / 4)."""
+def cache_words(name: str, cache, num_kv_heads: int, head_dim: int):
+    """A layer's K or V cache as the kernel reads it, one flat array of 8-byte words: from uint16
+    (num_slots, KVH, D), or already uint64 — (num_slots, KVH, D / 4) or flat."""
     if cache.dtype == np.uint16:
-        if tuple(cache.shape[1:]) != (num_kv_heads, head_dim):
+        if cache.ndim != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name}: the cache must be (num_slots, {num_kv_heads}, {head_dim}), got {tuple(cache.shape)}")
-        return cache.view(np.uint64)
-    if cache.dtype != np.uint64 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim // 4):
+        return cache.view(np.uint64).reshape(-1)
+    row_words = num_kv_heads * head_dim // 4
+    is_words = cache.dtype == np.uint64 and ((cache.ndim == 1 and cache.shape[0] % row_words == 0)
+                                              or tuple(cache.shape[1:]) == (num_kv_heads, head_dim // 4))
+    if not is_words:
         raise TypeError(f"{name}: the cache must hold bf16 bits, uint16 (num_slots, {num_kv_heads}, {head_dim}), "
                         f"got {cache.dtype} {tuple(cache.shape)}")
-    return cache
+    return cache.reshape(-1) if cache.ndim > 1 else cache
 
 
-def decode_workspace(max_rows: int, max_context_len: int, num_heads: int, head_dim: int, max_splits: int = MAX_SPLITS):
+def decode_splits(max_context_len: int, rows: int, num_kv_heads: int, cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+                  max_splits: int | None = None) -> int:
+    """The grid's split axis: the splits the longest context (max_context_len) wants with `rows` rows."""
+    return num_splits_for(max(1, max_context_len), max_splits or cfg.max_splits, rows * num_kv_heads, cfg.split_keys,
+                          cfg.target_blocks, cfg.min_split_keys)
+
+
+def decode_workspace(max_rows: int, max_context_len: int, num_heads: int, head_dim: int,
+                     cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
     """The split path's float32 scratch, made once by the caller: (max_rows, splits, num_heads, head_dim + 2)."""
-    splits = max(1, min(max_splits, cdiv(max_context_len, MIN_SPLIT_KEYS)))
+    splits = max(1, min(cfg.max_splits, cdiv(max_context_len, cfg.min_split_keys)))  # the most any row count wants
     return cuda.device_array((max_rows, splits, num_heads, head_dim + 2), np.float32)
 
 
-def decode_splits(max_context_len: int, rows: int, num_kv_heads: int, max_splits: int, step: int) -> tuple[int, int]:
-    """(number of splits, keys per split): SPLIT_KEYS keys a block, more splits while the grid is small; a multiple of step."""
-    want = max(cdiv(max_context_len, SPLIT_KEYS), cdiv(TARGET_BLOCKS, rows * num_kv_heads))
-    splits = max(1, min(max_splits, want, cdiv(max_context_len, MIN_SPLIT_KEYS)))
-    split_len = cdiv(cdiv(max_context_len, splits), step) * step
-    return cdiv(max_context_len, split_len), split_len
-
-
 def decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int, context_lens, num_heads: int, num_kv_heads: int,
-                     head_dim: int, out, stream=0, num_warps: int = DECODE_WARPS, workspace=None, max_context_len=None,
-                     keys_per_lane: int | None = None):
+                     head_dim: int, out, stream=0, workspace=None, max_context_len=None,
+                     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
     """Row s of qkv (one new query per row, after RoPE) over positions 0..context_lens[s]-1 of a bf16 KV cache.
 
     Position p of row s is at slot block_tables[s, p // block_size] * block_size + p % block_size;
     block_size is a power of two.
     out: (rows, H D), float32 or bf16 bits. The new token's own K/V must already be in the cache.
     workspace (from decode_workspace): lets several blocks share a sequence's context (flash-decoding);
-    without it one block per (row, KV head) walks the whole context. max_context_len: at least every
-    context length (default: what the block table can address); it sets the number of splits.
+    without it one block per (row, KV head) walks the whole context. max_context_len: a bound on
+    every context length (default: what the block table can address). With the number of rows it
+    fixes the grid; each sequence's split is worked out on the GPU from its own length, so the same
+    launch serves every step while the contexts grow up to the bound.
     """
     rows = check_qkv("decode_attention", qkv, num_heads, num_kv_heads, head_dim)
     check_out("decode_attention", out, (rows, num_heads * head_dim))
     if head_dim % 16:
         raise ValueError(f"decode_attention: head_dim must be a multiple of 16, got {head_dim}")
-    k64, v64 = (_check_cache("decode_attention", c, num_kv_heads, head_dim) for c in (k_cache, v_cache))
+    k64, v64 = (cache_words("decode_attention", c, num_kv_heads, head_dim) for c in (k_cache, v_cache))
     if k64.size >= 2**32:
         raise ValueError(f"decode_attention: the kernel indexes the cache with 32 bits; {k64.size} words is too many")
     if block_tables.dtype != np.int32 or block_tables.ndim != 2 or block_tables.shape[0] < rows:
@@ -341,18 +402,20 @@ def decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int, conte
                         f"from decode_workspace, got {workspace.dtype} {tuple(workspace.shape)}")
     if rows == 0:
         return out
-    kernel = decode_attention_kernel_for(head_dim, num_heads // num_kv_heads, num_warps, keys_per_lane)
+    cfg = config
+    kernel = decode_attention_kernel_for(head_dim, num_heads // num_kv_heads, cfg)
     max_len = int(max_context_len) if max_context_len is not None else block_tables.shape[1] * int(block_size)
-    splits, split_len = 1, 2**30  # one split: the whole context
+    splits = 1  # one split: the whole context in one block per (row, KV head)
     if workspace is not None and workspace.shape[1] > 1:
-        splits, split_len = decode_splits(max(max_len, 1), rows, num_kv_heads, workspace.shape[1], kernel.keys_per_step)
+        splits = decode_splits(max_len, rows, num_kv_heads, cfg, max_splits=workspace.shape[1])
     scratch = workspace if splits > 1 else qkv.reshape(1, 1, *qkv.shape)  # one split writes no partials: any float32 view
-    kernel[(num_kv_heads, rows, splits), num_warps * WARP_SIZE, stream](
-        qkv, k64.reshape(-1), v64.reshape(-1), block_tables, np.uint32(int(block_size).bit_length() - 1), context_lens,
-        np.float32(LOG2_E / math.sqrt(head_dim)), split_len, scratch, out)
+    knobs = (cfg.split_keys, cfg.min_split_keys, cfg.target_blocks)
+    kernel[(num_kv_heads, rows, splits), cfg.num_warps * WARP_SIZE, stream](
+        qkv, k64, v64, block_tables, np.uint32(int(block_size).bit_length() - 1), context_lens,
+        np.float32(LOG2_E / math.sqrt(head_dim)), *knobs, scratch, out)
     if splits > 1:
         decode_combine_kernel[(rows, num_heads), cdiv(head_dim, WARP_SIZE) * WARP_SIZE, stream](
-            workspace, context_lens, split_len, splits, out)
+            workspace, context_lens, splits, num_kv_heads, *knobs, kernel.keys_per_step, out)
     return out
 
 

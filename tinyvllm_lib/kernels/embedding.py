@@ -81,14 +81,7 @@ PTX_SIGNATURES["embed_wide_kernel"] = [
 
 
 # defined in chapters/03_first_kernel.py
-from tinyvllm_lib.kernels.checks import is_c_contiguous
-
-
-def _address(a) -> int:
-    if isinstance(a, np.ndarray):
-        return a.ctypes.data
-    pointer = getattr(a, "device_ctypes_pointer", None)  # a numba device array
-    return (pointer.value or 0) if pointer is not None else a.ctypes.data  # the simulator wraps NumPy
+from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 
 
 def _check_embed_args(ids, table, out) -> None:
@@ -126,7 +119,7 @@ def embed_rows(ids, table, out, threads_per_block: int = 256, stream=0):
 
 def can_embed_wide(table, out) -> bool:
     """Rows are whole uint64 words (hidden % 4 == 0) and both buffers start 8-byte aligned."""
-    return table.shape[1] % 4 == 0 and _address(table) % 8 == 0 and _address(out) % 8 == 0
+    return table.shape[1] % 4 == 0 and device_pointer(table) % 8 == 0 and device_pointer(out) % 8 == 0
 
 
 def embed(ids, table, out, threads_per_block: int = 256, stream=0):

@@ -19,18 +19,6 @@ from tinyvllm_lib.kernels.bf16 import bf16_to_f32
 from tinyvllm_lib.kernels.checks import is_c_contiguous
 
 
-def is_device_array(a) -> bool:
-    """A GPU array (numba, CuPy, torch...) or, in the simulator, numba's stand-in for one."""
-    return hasattr(a, "__cuda_array_interface__") or hasattr(a, "copy_to_host")
-
-
-def device_pointer(a) -> int:
-    """Address of an array's first element (in the simulator: of the host buffer behind it)."""
-    if hasattr(a, "__cuda_array_interface__"):
-        return a.__cuda_array_interface__["data"][0]
-    return a.__array_interface__["data"][0]
-
-
 def check_linear_args(name: str, x, w, out) -> tuple[int, int, int]:
     """Check y = x · Wᵀ operands: x (M, K) bf16 bits, w (N, K) bf16 bits, out (M, N) float32; return M, N, K."""
     for label, a, dtype in (("x", x, np.uint16), ("w", w, np.uint16), ("out", out, np.float32)):

@@ -5,7 +5,8 @@ import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32
-from tinyvllm_lib.kernels.gemm import check_linear_args, device_pointer
+from tinyvllm_lib.kernels.checks import device_pointer
+from tinyvllm_lib.kernels.gemm import check_linear_args
 
 
 @cuda.jit(device=True)

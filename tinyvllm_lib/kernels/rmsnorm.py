@@ -356,7 +356,7 @@ PTX_SIGNATURES["fused_add_rmsnorm_wide_kernel"] = [
 
 
 # defined in chapters/04_rmsnorm.py
-from tinyvllm_lib.kernels.checks import is_c_contiguous
+from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 
 RMSNORM_VARIANTS = {
     "thread_per_row": rmsnorm_thread_per_row_kernel,
@@ -366,13 +366,6 @@ RMSNORM_VARIANTS = {
     "wide": rmsnorm_wide_kernel,
 }
 FUSED_VARIANTS = ("registers", "wide")  # rung 5, rung 6
-
-
-def _address(a) -> int:
-    if isinstance(a, np.ndarray):
-        return a.ctypes.data
-    pointer = getattr(a, "device_ctypes_pointer", None)  # a numba device array
-    return (pointer.value or 0) if pointer is not None else a.ctypes.data  # the simulator wraps NumPy
 
 
 def _check_rows(name: str, what: str, a, shape=None, dtypes=(np.float32,)):
@@ -422,7 +415,7 @@ def wide_block_threads(hidden: int, threads_per_block: int | None = None) -> int
 def can_go_wide(rows, *others) -> bool:
     """Rung 6 applies: rows (num_rows, hidden) of whole 8-byte words (hidden even, 2..MAX_THREADS * WIDE_ITEMS), every buffer 8-byte aligned."""
     hidden = rows.shape[1]
-    return hidden % 2 == 0 and 2 <= hidden <= MAX_THREADS * WIDE_ITEMS and all(_address(a) % 8 == 0 for a in (rows, *others))
+    return hidden % 2 == 0 and 2 <= hidden <= MAX_THREADS * WIDE_ITEMS and all(device_pointer(a) % 8 == 0 for a in (rows, *others))
 
 
 def _words(out):

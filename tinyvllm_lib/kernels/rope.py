@@ -21,6 +21,18 @@ def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
 
 
 # defined in chapters/05_rope.py
+def check_positions(positions, num_tokens: int) -> np.ndarray:
+    """Positions as a validated 1-D int64 array of length num_tokens (default 0, 1, ..., num_tokens - 1)."""
+    if positions is None:
+        return np.arange(num_tokens, dtype=np.int64)
+    positions = np.asarray(positions)
+    if positions.shape != (num_tokens,) or not (positions.dtype.kind in "iu" or positions.size == 0):
+        raise ValueError(f"positions must be {num_tokens} integers, one per token, got shape {positions.shape} of {positions.dtype}")
+    if positions.size and positions.min() < 0:
+        raise ValueError(f"positions must be >= 0, got {positions.min()}")
+    return positions.astype(np.int64)
+
+
 def apply_rope_ref(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate pairs (x_i, x_{i+d/2}) of x (num_tokens, num_heads, head_dim) by positions[t] * w_i; cos, sin: (num_positions, d/2)."""
     half = x.shape[-1] // 2
@@ -206,6 +218,8 @@ PTX_SIGNATURES = {
 
 
 # defined in chapters/05_rope.py
+from tinyvllm_lib.kernels.checks import cdiv
+
 ROPE_VARIANTS = ("on_the_fly", "table", "heads_per_thread")
 ROPE_THREADS = 256
 
@@ -247,12 +261,12 @@ def rope_qkv(qkv, positions, table: RopeTable, num_heads: int, num_kv_heads: int
     if num_tokens == 0:
         return qkv
     if variant == "heads_per_thread":
-        num_threads = num_tokens * -(-num_rotated // HEADS_PER_THREAD) * half
-        rope_kernel[-(-num_threads // ROPE_THREADS), ROPE_THREADS, stream](qkv, positions, table.cos, table.sin, num_rotated)
+        num_threads = num_tokens * cdiv(num_rotated, HEADS_PER_THREAD) * half
+        rope_kernel[cdiv(num_threads, ROPE_THREADS), ROPE_THREADS, stream](qkv, positions, table.cos, table.sin, num_rotated)
     elif variant == "table":
         num_threads = num_tokens * num_rotated * half
-        rope_table_kernel[-(-num_threads // ROPE_THREADS), ROPE_THREADS, stream](qkv, positions, table.cos, table.sin, num_rotated)
+        rope_table_kernel[cdiv(num_threads, ROPE_THREADS), ROPE_THREADS, stream](qkv, positions, table.cos, table.sin, num_rotated)
     else:
         num_threads = num_tokens * num_rotated * half
-        rope_on_the_fly_kernel[-(-num_threads // ROPE_THREADS), ROPE_THREADS, stream](qkv, positions, table.inv_freq, num_rotated)
+        rope_on_the_fly_kernel[cdiv(num_threads, ROPE_THREADS), ROPE_THREADS, stream](qkv, positions, table.inv_freq, num_rotated)
     return qkv

@@ -5,13 +5,13 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
-from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-from tinyvllm_lib.kernels.rope import rope_qkv, rope_table_from_config
+from tinyvllm_lib.kernels.rope import check_positions, rope_qkv, rope_table_from_config
+from tinyvllm_lib.layers.attention import FlashAttention
 from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.models.llama_numpy import check_positions, fuse_llama_weights
+from tinyvllm_lib.models.llama_numpy import fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
 
 
@@ -25,7 +25,6 @@ class LlamaCuda:
         is_tied = fused["lm_head"] is fused["embed_tokens"]
         self.weights["lm_head"] = self.weights["embed_tokens"] if is_tied else cuda.to_device(fused["lm_head"])
         self.rope = rope_table_from_config(config).to_device()  # cos and sin tables (chapter 5)
-        self._buffers: dict[int, dict] = {}
 
     @classmethod
     def from_folder(cls, folder) -> "LlamaCuda":
@@ -33,27 +32,27 @@ class LlamaCuda:
         config = ModelConfig.from_folder(folder)
         return cls(config, load_weights(folder, config, progress=False))
 
-    def buffers(self, num_tokens: int) -> dict:
-        """Device buffers for a forward pass of num_tokens (the last size used is kept)."""
-        if num_tokens not in self._buffers:
-            c = self.config
-            q_width, kv_width, hidden = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
-            shapes = {
-                "ids": ((num_tokens,), np.int64), "positions": ((num_tokens,), np.int64),
-                "residual": ((num_tokens, hidden), np.float32),  # the residual stream
-                "normed": ((num_tokens, hidden), np.uint16),  # RMSNorm output, bf16: a linear layer's input
-                "qkv": ((num_tokens, q_width + 2 * kv_width), np.float32),
-                "attn": ((num_tokens, q_width), np.uint16),  # attention output, bf16: o_proj's input
-                "delta": ((num_tokens, hidden), np.float32),  # o_proj and down_proj outputs
-                "gate_up": ((num_tokens, 2 * c.intermediate_size), np.float32),
-                "act": ((num_tokens, c.intermediate_size), np.uint16),  # SiLU(gate) * up, bf16: down_proj's input
-                "logits": ((num_tokens, c.vocab_size), np.float32),
-            }
-            self._buffers = {num_tokens: {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in shapes.items()}}
-        return self._buffers[num_tokens]
+    def make_buffers(self, num_tokens: int) -> dict:
+        """Device buffers for a forward pass of up to num_tokens tokens (the caller owns and keeps them)."""
+        c = self.config
+        q_width, kv_width, hidden = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
+        shapes = {
+            "ids": ((num_tokens,), np.int64), "positions": ((num_tokens,), np.int64),
+            "residual": ((num_tokens, hidden), np.float32),  # the residual stream
+            "normed": ((num_tokens, hidden), np.uint16),  # RMSNorm output, bf16: a linear layer's input
+            "qkv": ((num_tokens, q_width + 2 * kv_width), np.float32),
+            "attn": ((num_tokens, q_width), np.uint16),  # attention output, bf16: o_proj's input
+            "delta": ((num_tokens, hidden), np.float32),  # o_proj and down_proj outputs
+            "gate_up": ((num_tokens, 2 * c.intermediate_size), np.float32),
+            "act": ((num_tokens, c.intermediate_size), np.uint16),  # SiLU(gate) * up, bf16: down_proj's input
+        }
+        return {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in shapes.items()}
 
-    def run(self, b: dict, stream=0) -> None:
-        """Launch one forward pass on `stream`: b["ids"], b["positions"] in, b["logits"] out; allocates and copies nothing."""
+    def run(self, b: dict, attention, stream=0) -> None:
+        """The layer loop, launched on `stream`: b["ids"], b["positions"] in, the final-normed b["normed"] out.
+
+        b: make_buffers' arrays, each cut to this pass's tokens; attention(layer, qkv, out, stream)
+        writes the attention output. Allocates and copies nothing."""
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         embed(b["ids"], w["embed_tokens"], b["residual"], stream=stream)
         rmsnorm(b["residual"], w["layers.0.input_layernorm"], eps, b["normed"], stream=stream)
@@ -61,7 +60,7 @@ class LlamaCuda:
             p = f"layers.{i}."
             linear(b["normed"], w[p + "qkv_proj"], b["qkv"], stream=stream)
             rope_qkv(b["qkv"], b["positions"], self.rope, c.num_attention_heads, c.num_key_value_heads, stream=stream)
-            flash_attention(b["qkv"], c.num_attention_heads, c.num_key_value_heads, c.head_dim, b["attn"], stream=stream)
+            attention(i, b["qkv"], b["attn"], stream)
             linear(b["attn"], w[p + "o_proj"], b["delta"], stream=stream)
             fused_add_rmsnorm(b["residual"], b["delta"], w[p + "post_attention_layernorm"], eps, b["normed"], stream=stream)
             linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], stream=stream)
@@ -69,15 +68,24 @@ class LlamaCuda:
             linear(b["act"], w[p + "down_proj"], b["delta"], stream=stream)
             next_norm = w[f"layers.{i + 1}.input_layernorm"] if i + 1 < c.num_hidden_layers else w["norm"]
             fused_add_rmsnorm(b["residual"], b["delta"], next_norm, eps, b["normed"], stream=stream)
-        linear(b["normed"], w["lm_head"], b["logits"], stream=stream)
 
-    def forward(self, token_ids, positions=None) -> np.ndarray:
-        """Logits (T, vocab_size), float32 on the host, of one sequence; positions default to 0, 1, ..., T - 1."""
+    def compute_logits(self, hidden, out, stream=0) -> None:
+        """The LM head: hidden (rows, hidden) bf16 bits on the GPU -> out (rows, vocab_size) float32."""
+        linear(hidden, self.weights["lm_head"], out, stream=stream)
+
+    def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
+        """Logits (T, vocab_size), float32 on the host; one sequence by default, positions 0, 1, ..., T - 1.
+
+        Allocates its buffers on every call: for checks and demos, not for an engine's steps."""
         ids = check_token_ids(token_ids, self.config.vocab_size)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
-        b = self.buffers(ids.size)
+        b = self.make_buffers(ids.size)
         b["ids"].copy_to_device(np.ascontiguousarray(ids, np.int64))
         b["positions"].copy_to_device(check_positions(positions, ids.size))
-        self.run(b)
-        return b["logits"].copy_to_host()
+        if attention is None:
+            attention = FlashAttention(self.config, cuda.to_device(np.array([0, ids.size], np.int32)), ids.size)
+        self.run(b, attention)
+        logits = cuda.device_array((ids.size, self.config.vocab_size), np.float32)
+        self.compute_logits(b["normed"], logits)
+        return logits.copy_to_host()

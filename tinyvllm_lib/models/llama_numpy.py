@@ -25,30 +25,12 @@ def fuse_llama_weights(weights: dict[str, np.ndarray], config: ModelConfig) -> d
 
 # defined in chapters/07_attention.py
 from tinyvllm_lib.kernels.activation import silu_mul_ref
-from tinyvllm_lib.kernels.attention import attention_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed_reference
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
-from tinyvllm_lib.kernels.rope import rope_qkv_ref, rope_table_from_config
+from tinyvllm_lib.kernels.rope import check_positions, rope_qkv_ref, rope_table_from_config
+from tinyvllm_lib.layers.attention import CausalAttention
 from tinyvllm_lib.models.loader import load_weights
-
-
-def check_positions(positions, num_tokens: int) -> np.ndarray:
-    """Positions as a validated 1-D int64 array of length num_tokens (default 0, 1, ..., num_tokens - 1)."""
-    if positions is None:
-        return np.arange(num_tokens, dtype=np.int64)
-    positions = np.asarray(positions)
-    if positions.shape != (num_tokens,) or not (positions.dtype.kind in "iu" or positions.size == 0):
-        raise ValueError(f"positions must be {num_tokens} integers, one per token, got shape {positions.shape} of {positions.dtype}")
-    if positions.size and positions.min() < 0:
-        raise ValueError(f"positions must be >= 0, got {positions.min()}")
-    return positions.astype(np.int64)
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """log p = logits - max - log(sum(exp(logits - max))) along the last axis (float32 in, float32 out)."""
-    shifted = logits - np.max(logits, axis=-1, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
 
 
 class LlamaNumpy:
@@ -75,23 +57,31 @@ class LlamaNumpy:
             x = bf16_bits_to_f32(f32_to_bf16_bits(x))
         return x @ self.matrices[name].T
 
-    def forward(self, token_ids, positions=None, attention_probs: dict | None = None) -> np.ndarray:
-        """Logits (T, vocab_size), float32, of one sequence; fills attention_probs[layer] = (H, T, T) if given."""
+    def hidden_states(self, token_ids, positions=None, attention=None) -> np.ndarray:
+        """The layer loop: the final-normed hidden states (T, hidden), float32.
+
+        attention(layer, qkv) -> (T, H D) is how tokens attend (default: CausalAttention, one sequence)."""
         c = self.config
-        num_heads, num_kv_heads, head_dim, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         ids = check_token_ids(token_ids, c.vocab_size)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
         positions = check_positions(positions, len(ids))
+        attention = CausalAttention(c) if attention is None else attention
+        eps = c.rms_norm_eps
         x = embed_reference(ids, self.embed_tokens)  # (T, hidden): the residual stream
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             qkv = self.linear(rmsnorm_ref(x, self.norms[p + "input_layernorm"], eps), p + "qkv_proj")  # (T, (H + 2 KVH) D)
-            qkv = rope_qkv_ref(qkv, positions, self.rope, num_heads, num_kv_heads)
-            attn = attention_ref(qkv, num_heads, num_kv_heads, head_dim, return_probs=attention_probs is not None)
-            if attention_probs is not None:
-                attn, attention_probs[i] = attn
-            x = x + self.linear(attn, p + "o_proj")  # (T, H D) -> (T, hidden)
+            qkv = rope_qkv_ref(qkv, positions, self.rope, c.num_attention_heads, c.num_key_value_heads)
+            x = x + self.linear(attention(i, qkv), p + "o_proj")  # (T, H D) -> (T, hidden)
             gate_up = self.linear(rmsnorm_ref(x, self.norms[p + "post_attention_layernorm"], eps), p + "gate_up_proj")
             x = x + self.linear(silu_mul_ref(gate_up), p + "down_proj")  # (T, 2 I) -> (T, I) -> (T, hidden)
-        return self.linear(rmsnorm_ref(x, self.norms["norm"], eps), "lm_head")  # (T, vocab_size)
+        return rmsnorm_ref(x, self.norms["norm"], eps)
+
+    def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The LM head: (rows, hidden) -> logits (rows, vocab_size), float32."""
+        return self.linear(hidden, "lm_head")
+
+    def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
+        """Logits (T, vocab_size), float32: the layer loop, then the head on every row."""
+        return self.compute_logits(self.hidden_states(token_ids, positions, attention))

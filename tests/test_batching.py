@@ -1,0 +1,199 @@
+"""Chapter 09: continuous batching. The scheduler's admission, the engine loop's API (requests added mid-flight,
+aborts, bad ids), and the acceptance check: 64 requests of mixed lengths, eos, stop strings and seeds give the
+same tokens run together as run one at a time — on the CPU (NumPy) here, on SmolLM2 on a GPU."""
+
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from tinyvllm_lib import LLM, LLMEngine, SamplingParams
+from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
+from tinyvllm_lib.engine.request import Request, RequestStatus
+from tinyvllm_lib.engine.scheduler import Scheduler
+from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+from tinyvllm_lib.models.smollm2 import resolve_model
+
+
+def agrees(ref_ids, ref_logprobs, ids, tie: float) -> tuple[bool, bool]:
+    """(same tokens, stopped at a near tie): equal up to the first step where the reference's two best
+    log-probs are within `tie`, and equal to the end (length too) where there is none."""
+    for t, step in enumerate(ref_logprobs):
+        best = sorted(step.values(), reverse=True)
+        if len(best) > 1 and best[0] - best[1] < tie:
+            return list(ref_ids[:t]) == list(ids[:t]), True
+    return list(ref_ids) == list(ids), False
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(tmp_path_factory):
+    """A random Llama with SmolLM2's vocabulary and tokenizer (so stop strings work) and 1,500 extra eos ids
+    (so that many greedy answers end on eos)."""
+    folder = make_random_llama(tmp_path_factory.mktemp("mixed"), tiny_llama_config(vocab_size=49152, max_position_embeddings=512),
+                               seed=3)
+    smol = resolve_model("smollm2")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol / name, folder / name)
+    eos = np.random.default_rng(7).choice(np.arange(17, 49152), 1500, replace=False)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2] + sorted(eos.tolist())}))
+    return folder
+
+
+def mixed_workload(rng, n: int = 64):
+    """Prompts of 1 to 300 tokens, max_tokens 1 to 64; every 4th sampled with its own seed, every 5th with a stop string."""
+    prompts = [rng.integers(17, 49152, rng.integers(1, 301)).tolist() for _ in range(n)]
+    params = []
+    for i in range(n):
+        kw = dict(max_tokens=int(rng.integers(1, 65)), logprobs=2, temperature=0)
+        if i % 4 == 1:
+            kw |= dict(temperature=0.9, top_p=0.95, seed=1000 + i)
+        if i % 5 == 2:
+            kw |= dict(stop=["e"])
+        params.append(SamplingParams(**kw))
+    return prompts, params
+
+
+def test_64_mixed_requests_batched_equal_one_at_a_time(mixed_folder, rng):
+    prompts, params = mixed_workload(rng)
+    single = LLM(mixed_folder, device="cpu", max_model_len=512, max_num_seqs=1).generate(prompts, params, use_tqdm=False)
+    batched = LLM(mixed_folder, device="cpu", max_model_len=512, max_num_seqs=64).generate(prompts, params, use_tqdm=False)
+    checks = [agrees(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].token_ids, tie=1e-4) for a, b in zip(single, batched)]
+    print(f"{sum(t for _, t in checks)} of 64 comparisons stopped at a near tie (top two within 1e-4)")
+    assert all(ok for ok, _ in checks), [i for i, (ok, _) in enumerate(checks) if not ok]
+    reasons = Counter((o.outputs[0].finish_reason, isinstance(o.outputs[0].stop_reason, str)) for o in single)
+    assert reasons[("stop", False)] and reasons[("stop", True)] and reasons[("length", False)], reasons  # eos, strings, caps
+    for a, b in zip(single, batched):  # texts follow the tokens
+        if a.outputs[0].token_ids == b.outputs[0].token_ids:
+            assert a.outputs[0].text == b.outputs[0].text and a.outputs[0].finish_reason == b.outputs[0].finish_reason
+
+
+def test_seeded_request_alone_or_batched(mixed_folder):
+    llm = LLM(mixed_folder, device="cpu", max_model_len=512, max_num_seqs=16)
+    seeded = SamplingParams(temperature=1.0, max_tokens=20, seed=99, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 9
+    crowded = llm.generate([[8, 9]] * 4 + [[5, 6, 7]] + [[3]] * 5, others[:4] + [seeded] + others[4:], use_tqdm=False)
+    assert crowded[4].outputs[0].token_ids == alone
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return make_random_llama(tmp_path_factory.mktemp("tiny"), tiny_llama_config(), seed=2)
+
+
+def drain(engine: LLMEngine, max_steps: int = 500) -> dict[str, object]:
+    finals = {}
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            return finals
+    raise AssertionError("the engine did not finish")
+
+
+def test_requests_added_while_others_run(tiny_folder):
+    engine = LLMEngine(tiny_folder, device="cpu", max_model_len=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.add_request("first", [5, 6, 7], params)
+    for _ in range(4):
+        engine.step()
+    engine.add_request("late", [9, 9, 9, 9], params)
+    finals = drain(engine)
+    assert set(finals) == {"first", "late"} and all(len(o.outputs[0].token_ids) == 10 for o in finals.values())
+    alone = LLM(tiny_folder, device="cpu", max_model_len=64, max_num_seqs=1).generate([[9, 9, 9, 9]], params, use_tqdm=False)
+    assert finals["late"].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_abort_frees_the_place_and_reports_abort(tiny_folder):
+    engine = LLMEngine(tiny_folder, device="cpu", max_model_len=64, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for rid in ("a", "b", "c"):  # c waits: two rows only
+        engine.add_request(rid, [5, 6], params)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["a", "b"] and engine.allocator.num_free_rows == 0
+    engine.abort_request("a")  # running
+    engine.abort_request("c")  # waiting
+    assert engine.allocator.num_free_rows == 1 and not engine.scheduler.waiting
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["a"].finished and outputs["a"].outputs[0].finish_reason == "abort"
+    assert outputs["c"].outputs[0].finish_reason == "abort" and outputs["c"].outputs[0].token_ids == []
+    with pytest.raises(ValueError, match="no unfinished request"):
+        engine.abort_request("a")  # already ended
+    with pytest.raises(ValueError, match="no unfinished request"):
+        engine.abort_request("nobody")
+    engine.add_request("d", [7], params)  # the freed row serves a new request
+    finals = drain(engine)
+    assert set(finals) == {"b", "d"} and engine.allocator.num_free_rows == 2
+
+
+def test_bad_and_duplicate_ids_are_refused_and_the_engine_keeps_serving(tiny_folder):
+    engine = LLMEngine(tiny_folder, device="cpu", max_model_len=64, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("x", [5, 6], params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [7, 8], params)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("", [7, 8], params)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("y", [1] * 70, params)
+    finals = drain(engine)
+    assert list(finals) == ["x"] and len(finals["x"].outputs[0].token_ids) == 5
+    engine.add_request("x", [5, 6], params)  # finished ids can be used again
+    assert drain(engine)["x"].outputs[0].token_ids == finals["x"].outputs[0].token_ids
+
+
+def test_max_num_seqs_1_serves_in_arrival_order(tiny_folder):
+    llm = LLM(tiny_folder, device="cpu", max_model_len=64, max_num_seqs=1)
+    outs = llm.generate([[5, 6], [7], [8, 9, 10]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3, 3] and [o.prompt_token_ids for o in outs] == [[5, 6], [7], [8, 9, 10]]
+
+
+def fake_request(rid: str, num_prompt: int) -> Request:
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    return Request(rid, None, list(range(3, 3 + num_prompt)), p, 4, eos_token_ids=[2])
+
+
+def test_scheduler_admission_under_both_limits():
+    scheduler = Scheduler(max_num_seqs=3, max_num_batched_tokens=10, allocator=ContiguousAllocator(4, 16))
+    for rid, n in (("a", 4), ("b", 5), ("c", 2), ("d", 1)):
+        scheduler.add_request(fake_request(rid, n))
+    step = scheduler.schedule()  # a and b fit in 10 tokens; c would make 11: first come, first served stops there
+    assert [r.request_id for r in step.requests] == ["a", "b"] and step.num_new_tokens == [4, 5] and step.num_prefills == 2
+    assert all(r.status == RequestStatus.RUNNING for r in step.requests)
+    for r, n in zip(step.requests, step.num_new_tokens):
+        r.num_computed_tokens += n
+        r.append_token(7)
+    step = scheduler.schedule()  # c fits now; d would be a fourth sequence (max_num_seqs = 3)
+    assert [r.request_id for r in step.requests] == ["c"] and step.num_prefills == 1
+    step.requests[0].num_computed_tokens += 2
+    step.requests[0].append_token(7)
+    step = scheduler.schedule()  # nothing to admit: a decode step of everyone running
+    assert [r.request_id for r in step.requests] == ["a", "b", "c"] and step.num_new_tokens == [1, 1, 1]
+    assert step.num_prefills == 0 and step.block_tables.shape == (3, 1)
+    assert [r.request_id for r in scheduler.waiting] == ["d"]
+
+
+@pytest.mark.gpu
+def test_gpu_batched_equal_one_at_a_time_smollm2(rng):
+    """SmolLM2 on the GPU: real weights have few near ties, so 0.05; log-probs of shared tokens within 0.05."""
+    llm = LLM("smollm2", device="cuda", max_model_len=512, max_num_seqs=64)
+    words = ["Paris", "the ocean", "a violin", "winter", "prime numbers", "a robot", "coffee", "the moon"]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Write {i % 5 + 1} sentences about {w}."
+                                                   + " Be vivid." * int(rng.integers(0, 40))}], tokenize=True)
+               for i, w in enumerate(words * 8)]
+    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 65)), logprobs=2) for _ in prompts]
+    batched = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    engine.scheduler = Scheduler(1, engine.max_num_batched_tokens, engine.allocator)
+    single = llm.generate(prompts, params, use_tqdm=False)
+    checks = [agrees(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].token_ids, tie=0.05) for a, b in zip(single, batched)]
+    print(f"{sum(t for _, t in checks)} of {len(checks)} comparisons stopped at a near tie (0.05)")
+    assert all(ok for ok, _ in checks)
+    for a, b in zip(single, batched):
+        for t, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
+            if x != y:
+                break
+            assert abs(a.outputs[0].logprobs[t][x] - b.outputs[0].logprobs[t][y]) <= 0.05
