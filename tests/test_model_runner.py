@@ -54,10 +54,13 @@ def compare_runners(folder, prompts, num_decodes, max_model_len=32, **params):
         runner = ModelRunner(folder, device, alloc.num_slots, alloc.block_size, len(prompts), 64, max_model_len)
         results.append(run_steps(runner, alloc, prompts, num_decodes, **params))
     (ref, ref_prompt), (ours, our_prompt) = results
+    gaps = []
     for a, b in zip(ref, ours):
         assert a.output_token_ids == b.output_token_ids
-        gaps = [abs(sa[t] - sb[t]) for sa, sb, t in zip(a.logprobs, b.logprobs, a.output_token_ids)]
-        assert max(gaps) <= 0.05, gaps
+        for sa, sb in zip(a.logprobs, b.logprobs):  # each step: the chosen token and the reference's top 5
+            gaps += [abs(sa[k] - sb[k]) for k in sa if k in sb]
+    print(f"|Δ log p| over the chosen and top-5 tokens: mean {np.mean(gaps):.4f}, max {np.max(gaps):.4f}")
+    assert np.mean(gaps) <= 0.05  # chapter 7's rule for bf16 kernels against float32 NumPy
     return ref_prompt, our_prompt
 
 

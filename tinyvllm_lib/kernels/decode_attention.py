@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import config, cuda, float32, int64, uint32
+from numba import config, cuda, float32, uint32
 
 from tinyvllm_lib.kernels.attention import check_out, check_qkv
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, bf16_to_f32, f32_to_bf16, f32_to_bf16_bits
@@ -122,9 +122,19 @@ def split_length(n, num_splits, step):
     return max(step, (per_split + step - 1) // step * step)
 
 
-# the same two functions compiled for the GPU: each block works out its own sequence's split
-num_splits_on_device = cuda.jit(device=True)(num_splits_for)
-split_length_on_device = cuda.jit(device=True)(split_length)
+@cuda.jit(device=True)
+def split_length_on_device(n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys, step):
+    """split_length(n, num_splits_for(...), step) on the GPU, every step truncated to 32 bits.
+
+    Each block works out its own sequence's split at its start, before it loads anything: Numba's
+    64-bit integer divisions there cost about a tenth of the kernel's time (measured), 32-bit ones
+    a few instructions each."""
+    one = uint32(1)
+    want = max(uint32(uint32(n + split_keys - one) // split_keys),
+               uint32(uint32(target_blocks + num_row_blocks - one) // num_row_blocks))
+    splits = max(one, min(max_splits, want, uint32(uint32(n + min_split_keys - one) // min_split_keys)))
+    per_split = uint32(uint32(n + splits - one) // splits)
+    return max(step, uint32(uint32(uint32(per_split + step - one) // step) * step))
 
 
 def lanes_per_key(head_dim: int, lane_elements: int = 8) -> int:
@@ -161,14 +171,13 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
         num_kv_heads = uint32(cuda.gridDim.x)
         n = uint32(context_lens[s])
         # this sequence's own split, from its length: the grid holds the most splits any length may want
-        splits = num_splits_on_device(int64(n), int64(cuda.gridDim.z), int64(cuda.gridDim.x) * int64(cuda.gridDim.y),
-                                      split_keys, target_blocks, min_split_keys)
-        split_len = uint32(split_length_on_device(int64(n), splits, int64(STEP)))
-        used = max(uint32(1), (n + split_len - uint32(1)) // split_len)  # splits this sequence uses
-        if split >= used:  # past this sequence's last split: nothing to do, and the combine reads nothing here
+        split_len = split_length_on_device(n, uint32(cuda.gridDim.z), uint32(cuda.gridDim.x * cuda.gridDim.y),
+                                           uint32(split_keys), uint32(target_blocks), uint32(min_split_keys), uint32(STEP))
+        begin = uint32(split * split_len)
+        if split > 0 and begin >= n:  # past this sequence's last split: nothing to do, and the combine reads nothing here
             return
-        begin = split * split_len
-        end = min(n, begin + split_len)
+        end = min(n, uint32(begin + split_len))
+        is_whole = end >= n and split == 0  # this block has the whole context: it writes the final output
         tid = uint32(cuda.threadIdx.x)
         warp, lane = tid // uint32(WARP_SIZE), tid % uint32(WARP_SIZE)
         key_in_warp, sub = lane // uint32(L), lane % uint32(L)  # which of the warp's KPW keys, which part of its row
@@ -271,7 +280,7 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
             if t < GD:
                 g, d = t // D, t % D
                 h = kvh * G + g
-                if used == 1:  # the whole context in one block: the final output
+                if is_whole:  # the whole context in one block: the final output
                     store_activation(out, s, h * D + d, num[j] / den[j] if den[j] > 0 else float32(0.0))
                 else:  # this split's partial: unnormalised output, then its maximum (base 2) and sum
                     workspace[s, split, h, d] = num[j]
@@ -290,11 +299,10 @@ def decode_combine_kernel(workspace, context_lens, num_splits, num_kv_heads, spl
     """A block per (row, query head), a thread per element: add the splits' partials, rescaled to their common maximum."""
     s, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     D = workspace.shape[3] - 2
-    n = int64(context_lens[s])
-    splits = num_splits_on_device(n, num_splits, int64(cuda.gridDim.x) * num_kv_heads, split_keys, target_blocks,
-                                  min_split_keys)  # the attention kernel's split of this sequence
-    split_len = split_length_on_device(n, splits, step)
-    used = max(int64(1), (n + split_len - 1) // split_len)
+    n = uint32(context_lens[s])
+    split_len = split_length_on_device(n, uint32(num_splits), uint32(cuda.gridDim.x * num_kv_heads), uint32(split_keys),
+                                       uint32(target_blocks), uint32(min_split_keys), uint32(step))  # the kernel's split
+    used = max(uint32(1), uint32(uint32(n + split_len - uint32(1)) // split_len))
     if used > 1 and d < D:  # one split: the attention kernel wrote this row itself
         top = -math.inf
         for j in range(used):
