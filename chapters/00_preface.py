@@ -42,10 +42,11 @@
 # | 05 | RoPE | rotary position embeddings, Llama 3 frequency scaling |
 # | 06 | GEMM | from a naive kernel to cuBLAS; the GEMV that decoding lives on |
 # | 07 | attention | grouped-query attention, online softmax, the whole forward pass |
-# | 08 | KV cache | prefill and decode, sampling, the generation loop |
-# | 09 | batching | static and continuous batching, the scheduler |
-# | 10 | paging | PagedAttention, block tables, preemption, prefix sharing |
-# | 11 | Llama 3.2 1B | end to end, CUDA graphs, benchmarks against transformers |
+# | 08 | KV cache | prefill and decode, blocks and block tables, attention metadata, decode attention |
+# | 08b | generating text | sampling, stopping, streaming, the model runner |
+# | 09 | batching | static and continuous batching, the scheduler, the engine loop, the `LLM` API |
+# | 10 | paging | PagedAttention, preemption, chunked prefill, prefix caching (not written yet) |
+# | 11 | Llama 3.2 1B | end to end, CUDA graphs, benchmarks against transformers (not written yet) |
 #
 # A chapter imports only what earlier chapters exported, so you can read it front to back.
 #
