@@ -47,6 +47,8 @@
 # | 09 | batching | static and continuous batching, the scheduler, the engine loop, the `LLM` API |
 # | 10 | paging | PagedAttention, preemption, chunked prefill, prefix caching (not written yet) |
 # | 11 | Llama 3.2 1B | end to end, CUDA graphs, benchmarks against transformers (not written yet) |
+# | 12 | serving | an OpenAI-compatible server around the engine loop (not written yet) |
+# | 13 | tensor parallelism | one model over several GPUs with NCCL (not written yet) |
 #
 # A chapter imports only what earlier chapters exported, so you can read it front to back.
 #

@@ -313,7 +313,7 @@ class ContiguousAllocator:
 # tokens, and nothing whose size grows with a sequence's context.
 
 # %%
-#| export layers.attention
+#| export layers.attention_metadata
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -380,6 +380,9 @@ def build_attention_metadata(query_lens, seq_lens, block_tables: np.ndarray, blo
     if query_lens.shape != seq_lens.shape or np.any(query_lens < 1) or np.any(query_lens > seq_lens):
         raise ValueError(f"each sequence needs 1 <= new tokens <= its length, got {query_lens.tolist()} "
                          f"new of {seq_lens.tolist()}")
+    if not 0 <= num_prefills <= len(query_lens) or np.any(query_lens[num_prefills:] != 1):
+        raise ValueError(f"the batch's first num_prefills = {num_prefills} sequences are prefills and the rest decode "
+                         f"one token each, got new tokens {query_lens.tolist()}")
     if block_tables.ndim != 2 or len(block_tables) != len(seq_lens) or seq_lens.max(initial=0) > block_tables.shape[1] * block_size:
         raise ValueError(f"block_tables must be (num_seqs, max_blocks) and hold every position, got {block_tables.shape} "
                          f"for lengths up to {seq_lens.max(initial=0)} in blocks of {block_size}")
@@ -408,7 +411,7 @@ def build_attention_metadata(query_lens, seq_lens, block_tables: np.ndarray, blo
 
 # %%
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.layers.attention import build_attention_metadata
+from tinyvllm_lib.layers.attention_metadata import build_attention_metadata
 
 demo = ContiguousAllocator(max_num_seqs=3, max_model_len=16, block_size=8)
 row0, row1 = demo.allocate(), demo.allocate()
@@ -470,6 +473,7 @@ def cached_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions:
 import numpy as np
 
 from tinyvllm_lib.kernels.attention import cached_attention_ref, split_qkv
+from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
 
 
 def context_slots(block_table_row: np.ndarray, seq_len: int, block_size: int) -> np.ndarray:
@@ -821,10 +825,10 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
     options = {"fastmath": {"contract", "afn"}}
     if max_registers and not config.ENABLE_CUDASIM:
         options["max_registers"] = max_registers
-    WPL = D // 4 // L  # 8-byte words per lane per row: 4 for head_dim 64
-    EPL = 4 * WPL  # elements per lane per row: 16
+    WPL = D // 4 // L  # 8-byte words per lane per row: 2 for head_dim 64
+    EPL = 4 * WPL  # elements per lane per row: 8
     QN, CW, CG = G * EPL, C * WPL, C * G  # query (and accumulator) values per lane; words of its rows; scores
-    KPW = WARP_SIZE // L  # keys per warp at a time: 8 for head_dim 64
+    KPW = WARP_SIZE // L  # keys per warp at a time: 4 for head_dim 64
     LOG_L, LOG_KPW = L.bit_length() - 1, KPW.bit_length() - 1  # shuffle rounds: L lanes of a key, a warp's KPW keys
     GD = G * D  # outputs of a block
     WPR, STEP = D // 4, W * KPW * C  # 8-byte words per row; keys a block covers per step
@@ -1233,8 +1237,9 @@ else:
 # ## The kernel model with a cache
 #
 # The GPU's cache holds, per layer, bf16 keys and values as `uint16` — and the same bytes as
-# one flat array of 8-byte words, the view decode attention reads. Its attention object is the
-# NumPy one's twin: it writes the batch's new keys and values at `slot_mapping`, then the
+# one flat array of 8-byte words, the view decode attention reads. Its attention object,
+# `PagedAttention` — vLLM's name: it reads keys and values through block tables, in pages;
+# chapter 10 hands the pages out one at a time — is the NumPy one's twin: it writes the batch's new keys and values at `slot_mapping`, then the
 # prompts — the batch's first `num_prefills` sequences, each from position 0 — attend among
 # their own tokens with chapter 7's flash kernel, all of them in one launch, and the decode rows
 # attend over their contexts with `decode_attention`. Every array it reads is on the GPU; the

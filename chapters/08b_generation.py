@@ -912,7 +912,8 @@ from tinyvllm_lib.engine.sampler_cuda import CudaSampler
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_attention import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
-from tinyvllm_lib.layers.attention import AttentionMetadata, CachedAttention, PagedAttention, build_attention_metadata
+from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
+from tinyvllm_lib.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
@@ -1037,6 +1038,10 @@ class ModelRunner:
 
     def upload(self, inputs: StepInputs) -> dict:
         """Copy the step's arrays into the runner's buffers, on its stream: the views a launch reads."""
+        m = inputs.metadata
+        if np.any(m.seq_lens[: m.num_prefills] != np.diff(m.query_start_loc[: m.num_prefills + 1])):
+            raise NotImplementedError("on the GPU a prefill starts at position 0 (flash attention over its own tokens); "
+                                      "one after cached tokens needs chapter 10's paged prefill")
         s, n, rows = self.stream, len(inputs.token_ids), len(inputs.logits_indices)
         b = {name: buf[:n] for name, buf in self.activations.items()}
         cuda.to_device(inputs.token_ids, to=b["ids"], stream=s)
@@ -1235,9 +1240,9 @@ else:
 # {glue:text}`ch08b_gpu_smol` on SmolLM2 and {glue:text}`ch08b_gpu_1b` on the 1B-shaped folder —
 # but a decode step of the 1B shapes takes {glue:text}`ch08b_wall_1b` from Python while its
 # kernels take {glue:text}`ch08b_kern_1b`: {glue:text}`ch08b_lost_1b` of the step goes to
-# launching about 180 kernels one by one from Python (tens of microseconds each) and to the host
-# work around them (SmolLM2, with 30 layers of small kernels: {glue:text}`ch08b_lost_smol`). The
-# GPU waits for Python. Two remedies follow: give every launch more work — many requests in
+# launching about 180 kernels one by one from Python and to the host work around them
+# (SmolLM2, with 30 layers of small kernels: {glue:text}`ch08b_lost_smol`). The GPU waits for
+# Python. Two remedies follow: give every launch more work — many requests in
 # each step, chapter 9 — and stop launching from Python at all — CUDA graphs, chapter 11.
 #
 # ## Summary

@@ -52,10 +52,11 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.cli import command, main
+from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama, tiny_llama_config
 from tinyvllm_lib.models.smollm2 import resolve_model
 from tinyvllm_lib.plots import glue, new_figure
 from tinyvllm_lib.runtime import has_gpu, is_simulator
@@ -72,9 +73,9 @@ print("simulator" if is_simulator() else "GPU" if has_gpu() else "no GPU, no sim
 #
 # Real traffic is ragged: short questions and long documents, one-word answers and essays. The
 # examples below use twelve chat requests to SmolLM2: questions, some with a paragraph of
-# background in front, so that the prompts run from about 35 to 180 tokens, and answers capped
-# at between 4 and 40 tokens — some end earlier, at the model's end-of-turn token. The caps
-# stand in for what a client asks for; the model decides the rest.
+# background in front, so that the prompts' lengths vary several-fold (printed below), and
+# answers capped at between 4 and 40 tokens — some end earlier, at the model's end-of-turn
+# token. The caps stand in for what a client asks for; the model decides the rest.
 
 # %%
 topics = ["the capital of France", "photosynthesis", "a haiku about rain", "the number pi", "why the sky is blue",
@@ -100,11 +101,26 @@ print("max_tokens:   ", caps)
 # $$ \text{bytes}(B) = \underbrace{2P}_{\text{weights}} + \sum_{b=1}^{B} n_b \cdot \text{KV bytes per token}, $$
 #
 # and as long as the weights dominate, $B$ tokens cost about what one did. For Llama 3.2 1B at
-# 512 tokens of context each: one request reads 2.5 GB for one token; 64 requests read 2.5 GB
-# plus 1 GB of cache for 64 tokens — 46 times fewer bytes per token. The prefill batches too:
-# prompts of different requests can share one step (the kernels of chapters 7 and 8 take
-# packed, ragged batches). The question is only *which* requests share a step.
-#
+# 512 tokens of context each (computed below): one request reads {glue:text}`ch09_bytes_1` for
+# one token; 64 requests read {glue:text}`ch09_bytes_64` for 64 tokens —
+# {glue:text}`ch09_bytes_ratio` fewer bytes per token. The prefill batches too: prompts of
+# different requests can share one step (the kernels of chapters 7 and 8 take packed, ragged
+# batches). The question is only *which* requests share a step.
+
+# %%
+llama_1b = ModelConfig.from_dict(LLAMA_3_2_1B_CONFIG)
+c = llama_1b
+attention_weights = c.hidden_size * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim  # q, k, v, o
+weight_bytes = 2 * (c.num_hidden_layers * (attention_weights + 3 * c.hidden_size * c.intermediate_size)
+                    + c.vocab_size * c.hidden_size)  # bf16: the layers' matrices and the head
+kv_bytes = 512 * kv_cache_bytes_per_token(c)  # one request's cache at 512 tokens
+one, batch = weight_bytes + kv_bytes, weight_bytes + 64 * kv_bytes
+print(f"bytes per token: {one / 1e9:.2f} GB alone, {batch / 64 / 1e9:.3f} GB in a batch of 64")
+glue("ch09_bytes_1", f"{one / 1e9:.1f} GB")
+glue("ch09_bytes_64", f"{batch / 1e9:.1f} GB")
+glue("ch09_bytes_ratio", f"{one / (batch / 64):.0f} times")
+
+# %% [markdown]
 # ## Static batching, and what it wastes
 #
 # The first answer, and what a plain `model.generate(batch)` does: take $B$ requests, pad their
@@ -172,6 +188,9 @@ class Scheduler:
         self.rows: dict[str, int] = {}  # request id -> its cache row, while it runs
 
     def add_request(self, request: Request) -> None:
+        if request.num_tokens - request.num_computed_tokens > self.max_num_batched_tokens:  # it could never be admitted
+            raise ValueError(f"request {request.request_id!r} needs {request.num_tokens} tokens in one step, more than "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -249,10 +268,12 @@ class Scheduler:
 # `ValueError` that leaves the engine as it was). `abort_request(request_id)` ends a request
 # wherever it is — waiting or running — frees its place at once, and its last output, with
 # `finish_reason="abort"`, comes out of the next step. A server is this loop running forever
-# (chapter 12); offline generation runs it until `has_unfinished_requests()` is false.
+# (a later chapter, on serving); offline generation runs it until `has_unfinished_requests()`
+# is false.
 #
 # Two pieces come first: the checks on a prompt and its parameters, in one place for every
-# entry point (they were chapter 8's `LLM` methods), and the choice of device.
+# entry point (the engine's `add_request` and `LLM.generate` below both use them), and the
+# choice of device.
 
 # %%
 #| export engine.inputs
@@ -365,9 +386,10 @@ class LLMEngine:
         _positive_int("max_num_seqs", max_num_seqs)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-        if _positive_int("max_num_batched_tokens", max_num_batched_tokens) < max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len ({max_model_len}): "
-                             "a prompt is computed in one step (chapter 10 splits long ones into chunks)")
+        if _positive_int("max_num_batched_tokens", max_num_batched_tokens) < max(max_model_len, max_num_seqs):
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len ({max_model_len}), "
+                             "since a prompt is computed in one step (chapter 10 splits long ones into chunks), and at least "
+                             f"max_num_seqs ({max_num_seqs}), since a decode step computes a token for every running request")
         self.device = resolve_device(device)
         self.max_model_len, self.max_num_seqs, self.max_num_batched_tokens = max_model_len, max_num_seqs, max_num_batched_tokens
         self.allocator = ContiguousAllocator(max_num_seqs, max_model_len, block_size)
@@ -466,6 +488,8 @@ for step_number in range(40):
             engine.add_request("a", prompts[3])  # "a" is still running: its id is taken
         except ValueError as err:
             print("refused:", err)
+        else:
+            raise AssertionError("a request id in use was accepted")
     outputs = engine.step()
     log.append(sorted(o.request_id for o in outputs))
     for o in outputs:
@@ -657,21 +681,26 @@ class LLM:
         outputs: list[RequestOutput | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         t0, num_in, num_out = time.perf_counter(), 0, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                i = index.get(out.request_id)
-                if i is None:  # a request someone else added to the engine
-                    continue
-                if stream is not None and (delta := requests[i].stream_delta()):
-                    stream(i, delta)
-                if out.finished:
-                    outputs[i] = out
-                    num_in += len(out.prompt_token_ids)
-                    num_out += len(out.outputs[0].token_ids)
-                    elapsed = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, output: {num_out / elapsed:.2f} toks/s")
-                    bar.update(1)
-        bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    i = index.get(out.request_id)
+                    if i is None:  # a request someone else added to the engine
+                        continue
+                    if stream is not None and (delta := requests[i].stream_delta()):
+                        stream(i, delta)
+                    if out.finished:
+                        outputs[i] = out
+                        num_in += len(out.prompt_token_ids)
+                        num_out += len(out.outputs[0].token_ids)
+                        elapsed = max(time.perf_counter() - t0, 1e-9)
+                        bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, output: {num_out / elapsed:.2f} toks/s")
+                        bar.update(1)
+        finally:  # an error (or Ctrl-C) mid-way: end this call's requests, so the engine serves the next call
+            for request in requests:
+                if request.request_id in engine.requests and not request.is_finished:
+                    engine.abort_request(request.request_id)
+            bar.close()
         return outputs
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -783,8 +812,9 @@ glue("ch09_cpu_speedup", f"{single_seconds / batched_seconds:.1f}×")
 # the sampler runs one kernel for greedy and sampled rows alike (chapter 8b). The contexts may
 # grow; the launches stay the same.
 #
-# On a GPU, this cell runs the mix on SmolLM2, batched and one at a time, and counts the device
-# allocations that decode steps make (numba's, through its context's `memalloc`).
+# On a GPU, this cell runs the mix on SmolLM2, batched and one at a time, and measures the
+# device memory that decode steps take (the context's free memory before and after; the test
+# `tests/test_model_runner.py` also counts numba's allocations one by one).
 #
 # **Batched is not bit for bit alone on a GPU.** A one-request decode step multiplies by the
 # weights with chapter 6's GEMV, a batched one with cuBLAS; decode attention splits a context
@@ -809,8 +839,6 @@ def shared_logprob_gaps(a, b) -> np.ndarray:
 
 
 if has_gpu():
-    from numba.cuda.cudadrv.driver import Context
-
     gpu = LLM("smollm2", device="cuda", max_model_len=512, max_num_seqs=len(prompts))
     gpu_batched = gpu.generate(prompts, mix, use_tqdm=False)
     gpu.llm_engine.scheduler = Scheduler(1, gpu.llm_engine.max_num_batched_tokens, gpu.llm_engine.allocator)
@@ -826,16 +854,15 @@ if has_gpu():
     engine.scheduler = Scheduler(len(prompts), engine.max_num_batched_tokens, engine.allocator)
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    engine.step()  # the prefill: it may allocate (a prompt's rows can outgrow the decode buffers)
-    calls, memalloc = [], Context.memalloc
-    Context.memalloc = lambda self, size: calls.append(size) or memalloc(self, size)
-    try:
-        for _ in range(10):
-            engine.step()  # decode steps
-    finally:
-        Context.memalloc = memalloc
-    print(f"10 decode steps of {len(prompts)} requests: {len(calls)} device allocations")
-    assert not calls
+    engine.step()  # the prefill
+    engine.step()  # a first decode step: compiles and loads what decode steps launch
+    free_before = cuda.current_context().get_memory_info().free
+    for _ in range(10):
+        engine.step()  # decode steps
+    cuda.synchronize()
+    used = free_before - cuda.current_context().get_memory_info().free
+    print(f"10 decode steps of {len(prompts)} requests: {used} bytes of device memory taken")
+    assert used == 0
     while engine.has_unfinished_requests():
         engine.step()
     del gpu, engine
@@ -1243,8 +1270,8 @@ else:
 # 2. Make the scheduler admit the *shortest* waiting prompt first. Run the mix: what happens to
 #    the average time to the first token, and to the longest wait?
 # 3. Predict the output tokens per second of 256 requests from the recorded kernel time of a
-#    decode step at 256 rows if Python's launches cost nothing. How far is that from the ~1,570
-#    tokens per second one request could reach at the bandwidth limit?
+#    decode step at 256 rows if Python's launches cost nothing. How far is that from the limit
+#    one request could reach at the copy bandwidth (chapter 8's count)?
 # 4. Change the scheduler to put prefills and decodes in the same step. Which chapter-11 graphs
 #    would that break, and what would it buy in time to first token?
 # 5. In `LLM.generate`, the progress bar counts prompt tokens only once a request finishes.

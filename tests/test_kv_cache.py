@@ -7,7 +7,8 @@ import pytest
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator, KVCache, kv_cache_bytes_per_token
 from tinyvllm_lib.kernels.attention import attention_ref, cached_attention_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.layers.attention import AttentionMetadata, CachedAttention, build_attention_metadata, context_slots
+from tinyvllm_lib.layers.attention import CachedAttention, context_slots
+from tinyvllm_lib.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 from tinyvllm_lib.models.random_llama import (
@@ -117,10 +118,13 @@ def test_metadata_decode_fast_path_equals_general_path(rng):
     tables = rng.permutation(40).astype(np.int32).reshape(5, 8)
     lens = rng.integers(1, 33, 5)
     pos_fast, fast = build_attention_metadata([1] * 5, lens, tables, 4, num_prefills=0)
-    pos_slow, slow = build_attention_metadata([1, 1, 1, 1, 2], np.r_[lens[:4], lens[4] + 1], tables, 4, num_prefills=0)
+    order = [4, 0, 1, 2, 3]  # sequence 4 first, as a prefill of two tokens ending one later
+    pos_slow, slow = build_attention_metadata([2, 1, 1, 1, 1], np.r_[lens[4] + 1, lens[:4]], tables[order], 4, num_prefills=1)
     np.testing.assert_array_equal(pos_fast, lens - 1)
     np.testing.assert_array_equal(fast.slot_mapping, tables[np.arange(5), (lens - 1) // 4] * 4 + (lens - 1) % 4)
-    np.testing.assert_array_equal(slow.slot_mapping[:4], fast.slot_mapping[:4])
+    np.testing.assert_array_equal(slow.slot_mapping[[0, 2, 3, 4, 5]], fast.slot_mapping[order])
+    with pytest.raises(ValueError, match="decode one token each"):
+        build_attention_metadata([1, 2], [3, 4], tables[:2], 4, num_prefills=0)
 
 
 def test_metadata_must_agree():

@@ -113,7 +113,7 @@ def test_runner_refuses_a_step_too_large(tiny_folder):
 
 
 @pytest.mark.gpu
-def test_decode_step_allocates_no_device_memory(tiny_folder):
+def test_decode_step_allocates_no_device_memory(tiny_folder, monkeypatch):
     from numba.cuda.cudadrv.driver import Context
 
     alloc = ContiguousAllocator(8, 64)
@@ -133,12 +133,10 @@ def test_decode_step_allocates_no_device_memory(tiny_folder):
     step(0)  # warm-up: compile every decode kernel
     calls, memalloc = [], Context.memalloc
     free_before = cuda.current_context().get_memory_info().free
-    Context.memalloc = lambda self, size: calls.append(size) or memalloc(self, size)
-    try:
-        for _ in range(10):
-            step(0)
-    finally:
-        Context.memalloc = memalloc
+    monkeypatch.setattr(Context, "memalloc", lambda self, size: calls.append(size) or memalloc(self, size))  # count
+    for _ in range(10):
+        step(0)
+    monkeypatch.undo()
     cuda.synchronize()
     assert calls == [], f"decode steps allocated {calls}"
     assert cuda.current_context().get_memory_info().free == free_before
@@ -203,3 +201,15 @@ def test_auto_picks_cuda_on_a_gpu(tiny_folder):
 def test_1b_shaped_decode_matches_cpu(tmp_path):
     folder = make_random_llama(tmp_path, LLAMA_3_2_1B_CONFIG | {"num_hidden_layers": 4}, seed=1)
     compare_runners(folder, [list(range(100, 140)), list(range(7, 20))], num_decodes=6, max_model_len=128)
+
+
+def test_cuda_runner_refuses_a_prefill_after_cached_tokens(tiny_folder, monkeypatch):
+    """Flash attention sees only a prefill's own tokens: a prompt continuing cached ones is chapter 10's paged prefill."""
+    monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
+    if not can_launch():
+        pytest.skip("needs a GPU or the simulator")
+    runner = ModelRunner(tiny_folder, "cuda", 64, 16, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
+    request = new_request("a", [5, 6, 7, 8])
+    request.num_computed_tokens = 2  # two prompt tokens already cached
+    with pytest.raises(NotImplementedError, match="paged prefill"):
+        runner.execute(SchedulerOutput([request], [2], 1, np.zeros((1, 2), np.int32)))

@@ -51,21 +51,26 @@ class LLM:
         outputs: list[RequestOutput | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         t0, num_in, num_out = time.perf_counter(), 0, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                i = index.get(out.request_id)
-                if i is None:  # a request someone else added to the engine
-                    continue
-                if stream is not None and (delta := requests[i].stream_delta()):
-                    stream(i, delta)
-                if out.finished:
-                    outputs[i] = out
-                    num_in += len(out.prompt_token_ids)
-                    num_out += len(out.outputs[0].token_ids)
-                    elapsed = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, output: {num_out / elapsed:.2f} toks/s")
-                    bar.update(1)
-        bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    i = index.get(out.request_id)
+                    if i is None:  # a request someone else added to the engine
+                        continue
+                    if stream is not None and (delta := requests[i].stream_delta()):
+                        stream(i, delta)
+                    if out.finished:
+                        outputs[i] = out
+                        num_in += len(out.prompt_token_ids)
+                        num_out += len(out.outputs[0].token_ids)
+                        elapsed = max(time.perf_counter() - t0, 1e-9)
+                        bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, output: {num_out / elapsed:.2f} toks/s")
+                        bar.update(1)
+        finally:  # an error (or Ctrl-C) mid-way: end this call's requests, so the engine serves the next call
+            for request in requests:
+                if request.request_id in engine.requests and not request.is_finished:
+                    engine.abort_request(request.request_id)
+            bar.close()
         return outputs
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,

@@ -61,9 +61,10 @@ class LLMEngine:
         _positive_int("max_num_seqs", max_num_seqs)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-        if _positive_int("max_num_batched_tokens", max_num_batched_tokens) < max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len ({max_model_len}): "
-                             "a prompt is computed in one step (chapter 10 splits long ones into chunks)")
+        if _positive_int("max_num_batched_tokens", max_num_batched_tokens) < max(max_model_len, max_num_seqs):
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len ({max_model_len}), "
+                             "since a prompt is computed in one step (chapter 10 splits long ones into chunks), and at least "
+                             f"max_num_seqs ({max_num_seqs}), since a decode step computes a token for every running request")
         self.device = resolve_device(device)
         self.max_model_len, self.max_num_seqs, self.max_num_batched_tokens = max_model_len, max_num_seqs, max_num_batched_tokens
         self.allocator = ContiguousAllocator(max_num_seqs, max_model_len, block_size)

@@ -21,6 +21,9 @@ class Scheduler:
         self.rows: dict[str, int] = {}  # request id -> its cache row, while it runs
 
     def add_request(self, request: Request) -> None:
+        if request.num_tokens - request.num_computed_tokens > self.max_num_batched_tokens:  # it could never be admitted
+            raise ValueError(f"request {request.request_id!r} needs {request.num_tokens} tokens in one step, more than "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 

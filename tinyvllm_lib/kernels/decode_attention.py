@@ -154,10 +154,10 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
     options = {"fastmath": {"contract", "afn"}}
     if max_registers and not config.ENABLE_CUDASIM:
         options["max_registers"] = max_registers
-    WPL = D // 4 // L  # 8-byte words per lane per row: 4 for head_dim 64
-    EPL = 4 * WPL  # elements per lane per row: 16
+    WPL = D // 4 // L  # 8-byte words per lane per row: 2 for head_dim 64
+    EPL = 4 * WPL  # elements per lane per row: 8
     QN, CW, CG = G * EPL, C * WPL, C * G  # query (and accumulator) values per lane; words of its rows; scores
-    KPW = WARP_SIZE // L  # keys per warp at a time: 8 for head_dim 64
+    KPW = WARP_SIZE // L  # keys per warp at a time: 4 for head_dim 64
     LOG_L, LOG_KPW = L.bit_length() - 1, KPW.bit_length() - 1  # shuffle rounds: L lanes of a key, a warp's KPW keys
     GD = G * D  # outputs of a block
     WPR, STEP = D // 4, W * KPW * C  # 8-byte words per row; keys a block covers per step

@@ -48,95 +48,10 @@ class FlashAttention:
 
 
 # defined in chapters/08_kv_cache.py
-from dataclasses import dataclass, replace
-
-import numpy as np
-from numba import cuda
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """What attention needs to know about a batch: where its new K/V go, what each sequence attends over.
-
-    The batch's sequences are packed back to back: the first num_prefills are prompts computed
-    from position 0 (any number of new tokens), the rest decode one new token each. Arrays are
-    NumPy on the host, device arrays after to_device."""
-
-    num_prefills: int
-    num_prefill_tokens: int  # new tokens of the prefills: the batch's first rows
-    max_query_len: int  # the most new tokens of one sequence
-    query_start_loc: np.ndarray  # (num_seqs + 1,) int32: sequence s is rows query_start_loc[s] .. [s + 1] - 1
-    seq_lens: np.ndarray  # (num_seqs,) int32: each sequence's length after this step (cached + new)
-    slot_mapping: np.ndarray  # (num_tokens,) int64: the slot of each new token's K and V
-    block_tables: np.ndarray  # (num_seqs, max_blocks) int32: each sequence's blocks
-    block_size: int
-
-    def __post_init__(self):
-        if isinstance(self.seq_lens, np.ndarray):  # host arrays: check that they agree
-            num_seqs, num_tokens = len(self.seq_lens), len(self.slot_mapping)
-            if (self.query_start_loc.shape != (num_seqs + 1,) or self.query_start_loc[-1] != num_tokens
-                    or len(self.block_tables) != num_seqs or not 0 <= self.num_prefills <= num_seqs
-                    or self.query_start_loc[self.num_prefills] != self.num_prefill_tokens):
-                raise ValueError(f"attention metadata disagrees: {num_seqs} sequences ({self.num_prefills} prefills, "
-                                 f"{self.num_prefill_tokens} of their tokens), {num_tokens} slots, query_start_loc "
-                                 f"{self.query_start_loc.tolist()}, {len(self.block_tables)} block-table rows")
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @property
-    def num_decodes(self) -> int:
-        return self.num_seqs - self.num_prefills
-
-    def to_device(self, buffers: dict | None = None, stream=0) -> "AttentionMetadata":
-        """The same metadata on the GPU: copied into the first rows of `buffers` (persistent device arrays
-        named like the fields, nothing allocated), or into new device arrays."""
-        moved = {}
-        for name in ("query_start_loc", "seq_lens", "slot_mapping", "block_tables"):
-            host = np.ascontiguousarray(getattr(self, name))
-            if buffers is None:
-                moved[name] = cuda.to_device(host, stream=stream)
-            else:
-                moved[name] = buffers[name][: host.shape[0]]
-                cuda.to_device(host, to=moved[name], stream=stream)
-        return replace(self, **moved)
-
-
-def build_attention_metadata(query_lens, seq_lens, block_tables: np.ndarray, block_size: int,
-                             num_prefills: int) -> tuple[np.ndarray, AttentionMetadata]:
-    """(positions of the new tokens, the metadata) of a batch: one vectorised pass, no loop over tokens.
-
-    query_lens[s] new tokens of sequence s end its seq_lens[s] tokens; block_tables[s] is its row."""
-    query_lens = np.asarray(query_lens, np.int32)
-    seq_lens = np.asarray(seq_lens, np.int32)
-    block_tables = np.asarray(block_tables, np.int32)
-    if query_lens.shape != seq_lens.shape or np.any(query_lens < 1) or np.any(query_lens > seq_lens):
-        raise ValueError(f"each sequence needs 1 <= new tokens <= its length, got {query_lens.tolist()} "
-                         f"new of {seq_lens.tolist()}")
-    if block_tables.ndim != 2 or len(block_tables) != len(seq_lens) or seq_lens.max(initial=0) > block_tables.shape[1] * block_size:
-        raise ValueError(f"block_tables must be (num_seqs, max_blocks) and hold every position, got {block_tables.shape} "
-                         f"for lengths up to {seq_lens.max(initial=0)} in blocks of {block_size}")
-    query_start_loc = np.zeros(len(query_lens) + 1, np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    if len(query_lens) == num_tokens:  # a decode step: one new token per sequence, at its last position
-        seq_of_token, positions = np.arange(num_tokens), seq_lens.astype(np.int64) - 1
-    else:
-        seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)  # (num_tokens,)
-        first = (seq_lens - query_lens)[seq_of_token]  # the position of each sequence's first new token
-        positions = (first + np.arange(num_tokens) - query_start_loc[seq_of_token]).astype(np.int64)
-    blocks = block_tables[seq_of_token, positions // block_size].astype(np.int64)
-    slot_mapping = blocks * block_size + positions % block_size
-    metadata = AttentionMetadata(num_prefills, int(query_start_loc[num_prefills]), int(query_lens.max(initial=0)),
-                                 query_start_loc, seq_lens, slot_mapping, block_tables, block_size)
-    return positions, metadata
-
-
-# defined in chapters/08_kv_cache.py
 import numpy as np
 
 from tinyvllm_lib.kernels.attention import cached_attention_ref, split_qkv
+from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
 
 
 def context_slots(block_table_row: np.ndarray, seq_len: int, block_size: int) -> np.ndarray:
