@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything the project does, with its own set-up: ./dev.sh COMMAND
 #   run      the main job: the embedded model (SmolLM2) answers "What is the capital of France?",
-#            streamed (CPU, or the GPU once a CUDA runner exists); the book is ./dev.sh book
+#            streamed (on the GPU when there is one, else the CPU); the book is ./dev.sh book
 #   test     everything CI runs: export check, lint, pytest (CUDA simulator), PTX type check,
-#            every chapter through nbval, and the book with warnings as errors
+#            every chapter through nbval, the book with warnings as errors, and the built
+#            pages read back (HTML check; MathJax and code widths in headless Chromium)
 #   book     build the book into book/_build/html
-#   lab      open JupyterLab; chapters open as notebooks (jupytext)
+#   lab      open JupyterLab (arguments go to jupyter lab); chapters open as notebooks, the
+#            simulator on where there is no GPU
 #   export   write tinyvllm_lib/ from the chapters;  check-export: fail if they differ
 #   setup    create .venv (if missing) and install the project, editable, with test extras
 set -euo pipefail
@@ -51,6 +53,16 @@ book() {
     echo "book: $(pwd)/book/_build/html/index.html"
 }
 
+read_book() {  # what a reader's browser gets: no raw roles, no tracebacks, no missing figures, math typeset
+    "$PY" book/check_html.py book/_build/html
+    "$VENV/bin/pytest" -q -p no:cacheprovider -rs tests/test_book_pages.py
+}
+
+lint() {  # the chapters, tests and scripts; the generated library for line length only (no page scrolls sideways)
+    "$VENV/bin/ruff" check chapters tests book bench
+    "$VENV/bin/ruff" check --select E501 tinyvllm_lib
+}
+
 cmd=${1:-help}
 case "$cmd" in
     setup) setup ;;
@@ -59,11 +71,18 @@ case "$cmd" in
     book) setup; book ;;
     lab)
         setup
+        shift  # the rest goes to jupyter lab (--port 8890, --no-browser, ...)
         # open chapters/*.py as notebooks by default (jupytext's viewer)
         mkdir -p "$VENV/share/jupyter/lab/settings"
         echo '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"python": "Jupytext Notebook"}}}' \
             > "$VENV/share/jupyter/lab/settings/overrides.json"
-        exec "$VENV/bin/jupyter" lab --ServerApp.root_dir="$(pwd)" ;;
+        if [ -z "${NUMBA_ENABLE_CUDASIM:-}" ] && ! "$PY" -c "from numba import cuda; raise SystemExit(not cuda.is_available())" 2>/dev/null; then
+            export NUMBA_ENABLE_CUDASIM=1  # no GPU: the chapters' kernels run in numba's CUDA simulator
+            echo "== no CUDA GPU here: kernels run in numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
+        fi
+        as_root=()
+        [ "$(id -u)" = 0 ] && as_root=(--allow-root)  # GPU containers run as root
+        exec "$VENV/bin/jupyter" lab --ServerApp.root_dir="$(pwd)" "${as_root[@]}" "$@" ;;
     run)
         setup
         "$PY" -m tinyvllm_lib generate "What is the capital of France?" --chat ;;
@@ -72,11 +91,12 @@ case "$cmd" in
         export NUMBA_ENABLE_CUDASIM=1 PYTHONUNBUFFERED=1
         total=$SECONDS
         step "library in sync with chapters" "$PY" book/export.py --check
-        step "lint" "$VENV/bin/ruff" check chapters tests book bench
+        step "lint" lint
         step "pytest (CUDA simulator; PTX for sm_90 without it)" "$VENV/bin/pytest" -q -p no:cacheprovider --durations=12 tests
         step "chapters to notebooks" chapters_to_notebooks
         step "chapters through nbval" "$VENV/bin/pytest" -q -p no:cacheprovider --nbval-lax --nbval-current-env book/_build/nb
         step "book (warnings are errors)" book
+        step "the built book read back (HTML check; pages in a browser)" read_book
         echo "== all checks passed in $((SECONDS - total)) s" ;;
-    *) sed -n '2,10p' "$0"; exit 2 ;;
+    *) sed -n '2,14p' "$0"; exit 2 ;;
 esac

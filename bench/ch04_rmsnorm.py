@@ -12,7 +12,11 @@ With NUMBA_ENABLE_CUDASIM=1 it is a dry run on tiny shapes that records nothing.
 import numpy as np
 from numba import cuda
 
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, copy_u64_kernel, f32_to_bf16_bits
+from tinyvllm_lib.kernels.bf16 import (
+    bf16_bits_to_f32,
+    copy_u64_kernel,
+    f32_to_bf16_bits,
+)
 from tinyvllm_lib.kernels.rmsnorm import (
     RMSNORM_VARIANTS,
     block_threads,
@@ -25,7 +29,13 @@ from tinyvllm_lib.kernels.rmsnorm import (
     rmsnorm_ref,
     wide_block_threads,
 )
-from tinyvllm_lib.measure import Recorder, device_info, load_records, num_rotations, time_launches
+from tinyvllm_lib.measure import (
+    Recorder,
+    device_info,
+    load_records,
+    num_rotations,
+    time_launches,
+)
 from tinyvllm_lib.runtime import has_gpu, is_simulator
 
 EPS = 1e-5  # Llama 3.2 1B's rms_norm_eps

@@ -12,7 +12,13 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.bf16 import copy_u64_kernel
 from tinyvllm_lib.kernels.rope import ROPE_VARIANTS, rope_qkv, rope_qkv_ref, rope_table
-from tinyvllm_lib.measure import Recorder, device_info, load_records, num_rotations, time_launches
+from tinyvllm_lib.measure import (
+    Recorder,
+    device_info,
+    load_records,
+    num_rotations,
+    time_launches,
+)
 from tinyvllm_lib.runtime import has_gpu, is_simulator
 
 SCALING = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)

@@ -19,8 +19,18 @@ from numba import cuda
 from tinyvllm_lib.cuda_graph import CudaGraph
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.kernels.checks import device_pointer
-from tinyvllm_lib.kernels.cublas import cublas_unavailable_reason, gemm_cublas, get_cublas
-from tinyvllm_lib.kernels.gemm import gemm_blocked, gemm_bytes, gemm_flops, gemm_naive, gemm_shared
+from tinyvllm_lib.kernels.cublas import (
+    cublas_unavailable_reason,
+    gemm_cublas,
+    get_cublas,
+)
+from tinyvllm_lib.kernels.gemm import (
+    gemm_blocked,
+    gemm_bytes,
+    gemm_flops,
+    gemm_naive,
+    gemm_shared,
+)
 from tinyvllm_lib.kernels.gemv import GEMV_VARIANTS, gemv
 from tinyvllm_lib.layers.linear import LINEAR_GEMV_MAX_TOKENS, gemv_wins_up_to, linear
 from tinyvllm_lib.measure import Recorder, load_records, num_rotations, time_launches

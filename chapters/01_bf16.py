@@ -13,22 +13,22 @@
 # %% [markdown]
 # # 1. bf16: the bits of every weight
 #
-# Llama 3.2 1B stores its 1.24 billion weights in **bfloat16** (bf16), two bytes each. Before
-# we read a model file (chapter 02) we need to know exactly what those two bytes mean, how to
-# turn a float32 into them and back, and how a GPU kernel reads them.
+# Llama 3.2 1B stores its 1.24 billion weights in **bfloat16** (bf16), two bytes each.
+# Before we read a model file (chapter 02) we need to know exactly what those two bytes
+# mean, how to turn a float32 into them and back, and how a GPU kernel reads them.
 #
 # In this chapter you will learn:
 #
-# - how fp32, fp16 and bf16 split their bits into sign, exponent and mantissa, and what that
-#   buys in range and precision;
-# - how to round a float32 to bf16 by hand with integer operations (round to nearest, ties to
-#   even), keeping infinities and NaNs;
+# - how fp32, fp16 and bf16 split their bits into sign, exponent and mantissa, and what
+#   that buys in range and precision;
+# - how to round a float32 to bf16 by hand with integer operations (round to nearest,
+#   ties to even), keeping infinities and NaNs;
 # - why widening bf16 to float32 is a 16-bit shift, and exact;
-# - how to write, launch and test your first numba.cuda kernel — the same code on a GPU and in
-#   numba's CUDA simulator.
+# - how to write, launch and test your first numba.cuda kernel — the same code on a GPU
+#   and in numba's CUDA simulator.
 #
-# It exports the host conversions and the device helper that every later kernel uses to read
-# bf16 weights. The [preface](00_preface.py) says how to run it.
+# It exports the host conversions and the device helper that every later kernel uses to
+# read bf16 weights. The [preface](00_preface.py) says how to run it.
 
 # %%
 #| default_exp kernels.bf16
@@ -53,6 +53,26 @@ def can_launch() -> bool:
     return is_simulator() or has_gpu()
 
 
+def where_kernels_run() -> str:
+    """A sentence for the top of a chapter: where its kernels run, and what that means
+    for the numbers on the page."""
+    if is_simulator():
+        return (
+            "Kernels run in numba's CUDA simulator here: every GPU thread is a Python\n"
+            "thread, so shapes are tiny and times say nothing about a GPU. Figures of\n"
+            "speed are H200 records from book/data/ (the preface says which and when)."
+        )
+    if has_gpu():
+        return (
+            "Kernels run on the GPU here, at real shapes; the benchmark scripts\n"
+            "record what they measure under book/data/."
+        )
+    return (
+        "No GPU and no simulator: kernel cells are skipped (NUMBA_ENABLE_CUDASIM=1\n"
+        "runs them in the simulator); NumPy references and recorded figures still run."
+    )
+
+
 # %%
 import time
 
@@ -60,42 +80,62 @@ import matplotlib.pyplot as plt
 import ml_dtypes
 import numpy as np
 
-print("simulator" if is_simulator() else "GPU" if has_gpu() else "no GPU, no simulator")
+print(where_kernels_run())
+
+# %% [markdown]
+# The line above says where this copy's kernels ran. In the rendered book, built by CI
+# with no GPU, that is the simulator at tiny shapes: its outputs check correctness, and
+# any time it prints says nothing about a GPU. Speed figures and numbers of speed in the
+# prose are dated H200 records from `book/data/`:
+# [what the numbers on a page are](00_preface.py#what-the-numbers-on-a-page-are).
 
 # %% [markdown]
 # ## Three formats, one idea
 #
-# A binary floating-point number is a sign $s$, an exponent $e$ stored with a bias $b$, and a
-# fraction $f$ of $m$ bits (the *mantissa*). For a normal number (exponent field neither all
-# zeros nor all ones) its value is
+# A binary floating-point number is a sign $s$, an exponent $e$ stored with a bias $b$,
+# and a fraction $f$ of $m$ bits (the *mantissa*). For a normal number (exponent field
+# neither all zeros nor all ones) its value is
 #
 # $$ x = (-1)^s \cdot 2^{e - b} \cdot \left(1 + \frac{f}{2^m}\right). $$
 #
-# An exponent field of all zeros means a *subnormal* number, $(-1)^s 2^{1-b} f / 2^m$, which
-# fills the gap between zero and the smallest normal; all ones means infinity ($f = 0$) or NaN
-# ($f \neq 0$). The three formats we meet differ only in how many bits go where:
+# An exponent field of all zeros means a *subnormal* number, $(-1)^s 2^{1-b} f / 2^m$,
+# which fills the gap between zero and the smallest normal; all ones means infinity
+# ($f = 0$) or NaN ($f \neq 0$). The three formats we meet differ only in how many bits
+# go where:
 
 # %%
 #| export plots
+import re
+
 import matplotlib.pyplot as plt
 
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
 
-def new_figure(nrows: int = 1, ncols: int = 1, width: float = 8.0, height: float = 3.0, **kw):
+def new_figure(
+    nrows: int = 1, ncols: int = 1, width: float = 8.0, height: float = 3.0, **kw
+):
     """A figure in the book's style: one size per panel, tight layout."""
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), constrained_layout=True, **kw)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(width, height), constrained_layout=True, **kw
+    )
     return fig, axes
 
 
 def bit_layout(ax, rows: list[tuple[str, int, int, int]]):
-    """Draw the bit fields of floating-point formats: rows of (name, sign, exponent, mantissa) bits."""
+    """Draw the bit fields of floating-point formats: rows of (name, sign, exponent,
+    mantissa) bits.
+    """
     total = max(s + e + m for _, s, e, m in rows)
     for y, (name, s, e, m) in enumerate(reversed(rows)):
         x = total - (s + e + m)
         for field, nbits in (("sign", s), ("exponent", e), ("mantissa", m)):
             for _ in range(nbits):
-                ax.add_patch(plt.Rectangle((x, y + 0.1), 1, 0.8, color=FIELD_COLORS[field], ec="white"))
+                ax.add_patch(
+                    plt.Rectangle(
+                        (x, y + 0.1), 1, 0.8, color=FIELD_COLORS[field], ec="white"
+                    )
+                )
                 x += 1
         ax.text(total - (s + e + m) - 0.5, y + 0.5, name, ha="right", va="center")
     for field, color in FIELD_COLORS.items():
@@ -107,15 +147,65 @@ def bit_layout(ax, rows: list[tuple[str, int, int, int]]):
     return ax
 
 
-def glue(name: str, text: str) -> None:
-    """Hand a value to the book's prose ({glue:text}`name`); outside Jupyter Book, print it."""
-    try:
-        from myst_nb import glue as myst_glue
-    except ImportError:
-        print(f"{name} = {text}")
-    else:
-        myst_glue(name, text, display=False)
+class Prose:
+    """The numbers a chapter's prose quotes, and the paragraphs that quote them.
 
+    glue(name, text) keeps a value where it is measured; show(markdown) puts a
+    paragraph on the page
+    with each {{name}} replaced by its value: Markdown in the book and in
+    JupyterLab, where it is a
+    cell's output (so it shows wherever the chapter runs), plain text when the
+    chapter runs as a script.
+    """
+
+    PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+
+    def glue(self, name: str, text) -> None:
+        self.values[name] = str(text)
+
+    def fill(self, markdown: str) -> str:
+        """The paragraph with every {{name}} replaced; a name never glued is an error,
+        not a blank.
+        """
+
+        def value(match: re.Match) -> str:
+            if match.group(1) not in self.values:
+                raise KeyError(
+                    f"prose quotes {{{{{match.group(1)}}}}}, but no value was glued "
+                    "under that name"
+                )
+            return self.values[match.group(1)]
+
+        return self.PLACEHOLDER.sub(value, markdown.strip())
+
+    def show(self, markdown: str) -> None:
+        text = self.fill(markdown)
+        if in_notebook():
+            from IPython.display import Markdown, display
+
+            display(Markdown(text))
+        else:
+            print(text + "\n")
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (JupyterLab, the book's build, nbval), False in a
+    plain script.
+    """
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+# %%
+# the numbers this chapter's prose quotes, filled in as they are measured
+prose = Prose()
 
 # %%
 FORMATS = [("fp32", 1, 8, 23), ("fp16", 1, 5, 10), ("bf16", 1, 8, 7)]
@@ -126,12 +216,13 @@ plt.show()
 
 # %% [markdown]
 # bf16 keeps float32's 8 exponent bits and drops 16 mantissa bits: **the same range as
-# float32, with 3 significant decimal digits** instead of 7. fp16 spends its bits the other
-# way: more precision, but a largest value of 65504, which activations of large models exceed.
-# That is why models are trained and shipped in bf16.
+# float32, with 3 significant decimal digits** instead of 7. fp16 spends its bits the
+# other way: more precision, but a largest value of 65504, which activations of large
+# models exceed. That is why models are trained and shipped in bf16.
 #
 # The plot shows both properties at once: the relative gap between neighbouring numbers
 # (the *unit in the last place* over the value) across the range each format covers.
+
 
 # %%
 def relative_spacing(log2_x: np.ndarray, exp_bits: int, mant_bits: int) -> np.ndarray:
@@ -139,7 +230,8 @@ def relative_spacing(log2_x: np.ndarray, exp_bits: int, mant_bits: int) -> np.nd
     bias = 2 ** (exp_bits - 1) - 1
     e = np.floor(log2_x)
     e_min, e_max = 1 - bias, bias
-    ulp = 2.0 ** (np.maximum(e, e_min) - mant_bits)  # subnormals share the smallest normal's ulp
+    # subnormals share the smallest normal's ulp
+    ulp = 2.0 ** (np.maximum(e, e_min) - mant_bits)
     out = ulp / 2.0**log2_x
     smallest = e_min - mant_bits
     out[(log2_x < smallest) | (log2_x >= e_max + 1)] = np.nan
@@ -158,17 +250,23 @@ ax.legend()
 plt.show()
 
 # Check the plot's numbers against the formats' own limits.
-for name, dtype, (_, _, e, m) in zip(["fp32", "fp16", "bf16"], [np.float32, np.float16, ml_dtypes.bfloat16], FORMATS):
+for name, dtype, (_, _, e, m) in zip(
+    ["fp32", "fp16", "bf16"], [np.float32, np.float16, ml_dtypes.bfloat16], FORMATS
+):
     info = ml_dtypes.finfo(dtype)
     assert info.nmant == m and float(info.eps) == 2.0**-m, name
-    print(f"{name}: max {float(info.max):.4g}, smallest normal {float(info.smallest_normal):.4g}, eps {float(info.eps):.3g}")
+    print(
+        f"{name}: max {float(info.max):.4g}, smallest normal "
+        f"{float(info.smallest_normal):.4g}, eps {float(info.eps):.3g}"
+    )
 
 # %% [markdown]
 # ## bf16 → float32 is a shift
 #
-# Because bf16 *is* the top 16 bits of a float32, widening it moves the 16 bits up and fills
-# the low half with zeros. Every bf16 value — subnormals, infinities and NaN payloads included —
-# becomes the float32 with exactly the same value. There is nothing to round.
+# Because bf16 *is* the top 16 bits of a float32, widening it moves the 16 bits up and
+# fills the low half with zeros. Every bf16 value — subnormals, infinities and NaN
+# payloads included — becomes the float32 with exactly the same value. There is nothing
+# to round.
 #
 # $$ \text{float32 bits} = \text{bf16 bits} \ll 16 $$
 
@@ -188,32 +286,36 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 # %% [markdown]
 # ## float32 → bf16: rounding by hand
 #
-# Going down, 16 bits must go. Chopping them (*truncation*) always rounds towards zero and
-# biases every sum. The IEEE default is **round to nearest, ties to even**: take the nearer of
-# the two bf16 neighbours; on an exact tie, the one whose last bit is 0.
+# Going down, 16 bits must go. Chopping them (*truncation*) always rounds towards zero
+# and biases every sum. The IEEE default is **round to nearest, ties to even**: take the
+# nearer of the two bf16 neighbours; on an exact tie, the one whose last bit is 0.
 #
-# With integers, on the 32 bits $u$ of the float: let $\ell = (u \gg 16) \,\&\, 1$ be the last
-# bit that survives. Then
+# With integers, on the 32 bits $u$ of the float: let $\ell = (u \gg 16) \,\&\, 1$ be
+# the last bit that survives. Then
 #
 # $$ \text{bf16} = (u + \texttt{0x7FFF} + \ell) \gg 16. $$
 #
-# Below the halfway point (low half $< \texttt{0x8000}$) adding $\texttt{0x7FFF}$ never carries,
-# so the result is chopped; above it, it always carries into the kept bits, rounding up. At
-# exactly $\texttt{0x8000}$ it carries only when $\ell = 1$: ties go to even. The carry can
-# ripple into the exponent — that is correct: 1.99999 rounds up to 2.0, and the largest finite
-# float32 rounds to infinity, as IEEE says it must.
+# Below the halfway point (low half $< \texttt{0x8000}$) adding $\texttt{0x7FFF}$ never
+# carries, so the result is chopped; above it, it always carries into the kept bits,
+# rounding up. At exactly $\texttt{0x8000}$ it carries only when $\ell = 1$: ties go to
+# even. The carry can ripple into the exponent — that is correct: 1.99999 rounds up to
+# 2.0, and the largest finite float32 rounds to infinity, as IEEE says it must.
 #
-# NaN is the exception: its low mantissa bits may be its only non-zero ones, and chopping
-# them would turn NaN into infinity. We return the canonical quiet NaN, keeping the sign
-# (the same choice as `ml_dtypes`, which drops the payload).
+# NaN is the exception: its low mantissa bits may be its only non-zero ones, and
+# chopping them would turn NaN into infinity. We return the canonical quiet NaN, keeping
+# the sign (the same choice as `ml_dtypes`, which drops the payload).
+
 
 # %%
 #| export
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round float32 to bf16 bit patterns (uint16): nearest, ties to even; NaN -> quiet NaN with its sign."""
+    """Round float32 to bf16 bit patterns (uint16): nearest, ties to even; NaN -> quiet
+    NaN with its sign.
+    """
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     last_kept = (u >> 16) & 1
-    rounded = (u + np.uint32(0x7FFF) + last_kept) >> 16  # wraps only for NaNs, replaced below
+    # wraps only for NaNs, replaced below
+    rounded = (u + np.uint32(0x7FFF) + last_kept) >> 16
     sign = (u >> 16) & 0x8000
     is_nan = (u & 0x7FFFFFFF) > 0x7F800000
     return np.where(is_nan, sign | 0x7FC0, rounded).astype(np.uint16)
@@ -223,23 +325,29 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 # A few values by hand, then the real test.
 
 # %%
-examples = np.array([1.0, 1.00390625, 1.01171875, 3.14159265, -2.5e-40, 3.4e38, np.inf, -np.nan], np.float32)
+examples = np.array(
+    [1.0, 1.00390625, 1.01171875, 3.14159265, -2.5e-40, 3.4e38, np.inf, -np.nan],
+    np.float32,
+)
 for v, b in zip(examples, f32_to_bf16_bits(examples)):
-    print(f"{v!s:>14}  f32 {v.view(np.uint32):08x} -> bf16 {b:04x} = {bf16_bits_to_f32(np.array(b, np.uint16))!s}")
+    print(
+        f"{v!s:>14}  f32 {v.view(np.uint32):08x} -> bf16 {b:04x} = "
+        f"{bf16_bits_to_f32(np.array(b, np.uint16))!s}"
+    )
 
 # %% [markdown]
 # `1.00390625` is $1 + 2^{-8}$: exactly halfway between the bf16 neighbours $1$ and
-# $1 + 2^{-7}$; the tie goes to the even one, $1$. `1.01171875` $= 1 + 3 \cdot 2^{-8}$ is
-# halfway between $1 + 2^{-7}$ (odd last bit) and $1 + 2^{-6}$, and goes up. `3.4e38` rounds
-# to infinity.
+# $1 + 2^{-7}$; the tie goes to the even one, $1$. `1.01171875` $= 1 + 3 \cdot 2^{-8}$
+# is halfway between $1 + 2^{-7}$ (odd last bit) and $1 + 2^{-6}$, and goes up. `3.4e38`
+# rounds to infinity.
 #
 # ## Checking against ml_dtypes, bit for bit
 #
 # `ml_dtypes` (the bf16 type that JAX and TensorFlow use) is our reference. We test:
 #
 # 1. **every one of the 65,536 bf16 patterns**, widened to float32;
-# 2. the same patterns narrowed back (each is exactly representable, so it must round-trip,
-#    NaNs becoming the canonical quiet NaN);
+# 2. the same patterns narrowed back (each is exactly representable, so it must
+#    round-trip, NaNs becoming the canonical quiet NaN);
 # 3. **millions of random float32 bit patterns** — uniform over all 32-bit words, so all
 #    exponents, subnormals, infinities and NaNs appear — plus every *tie* we can build.
 
@@ -252,13 +360,17 @@ assert np.array_equal(ours, ref), "widening disagrees with ml_dtypes"
 with np.errstate(invalid="ignore"):
     back = f32_to_bf16_bits(bf16_bits_to_f32(all_bf16))
     ref_back = bf16_bits_to_f32(all_bf16).astype(ml_dtypes.bfloat16).view(np.uint16)
-assert np.array_equal(back, ref_back), "narrowing all bf16 values disagrees with ml_dtypes"
+assert np.array_equal(back, ref_back), (
+    "narrowing all bf16 values disagrees with ml_dtypes"
+)
 
 rng = np.random.default_rng()
 num_random = 4_000_000
 words = rng.integers(0, 2**32, size=num_random, dtype=np.uint32)
 ties = (rng.integers(0, 2**16, size=num_random // 4, dtype=np.uint32) << 16) | 0x8000
-subnormals = rng.integers(0, 2**23, size=num_random // 4, dtype=np.uint32) | (rng.integers(0, 2, size=num_random // 4, dtype=np.uint32) << 31)
+subnormals = rng.integers(0, 2**23, size=num_random // 4, dtype=np.uint32) | (
+    rng.integers(0, 2, size=num_random // 4, dtype=np.uint32) << 31
+)
 f32 = np.concatenate([words, ties, subnormals]).view(np.float32)
 t0 = time.perf_counter()
 ours = f32_to_bf16_bits(f32)
@@ -266,25 +378,34 @@ seconds = time.perf_counter() - t0
 with np.errstate(invalid="ignore"):
     ref = f32.astype(ml_dtypes.bfloat16).view(np.uint16)
 num_mismatch = int((ours != ref).sum())
-print(f"{f32.size:,} float32 values: {num_mismatch} mismatches; ours took {seconds * 1e3:.0f} ms")
+print(
+    f"{f32.size:,} float32 values: {num_mismatch} mismatches; ours took "
+    f"{seconds * 1e3:.0f} ms"
+)
 assert num_mismatch == 0
 
 # %% [markdown]
 # ## Your first kernel: widen a bf16 buffer on the GPU
 #
-# Every weight-reading kernel in this book does what the function above does, one element
-# per thread: load 16 bits, shift them into the top half of a 32-bit word, and use that word
-# as a float32. Two details need care in numba:
+# Every weight-reading kernel in this book does what the function above does, one
+# element per thread: load 16 bits, shift them into the top half of a 32-bit word, and
+# use that word as a float32. Two details need care in numba:
 #
-# - **The width of the shift.** numba types `uint32(b) << 16` as a 64-bit integer, because
-#   the literal `16` is an `int64` and the two are promoted to a common type. Make both sides
-#   32-bit: `uint32(b) << uint32(16)`.
+# - **The width of the shift.** numba types `uint32(b) << 16` as a 64-bit integer,
+#   because the literal `16` is an `int64` and the two are promoted to a common type.
+#   Make both sides 32-bit: `uint32(b) << uint32(16)`.
 # - **Reinterpreting bits.** On the GPU, the `libdevice` function `int_as_float` turns a
-#   32-bit integer into the float with the same bits (it compiles to no instruction at all).
-#   The simulator has no `libdevice` — its functions return `None` — so there we let NumPy
-#   reinterpret the bits. The choice is made once, when the module is imported.
+#   32-bit integer into the float with the same bits (it compiles to no instruction at
+#   all). The simulator has no `libdevice` — its functions return `None` — so there we
+#   let NumPy reinterpret the bits. The choice is made once, when the module is
+#   imported.
 #
-# A device function (`device=True`) is called from kernels, not launched.
+# A device function (`device=True`) is called from kernels, not launched. The
+# simulator's stand-ins are plain Python functions, not device functions: the simulator
+# runs every thread of a block as a Python thread and takes one lock per module around
+# each device-function call, and 256 threads queueing on that lock once made a single
+# test of chapter 06 take twenty minutes on two cores. A function that uses nothing from
+# `cuda` runs the same as plain Python inside a simulated kernel.
 
 # %%
 #| export
@@ -292,23 +413,27 @@ from numba import config, cuda, int32, uint32
 
 if config.ENABLE_CUDASIM:
 
-    @cuda.jit(device=True)
     def bf16_to_f32(bits):
-        """Widen one bf16 value (16 bits) to float32 (simulator: NumPy reinterprets the bits)."""
+        """Widen one bf16 value (16 bits) to float32 (simulator: NumPy reinterprets the
+        bits).
+        """
         return np.uint32(uint32(bits) << uint32(16)).view(np.float32)
 
 else:
 
     @cuda.jit(device=True)
     def bf16_to_f32(bits):
-        """Widen one bf16 value (16 bits) to float32: a 32-bit shift, then reinterpret."""
+        """Widen one bf16 value (16 bits) to float32: a 32-bit shift, then
+        reinterpret.
+        """
         return cuda.libdevice.int_as_float(int32(uint32(bits) << uint32(16)))
 
 
 # %% [markdown]
-# Kernels also write bf16: a normalised activation that feeds a matrix product is rounded to
-# bf16 on the way out. The device version of the rounding is the same integer recipe as the
-# host one above, on one value (`float_as_int` is `int_as_float`'s mirror image).
+# Kernels also write bf16: a normalised activation that feeds a matrix product is
+# rounded to bf16 on the way out. The device version of the rounding is the same integer
+# recipe as the host one above, on one value (`float_as_int` is `int_as_float`'s mirror
+# image).
 
 # %%
 #| export
@@ -316,7 +441,6 @@ from numba import uint16
 
 if config.ENABLE_CUDASIM:
 
-    @cuda.jit(device=True)
     def _f32_bits(x):
         return np.float32(x).view(np.uint32)
 
@@ -329,7 +453,9 @@ else:
 
 @cuda.jit(device=True)
 def f32_to_bf16(x):
-    """Round one float32 to bf16 bits (uint16): nearest, ties to even; NaN -> quiet NaN with its sign."""
+    """Round one float32 to bf16 bits (uint16): nearest, ties to even; NaN -> quiet NaN
+    with its sign.
+    """
     u = _f32_bits(x)
     if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
         return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
@@ -338,16 +464,18 @@ def f32_to_bf16(x):
 
 # %% [markdown]
 # The kernel gives each thread one index $i$ and stops threads past the end (the grid is
-# rounded up to whole blocks). The *launcher* beside it is plain Python: it checks the dtypes
-# and shapes — a kernel that reads past a buffer does not raise, it corrupts memory or faults
-# later — and picks the grid. It writes into `out`, a buffer the caller owns; chapter 03
-# explains grids, blocks and threads properly.
+# rounded up to whole blocks). The *launcher* beside it is plain Python: it checks the
+# dtypes and shapes — a kernel that reads past a buffer does not raise, it corrupts
+# memory or faults later — and picks the grid. It writes into `out`, a buffer the caller
+# owns; chapter 03 explains grids, blocks and threads properly.
+
 
 # %%
 #| export
 @cuda.jit
 def widen_bf16_kernel(src, dst):
-    i = cuda.grid(1)  # this thread's global index: blockIdx.x * blockDim.x + threadIdx.x
+    # this thread's global index: blockIdx.x * blockDim.x + threadIdx.x
+    i = cuda.grid(1)
     if i < src.shape[0]:
         dst[i] = bf16_to_f32(src[i])
 
@@ -366,13 +494,20 @@ PTX_SIGNATURES = {
 
 
 def widen_bf16(src, out, threads_per_block: int = 256, stream=0):
-    """Launch: out[i] = float32 value of the bf16 bits src[i]. Both are 1-D device (or host) arrays."""
+    """Launch: out[i] = float32 value of the bf16 bits src[i]. Both are 1-D device (or
+    host) arrays.
+    """
     if src.dtype != np.uint16:
-        raise TypeError(f"widen_bf16: src must hold bf16 bits as uint16, got {src.dtype}")
+        raise TypeError(
+            f"widen_bf16: src must hold bf16 bits as uint16, got {src.dtype}"
+        )
     if out.dtype != np.float32:
         raise TypeError(f"widen_bf16: out must be float32, got {out.dtype}")
     if src.ndim != 1 or out.shape != src.shape:
-        raise ValueError(f"widen_bf16: src {src.shape} and out {out.shape} must be 1-D and the same length")
+        raise ValueError(
+            f"widen_bf16: src {src.shape} and out {out.shape} must be 1-D and the "
+            "same length"
+        )
     num_blocks = max(1, (src.shape[0] + threads_per_block - 1) // threads_per_block)
     widen_bf16_kernel[num_blocks, threads_per_block, stream](src, out)
     return out
@@ -381,9 +516,15 @@ def widen_bf16(src, out, threads_per_block: int = 256, stream=0):
 def narrow_f32(src, out, threads_per_block: int = 256, stream=0):
     """Launch: out[i] = bf16 bits of float32 src[i], rounded to nearest even."""
     if src.dtype != np.float32 or out.dtype != np.uint16:
-        raise TypeError(f"narrow_f32: src must be float32 and out uint16, got {src.dtype} and {out.dtype}")
+        raise TypeError(
+            f"narrow_f32: src must be float32 and out uint16, got {src.dtype} and "
+            f"{out.dtype}"
+        )
     if src.ndim != 1 or out.shape != src.shape:
-        raise ValueError(f"narrow_f32: src {src.shape} and out {out.shape} must be 1-D and the same length")
+        raise ValueError(
+            f"narrow_f32: src {src.shape} and out {out.shape} must be 1-D and the "
+            "same length"
+        )
     num_blocks = max(1, (src.shape[0] + threads_per_block - 1) // threads_per_block)
     narrow_f32_kernel[num_blocks, threads_per_block, stream](src, out)
     return out
@@ -392,10 +533,12 @@ def narrow_f32(src, out, threads_per_block: int = 256, stream=0):
 # %% [markdown]
 # ### Test it against the reference
 #
-# Fresh random bits every time (every exponent, NaNs and infinities included), a length that
-# is not a multiple of the block size, and an output poisoned beforehand so an element the
-# kernel forgot to write cannot pass by luck. In the simulator each GPU thread is a Python
-# thread, so we keep it small there; on a GPU we widen all 65,536 patterns and a large buffer.
+# Fresh random bits every time (every exponent, NaNs and infinities included), a length
+# that is not a multiple of the block size, and an output poisoned beforehand so an
+# element the kernel forgot to write cannot pass by luck. In the simulator each GPU
+# thread is a Python thread, so we keep it small there; on a GPU we widen all 65,536
+# patterns and a large buffer.
+
 
 # %%
 def check_widen(num_elements: int, threads_per_block: int = 128) -> None:
@@ -405,15 +548,22 @@ def check_widen(num_elements: int, threads_per_block: int = 128) -> None:
     widen_bf16(d_src, d_out, threads_per_block)
     got = d_out.copy_to_host().view(np.uint32)
     want = src.view(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32)
-    assert np.array_equal(got, want), f"kernel disagrees on {(got != want).sum()} of {num_elements}"
+    assert np.array_equal(got, want), (
+        f"kernel disagrees on {(got != want).sum()} of {num_elements}"
+    )
 
 
 def check_narrow(num_elements: int, threads_per_block: int = 128) -> None:
     src = rng.integers(0, 2**32, size=num_elements, dtype=np.uint32).view(np.float32)
-    src[: num_elements // 4] = (rng.integers(0, 2**16, size=num_elements // 4, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # ties
+    # ties
+    src[: num_elements // 4] = (
+        rng.integers(0, 2**16, size=num_elements // 4, dtype=np.uint32) << 16 | 0x8000
+    ).view(np.float32)
     d_out = cuda.to_device(np.full(num_elements, 0xDEAD, np.uint16))  # poison
     narrow_f32(cuda.to_device(src), d_out, threads_per_block)
-    assert np.array_equal(d_out.copy_to_host(), f32_to_bf16_bits(src)), "narrowing kernel disagrees"
+    assert np.array_equal(d_out.copy_to_host(), f32_to_bf16_bits(src)), (
+        "narrowing kernel disagrees"
+    )
 
 
 if can_launch():
@@ -421,7 +571,10 @@ if can_launch():
     for n in sizes:
         check_widen(n)
         check_narrow(n)
-    print(f"widen_bf16 and narrow_f32 agree bit for bit with the references on {sizes} random elements")
+    print(
+        f"widen_bf16 and narrow_f32 agree bit for bit with the references on {sizes} "
+        "random elements"
+    )
 else:
     print("no GPU and no simulator: set NUMBA_ENABLE_CUDASIM=1 to run the kernel")
 
@@ -429,7 +582,10 @@ else:
 # And the launcher refuses bad input before anything runs:
 
 # %%
-for bad_src, bad_out in [(np.zeros(4, np.float32), np.zeros(4, np.float32)), (np.zeros(4, np.uint16), np.zeros(5, np.float32))]:
+for bad_src, bad_out in [
+    (np.zeros(4, np.float32), np.zeros(4, np.float32)),
+    (np.zeros(4, np.uint16), np.zeros(5, np.float32)),
+]:
     try:
         widen_bf16(bad_src, bad_out)
     except (TypeError, ValueError) as err:
@@ -440,28 +596,29 @@ for bad_src, bad_out in [(np.zeros(4, np.float32), np.zeros(4, np.float32)), (np
 # %% [markdown]
 # ## How fast is it? Measuring a kernel honestly
 #
-# **Count first.** Widening reads 2 bytes and writes 4 per element and does no arithmetic to
-# speak of, so it is *memory-bound*: its floor is the bytes it must move over the memory
-# bandwidth. The ceiling to compare with is not the datasheet's 4.8 TB/s but what a plain copy
-# achieves on the same GPU, so we measure that too. A kernel at 80% of copy bandwidth has
-# little left to gain; one at 20% is doing something wrong.
+# **Count first.** Widening reads 2 bytes and writes 4 per element and does no
+# arithmetic to speak of, so it is *memory-bound*: its floor is the bytes it must move
+# over the memory bandwidth. The ceiling to compare with is not the datasheet's 4.8 TB/s
+# but what a plain copy achieves on the same GPU, so we measure that too. A kernel at
+# 80% of copy bandwidth has little left to gain; one at 20% is doing something wrong.
 #
 # **Then time the kernel itself.** Three traps:
 #
-# 1. *Launch overhead.* A numba launch from Python costs 25–70 µs of CPU time, longer than
-#    most kernels in this book run. CUDA events around a Python launch measure Python. Instead
-#    we **capture** many launches into a **CUDA graph** once and replay the graph: the GPU then
-#    runs them back to back (about 0.5–0.8 µs apart), and events around the replay measure the
-#    kernels. The same mechanism later makes a whole decoding step one launch (chapter 11).
-# 2. *The L2 cache.* An H200 has about 60 MB of L2. A kernel timed over and over on one small
-#    buffer reads it from L2, not memory, and looks faster than it will be in a model. We
-#    rotate through enough distinct buffers to exceed the cache.
+# 1. *Launch overhead.* A numba launch from Python costs 25–70 µs of CPU time, longer
+#    than most kernels in this book run. CUDA events around a Python launch measure
+#    Python. Instead we **capture** many launches into a **CUDA graph** once and replay
+#    the graph: the GPU then runs them back to back (about 0.5–0.8 µs apart), and events
+#    around the replay measure the kernels. The same mechanism later makes a whole
+#    decoding step one launch (chapter 11).
+# 2. *The L2 cache.* An H200 has about 60 MB of L2. A kernel timed over and over on one
+#    small buffer reads it from L2, not memory, and looks faster than it will be in a
+#    model. We rotate through enough distinct buffers to exceed the cache.
 # 3. *Noise.* Warm up first (compilation, first-touch), repeat, and take the median.
 #
-# In the simulator the graph is just the Python function, replayed by calling it: the code
-# runs, the times mean nothing.
+# In the simulator the graph is just the Python function, replayed by calling it: the
+# code runs, the times mean nothing.
 
-# %%
+# %% tags=["hide-input"]
 #| export cuda_graph
 from typing import Callable
 
@@ -479,10 +636,12 @@ def _check(result):
 
 
 class CudaGraph:
-    """Capture the kernel launches that `launch(stream)` makes, once; replay them with one call.
+    """Capture the kernel launches that `launch(stream)` makes, once; replay them with
+    one call.
 
-    `launch` must only launch kernels on the stream it is given (no allocation, no copies to
-    or from the host, no synchronisation). In the simulator, replay simply calls `launch` again.
+    `launch` must only launch kernels on the stream it is given (no allocation, no
+    copies to or from the host, no synchronisation). In the simulator, replay simply
+    calls `launch` again.
     """
 
     def __init__(self, launch: Callable, stream=None):
@@ -508,10 +667,12 @@ class CudaGraph:
         if self._exec is None:
             self.launch(self.stream)
         else:
-            _check(_drv.cuGraphLaunch(self._exec, _drv.CUstream(int(self.stream.handle))))
+            _check(
+                _drv.cuGraphLaunch(self._exec, _drv.CUstream(int(self.stream.handle)))
+            )
 
 
-# %%
+# %% tags=["hide-input"]
 #| export measure
 import datetime
 import json
@@ -529,29 +690,47 @@ from numba import config, cuda
 import tinyvllm_lib
 from tinyvllm_lib.cuda_graph import CudaGraph
 
-# Recorded GPU results live in the repository's book/data/ (override with TINYVLLM_DATA).
-DATA_DIR = Path(os.environ.get("TINYVLLM_DATA", Path(tinyvllm_lib.__file__).resolve().parent.parent / "book" / "data"))
+# Recorded GPU results live in the repository's book/data/ (or $TINYVLLM_DATA).
+DATA_DIR = Path(
+    os.environ.get(
+        "TINYVLLM_DATA",
+        Path(tinyvllm_lib.__file__).resolve().parent.parent / "book" / "data",
+    )
+)
 
 
 def time_launches(launch_one: Callable, num_launches: int, repeats: int = 10) -> float:
-    """Median seconds per launch of `launch_one(i, stream)`, i = 0..num_launches-1, replayed from a CUDA graph."""
-    graph = CudaGraph(lambda stream: [launch_one(i, stream) for i in range(num_launches)])
+    """Median seconds per launch of `launch_one(i, stream)`, i = 0..num_launches-1,
+    replayed from a CUDA graph.
+    """
+    graph = CudaGraph(
+        lambda stream: [launch_one(i, stream) for i in range(num_launches)]
+    )
     start, end = cuda.event(), cuda.event()
     graph.replay()  # warm-up
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()  # the simulator's events record no time: fall back to the host clock
+        # the simulator's events record no time: fall back to the host clock
+        t0 = time.perf_counter()
         start.record(graph.stream)
         graph.replay()
         end.record(graph.stream)
         end.synchronize()
-        seconds = time.perf_counter() - t0 if config.ENABLE_CUDASIM else cuda.event_elapsed_time(start, end) / 1e3
+        seconds = (
+            time.perf_counter() - t0
+            if config.ENABLE_CUDASIM
+            else cuda.event_elapsed_time(start, end) / 1e3
+        )
         samples.append(seconds / num_launches)
     return statistics.median(samples)
 
 
-def num_rotations(bytes_per_call: int, cache_bytes: int = 60 * 2**20, at_least: int = 4) -> int:
-    """How many distinct buffer sets to rotate through so the working set is ~4x the L2 cache."""
+def num_rotations(
+    bytes_per_call: int, cache_bytes: int = 60 * 2**20, at_least: int = 4
+) -> int:
+    """How many distinct buffer sets to rotate through so the working set is ~4x the L2
+    cache.
+    """
     return max(at_least, int(np.ceil(4 * cache_bytes / max(bytes_per_call, 1))))
 
 
@@ -561,14 +740,22 @@ def device_info() -> dict:
         return {"name": "CUDA simulator"}
     dev = cuda.get_current_device()
     name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-    return {"name": name, "compute_capability": list(dev.compute_capability), "multiprocessors": dev.MULTIPROCESSOR_COUNT}
+    return {
+        "name": name,
+        "compute_capability": list(dev.compute_capability),
+        "multiprocessors": dev.MULTIPROCESSOR_COUNT,
+    }
 
 
 def versions() -> dict:
     """Versions that a measurement depends on."""
     import numba
 
-    out = {"python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__}
+    out = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+    }
     try:
         from importlib.metadata import version
 
@@ -577,14 +764,18 @@ def versions() -> dict:
         pass
     if not config.ENABLE_CUDASIM:
         try:
-            out["cuda_driver"] = ".".join(map(str, cuda.cudadrv.driver.driver.get_version()))
+            out["cuda_driver"] = ".".join(
+                map(str, cuda.cudadrv.driver.driver.get_version())
+            )
         except Exception:
             pass
     return out
 
 
 class Recorder:
-    """Collects measurement records and writes them to book/data/<chapter>.json (one list per chapter)."""
+    """Collects measurement records and writes them to book/data/<chapter>.json (one
+    list per chapter).
+    """
 
     def __init__(self, chapter: str, command: str | None = None):
         self.chapter = chapter
@@ -592,22 +783,45 @@ class Recorder:
         self.device = device_info()
         self.records: list[dict] = []
 
-    def add(self, name: str, shape, metric: str, value: float, ceiling: float | None = None, **extra) -> dict:
-        rec = {"chapter": self.chapter, "name": name, "shape": list(shape), "metric": metric, "value": float(value)}
+    def add(
+        self,
+        name: str,
+        shape,
+        metric: str,
+        value: float,
+        ceiling: float | None = None,
+        **extra,
+    ) -> dict:
+        rec = {
+            "chapter": self.chapter,
+            "name": name,
+            "shape": list(shape),
+            "metric": metric,
+            "value": float(value),
+        }
         if ceiling is not None:
             rec["ceiling"] = float(ceiling)
             rec["ratio"] = float(value) / float(ceiling)
         rec.update(extra)
-        rec.update(device=self.device, date=datetime.date.today().isoformat(), versions=versions(), command=self.command)
+        rec.update(
+            device=self.device,
+            date=datetime.date.today().isoformat(),
+            versions=versions(),
+            command=self.command,
+        )
         self.records.append(rec)
         return rec
 
     def save(self, data_dir: Path = DATA_DIR) -> Path:
-        """Replace this chapter's records for the same device; keep other devices' records."""
+        """Replace this chapter's records for the same device; keep other devices'
+        records.
+        """
         path = Path(data_dir) / f"{self.chapter}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         old = json.loads(path.read_text()) if path.exists() else []
-        kept = [r for r in old if r.get("device", {}).get("name") != self.device.get("name")]
+        kept = [
+            r for r in old if r.get("device", {}).get("name") != self.device.get("name")
+        ]
         path.write_text(json.dumps(kept + self.records, indent=1) + "\n")
         return path
 
@@ -618,10 +832,31 @@ def load_records(chapter: str, data_dir: Path = DATA_DIR) -> list[dict]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
+def records_table(records: list[dict], time_key: str | None = None) -> str:
+    """Recorded measurements as a compact table of at most 88 columns: for each record
+    its name, shape, value, share of the ceiling and (time_key) a time; a header line
+    for each device and date."""
+    lines, last = [], None
+    for r in records:
+        where = (r["device"]["name"], r["date"])
+        if where != last:
+            lines.append(f"{where[0]}, recorded {where[1]}:")
+            last = where
+        shape = "x".join(str(s) for s in r["shape"])
+        ratio = f"{r['ratio']:6.1%}" if "ratio" in r else ""
+        time = f"{r[time_key]:9.2f} {time_key}" if time_key and time_key in r else ""
+        value = f"{r['value']:10.2f} {r['metric']:<6}"
+        name = r["name"][:28]
+        row = f"  {name:<28} {shape[:16]:<16} {value} {ratio:>6} {time}"
+        lines.append(row.rstrip())
+    return "\n".join(lines) if lines else "(no records yet)"
+
+
 # %% [markdown]
-# The ceiling: a copy kernel that moves 8 bytes per thread per step (wide loads matter: the
-# same copy with 4-byte words is about a quarter slower on an H200), over a buffer far larger
-# than L2. Bytes moved count both the read and the write.
+# The ceiling: a copy kernel that moves 8 bytes per thread per step (wide loads matter:
+# the same copy with 4-byte words is about a quarter slower on an H200), over a buffer
+# far larger than L2. Bytes moved count both the read and the write.
+
 
 # %%
 #| export
@@ -638,34 +873,39 @@ PTX_SIGNATURES["copy_u64_kernel"] = ["void(uint64[::1], uint64[::1])"]
 
 
 # %% [markdown]
-# The measurement itself lives in a script, `bench/ch01_bf16.py`, which runs on a GPU and
-# records each result — value, ceiling, device, date, versions and the command — in
+# The measurement itself lives in a script, `bench/ch01_bf16.py`, which runs on a GPU
+# and records each result — value, ceiling, device, date, versions and the command — in
 # `book/data/ch01_bf16.json`. The book plots that file, so every machine shows the same
 # numbers, and none is typed by hand. On a GPU you can run it from here:
 
-# %%
-from tinyvllm_lib.measure import load_records
+# %% tags=["hide-input"]
+from tinyvllm_lib.measure import load_records, records_table
 
 if has_gpu():
     import runpy
     from pathlib import Path
 
-    bench = Path("../bench/ch01_bf16.py") if Path("../bench").exists() else Path("bench/ch01_bf16.py")
+    bench = (
+        Path("../bench/ch01_bf16.py")
+        if Path("../bench").exists()
+        else Path("bench/ch01_bf16.py")
+    )
     runpy.run_path(str(bench), run_name="__main__")
 
 records = load_records("ch01_bf16")
 print(f"{len(records)} recorded measurements")
-for r in records:
-    print(f"{r['device']['name']:>16} {r['name']:>14} {str(r['shape']):>14}: {r['value']:8.1f} {r['metric']}"
-          + (f" = {r['ratio']:.0%} of {r['ceiling']:.0f}" if "ratio" in r else "") + f"  ({r['date']})")
+print(records_table(records))
 
-# %%
+# %% tags=["hide-input"]
 by_name = {r["name"]: r for r in records}
 copy_gbs = by_name["copy"]["value"] if "copy" in by_name else float("nan")
 widen = by_name.get("widen_bf16")
-glue("ch01_copy", f"{copy_gbs / 1e3:.2f} TB/s" if "copy" in by_name else "(not yet measured)")
-glue("ch01_widen", f"{widen['ratio']:.0%}" if widen else "(not yet measured)")
-glue("ch01_device", records[0]["device"]["name"] if records else "no GPU yet")
+prose.glue(
+    "ch01_copy",
+    f"{copy_gbs / 1e3:.2f} TB/s" if "copy" in by_name else "(not yet measured)",
+)
+prose.glue("ch01_widen", f"{widen['ratio']:.0%}" if widen else "(not yet measured)")
+prose.glue("ch01_device", records[0]["device"]["name"] if records else "no GPU yet")
 
 if records:
     fig, ax = new_figure(width=6, height=2.5)
@@ -678,45 +918,50 @@ if records:
     ax.legend()
     plt.show()
 
-# %% [markdown]
-# On the {glue:text}`ch01_device`, a plain copy moves {glue:text}`ch01_copy`, and the widening
-# kernel reaches {glue:text}`ch01_widen` of that. Why not all of it? Each thread makes one
-# 2-byte load and one 4-byte store: the memory system moves data in 32-byte sectors, and
-# keeping it busy takes many bytes in flight per thread, not many tiny requests. The copy
-# kernel moves 8 bytes per request. Later kernels read weights 8 or 16 bytes at a time
-# (chapter 06's GEMV) for exactly this reason — exercise 5 asks you to try it here.
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+On the {{ch01_device}}, a plain copy moves {{ch01_copy}}, and the widening kernel
+reaches {{ch01_widen}} of that. Why not all of it? Each thread makes one 2-byte load and
+one 4-byte store: the memory system moves data in 32-byte sectors, and keeping it busy
+takes many bytes in flight per thread, not many tiny requests. The copy kernel moves 8
+bytes per request. Later kernels read weights 8 or 16 bytes at a time (chapter 06's
+GEMV) for exactly this reason — exercise 5 asks you to try it here.
+""")
 
 # %% [markdown]
 # ## Summary
 #
 # - bf16 is float32 with the low 16 mantissa bits gone: float32's range, about 3 decimal
 #   digits of precision.
-# - Widening bf16 to float32 is exact: a 16-bit shift. Narrowing rounds to nearest, ties to
-#   even, with one integer add: $(u + \texttt{0x7FFF} + \ell) \gg 16$; NaN stays a (quiet) NaN.
-# - Both agree bit for bit with `ml_dtypes` on all 65,536 bf16 patterns and millions of random
-#   float32 values.
-# - Our first kernel widens a buffer, one element per thread; the same code runs on a GPU and
-#   in the simulator.
+# - Widening bf16 to float32 is exact: a 16-bit shift. Narrowing rounds to nearest, ties
+#   to even, with one integer add: $(u + \texttt{0x7FFF} + \ell) \gg 16$; NaN stays a
+#   (quiet) NaN.
+# - Both agree bit for bit with `ml_dtypes` on all 65,536 bf16 patterns and millions of
+#   random float32 values.
+# - Our first kernel widens a buffer, one element per thread; the same code runs on a
+#   GPU and in the simulator.
 #
 # - To time a kernel: count its compulsory bytes, capture many launches in a CUDA graph,
 #   rotate buffers past the L2 cache, and compare with a measured copy ceiling.
 #
-# Exported to `tinyvllm_lib`: `kernels.bf16` (`f32_to_bf16_bits`, `bf16_bits_to_f32`, the
-# device helpers `bf16_to_f32` and `f32_to_bf16`, `widen_bf16`, `narrow_f32`, `copy_u64_kernel`), `runtime` (`is_simulator`,
-# `has_gpu`, `can_launch`), `cuda_graph` (`CudaGraph`), `measure` (`time_launches`,
-# `Recorder`, `load_records`) and `plots` (the book's plotting helpers).
+# Exported to `tinyvllm_lib`: `kernels.bf16` (`f32_to_bf16_bits`, `bf16_bits_to_f32`,
+# the device helpers `bf16_to_f32` and `f32_to_bf16`, `widen_bf16`, `narrow_f32`,
+# `copy_u64_kernel`), `runtime` (`is_simulator`, `has_gpu`, `can_launch`), `cuda_graph`
+# (`CudaGraph`), `measure` (`time_launches`, `Recorder`, `load_records`) and `plots`
+# (the book's plotting helpers).
 #
 # ## Exercises
 #
-# 1. Replace round-to-nearest-even with truncation and sum 10,000 random bf16-rounded values
-#    in [0, 1). How far does the sum drift from the float64 sum in each case? Predict the sign
-#    of the truncation error first.
-# 2. How many bytes does Llama 3.2 1B (1.24 billion parameters) take in fp32, bf16 and fp16?
-#    Which of the three could hold its activations without overflow, and why?
-# 3. Remove `uint32(...)` around the shift's right operand in `bf16_to_f32`, compile the kernel
-#    with `cuda.compile_ptx` and find the 64-bit shift (`shl.b64`) in the PTX.
+# 1. Replace round-to-nearest-even with truncation and sum 10,000 random bf16-rounded
+#    values in [0, 1). How far does the sum drift from the float64 sum in each case?
+#    Predict the sign of the truncation error first.
+# 2. How many bytes does Llama 3.2 1B (1.24 billion parameters) take in fp32, bf16 and
+#    fp16? Which of the three could hold its activations without overflow, and why?
+# 3. Remove `uint32(...)` around the shift's right operand in `bf16_to_f32`, compile the
+#    kernel with `cuda.compile_ptx` and find the 64-bit shift (`shl.b64`) in the PTX.
 # 4. The widening kernel reads 2 bytes and writes 4 per element. At the copy bandwidth
-#    measured above, how long should widening Llama 3.2 1B's weights take? Time it on a GPU.
-# 5. Write a kernel in which each thread loads one `uint64` (four bf16 values) and writes four
-#    float32s. Predict its fraction of copy bandwidth, then add it to `bench/ch01_bf16.py`
-#    and measure.
+#    measured above, how long should widening Llama 3.2 1B's weights take? Time it on a
+#    GPU.
+# 5. Write a kernel in which each thread loads one `uint64` (four bf16 values) and
+#    writes four float32s. Predict its fraction of copy bandwidth, then add it to
+#    `bench/ch01_bf16.py` and measure.

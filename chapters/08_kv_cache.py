@@ -13,31 +13,34 @@
 # %% [markdown]
 # # 8. The KV cache
 #
-# Chapter 7 ended with a model that answers "What is the capital of France?" with "Paris" — by
-# running the whole forward pass over the whole conversation again for every new token. This
-# chapter keeps every token's keys and values, the **KV cache**, so that each new token costs
-# one token's work; it lays the cache out in **blocks** addressed through a **block table**, the
-# layout every later chapter keeps; and it writes the kernel that makes decoding fast on a GPU,
-# **decode attention**, one new query per sequence over its whole past.
+# Chapter 7 ended with a model that answers "What is the capital of France?" with
+# "Paris" — by running the whole forward pass over the whole conversation again for
+# every new token. This chapter keeps every token's keys and values, the **KV cache**,
+# so that each new token costs one token's work; it lays the cache out in **blocks**
+# addressed through a **block table**, the layout every later chapter keeps; and it
+# writes the kernel that makes decoding fast on a GPU, **decode attention**, one new
+# query per sequence over its whole past.
 #
 # In this chapter you will learn:
 #
-# - why generation has two phases, **prefill** and **decode**, and what each costs in FLOPs and
-#   bytes per token, for SmolLM2 and Llama 3.2 1B;
-# - the **KV cache**: its layout (per layer, keys and values indexed by a *slot*), its size per
-#   token, blocks of slots and the *block table* that maps a sequence's positions to them;
-# - **attention metadata**: the few arrays — `query_start_loc`, `seq_lens`, `slot_mapping`,
-#   `block_tables` — that tell attention where a batch's new keys and values go and what each
-#   sequence attends over, built in one vectorised NumPy pass;
-# - attention over the cache as an object the model's layer loop is handed, in NumPy and on the
-#   GPU, checked against recomputing everything;
-# - a **decode attention** kernel designed around bytes — and around instructions — that reads
-#   the cache at up to three quarters of the GPU's copy bandwidth.
+# - why generation has two phases, **prefill** and **decode**, and what each costs in
+#   FLOPs and bytes per token, for SmolLM2 and Llama 3.2 1B;
+# - the **KV cache**: its layout (per layer, keys and values indexed by a *slot*), its
+#   size per token, blocks of slots and the *block table* that maps a sequence's
+#   positions to them;
+# - **attention metadata**: the few arrays — `query_start_loc`, `seq_lens`,
+#   `slot_mapping`, `block_tables` — that tell attention where a batch's new keys and
+#   values go and what each sequence attends over, built in one vectorised NumPy pass;
+# - attention over the cache as an object the model's layer loop is handed, in NumPy and
+#   on the GPU, checked against recomputing everything;
+# - a **decode attention** kernel designed around bytes — and around instructions — that
+#   reads the cache at up to three quarters of the GPU's copy bandwidth.
 #
-# It builds on the forward pass of [chapter 7](07_attention.py) (the layer loop takes its
-# attention as an argument), the model config of [chapter 2](02_safetensors.py), SmolLM2 from
-# [chapter 2b](02b_smollm2.py) and the tokenizer of [chapter 3](03_first_kernel.py). Choosing
-# tokens, stopping and streaming them come in [chapter 8b](08b_generation.py).
+# It builds on the forward pass of [chapter 7](07_attention.py) (the layer loop takes
+# its attention as an argument), the model config of [chapter 2](02_safetensors.py),
+# SmolLM2 from [chapter 2b](02b_smollm2.py) and the tokenizer of
+# [chapter 3](03_first_kernel.py). Choosing tokens, stopping and streaming them come in
+# [chapter 8b](08b_generation.py).
 
 # %%
 #| default_exp engine.kv_cache
@@ -56,87 +59,152 @@ from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.measure import load_records, max_rel_error
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
-from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama, tiny_llama_config
+from tinyvllm_lib.models.random_llama import (
+    LLAMA_3_2_1B_CONFIG,
+    make_random_llama,
+    tiny_llama_config,
+)
 from tinyvllm_lib.models.smollm2 import resolve_model
-from tinyvllm_lib.plots import glue, new_figure
-from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator
+from tinyvllm_lib.plots import Prose, new_figure
+from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator, where_kernels_run
 from tinyvllm_lib.tokenizer import Tokenizer
 
 rng = np.random.default_rng()
-folder = resolve_model("smollm2")  # chapter 2b: built on first use, then found in the cache
+# the numbers this chapter's prose quotes, filled in as they are measured
+prose = Prose()
+# chapter 2b: built on first use, then found in the cache
+folder = resolve_model("smollm2")
 smollm2 = ModelConfig.from_folder(folder)
 llama_1b = ModelConfig.from_dict(LLAMA_3_2_1B_CONFIG)
 tokenizer = Tokenizer.from_folder(folder)
-print("simulator" if is_simulator() else "GPU" if has_gpu() else "no GPU, no simulator")
+print(where_kernels_run())
+
+# %% [markdown]
+# The line above says where this copy's kernels ran. In the rendered book, built by CI
+# with no GPU, that is the simulator at tiny shapes: its outputs check correctness, and
+# any time it prints says nothing about a GPU. Speed figures and numbers of speed in the
+# prose are dated H200 records from `book/data/`:
+# [what the numbers on a page are](00_preface.py#what-the-numbers-on-a-page-are).
 
 # %% [markdown]
 # ## Prefill and decode: count first
 #
-# Generating an answer has two phases. **Prefill** runs the prompt — all its tokens at once —
-# through the model, and the logits of its last position give the first new token. **Decode**
-# then produces one token per step: each step's input is the token the step before chose.
+# Generating an answer has two phases. **Prefill** runs the prompt — all its tokens at
+# once — through the model, and the logits of its last position give the first new
+# token. **Decode** then produces one token per step: each step's input is the token the
+# step before chose.
 #
-# Both phases multiply every token's activations by every weight matrix: about $2P$ FLOPs per
-# token for a model whose matrices hold $P$ weights (one multiply and one add per weight).
-# Attention adds $4 \cdot L \cdot H \cdot D \cdot n$ FLOPs per token at context length $n$ (the
-# products $q \cdot k$ and $p \cdot v$, in each of $L$ layers and $H$ heads of size $D$).
-# What differs is the **bytes**. A forward pass over $T$ tokens reads each weight once for all
-# $T$ of them: prefill shares the $2P$ bytes of bf16 weights among hundreds of prompt tokens,
-# decode spends them on one token. The *arithmetic intensity* — FLOPs per byte read — is
+# Both phases multiply every token's activations by every weight matrix: about $2P$
+# FLOPs per token for a model whose matrices hold $P$ weights (one multiply and one add
+# per weight). Attention adds $4 \cdot L \cdot H \cdot D \cdot n$ FLOPs per token at
+# context length $n$ (the products $q \cdot k$ and $p \cdot v$, in each of $L$ layers
+# and $H$ heads of size $D$). What differs is the **bytes**. A forward pass over $T$
+# tokens reads each weight once for all $T$ of them: prefill shares the $2P$ bytes of
+# bf16 weights among hundreds of prompt tokens, decode spends them on one token. The
+# *arithmetic intensity* — FLOPs per byte read — is
 #
-# $$ I(T) \approx \frac{2 P T}{2 P} = T \ \text{FLOP/byte} \quad (\text{bf16 weights, } T \text{ tokens per pass}). $$
+# $$ I(T) \approx \frac{2 P T}{2 P} = T \ \text{FLOP/byte} \quad (\text{bf16 weights
+#    , } T \text{ tokens per pass}). $$
 #
-# An H200 does about 990 dense bf16 TFLOP/s and reads about 4.8 TB/s: below about 200 FLOPs per
-# byte it waits for memory. A decode step at batch 1 has $I \approx 1$; it is **memory-bound**,
-# and its speed limit is simply (bytes per step) / (bandwidth). Batching decode steps of many
-# sequences (chapter 9) is how an engine raises $T$ for decode.
+# An H200 does about 990 dense bf16 TFLOP/s and reads about 4.8 TB/s: below about 200
+# FLOPs per byte it waits for memory. A decode step at batch 1 has $I \approx 1$; it is
+# **memory-bound**, and its speed limit is simply (bytes per step) / (bandwidth).
+# Batching decode steps of many sequences (chapter 9) is how an engine raises $T$ for
+# decode.
 
-# %%
+
+# %% tags=["hide-input"]
 def matrix_params(c: ModelConfig) -> int:
-    """Weights in the matrices that every token multiplies: q/k/v/o, gate/up/down per layer, and the head."""
-    attention = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    """Weights in the matrices that every token multiplies: q/k/v/o, gate/up/down per
+    layer, and the head.
+    """
+    attention = (
+        c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    )
     attention += c.num_attention_heads * c.head_dim * c.hidden_size
     mlp = 3 * c.hidden_size * c.intermediate_size
     return c.num_hidden_layers * (attention + mlp) + c.vocab_size * c.hidden_size
 
 
-def step_costs(c: ModelConfig, num_tokens: int, context_len: int, weight_bytes: int = 2, kv_bytes: int = 2) -> dict:
-    """FLOPs and bytes of one forward pass over `num_tokens` new tokens at `context_len` (batch of one sequence)."""
+def step_costs(
+    c: ModelConfig,
+    num_tokens: int,
+    context_len: int,
+    weight_bytes: int = 2,
+    kv_bytes: int = 2,
+) -> dict:
+    """FLOPs and bytes of one forward pass over `num_tokens` new tokens at `context_len`
+    (batch of one sequence).
+    """
     params = matrix_params(c)
-    flops = num_tokens * (2 * params + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * context_len)
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_bytes
-    nbytes = params * weight_bytes + context_len * kv_per_token  # the weights once; the cache read once
-    return {"flops": flops, "bytes": nbytes, "flops_per_token": flops / num_tokens, "bytes_per_token": nbytes / num_tokens}
+    flops = num_tokens * (
+        2 * params
+        + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * context_len
+    )
+    kv_per_token = (
+        2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_bytes
+    )
+    # the weights once; the cache read once
+    nbytes = params * weight_bytes + context_len * kv_per_token
+    return {
+        "flops": flops,
+        "bytes": nbytes,
+        "flops_per_token": flops / num_tokens,
+        "bytes_per_token": nbytes / num_tokens,
+    }
 
 
 for name, c in (("SmolLM2-135M", smollm2), ("Llama 3.2 1B", llama_1b)):
     prefill, decode = step_costs(c, 512, 512), step_costs(c, 1, 512)
-    print(f"{name:>13}: {matrix_params(c) / 1e6:6.0f} M matrix weights | per token: prefill of 512 "
-          f"{prefill['flops_per_token'] / 1e9:.2f} GFLOP, {prefill['bytes_per_token'] / 1e6:6.2f} MB | "
-          f"decode at 512 {decode['flops_per_token'] / 1e9:.2f} GFLOP, {decode['bytes_per_token'] / 1e6:7.1f} MB")
+    print(
+        f"{name:>13}: {matrix_params(c) / 1e6:6.0f} M matrix weights | per token: "
+        "prefill of 512 "
+        f"{prefill['flops_per_token'] / 1e9:.2f} GFLOP, "
+        f"{prefill['bytes_per_token'] / 1e6:6.2f} MB | "
+        f"decode at 512 {decode['flops_per_token'] / 1e9:.2f} GFLOP, "
+        f"{decode['bytes_per_token'] / 1e6:7.1f} MB"
+    )
 
 decode_1b = step_costs(llama_1b, 1, 512)
-copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]  # chapter 1's measured copy bandwidth
-bandwidth = copy[0]["value"] * 1e9 if copy else 4.8e12  # bytes/s; the datasheet's figure until one is recorded
-glue("ch08_1b_gflop", f"{decode_1b['flops'] / 1e9:.2f} GFLOP")
-glue("ch08_1b_gb", f"{decode_1b['bytes'] / 1e9:.2f} GB")
-glue("ch08_bandwidth", f"{bandwidth / 1e12:.2f} TB/s" + (f" that chapter 1 measured on the {copy[0]['device']['name']}" if copy else ""))
-glue("ch08_1b_limit", f"{bandwidth / decode_1b['bytes']:,.0f} tokens/s")
-glue("ch08_smol_mb", f"{step_costs(smollm2, 1, 512, weight_bytes=4, kv_bytes=4)['bytes'] / 1e6:.0f} MB")
+# chapter 1's measured copy bandwidth
+copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
+# bytes/s; the datasheet's figure until one is recorded
+bandwidth = copy[0]["value"] * 1e9 if copy else 4.8e12
+prose.glue("ch08_1b_gflop", f"{decode_1b['flops'] / 1e9:.2f} GFLOP")
+prose.glue("ch08_1b_gb", f"{decode_1b['bytes'] / 1e9:.2f} GB")
+prose.glue(
+    "ch08_bandwidth",
+    f"{bandwidth / 1e12:.2f} TB/s"
+    + (f" that chapter 1 measured on the {copy[0]['device']['name']}" if copy else ""),
+)
+prose.glue("ch08_1b_limit", f"{bandwidth / decode_1b['bytes']:,.0f} tokens/s")
+prose.glue(
+    "ch08_smol_mb",
+    f"{step_costs(smollm2, 1, 512, weight_bytes=4, kv_bytes=4)['bytes'] / 1e6:.0f} MB",
+)
 
-# %% [markdown]
-# A decode step of Llama 3.2 1B at a context of 512 tokens does {glue:text}`ch08_1b_gflop` and
-# reads {glue:text}`ch08_1b_gb`, so at the {glue:text}`ch08_bandwidth` no implementation can decode
-# one sequence faster than about {glue:text}`ch08_1b_limit`. Our CPU backend keeps SmolLM2's weights in float32: it
-# reads {glue:text}`ch08_smol_mb` per step, and the memory bandwidth of the CPU sets its speed
-# the same way. The plot shows the intensity as the number of tokens per pass grows.
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+A decode step of Llama 3.2 1B at a context of 512 tokens does {{ch08_1b_gflop}} and
+reads {{ch08_1b_gb}}, so at the {{ch08_bandwidth}} no implementation can decode one
+sequence faster than about {{ch08_1b_limit}}. Our CPU backend keeps SmolLM2's weights in
+float32: it reads {{ch08_smol_mb}} per step, and the memory bandwidth of the CPU sets
+its speed the same way. The plot shows the intensity as the number of tokens per pass
+grows.
+""")
 
 # %%
 tokens = np.unique(np.geomspace(1, 4096, 40).astype(int))
 fig, ax = new_figure(width=6.5, height=3)
 for name, c in (("SmolLM2-135M", smollm2), ("Llama 3.2 1B", llama_1b)):
-    ax.plot(tokens, [step_costs(c, t, t)["flops"] / step_costs(c, t, t)["bytes"] for t in tokens], label=name)
-ax.axhline(990 / 4.8, color="k", ls="--", lw=1, label="H200 ridge (990 TFLOP/s / 4.8 TB/s)")
+    ax.plot(
+        tokens,
+        [step_costs(c, t, t)["flops"] / step_costs(c, t, t)["bytes"] for t in tokens],
+        label=name,
+    )
+ax.axhline(
+    990 / 4.8, color="k", ls="--", lw=1, label="H200 ridge (990 TFLOP/s / 4.8 TB/s)"
+)
 ax.set_xscale("log")
 ax.set_yscale("log")
 ax.set_xlabel("tokens per forward pass (decode at batch 1 = 1)")
@@ -148,24 +216,27 @@ plt.show()
 # %% [markdown]
 # ## Without a cache, each step redoes the past
 #
-# The loop at the end of chapter 7 called `forward(ids)` on the whole sequence for every new
-# token, so step $n$ did $n$ tokens' work: generating $N$ tokens after a prompt of $n_0$ costs
-# $\sum_{n=n_0}^{n_0+N} n \approx N n_0 + N^2/2$ tokens' worth of FLOPs instead of $N$. Yet
-# nothing of the past changes from one step to the next: the causal mask means a token's keys and
-# values depend only on the tokens before it. So keep them. A layer's attention for the new
-# token at position $n$ needs
+# The loop at the end of chapter 7 called `forward(ids)` on the whole sequence for every
+# new token, so step $n$ did $n$ tokens' work: generating $N$ tokens after a prompt of
+# $n_0$ costs $\sum_{n=n_0}^{n_0+N} n \approx N n_0 + N^2/2$ tokens' worth of FLOPs
+# instead of $N$. Yet nothing of the past changes from one step to the next: the causal
+# mask means a token's keys and values depend only on the tokens before it. So keep
+# them. A layer's attention for the new token at position $n$ needs
 #
-# $$ o_n = \sum_{j \le n} \operatorname{softmax}_j\!\Big(\frac{q_n \cdot k_j}{\sqrt{D}}\Big)\, v_j, $$
+# $$ o_n = \sum_{j \le n} \operatorname{softmax}_j\!\Big(\frac{q_n
+#    \cdot k_j}{\sqrt{D}}\Big)\, v_j, $$
 #
-# the new query against **all** keys and values so far. With $k_j, v_j$ for $j < n$ stored, a
-# decode step computes $q_n, k_n, v_n$ for one token, appends $k_n, v_n$, and attends.
+# the new query against **all** keys and values so far. With $k_j, v_j$ for $j < n$
+# stored, a decode step computes $q_n, k_n, v_n$ for one token, appends $k_n, v_n$, and
+# attends.
 #
 # ## The cache layout: slots
 #
-# Per layer, one array of keys and one of values, each `(num_slots, num_kv_heads, head_dim)`.
-# A **slot** is one row: one token's key (or value) heads in one layer. Only the key/value heads
-# are stored — with grouped-query attention several query heads read the same one (chapter 7),
-# which is exactly why GQA exists: Llama 3.2 1B stores 8 heads, not 32. Per token, in bf16:
+# Per layer, one array of keys and one of values, each
+# `(num_slots, num_kv_heads, head_dim)`. A **slot** is one row: one token's key (or
+# value) heads in one layer. Only the key/value heads are stored — with grouped-query
+# attention several query heads read the same one (chapter 7), which is exactly why GQA
+# exists: Llama 3.2 1B stores 8 heads, not 32. Per token, in bf16:
 #
 # $$ 2 \,(\text{K and V}) \times L \times H_{kv} \times D \times 2 \text{ bytes}. $$
 
@@ -178,97 +249,154 @@ from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.models.config import ModelConfig
 
-KV_CACHE_DTYPES = {"bfloat16": np.uint16, "float32": np.float32}  # how each is stored: bf16 as its bits
+# how each is stored: bf16 as its bits
+KV_CACHE_DTYPES = {"bfloat16": np.uint16, "float32": np.float32}
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: str = "bfloat16") -> int:
-    """Bytes of one token's keys and values in every layer: 2 x layers x KV heads x head_dim x itemsize."""
+    """Bytes of one token's keys and values in every layer: 2 x layers x KV heads x
+    head_dim x itemsize.
+    """
     itemsize = np.dtype(KV_CACHE_DTYPES[dtype]).itemsize
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+    return (
+        2
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * config.head_dim
+        * itemsize
+    )
 
 
 class KVCache:
-    """The CPU's cache: keys and values of every layer, k[layer] and v[layer] of shape (num_slots, num_kv_heads, head_dim)."""
+    """The CPU's cache: keys and values of every layer, k[layer] and v[layer] of shape
+    (num_slots, num_kv_heads, head_dim).
+    """
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: str = "bfloat16"):
         if dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {dtype!r}")
+            raise ValueError(
+                f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{dtype!r}"
+            )
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
         self.dtype, self.num_slots = dtype, num_slots
         shape = (num_slots, config.num_key_value_heads, config.head_dim)
-        # np.zeros maps zeroed pages lazily: memory is committed only where tokens are written
-        self.k = [np.zeros(shape, KV_CACHE_DTYPES[dtype]) for _ in range(config.num_hidden_layers)]
-        self.v = [np.zeros(shape, KV_CACHE_DTYPES[dtype]) for _ in range(config.num_hidden_layers)]
+        # np.zeros maps zeroed pages lazily: memory is committed only where tokens are
+        # written
+        self.k = [
+            np.zeros(shape, KV_CACHE_DTYPES[dtype])
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.v = [
+            np.zeros(shape, KV_CACHE_DTYPES[dtype])
+            for _ in range(config.num_hidden_layers)
+        ]
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 
-    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Store float32 k and v (num_tokens, num_kv_heads, head_dim) at their slots (rounded for a bf16 cache)."""
+    def write(
+        self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray
+    ) -> None:
+        """Store float32 k and v (num_tokens, num_kv_heads, head_dim) at their slots
+        (rounded for a bf16 cache).
+        """
         if self.dtype == "bfloat16":
             k, v = f32_to_bf16_bits(k), f32_to_bf16_bits(v)
         self.k[layer][slot_mapping] = k
         self.v[layer][slot_mapping] = v
 
     def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """float32 keys and values (len(slots), num_kv_heads, head_dim) stored at `slots`."""
+        """float32 keys and values (len(slots), num_kv_heads, head_dim) stored at
+        `slots`.
+        """
         k, v = self.k[layer][slots], self.v[layer][slots]
         if self.dtype == "bfloat16":
             k, v = bf16_bits_to_f32(k), bf16_bits_to_f32(v)
         return k, v
 
 
-# %%
+# %% tags=["hide-input"]
 from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
 
 for name, c in (("SmolLM2-135M", smollm2), ("Llama 3.2 1B", llama_1b)):
     per_token = kv_cache_bytes_per_token(c)
-    print(f"{name:>13}: 2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} KV heads x {c.head_dim} x 2 bytes "
-          f"= {per_token / 1024:.1f} KiB per token; a full context of 8192 tokens: {8192 * per_token / 2**20:.0f} MiB")
+    print(
+        f"{name:>13}: 2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} KV "
+        f"heads x {c.head_dim} x 2 bytes "
+        f"= {per_token / 1024:.1f} KiB per token; a full context of 8192 tokens: "
+        f"{8192 * per_token / 2**20:.0f} MiB"
+    )
 assert kv_cache_bytes_per_token(llama_1b) == 2 * 16 * 8 * 64 * 2 == 32 * 1024
-glue("ch08_1b_kv", f"{kv_cache_bytes_per_token(llama_1b) // 1024} KiB")
-glue("ch08_1b_kv_8k", f"{8192 * kv_cache_bytes_per_token(llama_1b) / 2**20:.0f} MiB")
+prose.glue("ch08_1b_kv", f"{kv_cache_bytes_per_token(llama_1b) // 1024} KiB")
+prose.glue(
+    "ch08_1b_kv_8k", f"{8192 * kv_cache_bytes_per_token(llama_1b) / 2**20:.0f} MiB"
+)
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+Llama 3.2 1B needs {{ch08_1b_kv}} per token, {{ch08_1b_kv_8k}} for one sequence of 8192
+tokens — small next to its 2.5 GB of weights, but a server holds hundreds of sequences,
+and then the cache, not the weights, fills the GPU.
+""")
 
 # %% [markdown]
-# Llama 3.2 1B needs {glue:text}`ch08_1b_kv` per token, {glue:text}`ch08_1b_kv_8k` for one
-# sequence of 8192 tokens — small next to its 2.5 GB of weights, but a server holds hundreds of
-# sequences, and then the cache, not the weights, fills the GPU.
-#
 # ## Blocks and the block table
 #
-# Which slots does a sequence get? The engines of the field answer in **blocks**: the slots are
-# grouped into blocks of `block_size` consecutive slots (16 in vLLM), a sequence owns a list of
-# blocks — its row of the **block table** — and its position $p$ lives at
+# Which slots does a sequence get? The engines of the field answer in **blocks**: the
+# slots are grouped into blocks of `block_size` consecutive slots (16 in vLLM), a
+# sequence owns a list of blocks — its row of the **block table** — and its position $p$
+# lives at
 #
 # $$ \text{slot}(p) = \text{table}[\lfloor p / B \rfloor] \cdot B + (p \bmod B). $$
 #
-# How blocks are handed out is an allocator's business, and chapter 10 (paging) writes a real
-# one that hands them out one at a time, anywhere in the pool. This chapter uses the simplest:
-# row $r$ of at most `max_num_seqs` sequences owns the `max_blocks` $= \lceil$`max_model_len`$/B\rceil$
-# blocks $r \cdot \texttt{max\_blocks}, \dots, (r+1) \cdot \texttt{max\_blocks} - 1$, laid end to end,
-# so that slot$(r, p) = r \cdot \texttt{max\_blocks} \cdot B + p$. It reserves room for the
-# longest sequence in every row — the waste chapter 10 measures — but everything downstream
-# already speaks block tables, and will not change when the allocator does. Its table is made
-# once; a step reads rows of it and builds nothing that grows with the context.
+# How blocks are handed out is an allocator's business, and chapter 10 (paging) writes a
+# real one that hands them out one at a time, anywhere in the pool. This chapter uses
+# the simplest: row $r$ of at most `max_num_seqs` sequences owns the `max_blocks`
+# $= \lceil$`max_model_len`$/B\rceil$ blocks
+# $r \cdot \mathtt{max\_blocks}, \dots, (r+1) \cdot \mathtt{max\_blocks} - 1$, laid end
+# to end, so that slot$(r, p) = r \cdot \mathtt{max\_blocks} \cdot B + p$. It reserves
+# room for the longest sequence in every row — the waste chapter 10 measures — but
+# everything downstream already speaks block tables, and will not change when the
+# allocator does. Its table is made once; a step reads rows of it and builds nothing
+# that grows with the context.
+
 
 # %%
 #| export
 class ContiguousAllocator:
-    """Chapter 8's blocks: sequence row r owns blocks r * max_blocks ... (r + 1) * max_blocks - 1, laid end to end."""
+    """Chapter 8's blocks: sequence row r owns blocks r * max_blocks ... (r + 1) *
+    max_blocks - 1, laid end to end.
+    """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int = 16):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("block_size", block_size)):
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {block_size}")
-        self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
-        self.max_blocks = cdiv(max_model_len, block_size)  # blocks per row: room for max_model_len tokens
+            raise ValueError(
+                f"block_size must be a power of two (8, 16, 32, ...), got {block_size}"
+            )
+        self.max_num_seqs, self.max_model_len, self.block_size = (
+            max_num_seqs,
+            max_model_len,
+            block_size,
+        )
+        # blocks per row: room for max_model_len tokens
+        self.max_blocks = cdiv(max_model_len, block_size)
         self.num_blocks = max_num_seqs * self.max_blocks
-        self.table = np.arange(self.num_blocks, dtype=np.int32).reshape(max_num_seqs, self.max_blocks)  # made once
-        self.free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out row 0 first
+        # made once
+        self.table = np.arange(self.num_blocks, dtype=np.int32).reshape(
+            max_num_seqs, self.max_blocks
+        )
+        # pop() hands out row 0 first
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     @property
     def num_slots(self) -> int:
@@ -281,7 +409,9 @@ class ContiguousAllocator:
     def allocate(self) -> int:
         """A free row (its blocks) for a new sequence."""
         if not self.free_rows:
-            raise RuntimeError(f"all {self.max_num_seqs} cache rows are in use (max_num_seqs)")
+            raise RuntimeError(
+                f"all {self.max_num_seqs} cache rows are in use (max_num_seqs)"
+            )
         return self.free_rows.pop()
 
     def free(self, row: int) -> None:
@@ -296,21 +426,23 @@ class ContiguousAllocator:
 
 # %% [markdown]
 # With the table, a batch's new tokens need only a few arrays more, and every attention
-# implementation from here on — NumPy or kernels, this chapter's or chapter 10's — reads the
-# same ones. They are vLLM's **attention metadata**. For a batch of sequences, each with some
-# new tokens (a whole prompt, or one token of a decode step) packed back to back:
+# implementation from here on — NumPy or kernels, this chapter's or chapter 10's — reads
+# the same ones. They are vLLM's **attention metadata**. For a batch of sequences, each
+# with some new tokens (a whole prompt, or one token of a decode step) packed back to
+# back:
 #
-# - `query_start_loc`: where each sequence's new tokens begin in the batch, $[0, n_0, n_0+n_1,
-#   \dots]$ — chapter 7's flash kernel already takes it;
-# - `seq_lens`: each sequence's length *after* this step, cached tokens plus new ones; its new
-#   tokens sit at positions $\text{seq\_len} - n, \dots, \text{seq\_len} - 1$;
+# - `query_start_loc`: where each sequence's new tokens begin in the batch,
+#   $[0, n_0, n_0+n_1, \dots]$ — chapter 7's flash kernel already takes it;
+# - `seq_lens`: each sequence's length *after* this step, cached tokens plus new ones;
+#   its new tokens sit at positions
+#   $\mathit{seq\_len} - n, \dots, \mathit{seq\_len} - 1$;
 # - `block_tables`: each sequence's row of the block table;
 # - `slot_mapping`: the slot each new token's key and value are written to;
-# - `num_prefills`: the batch's first sequences are prompts (computed from position 0), the
-#   rest decode one token each — two kinds of attention, and two kernels on the GPU.
+# - `num_prefills`: the batch's first sequences are prompts (computed from position 0),
+#   the rest decode one token each — two kinds of attention, and two kernels on the GPU.
 #
-# They are built once per step, in one vectorised pass over the batch: no Python loop over
-# tokens, and nothing whose size grows with a sequence's context.
+# They are built once per step, in one vectorised pass over the batch: no Python loop
+# over tokens, and nothing whose size grows with a sequence's context.
 
 # %%
 #| export layers.attention_metadata
@@ -322,30 +454,44 @@ from numba import cuda
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """What attention needs to know about a batch: where its new K/V go, what each sequence attends over.
+    """What attention needs to know about a batch: where its new K/V go, what each
+    sequence attends over.
 
-    The batch's sequences are packed back to back: the first num_prefills are prompts computed
-    from position 0 (any number of new tokens), the rest decode one new token each. Arrays are
-    NumPy on the host, device arrays after to_device."""
+    The batch's sequences are packed back to back: the first num_prefills are prompts
+    computed from position 0 (any number of new tokens), the rest decode one new token
+    each. Arrays are NumPy on the host, device arrays after to_device.
+    """
 
     num_prefills: int
     num_prefill_tokens: int  # new tokens of the prefills: the batch's first rows
     max_query_len: int  # the most new tokens of one sequence
-    query_start_loc: np.ndarray  # (num_seqs + 1,) int32: sequence s is rows query_start_loc[s] .. [s + 1] - 1
-    seq_lens: np.ndarray  # (num_seqs,) int32: each sequence's length after this step (cached + new)
-    slot_mapping: np.ndarray  # (num_tokens,) int64: the slot of each new token's K and V
+    # (num_seqs + 1,) int32: sequence s is rows query_start_loc[s] .. [s + 1] - 1
+    query_start_loc: np.ndarray
+    # (num_seqs,) int32: each sequence's length after this step (cached + new)
+    seq_lens: np.ndarray
+    # (num_tokens,) int64: the slot of each new token's K and V
+    slot_mapping: np.ndarray
     block_tables: np.ndarray  # (num_seqs, max_blocks) int32: each sequence's blocks
     block_size: int
 
     def __post_init__(self):
         if isinstance(self.seq_lens, np.ndarray):  # host arrays: check that they agree
             num_seqs, num_tokens = len(self.seq_lens), len(self.slot_mapping)
-            if (self.query_start_loc.shape != (num_seqs + 1,) or self.query_start_loc[-1] != num_tokens
-                    or len(self.block_tables) != num_seqs or not 0 <= self.num_prefills <= num_seqs
-                    or self.query_start_loc[self.num_prefills] != self.num_prefill_tokens):
-                raise ValueError(f"attention metadata disagrees: {num_seqs} sequences ({self.num_prefills} prefills, "
-                                 f"{self.num_prefill_tokens} of their tokens), {num_tokens} slots, query_start_loc "
-                                 f"{self.query_start_loc.tolist()}, {len(self.block_tables)} block-table rows")
+            if (
+                self.query_start_loc.shape != (num_seqs + 1,)
+                or self.query_start_loc[-1] != num_tokens
+                or len(self.block_tables) != num_seqs
+                or not 0 <= self.num_prefills <= num_seqs
+                or self.query_start_loc[self.num_prefills] != self.num_prefill_tokens
+            ):
+                raise ValueError(
+                    f"attention metadata disagrees: {num_seqs} sequences "
+                    f"({self.num_prefills} prefills, "
+                    f"{self.num_prefill_tokens} of their tokens), {num_tokens} "
+                    "slots, query_start_loc "
+                    f"{self.query_start_loc.tolist()}, {len(self.block_tables)} "
+                    "block-table rows"
+                )
 
     @property
     def num_seqs(self) -> int:
@@ -356,8 +502,10 @@ class AttentionMetadata:
         return self.num_seqs - self.num_prefills
 
     def to_device(self, buffers: dict | None = None, stream=0) -> "AttentionMetadata":
-        """The same metadata on the GPU: copied into the first rows of `buffers` (persistent device arrays
-        named like the fields, nothing allocated), or into new device arrays."""
+        """The same metadata on the GPU: copied into the first rows of `buffers`
+        (persistent device arrays named like the fields, nothing allocated), or into new
+        device arrays.
+        """
         moved = {}
         for name in ("query_start_loc", "seq_lens", "slot_mapping", "block_tables"):
             host = np.ascontiguousarray(getattr(self, name))
@@ -369,45 +517,82 @@ class AttentionMetadata:
         return replace(self, **moved)
 
 
-def build_attention_metadata(query_lens, seq_lens, block_tables: np.ndarray, block_size: int,
-                             num_prefills: int) -> tuple[np.ndarray, AttentionMetadata]:
-    """(positions of the new tokens, the metadata) of a batch: one vectorised pass, no loop over tokens.
+def build_attention_metadata(
+    query_lens, seq_lens, block_tables: np.ndarray, block_size: int, num_prefills: int
+) -> tuple[np.ndarray, AttentionMetadata]:
+    """(positions of the new tokens, the metadata) of a batch: one vectorised pass, no
+    loop over tokens.
 
-    query_lens[s] new tokens of sequence s end its seq_lens[s] tokens; block_tables[s] is its row."""
+    query_lens[s] new tokens of sequence s end its seq_lens[s] tokens; block_tables[s]
+    is its row.
+    """
     query_lens = np.asarray(query_lens, np.int32)
     seq_lens = np.asarray(seq_lens, np.int32)
     block_tables = np.asarray(block_tables, np.int32)
-    if query_lens.shape != seq_lens.shape or np.any(query_lens < 1) or np.any(query_lens > seq_lens):
-        raise ValueError(f"each sequence needs 1 <= new tokens <= its length, got {query_lens.tolist()} "
-                         f"new of {seq_lens.tolist()}")
-    if not 0 <= num_prefills <= len(query_lens) or np.any(query_lens[num_prefills:] != 1):
-        raise ValueError(f"the batch's first num_prefills = {num_prefills} sequences are prefills and the rest decode "
-                         f"one token each, got new tokens {query_lens.tolist()}")
-    if block_tables.ndim != 2 or len(block_tables) != len(seq_lens) or seq_lens.max(initial=0) > block_tables.shape[1] * block_size:
-        raise ValueError(f"block_tables must be (num_seqs, max_blocks) and hold every position, got {block_tables.shape} "
-                         f"for lengths up to {seq_lens.max(initial=0)} in blocks of {block_size}")
+    if (
+        query_lens.shape != seq_lens.shape
+        or np.any(query_lens < 1)
+        or np.any(query_lens > seq_lens)
+    ):
+        raise ValueError(
+            "each sequence needs 1 <= new tokens <= its length, got "
+            f"{query_lens.tolist()} "
+            f"new of {seq_lens.tolist()}"
+        )
+    if not 0 <= num_prefills <= len(query_lens) or np.any(
+        query_lens[num_prefills:] != 1
+    ):
+        raise ValueError(
+            f"the batch's first num_prefills = {num_prefills} sequences are prefills "
+            "and the rest decode "
+            f"one token each, got new tokens {query_lens.tolist()}"
+        )
+    if (
+        block_tables.ndim != 2
+        or len(block_tables) != len(seq_lens)
+        or seq_lens.max(initial=0) > block_tables.shape[1] * block_size
+    ):
+        raise ValueError(
+            "block_tables must be (num_seqs, max_blocks) and hold every position, "
+            f"got {block_tables.shape} "
+            f"for lengths up to {seq_lens.max(initial=0)} in blocks of {block_size}"
+        )
     query_start_loc = np.zeros(len(query_lens) + 1, np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    if len(query_lens) == num_tokens:  # a decode step: one new token per sequence, at its last position
+    # a decode step: one new token per sequence, at its last position
+    if len(query_lens) == num_tokens:
         seq_of_token, positions = np.arange(num_tokens), seq_lens.astype(np.int64) - 1
     else:
-        seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)  # (num_tokens,)
-        first = (seq_lens - query_lens)[seq_of_token]  # the position of each sequence's first new token
-        positions = (first + np.arange(num_tokens) - query_start_loc[seq_of_token]).astype(np.int64)
+        # (num_tokens,)
+        seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+        # the position of each sequence's first new token
+        first = (seq_lens - query_lens)[seq_of_token]
+        positions = (
+            first + np.arange(num_tokens) - query_start_loc[seq_of_token]
+        ).astype(np.int64)
     blocks = block_tables[seq_of_token, positions // block_size].astype(np.int64)
     slot_mapping = blocks * block_size + positions % block_size
-    metadata = AttentionMetadata(num_prefills, int(query_start_loc[num_prefills]), int(query_lens.max(initial=0)),
-                                 query_start_loc, seq_lens, slot_mapping, block_tables, block_size)
+    metadata = AttentionMetadata(
+        num_prefills,
+        int(query_start_loc[num_prefills]),
+        int(query_lens.max(initial=0)),
+        query_start_loc,
+        seq_lens,
+        slot_mapping,
+        block_tables,
+        block_size,
+    )
     return positions, metadata
 
 
 # %% [markdown]
-# Two sequences in a cache of 3 rows of 2 blocks of 8 slots (so `max_model_len` 16): sequence 0,
-# a prompt of 7 tokens, was prefilled before and has decoded one token since; now it decodes
-# its next, at position 8, while sequence 1 starts: its 5 prompt tokens are prefilled in the
-# same batch. Prefills come first in a batch, so sequence 1 is the batch's first. Each square
-# is a slot; the red ones are this step's `slot_mapping`.
+# Two sequences in a cache of 3 rows of 2 blocks of 8 slots (so `max_model_len` 16):
+# sequence 0, a prompt of 7 tokens, was prefilled before and has decoded one token
+# since; now it decodes its next, at position 8, while sequence 1 starts: its 5 prompt
+# tokens are prefilled in the same batch. Prefills come first in a batch, so sequence 1
+# is the batch's first. Each square is a slot; the red ones are this step's
+# `slot_mapping`.
 
 # %%
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
@@ -415,11 +600,30 @@ from tinyvllm_lib.layers.attention_metadata import build_attention_metadata
 
 demo = ContiguousAllocator(max_num_seqs=3, max_model_len=16, block_size=8)
 row0, row1 = demo.allocate(), demo.allocate()
-positions, step = build_attention_metadata(query_lens=[5, 1], seq_lens=[5, 9], block_tables=demo.block_tables([row1, row0]),
-                                           block_size=8, num_prefills=1)
-print("positions:", positions, "| query_start_loc:", step.query_start_loc, "| slot_mapping:", step.slot_mapping)
+positions, step = build_attention_metadata(
+    query_lens=[5, 1],
+    seq_lens=[5, 9],
+    block_tables=demo.block_tables([row1, row0]),
+    block_size=8,
+    num_prefills=1,
+)
+print(
+    "positions:",
+    positions,
+    "| query_start_loc:",
+    step.query_start_loc,
+    "| slot_mapping:",
+    step.slot_mapping,
+)
 print("block tables:", step.block_tables.tolist())
-assert list(step.slot_mapping) == [16, 17, 18, 19, 20, 8] and list(positions) == [0, 1, 2, 3, 4, 8]
+assert list(step.slot_mapping) == [16, 17, 18, 19, 20, 8] and list(positions) == [
+    0,
+    1,
+    2,
+    3,
+    4,
+    8,
+]
 
 fig, ax = new_figure(width=8, height=1.9)
 for row in range(3):
@@ -427,45 +631,75 @@ for row in range(3):
         slot = row * 16 + pos
         is_new, is_cached = slot in step.slot_mapping, row == row0 and pos < 8
         color = "#d62728" if is_new else "#1f77b4" if is_cached else "#eeeeee"
-        ax.add_patch(plt.Rectangle((pos + (pos >= 8) * 0.3, 2 - row), 0.92, 0.85, color=color))
-        ax.text(pos + (pos >= 8) * 0.3 + 0.46, 2 - row + 0.42, str(slot), ha="center", va="center", fontsize=7,
-                color="white" if is_new or is_cached else "gray")
-    ax.text(-0.3, 2 - row + 0.42, f"row {row}: blocks {2 * row}, {2 * row + 1}", ha="right", va="center", fontsize=8)
+        ax.add_patch(
+            plt.Rectangle((pos + (pos >= 8) * 0.3, 2 - row), 0.92, 0.85, color=color)
+        )
+        ax.text(
+            pos + (pos >= 8) * 0.3 + 0.46,
+            2 - row + 0.42,
+            str(slot),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white" if is_new or is_cached else "gray",
+        )
+    ax.text(
+        -0.3,
+        2 - row + 0.42,
+        f"row {row}: blocks {2 * row}, {2 * row + 1}",
+        ha="right",
+        va="center",
+        fontsize=8,
+    )
 ax.plot([], [], "s", color="#1f77b4", label="cached K/V")
 ax.plot([], [], "s", color="#d62728", label="written this step (slot_mapping)")
 ax.set_xlim(-4.5, 16.5)
 ax.set_ylim(0, 3)
 ax.axis("off")
-ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, frameon=False, fontsize=8)
-ax.set_title("KV cache slots in blocks of 8: slot = table[p // 8] * 8 + p % 8", fontsize=9)
+ax.legend(
+    loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, frameon=False, fontsize=8
+)
+ax.set_title(
+    "KV cache slots in blocks of 8: slot = table[p // 8] * 8 + p % 8", fontsize=9
+)
 plt.show()
 
 # %% [markdown]
 # ## Attention over the cache, in NumPy
 #
-# The layer loop of chapter 7 does not change: it is handed a different attention object. This
-# one first **writes** the batch's new keys and values into the cache at their slots, then each
-# sequence's new queries attend over the keys and values **read** back from its context — the
-# slots of its positions $0 \dots \text{seq\_len} - 1$, found through its block table. A query
-# at position $p$ sees the keys at positions $j \le p$: for a decode step that is all of them;
-# for a prompt it is chapter 7's causal mask. Prefill and decode are the same code with
-# different metadata. With grouped-query attention the `group = H / H_kv` query heads of one KV
-# head are stacked so that one matrix product serves them all:
+# The layer loop of chapter 7 does not change: it is handed a different attention
+# object. This one first **writes** the batch's new keys and values into the cache at
+# their slots, then each sequence's new queries attend over the keys and values **read**
+# back from its context — the slots of its positions $0 \dots \mathit{seq\_len} - 1$,
+# found through its block table. A query at position $p$ sees the keys at positions
+# $j \le p$: for a decode step that is all of them; for a prompt it is chapter 7's
+# causal mask. Prefill and decode are the same code with different metadata. With
+# grouped-query attention the `group = H / H_kv` query heads of one KV head are stacked
+# so that one matrix product serves them all:
+
 
 # %%
 #| export kernels.attention
-def cached_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """One sequence's new queries q (n, H, D) at `positions` over its context k, v (L, KVH, D) of positions 0..L-1 -> (n, H D)."""
+def cached_attention_ref(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    """One sequence's new queries q (n, H, D) at `positions` over its context k, v (L,
+    KVH, D) of positions 0..L-1 -> (n, H D).
+    """
     num_new, num_heads, head_dim = q.shape
     context_len, num_kv_heads = k.shape[:2]
     group = num_heads // num_kv_heads
-    q = q.reshape(num_new, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # (KVH, group, n, D)
-    scores = (q @ k.transpose(1, 2, 0)[:, None]) * np.float32(1 / math.sqrt(head_dim))  # (KVH, group, n, L)
-    is_future = np.arange(context_len)[None, :] > np.asarray(positions)[:, None]  # (n, L): key j after query i
+    # (KVH, group, n, D)
+    q = q.reshape(num_new, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    # (KVH, group, n, L)
+    scores = (q @ k.transpose(1, 2, 0)[:, None]) * np.float32(1 / math.sqrt(head_dim))
+    # (n, L): key j after query i
+    is_future = np.arange(context_len)[None, :] > np.asarray(positions)[:, None]
     if is_future.any():
         scores[:, :, is_future] = -np.inf
     out = softmax_ref(scores) @ v.transpose(1, 0, 2)[:, None]  # (KVH, group, n, D)
-    return out.transpose(2, 0, 1, 3).reshape(num_new, num_heads * head_dim)  # query head h = kv head * group + g
+    # query head h = kv head * group + g
+    return out.transpose(2, 0, 1, 3).reshape(num_new, num_heads * head_dim)
 
 
 # %%
@@ -476,33 +710,51 @@ from tinyvllm_lib.kernels.attention import cached_attention_ref, split_qkv
 from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
 
 
-def context_slots(block_table_row: np.ndarray, seq_len: int, block_size: int) -> np.ndarray:
+def context_slots(
+    block_table_row: np.ndarray, seq_len: int, block_size: int
+) -> np.ndarray:
     """The slots of positions 0 .. seq_len - 1 of one sequence (int64)."""
     positions = np.arange(seq_len)
-    return block_table_row[positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return (
+        block_table_row[positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
 
 
 class CachedAttention:
-    """The NumPy model's attention over a KV cache (engine.kv_cache.KVCache), for one step's metadata.
+    """The NumPy model's attention over a KV cache (engine.kv_cache.KVCache), for one
+    step's metadata.
 
-    Called by the layer loop as attention(layer, qkv) -> (T, H D): stores the batch's new K/V at
-    their slots, then each sequence's new queries attend over its context read back from the cache."""
+    Called by the layer loop as attention(layer, qkv) -> (T, H D): stores the batch's
+    new K/V at their slots, then each sequence's new queries attend over its context
+    read back from the cache.
+    """
 
     def __init__(self, config, cache, metadata: AttentionMetadata):
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.cache, self.metadata = cache, metadata
-        m = metadata  # each sequence's context slots, once per step (every layer reads the same ones)
-        self.slots = [context_slots(m.block_tables[s], int(m.seq_lens[s]), m.block_size) for s in range(m.num_seqs)]
+        # each sequence's context slots, once per step (every layer reads the same ones)
+        m = metadata
+        self.slots = [
+            context_slots(m.block_tables[s], int(m.seq_lens[s]), m.block_size)
+            for s in range(m.num_seqs)
+        ]
 
     def __call__(self, layer: int, qkv: np.ndarray) -> np.ndarray:
         m = self.metadata
         q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         self.cache.write(layer, m.slot_mapping, k, v)
-        out = np.empty((qkv.shape[0], self.num_heads * self.head_dim), np.float32)  # (T, H D)
+        # (T, H D)
+        out = np.empty((qkv.shape[0], self.num_heads * self.head_dim), np.float32)
         for s, slots in enumerate(self.slots):
             begin, end = int(m.query_start_loc[s]), int(m.query_start_loc[s + 1])
             k_ctx, v_ctx = self.cache.read(layer, slots)  # (seq_len, KVH, D) each
-            positions = np.arange(len(slots) - (end - begin), len(slots))  # the new tokens end the sequence
+            # the new tokens end the sequence
+            positions = np.arange(len(slots) - (end - begin), len(slots))
             out[begin:end] = cached_attention_ref(q[begin:end], k_ctx, v_ctx, positions)
         return out
 
@@ -510,11 +762,11 @@ class CachedAttention:
 # %% [markdown]
 # ### Test: the cache changes nothing
 #
-# Prefill SmolLM2 on a chat prompt, then decode a few greedy tokens one at a time through the
-# cache, and compare each step's logits with a full forward pass over the whole sequence
-# (chapter 7's attention, no cache). They must agree to float32 rounding. The helper `step`
-# does what an engine's runner will: build the step's metadata, hand the model the attention
-# object, and ask for the logits of the rows that need them.
+# Prefill SmolLM2 on a chat prompt, then decode a few greedy tokens one at a time
+# through the cache, and compare each step's logits with a full forward pass over the
+# whole sequence (chapter 7's attention, no cache). They must agree to float32 rounding.
+# The helper `step` does what an engine's runner will: build the step's metadata, hand
+# the model the attention object, and ask for the logits of the rows that need them.
 
 # %%
 from tinyvllm_lib.engine.kv_cache import KVCache
@@ -529,9 +781,16 @@ row = alloc.allocate()
 
 
 def step(model, cache, new_ids, seq_len: int) -> np.ndarray:
-    """Run one sequence's new tokens (ending at seq_len) through the model over the cache; logits of every new row."""
-    positions, meta = build_attention_metadata([len(new_ids)], [seq_len], alloc.block_tables([row]), alloc.block_size,
-                                               num_prefills=int(len(new_ids) > 1))
+    """Run one sequence's new tokens (ending at seq_len) through the model over the
+    cache; logits of every new row.
+    """
+    positions, meta = build_attention_metadata(
+        [len(new_ids)],
+        [seq_len],
+        alloc.block_tables([row]),
+        alloc.block_size,
+        num_prefills=int(len(new_ids) > 1),
+    )
     return model.forward(new_ids, positions, CachedAttention(model.config, cache, meta))
 
 
@@ -543,38 +802,65 @@ for _ in range(6):
     logits = step(model, cache, ids[-1:], len(ids))
     full = model.forward(ids)[-1]  # no cache: the whole sequence again
     worst = max(worst, float(np.abs(logits[-1] - full).max()))
-print(f"{n} prompt tokens -> {tokenizer.decode(ids[n:])!r}; max |cached - full| logits = {worst:.1e}")
+print(
+    f"{n} prompt tokens -> {tokenizer.decode(ids[n:])!r}; max |cached - full| logits "
+    f"= {worst:.1e}"
+)
 assert worst < 1e-4
 
 # %% [markdown]
 # ### A bf16 cache?
 #
-# On the GPU the cache is bf16, half the bytes of float32. Here the reference stores float32,
-# and the reason is measurable: rounding every key and value to bf16 (3 significant digits)
-# moves SmolLM2's log-probabilities by a few hundredths, far more than the $10^{-3}$ by which we
-# check the engine against `transformers` in float32. The layout is the same; only the stored
-# type differs.
-
-# %%
-def prompt_log_probs(model: LlamaNumpy, kv_dtype: str, token_ids: list[int]) -> np.ndarray:
-    """Log-probs at every prompt position, with the keys and values kept in a cache of `kv_dtype`."""
-    return log_softmax(step(model, KVCache(model.config, alloc.num_slots, kv_dtype), token_ids, len(token_ids)))
+# On the GPU the cache is bf16, half the bytes of float32. Here the reference stores
+# float32, and the reason is measurable: rounding every key and value to bf16 (3
+# significant digits) moves SmolLM2's log-probabilities by a few hundredths, far more
+# than the $10^{-3}$ by which we check the engine against `transformers` in float32. The
+# layout is the same; only the stored type differs.
 
 
-bf16_shift = float(np.abs(prompt_log_probs(model, "bfloat16", prompt_ids) - prompt_log_probs(model, "float32", prompt_ids)).max())
-print(f"max |log p (bf16 cache) - log p (float32 cache)| over {n} positions: {bf16_shift:.3f}")
-glue("ch08_bf16_shift", f"{bf16_shift:.2f}")
+# %% tags=["hide-input"]
+def prompt_log_probs(
+    model: LlamaNumpy, kv_dtype: str, token_ids: list[int]
+) -> np.ndarray:
+    """Log-probs at every prompt position, with the keys and values kept in a cache of
+    `kv_dtype`.
+    """
+    return log_softmax(
+        step(
+            model,
+            KVCache(model.config, alloc.num_slots, kv_dtype),
+            token_ids,
+            len(token_ids),
+        )
+    )
+
+
+bf16_shift = float(
+    np.abs(
+        prompt_log_probs(model, "bfloat16", prompt_ids)
+        - prompt_log_probs(model, "float32", prompt_ids)
+    ).max()
+)
+print(
+    f"max |log p (bf16 cache) - log p (float32 cache)| over {n} positions: "
+    f"{bf16_shift:.3f}"
+)
+prose.glue("ch08_bf16_shift", f"{bf16_shift:.2f}")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+The largest difference is {{ch08_bf16_shift}} — harmless for generating text, but it
+would hide any real bug below it. The GPU's checks compare its bf16 cache with this
+float32 reference at a tolerance that allows for it.
+""")
 
 # %% [markdown]
-# The largest difference is {glue:text}`ch08_bf16_shift` — harmless for generating text, but it
-# would hide any real bug below it. The GPU's checks compare its bf16 cache with this float32
-# reference at a tolerance that allows for it.
-#
 # ## How much does the cache save?
 #
 # A decode step reads every weight once, so it should take about as long as one token of
-# prefill would, whatever the context length — while recomputing grows with the sequence. Here
-# is a decode step and a full-recompute step at a few lengths, on this machine (SmolLM2, NumPy):
+# prefill would, whatever the context length — while recomputing grows with the
+# sequence. Here is a decode step and a full-recompute step at a few lengths, on this
+# machine (SmolLM2, NumPy):
 
 # %%
 lengths = [16, 64, 128]
@@ -603,71 +889,80 @@ del model, cache
 # ## Decoding on the GPU
 #
 # Everything so far ran on the CPU. On the GPU the layer loop, the block tables and the
-# metadata stay; the attention object changes, and behind it two kernels are new: one that
-# stores the new tokens' keys and values in a **bf16** cache, and **decode attention** — one new
-# query per sequence over its whole past. (Prompts that start at position 0 still attend among
-# their own tokens with chapter 7's flash kernel, which writes no cache of its own.)
+# metadata stay; the attention object changes, and behind it two kernels are new: one
+# that stores the new tokens' keys and values in a **bf16** cache, and **decode
+# attention** — one new query per sequence over its whole past. (Prompts that start at
+# position 0 still attend among their own tokens with chapter 7's flash kernel, which
+# writes no cache of its own.)
 #
-# **Decode attention is memory-bound.** For one new query per sequence, a layer reads every
-# cached key and value once and does $4 D$ FLOPs per key per query head: with grouped-query
-# attention ($G = H / H_{kv}$ query heads per KV head) that is $G$ FLOPs per byte of bf16 cache,
-# 4 for Llama 3.2 1B — far below the ridge. So the kernel is designed around bytes:
+# **Decode attention is memory-bound.** For one new query per sequence, a layer reads
+# every cached key and value once and does $4 D$ FLOPs per key per query head: with
+# grouped-query attention ($G = H / H_{kv}$ query heads per KV head) that is $G$ FLOPs
+# per byte of bf16 cache, 4 for Llama 3.2 1B — far below the ridge. So the kernel is
+# designed around bytes:
 #
-# - a block handles **all $G$ query heads** of one KV head, so each K and V row is read once,
-#   not $G$ times; the $G$ queries and their accumulators stay in registers;
-# - 8 lanes share one key row (head dim 64: 128 bytes): each loads two **8-byte words** (4 bf16
-#   values each), and the 8 lanes read 64 contiguous bytes per load — two whole memory sectors;
-#   a warp covers 4 keys at a time, and each lane loads **3 rows before it uses any**, so that
-#   enough bytes are in flight to cover the memory's latency;
-# - the 8 lanes add their partial dot products with three shuffles, and every key slot of the
-#   warp keeps its own **online softmax** (chapter 7): its maximum rarely grows after the first
-#   few keys, so the rescaling is a rare branch, not work done per key; at the end the warp's
-#   slots, then the block's warps, are merged, each rescaled to the common maximum;
+# - a block handles **all $G$ query heads** of one KV head, so each K and V row is read
+#   once, not $G$ times; the $G$ queries and their accumulators stay in registers;
+# - 8 lanes share one key row (head dim 64: 128 bytes): each loads two **8-byte words**
+#   (4 bf16 values each), and the 8 lanes read 64 contiguous bytes per load — two whole
+#   memory sectors; a warp covers 4 keys at a time, and each lane loads **3 rows before
+#   it uses any**, so that enough bytes are in flight to cover the memory's latency;
+# - the 8 lanes add their partial dot products with three shuffles, and every key slot
+#   of the warp keeps its own **online softmax** (chapter 7): its maximum rarely grows
+#   after the first few keys, so the rescaling is a rare branch, not work done per key;
+#   at the end the warp's slots, then the block's warps, are merged, each rescaled to
+#   the common maximum;
 # - **the context is split over several blocks** (flash-decoding): the grid is (KV head,
-#   sequence, split), about 512 keys a block, and more splits while the grid is small, so even
-#   one sequence spreads over the GPU. Each block writes its partial — unnormalised output,
-#   maximum and sum — to a float32 **workspace** the caller made once (`decode_workspace`), and a
-#   small second kernel combines the splits into the output — float32, or bf16 bits for `o_proj`
-#   (chapter 4's `store_activation`). A sequence that needs one split only is written by the
-#   first kernel directly. KV heads are the grid's fastest index, so the blocks that run side by
-#   side read whole slots;
-# - **the split is decided on the GPU, per sequence**: each block reads its sequence's length
-#   and works out how many splits that length wants and which keys are its own. The host fixes
-#   only the grid — rows, KV heads and the most splits any length up to `max_context_len` can
-#   want — and blocks past their sequence's last split return at once. So nothing the kernel's
-#   launch depends on changes from one decode step to the next while the contexts grow: chapter
-#   11 can capture the launch in a CUDA graph once and replay it.
+#   sequence, split), about 512 keys a block, and more splits while the grid is small,
+#   so even one sequence spreads over the GPU. Each block writes its partial —
+#   unnormalised output, maximum and sum — to a float32 **workspace** the caller made
+#   once (`decode_workspace`), and a small second kernel combines the splits into the
+#   output — float32, or bf16 bits for `o_proj` (chapter 4's `store_activation`). A
+#   sequence that needs one split only is written by the first kernel directly. KV heads
+#   are the grid's fastest index, so the blocks that run side by side read whole slots;
+# - **the split is decided on the GPU, per sequence**: each block reads its sequence's
+#   length and works out how many splits that length wants and which keys are its own.
+#   The host fixes only the grid — rows, KV heads and the most splits any length up to
+#   `max_context_len` can want — and blocks past their sequence's last split return at
+#   once. So nothing the kernel's launch depends on changes from one decode step to the
+#   next while the contexts grow: chapter 11 can capture the launch in a CUDA graph once
+#   and replay it.
 #
-# **It is also an instruction budget.** At 4 FLOPs per byte the FMAs alone are a quarter of
-# the SM's issue slots at full bandwidth, and every bf16 value costs one more instruction to
-# widen; what is left over for address arithmetic, shuffles and the softmax is small. The first
-# versions of this kernel — a row at a time per lane, 64-bit indexing — reached about a third
-# of the copy bandwidth, and Nsight Compute showed why: the schedulers were issuing
-# nearly every cycle while DRAM sat mostly idle. What brought it up, in order of effect:
+# **It is also an instruction budget.** At 4 FLOPs per byte the FMAs alone are a quarter
+# of the SM's issue slots at full bandwidth, and every bf16 value costs one more
+# instruction to widen; what is left over for address arithmetic, shuffles and the
+# softmax is small. The first versions of this kernel — a row at a time per lane, 64-bit
+# indexing — reached about a third of the copy bandwidth, and Nsight Compute showed why:
+# the schedulers were issuing nearly every cycle while DRAM sat mostly idle. What
+# brought it up, in order of effect:
 #
-# - **registers**: with 16 values a lane, the queries and accumulators of 4 heads took 128
-#   registers before anything else, the compiler used about 240, and only 8 warps fitted on an
-#   SM; 8 values a lane (one more shuffle) leaves room for 3 rows in flight at 127 registers;
-# - **32-bit indices**: Numba widens integer arithmetic to 64 bits, and a 64-bit add or multiply
-#   is two or more instructions; signed indices also get a check for negative values. The cache
-#   is passed as one flat array of 8-byte words and `cache_word` computes a lane's word in
-#   truncated `uint32` steps;
-# - **exp2 in one instruction**: the query is pre-scaled by $\log_2 e / \sqrt{D}$, so each
-#   exponential is `exp2`, and flush-to-zero (a fastmath *set* that keeps the "no infinities"
-#   assumption off, since $-\infty$ marks an empty softmax) makes it a single `MUFU.EX2`;
-# - **no branches around loads**: keys past the end reload the last valid row and are masked
-#   out of the softmax, instead of skipping the load.
+# - **registers**: with 16 values a lane, the queries and accumulators of 4 heads took
+#   128 registers before anything else, the compiler used about 240, and only 8 warps
+#   fitted on an SM; 8 values a lane (one more shuffle) leaves room for 3 rows in flight
+#   at 127 registers;
+# - **32-bit indices**: Numba widens integer arithmetic to 64 bits, and a 64-bit add or
+#   multiply is two or more instructions; signed indices also get a check for negative
+#   values. The cache is passed as one flat array of 8-byte words and `cache_word`
+#   computes a lane's word in truncated `uint32` steps;
+# - **exp2 in one instruction**: the query is pre-scaled by $\log_2 e / \sqrt{D}$, so
+#   each exponential is `exp2`, and flush-to-zero (a fastmath *set* that keeps the "no
+#   infinities" assumption off, since $-\infty$ marks an empty softmax) makes it a
+#   single `MUFU.EX2`;
+# - **no branches around loads**: keys past the end reload the last valid row and are
+#   masked out of the softmax, instead of skipping the load.
 #
-# The knobs are fields of a frozen `DecodeAttentionConfig`, passed to the launcher (the defaults
-# are the tuned ones); the sweep below moves one of them at a time away from the defaults and
-# records each setting's speed (`bench/ch08_decode_tune.py`).
+# The knobs are fields of a frozen `DecodeAttentionConfig`, passed to the launcher (the
+# defaults are the tuned ones); the sweep below moves one of them at a time away from
+# the defaults and records each setting's speed (`bench/ch08_decode_tune.py`).
 #
-# Where position $p$ of sequence $s$ lives comes from the metadata: the kernel takes the **block
-# tables** and the block size, slot $= \text{table}[s, \lfloor p / B \rfloor] \cdot B + p \bmod B$.
-# $B$ must be a power of two (vLLM's are 8, 16 or 32), so the division and the remainder are a
-# shift and a mask. This chapter's contiguous rows are blocks of $B = 16$ slots laid end to end;
-# chapter 10's paging hands out blocks anywhere, and the kernel does not change. The simulator has no warp
-# shuffles, so there the shuffles go through shared memory (chapter 4's `shfl_xor`).
+# Where position $p$ of sequence $s$ lives comes from the metadata: the kernel takes the
+# **block tables** and the block size, slot
+# $= \text{table}[s, \lfloor p / B \rfloor] \cdot B + p \bmod B$. $B$ must be a power of
+# two (vLLM's are 8, 16 or 32), so the division and the remainder are a shift and a
+# mask. This chapter's contiguous rows are blocks of $B = 16$ slots laid end to end;
+# chapter 10's paging hands out blocks anywhere, and the kernel does not change. The
+# simulator has no warp shuffles, so there the shuffles go through shared memory
+# (chapter 4's `shfl_xor`).
 
 # %%
 #| export kernels.decode_attention
@@ -678,58 +973,109 @@ import numpy as np
 from numba import config, cuda, float32, uint32
 
 from tinyvllm_lib.kernels.attention import check_out, check_qkv
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, bf16_to_f32, f32_to_bf16, f32_to_bf16_bits
+from tinyvllm_lib.kernels.bf16 import (
+    bf16_bits_to_f32,
+    bf16_to_f32,
+    f32_to_bf16,
+    f32_to_bf16_bits,
+)
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
-DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 2  # the simulator runs each thread in Python: one warp a block there
+# the simulator runs each thread in Python: one warp a block there
+DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 2
 
 
 @dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """The decode attention kernel's knobs. The defaults were chosen from bench/ch08_decode_tune.py's sweep
-    on an H200 (plotted below); the first four are compiled into the kernel, the rest shape its grid."""
+    """The decode attention kernel's knobs. The defaults were chosen from
+    bench/ch08_decode_tune.py's sweep
+        on an H200 (plotted below); the first four are compiled into the kernel, the
+        rest shape its grid."""
 
-    lane_elements: int = 8  # bf16 values of a key row per lane (two 8-byte words): head_dim 64 is 8 lanes a key
+    # bf16 values of a key row per lane (two 8-byte words): head_dim 64 is 8 lanes a key
+    lane_elements: int = 8
     keys_per_lane: int = 3  # rows each lane loads before it uses any (bytes in flight)
-    num_warps: int = DECODE_WARPS  # warps per block: they share the block's part of the context
-    max_registers: int | None = None  # a cap on registers per thread (more warps per SM), or None
-    split_keys: int = 512  # keys per block when a context is split over several blocks (flash-decoding)
-    min_split_keys: int = 8  # never fewer keys per split than this (then rounded up to a block's step)
-    target_blocks: int = 1024  # split further while the grid has fewer blocks than this (a few per SM)
+    # warps per block: they share the block's part of the context
+    num_warps: int = DECODE_WARPS
+    # a cap on registers per thread (more warps per SM), or None
+    max_registers: int | None = None
+    # keys per block when a context is split over several blocks (flash-decoding)
+    split_keys: int = 512
+    # never fewer keys per split than this (then rounded up to a block's step)
+    min_split_keys: int = 8
+    # split further while the grid has fewer blocks than this (a few per SM)
+    target_blocks: int = 1024
     max_splits: int = 32  # the most splits a workspace holds
 
     def __post_init__(self):
-        for name in ("lane_elements", "keys_per_lane", "num_warps", "split_keys", "min_split_keys", "target_blocks", "max_splits"):
+        for name in (
+            "lane_elements",
+            "keys_per_lane",
+            "num_warps",
+            "split_keys",
+            "min_split_keys",
+            "target_blocks",
+            "max_splits",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DecodeAttentionConfig.{name} must be a positive integer, got {value!r}")
-        if self.max_registers is not None and (not isinstance(self.max_registers, int) or self.max_registers < 32):
-            raise ValueError(f"DecodeAttentionConfig.max_registers must be None or at least 32, got {self.max_registers!r}")
+                raise ValueError(
+                    f"DecodeAttentionConfig.{name} must be a positive integer, got "
+                    f"{value!r}"
+                )
+        if self.max_registers is not None and (
+            not isinstance(self.max_registers, int) or self.max_registers < 32
+        ):
+            raise ValueError(
+                "DecodeAttentionConfig.max_registers must be None or at least 32, "
+                f"got {self.max_registers!r}"
+            )
 
 
 DEFAULT_DECODE_CONFIG = DecodeAttentionConfig()
 
 
-def decode_attention_ref(qkv, k_cache, v_cache, block_tables, block_size, context_lens, num_heads, num_kv_heads, head_dim):
-    """Float64 reference: row s of qkv (its query) over positions 0..context_lens[s]-1 of the bf16 cache -> (rows, H D)."""
+def decode_attention_ref(
+    qkv,
+    k_cache,
+    v_cache,
+    block_tables,
+    block_size,
+    context_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+):
+    """Float64 reference: row s of qkv (its query) over positions 0..context_lens[s]-1
+    of the bf16 cache -> (rows, H D).
+    """
     H, KVH, D = num_heads, num_kv_heads, head_dim
     q = qkv[:, : H * D].astype(np.float64).reshape(len(qkv), KVH, H // KVH, D)
     out = np.zeros((len(qkv), H * D))
     for s, n in enumerate(np.asarray(context_lens)):
         pos = np.arange(n)
-        slots = np.asarray(block_tables)[s, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        slots = (
+            np.asarray(block_tables)[s, pos // block_size].astype(np.int64) * block_size
+            + pos % block_size
+        )
         k = bf16_bits_to_f32(k_cache[slots]).astype(np.float64)  # (n, KVH, D)
         v = bf16_bits_to_f32(v_cache[slots]).astype(np.float64)
         scores = np.einsum("hgd,nhd->hgn", q[s], k) / math.sqrt(D)
         p = np.exp(scores - scores.max(-1, keepdims=True))
-        out[s] = (np.einsum("hgn,nhd->hgd", p, v) / p.sum(-1, keepdims=True)).reshape(-1)
+        out[s] = (np.einsum("hgn,nhd->hgd", p, v) / p.sum(-1, keepdims=True)).reshape(
+            -1
+        )
     return out
 
 
-def write_kv_cache_ref(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache) -> None:
-    """Round the new tokens' k and v (after RoPE) to bf16 and store them at their slots (negative slots: skipped)."""
+def write_kv_cache_ref(
+    qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
+) -> None:
+    """Round the new tokens' k and v (after RoPE) to bf16 and store them at their slots
+    (negative slots: skipped).
+    """
     num_tokens, KVH = qkv.shape[0], num_kv_heads
     D = qkv.shape[1] // (num_heads + 2 * KVH)
     keep = np.asarray(slot_mapping) >= 0
@@ -743,7 +1089,9 @@ def write_kv_cache_ref(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_ca
 #| export kernels.decode_attention
 @cuda.jit
 def write_kv_cache_kernel(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache):
-    """One thread per (token, element of the KV heads): round k and v to bf16, store at the token's slot."""
+    """One thread per (token, element of the KV heads): round k and v to bf16, store at
+    the token's slot.
+    """
     head_dim = k_cache.shape[2]
     width = num_kv_heads * head_dim
     i = cuda.grid(1)
@@ -753,149 +1101,265 @@ def write_kv_cache_kernel(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v
         if slot >= 0:  # -1: a padding row (a batch padded to a captured size)
             h, d = e // head_dim, e % head_dim
             k_cache[slot, h, d] = f32_to_bf16(qkv[token, num_heads * head_dim + e])
-            v_cache[slot, h, d] = f32_to_bf16(qkv[token, (num_heads + num_kv_heads) * head_dim + e])
+            v_cache[slot, h, d] = f32_to_bf16(
+                qkv[token, (num_heads + num_kv_heads) * head_dim + e]
+            )
+
 
 # %%
 #| export kernels.decode_attention
 from numba import uint64
 
-LOG2_E = 1.4426950408889634  # exp(x) = exp2(x log2 e): scores are kept in base 2, so each exponential is one exp2
+# exp(x) = exp2(x log2 e): scores are kept in base 2, so each exponential is one exp2
+LOG2_E = 1.4426950408889634
 
 
 @cuda.jit(device=True)
 def bf16_lane(word, e):
-    """Element e (0..3) of an 8-byte word holding four bf16 values (the lowest address in the lowest bits)."""
-    return bf16_to_f32(uint32(word >> uint64(16 * e)))  # bf16_to_f32 keeps the low 16 bits: one shift or mask
+    """Element e (0..3) of an 8-byte word holding four bf16 values (the lowest address
+    in the lowest bits).
+    """
+    # bf16_to_f32 keeps the low 16 bits: one shift or mask
+    return bf16_to_f32(uint32(word >> uint64(16 * e)))
 
 
 @cuda.jit(device=True)
-def cache_word(bt_row, key, block_shift, block_mask, num_kv_heads, kvh, words_per_row, sub):
-    """Index of lane `sub`'s first 8-byte word of position `key` in the cache viewed as words: 32-bit arithmetic.
+def cache_word(
+    bt_row, key, block_shift, block_mask, num_kv_heads, kvh, words_per_row, sub
+):
+    """Index of lane `sub`'s first 8-byte word of position `key` in the cache viewed as
+    words: 32-bit arithmetic.
 
-    Numba widens integer arithmetic to 64 bits; truncating every step to uint32 lets the compiler use
-    32-bit instructions (a 64-bit add or multiply costs two or more), and unsigned indices skip the
-    check for negative indices."""
-    slot = uint32(uint32(bt_row[key >> block_shift]) << block_shift) | uint32(key & block_mask)
-    return uint32(uint32(uint32(slot * num_kv_heads) + kvh) * uint32(words_per_row)) + sub
+    Numba widens integer arithmetic to 64 bits; truncating every step to uint32 lets the
+    compiler use 32-bit instructions (a 64-bit add or multiply costs two or more), and
+    unsigned indices skip the check for negative indices.
+    """
+    slot = uint32(uint32(bt_row[key >> block_shift]) << block_shift) | uint32(
+        key & block_mask
+    )
+    return (
+        uint32(uint32(uint32(slot * num_kv_heads) + kvh) * uint32(words_per_row)) + sub
+    )
 
 
-def num_splits_for(n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys):
-    """How many blocks share a context of n keys: about split_keys keys a block, more while the grid's
-    num_row_blocks = rows x KV heads is small; at most max_splits, at least min_split_keys keys each.
-    It never falls as n grows, so the grid's split axis is this for the longest context."""
-    want = max((n + split_keys - 1) // split_keys, (target_blocks + num_row_blocks - 1) // num_row_blocks)
+def num_splits_for(
+    n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys
+):
+    """How many blocks share a context of n keys: about split_keys keys a block, more
+    while the grid's num_row_blocks = rows x KV heads is small; at most max_splits, at
+    least min_split_keys keys each. It never falls as n grows, so the grid's split axis
+    is this for the longest context.
+    """
+    want = max(
+        (n + split_keys - 1) // split_keys,
+        (target_blocks + num_row_blocks - 1) // num_row_blocks,
+    )
     return max(1, min(max_splits, want, (n + min_split_keys - 1) // min_split_keys))
 
 
 def split_length(n, num_splits, step):
-    """Keys per split of a context of n keys in num_splits splits: a multiple of step (a block's keys per step)."""
+    """Keys per split of a context of n keys in num_splits splits: a multiple of step (a
+    block's keys per step).
+    """
     per_split = (n + num_splits - 1) // num_splits
     return max(step, (per_split + step - 1) // step * step)
 
 
 @cuda.jit(device=True)
-def split_length_on_device(n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys, step):
-    """split_length(n, num_splits_for(...), step) on the GPU, every step truncated to 32 bits.
+def split_length_on_device(
+    n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys, step
+):
+    """split_length(n, num_splits_for(...), step) on the GPU, every step truncated to 32
+    bits.
 
-    Each block works out its own sequence's split at its start, before it loads anything: Numba's
-    64-bit integer divisions there cost about a tenth of the kernel's time (measured), 32-bit ones
-    a few instructions each."""
+    Each block works out its own sequence's split at its start, before it loads
+    anything: Numba's 64-bit integer divisions there cost about a tenth of the kernel's
+    time (measured), 32-bit ones a few instructions each.
+    """
     one = uint32(1)
-    want = max(uint32(uint32(n + split_keys - one) // split_keys),
-               uint32(uint32(target_blocks + num_row_blocks - one) // num_row_blocks))
-    splits = max(one, min(max_splits, want, uint32(uint32(n + min_split_keys - one) // min_split_keys)))
+    want = max(
+        uint32(uint32(n + split_keys - one) // split_keys),
+        uint32(uint32(target_blocks + num_row_blocks - one) // num_row_blocks),
+    )
+    splits = max(
+        one,
+        min(
+            max_splits, want, uint32(uint32(n + min_split_keys - one) // min_split_keys)
+        ),
+    )
     per_split = uint32(uint32(n + splits - one) // splits)
     return max(step, uint32(uint32(uint32(per_split + step - one) // step) * step))
 
 
 def lanes_per_key(head_dim: int, lane_elements: int = 8) -> int:
-    """Lanes that share one key row: about lane_elements values each, a power of two that splits its words evenly."""
+    """Lanes that share one key row: about lane_elements values each, a power of two
+    that splits its words evenly.
+    """
     lanes = 1
-    while 2 * lanes * lane_elements <= head_dim and (head_dim // 4) % (2 * lanes) == 0 and 2 * lanes <= WARP_SIZE:
+    while (
+        2 * lanes * lane_elements <= head_dim
+        and (head_dim // 4) % (2 * lanes) == 0
+        and 2 * lanes <= WARP_SIZE
+    ):
         lanes *= 2
     return lanes
 
 
-def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys_per_lane: int, lane_elements: int,
-                                 max_registers: int | None):
-    """A block per (KV head, sequence, split of the context), all `group` query heads of it; L lanes per key."""
-    D, G, W, L, C = head_dim, group, num_warps, lanes_per_key(head_dim, lane_elements), keys_per_lane
-    # flush-to-zero and fast division: exp2 becomes one MUFU.EX2 instruction. The set keeps LLVM's
-    # "no infinities" assumption off (fastmath=True would allow it), since -inf marks "no key yet".
+def make_decode_attention_kernel(
+    head_dim: int,
+    group: int,
+    num_warps: int,
+    keys_per_lane: int,
+    lane_elements: int,
+    max_registers: int | None,
+):
+    """A block per (KV head, sequence, split of the context), all `group` query heads of
+    it; L lanes per key.
+    """
+    D, G, W, L, C = (
+        head_dim,
+        group,
+        num_warps,
+        lanes_per_key(head_dim, lane_elements),
+        keys_per_lane,
+    )
+    # flush-to-zero and fast division: exp2 becomes one MUFU.EX2 instruction. The set
+    # keeps LLVM's
+    # "no infinities" assumption off (fastmath=True would allow it), since -inf marks
+    # "no key yet".
     options = {"fastmath": {"contract", "afn"}}
     if max_registers and not config.ENABLE_CUDASIM:
         options["max_registers"] = max_registers
     WPL = D // 4 // L  # 8-byte words per lane per row: 2 for head_dim 64
     EPL = 4 * WPL  # elements per lane per row: 8
-    QN, CW, CG = G * EPL, C * WPL, C * G  # query (and accumulator) values per lane; words of its rows; scores
+    # query (and accumulator) values per lane; words of its rows; scores
+    QN, CW, CG = G * EPL, C * WPL, C * G
     KPW = WARP_SIZE // L  # keys per warp at a time: 4 for head_dim 64
-    LOG_L, LOG_KPW = L.bit_length() - 1, KPW.bit_length() - 1  # shuffle rounds: L lanes of a key, a warp's KPW keys
+    # shuffle rounds: L lanes of a key, a warp's KPW keys
+    LOG_L, LOG_KPW = L.bit_length() - 1, KPW.bit_length() - 1
     GD = G * D  # outputs of a block
-    WPR, STEP = D // 4, W * KPW * C  # 8-byte words per row; keys a block covers per step
+    # 8-byte words per row; keys a block covers per step
+    WPR, STEP = D // 4, W * KPW * C
     PER_THREAD = cdiv(GD, W * WARP_SIZE)  # outputs each thread adds up at the end
 
     @cuda.jit(**options)
-    def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens, qscale, split_keys, min_split_keys,
-               target_blocks, workspace, out):
-        # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit multiplies in the address arithmetic
-        kvh, s, split = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)  # KV heads side by side
+    def kernel(
+        qkv,
+        k_cache,
+        v_cache,
+        block_tables,
+        block_shift,
+        context_lens,
+        qscale,
+        split_keys,
+        min_split_keys,
+        target_blocks,
+        workspace,
+        out,
+    ):
+        # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit
+        # multiplies in the address arithmetic
+        # KV heads side by side
+        kvh, s, split = (
+            uint32(cuda.blockIdx.x),
+            uint32(cuda.blockIdx.y),
+            uint32(cuda.blockIdx.z),
+        )
         num_kv_heads = uint32(cuda.gridDim.x)
         n = uint32(context_lens[s])
-        # this sequence's own split, from its length: the grid holds the most splits any length may want
-        split_len = split_length_on_device(n, uint32(cuda.gridDim.z), uint32(cuda.gridDim.x * cuda.gridDim.y),
-                                           uint32(split_keys), uint32(target_blocks), uint32(min_split_keys), uint32(STEP))
+        # this sequence's own split, from its length: the grid holds the most splits any
+        # length may want
+        split_len = split_length_on_device(
+            n,
+            uint32(cuda.gridDim.z),
+            uint32(cuda.gridDim.x * cuda.gridDim.y),
+            uint32(split_keys),
+            uint32(target_blocks),
+            uint32(min_split_keys),
+            uint32(STEP),
+        )
         begin = uint32(split * split_len)
-        if split > 0 and begin >= n:  # past this sequence's last split: nothing to do, and the combine reads nothing here
+        # past this sequence's last split: nothing to do, and the combine reads nothing
+        # here
+        if split > 0 and begin >= n:
             return
         end = min(n, uint32(begin + split_len))
-        is_whole = end >= n and split == 0  # this block has the whole context: it writes the final output
+        # this block has the whole context: it writes the final output
+        is_whole = end >= n and split == 0
         tid = uint32(cuda.threadIdx.x)
         warp, lane = tid // uint32(WARP_SIZE), tid % uint32(WARP_SIZE)
-        key_in_warp, sub = lane // uint32(L), lane % uint32(L)  # which of the warp's KPW keys, which part of its row
+        # which of the warp's KPW keys, which part of its row
+        key_in_warp, sub = lane // uint32(L), lane % uint32(L)
         block_mask = (uint32(1) << block_shift) - uint32(1)
         bt_row = block_tables[s]  # this sequence's blocks
         q_row = qkv[s]
-        scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)  # the simulator's shuffles
-        sm_top = cuda.shared.array((W, G), float32)  # each warp's maximum score per query head
+        # the simulator's shuffles
+        scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)
+        # each warp's maximum score per query head
+        sm_top = cuda.shared.array((W, G), float32)
         sm_block_top = cuda.shared.array(G, float32)
-        sm_acc = cuda.shared.array((KPW, GD), float32)  # one warp's KPW partial outputs at a time
+        # one warp's KPW partial outputs at a time
+        sm_acc = cuda.shared.array((KPW, GD), float32)
         sm_l = cuda.shared.array((KPW, G), float32)
-        q = cuda.local.array(QN, float32)  # every index below is a constant: registers, not local memory
+        # every index below is a constant: registers, not local memory
+        q = cuda.local.array(QN, float32)
         acc = cuda.local.array(QN, float32)
         m = cuda.local.array(G, float32)
         ell = cuda.local.array(G, float32)
         kw = cuda.local.array(CW, uint64)
         vw = cuda.local.array(CW, uint64)
-        x = cuda.local.array(CG, float32)  # the scores of this step's C keys, for each query head
+        # the scores of this step's C keys, for each query head
+        x = cuda.local.array(CG, float32)
         for g in range(G):
             m[g] = -math.inf
             ell[g] = float32(0.0)
             for i in range(WPL):
                 for e in range(4):
-                    q[g * EPL + 4 * i + e] = q_row[(kvh * uint32(G) + uint32(g)) * uint32(D) + uint32(4) * (sub + uint32(L * i)) + uint32(e)] * qscale
+                    q[g * EPL + 4 * i + e] = (
+                        q_row[
+                            (kvh * uint32(G) + uint32(g)) * uint32(D)
+                            + uint32(4) * (sub + uint32(L * i))
+                            + uint32(e)
+                        ]
+                        * qscale
+                    )
                     acc[g * EPL + 4 * i + e] = float32(0.0)
-        for base in range(begin, end, uint32(STEP)):  # the same steps in every warp: the simulator's shuffles need the block
-            first = uint32(base + warp * uint32(KPW * C) + key_in_warp)  # this lane's keys: first, first + KPW, ...
-            for c in range(C):  # issue all C rows' loads before using any; past the end, reload the last row (masked below)
+        # the same steps in every warp: the simulator's shuffles need the block
+        for base in range(begin, end, uint32(STEP)):
+            # this lane's keys: first, first + KPW, ...
+            first = uint32(base + warp * uint32(KPW * C) + key_in_warp)
+            # issue all C rows' loads before using any; past the end, reload the last
+            # row (masked below)
+            for c in range(C):
                 key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
-                word = cache_word(bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR, sub)
+                word = cache_word(
+                    bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR, sub
+                )
                 for i in range(WPL):
                     kw[c * WPL + i] = k_cache[word + uint32(L * i)]
                     vw[c * WPL + i] = v_cache[word + uint32(L * i)]
-            for c in range(C):  # scores: each lane's part of the dot products, then the L lanes of a key add them
+            # scores: each lane's part of the dot products, then the L lanes of a key
+            # add them
+            for c in range(C):
                 for g in range(G):
                     dot = float32(0.0)
                     for i in range(WPL):
                         for e in range(4):
-                            dot += q[g * EPL + 4 * i + e] * bf16_lane(kw[c * WPL + i], e)
+                            dot += q[g * EPL + 4 * i + e] * bf16_lane(
+                                kw[c * WPL + i], e
+                            )
                     for r in range(LOG_L):  # lane masks 1, 2, ..., L / 2
                         dot += shfl_xor(dot, 1 << r, scratch)
                     x[c * G + g] = dot if first + uint32(c * KPW) < end else -math.inf
-            for g in range(G):  # each key slot of the warp keeps its own online softmax: no warp-wide maximum
+            # each key slot of the warp keeps its own online softmax: no warp-wide
+            # maximum
+            for g in range(G):
                 top = m[g]
                 for c in range(C):
                     top = max(top, x[c * G + g])
-                if top > m[g]:  # the running maximum grew: rescale what was summed so far (rare after a few keys)
+                # the running maximum grew: rescale what was summed so far (rare after a
+                # few keys)
+                if top > m[g]:
                     alpha = math.exp2(m[g] - top)
                     ell[g] *= alpha
                     for j in range(EPL):
@@ -903,12 +1367,19 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
                     m[g] = top
             for c in range(C):  # add each key's value row, weighted by its exponential
                 for g in range(G):
-                    p = math.exp2(x[c * G + g] - m[g]) if first + uint32(c * KPW) < end else float32(0.0)
+                    p = (
+                        math.exp2(x[c * G + g] - m[g])
+                        if first + uint32(c * KPW) < end
+                        else float32(0.0)
+                    )
                     ell[g] += p
                     for i in range(WPL):
                         for e in range(4):
-                            acc[g * EPL + 4 * i + e] += p * bf16_lane(vw[c * WPL + i], e)
-        # merge the block's W * KPW partial softmaxes: rescale each to the block's maximum, then add them up
+                            acc[g * EPL + 4 * i + e] += p * bf16_lane(
+                                vw[c * WPL + i], e
+                            )
+        # merge the block's W * KPW partial softmaxes: rescale each to the block's
+        # maximum, then add them up
         for g in range(G):
             top = m[g]
             for r in range(LOG_KPW):  # lane masks L, 2 L, ..., 16
@@ -937,7 +1408,9 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
                         sm_l[key_in_warp, g] = ell[g]
                     for i in range(WPL):
                         for e in range(4):
-                            sm_acc[key_in_warp, g * D + 4 * (sub + L * i) + e] = acc[g * EPL + 4 * i + e]
+                            sm_acc[key_in_warp, g * D + 4 * (sub + L * i) + e] = acc[
+                                g * EPL + 4 * i + e
+                            ]
             cuda.syncthreads()
             for j in range(PER_THREAD):
                 t = tid + j * W * WARP_SIZE
@@ -952,8 +1425,15 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
                 g, d = t // D, t % D
                 h = kvh * G + g
                 if is_whole:  # the whole context in one block: the final output
-                    store_activation(out, s, h * D + d, num[j] / den[j] if den[j] > 0 else float32(0.0))
-                else:  # this split's partial: unnormalised output, then its maximum (base 2) and sum
+                    store_activation(
+                        out,
+                        s,
+                        h * D + d,
+                        num[j] / den[j] if den[j] > 0 else float32(0.0),
+                    )
+                # this split's partial: unnormalised output, then its maximum (base 2)
+                # and sum
+                else:
                     workspace[s, split, h, d] = num[j]
                     if d == 0:
                         workspace[s, split, h, D] = sm_block_top[g]
@@ -965,14 +1445,33 @@ def make_decode_attention_kernel(head_dim: int, group: int, num_warps: int, keys
 
 
 @cuda.jit
-def decode_combine_kernel(workspace, context_lens, num_splits, num_kv_heads, split_keys, min_split_keys, target_blocks,
-                          step, out):
-    """A block per (row, query head), a thread per element: add the splits' partials, rescaled to their common maximum."""
+def decode_combine_kernel(
+    workspace,
+    context_lens,
+    num_splits,
+    num_kv_heads,
+    split_keys,
+    min_split_keys,
+    target_blocks,
+    step,
+    out,
+):
+    """A block per (row, query head), a thread per element: add the splits' partials,
+    rescaled to their common maximum.
+    """
     s, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     D = workspace.shape[3] - 2
     n = uint32(context_lens[s])
-    split_len = split_length_on_device(n, uint32(num_splits), uint32(cuda.gridDim.x * num_kv_heads), uint32(split_keys),
-                                       uint32(target_blocks), uint32(min_split_keys), uint32(step))  # the kernel's split
+    split_len = split_length_on_device(
+        n,
+        uint32(num_splits),
+        uint32(cuda.gridDim.x * num_kv_heads),
+        uint32(split_keys),
+        # the kernel's split
+        uint32(target_blocks),
+        uint32(min_split_keys),
+        uint32(step),
+    )
     used = max(uint32(1), uint32(uint32(n + split_len - uint32(1)) // split_len))
     if used > 1 and d < D:  # one split: the attention kernel wrote this row itself
         top = -math.inf
@@ -989,29 +1488,57 @@ def decode_combine_kernel(workspace, context_lens, num_splits, num_kv_heads, spl
 
 
 def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
-    return head_dim, group, cfg.num_warps, cfg.keys_per_lane, cfg.lane_elements, cfg.max_registers
+    return (
+        head_dim,
+        group,
+        cfg.num_warps,
+        cfg.keys_per_lane,
+        cfg.lane_elements,
+        cfg.max_registers,
+    )
 
 
-_DECODE_KERNELS = {}  # (head_dim, group, warps, keys per lane, lane elements, register cap) -> kernel
-for _name, _group in (("decode_attention_d64_g4_kernel", 4), ("decode_attention_d64_g3_kernel", 3)):  # Llama 3.2 1B, SmolLM2
+# (head_dim, group, warps, keys per lane, lane elements, register cap) -> kernel
+_DECODE_KERNELS = {}
+# Llama 3.2 1B, SmolLM2
+for _name, _group in (
+    ("decode_attention_d64_g4_kernel", 4),
+    ("decode_attention_d64_g3_kernel", 3),
+):
     _key = _kernel_key(64, _group, DEFAULT_DECODE_CONFIG)
     _DECODE_KERNELS[_key] = globals()[_name] = make_decode_attention_kernel(*_key)
 
-_DECODE_ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], float32, int64, int64, int64, "
-                "float32[:, :, :, ::1]")
+_DECODE_ARGS = (
+    "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
+    "float32, int64, int64, int64, "
+    "float32[:, :, :, ::1]"
+)
 PTX_SIGNATURES = {
-    "write_kv_cache_kernel": [f"void(float32[:, ::1], int64, int64, {idx}[::1], uint16[:, :, ::1], uint16[:, :, ::1])"
-                              for idx in ("int32", "int64")],
-    **{name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
-       for name in ("decode_attention_d64_g4_kernel", "decode_attention_d64_g3_kernel")},
-    "decode_combine_kernel": [f"void(float32[:, :, :, ::1], int32[::1], {', '.join(['int64'] * 6)}, {out}[:, ::1])"
-                              for out in ("float32", "uint16")],
+    "write_kv_cache_kernel": [
+        f"void(float32[:, ::1], int64, int64, {idx}[::1], uint16[:, :, ::1], "
+        "uint16[:, :, ::1])"
+        for idx in ("int32", "int64")
+    ],
+    **{
+        name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
+        for name in ("decode_attention_d64_g4_kernel", "decode_attention_d64_g3_kernel")
+    },
+    "decode_combine_kernel": [
+        f"void(float32[:, :, :, ::1], int32[::1], {', '.join(['int64'] * 6)}, "
+        f"{out}[:, ::1])"
+        for out in ("float32", "uint16")
+    ],
 }
+
 
 # %%
 #| export kernels.decode_attention
-def decode_attention_kernel_for(head_dim: int, group: int, cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
-    """The kernel for these sizes and the config's compile-time knobs, built on first use."""
+def decode_attention_kernel_for(
+    head_dim: int, group: int, cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG
+):
+    """The kernel for these sizes and the config's compile-time knobs, built on first
+    use.
+    """
     key = _kernel_key(head_dim, group, cfg)
     if key not in _DECODE_KERNELS:
         _DECODE_KERNELS[key] = make_decode_attention_kernel(*key)
@@ -1019,105 +1546,238 @@ def decode_attention_kernel_for(head_dim: int, group: int, cfg: DecodeAttentionC
 
 
 def cache_words(name: str, cache, num_kv_heads: int, head_dim: int):
-    """A layer's K or V cache as the kernel reads it, one flat array of 8-byte words: from uint16
-    (num_slots, KVH, D), or already uint64 — (num_slots, KVH, D / 4) or flat."""
+    """A layer's K or V cache as the kernel reads it, one flat array of 8-byte words:
+    from uint16 (num_slots, KVH, D), or already uint64 — (num_slots, KVH, D / 4) or
+    flat.
+    """
     if cache.dtype == np.uint16:
         if cache.ndim != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim):
-            raise ValueError(f"{name}: the cache must be (num_slots, {num_kv_heads}, {head_dim}), got {tuple(cache.shape)}")
+            raise ValueError(
+                f"{name}: the cache must be (num_slots, {num_kv_heads}, {head_dim}), "
+                f"got {tuple(cache.shape)}"
+            )
         return cache.view(np.uint64).reshape(-1)
     row_words = num_kv_heads * head_dim // 4
-    is_words = cache.dtype == np.uint64 and ((cache.ndim == 1 and cache.shape[0] % row_words == 0)
-                                              or tuple(cache.shape[1:]) == (num_kv_heads, head_dim // 4))
+    is_words = cache.dtype == np.uint64 and (
+        (cache.ndim == 1 and cache.shape[0] % row_words == 0)
+        or tuple(cache.shape[1:]) == (num_kv_heads, head_dim // 4)
+    )
     if not is_words:
-        raise TypeError(f"{name}: the cache must hold bf16 bits, uint16 (num_slots, {num_kv_heads}, {head_dim}), "
-                        f"got {cache.dtype} {tuple(cache.shape)}")
+        raise TypeError(
+            f"{name}: the cache must hold bf16 bits, uint16 (num_slots, "
+            f"{num_kv_heads}, {head_dim}), "
+            f"got {cache.dtype} {tuple(cache.shape)}"
+        )
     return cache.reshape(-1) if cache.ndim > 1 else cache
 
 
-def decode_splits(max_context_len: int, rows: int, num_kv_heads: int, cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
-                  max_splits: int | None = None) -> int:
-    """The grid's split axis: the splits the longest context (max_context_len) wants with `rows` rows."""
-    return num_splits_for(max(1, max_context_len), max_splits or cfg.max_splits, rows * num_kv_heads, cfg.split_keys,
-                          cfg.target_blocks, cfg.min_split_keys)
+def decode_splits(
+    max_context_len: int,
+    rows: int,
+    num_kv_heads: int,
+    cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+    max_splits: int | None = None,
+) -> int:
+    """The grid's split axis: the splits the longest context (max_context_len) wants
+    with `rows` rows.
+    """
+    return num_splits_for(
+        max(1, max_context_len),
+        max_splits or cfg.max_splits,
+        rows * num_kv_heads,
+        cfg.split_keys,
+        cfg.target_blocks,
+        cfg.min_split_keys,
+    )
 
 
-def decode_workspace(max_rows: int, max_context_len: int, num_heads: int, head_dim: int,
-                     cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
-    """The split path's float32 scratch, made once by the caller: (max_rows, splits, num_heads, head_dim + 2)."""
-    splits = max(1, min(cfg.max_splits, cdiv(max_context_len, cfg.min_split_keys)))  # the most any row count wants
+def decode_workspace(
+    max_rows: int,
+    max_context_len: int,
+    num_heads: int,
+    head_dim: int,
+    cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+):
+    """The split path's float32 scratch, made once by the caller: (max_rows, splits,
+    num_heads, head_dim + 2).
+    """
+    # the most any row count wants
+    splits = max(1, min(cfg.max_splits, cdiv(max_context_len, cfg.min_split_keys)))
     return cuda.device_array((max_rows, splits, num_heads, head_dim + 2), np.float32)
 
 
-def decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int, context_lens, num_heads: int, num_kv_heads: int,
-                     head_dim: int, out, stream=0, workspace=None, max_context_len=None,
-                     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
-    """Row s of qkv (one new query per row, after RoPE) over positions 0..context_lens[s]-1 of a bf16 KV cache.
+def decode_attention(
+    qkv,
+    k_cache,
+    v_cache,
+    block_tables,
+    block_size: int,
+    context_lens,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    out,
+    stream=0,
+    workspace=None,
+    max_context_len=None,
+    config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+):
+    """Row s of qkv (one new query per row, after RoPE) over positions
+    0..context_lens[s]-1 of a bf16 KV cache.
 
-    Position p of row s is at slot block_tables[s, p // block_size] * block_size + p % block_size;
-    block_size is a power of two.
-    out: (rows, H D), float32 or bf16 bits. The new token's own K/V must already be in the cache.
-    workspace (from decode_workspace): lets several blocks share a sequence's context (flash-decoding);
-    without it one block per (row, KV head) walks the whole context. max_context_len: a bound on
-    every context length (default: what the block table can address). With the number of rows it
-    fixes the grid; each sequence's split is worked out on the GPU from its own length, so the same
-    launch serves every step while the contexts grow up to the bound.
+    Position p of row s is at slot block_tables[s, p // block_size] * block_size + p %
+    block_size; block_size is a power of two. out: (rows, H D), float32 or bf16 bits.
+    The new token's own K/V must already be in the cache. workspace (from
+    decode_workspace): lets several blocks share a sequence's context (flash-decoding);
+    without it one block per (row, KV head) walks the whole context. max_context_len: a
+    bound on every context length (default: what the block table can address). With the
+    number of rows it fixes the grid; each sequence's split is worked out on the GPU
+    from its own length, so the same launch serves every step while the contexts grow up
+    to the bound.
     """
     rows = check_qkv("decode_attention", qkv, num_heads, num_kv_heads, head_dim)
     check_out("decode_attention", out, (rows, num_heads * head_dim))
     if head_dim % 16:
-        raise ValueError(f"decode_attention: head_dim must be a multiple of 16, got {head_dim}")
-    k64, v64 = (cache_words("decode_attention", c, num_kv_heads, head_dim) for c in (k_cache, v_cache))
+        raise ValueError(
+            f"decode_attention: head_dim must be a multiple of 16, got {head_dim}"
+        )
+    k64, v64 = (
+        cache_words("decode_attention", c, num_kv_heads, head_dim)
+        for c in (k_cache, v_cache)
+    )
     if k64.size >= 2**32:
-        raise ValueError(f"decode_attention: the kernel indexes the cache with 32 bits; {k64.size} words is too many")
-    if block_tables.dtype != np.int32 or block_tables.ndim != 2 or block_tables.shape[0] < rows:
-        raise TypeError(f"decode_attention: block_tables must be int32 (rows, max_blocks), got {block_tables.dtype} {tuple(block_tables.shape)}")
-    if context_lens.dtype != np.int32 or context_lens.ndim != 1 or context_lens.shape[0] < rows:
-        raise TypeError(f"decode_attention: context_lens must be int32 (rows,), got {context_lens.dtype} {tuple(context_lens.shape)}")
-    if not isinstance(block_size, (int, np.integer)) or block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"decode_attention: block_size must be a power of two (1, 2, 4, ... 16, ...), got {block_size!r}")
-    if workspace is not None and (workspace.dtype != np.float32 or workspace.ndim != 4 or workspace.shape[0] < rows
-                                  or tuple(workspace.shape[2:]) != (num_heads, head_dim + 2)):
-        raise TypeError(f"decode_attention: workspace must be float32 (>= {rows}, splits, {num_heads}, {head_dim + 2}) "
-                        f"from decode_workspace, got {workspace.dtype} {tuple(workspace.shape)}")
+        raise ValueError(
+            "decode_attention: the kernel indexes the cache with 32 bits; "
+            f"{k64.size} words is too many"
+        )
+    if (
+        block_tables.dtype != np.int32
+        or block_tables.ndim != 2
+        or block_tables.shape[0] < rows
+    ):
+        raise TypeError(
+            "decode_attention: block_tables must be int32 (rows, max_blocks), got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if (
+        context_lens.dtype != np.int32
+        or context_lens.ndim != 1
+        or context_lens.shape[0] < rows
+    ):
+        raise TypeError(
+            "decode_attention: context_lens must be int32 (rows,), got "
+            f"{context_lens.dtype} {tuple(context_lens.shape)}"
+        )
+    if (
+        not isinstance(block_size, (int, np.integer))
+        or block_size < 1
+        or block_size & (block_size - 1)
+    ):
+        raise ValueError(
+            "decode_attention: block_size must be a power of two (1, 2, 4, ... 16, "
+            f"...), got {block_size!r}"
+        )
+    if workspace is not None and (
+        workspace.dtype != np.float32
+        or workspace.ndim != 4
+        or workspace.shape[0] < rows
+        or tuple(workspace.shape[2:]) != (num_heads, head_dim + 2)
+    ):
+        raise TypeError(
+            f"decode_attention: workspace must be float32 (>= {rows}, splits, "
+            f"{num_heads}, {head_dim + 2}) "
+            f"from decode_workspace, got {workspace.dtype} {tuple(workspace.shape)}"
+        )
     if rows == 0:
         return out
     cfg = config
     kernel = decode_attention_kernel_for(head_dim, num_heads // num_kv_heads, cfg)
-    max_len = int(max_context_len) if max_context_len is not None else block_tables.shape[1] * int(block_size)
+    max_len = (
+        int(max_context_len)
+        if max_context_len is not None
+        else block_tables.shape[1] * int(block_size)
+    )
     splits = 1  # one split: the whole context in one block per (row, KV head)
     if workspace is not None and workspace.shape[1] > 1:
-        splits = decode_splits(max_len, rows, num_kv_heads, cfg, max_splits=workspace.shape[1])
-    scratch = workspace if splits > 1 else qkv.reshape(1, 1, *qkv.shape)  # one split writes no partials: any float32 view
+        splits = decode_splits(
+            max_len, rows, num_kv_heads, cfg, max_splits=workspace.shape[1]
+        )
+    # one split writes no partials: any float32 view
+    scratch = workspace if splits > 1 else qkv.reshape(1, 1, *qkv.shape)
     knobs = (cfg.split_keys, cfg.min_split_keys, cfg.target_blocks)
     kernel[(num_kv_heads, rows, splits), cfg.num_warps * WARP_SIZE, stream](
-        qkv, k64, v64, block_tables, np.uint32(int(block_size).bit_length() - 1), context_lens,
-        np.float32(LOG2_E / math.sqrt(head_dim)), *knobs, scratch, out)
+        qkv,
+        k64,
+        v64,
+        block_tables,
+        np.uint32(int(block_size).bit_length() - 1),
+        context_lens,
+        np.float32(LOG2_E / math.sqrt(head_dim)),
+        *knobs,
+        scratch,
+        out,
+    )
     if splits > 1:
-        decode_combine_kernel[(rows, num_heads), cdiv(head_dim, WARP_SIZE) * WARP_SIZE, stream](
-            workspace, context_lens, splits, num_kv_heads, *knobs, kernel.keys_per_step, out)
+        decode_combine_kernel[
+            (rows, num_heads), cdiv(head_dim, WARP_SIZE) * WARP_SIZE, stream
+        ](
+            workspace,
+            context_lens,
+            splits,
+            num_kv_heads,
+            *knobs,
+            kernel.keys_per_step,
+            out,
+        )
     return out
 
 
-def write_kv_cache(qkv, num_heads: int, num_kv_heads: int, slot_mapping, k_cache, v_cache, stream=0, threads: int = 256):
-    """Store the new tokens' K and V (qkv float32 after RoPE) as bf16 at slot_mapping[t] (int32/int64; -1 skips)."""
+def write_kv_cache(
+    qkv,
+    num_heads: int,
+    num_kv_heads: int,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    stream=0,
+    threads: int = 256,
+):
+    """Store the new tokens' K and V (qkv float32 after RoPE) as bf16 at slot_mapping[t]
+    (int32/int64; -1 skips).
+    """
     num_tokens = qkv.shape[0]
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     check_qkv("write_kv_cache", qkv, num_heads, num_kv_heads, head_dim)
     for cache in (k_cache, v_cache):
-        if cache.dtype != np.uint16 or cache.ndim != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim):
-            raise TypeError(f"write_kv_cache: caches must be uint16 (num_slots, {num_kv_heads}, {head_dim}), got {cache.dtype} {tuple(cache.shape)}")
-    if slot_mapping.dtype not in (np.int32, np.int64) or slot_mapping.shape != (num_tokens,):
-        raise TypeError(f"write_kv_cache: slot_mapping must be int32 or int64 ({num_tokens},), got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        if (
+            cache.dtype != np.uint16
+            or cache.ndim != 3
+            or tuple(cache.shape[1:]) != (num_kv_heads, head_dim)
+        ):
+            raise TypeError(
+                f"write_kv_cache: caches must be uint16 (num_slots, {num_kv_heads}, "
+                f"{head_dim}), got {cache.dtype} {tuple(cache.shape)}"
+            )
+    if slot_mapping.dtype not in (np.int32, np.int64) or slot_mapping.shape != (
+        num_tokens,
+    ):
+        raise TypeError(
+            f"write_kv_cache: slot_mapping must be int32 or int64 ({num_tokens},), "
+            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     if num_tokens:
         total = num_tokens * num_kv_heads * head_dim
-        write_kv_cache_kernel[cdiv(total, threads), threads, stream](qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache)
+        write_kv_cache_kernel[cdiv(total, threads), threads, stream](
+            qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
+        )
+
 
 # %% [markdown]
-# The NumPy reference works in float64 on the same bf16 cache, so the kernel's only error is
-# its float32 arithmetic. A test with several sequences of odd lengths, grouped heads and a
-# block table that scatters the blocks (as paging will), once with one block per sequence and
-# once with the context split over blocks — lengths from one token to several splits, each
-# sequence choosing its own split on the GPU:
+# The NumPy reference works in float64 on the same bf16 cache, so the kernel's only
+# error is its float32 arithmetic. A test with several sequences of odd lengths, grouped
+# heads and a block table that scatters the blocks (as paging will), once with one block
+# per sequence and once with the context split over blocks — lengths from one token to
+# several splits, each sequence choosing its own split on the GPU:
 
 # %%
 from tinyvllm_lib.kernels.checks import cdiv
@@ -1131,134 +1791,237 @@ from tinyvllm_lib.kernels.decode_attention import (
 )
 
 
-def random_decode_case(num_seqs, max_len, num_heads, num_kv_heads, head_dim, block_size, gen):
+def random_decode_case(
+    num_seqs, max_len, num_heads, num_kv_heads, head_dim, block_size, gen
+):
     """qkv, a filled bf16 cache, a shuffled block table and random context lengths."""
     lens = gen.integers(1, max_len + 1, num_seqs).astype(np.int32)
     max_blocks = cdiv(max_len, block_size)
-    blocks = gen.permutation(num_seqs * max_blocks).astype(np.int32).reshape(num_seqs, max_blocks)
+    blocks = (
+        gen.permutation(num_seqs * max_blocks)
+        .astype(np.int32)
+        .reshape(num_seqs, max_blocks)
+    )
     num_slots = num_seqs * max_blocks * block_size
-    k = f32_to_bf16_bits(gen.standard_normal((num_slots, num_kv_heads, head_dim)).astype(np.float32))
-    v = f32_to_bf16_bits(gen.standard_normal((num_slots, num_kv_heads, head_dim)).astype(np.float32))
-    qkv = gen.standard_normal((num_seqs, (num_heads + 2 * num_kv_heads) * head_dim)).astype(np.float32)
+    k = f32_to_bf16_bits(
+        gen.standard_normal((num_slots, num_kv_heads, head_dim)).astype(np.float32)
+    )
+    v = f32_to_bf16_bits(
+        gen.standard_normal((num_slots, num_kv_heads, head_dim)).astype(np.float32)
+    )
+    qkv = gen.standard_normal(
+        (num_seqs, (num_heads + 2 * num_kv_heads) * head_dim)
+    ).astype(np.float32)
     return qkv, k, v, blocks, lens
 
 
 if can_launch():
-    small = DecodeAttentionConfig(split_keys=16, keys_per_lane=1)  # the simulator's tiny shapes: short splits
+    # the simulator's tiny shapes: short splits
+    small = DecodeAttentionConfig(split_keys=16, keys_per_lane=1)
     qkv_d, k_d, v_d, bt_d, lens_d = random_decode_case(3, 70, 4, 2, 16, 4, rng)
     lens_d[:2] = [1, 70]
     want = decode_attention_ref(qkv_d, k_d, v_d, bt_d, 4, lens_d, 4, 2, 16)
-    args = [cuda.to_device(a) for a in (qkv_d, k_d, v_d, bt_d)] + [4, cuda.to_device(lens_d), 4, 2, 16]
-    step_keys = small.num_warps * 32 // 2 * small.keys_per_lane  # head_dim 16: 2 lanes a key
-    for label, split in [("one block per sequence", {}),
-                         ("context split over blocks", {"workspace": decode_workspace(3, 70, 4, 16, small), "max_context_len": 70})]:
-        got = decode_attention(*args, cuda.device_array((3, 64), np.float32), config=small, **split).copy_to_host()
-        print(f"{label}, context lengths {lens_d.tolist()}: max relative error {max_rel_error(got, want):.1e}")
+    args = [cuda.to_device(a) for a in (qkv_d, k_d, v_d, bt_d)] + [
+        4,
+        cuda.to_device(lens_d),
+        4,
+        2,
+        16,
+    ]
+    # head_dim 16: 2 lanes a key
+    step_keys = small.num_warps * 32 // 2 * small.keys_per_lane
+    for label, split in [
+        ("one block per sequence", {}),
+        (
+            "context split over blocks",
+            {"workspace": decode_workspace(3, 70, 4, 16, small), "max_context_len": 70},
+        ),
+    ]:
+        got = decode_attention(
+            *args, cuda.device_array((3, 64), np.float32), config=small, **split
+        ).copy_to_host()
+        print(
+            f"{label}, context lengths {lens_d.tolist()}: max relative error "
+            f"{max_rel_error(got, want):.1e}"
+        )
         assert max_rel_error(got, want) < 1e-5
     for n in lens_d:
-        splits = num_splits_for(int(n), 32, 3 * 2, small.split_keys, small.target_blocks, small.min_split_keys)
-        print(f"  {n:>3} keys: {cdiv(int(n), split_length(int(n), splits, step_keys))} split(s) of "
-              f"{split_length(int(n), splits, step_keys)} keys")
+        splits = num_splits_for(
+            int(n),
+            32,
+            3 * 2,
+            small.split_keys,
+            small.target_blocks,
+            small.min_split_keys,
+        )
+        print(
+            f"  {n:>3} keys: {cdiv(int(n), split_length(int(n), splits, step_keys))} "
+            "split(s) of "
+            f"{split_length(int(n), splits, step_keys)} keys"
+        )
 
 # %% [markdown]
-# How fast is it? `bench/ch08_decode_gpu.py` times the kernel at Llama 3.2 1B's shapes (32 query
-# heads, 8 KV heads of 64) with 1,024 tokens of context per sequence, in a paged cache of
-# 16-slot blocks in shuffled order, inside a CUDA graph and rotating through K/V sets larger
-# than L2, and records bytes per second against chapter 1's copy ceiling:
+# How fast is it? `bench/ch08_decode_gpu.py` times the kernel at Llama 3.2 1B's shapes
+# (32 query heads, 8 KV heads of 64) with 1,024 tokens of context per sequence, in a
+# paged cache of 16-slot blocks in shuffled order, inside a CUDA graph and rotating
+# through K/V sets larger than L2, and records bytes per second against chapter 1's copy
+# ceiling:
 
-# %%
+# %% tags=["hide-input"]
 kv_records = load_records("ch08_kv_cache")
-decode_records = {r["shape"][0]: r for r in kv_records if r["name"] == "decode_attention"}
+decode_records = {
+    r["shape"][0]: r for r in kv_records if r["name"] == "decode_attention"
+}
 for n in (1, 64, 256):
     r = decode_records.get(n)
-    glue(f"ch08_decode_{n}_us", f"{r['us']:.1f} µs" if r else "(not yet measured)")
-    glue(f"ch08_decode_{n}_copy", f"{r['ratio']:.0%}" if r and r.get("ratio") else "(not yet measured)")
-glue("ch08_decode_device", decode_records[64]["device"]["name"] if 64 in decode_records else "the GPU")
-glue("ch08_decode_sms", str(decode_records[64]["device"].get("multiprocessors", "its")) if 64 in decode_records else "its")
+    prose.glue(
+        f"ch08_decode_{n}_us", f"{r['us']:.1f} µs" if r else "(not yet measured)"
+    )
+    prose.glue(
+        f"ch08_decode_{n}_copy",
+        f"{r['ratio']:.0%}" if r and r.get("ratio") else "(not yet measured)",
+    )
+prose.glue(
+    "ch08_decode_device",
+    decode_records[64]["device"]["name"] if 64 in decode_records else "the GPU",
+)
+prose.glue(
+    "ch08_decode_sms",
+    str(decode_records[64]["device"].get("multiprocessors", "its"))
+    if 64 in decode_records
+    else "its",
+)
 if decode_records and all(r.get("ratio") for r in decode_records.values()):
     seqs = sorted(decode_records)
     fig, ax = new_figure(width=6, height=2.6)
-    ax.plot(seqs, [100 * decode_records[n]["ratio"] for n in seqs], "o-", color="#1f77b4")
+    ax.plot(
+        seqs, [100 * decode_records[n]["ratio"] for n in seqs], "o-", color="#1f77b4"
+    )
     for n in seqs:
-        ax.annotate(f"{decode_records[n]['us']:.0f} µs", (n, 100 * decode_records[n]["ratio"]), textcoords="offset points",
-                    xytext=(4, -10), fontsize=7)
+        ax.annotate(
+            f"{decode_records[n]['us']:.0f} µs",
+            (n, 100 * decode_records[n]["ratio"]),
+            textcoords="offset points",
+            xytext=(4, -10),
+            fontsize=7,
+        )
     ax.axhline(100, color="k", lw=1, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 105)
     ax.set_xlabel("sequences decoding at once (1,024 tokens of context each)")
     ax.set_ylabel("% of copy bandwidth")
-    ax.set_title(f"decode attention, one layer of Llama 3.2 1B, {decode_records[seqs[0]]['device']['name']} "
-                 f"({decode_records[seqs[0]]['date']})", fontsize=9)
+    ax.set_title(
+        "decode attention, one layer of Llama 3.2 1B, "
+        f"{decode_records[seqs[0]]['device']['name']} "
+        f"({decode_records[seqs[0]]['date']})",
+        fontsize=9,
+    )
     plt.show()
 else:
     print("no GPU measurement recorded yet: run bench/ch08_decode_gpu.py on a GPU")
 
-# %% [markdown]
-# On the {glue:text}`ch08_decode_device`, 64 sequences take {glue:text}`ch08_decode_64_us` per
-# layer — {glue:text}`ch08_decode_64_copy` of the copy bandwidth — and 256 take
-# {glue:text}`ch08_decode_256_us` ({glue:text}`ch08_decode_256_copy`). One sequence takes
-# {glue:text}`ch08_decode_1_us`: its 2 MiB of K and V per layer is too little to fill
-# {glue:text}`ch08_decode_sms` SMs, so latency, not bandwidth, sets its time, and splitting the
-# context is what keeps it that short. Here is what each knob does at 64 sequences, moved alone
-# away from the defaults (the dark bar):
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+On the {{ch08_decode_device}}, 64 sequences take {{ch08_decode_64_us}} per layer —
+{{ch08_decode_64_copy}} of the copy bandwidth — and 256 take {{ch08_decode_256_us}}
+({{ch08_decode_256_copy}}). One sequence takes {{ch08_decode_1_us}}: its 2 MiB of K and
+V per layer is too little to fill {{ch08_decode_sms}} SMs, so latency, not bandwidth,
+sets its time, and splitting the context is what keeps it that short. Here is what each
+knob does at 64 sequences, moved alone away from the defaults (the dark bar):
+""")
 
-# %%
-tune = [r for r in load_records("ch08_decode_tune") if r["shape"][0] == 64 and r.get("correct")]
-KNOBS = {"lane_elements": "values per lane", "keys_per_lane": "rows in flight per lane", "max_registers": "register cap",
-         "num_warps": "warps per block", "split_keys": "keys per split", "target_blocks": "grid target"}
+# %% tags=["hide-input"]
+tune = [
+    r
+    for r in load_records("ch08_decode_tune")
+    if r["shape"][0] == 64 and r.get("correct")
+]
+KNOBS = {
+    "lane_elements": "values per lane",
+    "keys_per_lane": "rows in flight per lane",
+    "max_registers": "register cap",
+    "num_warps": "warps per block",
+    "split_keys": "keys per split",
+    "target_blocks": "grid target",
+}
 if tune and tune[0].get("ratio"):
     base = next(r for r in tune if not r["moved"])
     fig, axes = new_figure(1, len(KNOBS), width=9, height=2.3, sharey=True)
     for ax, (knob, title) in zip(axes, KNOBS.items()):
-        points = sorted([base] + [r for r in tune if r["moved"] == [knob]], key=lambda r: (r[knob] is not None, r[knob] or 0))
+        points = sorted(
+            [base] + [r for r in tune if r["moved"] == [knob]],
+            key=lambda r: (r[knob] is not None, r[knob] or 0),
+        )
         labels = [str(r[knob]) if r[knob] is not None else "none" for r in points]
-        ax.bar(labels, [100 * r["ratio"] for r in points], color=["#1f4e79" if r is base else "#9ecae1" for r in points])
+        ax.bar(
+            labels,
+            [100 * r["ratio"] for r in points],
+            color=["#1f4e79" if r is base else "#9ecae1" for r in points],
+        )
         ax.set_title(title, fontsize=8)
         ax.tick_params(labelsize=7)
     axes[0].set_ylabel("% of copy bandwidth")
-    fig.suptitle(f"decode attention, 64 sequences x 1024 tokens, {base['device']['name']}", fontsize=9)
+    fig.suptitle(
+        f"decode attention, 64 sequences x 1024 tokens, {base['device']['name']}",
+        fontsize=9,
+    )
     plt.show()
     for r in sorted(tune, key=lambda r: -r["ratio"])[:3]:
-        print(f"{r['ratio']:.0%} of copy: " + ", ".join(f"{k} {r[k]}" for k in KNOBS) + f" ({r['registers']} registers)")
+        print(
+            f"{r['ratio']:.0%} of copy: "
+            + ", ".join(f"{k} {r[k]}" for k in KNOBS)
+            + f" ({r['registers']} registers)"
+        )
 else:
     print("no GPU sweep recorded yet: run bench/ch08_decode_tune.py on a GPU")
 
 # %% [markdown]
-# Rows in flight matter most: with one row per lane the memory waits between loads; three and
-# four are about equal, four at the 128 registers that still let 16 warps share an SM. Sixteen
-# values a lane pushes the registers past that and halves the warps. One warp a block leaves
-# half the GPU idle — 64 × 8 × 2 blocks of one warp each are fewer warps than 132 SMs hold —
-# and eight warps a block give each warp too short a share of its 512 keys to pay for loading
-# the queries and merging at the end; shorter splits (more of them) cost the same way. The kernel
-# is not the ceiling of the hardware — FlashInfer-style kernels use 16-byte loads and tensor
-# cores, which Numba does not reach — but it is within sight of the copy bandwidth at the batch
-# sizes where attention's bytes are a large part of a step.
+# Rows in flight matter most: with one row per lane the memory waits between loads;
+# three and four are about equal, four at the 128 registers that still let 16 warps
+# share an SM. Sixteen values a lane pushes the registers past that and halves the
+# warps. One warp a block leaves half the GPU idle — 64 × 8 × 2 blocks of one warp each
+# are fewer warps than 132 SMs hold — and eight warps a block give each warp too short a
+# share of its 512 keys to pay for loading the queries and merging at the end; shorter
+# splits (more of them) cost the same way. The kernel is not the ceiling of the hardware
+# — FlashInfer-style kernels use 16-byte loads and tensor cores, which Numba does not
+# reach — but it is within sight of the copy bandwidth at the batch sizes where
+# attention's bytes are a large part of a step.
 #
 # ## The kernel model with a cache
 #
-# The GPU's cache holds, per layer, bf16 keys and values as `uint16` — and the same bytes as
-# one flat array of 8-byte words, the view decode attention reads. Its attention object,
-# `PagedAttention` — vLLM's name: it reads keys and values through block tables, in pages;
-# chapter 10 hands the pages out one at a time — is the NumPy one's twin: it writes the batch's new keys and values at `slot_mapping`, then the
-# prompts — the batch's first `num_prefills` sequences, each from position 0 — attend among
-# their own tokens with chapter 7's flash kernel, all of them in one launch, and the decode rows
-# attend over their contexts with `decode_attention`. Every array it reads is on the GPU; the
-# runner copies the step's metadata there (`AttentionMetadata.to_device`, into buffers it keeps).
+# The GPU's cache holds, per layer, bf16 keys and values as `uint16` — and the same
+# bytes as one flat array of 8-byte words, the view decode attention reads. Its
+# attention object, `PagedAttention` — vLLM's name: it reads keys and values through
+# block tables, in pages; chapter 10 hands the pages out one at a time — is the NumPy
+# one's twin: it writes the batch's new keys and values at `slot_mapping`, then the
+# prompts — the batch's first `num_prefills` sequences, each from position 0 — attend
+# among their own tokens with chapter 7's flash kernel, all of them in one launch, and
+# the decode rows attend over their contexts with `decode_attention`. Every array it
+# reads is on the GPU; the runner copies the step's metadata there
+# (`AttentionMetadata.to_device`, into buffers it keeps).
+
 
 # %%
 #| export
 class CudaKVCache:
-    """The GPU's cache: per layer, bf16 keys and values (num_slots, num_kv_heads, head_dim) as uint16 in
-    k[layer] and v[layer], and the same bytes as flat 8-byte words in k_words[layer], v_words[layer]."""
+    """The GPU's cache: per layer, bf16 keys and values (num_slots, num_kv_heads,
+    head_dim) as uint16 in k[layer] and v[layer], and the same bytes as flat 8-byte
+    words in k_words[layer], v_words[layer].
+    """
 
     def __init__(self, config: ModelConfig, num_slots: int):
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
         self.dtype, self.num_slots = "bfloat16", num_slots
         shape = (num_slots, config.num_key_value_heads, config.head_dim)
-        self.k = [cuda.device_array(shape, np.uint16) for _ in range(config.num_hidden_layers)]
-        self.v = [cuda.device_array(shape, np.uint16) for _ in range(config.num_hidden_layers)]
-        self.k_words = [k.view(np.uint64).reshape(-1) for k in self.k]  # what decode attention reads
+        self.k = [
+            cuda.device_array(shape, np.uint16) for _ in range(config.num_hidden_layers)
+        ]
+        self.v = [
+            cuda.device_array(shape, np.uint16) for _ in range(config.num_hidden_layers)
+        ]
+        # what decode attention reads
+        self.k_words = [k.view(np.uint64).reshape(-1) for k in self.k]
         self.v_words = [v.view(np.uint64).reshape(-1) for v in self.v]
 
     @property
@@ -1278,42 +2041,91 @@ from tinyvllm_lib.kernels.decode_attention import (
 
 
 class PagedAttention:
-    """The kernel model's attention over the bf16 KV cache (engine.kv_cache.CudaKVCache), for one step.
+    """The kernel model's attention over the bf16 KV cache
+    (engine.kv_cache.CudaKVCache), for one step.
 
-    Called as attention(layer, qkv, out, stream): stores the new tokens' K/V at their slots; the
-    prefills (the first metadata.num_prefills sequences, each from position 0) attend among their
-    own tokens with flash_attention, the decode rows over their contexts with decode_attention.
-    metadata's arrays are on the GPU; workspace comes from decode_workspace; max_context_len bounds
-    every context, so decode attention's grid does not change while they grow."""
+    Called as attention(layer, qkv, out, stream): stores the new tokens' K/V at their
+    slots; the prefills (the first metadata.num_prefills sequences, each from position
+    0) attend among their own tokens with flash_attention, the decode rows over their
+    contexts with decode_attention. metadata's arrays are on the GPU; workspace comes
+    from decode_workspace; max_context_len bounds every context, so decode attention's
+    grid does not change while they grow.
+    """
 
-    def __init__(self, config, cache, metadata: AttentionMetadata, workspace=None, max_context_len: int | None = None,
-                 decode_config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    def __init__(
+        self,
+        config,
+        cache,
+        metadata: AttentionMetadata,
+        workspace=None,
+        max_context_len: int | None = None,
+        decode_config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+    ):
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.cache, self.metadata, self.workspace = cache, metadata, workspace
         self.max_context_len, self.decode_config = max_context_len, decode_config
         m = metadata
-        self.prefill_starts = m.query_start_loc[: m.num_prefills + 1]  # views, once per step
-        self.decode_tables, self.decode_lens = m.block_tables[m.num_prefills :], m.seq_lens[m.num_prefills :]
+        # views, once per step
+        self.prefill_starts = m.query_start_loc[: m.num_prefills + 1]
+        self.decode_tables, self.decode_lens = (
+            m.block_tables[m.num_prefills :],
+            m.seq_lens[m.num_prefills :],
+        )
 
     def __call__(self, layer: int, qkv, out, stream=0) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
-        write_kv_cache(qkv, H, KVH, m.slot_mapping, self.cache.k[layer], self.cache.v[layer], stream=stream)
+        write_kv_cache(
+            qkv,
+            H,
+            KVH,
+            m.slot_mapping,
+            self.cache.k[layer],
+            self.cache.v[layer],
+            stream=stream,
+        )
         split = m.num_prefill_tokens
         if m.num_prefills:
-            flash_attention(qkv[:split], self.prefill_starts, m.max_query_len, H, KVH, D, out[:split], stream=stream)
+            flash_attention(
+                qkv[:split],
+                self.prefill_starts,
+                m.max_query_len,
+                H,
+                KVH,
+                D,
+                out[:split],
+                stream=stream,
+            )
         if m.num_decodes:
-            decode_attention(qkv[split:], self.cache.k_words[layer], self.cache.v_words[layer], self.decode_tables,
-                             m.block_size, self.decode_lens, H, KVH, D, out[split:], stream=stream,
-                             workspace=self.workspace, max_context_len=self.max_context_len, config=self.decode_config)
+            decode_attention(
+                qkv[split:],
+                self.cache.k_words[layer],
+                self.cache.v_words[layer],
+                self.decode_tables,
+                m.block_size,
+                self.decode_lens,
+                H,
+                KVH,
+                D,
+                out[split:],
+                stream=stream,
+                workspace=self.workspace,
+                max_context_len=self.max_context_len,
+                config=self.decode_config,
+            )
 
 
 # %% [markdown]
-# Does the kernel model with its cache give the NumPy model's logits? A prompt is prefilled and
-# a few tokens decoded, step by step, on both: the NumPy model with a float32 cache (the
-# reference) and the kernel model with its bf16 cache, teacher-forced on the reference's greedy
-# tokens. The comparison is chapter 7's: the mean gap over each position's five most likely
-# tokens, and the same greedy token wherever the reference's choice is clear. In the simulator a
-# tiny random model takes two decode steps; on a GPU, SmolLM2 takes eight.
+# Does the kernel model with its cache give the NumPy model's logits? A prompt is
+# prefilled and a few tokens decoded, step by step, on both: the NumPy model with a
+# float32 cache (the reference) and the kernel model with its bf16 cache, teacher-forced
+# on the reference's greedy tokens. The comparison is chapter 7's: the mean gap over
+# each position's five most likely tokens, and the same greedy token wherever the
+# reference's choice is clear. In the simulator a tiny random model takes two decode
+# steps; on a GPU, SmolLM2 takes eight.
 
 # %%
 from tinyvllm_lib.engine.kv_cache import CudaKVCache
@@ -1324,87 +2136,129 @@ from tinyvllm_lib.models.llama_cuda import LlamaCuda
 def top_gap(ours: np.ndarray, ref: np.ndarray, k: int = 5) -> float:
     """Mean |Δ log p| over each row's k most likely tokens of the reference."""
     top = np.argsort(-ref, axis=-1)[:, :k]
-    return float(np.abs(np.take_along_axis(ours, top, -1) - np.take_along_axis(ref, top, -1)).mean())
+    return float(
+        np.abs(
+            np.take_along_axis(ours, top, -1) - np.take_along_axis(ref, top, -1)
+        ).mean()
+    )
 
 
-def cached_log_probs(model, make_attention, prompt: list[int], num_steps: int, forced=None) -> tuple[np.ndarray, list[int]]:
-    """Prefill then num_steps decode steps through `make_attention(metadata)`; log-probs of every row, tokens chosen."""
-    tables = np.arange(cdiv(len(prompt) + num_steps, 16), dtype=np.int32)[None]  # one sequence: blocks 0, 1, ...
+def cached_log_probs(
+    model, make_attention, prompt: list[int], num_steps: int, forced=None
+) -> tuple[np.ndarray, list[int]]:
+    """Prefill then num_steps decode steps through `make_attention(metadata)`; log-probs
+    of every row, tokens chosen.
+    """
+    # one sequence: blocks 0, 1, ...
+    tables = np.arange(cdiv(len(prompt) + num_steps, 16), dtype=np.int32)[None]
     ids, rows = list(prompt), []
     for s in range(num_steps + 1):
         new = ids if s == 0 else ids[-1:]
-        positions, meta = build_attention_metadata([len(new)], [len(ids)], tables, 16, num_prefills=int(s == 0))
+        positions, meta = build_attention_metadata(
+            [len(new)], [len(ids)], tables, 16, num_prefills=int(s == 0)
+        )
         rows.append(log_softmax(model.forward(new, positions, make_attention(meta))))
         ids.append(int(rows[-1][-1].argmax()) if forced is None else forced[s])
-    return np.concatenate(rows), ids[len(prompt):]
+    return np.concatenate(rows), ids[len(prompt) :]
 
 
 def check_gpu_cache(check_folder, prompt: list[int], num_steps: int) -> float:
     cpu, gpu = LlamaNumpy.from_folder(check_folder), LlamaCuda.from_folder(check_folder)
     num_slots = cdiv(len(prompt) + num_steps + 1, 16) * 16
-    cpu_cache, gpu_cache = KVCache(cpu.config, num_slots, "float32"), CudaKVCache(gpu.config, num_slots)
-    ref, tokens = cached_log_probs(cpu, lambda m: CachedAttention(cpu.config, cpu_cache, m), prompt, num_steps)
-    ours, _ = cached_log_probs(gpu, lambda m: PagedAttention(gpu.config, gpu_cache, m.to_device()), prompt, num_steps,
-                               forced=tokens)
-    clear = np.diff(np.sort(ref, -1)[:, -2:], axis=-1)[:, 0] > 0.1  # rows whose first choice leads by more than 0.1
-    assert np.array_equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear]), "greedy tokens differ"
+    cpu_cache, gpu_cache = (
+        KVCache(cpu.config, num_slots, "float32"),
+        CudaKVCache(gpu.config, num_slots),
+    )
+    ref, tokens = cached_log_probs(
+        cpu, lambda m: CachedAttention(cpu.config, cpu_cache, m), prompt, num_steps
+    )
+    ours, _ = cached_log_probs(
+        gpu,
+        lambda m: PagedAttention(gpu.config, gpu_cache, m.to_device()),
+        prompt,
+        num_steps,
+        forced=tokens,
+    )
+    # rows whose first choice leads by more than 0.1
+    clear = np.diff(np.sort(ref, -1)[:, -2:], axis=-1)[:, 0] > 0.1
+    assert np.array_equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear]), (
+        "greedy tokens differ"
+    )
     return top_gap(ours, ref)
 
 
 if is_simulator():
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = tiny_llama_config(num_hidden_layers=1, hidden_size=32, intermediate_size=32, head_dim=16, vocab_size=64)
-        gap = check_gpu_cache(make_random_llama(tmp, cfg, seed=2), [5, 17, 33, 3], num_steps=2)
-    print(f"tiny random Llama, 4 prompt tokens + 2 decode steps: mean |Δ log p| over the top 5 = {gap:.4f}")
+        cfg = tiny_llama_config(
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=32,
+            head_dim=16,
+            vocab_size=64,
+        )
+        gap = check_gpu_cache(
+            make_random_llama(tmp, cfg, seed=2), [5, 17, 33, 3], num_steps=2
+        )
+    print(
+        "tiny random Llama, 4 prompt tokens + 2 decode steps: mean |Δ log p| over "
+        f"the top 5 = {gap:.4f}"
+    )
     assert gap <= 0.05
 elif has_gpu():
     gap = check_gpu_cache(folder, prompt_ids, num_steps=8)
-    print(f"SmolLM2, {len(prompt_ids)} prompt tokens + 8 decode steps, bf16 cache against float32: "
-          f"mean |Δ log p| over the top 5 = {gap:.4f}")
+    print(
+        f"SmolLM2, {len(prompt_ids)} prompt tokens + 8 decode steps, bf16 cache "
+        "against float32: "
+        f"mean |Δ log p| over the top 5 = {gap:.4f}"
+    )
     assert gap <= 0.05
 else:
     print("no GPU and no simulator: set NUMBA_ENABLE_CUDASIM=1 to run the kernel model")
 
 # %% [markdown]
-# The two agree within a few hundredths — the bf16 cache and bf16 activations, not a bug — and
-# pick the same tokens. Chapter 8b puts a sampler after the logits and a loop around the steps;
-# chapter 9 lets many requests share each step.
+# The two agree within a few hundredths — the bf16 cache and bf16 activations, not a bug
+# — and pick the same tokens. Chapter 8b puts a sampler after the logits and a loop
+# around the steps; chapter 9 lets many requests share each step.
 #
 # ## Summary
 #
-# - Prefill processes the prompt's tokens together and is compute-bound; decode processes one
-#   token per step, reads every weight for it, and is memory-bound.
-# - The KV cache keeps every token's keys and values, per layer `(num_slots, num_kv_heads,
-#   head_dim)`; Llama 3.2 1B needs 32 KiB per token in bf16. Slots come in blocks; a sequence's
-#   block-table row maps its positions to slots. This chapter's allocator gives each sequence
-#   row a contiguous run of blocks; chapter 10's pages them.
+# - Prefill processes the prompt's tokens together and is compute-bound; decode
+#   processes one token per step, reads every weight for it, and is memory-bound.
+# - The KV cache keeps every token's keys and values, per layer
+#   `(num_slots, num_kv_heads, head_dim)`; Llama 3.2 1B needs 32 KiB per token in bf16.
+#   Slots come in blocks; a sequence's block-table row maps its positions to slots. This
+#   chapter's allocator gives each sequence row a contiguous run of blocks; chapter 10's
+#   pages them.
 # - Attention metadata — `query_start_loc`, `seq_lens`, `slot_mapping`, `block_tables`,
 #   `num_prefills` — is built once per step in one vectorised pass and handed, inside an
 #   attention object, to the model's unchanged layer loop.
-# - Cached decoding gives the same logits as recomputing (to $10^{-5}$); a bf16 cache moves
-#   SmolLM2's log-probabilities by a few hundredths.
-# - Decode attention is memory-bound and, in Numba, instruction-bound too: all query heads of a
-#   KV head per block, 8 lanes per key row, 3 rows in flight, 32-bit indices, `exp2`, and the
-#   context split over blocks, each sequence choosing its split on the GPU so the launch does not
-#   change from step to step.
+# - Cached decoding gives the same logits as recomputing (to $10^{-5}$); a bf16 cache
+#   moves SmolLM2's log-probabilities by a few hundredths.
+# - Decode attention is memory-bound and, in Numba, instruction-bound too: all query
+#   heads of a KV head per block, 8 lanes per key row, 3 rows in flight, 32-bit indices,
+#   `exp2`, and the context split over blocks, each sequence choosing its split on the
+#   GPU so the launch does not change from step to step.
 #
-# Exported to `tinyvllm_lib`: `engine.kv_cache` (`KVCache`, `CudaKVCache`, `ContiguousAllocator`,
-# `kv_cache_bytes_per_token`), `layers.attention` (`AttentionMetadata`, `build_attention_metadata`,
-# `CachedAttention`, `PagedAttention`), `kernels.attention` (`cached_attention_ref`) and
-# `kernels.decode_attention` (`write_kv_cache`, `decode_attention`, `DecodeAttentionConfig`,
-# `decode_workspace`, `decode_attention_ref`).
+# Exported to `tinyvllm_lib`: `engine.kv_cache` (`KVCache`, `CudaKVCache`,
+# `ContiguousAllocator`, `kv_cache_bytes_per_token`), `layers.attention`
+# (`AttentionMetadata`, `build_attention_metadata`, `CachedAttention`,
+# `PagedAttention`), `kernels.attention` (`cached_attention_ref`) and
+# `kernels.decode_attention` (`write_kv_cache`, `decode_attention`,
+# `DecodeAttentionConfig`, `decode_workspace`, `decode_attention_ref`).
 #
 # ## Exercises
 #
-# 1. How many bytes does one decode step of Llama 3.2 1B read at a context of 8192 tokens, and
-#    which share is the cache? At what context length does the cache read equal the weights?
-# 2. Time the NumPy model's decode step at 16, 256 and 1,024 tokens of context. Does the time
-#    per step grow with the context? Predict from the FLOP counts above first.
-# 3. `ContiguousAllocator` reserves `max_model_len` slots for every row. With `max_num_seqs=256`
-#    and `max_model_len=4096`, how much of an H200 does the cache of Llama 3.2 1B take, and how
-#    much of it do 256 requests of 300 tokens use?
+# 1. How many bytes does one decode step of Llama 3.2 1B read at a context of 8192
+#    tokens, and which share is the cache? At what context length does the cache read
+#    equal the weights?
+# 2. Time the NumPy model's decode step at 16, 256 and 1,024 tokens of context. Does the
+#    time per step grow with the context? Predict from the FLOP counts above first.
+# 3. `ContiguousAllocator` reserves `max_model_len` slots for every row. With
+#    `max_num_seqs=256` and `max_model_len=4096`, how much of an H200 does the cache of
+#    Llama 3.2 1B take, and how much of it do 256 requests of 300 tokens use?
 # 4. `decode_attention` reads K and V with 8-byte loads. Predict what 16-byte loads (two
-#    `uint64` per lane per row, or a `uint4`-like pair) would change in instructions per byte,
-#    then try it and measure with `bench/ch08_decode_tune.py`.
-# 5. In `build_attention_metadata`, replace the vectorised positions with a Python loop over the
-#    batch's tokens and time both for 256 sequences of one token, and for one of 4,096.
+#    `uint64` per lane per row, or a `uint4`-like pair) would change in instructions per
+#    byte, then try it and measure with `bench/ch08_decode_tune.py`.
+# 5. In `build_attention_metadata`, replace the vectorised positions with a Python loop
+#    over the batch's tokens and time both for 256 sequences of one token, and for one
+#    of 4,096.

@@ -13,28 +13,31 @@
 # %% [markdown]
 # # 8b. Generating text: sampling, stopping, streaming
 #
-# Chapter 8 gave the model a KV cache: each step now computes only its new tokens and returns
-# their logits. Turning logits into an answer takes three more ideas, and this chapter builds
-# them: **choosing** each next token the way vLLM does (temperature, top-k, top-p, a seed per
-# request), knowing when to **stop**, and **streaming** text while it is generated. Then it puts
-# the step itself behind one object, the **model runner**, which the engine of chapter 9 will
-# call — and generates answers with it, on the CPU and on the GPU.
+# Chapter 8 gave the model a KV cache: each step now computes only its new tokens and
+# returns their logits. Turning logits into an answer takes three more ideas, and this
+# chapter builds them: **choosing** each next token the way vLLM does (temperature,
+# top-k, top-p, a seed per request), knowing when to **stop**, and **streaming** text
+# while it is generated. Then it puts the step itself behind one object, the **model
+# runner**, which the engine of chapter 9 will call — and generates answers with it, on
+# the CPU and on the GPU.
 #
 # In this chapter you will learn:
 #
-# - **sampling** as vLLM does it: temperature, then top-k, then top-p, then a draw from the
-#   request's own random generator — checked as a distribution with a chi-square test — and the
-#   same on the GPU, in one kernel whose launch never depends on the settings;
-# - when to **stop** (end-of-sequence ids, stop strings, stop tokens, a length limit) and how to
-#   **stream** text when a character spans several tokens;
-# - the **model runner**: one object for both devices that turns "these requests, these many new
-#   tokens each" into sampled tokens — the step's arrays, the layer loop, the LM head on the
-#   rows that need it, the sampler;
-# - how fast one request at a time goes, on the CPU against `transformers` and on the GPU,
-#   where launching kernels from Python costs far more than running them.
+# - **sampling** as vLLM does it: temperature, then top-k, then top-p, then a draw from
+#   the request's own random generator — checked as a distribution with a chi-square
+#   test — and the same on the GPU, in one kernel whose launch never depends on the
+#   settings;
+# - when to **stop** (end-of-sequence ids, stop strings, stop tokens, a length limit)
+#   and how to **stream** text when a character spans several tokens;
+# - the **model runner**: one object for both devices that turns "these requests, these
+#   many new tokens each" into sampled tokens — the step's arrays, the layer loop, the
+#   LM head on the rows that need it, the sampler;
+# - how fast one request at a time goes, on the CPU against `transformers` and on the
+#   GPU, where launching kernels from Python costs far more than running them.
 #
-# It uses the cache, block tables and attention objects of [chapter 8](08_kv_cache.py), the
-# forward pass of [chapter 7](07_attention.py) and the tokenizer of [chapter 3](03_first_kernel.py).
+# It uses the cache, block tables and attention objects of [chapter 8](08_kv_cache.py),
+# the forward pass of [chapter 7](07_attention.py) and the tokenizer of
+# [chapter 3](03_first_kernel.py).
 
 # %%
 #| default_exp engine.model_runner
@@ -51,16 +54,26 @@ from tinyvllm_lib.kernels.attention import log_softmax
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.smollm2 import resolve_model
-from tinyvllm_lib.plots import glue, new_figure
-from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator
+from tinyvllm_lib.plots import Prose, new_figure
+from tinyvllm_lib.runtime import can_launch, has_gpu, where_kernels_run
 from tinyvllm_lib.tokenizer import Tokenizer
 
 rng = np.random.default_rng()
-folder = resolve_model("smollm2")  # chapter 2b: built on first use, then found in the cache
+# the numbers this chapter's prose quotes, filled in as they are measured
+prose = Prose()
+# chapter 2b: built on first use, then found in the cache
+folder = resolve_model("smollm2")
 smollm2 = ModelConfig.from_folder(folder)
 tokenizer = Tokenizer.from_folder(folder)
 question = [{"role": "user", "content": "What is the capital of France?"}]
-print("simulator" if is_simulator() else "GPU" if has_gpu() else "no GPU, no simulator")
+print(where_kernels_run())
+
+# %% [markdown]
+# The line above says where this copy's kernels ran. In the rendered book, built by CI
+# with no GPU, that is the simulator at tiny shapes: its outputs check correctness, and
+# any time it prints says nothing about a GPU. Speed figures and numbers of speed in the
+# prose are dated H200 records from `book/data/`:
+# [what the numbers on a page are](00_preface.py#what-the-numbers-on-a-page-are).
 
 # %% [markdown]
 # ## Sampling: choosing the next token
@@ -68,16 +81,17 @@ print("simulator" if is_simulator() else "GPU" if has_gpu() else "no GPU, no sim
 # The logits $z$ of the last position define a distribution over the vocabulary,
 # $p_i = e^{z_i} / \sum_j e^{z_j}$. vLLM reshapes it in a fixed order, and so do we:
 #
-# 1. **Temperature** $T$: $p_i \propto e^{z_i / T}$. $T < 1$ sharpens, $T > 1$ flattens; $T = 0$
-#    means **greedy**, the argmax.
-# 2. **Top-k**: keep the $k$ largest logits (and any tied with the $k$-th), drop the rest.
-# 3. **Top-p** (nucleus): sort what is left by probability; keep the smallest prefix whose
-#    probability reaches $p$ — token $i$ (in descending order) stays if the mass before it is
-#    below $p$: $\sum_{j < i} p_{(j)} < p$.
+# 1. **Temperature** $T$: $p_i \propto e^{z_i / T}$. $T < 1$ sharpens, $T > 1$ flattens;
+#    $T = 0$ means **greedy**, the argmax.
+# 2. **Top-k**: keep the $k$ largest logits (and any tied with the $k$-th), drop the
+#    rest.
+# 3. **Top-p** (nucleus): sort what is left by probability; keep the smallest prefix
+#    whose probability reaches $p$ — token $i$ (in descending order) stays if the mass
+#    before it is below $p$: $\sum_{j < i} p_{(j)} < p$.
 # 4. **Sample** from the renormalised rest.
 #
-# The parameters live in `SamplingParams`, with vLLM's names and defaults, checked when it is
-# made:
+# The parameters live in `SamplingParams`, with vLLM's names and defaults, checked when
+# it is made:
 
 # %%
 #| export engine.sampling_params
@@ -93,12 +107,18 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
 
 
 @dataclass
 class SamplingParams:
-    """How to choose each next token and when to stop; vLLM's field names, defaults and meanings."""
+    """How to choose each next token and when to stop; vLLM's field names, defaults and
+    meanings.
+    """
 
     n: int = 1  # completions per prompt (only 1 here)
     temperature: float = 1.0  # 0 = greedy
@@ -116,32 +136,64 @@ class SamplingParams:
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n != 1:
-            raise ValueError(f"n must be 1: this engine returns one completion per prompt, got {self.n!r}")
+            raise ValueError(
+                "n must be 1: this engine returns one completion per prompt, got "
+                f"{self.n!r}"
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise ValueError(
+                "temperature must be a finite number >= 0 (0 = greedy), got "
+                f"{self.temperature!r}"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
+            raise ValueError(
+                f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}"
+            )
+        if self.max_tokens is not None and (
+            not _is_int(self.max_tokens) or self.max_tokens < 1
+        ):
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0 (how many top alternatives), got {value!r}")
+                raise ValueError(
+                    f"{name} must be None or an integer >= 0 (how many top "
+                    f"alternatives), got {value!r}"
+                )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        stop = (
+            []
+            if self.stop is None
+            else [self.stop]
+            if isinstance(self.stop, str)
+            else self.stop
+        )
+        if not isinstance(stop, (list, tuple)) or not all(
+            isinstance(s, str) and s for s in stop
+        ):
+            raise ValueError(
+                f"stop must be a non-empty string or a list of them, got {self.stop!r}"
+            )
         self.stop = list(stop)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        if not isinstance(ids, (list, tuple)) or not all(
+            _is_int(i) and i >= 0 for i in ids
+        ):
+            raise ValueError(
+                "stop_token_ids must be a list of token ids (integers >= 0), got "
+                f"{self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"{name} must be True or False, got {getattr(self, name)!r}"
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -151,7 +203,14 @@ class SamplingParams:
 # %%
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 
-for bad in ({"temperature": -0.5}, {"top_p": 0.0}, {"top_k": -3}, {"max_tokens": 0}, {"n": 2}, {"stop": [""]}):
+for bad in (
+    {"temperature": -0.5},
+    {"top_p": 0.0},
+    {"top_k": -3},
+    {"max_tokens": 0},
+    {"n": 2},
+    {"stop": [""]},
+):
     try:
         SamplingParams(**bad)
     except ValueError as err:
@@ -160,17 +219,20 @@ for bad in ({"temperature": -0.5}, {"top_p": 0.0}, {"top_k": -3}, {"max_tokens":
         raise AssertionError(f"{bad} was accepted")
 
 # %% [markdown]
-# The sampler works on a **batch**: logits `(batch, vocab)` and, per row, the settings as
-# arrays — `SamplingMetadata`. That is the interface a GPU sampling kernel will implement too:
-# the same metadata in, token ids out. Randomness stays on the host: each row brings one
-# uniform number $u \in [0, 1)$ drawn from its request's own `numpy.random.Generator` — seeded
-# from the request's `seed`, or the engine's generator otherwise — so the same seed gives the
-# same tokens on any device. The draw is by **inverse CDF**: the sampled token is the first
-# whose cumulative probability exceeds $u$.
+# The sampler works on a **batch**: logits `(batch, vocab)` and, per row, the settings
+# as arrays — `SamplingMetadata`. That is the interface a GPU sampling kernel will
+# implement too: the same metadata in, token ids out. Randomness stays on the host: each
+# row brings one uniform number $u \in [0, 1)$ drawn from its request's own
+# `numpy.random.Generator` — seeded from the request's `seed`, or the engine's generator
+# otherwise — so the same seed gives the same tokens on any device. The draw is by
+# **inverse CDF**: the sampled token is the first whose cumulative probability exceeds
+# $u$.
 #
-# First the three transformations, each a function of a batch, each formula above its code:
+# First the three transformations, each a function of a batch, each formula above its
+# code:
 #
-# $$ z_i \leftarrow z_i / T \qquad\qquad z_i \leftarrow -\infty \text{ if } z_i < z_{(k)} \qquad\qquad
+# $$ z_i \leftarrow z_i / T
+#    \qquad\qquad z_i \leftarrow -\infty \text{ if } z_i < z_{(k)} \qquad\qquad
 # z_{(i)} \leftarrow -\infty \text{ if } \textstyle\sum_{j<i} p_{(j)} \ge p $$
 
 # %%
@@ -185,21 +247,28 @@ from tinyvllm_lib.kernels.attention import log_softmax
 
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     """z / T per row (rows with T = 0 are greedy and left alone)."""
-    return logits / np.where(temperature > 0, temperature, 1).astype(np.float32)[:, None]
+    return (
+        logits / np.where(temperature > 0, temperature, 1).astype(np.float32)[:, None]
+    )
 
 
 def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
-    """Keep each row's k largest logits (and ties with the k-th), -inf elsewhere; k = 0 keeps all."""
+    """Keep each row's k largest logits (and ties with the k-th), -inf elsewhere; k = 0
+    keeps all.
+    """
     out = logits.copy()
     vocab = logits.shape[1]
     for row in np.flatnonzero((top_k > 0) & (top_k < vocab)):
-        kth = np.partition(logits[row], vocab - top_k[row])[vocab - top_k[row]]  # the k-th largest
+        # the k-th largest
+        kth = np.partition(logits[row], vocab - top_k[row])[vocab - top_k[row]]
         out[row, logits[row] < kth] = -np.inf
     return out
 
 
 def apply_top_p(logits: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    """Keep the most likely tokens until their probability reaches p (always the first), -inf elsewhere."""
+    """Keep the most likely tokens until their probability reaches p (always the first),
+    -inf elsewhere.
+    """
     out = logits.copy()
     for row in np.flatnonzero(top_p < 1):
         order = np.argsort(-logits[row], kind="stable")  # most likely first
@@ -211,49 +280,77 @@ def apply_top_p(logits: np.ndarray, top_p: np.ndarray) -> np.ndarray:
 
 
 def sample_inverse_cdf(logits: np.ndarray, uniform: np.ndarray) -> np.ndarray:
-    """Per row, the first token whose cumulative probability exceeds u (tokens at -inf are never chosen)."""
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)  # unnormalised
+    """Per row, the first token whose cumulative probability exceeds u (tokens at -inf
+    are never chosen).
+    """
+    # unnormalised
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
     cdf = np.cumsum(probs, axis=1)
-    ids = (cdf <= (uniform * cdf[:, -1])[:, None]).sum(axis=1)  # how many cumulative sums u has passed
-    last_possible = probs.shape[1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=1)  # guards u * total rounding up
+    # how many cumulative sums u has passed
+    ids = (cdf <= (uniform * cdf[:, -1])[:, None]).sum(axis=1)
+    # guards u * total rounding up
+    last_possible = probs.shape[1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=1)
     return np.minimum(ids, last_possible)
 
 
 def top_logprobs(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k most likely tokens of each row, most likely first: (ids (rows, k), log-probs (rows, k))."""
+    """The k most likely tokens of each row, most likely first: (ids (rows, k),
+    log-probs (rows, k)).
+    """
     k = min(k, logprobs.shape[1])
     ids = np.argpartition(-logprobs, k - 1, axis=1)[:, :k]
     values = np.take_along_axis(logprobs, ids, axis=1)
     order = np.argsort(-values, axis=1, kind="stable")
-    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(
+        values, order, axis=1
+    )
 
 
 # %% [markdown]
 # Then the sampler: the metadata (one row per sequence), the output, and the NumPy
-# implementation. Log-probabilities, when asked for, are those of the model's raw logits —
-# before temperature, top-k and top-p — as vLLM returns them by default.
+# implementation. Log-probabilities, when asked for, are those of the model's raw logits
+# — before temperature, top-k and top-p — as vLLM returns them by default.
+
 
 # %%
 #| export engine.sampler
 @dataclass
 class SamplingMetadata:
-    """A batch's sampling settings, one row per sequence, as arrays: what a sampler (NumPy or GPU kernel) reads."""
+    """A batch's sampling settings, one row per sequence, as arrays: what a sampler
+    (NumPy or GPU kernel) reads.
+    """
 
     temperature: np.ndarray  # (batch,) float32; 0 = greedy
     top_k: np.ndarray  # (batch,) int64; 0 = off
     top_p: np.ndarray  # (batch,) float32; 1 = off
-    uniform: np.ndarray  # (batch,) float64 in [0, 1): the row's draw, from its request's generator
-    num_logprobs: np.ndarray  # (batch,) int64; -1 = none, k >= 0 = the sampled token's and the top k
+    # (batch,) float64 in [0, 1): the row's draw, from its request's generator
+    uniform: np.ndarray
+    # (batch,) int64; -1 = none, k >= 0 = the sampled token's and the top k
+    num_logprobs: np.ndarray
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], generators: list[np.random.Generator]) -> "SamplingMetadata":
-        """One row per request; each sampled row draws its uniform from its own generator (greedy rows draw none)."""
+    def from_params(
+        cls, params: list[SamplingParams], generators: list[np.random.Generator]
+    ) -> "SamplingMetadata":
+        """One row per request; each sampled row draws its uniform from its own
+        generator (greedy rows draw none).
+        """
         return cls(
-            temperature=np.array([0.0 if p.is_greedy else p.temperature for p in params], np.float32),
+            temperature=np.array(
+                [0.0 if p.is_greedy else p.temperature for p in params], np.float32
+            ),
             top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
             top_p=np.array([p.top_p for p in params], np.float32),
-            uniform=np.array([0.0 if p.is_greedy else g.random() for p, g in zip(params, generators)], np.float64),
-            num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64),
+            uniform=np.array(
+                [
+                    0.0 if p.is_greedy else g.random()
+                    for p, g in zip(params, generators)
+                ],
+                np.float64,
+            ),
+            num_logprobs=np.array(
+                [-1 if p.logprobs is None else p.logprobs for p in params], np.int64
+            ),
         )
 
 
@@ -262,18 +359,25 @@ class SamplerOutput:
     """The chosen tokens, and the log-probabilities the requests asked for."""
 
     token_ids: np.ndarray  # (batch,) int64
-    logprobs: np.ndarray | None = None  # (batch,) float32: log p of each chosen token under the raw logits
-    top_ids: np.ndarray | None = None  # (batch, k): the most likely tokens, most likely first
+    # (batch,) float32: log p of each chosen token under the raw logits
+    logprobs: np.ndarray | None = None
+    # (batch, k): the most likely tokens, most likely first
+    top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None  # (batch, k)
 
 
 class Sampler:
-    """The CPU sampler: logits (batch, vocab) and per-row settings -> token ids; temperature, top-k, top-p, draw."""
+    """The CPU sampler: logits (batch, vocab) and per-row settings -> token ids;
+    temperature, top-k, top-p, draw.
+    """
 
     def __call__(self, logits: np.ndarray, metadata: SamplingMetadata) -> SamplerOutput:
         logits = np.asarray(logits, np.float32)
         if logits.ndim != 2 or logits.shape[0] != len(metadata.temperature):
-            raise ValueError(f"logits must be (batch, vocab) with one row per sequence, got {logits.shape}")
+            raise ValueError(
+                "logits must be (batch, vocab) with one row per sequence, got "
+                f"{logits.shape}"
+            )
         token_ids = np.argmax(logits, axis=1)  # greedy rows keep this
         rows = np.flatnonzero(metadata.temperature > 0)
         if rows.size:
@@ -295,42 +399,56 @@ class Sampler:
 # ### Test: the sampler draws from the right distribution
 #
 # A sampler can return plausible tokens and still be wrong — the wrong top-p boundary, a
-# temperature applied twice. So we test it as a distribution. Fix six logits, work out by hand
-# the probabilities that each setting should produce, draw many tokens, and compare the counts
-# with Pearson's chi-square statistic
+# temperature applied twice. So we test it as a distribution. Fix six logits, work out
+# by hand the probabilities that each setting should produce, draw many tokens, and
+# compare the counts with Pearson's chi-square statistic
 #
 # $$ \chi^2 = \sum_i \frac{(O_i - E_i)^2}{E_i}, $$
 #
-# which, if the sampler is right, follows a $\chi^2$ distribution with (categories − 1) degrees
-# of freedom; it exceeds its 0.1% critical value once in a thousand runs. Tokens that must never
-# appear are checked to have a count of exactly zero. (`tests/test_sampling.py` does this for
-# more settings.)
+# which, if the sampler is right, follows a $\chi^2$ distribution with (categories − 1)
+# degrees of freedom; it exceeds its 0.1% critical value once in a thousand runs. Tokens
+# that must never appear are checked to have a count of exactly zero.
+# (`tests/test_sampling.py` does this for more settings.)
 
 # %%
 from tinyvllm_lib.engine.sampler import Sampler, SamplingMetadata
 
-CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458}  # P(chi2 > x) = 0.001
+# P(chi2 > x) = 0.001
+CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458}
 small_logits = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -1.0], np.float32)
-base = np.exp(small_logits.astype(np.float64)) / np.exp(small_logits.astype(np.float64)).sum()
+base = (
+    np.exp(small_logits.astype(np.float64))
+    / np.exp(small_logits.astype(np.float64)).sum()
+)
 settings = {  # name: (params, expected probabilities worked out by hand)
     "T = 1": (SamplingParams(), base),
     "T = 0.5": (SamplingParams(temperature=0.5), base**2 / (base**2).sum()),
     "top-k = 3": (SamplingParams(top_k=3), np.r_[base[:3], 0, 0, 0] / base[:3].sum()),
-    "top-p = 0.7": (SamplingParams(top_p=0.7), np.r_[base[:3], 0, 0, 0] / base[:3].sum()),  # mass before token 2: 0.61 < 0.7
+    # mass before token 2: 0.61 < 0.7
+    "top-p = 0.7": (
+        SamplingParams(top_p=0.7),
+        np.r_[base[:3], 0, 0, 0] / base[:3].sum(),
+    ),
 }
 num_samples = 20_000
 sampler, counts = Sampler(), {}
 for name, (params, expected) in settings.items():
     gen = np.random.default_rng(rng.integers(2**32))
     batch = np.tile(small_logits, (num_samples, 1))
-    got = sampler(batch, SamplingMetadata.from_params([params] * num_samples, [gen] * num_samples)).token_ids
+    got = sampler(
+        batch, SamplingMetadata.from_params([params] * num_samples, [gen] * num_samples)
+    ).token_ids
     counts[name] = np.bincount(got, minlength=6)
     is_possible = expected > 0
     assert counts[name][~is_possible].sum() == 0, f"{name}: drew a token it must not"
     want = expected[is_possible] * num_samples
     chi2 = float(((counts[name][is_possible] - want) ** 2 / want).sum())
-    print(f"{name:>12}: chi2 = {chi2:5.1f} with {is_possible.sum() - 1} degrees of freedom "
-          f"(critical value at p = 0.001: {CHI2_CRITICAL_0_001[int(is_possible.sum()) - 1]})")
+    print(
+        f"{name:>12}: chi2 = {chi2:5.1f} with {is_possible.sum() - 1} degrees of "
+        "freedom "
+        "(critical value at p = 0.001: "
+        f"{CHI2_CRITICAL_0_001[int(is_possible.sum()) - 1]})"
+    )
     assert chi2 < CHI2_CRITICAL_0_001[int(is_possible.sum()) - 1]
 
 fig, axes = new_figure(1, len(settings), width=10, height=2.2, sharey=True)
@@ -346,24 +464,25 @@ plt.show()
 # %% [markdown]
 # ### Sampling on the GPU
 #
-# On the GPU the logits stay on the GPU; only token ids come back. The sampler takes the same
-# `SamplingMetadata` as the NumPy one, including each row's uniform number drawn on the host
-# from the request's own generator — so a seed gives the same draw on both devices. A block
-# per row: greedy rows take the argmax (a block reduction that keeps the first of equal
-# values, as `np.argmax` does). Sampled rows find their thresholds without sorting: top-k is
-# the largest value $t$ with at least $k$ logits $\ge t$, top-p the largest $t$ whose kept
-# mass $\sum_{z_i \ge t} e^{(z_i - m)/T}$ still reaches $p$ of the total. Both are found by
-# **bisection** over the 32-bit keys that order float32 values like the floats themselves
-# (flip the sign bit of positives, every bit of negatives), so 32 passes over the row find
-# the exact threshold. The draw is the inverse CDF in token order: each thread sums a
-# contiguous segment, a prefix over the threads finds the segment where $u \cdot$ total falls.
+# On the GPU the logits stay on the GPU; only token ids come back. The sampler takes the
+# same `SamplingMetadata` as the NumPy one, including each row's uniform number drawn on
+# the host from the request's own generator — so a seed gives the same draw on both
+# devices. A block per row: greedy rows take the argmax (a block reduction that keeps
+# the first of equal values, as `np.argmax` does). Sampled rows find their thresholds
+# without sorting: top-k is the largest value $t$ with at least $k$ logits $\ge t$,
+# top-p the largest $t$ whose kept mass $\sum_{z_i \ge t} e^{(z_i - m)/T}$ still reaches
+# $p$ of the total. Both are found by **bisection** over the 32-bit keys that order
+# float32 values like the floats themselves (flip the sign bit of positives, every bit
+# of negatives), so 32 passes over the row find the exact threshold. The draw is the
+# inverse CDF in token order: each thread sums a contiguous segment, a prefix over the
+# threads finds the segment where $u \cdot$ total falls.
 #
-# One kernel serves every row, greedy or sampled: the row's own temperature decides on the GPU,
-# so the launch is the same whatever the batch asks for. That matters in chapter 11, where a
-# whole decode step is captured once as a CUDA graph and replayed: anything decided on the host
-# — *this batch is all greedy, launch the cheaper argmax* — would be frozen into the graph. The
-# kernels know nothing of requests; they go to `kernels.sampling`, and the sampler that feeds
-# them to `engine.sampler_cuda`.
+# One kernel serves every row, greedy or sampled: the row's own temperature decides on
+# the GPU, so the launch is the same whatever the batch asks for. That matters in
+# chapter 11, where a whole decode step is captured once as a CUDA graph and replayed:
+# anything decided on the host — *this batch is all greedy, launch the cheaper argmax* —
+# would be frozen into the graph. The kernels know nothing of requests; they go to
+# `kernels.sampling`, and the sampler that feeds them to `engine.sampler_cuda`.
 
 # %%
 #| export kernels.sampling
@@ -373,13 +492,16 @@ from numba import config, cuda, float32, int64, uint32
 
 from tinyvllm_lib.kernels.bf16 import _f32_bits
 
-SAMPLER_THREADS = 32 if config.ENABLE_CUDASIM else 256  # a power of two: the reductions halve it
+# a power of two: the reductions halve it
+SAMPLER_THREADS = 32 if config.ENABLE_CUDASIM else 256
 MAX_THREADS = 1024
 
 
 @cuda.jit(device=True)
 def order_key(x):
-    """A uint32 that orders like the float32 x: flip all bits of negatives, the sign bit of the rest."""
+    """A uint32 that orders like the float32 x: flip all bits of negatives, the sign bit
+    of the rest.
+    """
     u = _f32_bits(x)
     return u ^ uint32(0xFFFFFFFF) if u >> uint32(31) else u | uint32(0x80000000)
 
@@ -392,7 +514,10 @@ def block_argmax(value, index, sv, si):
     cuda.syncthreads()
     stride = cuda.blockDim.x // 2
     while stride > 0:
-        if tid < stride and (sv[tid + stride] > sv[tid] or (sv[tid + stride] == sv[tid] and si[tid + stride] < si[tid])):
+        if tid < stride and (
+            sv[tid + stride] > sv[tid]
+            or (sv[tid + stride] == sv[tid] and si[tid + stride] < si[tid])
+        ):
             sv[tid], si[tid] = sv[tid + stride], si[tid + stride]
         cuda.syncthreads()
         stride //= 2
@@ -429,18 +554,23 @@ def row_argmax(z, sv, si):
 
 @cuda.jit
 def argmax_kernel(logits, out):
-    """Greedy: a block per row, out[row] = the index of the row's largest logit (the first, on ties)."""
+    """Greedy: a block per row, out[row] = the index of the row's largest logit (the
+    first, on ties).
+    """
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     _, i = row_argmax(logits[cuda.blockIdx.x], sv, si)
     if cuda.threadIdx.x == 0:
         out[cuda.blockIdx.x] = i
 
+
 # %%
 #| export kernels.sampling
 @cuda.jit(device=True)
 def kept_sum(z, m, inv_t, threshold, count_only, sv):
-    """Over the row's tokens whose order key is >= threshold: their count, or their mass sum exp((z - m) / T)."""
+    """Over the row's tokens whose order key is >= threshold: their count, or their mass
+    sum exp((z - m) / T).
+    """
     acc = float32(0.0)
     for i in range(cuda.threadIdx.x, z.shape[0], cuda.blockDim.x):
         if order_key(z[i]) >= threshold:
@@ -450,7 +580,9 @@ def kept_sum(z, m, inv_t, threshold, count_only, sv):
 
 @cuda.jit
 def sample_kernel(logits, temperature, top_k, top_p, uniform, out):
-    """A block per row: temperature, top-k and top-p thresholds by bisection over the float order, inverse-CDF draw."""
+    """A block per row: temperature, top-k and top-p thresholds by bisection over the
+    float order, inverse-CDF draw.
+    """
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     r, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
@@ -462,7 +594,8 @@ def sample_kernel(logits, temperature, top_k, top_p, uniform, out):
         return
     inv_t = float32(1.0) / temperature[r]
     threshold = uint32(0)  # keep tokens whose order key is >= threshold: all of them
-    if 0 < top_k[r] < z.shape[0]:  # the largest threshold that keeps at least k tokens: the k-th largest logit
+    # the largest threshold that keeps at least k tokens: the k-th largest logit
+    if 0 < top_k[r] < z.shape[0]:
         lo, hi = int64(0), int64(1) << 32
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -471,7 +604,8 @@ def sample_kernel(logits, temperature, top_k, top_p, uniform, out):
             else:
                 hi = mid
         threshold = uint32(lo)
-    if top_p[r] < 1:  # the largest threshold whose kept mass still reaches p of the total
+    # the largest threshold whose kept mass still reaches p of the total
+    if top_p[r] < 1:
         goal = top_p[r] * kept_sum(z, m, inv_t, threshold, False, sv)
         lo, hi = int64(threshold), int64(1) << 32
         while hi - lo > 1:
@@ -481,7 +615,8 @@ def sample_kernel(logits, temperature, top_k, top_p, uniform, out):
             else:
                 hi = mid
         threshold = uint32(lo)
-    # inverse CDF in token order: each thread sums a contiguous segment, a prefix over the threads finds the segment
+    # inverse CDF in token order: each thread sums a contiguous segment, a prefix over
+    # the threads finds the segment
     seg = (z.shape[0] + nt - 1) // nt
     part = float32(0.0)
     for i in range(tid * seg, min(z.shape[0], (tid + 1) * seg)):
@@ -506,15 +641,24 @@ def sample_kernel(logits, temperature, top_k, top_p, uniform, out):
         if order_key(z[i]) >= threshold:
             last = i
     cuda.syncthreads()
-    _, pick = block_argmax(float32(1.0) if found >= 0 else float32(0.0), found if found >= 0 else int64(1) << 40, sv, si)
-    _, final = block_argmax(float32(last), last, sv, si)  # u * total rounded up past the last kept token
+    _, pick = block_argmax(
+        float32(1.0) if found >= 0 else float32(0.0),
+        found if found >= 0 else int64(1) << 40,
+        sv,
+        si,
+    )
+    # u * total rounded up past the last kept token
+    _, final = block_argmax(float32(last), last, sv, si)
     if tid == 0:
         out[r] = pick if pick < z.shape[0] else final
 
 
-_ROW_ARGS = "float32[::1], int64[::1], float32[::1], float64[::1], int64[::1]"  # temperature, top_k, top_p, uniform, out
-PTX_SIGNATURES = {"argmax_kernel": ["void(float32[:, ::1], int64[::1])"],
-                  "sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"]}
+# temperature, top_k, top_p, uniform, out
+_ROW_ARGS = "float32[::1], int64[::1], float32[::1], float64[::1], int64[::1]"
+PTX_SIGNATURES = {
+    "argmax_kernel": ["void(float32[:, ::1], int64[::1])"],
+    "sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"],
+}
 
 
 # %%
@@ -528,56 +672,87 @@ from tinyvllm_lib.kernels.sampling import SAMPLER_THREADS, sample_kernel
 
 
 class CudaSampler:
-    """The GPU sampler: logits (batch, vocab) on the GPU -> token ids on the host; the same SamplingMetadata as Sampler."""
+    """The GPU sampler: logits (batch, vocab) on the GPU -> token ids on the host; the
+    same SamplingMetadata as Sampler.
+    """
 
     def __init__(self, vocab_size: int, max_rows: int, stream=0):
         self.vocab_size, self.max_rows, self.stream = vocab_size, max_rows, stream
         self.ids = cuda.device_array(max_rows, np.int64)
-        self.rows = {name: cuda.device_array(max_rows, dtype) for name, dtype in
-                     (("temperature", np.float32), ("top_k", np.int64), ("top_p", np.float32), ("uniform", np.float64))}
+        self.rows = {
+            name: cuda.device_array(max_rows, dtype)
+            for name, dtype in (
+                ("temperature", np.float32),
+                ("top_k", np.int64),
+                ("top_p", np.float32),
+                ("uniform", np.float64),
+            )
+        }
         self.host_ids = cuda.pinned_array(max_rows, np.int64)
 
     def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
         n, s = len(metadata.temperature), self.stream
         if not hasattr(logits, "copy_to_host"):  # host logits: copy them over
             logits = cuda.to_device(np.ascontiguousarray(logits, np.float32), stream=s)
-        if tuple(logits.shape) != (n, self.vocab_size) or logits.dtype != np.float32 or n > self.max_rows:
-            raise ValueError(f"logits must be float32 ({n}, {self.vocab_size}) with n <= {self.max_rows}, got {logits.dtype} {tuple(logits.shape)}")
-        for name in self.rows:  # every row's settings, greedy or not: one launch whatever the batch asks
+        if (
+            tuple(logits.shape) != (n, self.vocab_size)
+            or logits.dtype != np.float32
+            or n > self.max_rows
+        ):
+            raise ValueError(
+                f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
+                f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
+            )
+        # every row's settings, greedy or not: one launch whatever the batch asks
+        for name in self.rows:
             host = np.ascontiguousarray(getattr(metadata, name), self.rows[name].dtype)
             cuda.to_device(host, to=self.rows[name][:n], stream=s)
         r = self.rows
-        sample_kernel[n, SAMPLER_THREADS, s](logits, r["temperature"][:n], r["top_k"][:n], r["top_p"][:n], r["uniform"][:n],
-                                             self.ids[:n])
+        sample_kernel[n, SAMPLER_THREADS, s](
+            logits,
+            r["temperature"][:n],
+            r["top_k"][:n],
+            r["top_p"][:n],
+            r["uniform"][:n],
+            self.ids[:n],
+        )
         self.ids[:n].copy_to_host(self.host_ids[:n], stream=s)
         s.synchronize() if s else cuda.synchronize()
         out = SamplerOutput(self.host_ids[:n].copy())
         k = int(metadata.num_logprobs.max(initial=-1))
-        if k >= 0:  # log-probs of the raw logits: copy the rows back (only when asked for)
+        # log-probs of the raw logits: copy the rows back (only when asked for)
+        if k >= 0:
             logprobs = log_softmax(logits.copy_to_host(stream=s))
             out.logprobs = logprobs[np.arange(n), out.token_ids]
             if k > 0:
                 out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
         return out
 
+
 # %% [markdown]
-# A quick check of the GPU sampler against the NumPy one: greedy rows must pick exactly the
-# argmax, and a seeded row must draw the same token from the same uniform on both devices
-# (a different float32 sum order could move a draw that lands right on a boundary, which a
-# random uniform practically never does). `tests/test_sampling.py` runs the chi-square test on
-# the GPU sampler too.
+# A quick check of the GPU sampler against the NumPy one: greedy rows must pick exactly
+# the argmax, and a seeded row must draw the same token from the same uniform on both
+# devices (a different float32 sum order could move a draw that lands right on a
+# boundary, which a random uniform practically never does). `tests/test_sampling.py`
+# runs the chi-square test on the GPU sampler too.
 
 # %%
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
 
 if can_launch():
     check_logits = (rng.standard_normal((4, 200)) * 2).astype(np.float32)
-    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, seed=5),
-             SamplingParams(top_p=0.6, seed=6), SamplingParams(temperature=0)]
+    mixed = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_k=20, seed=5),
+        SamplingParams(top_p=0.6, seed=6),
+        SamplingParams(temperature=0),
+    ]
 
     def draw(sampler) -> list[int]:
         gens = [np.random.default_rng(p.seed) for p in mixed]
-        return sampler(check_logits, SamplingMetadata.from_params(mixed, gens)).token_ids.tolist()
+        return sampler(
+            check_logits, SamplingMetadata.from_params(mixed, gens)
+        ).token_ids.tolist()
 
     on_cpu, on_gpu = draw(Sampler()), draw(CudaSampler(200, 4))
     print(f"NumPy sampler: {on_cpu}, GPU sampler: {on_gpu}")
@@ -586,17 +761,17 @@ if can_launch():
 # %% [markdown]
 # ## Stopping, and streaming text
 #
-# A sequence ends when the model emits an **end-of-sequence** token — Llama 3.2 has three:
-# `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`, collected by `ModelConfig` from `config.json`
-# and `generation_config.json` — unless `ignore_eos`; when it emits one of the request's
-# `stop_token_ids`; when its text contains one of the `stop` strings (the text then ends just
-# before it); and at `max_tokens` new tokens. The first three finish with reason `"stop"`, the
-# last with `"length"`.
+# A sequence ends when the model emits an **end-of-sequence** token — Llama 3.2 has
+# three: `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`, collected by `ModelConfig` from
+# `config.json` and `generation_config.json` — unless `ignore_eos`; when it emits one of
+# the request's `stop_token_ids`; when its text contains one of the `stop` strings (the
+# text then ends just before it); and at `max_tokens` new tokens. The first three finish
+# with reason `"stop"`, the last with `"length"`.
 #
-# Stop strings and streaming need the text *while* tokens arrive. Decoding each new token alone
-# fails: byte-level BPE splits a character of several UTF-8 bytes — an emoji, a CJK character —
-# over several tokens, and a token holding half a character decodes to the replacement
-# character U+FFFD (�):
+# Stop strings and streaming need the text *while* tokens arrive. Decoding each new
+# token alone fails: byte-level BPE splits a character of several UTF-8 bytes — an
+# emoji, a CJK character — over several tokens, and a token holding half a character
+# decodes to the replacement character U+FFFD (�):
 
 # %%
 text = "I love 🦙 and 東京!"
@@ -605,20 +780,23 @@ print(pieces)
 assert "".join(pieces) != text
 
 # %% [markdown]
-# vLLM's incremental detokenizer keeps two offsets into the token list. It decodes a short window
-# — the tokens from `prefix_offset` on — and compares it with the text of the window's old part
-# (`prefix_offset` to `read_offset`). What the new text adds is emitted only if it does not end
-# in U+FFFD; then both offsets move forward. A window also gives tokenizers whose pieces depend
-# on their neighbours (SentencePiece's leading spaces) the context they need; it starts with the
-# last few prompt tokens.
+# vLLM's incremental detokenizer keeps two offsets into the token list. It decodes a
+# short window — the tokens from `prefix_offset` on — and compares it with the text of
+# the window's old part (`prefix_offset` to `read_offset`). What the new text adds is
+# emitted only if it does not end in U+FFFD; then both offsets move forward. A window
+# also gives tokenizers whose pieces depend on their neighbours (SentencePiece's leading
+# spaces) the context they need; it starts with the last few prompt tokens.
 
 # %%
 #| export engine.detokenizer
-INITIAL_CONTEXT = 5  # prompt tokens kept as context for the first new tokens (vLLM's initial offset)
+# prompt tokens kept as context for the first new tokens (vLLM's initial offset)
+INITIAL_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token list, emitted only once it is stable (vLLM's prefix and read offsets)."""
+    """Text of a growing token list, emitted only once it is stable (vLLM's prefix and
+    read offsets).
+    """
 
     def __init__(self, tokenizer, prompt_token_ids, skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
@@ -626,7 +804,9 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = 0, len(self.token_ids)
 
     def add(self, token_id: int) -> str:
-        """Append a token; return the text it completes ('' while a character is incomplete)."""
+        """Append a token; return the text it completes ('' while a character is
+        incomplete).
+        """
         self.token_ids.append(int(token_id))
         return self._advance(is_final=False)
 
@@ -638,16 +818,25 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _advance(self, is_final: bool) -> str:
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        prefix_text = self._decode(
+            self.token_ids[self.prefix_offset : self.read_offset]
+        )
         new_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not is_final):
-            return ""  # nothing new, or it ends in the middle of a character: wait for more tokens
+        if len(new_text) <= len(prefix_text) or (
+            new_text.endswith("\ufffd") and not is_final
+        ):
+            # nothing new, or it ends in the middle of a character: wait for more tokens
+            return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return new_text[len(prefix_text) :]
 
 
-def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
-    """(stop string, its index) for the earliest stop string that ends within the last num_new_chars characters."""
+def find_stop_string(
+    text: str, num_new_chars: int, stop: list[str]
+) -> tuple[str, int] | None:
+    """(stop string, its index) for the earliest stop string that ends within the last
+    num_new_chars characters.
+    """
     found = None
     for s in stop:
         i = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
@@ -666,16 +855,16 @@ print(streamed)
 assert "".join(streamed) == text and "\ufffd" not in "".join(streamed)
 
 # %% [markdown]
-# Empty pieces are the steps where a character was still incomplete. Stop strings bring one more
-# subtlety to streaming: the text that has arrived may be the *beginning* of a stop string
-# ("Par" of "Paris"), so a streaming engine holds back the last `len(longest stop string) − 1`
-# characters until it knows. The request object below does that, and it gathers the rest of a
-# request's state: its generator, tokens, text, log-probabilities and finish reason. Two fields
-# are for whoever schedules it: its **status** — waiting, running, finished — and
-# `num_computed_tokens`, how many of its tokens already have their keys and values in the cache.
-# A step computes the tokens after those; chapter 9's scheduler reads both. Its output has the
-# shape of vLLM's; a request ended from outside (a client that went away) finishes with reason
-# `"abort"`.
+# Empty pieces are the steps where a character was still incomplete. Stop strings bring
+# one more subtlety to streaming: the text that has arrived may be the *beginning* of a
+# stop string ("Par" of "Paris"), so a streaming engine holds back the last
+# `len(longest stop string) − 1` characters until it knows. The request object below
+# does that, and it gathers the rest of a request's state: its generator, tokens, text,
+# log-probabilities and finish reason. Two fields are for whoever schedules it: its
+# **status** — waiting, running, finished — and `num_computed_tokens`, how many of its
+# tokens already have their keys and values in the cache. A step computes the tokens
+# after those; chapter 9's scheduler reads both. Its output has the shape of vLLM's; a
+# request ended from outside (a client that went away) finishes with reason `"abort"`.
 
 # %%
 #| export engine.outputs
@@ -689,10 +878,14 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None  # the sum of the chosen tokens' log-probs, when logprobs were asked for
-    logprobs: list[dict[int, float]] | None  # per step {token id: log-prob}: the chosen token, then the top k
-    finish_reason: str | None = None  # "stop" (eos, stop string or stop token), "length" or "abort"; None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # the sum of the chosen tokens' log-probs, when logprobs were asked for
+    cumulative_logprob: float | None
+    # per step {token id: log-prob}: the chosen token, then the top k
+    logprobs: list[dict[int, float]] | None
+    # "stop" (eos, stop string or stop token), "length" or "abort"; None while running
+    finish_reason: str | None = None
+    # the stop string or stop token id that ended it
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -705,7 +898,8 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, float] | None] | None  # None for the first token, then one dict per token
+    # None for the first token, then one dict per token
+    prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
 
@@ -730,16 +924,37 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """One prompt being generated: its settings and generator, its tokens and text, and when it stops."""
+    """One prompt being generated: its settings and generator, its tokens and text, and
+    when it stops.
+    """
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, eos_token_ids, tokenizer=None, generator: np.random.Generator | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids,
+        tokenizer=None,
+        generator: np.random.Generator | None = None,
+    ):
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.prompt_token_ids = [int(i) for i in prompt_token_ids]
         self.max_tokens = max_tokens
-        self.generator = generator if generator is not None else np.random.default_rng(params.seed)
-        self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
-        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens)
+        self.generator = (
+            generator if generator is not None else np.random.default_rng(params.seed)
+        )
+        self.eos_token_ids = (
+            frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        )
+        self.detokenizer = (
+            None
+            if tokenizer is None
+            else IncrementalDetokenizer(
+                tokenizer, self.prompt_token_ids, params.skip_special_tokens
+            )
+        )
         self.output_token_ids: list[int] = []
         self.text, self.num_streamed = "", 0
         self.logprobs = None if params.logprobs is None else []
@@ -758,14 +973,21 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Its tokens start .. end - 1 (prompt, then output), without joining the whole lists."""
+        """Its tokens start .. end - 1 (prompt, then output), without joining the whole
+        lists.
+        """
         num_prompt = len(self.prompt_token_ids)
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - num_prompt)]
+        return (
+            self.prompt_token_ids[start:end]
+            + self.output_token_ids[: max(0, end - num_prompt)]
+        )
 
     def abort(self) -> None:
-        """End it from outside (finish_reason 'abort'), keeping what it has generated."""
+        """End it from outside (finish_reason 'abort'), keeping what it has
+        generated.
+        """
         if not self.is_finished:
             self.finish_reason = "abort"
         self.status = RequestStatus.FINISHED
@@ -774,91 +996,139 @@ class Request:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_token(self, token_id: int, logprob=None, top_ids=None, top_values=None) -> None:
-        """Add a chosen token: its log-probs, its text; finish on eos, a stop token or string, or max_tokens."""
+    def append_token(
+        self, token_id: int, logprob=None, top_ids=None, top_values=None
+    ) -> None:
+        """Add a chosen token: its log-probs, its text; finish on eos, a stop token or
+        string, or max_tokens.
+        """
         token_id = int(token_id)
         self.output_token_ids.append(token_id)
         if self.logprobs is not None:
             step = {token_id: float(logprob)}  # the chosen token first, then the top k
             if self.params.logprobs > 0:
                 k = self.params.logprobs
-                step.update((int(i), float(v)) for i, v in zip(top_ids[:k], top_values[:k]) if int(i) not in step)
+                step.update(
+                    (int(i), float(v))
+                    for i, v in zip(top_ids[:k], top_values[:k])
+                    if int(i) not in step
+                )
             self.logprobs.append(step)
             self.cumulative_logprob += float(logprob)
         if token_id in self.eos_token_ids:
             self.finish_reason = "stop"
         elif token_id in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token_id
-        if self.detokenizer is not None and (not self.is_finished or self.params.include_stop_str_in_output):
+        if self.detokenizer is not None and (
+            not self.is_finished or self.params.include_stop_str_in_output
+        ):
             new_text = self.detokenizer.add(token_id)
             self.text += new_text
-            found = find_stop_string(self.text, len(new_text), self.params.stop) if not self.is_finished else None
+            found = (
+                find_stop_string(self.text, len(new_text), self.params.stop)
+                if not self.is_finished
+                else None
+            )
             if found is not None:
                 stop, index = found
-                self.text = self.text[: index + len(stop) if self.params.include_stop_str_in_output else index]
+                self.text = self.text[
+                    : index + len(stop)
+                    if self.params.include_stop_str_in_output
+                    else index
+                ]
                 self.finish_reason, self.stop_reason = "stop", stop
                 self.status = RequestStatus.FINISHED
                 return
         if not self.is_finished and len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = "length"
         if self.is_finished and self.detokenizer is not None:
-            self.text += self.detokenizer.flush()  # a character left incomplete at the end: its U+FFFD
+            # a character left incomplete at the end: its U+FFFD
+            self.text += self.detokenizer.flush()
         if self.is_finished:
             self.status = RequestStatus.FINISHED
 
     def stream_delta(self) -> str:
-        """New text that can no longer change (the possible start of a stop string is held back)."""
+        """New text that can no longer change (the possible start of a stop string is
+        held back).
+        """
         hold = 0
-        if not self.is_finished and self.params.stop and not self.params.include_stop_str_in_output:
+        if (
+            not self.is_finished
+            and self.params.stop
+            and not self.params.include_stop_str_in_output
+        ):
             hold = max(map(len, self.params.stop)) - 1
         end = max(self.num_streamed, len(self.text) - hold)
         delta, self.num_streamed = self.text[self.num_streamed : end], end
         return delta
 
     def set_prompt_logprobs(self, logits: np.ndarray) -> None:
-        """From the logits of every prompt position: each prompt token's log-prob (and the top k) given the ones before."""
+        """From the logits of every prompt position: each prompt token's log-prob (and
+        the top k) given the ones before.
+        """
         ids, k = self.prompt_token_ids, self.params.prompt_logprobs
-        logprobs = log_softmax(np.asarray(logits[:-1], np.float32))  # row t predicts token t + 1
+        # row t predicts token t + 1
+        logprobs = log_softmax(np.asarray(logits[:-1], np.float32))
         top = top_logprobs(logprobs, k) if k > 0 else None
         self.prompt_logprobs = [None]
         for t, token in enumerate(ids[1:]):
             step = {token: float(logprobs[t, token])}
             if top is not None:
-                step.update((int(i), float(v)) for i, v in zip(*(a[t] for a in top)) if int(i) not in step)
+                step.update(
+                    (int(i), float(v))
+                    for i, v in zip(*(a[t] for a in top))
+                    if int(i) not in step
+                )
             self.prompt_logprobs.append(step)
 
     def output(self) -> RequestOutput:
-        completion = CompletionOutput(0, self.text, list(self.output_token_ids), self.cumulative_logprob,
-                                      self.logprobs, self.finish_reason, self.stop_reason)
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), self.prompt_logprobs,
-                             [completion], self.is_finished)
+        completion = CompletionOutput(
+            0,
+            self.text,
+            list(self.output_token_ids),
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+        )
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            list(self.prompt_token_ids),
+            self.prompt_logprobs,
+            [completion],
+            self.is_finished,
+        )
+
 
 # %% [markdown]
 # ## The model runner
 #
-# Everything a step needs is now there: the cache and its attention (chapter 8), the model's
-# layer loop (chapter 7), the sampler. The **model runner** puts them behind one call. Its input
-# is what a scheduler decides — *these requests, this many new tokens each, these blocks* — and
-# its output is one sampled token per request. In between, four stages, the same on both
-# devices:
+# Everything a step needs is now there: the cache and its attention (chapter 8), the
+# model's layer loop (chapter 7), the sampler. The **model runner** puts them behind one
+# call. Its input is what a scheduler decides — *these requests, this many new tokens
+# each, these blocks* — and its output is one sampled token per request. In between,
+# four stages, the same on both devices:
 #
-# 1. **prepare**: the step's arrays — token ids, positions, the attention metadata, the rows
-#    that need logits, the sampling settings — in one vectorised NumPy pass over the batch;
+# 1. **prepare**: the step's arrays — token ids, positions, the attention metadata, the
+#    rows that need logits, the sampling settings — in one vectorised NumPy pass over
+#    the batch;
 # 2. **the layer loop**, handed the device's attention over the device's cache;
-# 3. **the LM head** on the rows that need logits only: each request's last new token, plus the
-#    whole prompt of a request that asked for its prompt's log-probabilities. The head is the
-#    largest matrix of a small model (SmolLM2: 28 of its 135 M weights) and a prompt can have
-#    thousands of rows, so they are gathered first (on the GPU by a small kernel, since a batch's
-#    last rows are not next to each other);
+# 3. **the LM head** on the rows that need logits only: each request's last new token,
+#    plus the whole prompt of a request that asked for its prompt's log-probabilities.
+#    The head is the largest matrix of a small model (SmolLM2: 28 of its 135 M weights)
+#    and a prompt can have thousands of rows, so they are gathered first (on the GPU by
+#    a small kernel, since a batch's last rows are not next to each other);
 # 4. **the sampler**.
 #
-# The device picks the classes — `LlamaNumpy`, `KVCache`, `CachedAttention` and `Sampler` on the
-# CPU; `LlamaCuda`, `CudaKVCache`, `PagedAttention` and `CudaSampler` on the GPU — and on the
-# GPU the runner makes, once, every buffer a step writes: the activations of the largest step,
-# the step's metadata, decode attention's workspace, the logits. A decode step of up to
-# `max_num_seqs` sequences then copies its few small arrays into those buffers and allocates
-# nothing, and no value that changes from step to step reaches a kernel's grid: the first
-# condition for capturing it as a CUDA graph (chapter 11).
+# The device picks the classes — `LlamaNumpy`, `KVCache`, `CachedAttention` and
+# `Sampler` on the CPU; `LlamaCuda`, `CudaKVCache`, `PagedAttention` and `CudaSampler`
+# on the GPU — and on the GPU the runner makes, once, every buffer a step writes: the
+# activations of the largest step, the step's metadata, decode attention's workspace,
+# the logits. A decode step of up to `max_num_seqs` sequences then copies its few small
+# arrays into those buffers and allocates nothing, and no value that changes from step
+# to step reaches a kernel's grid: the first condition for capturing it as a CUDA graph
+# (chapter 11).
 
 # %%
 #| export kernels.gather
@@ -877,22 +1147,44 @@ def gather_rows_kernel(src, indices, out):
         out[r, c] = src[row, c]
 
 
-PTX_SIGNATURES = {"gather_rows_kernel": ["void(uint16[:, ::1], int64[::1], uint16[:, ::1])"]}
+PTX_SIGNATURES = {
+    "gather_rows_kernel": ["void(uint16[:, ::1], int64[::1], uint16[:, ::1])"]
+}
 
 
 def gather_rows(src, indices, out, stream=0, threads: int = 128):
-    """out[r] = src[indices[r]] for 2-D arrays of the same dtype and width; indices int64 (rows of out,).
+    """out[r] = src[indices[r]] for 2-D arrays of the same dtype and width; indices
+    int64 (rows of out,).
 
-    Host indices are range-checked here; device indices come from the engine, never from a user."""
-    if src.ndim != 2 or out.ndim != 2 or src.dtype != out.dtype or src.shape[1] != out.shape[1]:
-        raise ValueError(f"gather_rows: src and out must be 2-D of one dtype and width, got {src.dtype} {tuple(src.shape)} "
-                         f"and {out.dtype} {tuple(out.shape)}")
+    Host indices are range-checked here; device indices come from the engine, never from
+    a user.
+    """
+    if (
+        src.ndim != 2
+        or out.ndim != 2
+        or src.dtype != out.dtype
+        or src.shape[1] != out.shape[1]
+    ):
+        raise ValueError(
+            "gather_rows: src and out must be 2-D of one dtype and width, got "
+            f"{src.dtype} {tuple(src.shape)} "
+            f"and {out.dtype} {tuple(out.shape)}"
+        )
     if indices.dtype != np.int64 or indices.shape != (out.shape[0],):
-        raise TypeError(f"gather_rows: indices must be int64 ({out.shape[0]},), got {indices.dtype} {tuple(indices.shape)}")
+        raise TypeError(
+            f"gather_rows: indices must be int64 ({out.shape[0]},), got "
+            f"{indices.dtype} {tuple(indices.shape)}"
+        )
     if not (is_c_contiguous(src) and is_c_contiguous(out)):
         raise ValueError("gather_rows: src and out must be C-contiguous")
-    if isinstance(indices, np.ndarray) and indices.size and not 0 <= indices.min() <= indices.max() < src.shape[0]:
-        raise ValueError(f"gather_rows: indices must be rows of src, in [0, {src.shape[0]})")
+    if (
+        isinstance(indices, np.ndarray)
+        and indices.size
+        and not 0 <= indices.min() <= indices.max() < src.shape[0]
+    ):
+        raise ValueError(
+            f"gather_rows: indices must be rows of src, in [0, {src.shape[0]})"
+        )
     if out.shape[0]:
         gather_rows_kernel[out.shape[0], threads, stream](src, indices, out)
     return out
@@ -913,7 +1205,10 @@ from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_attention import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
-from tinyvllm_lib.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+from tinyvllm_lib.layers.attention_metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+)
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
@@ -922,12 +1217,17 @@ DEVICES = ("cpu", "cuda")
 
 @dataclass
 class SchedulerOutput:
-    """One step's work, as a scheduler decides it: which requests run, how many new tokens each, and their blocks."""
+    """One step's work, as a scheduler decides it: which requests run, how many new
+    tokens each, and their blocks.
+    """
 
-    requests: list[Request]  # the batch: its num_prefills prompts first, then one-token decodes
-    num_new_tokens: list[int]  # per request: the tokens computed this step, after its num_computed_tokens
+    # the batch: its num_prefills prompts first, then one-token decodes
+    requests: list[Request]
+    # per request: the tokens computed this step, after its num_computed_tokens
+    num_new_tokens: list[int]
     num_prefills: int
-    block_tables: np.ndarray  # (len(requests), max_blocks) int32: each request's row of the block table
+    # (len(requests), max_blocks) int32: each request's row of the block table
+    block_tables: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -936,96 +1236,186 @@ class SchedulerOutput:
 
 @dataclass
 class StepInputs:
-    """The arrays of one step, on the host: what prepare_inputs builds from a SchedulerOutput."""
+    """The arrays of one step, on the host: what prepare_inputs builds from a
+    SchedulerOutput.
+    """
 
     token_ids: np.ndarray  # (num_tokens,) int64
     positions: np.ndarray  # (num_tokens,) int64
     metadata: AttentionMetadata
-    logits_indices: np.ndarray  # (rows,) int64: the rows the head runs on: each request's last, then prompt rows
-    prompt_rows: dict[int, slice]  # request index -> its rows of the logits (those that asked for prompt_logprobs)
+    # (rows,) int64: the rows the head runs on: each request's last, then prompt rows
+    logits_indices: np.ndarray
+    # request index -> its rows of the logits (those that asked for prompt_logprobs)
+    prompt_rows: dict[int, slice]
     sampling: SamplingMetadata
 
 
 @dataclass
 class ModelRunnerOutput:
-    """What a step produced: one sampled token per request, and the prompt logits some asked for."""
+    """What a step produced: one sampled token per request, and the prompt logits some
+    asked for.
+    """
 
     sampled: SamplerOutput  # rows in the batch's order
-    prompt_logits: list  # per request: logits (num_prompt_tokens, vocab) of its prompt rows, else None
+    # per request: logits (num_prompt_tokens, vocab) of its prompt rows, else None
+    prompt_logits: list
 
 
 def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
-    """The step's arrays in one pass over the batch (nothing whose size grows with a request's context)."""
+    """The step's arrays in one pass over the batch (nothing whose size grows with a
+    request's context).
+    """
     requests = step.requests
     num_new = np.asarray(step.num_new_tokens, np.int32)
-    num_computed = np.fromiter((r.num_computed_tokens for r in requests), np.int32, len(requests))
-    positions, metadata = build_attention_metadata(num_new, num_computed + num_new, step.block_tables, block_size,
-                                                   step.num_prefills)
-    token_ids = np.fromiter((t for r, c, n in zip(requests, num_computed, num_new) for t in r.token_ids(c, c + n)),
-                            np.int64, step.num_tokens)
+    num_computed = np.fromiter(
+        (r.num_computed_tokens for r in requests), np.int32, len(requests)
+    )
+    positions, metadata = build_attention_metadata(
+        num_new,
+        num_computed + num_new,
+        step.block_tables,
+        block_size,
+        step.num_prefills,
+    )
+    token_ids = np.fromiter(
+        (
+            t
+            for r, c, n in zip(requests, num_computed, num_new)
+            for t in r.token_ids(c, c + n)
+        ),
+        np.int64,
+        step.num_tokens,
+    )
     starts = metadata.query_start_loc
-    logits_indices = [starts[1:].astype(np.int64) - 1]  # each request's last new token: its next token's logits
+    # each request's last new token: its next token's logits
+    logits_indices = [starts[1:].astype(np.int64) - 1]
     prompt_rows, row = {}, len(requests)
     for i, r in enumerate(requests):
-        if r.params.prompt_logprobs is not None and num_computed[i] == 0:  # its prefill: every prompt row
+        # its prefill: every prompt row
+        if r.params.prompt_logprobs is not None and num_computed[i] == 0:
             logits_indices.append(np.arange(starts[i], starts[i + 1], dtype=np.int64))
             prompt_rows[i] = slice(row, row + int(num_new[i]))
             row += int(num_new[i])
-    sampling = SamplingMetadata.from_params([r.params for r in requests], [r.generator for r in requests])
-    return StepInputs(token_ids, positions, metadata, np.concatenate(logits_indices), prompt_rows, sampling)
+    sampling = SamplingMetadata.from_params(
+        [r.params for r in requests], [r.generator for r in requests]
+    )
+    return StepInputs(
+        token_ids,
+        positions,
+        metadata,
+        np.concatenate(logits_indices),
+        prompt_rows,
+        sampling,
+    )
 
 
 class ModelRunner:
-    """A step of the model for a batch of requests, on "cpu" (NumPy) or "cuda" (the book's kernels):
-    prepare the step's arrays -> the layer loop with the device's attention over its cache -> the LM
-    head on the rows that need logits -> the sampler. On the GPU every buffer a step writes is made
-    here, once: a decode step of up to max_num_seqs requests allocates nothing."""
+    """A step of the model for a batch of requests, on "cpu" (NumPy) or "cuda" (the
+    book's kernels): prepare the step's arrays -> the layer loop with the device's
+    attention over its cache -> the LM head on the rows that need logits -> the sampler.
+    On the GPU every buffer a step writes is made here, once: a decode step of up to
+    max_num_seqs requests allocates nothing.
+    """
 
-    def __init__(self, folder, device: str, num_kv_slots: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, kv_cache_dtype: str = "auto"):
+    def __init__(
+        self,
+        folder,
+        device: str,
+        num_kv_slots: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        kv_cache_dtype: str = "auto",
+    ):
         if device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-        self.device, self.block_size, self.max_num_seqs = device, block_size, max_num_seqs
-        self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
-        if device == "cpu":  # the device picks the model, the cache, the attention and the sampler
+            raise ValueError(
+                f"device must be one of {', '.join(DEVICES)}, got {device!r}"
+            )
+        self.device, self.block_size, self.max_num_seqs = (
+            device,
+            block_size,
+            max_num_seqs,
+        )
+        self.max_num_batched_tokens, self.max_model_len = (
+            max_num_batched_tokens,
+            max_model_len,
+        )
+        # the device picks the model, the cache, the attention and the sampler
+        if device == "cpu":
             self.model = LlamaNumpy.from_folder(folder)
-            self.kv_cache = KVCache(self.model.config, num_kv_slots, "float32" if kv_cache_dtype == "auto" else kv_cache_dtype)
+            self.kv_cache = KVCache(
+                self.model.config,
+                num_kv_slots,
+                "float32" if kv_cache_dtype == "auto" else kv_cache_dtype,
+            )
             self.sampler = Sampler()
         else:
             if kv_cache_dtype not in ("auto", "bfloat16"):
-                raise ValueError(f"device='cuda' keeps its KV cache in bfloat16, got kv_cache_dtype={kv_cache_dtype!r}")
+                raise ValueError(
+                    "device='cuda' keeps its KV cache in bfloat16, got "
+                    f"kv_cache_dtype={kv_cache_dtype!r}"
+                )
             self.model = LlamaCuda.from_folder(folder)
             self.stream = cuda.stream()
             self.kv_cache = CudaKVCache(self.model.config, num_kv_slots)
-            self.sampler = CudaSampler(self.model.config.vocab_size, max_num_seqs, self.stream)
+            self.sampler = CudaSampler(
+                self.model.config.vocab_size, max_num_seqs, self.stream
+            )
             self._make_device_buffers()
         self.config = self.model.config
 
     def _make_device_buffers(self) -> None:
-        c, rows, tokens = self.model.config, self.max_num_seqs, self.max_num_batched_tokens
+        c, rows, tokens = (
+            self.model.config,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+        )
         self.activations = self.model.make_buffers(tokens)  # the largest step's
-        self.step_arrays = {  # the step's metadata, copied in by AttentionMetadata.to_device
-            "query_start_loc": cuda.device_array(rows + 1, np.int32), "seq_lens": cuda.device_array(rows, np.int32),
+        # the step's metadata, copied in by AttentionMetadata.to_device
+        self.step_arrays = {
+            "query_start_loc": cuda.device_array(rows + 1, np.int32),
+            "seq_lens": cuda.device_array(rows, np.int32),
             "slot_mapping": cuda.device_array(tokens, np.int64),
-            "block_tables": cuda.device_array((rows, cdiv(self.max_model_len, self.block_size)), np.int32),
+            "block_tables": cuda.device_array(
+                (rows, cdiv(self.max_model_len, self.block_size)), np.int32
+            ),
             "logits_indices": cuda.device_array(rows, np.int64),
         }
-        self.workspace = decode_workspace(rows, self.max_model_len, c.num_attention_heads, c.head_dim)
-        self.head_rows = cuda.device_array((rows, c.hidden_size), np.uint16)  # gathered rows for the head
+        self.workspace = decode_workspace(
+            rows, self.max_model_len, c.num_attention_heads, c.head_dim
+        )
+        # gathered rows for the head
+        self.head_rows = cuda.device_array((rows, c.hidden_size), np.uint16)
         self.logits = cuda.device_array((rows, c.vocab_size), np.float32)
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: the requests' new tokens through the model, a token sampled for each."""
-        if not 0 < step.num_tokens <= self.max_num_batched_tokens or len(step.requests) > self.max_num_seqs:
-            raise ValueError(f"a step takes 1 to {self.max_num_batched_tokens} tokens of at most {self.max_num_seqs} "
-                             f"requests, got {step.num_tokens} tokens of {len(step.requests)}")
+        """Run one step: the requests' new tokens through the model, a token sampled for
+        each.
+        """
+        if (
+            not 0 < step.num_tokens <= self.max_num_batched_tokens
+            or len(step.requests) > self.max_num_seqs
+        ):
+            raise ValueError(
+                f"a step takes 1 to {self.max_num_batched_tokens} tokens of at most "
+                f"{self.max_num_seqs} "
+                f"requests, got {step.num_tokens} tokens of {len(step.requests)}"
+            )
         inputs = prepare_inputs(step, self.block_size)
-        logits = self._forward_cpu(inputs) if self.device == "cpu" else self._forward_cuda(inputs)
+        logits = (
+            self._forward_cpu(inputs)
+            if self.device == "cpu"
+            else self._forward_cuda(inputs)
+        )
         num_seqs = len(step.requests)
         sampled = self.sampler(logits[:num_seqs], inputs.sampling)
         prompt_logits = [None] * num_seqs
-        for i, rows in inputs.prompt_rows.items():  # copied to the host only when asked for
-            prompt_logits[i] = logits[rows] if self.device == "cpu" else logits[rows].copy_to_host()
+        # copied to the host only when asked for
+        for i, rows in inputs.prompt_rows.items():
+            prompt_logits[i] = (
+                logits[rows] if self.device == "cpu" else logits[rows].copy_to_host()
+            )
         return ModelRunnerOutput(sampled, prompt_logits)
 
     def _forward_cpu(self, inputs: StepInputs) -> np.ndarray:
@@ -1037,65 +1427,113 @@ class ModelRunner:
         return self.launch(self.upload(inputs), self.stream)
 
     def upload(self, inputs: StepInputs) -> dict:
-        """Copy the step's arrays into the runner's buffers, on its stream: the views a launch reads."""
+        """Copy the step's arrays into the runner's buffers, on its stream: the views a
+        launch reads.
+        """
         m = inputs.metadata
-        if np.any(m.seq_lens[: m.num_prefills] != np.diff(m.query_start_loc[: m.num_prefills + 1])):
-            raise NotImplementedError("on the GPU a prefill starts at position 0 (flash attention over its own tokens); "
-                                      "one after cached tokens needs chapter 10's paged prefill")
+        if np.any(
+            m.seq_lens[: m.num_prefills]
+            != np.diff(m.query_start_loc[: m.num_prefills + 1])
+        ):
+            raise NotImplementedError(
+                "on the GPU a prefill starts at position 0 (flash attention over its "
+                "own tokens); "
+                "one after cached tokens needs paged prefill (chapter 10, not "
+                "written yet)"
+            )
         s, n, rows = self.stream, len(inputs.token_ids), len(inputs.logits_indices)
         b = {name: buf[:n] for name, buf in self.activations.items()}
         cuda.to_device(inputs.token_ids, to=b["ids"], stream=s)
         cuda.to_device(inputs.positions, to=b["positions"], stream=s)
-        staged = {"buffers": b, "metadata": inputs.metadata.to_device(self.step_arrays, stream=s), "rows": rows, "indices": None}
-        if staged["metadata"].num_prefills or rows != n:  # not a plain decode step: the head's rows must be gathered
-            fits = rows <= self.max_num_seqs  # a large prompt_logprobs request gets buffers of its own
-            staged["indices"] = self.step_arrays["logits_indices"][:rows] if fits else cuda.device_array(rows, np.int64)
+        staged = {
+            "buffers": b,
+            "metadata": inputs.metadata.to_device(self.step_arrays, stream=s),
+            "rows": rows,
+            "indices": None,
+        }
+        # not a plain decode step: the head's rows must be gathered
+        if staged["metadata"].num_prefills or rows != n:
+            # a large prompt_logprobs request gets buffers of its own
+            fits = rows <= self.max_num_seqs
+            staged["indices"] = (
+                self.step_arrays["logits_indices"][:rows]
+                if fits
+                else cuda.device_array(rows, np.int64)
+            )
             cuda.to_device(inputs.logits_indices, to=staged["indices"], stream=s)
         return staged
 
     def launch(self, staged: dict, stream):
-        """The step's kernels only, on `stream` (what a CUDA graph can capture): layers, head rows, head; the logits."""
+        """The step's kernels only, on `stream` (what a CUDA graph can capture): layers,
+        head rows, head; the logits.
+        """
         b, rows, c = staged["buffers"], staged["rows"], self.config
-        attention = PagedAttention(c, self.kv_cache, staged["metadata"], self.workspace, self.max_model_len)
+        attention = PagedAttention(
+            c, self.kv_cache, staged["metadata"], self.workspace, self.max_model_len
+        )
         self.model.run(b, attention, stream)
         fits = rows <= self.max_num_seqs
         hidden = b["normed"]  # a decode step: every row, in order
         if staged["indices"] is not None:
-            hidden = self.head_rows[:rows] if fits else cuda.device_array((rows, c.hidden_size), np.uint16)
+            hidden = (
+                self.head_rows[:rows]
+                if fits
+                else cuda.device_array((rows, c.hidden_size), np.uint16)
+            )
             gather_rows(b["normed"], staged["indices"], hidden, stream=stream)
-        logits = self.logits[:rows] if fits else cuda.device_array((rows, c.vocab_size), np.float32)
+        logits = (
+            self.logits[:rows]
+            if fits
+            else cuda.device_array((rows, c.vocab_size), np.float32)
+        )
         self.model.compute_logits(hidden, logits, stream)
         return logits
+
 
 # %% [markdown]
 # ## Generating, one request at a time
 #
-# A loop around the runner generates an answer: the first step computes the whole prompt (its
-# keys and values go to the cache, its last row's logits give the first token), and every step
-# after computes the one token the step before chose. The request keeps the score: its status,
-# how many tokens are computed, its output, when it finishes. This loop serves one request at a
-# time — a scheduler that does better is chapter 9.
+# A loop around the runner generates an answer: the first step computes the whole prompt
+# (its keys and values go to the cache, its last row's logits give the first token), and
+# every step after computes the one token the step before chose. The request keeps the
+# score: its status, how many tokens are computed, its output, when it finishes. This
+# loop serves one request at a time — a scheduler that does better is chapter 9.
 
 # %%
 from tinyvllm_lib.engine.model_runner import ModelRunner, SchedulerOutput
 from tinyvllm_lib.engine.request import Request, RequestStatus
 
 
-def generate_one(runner: ModelRunner, allocator: ContiguousAllocator, request: Request, on_text=None) -> Request:
-    """Prefill the prompt, then decode one token per step until the request finishes; on_text(new text) as it streams."""
+def generate_one(
+    runner: ModelRunner, allocator: ContiguousAllocator, request: Request, on_text=None
+) -> Request:
+    """Prefill the prompt, then decode one token per step until the request finishes;
+    on_text(new text) as it streams.
+    """
     row = allocator.allocate()
     request.status = RequestStatus.RUNNING
     try:
         while not request.is_finished:
-            num_new = request.num_tokens - request.num_computed_tokens  # the whole prompt first, then one token a step
-            step = SchedulerOutput([request], [num_new], num_prefills=int(request.num_computed_tokens == 0),
-                                   block_tables=allocator.block_tables([row]))
+            # the whole prompt first, then one token a step
+            num_new = request.num_tokens - request.num_computed_tokens
+            step = SchedulerOutput(
+                [request],
+                [num_new],
+                num_prefills=int(request.num_computed_tokens == 0),
+                block_tables=allocator.block_tables([row]),
+            )
             out = runner.execute(step)
             request.num_computed_tokens += num_new
             if out.prompt_logits[0] is not None:
                 request.set_prompt_logprobs(out.prompt_logits[0])
             s = out.sampled
-            request.append_token(s.token_ids[0], *(None if a is None else a[0] for a in (s.logprobs, s.top_ids, s.top_logprobs)))
+            request.append_token(
+                s.token_ids[0],
+                *(
+                    None if a is None else a[0]
+                    for a in (s.logprobs, s.top_ids, s.top_logprobs)
+                ),
+            )
             if on_text is not None and (delta := request.stream_delta()):
                 on_text(delta)
     finally:
@@ -1104,15 +1542,30 @@ def generate_one(runner: ModelRunner, allocator: ContiguousAllocator, request: R
 
 
 allocator = ContiguousAllocator(max_num_seqs=1, max_model_len=512)
-cpu_runner = ModelRunner(folder, "cpu", allocator.num_slots, allocator.block_size, max_num_seqs=1,
-                         max_num_batched_tokens=512, max_model_len=512)
+cpu_runner = ModelRunner(
+    folder,
+    "cpu",
+    allocator.num_slots,
+    allocator.block_size,
+    max_num_seqs=1,
+    max_num_batched_tokens=512,
+    max_model_len=512,
+)
 prompt_ids = tokenizer.apply_chat_template(question, tokenize=True)
 
 
 def ask(runner, params: SamplingParams, on_text=None, prompt=prompt_ids) -> Request:
     """A fresh request for the prompt, generated to the end."""
-    request = Request("0", None, prompt, params, params.max_tokens, smollm2.eos_token_ids, tokenizer,
-                      np.random.default_rng(params.seed))
+    request = Request(
+        "0",
+        None,
+        prompt,
+        params,
+        params.max_tokens,
+        smollm2.eos_token_ids,
+        tokenizer,
+        np.random.default_rng(params.seed),
+    )
     return generate_one(runner, allocator, request, on_text)
 
 
@@ -1120,13 +1573,17 @@ t0 = time.perf_counter()
 answer = ask(cpu_runner, SamplingParams(temperature=0, max_tokens=24))
 seconds = time.perf_counter() - t0
 print(f"{len(prompt_ids)} prompt tokens -> {answer.text!r}")
-print(f"{len(answer.output_token_ids)} tokens in {seconds:.1f} s on the CPU, finish_reason={answer.finish_reason!r}")
+print(
+    f"{len(answer.output_token_ids)} tokens in {seconds:.1f} s on the CPU, "
+    f"finish_reason={answer.finish_reason!r}"
+)
 assert "Paris" in answer.text and answer.status == RequestStatus.FINISHED
 
 # %% [markdown]
-# Sampling with a seed is reproducible, and log-probabilities come as vLLM gives them: per step,
-# a dict from token id to log-probability — the chosen token, then the `logprobs` most likely.
-# (A model of 135 M weights at temperature 0.7 wanders; that is what sampling is for.)
+# Sampling with a seed is reproducible, and log-probabilities come as vLLM gives them:
+# per step, a dict from token id to log-probability — the chosen token, then the
+# `logprobs` most likely. (A model of 135 M weights at temperature 0.7 wanders; that is
+# what sampling is for.)
 
 # %%
 params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=7, logprobs=2)
@@ -1134,32 +1591,48 @@ first, again = ask(cpu_runner, params), ask(cpu_runner, params)
 print(repr(first.text))
 assert first.output_token_ids == again.output_token_ids
 for step_logprobs, token in zip(first.logprobs[:3], first.output_token_ids):
-    print(f"chose {tokenizer.decode([token])!r:>10}:", {tokenizer.decode([i]): round(v, 2) for i, v in step_logprobs.items()})
+    print(
+        f"chose {tokenizer.decode([token])!r:>10}:",
+        {tokenizer.decode([i]): round(v, 2) for i, v in step_logprobs.items()},
+    )
 print(f"cumulative log-prob {first.cumulative_logprob:.2f}")
 
 # %% [markdown]
-# Stop strings cut the text, and streaming hands it over piece by piece — never a piece of a
-# stop string that may still be completing, never half a character:
+# Stop strings cut the text, and streaming hands it over piece by piece — never a piece
+# of a stop string that may still be completing, never half a character:
 
 # %%
 stopped = ask(cpu_runner, SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))
-print(f"stop='Paris': {stopped.text!r}, finish_reason={stopped.finish_reason!r}, stop_reason={stopped.stop_reason!r}")
+print(
+    f"stop='Paris': {stopped.text!r}, finish_reason={stopped.finish_reason!r}, "
+    f"stop_reason={stopped.stop_reason!r}"
+)
 assert stopped.finish_reason == "stop" and "Paris" not in stopped.text
 
 pieces = []
-streamed = ask(cpu_runner, SamplingParams(temperature=0, max_tokens=24), on_text=pieces.append)
+streamed = ask(
+    cpu_runner, SamplingParams(temperature=0, max_tokens=24), on_text=pieces.append
+)
 print("streamed pieces:", pieces)
 assert "".join(pieces) == streamed.text == answer.text
 
 # %% [markdown]
-# The same runner on the GPU — `LlamaCuda`, the bf16 cache, `PagedAttention`, the GPU sampler —
-# answers the same question. (In the simulator every GPU thread is a Python thread, far too slow
-# for a 30-layer model; `tests/test_model_runner.py` runs a tiny one through it there.)
+# The same runner on the GPU — `LlamaCuda`, the bf16 cache, `PagedAttention`, the GPU
+# sampler — answers the same question. (In the simulator every GPU thread is a Python
+# thread, far too slow for a 30-layer model; `tests/test_model_runner.py` runs a tiny
+# one through it there.)
 
 # %%
 if has_gpu():
-    gpu_runner = ModelRunner(folder, "cuda", allocator.num_slots, allocator.block_size, max_num_seqs=1,
-                             max_num_batched_tokens=512, max_model_len=512)
+    gpu_runner = ModelRunner(
+        folder,
+        "cuda",
+        allocator.num_slots,
+        allocator.block_size,
+        max_num_seqs=1,
+        max_num_batched_tokens=512,
+        max_model_len=512,
+    )
     on_gpu = ask(gpu_runner, SamplingParams(temperature=0, max_tokens=24))
     print(f"on the GPU: {on_gpu.text!r}")
     assert "Paris" in on_gpu.text
@@ -1170,113 +1643,167 @@ else:
 # %% [markdown]
 # ## How fast is one request at a time?
 #
-# Two benchmark scripts measure it and record to `book/data/ch08_kv_cache.json`; the book plots
-# what they recorded. `bench/ch08_decode_cpu.py` decodes 32 greedy tokens after a short chat
-# prompt with this engine and with `transformers` (float32, `model.generate` with its own KV
-# cache) on the same CPU in one run, and takes the median of several runs.
-# `bench/ch08_decode_gpu.py` runs the GPU engine at batch 1 — on SmolLM2 and on a random-weight
-# folder of Llama 3.2 1B's exact shapes — and, for one decode step, compares its wall time from
-# Python with the time of the same step's kernels replayed from a captured CUDA graph, which is
-# what the kernels alone cost.
+# Two benchmark scripts measure it and record to `book/data/ch08_kv_cache.json`; the
+# book plots what they recorded. `bench/ch08_decode_cpu.py` decodes 32 greedy tokens
+# after a short chat prompt with this engine and with `transformers` (float32,
+# `model.generate` with its own KV cache) on the same CPU in one run, and takes the
+# median of several runs. `bench/ch08_decode_gpu.py` runs the GPU engine at batch 1 — on
+# SmolLM2 and on a random-weight folder of Llama 3.2 1B's exact shapes — and, for one
+# decode step, compares its wall time from Python with the time of the same step's
+# kernels replayed from a captured CUDA graph, which is what the kernels alone cost.
 
-# %%
+# %% tags=["hide-input"]
 kv_records = load_records("ch08_kv_cache")
 by_name = {(r["name"], r["device"]["name"]): r for r in kv_records}
-cpu_decode = [r for r in kv_records if r["metric"] == "tok/s" and r["name"].endswith("_decode")]
+cpu_decode = [
+    r for r in kv_records if r["metric"] == "tok/s" and r["name"].endswith("_decode")
+]
 ours = next((r for r in cpu_decode if r["name"].startswith("tinyvllm")), None)
 theirs = next((r for r in cpu_decode if r["name"].startswith("transformers")), None)
 gpu_engines = [r for r in kv_records if r["name"].startswith("gpu_engine_")]
-glue("ch08b_cpu", ours["device"]["name"] if ours else "(not yet measured)")
-glue("ch08b_ours", f"{ours['value']:.1f} tokens/s" if ours else "(not yet measured)")
-glue("ch08b_theirs", f"{theirs['value']:.1f} tokens/s" if theirs else "(not yet measured)")
-glue("ch08b_ratio", f"{ours['value'] / theirs['value']:.2f}×" if ours and theirs else "(not yet measured)")
+prose.glue("ch08b_cpu", ours["device"]["name"] if ours else "(not yet measured)")
+prose.glue(
+    "ch08b_ours", f"{ours['value']:.1f} tokens/s" if ours else "(not yet measured)"
+)
+prose.glue(
+    "ch08b_theirs",
+    f"{theirs['value']:.1f} tokens/s" if theirs else "(not yet measured)",
+)
+prose.glue(
+    "ch08b_ratio",
+    f"{ours['value'] / theirs['value']:.2f}×"
+    if ours and theirs
+    else "(not yet measured)",
+)
 steps = {}
 for r in kv_records:
     for kind in ("wall", "kernels"):
         if r["name"].startswith(f"gpu_step_{kind}_"):
-            steps.setdefault(r["name"][len(f"gpu_step_{kind}_"):], {})[kind] = r
+            steps.setdefault(r["name"][len(f"gpu_step_{kind}_") :], {})[kind] = r
 for label, pretty in (("smollm2", "smol"), ("llama_1b_random", "1b")):
     engine = next((r for r in gpu_engines if r["name"] == f"gpu_engine_{label}"), None)
     step_pair = steps.get(label, {})
-    glue(f"ch08b_gpu_{pretty}", f"{engine['value']:.1f} tokens/s" if engine else "(not yet measured)")
+    prose.glue(
+        f"ch08b_gpu_{pretty}",
+        f"{engine['value']:.1f} tokens/s" if engine else "(not yet measured)",
+    )
     if len(step_pair) == 2:
         wall, kern = step_pair["wall"]["value"], step_pair["kernels"]["value"]
-        glue(f"ch08b_wall_{pretty}", f"{wall / 1e3:.1f} ms")
-        glue(f"ch08b_kern_{pretty}", f"{kern / 1e3:.2f} ms")
-        glue(f"ch08b_lost_{pretty}", f"{1 - kern / wall:.0%}")
+        prose.glue(f"ch08b_wall_{pretty}", f"{wall / 1e3:.1f} ms")
+        prose.glue(f"ch08b_kern_{pretty}", f"{kern / 1e3:.2f} ms")
+        prose.glue(f"ch08b_lost_{pretty}", f"{1 - kern / wall:.0%}")
     else:
         for key in ("wall", "kern", "lost"):
-            glue(f"ch08b_{key}_{pretty}", "(not yet measured)")
-glue("ch08b_gpu", gpu_engines[0]["device"]["name"] if gpu_engines else "GPU (not yet measured)")
+            prose.glue(f"ch08b_{key}_{pretty}", "(not yet measured)")
+prose.glue(
+    "ch08b_gpu",
+    gpu_engines[0]["device"]["name"] if gpu_engines else "GPU (not yet measured)",
+)
 
 if cpu_decode or gpu_engines:
     fig, (ax1, ax2) = new_figure(1, 2, width=10, height=2.8)
-    bars = [(f"{r['name'].split('_')[0]}, CPU (SmolLM2, f32)", r["value"]) for r in cpu_decode]
-    bars += [(f"tinyvllm, GPU ({r['name'][len('gpu_engine_'):]})", r["value"]) for r in gpu_engines]
-    ax1.barh([b[0] for b in bars], [b[1] for b in bars], color=["#ff7f0e" if "transformers" in b[0] else "#1f77b4" for b in bars])
+    bars = [
+        (f"{r['name'].split('_')[0]}, CPU (SmolLM2, f32)", r["value"])
+        for r in cpu_decode
+    ]
+    bars += [
+        (f"tinyvllm, GPU ({r['name'][len('gpu_engine_') :]})", r["value"])
+        for r in gpu_engines
+    ]
+    ax1.barh(
+        [b[0] for b in bars],
+        [b[1] for b in bars],
+        color=["#ff7f0e" if "transformers" in b[0] else "#1f77b4" for b in bars],
+    )
     ax1.set_xscale("log")
     ax1.set_xlabel("tokens/s, one request (batch 1)")
     ax1.tick_params(labelsize=7)
     labels = sorted(steps)
     if labels:
         x = np.arange(len(labels))
-        ax2.bar(x - 0.2, [steps[k]["wall"]["value"] / 1e3 for k in labels], 0.4, label="step from Python (wall)")
-        ax2.bar(x + 0.2, [steps[k]["kernels"]["value"] / 1e3 for k in labels], 0.4, label="its kernels (graph replay)")
+        ax2.bar(
+            x - 0.2,
+            [steps[k]["wall"]["value"] / 1e3 for k in labels],
+            0.4,
+            label="step from Python (wall)",
+        )
+        ax2.bar(
+            x + 0.2,
+            [steps[k]["kernels"]["value"] / 1e3 for k in labels],
+            0.4,
+            label="its kernels (graph replay)",
+        )
         ax2.set_xticks(x, labels, fontsize=8)
         ax2.set_ylabel("ms per decode step")
         ax2.legend(fontsize=7)
-        ax2.set_title(f"one decode step on the {gpu_engines[0]['device']['name'] if gpu_engines else 'GPU'}", fontsize=9)
+        ax2.set_title(
+            "one decode step on the "
+            f"{gpu_engines[0]['device']['name'] if gpu_engines else 'GPU'}",
+            fontsize=9,
+        )
     plt.show()
 else:
-    print("nothing recorded yet: run bench/ch08_decode_cpu.py, and bench/ch08_decode_gpu.py on a GPU")
+    print(
+        "nothing recorded yet: run bench/ch08_decode_cpu.py, and "
+        "bench/ch08_decode_gpu.py on a GPU"
+    )
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+On the {{ch08b_cpu}}, the NumPy engine decodes {{ch08b_ours}} and `transformers`
+{{ch08b_theirs}}: a ratio of {{ch08b_ratio}}. Both read the same float32 weights per
+step, so both are bound by the CPU's memory bandwidth; what differs is the work around
+the matrix products.
+
+On the {{ch08b_gpu}} the picture is another. The GPU engine makes {{ch08b_gpu_smol}} on
+SmolLM2 and {{ch08b_gpu_1b}} on the 1B-shaped folder — but a decode step of the 1B
+shapes takes {{ch08b_wall_1b}} from Python while its kernels take {{ch08b_kern_1b}}:
+{{ch08b_lost_1b}} of the step goes to launching about 180 kernels one by one from Python
+and to the host work around them (SmolLM2, with 30 layers of small kernels:
+{{ch08b_lost_smol}}). The GPU waits for Python. Two remedies follow: give every launch
+more work — many requests in each step, chapter 9 — and stop launching from Python at
+all — CUDA graphs, chapter 11.
+""")
 
 # %% [markdown]
-# On the {glue:text}`ch08b_cpu`, the NumPy engine decodes {glue:text}`ch08b_ours` and
-# `transformers` {glue:text}`ch08b_theirs`: a ratio of {glue:text}`ch08b_ratio`. Both read the
-# same float32 weights per step, so both are bound by the CPU's memory bandwidth; what differs is
-# the work around the matrix products.
-#
-# On the {glue:text}`ch08b_gpu` the picture is another. The GPU engine makes
-# {glue:text}`ch08b_gpu_smol` on SmolLM2 and {glue:text}`ch08b_gpu_1b` on the 1B-shaped folder —
-# but a decode step of the 1B shapes takes {glue:text}`ch08b_wall_1b` from Python while its
-# kernels take {glue:text}`ch08b_kern_1b`: {glue:text}`ch08b_lost_1b` of the step goes to
-# launching about 180 kernels one by one from Python and to the host work around them
-# (SmolLM2, with 30 layers of small kernels: {glue:text}`ch08b_lost_smol`). The GPU waits for
-# Python. Two remedies follow: give every launch more work — many requests in
-# each step, chapter 9 — and stop launching from Python at all — CUDA graphs, chapter 11.
-#
 # ## Summary
 #
-# - The sampler applies temperature, top-k and top-p in vLLM's order and draws with a uniform
-#   from the request's own generator; its frequencies pass a chi-square test. The GPU sampler
-#   takes the same metadata and finds top-k and top-p thresholds by bisection over the float
-#   order, in one kernel for greedy and sampled rows alike.
-# - A request stops at every eos id, at stop tokens, stop strings and `max_tokens`, and streams
-#   text only once it is stable: no half characters, no piece of a stop string.
-# - The model runner turns "these requests, these many new tokens each" into sampled tokens on
-#   either device: the step's arrays in one vectorised pass, the layer loop with the device's
-#   attention, the head on the rows that need it, the sampler. On the GPU it owns every buffer a
-#   step writes, so a decode step allocates nothing.
-# - One request at a time, the GPU spends most of each step waiting for Python's launches.
+# - The sampler applies temperature, top-k and top-p in vLLM's order and draws with a
+#   uniform from the request's own generator; its frequencies pass a chi-square test.
+#   The GPU sampler takes the same metadata and finds top-k and top-p thresholds by
+#   bisection over the float order, in one kernel for greedy and sampled rows alike.
+# - A request stops at every eos id, at stop tokens, stop strings and `max_tokens`, and
+#   streams text only once it is stable: no half characters, no piece of a stop string.
+# - The model runner turns "these requests, these many new tokens each" into sampled
+#   tokens on either device: the step's arrays in one vectorised pass, the layer loop
+#   with the device's attention, the head on the rows that need it, the sampler. On the
+#   GPU it owns every buffer a step writes, so a decode step allocates nothing.
+# - One request at a time, the GPU spends most of each step waiting for Python's
+#   launches.
 #
-# Exported to `tinyvllm_lib`: `engine.sampling_params` (`SamplingParams`), `engine.sampler`
-# (`Sampler`, `SamplingMetadata`, `SamplerOutput`), `kernels.sampling` (the GPU sampling
-# kernels), `engine.sampler_cuda` (`CudaSampler`), `engine.detokenizer`
-# (`IncrementalDetokenizer`), `engine.outputs` (`RequestOutput`, `CompletionOutput`),
-# `engine.request` (`Request`, `RequestStatus`), `kernels.gather` (`gather_rows`) and
-# `engine.model_runner` (`ModelRunner`, `SchedulerOutput`, `prepare_inputs`).
+# Exported to `tinyvllm_lib`: `engine.sampling_params` (`SamplingParams`),
+# `engine.sampler` (`Sampler`, `SamplingMetadata`, `SamplerOutput`), `kernels.sampling`
+# (the GPU sampling kernels), `engine.sampler_cuda` (`CudaSampler`),
+# `engine.detokenizer` (`IncrementalDetokenizer`), `engine.outputs` (`RequestOutput`,
+# `CompletionOutput`), `engine.request` (`Request`, `RequestStatus`), `kernels.gather`
+# (`gather_rows`) and `engine.model_runner` (`ModelRunner`, `SchedulerOutput`,
+# `prepare_inputs`).
 #
 # ## Exercises
 #
-# 1. `apply_top_p` sorts the whole vocabulary. vLLM first applies top-k when both are set — why
-#    does that make top-p cheaper? Rewrite `apply_top_p` to sort only the top-k survivors.
-# 2. Replace inverse-CDF sampling with the Gumbel-max trick ($\arg\max_i z_i - \log(-\log u_i)$
-#    with one uniform per token). Check it with the chi-square test. Which one is easier to run
-#    as one GPU kernel, and which needs fewer random numbers?
-# 3. Stream an answer with `generate_one` while timing each step. How long is the first step
-#    (the prefill) against the others, and how does that change with the prompt's length?
-# 4. The runner gathers the head's rows. For a batch of 64 prompts of 500 tokens on Llama 3.2 1B,
-#    how many FLOPs and bytes does gathering save against running the head on every row?
-# 5. Run `ModelRunner(..., kv_cache_dtype="bfloat16")` on the CPU and compare the answer's
-#    log-probabilities with the float32 cache's. How large is the difference, and do greedy
-#    tokens still agree?
+# 1. `apply_top_p` sorts the whole vocabulary. vLLM first applies top-k when both are
+#    set — why does that make top-p cheaper? Rewrite `apply_top_p` to sort only the
+#    top-k survivors.
+# 2. Replace inverse-CDF sampling with the Gumbel-max trick
+#    ($\arg\max_i z_i - \log(-\log u_i)$ with one uniform per token). Check it with the
+#    chi-square test. Which one is easier to run as one GPU kernel, and which needs
+#    fewer random numbers?
+# 3. Stream an answer with `generate_one` while timing each step. How long is the first
+#    step (the prefill) against the others, and how does that change with the prompt's
+#    length?
+# 4. The runner gathers the head's rows. For a batch of 64 prompts of 500 tokens on
+#    Llama 3.2 1B, how many FLOPs and bytes does gathering save against running the head
+#    on every row?
+# 5. Run `ModelRunner(..., kv_cache_dtype="bfloat16")` on the CPU and compare the
+#    answer's log-probabilities with the float32 cache's. How large is the difference,
+#    and do greedy tokens still agree?

@@ -7,7 +7,13 @@ import pytest
 from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul, silu_mul_ref
-from tinyvllm_lib.kernels.attention import attention_flops, attention_ref, flash_attention, softmax_ref, split_qkv
+from tinyvllm_lib.kernels.attention import (
+    attention_flops,
+    attention_ref,
+    flash_attention,
+    softmax_ref,
+    split_qkv,
+)
 from tinyvllm_lib.kernels.attention_materialized import attention_materialized
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.measure import max_rel_error

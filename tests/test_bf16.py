@@ -5,7 +5,12 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits, narrow_f32, widen_bf16
+from tinyvllm_lib.kernels.bf16 import (
+    bf16_bits_to_f32,
+    f32_to_bf16_bits,
+    narrow_f32,
+    widen_bf16,
+)
 from tinyvllm_lib.runtime import can_launch
 
 ALL_BF16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)

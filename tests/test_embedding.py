@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from tinyvllm_lib.kernels.embedding import can_embed_wide, check_token_ids, embed, embed_reference, embed_rows
+from tinyvllm_lib.kernels.embedding import (
+    can_embed_wide,
+    check_token_ids,
+    embed,
+    embed_reference,
+    embed_rows,
+)
 from tinyvllm_lib.runtime import can_launch
 
 needs_kernels = pytest.mark.skipif(not can_launch(), reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1")

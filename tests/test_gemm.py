@@ -14,7 +14,12 @@ from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.cublas import CublasGemm, cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import gemm_blocked, gemm_naive, gemm_shared
 from tinyvllm_lib.kernels.gemv import GEMV_BUCKETS, GEMV_MAX_ACC, GEMV_VARIANTS, gemv
-from tinyvllm_lib.layers.linear import LINEAR_GEMV_MAX_TOKENS, gemv_wins_up_to, linear, linear_path
+from tinyvllm_lib.layers.linear import (
+    LINEAR_GEMV_MAX_TOKENS,
+    gemv_wins_up_to,
+    linear,
+    linear_path,
+)
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.measure import max_rel_error as rel_error
 from tinyvllm_lib.runtime import can_launch, is_simulator

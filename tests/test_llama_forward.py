@@ -18,7 +18,11 @@ from tinyvllm_lib.layers.attention import CausalAttention
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy, fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
-from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama, tiny_llama_config
+from tinyvllm_lib.models.random_llama import (
+    LLAMA_3_2_1B_CONFIG,
+    make_random_llama,
+    tiny_llama_config,
+)
 from tinyvllm_lib.runtime import can_launch
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

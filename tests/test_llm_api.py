@@ -14,9 +14,17 @@ from tinyvllm_lib.cli import main
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyvllm_lib.engine.llm_engine import resolve_device
 from tinyvllm_lib.engine.request import Request
-from tinyvllm_lib.engine.verify import default_prompt, greedy_agreement, verify_against_transformers
+from tinyvllm_lib.engine.verify import (
+    default_prompt,
+    greedy_agreement,
+    verify_against_transformers,
+)
 from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.models.random_llama import LLAMA3_ROPE_SCALING, make_random_llama, tiny_llama_config
+from tinyvllm_lib.models.random_llama import (
+    LLAMA3_ROPE_SCALING,
+    make_random_llama,
+    tiny_llama_config,
+)
 from tinyvllm_lib.runtime import has_gpu
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -8,11 +8,19 @@ from numba import cuda
 
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.engine.model_runner import ModelRunner, SchedulerOutput, prepare_inputs
+from tinyvllm_lib.engine.model_runner import (
+    ModelRunner,
+    SchedulerOutput,
+    prepare_inputs,
+)
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplingMetadata
 from tinyvllm_lib.kernels.gather import gather_rows
-from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama, tiny_llama_config
+from tinyvllm_lib.models.random_llama import (
+    LLAMA_3_2_1B_CONFIG,
+    make_random_llama,
+    tiny_llama_config,
+)
 from tinyvllm_lib.runtime import can_launch, has_gpu
 
 needs_kernels = pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")

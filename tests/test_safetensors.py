@@ -16,7 +16,11 @@ import tinyvllm_lib.models.loader as loader
 from tinyvllm_lib import SafetensorsError, load_safetensors
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.models.loader import llama_weight_shapes, load_weights, weights_to_device
+from tinyvllm_lib.models.loader import (
+    llama_weight_shapes,
+    load_weights,
+    weights_to_device,
+)
 from tinyvllm_lib.models.safetensors_io import DTYPES, SafetensorsFile
 from tinyvllm_lib.runtime import can_launch
 

@@ -18,7 +18,13 @@ from tokenizers import Tokenizer
 
 from tinyvllm_lib.cli import COMMANDS, command, main
 from tinyvllm_lib.models import smollm2
-from tinyvllm_lib.models.gguf_convert import dequantize_q4_1, dequantize_q8_0, hf_name, permute_qk, unpermute_qk
+from tinyvllm_lib.models.gguf_convert import (
+    dequantize_q4_1,
+    dequantize_q8_0,
+    hf_name,
+    permute_qk,
+    unpermute_qk,
+)
 from tinyvllm_lib.models.smollm2 import (
     FOLDER_FILES,
     FOLDER_NAME,
