@@ -82,7 +82,7 @@ case "$cmd" in
         fi
         as_root=()
         [ "$(id -u)" = 0 ] && as_root=(--allow-root)  # GPU containers run as root
-        exec "$VENV/bin/jupyter" lab --ServerApp.root_dir="$(pwd)" "${as_root[@]}" "$@" ;;
+        exec "$VENV/bin/jupyter" lab --ServerApp.root_dir="$(pwd)" ${as_root[@]+"${as_root[@]}"} "$@" ;;
     run)
         setup
         "$PY" -m tinyvllm_lib generate "What is the capital of France?" --chat ;;
@@ -98,5 +98,5 @@ case "$cmd" in
         step "book (warnings are errors)" book
         step "the built book read back (HTML check; pages in a browser)" read_book
         echo "== all checks passed in $((SECONDS - total)) s" ;;
-    *) sed -n '2,14p' "$0"; exit 2 ;;
+    *) sed -n '2,12p' "$0"; exit 2 ;;
 esac

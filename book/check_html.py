@@ -99,8 +99,13 @@ def check_page(path: Path, root: Path) -> list[str]:
     return problems
 
 
+def book_pages(root: Path) -> list[Path]:
+    """The book's pages: every HTML file but the theme's and the sources' copies."""
+    return sorted(p for p in root.rglob("*.html") if "_static" not in p.parts and "_sources" not in p.parts)
+
+
 def check_book(root: Path) -> list[str]:
-    pages = sorted(p for p in root.rglob("*.html") if "_static" not in p.parts and "_sources" not in p.parts)
+    pages = book_pages(root)
     if not pages:
         return [f"{root}: no HTML pages (build the book first: ./dev.sh book)"]
     problems = []
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_book(root)
     for line in problems:
         print(line)
-    count = len(list(root.rglob("*.html")))
+    count = len(book_pages(root))
     print(f"{len(problems)} problem(s) in {count} pages under {root}")
     return 1 if problems else 0
 

@@ -76,13 +76,15 @@
 # %cd tiny-vllm
 # !nvidia-smi | grep "CUDA Version"  # 13.x: skip the next line; 12.x: keep it
 # !sed -i 's/numba-cuda\[cu13\]/numba-cuda[cu12]/' pyproject.toml
-# !pip install -q -e .
+# !pip install -q -e ".[gpu]"  # [gpu]: nvmath-python, for cuBLAS (chapter 06)
 # ```
 #
-# and open a chapter: each page of the rendered book has a *Download this chapter as a
-# notebook* link, or `!jupytext --to ipynb chapters/*.py` converts them all in place.
-# (This recipe is what the project's set-up does, step by step. pip's resolver accepts
-# the CUDA 12 variant — numba-cuda 0.30 with CUDA 12.9's compiler — but the recipe has
+# Without the `gpu` extra, prefill matrix products fall back to the book's own GEMM
+# (chapter 06 measures how much slower it is). Then open a chapter: each page of the
+# rendered book has a *Download this chapter as a notebook* link, or
+# `!jupytext --to ipynb chapters/*.py` converts them all in place. (This recipe is what
+# the project's set-up does, step by step. pip's resolver accepts the CUDA 12 variant —
+# numba-cuda 0.30 with CUDA 12.9's compiler — and the `gpu` extra, but the recipe has
 # not been run on Colab itself, which these machines cannot reach.)
 #
 # **On any laptop, with no GPU.** `./dev.sh lab` sees that there is no GPU and sets

@@ -60,7 +60,7 @@ def where_kernels_run() -> str:
         return (
             "Kernels run in numba's CUDA simulator here: every GPU thread is a Python\n"
             "thread, so shapes are tiny and times say nothing about a GPU. Figures of\n"
-            "speed are H200 records from book/data/ (the preface says which and when)."
+            "speed are GPU records from book/data/ (the preface says which and when)."
         )
     if has_gpu():
         return (
@@ -151,11 +151,9 @@ class Prose:
     """The numbers a chapter's prose quotes, and the paragraphs that quote them.
 
     glue(name, text) keeps a value where it is measured; show(markdown) puts a
-    paragraph on the page
-    with each {{name}} replaced by its value: Markdown in the book and in
-    JupyterLab, where it is a
-    cell's output (so it shows wherever the chapter runs), plain text when the
-    chapter runs as a script.
+    paragraph on the page with each {{name}} replaced by its value: Markdown in the
+    book and in JupyterLab, where it is a cell's output (so it shows wherever the
+    chapter runs), plain text when the chapter runs as a script.
     """
 
     PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -200,7 +198,10 @@ def in_notebook() -> bool:
     except ImportError:
         return False
     shell = get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    # a kernel's shell, or a subclass of it (hosted notebooks such as Colab subclass it)
+    return shell is not None and any(
+        cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__
+    )
 
 
 # %%

@@ -1331,15 +1331,26 @@ prose.glue(
 prose.glue(
     "ch04_copy", f"{copy_gbs / 1e3:.2f} TB/s" if copy_records else "(not yet measured)"
 )
+# a decode step: one row per sequence, 1 to 256 sequences
+decode_bytes = [fused_bytes(rows, hidden, 2) for rows in (1, 256)]
+prose.glue("ch04_decode_bytes", f"{decode_bytes[0] / 1e3:.0f} KB to "
+           f"{decode_bytes[1] / 1e6:.1f} MB")
+prose.glue(
+    "ch04_decode_copy_time",
+    f"{decode_bytes[0] / copy_gbs:.0f} ns to {decode_bytes[1] / copy_gbs / 1e3:.1f} µs"
+    if copy_records
+    else "(not yet measured)",
+)
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show(r"""
 At chapter 1's copy bandwidth of {{ch04_copy}}, the fused kernel with a bf16 output
 cannot take less than {{ch04_predicted_us}} for a 2,048-token prefill. A decode step
-normalises one row per sequence: 1 to 256 rows, 14 KB to 3.7 MB, which the copy
-bandwidth would move in well under a microsecond. Those kernels are bounded instead by
-latency — launching a block, the round trips of a load, the barriers of a reduction — so
-for them we report microseconds, not a fraction of bandwidth.
+normalises one row per sequence: 1 to 256 rows, {{ch04_decode_bytes}}, which the copy
+bandwidth would move in {{ch04_decode_copy_time}} — no longer than it takes to launch a
+block and wait for a load's round trip. Those kernels are bounded by latency instead —
+launching a block, the round trips of a load, the barriers of a reduction — so for them
+we report microseconds, not a fraction of bandwidth.
 """)
 
 # %% [markdown]

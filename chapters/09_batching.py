@@ -1837,8 +1837,10 @@ for r in gpu_runs:
     n = r["shape"][0]
     prose.glue(f"ch09_tok_{n}", f"{r['value']:,.0f} output tokens/s")
     prose.glue(f"ch09_total_{n}", f"{r['total_tok_s']:,.0f}")
-    if alone:
-        prose.glue(f"ch09_ratio_{n}", f"{r['value'] / alone['value']:.0f}×")
+    prose.glue(
+        f"ch09_ratio_{n}",
+        f"{r['value'] / alone['value']:.0f}×" if alone else "(not yet measured)",
+    )
 for n in (64, 256):
     if n not in {r["shape"][0] for r in gpu_runs}:
         for key in ("tok", "total", "ratio"):

@@ -48,11 +48,9 @@ class Prose:
     """The numbers a chapter's prose quotes, and the paragraphs that quote them.
 
     glue(name, text) keeps a value where it is measured; show(markdown) puts a
-    paragraph on the page
-    with each {{name}} replaced by its value: Markdown in the book and in
-    JupyterLab, where it is a
-    cell's output (so it shows wherever the chapter runs), plain text when the
-    chapter runs as a script.
+    paragraph on the page with each {{name}} replaced by its value: Markdown in the
+    book and in JupyterLab, where it is a cell's output (so it shows wherever the
+    chapter runs), plain text when the chapter runs as a script.
     """
 
     PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -97,7 +95,10 @@ def in_notebook() -> bool:
     except ImportError:
         return False
     shell = get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    # a kernel's shell, or a subclass of it (hosted notebooks such as Colab subclass it)
+    return shell is not None and any(
+        cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__
+    )
 
 
 # defined in chapters/06_gemm.py

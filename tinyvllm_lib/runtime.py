@@ -27,7 +27,7 @@ def where_kernels_run() -> str:
         return (
             "Kernels run in numba's CUDA simulator here: every GPU thread is a Python\n"
             "thread, so shapes are tiny and times say nothing about a GPU. Figures of\n"
-            "speed are H200 records from book/data/ (the preface says which and when)."
+            "speed are GPU records from book/data/ (the preface says which and when)."
         )
     if has_gpu():
         return (
