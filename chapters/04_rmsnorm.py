@@ -1109,8 +1109,8 @@ def fused_add_rmsnorm(
     """residual += delta (in place); out = RMSNorm(residual) * weight. float32 rows; out
     float32 or uint16 (bf16).
 
-        variant 'wide' (rung 6) falls back to 'registers' (rung 5) when the rows are not
-        whole 8-byte words (see can_go_wide).
+    variant 'wide' (rung 6) falls back to 'registers' (rung 5) when the rows are not
+    whole 8-byte words (see can_go_wide).
     """
     if variant not in FUSED_VARIANTS:
         raise ValueError(

@@ -990,9 +990,9 @@ DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 2
 @dataclass(frozen=True)
 class DecodeAttentionConfig:
     """The decode attention kernel's knobs. The defaults were chosen from
-    bench/ch08_decode_tune.py's sweep
-        on an H200 (plotted below); the first four are compiled into the kernel, the
-        rest shape its grid."""
+    bench/ch08_decode_tune.py's sweep on an H200 (plotted below); the first four are
+    compiled into the kernel, the rest shape its grid.
+    """
 
     # bf16 values of a key row per lane (two 8-byte words): head_dim 64 is 8 lanes a key
     lane_elements: int = 8

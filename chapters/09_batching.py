@@ -549,9 +549,12 @@ class LLMEngine:
     """vLLM's engine loop: add_request(...) any time, then step() while
     has_unfinished_requests().
 
-        step() = scheduler.schedule() -> model_runner.execute() ->
-        scheduler.postprocess(): the requests
-        that progressed, each as a RequestOutput with its text so far and `finished`."""
+        step() = scheduler.schedule() -> model_runner.execute()
+                 -> scheduler.postprocess()
+
+    returns the requests that progressed, each as a RequestOutput with its text so far
+    and `finished`.
+    """
 
     def __init__(
         self,
@@ -984,8 +987,9 @@ class LLM:
     """An inference engine shaped like vLLM's: LLM(model).generate(prompts,
     SamplingParams(...)).
 
-        All prompts are added to one LLMEngine (self.llm_engine), which batches them
-        continuously."""
+    All prompts are added to one LLMEngine (self.llm_engine), which batches them
+    continuously.
+    """
 
     def __init__(
         self,

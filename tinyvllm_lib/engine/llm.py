@@ -26,8 +26,9 @@ class LLM:
     """An inference engine shaped like vLLM's: LLM(model).generate(prompts,
     SamplingParams(...)).
 
-        All prompts are added to one LLMEngine (self.llm_engine), which batches them
-        continuously."""
+    All prompts are added to one LLMEngine (self.llm_engine), which batches them
+    continuously.
+    """
 
     def __init__(
         self,

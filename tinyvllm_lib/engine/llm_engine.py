@@ -56,9 +56,12 @@ class LLMEngine:
     """vLLM's engine loop: add_request(...) any time, then step() while
     has_unfinished_requests().
 
-        step() = scheduler.schedule() -> model_runner.execute() ->
-        scheduler.postprocess(): the requests
-        that progressed, each as a RequestOutput with its text so far and `finished`."""
+        step() = scheduler.schedule() -> model_runner.execute()
+                 -> scheduler.postprocess()
+
+    returns the requests that progressed, each as a RequestOutput with its text so far
+    and `finished`.
+    """
 
     def __init__(
         self,

@@ -56,9 +56,10 @@ class FlashAttention:
     """The kernel model's attention without a cache: flash_attention over the batch's
     sequences.
 
-        Called by the layer loop as attention(layer, qkv, out, stream); query_start_loc
-        (int32, on the
-        GPU) and max_query_len describe the batch, as flash_attention takes them."""
+    Called by the layer loop as attention(layer, qkv, out, stream); query_start_loc
+    (int32, on the GPU) and max_query_len describe the batch, as flash_attention takes
+    them.
+    """
 
     def __init__(self, config, query_start_loc, max_query_len: int):
         self.num_heads, self.num_kv_heads, self.head_dim = (

@@ -49,9 +49,9 @@ def linear(x, w, out, *, stream=0, workspace=None):
 
 def gemv_wins_up_to(records: list[dict]) -> int | None:
     """From one device's records: the largest M such that the GEMV decoding step
-    (decode_step_gemv) was
-        faster than cuBLAS's (decode_step_cublas) for every token count 1..M; 0 if not
-        even at 1, None if unmeasured."""
+    (decode_step_gemv) was faster than cuBLAS's (decode_step_cublas) for every token
+    count 1..M; 0 if not even at 1, None if unmeasured.
+    """
     steps: dict[int, dict[str, float]] = {}
     for r in records:
         if r["name"] in ("decode_step_gemv", "decode_step_cublas"):
