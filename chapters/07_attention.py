@@ -770,6 +770,16 @@ plt.show()
 # thread holds 128 floats in registers; for 128 it holds 256, more than a thread's 255
 # registers, and some spill to local memory (exercise 3).
 #
+# **Staging a tile.** The block's threads copy each K and V tile into shared memory
+# together, consecutive threads taking consecutive floats, so that a warp's loads are
+# contiguous. A load from memory answers after several hundred nanoseconds; a loop that
+# stores each value before it loads the next keeps a thread's loads waiting one or two
+# at a time, and every thread of the block waits at the barrier for the slowest. So each
+# thread first issues `FLASH_STAGE` loads of K and as many of V into registers, then
+# stores them all — chapter 6's rule for the GEMV, many loads in flight. (A version that
+# left this to the compiler, which unrolled the loop only twice, was slower at every
+# length; `bench/ch07_attention.py` measures the kernel below.)
+#
 # The kernel writes its output through `store_activation`: bf16 bits when `out` is
 # `uint16` (what the model passes, since `o_proj` reads bf16), float32 when `out` is
 # float32 (what the tests compare).
@@ -791,6 +801,8 @@ from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 FLASH_BLOCK_Q = 64  # queries per block: one thread each
+# K/V elements per thread loaded before any is stored to shared memory (x2: K and V)
+FLASH_STAGE = 8
 
 
 def flash_block_k(head_dim: int) -> int:
@@ -804,7 +816,8 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
     """Causal GQA attention, a block per (query tile, head), K/V tiles in shared memory,
     online softmax.
     """
-    D, BQ, BK = head_dim, block_q, block_k
+    D, BQ, BK, STAGE = head_dim, block_q, block_k, FLASH_STAGE
+    KV = 2 * STAGE  # compile-time constants, as array sizes must be
 
     @cuda.jit
     def kernel(qkv, query_start_loc, num_heads, num_kv_heads, scale, out):
@@ -827,6 +840,7 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
         q = cuda.local.array(D, float32)  # registers: D is a constant
         acc = cuda.local.array(D, float32)
         s = cuda.local.array(BK, float32)
+        kv = cuda.local.array(KV, float32)  # K and V values on their way
         for d in range(D):
             q[d] = qkv[start + i, h * D + d] * scale if is_query else float32(0.0)
             acc[d] = float32(0.0)
@@ -835,12 +849,20 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
         num_keys = min(num_tokens, (q_tile + 1) * BQ)
         for k_start in range(0, num_keys, BK):
             cuda.syncthreads()  # everyone is done with the previous tile
-            # stage K and V: consecutive threads, consecutive floats
-            for e in range(t, BK * D, BQ):
-                r, d = e // D, e % D
-                if k_start + r < num_keys:
-                    k_tile[r, d] = qkv[start + k_start + r, k_col + d]
-                    v_tile[r, d] = qkv[start + k_start + r, v_col + d]
+            # stage K and V: consecutive threads, consecutive floats; each thread
+            # issues STAGE loads of each before it stores any
+            for e0 in range(t, BK * D, STAGE * BQ):
+                for u in range(STAGE):
+                    e = e0 + u * BQ
+                    row, col = start + k_start + e // D, e % D
+                    ok = e < BK * D and k_start + e // D < num_keys
+                    kv[2 * u] = qkv[row, k_col + col] if ok else float32(0)
+                    kv[2 * u + 1] = qkv[row, v_col + col] if ok else float32(0)
+                for u in range(STAGE):
+                    e = e0 + u * BQ
+                    if e < BK * D:
+                        k_tile[e // D, e % D] = kv[2 * u]
+                        v_tile[e // D, e % D] = kv[2 * u + 1]
             cuda.syncthreads()
             if is_query and k_start <= i:
                 # causal: keys k_start .. i; later rows are never read
