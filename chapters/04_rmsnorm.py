@@ -1347,8 +1347,8 @@ prose.show(r"""
 At chapter 1's copy bandwidth of {{ch04_copy}}, the fused kernel with a bf16 output
 cannot take less than {{ch04_predicted_us}} for a 2,048-token prefill. A decode step
 normalises one row per sequence: 1 to 256 rows, {{ch04_decode_bytes}}, which the copy
-bandwidth would move in {{ch04_decode_copy_time}} — no longer than it takes to launch a
-block and wait for a load's round trip. Those kernels are bounded by latency instead —
+bandwidth would move in {{ch04_decode_copy_time}}: no more than a few round trips to
+memory, each several hundred nanoseconds. Those kernels are bounded by latency instead —
 launching a block, the round trips of a load, the barriers of a reduction — so for them
 we report microseconds, not a fraction of bandwidth.
 """)
