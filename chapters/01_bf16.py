@@ -436,9 +436,26 @@ else:
 # recipe as the host one above, on one value (`float_as_int` is `int_as_float`'s mirror
 # image).
 
+# %% [markdown]
+# The rule above, for device functions written once for both: `device_function` compiles
+# one with `cuda.jit(device=True)` on a GPU and leaves it a plain Python function in the
+# simulator. It is for helpers that use nothing from `cuda` — arithmetic on their
+# arguments — such as the rounding below.
+
 # %%
 #| export
 from numba import uint16
+
+
+def device_function(fn=None, **options):
+    """cuda.jit(device=True, **options) on a GPU; in the simulator the plain function,
+    which runs the same there without the simulator's lock around each call. Only for
+    helpers that use nothing from cuda.
+    """
+    if fn is None:
+        return lambda f: device_function(f, **options)
+    return fn if config.ENABLE_CUDASIM else cuda.jit(device=True, **options)(fn)
+
 
 if config.ENABLE_CUDASIM:
 
@@ -452,7 +469,7 @@ else:
         return uint32(cuda.libdevice.float_as_int(x))
 
 
-@cuda.jit(device=True)
+@device_function
 def f32_to_bf16(x):
     """Round one float32 to bf16 bits (uint16): nearest, ties to even; NaN -> quiet NaN
     with its sign.

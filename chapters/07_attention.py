@@ -767,8 +767,9 @@ plt.show()
 # known when the kernel is compiled: `head_dim` and the tile sizes are compile-time
 # constants, so the kernel is built by a function of them (as chapter 6 built its GEMM),
 # and the library keeps one per `(head_dim, block_q, block_k)`. For `head_dim` 64 a
-# thread holds 128 floats in registers; for 128 it holds 256, more than a thread's 255
-# registers, and some spill to local memory (exercise 3).
+# thread holds 128 floats in registers (and 16 more on their way to shared memory, see
+# below); for 128 it holds 256, more than a thread's 255 registers, and some spill to
+# local memory (exercise 3).
 #
 # **Staging a tile.** The block's threads copy each K and V tile into shared memory
 # together, consecutive threads taking consecutive floats, so that a warp's loads are

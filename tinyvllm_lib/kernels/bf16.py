@@ -51,6 +51,17 @@ else:
 # defined in chapters/01_bf16.py
 from numba import uint16
 
+
+def device_function(fn=None, **options):
+    """cuda.jit(device=True, **options) on a GPU; in the simulator the plain function,
+    which runs the same there without the simulator's lock around each call. Only for
+    helpers that use nothing from cuda.
+    """
+    if fn is None:
+        return lambda f: device_function(f, **options)
+    return fn if config.ENABLE_CUDASIM else cuda.jit(device=True, **options)(fn)
+
+
 if config.ENABLE_CUDASIM:
 
     def _f32_bits(x):
@@ -63,7 +74,7 @@ else:
         return uint32(cuda.libdevice.float_as_int(x))
 
 
-@cuda.jit(device=True)
+@device_function
 def f32_to_bf16(x):
     """Round one float32 to bf16 bits (uint16): nearest, ties to even; NaN -> quiet NaN
     with its sign.

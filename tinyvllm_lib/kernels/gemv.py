@@ -5,12 +5,12 @@
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
-from tinyvllm_lib.kernels.bf16 import bf16_to_f32
+from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function
 from tinyvllm_lib.kernels.checks import device_pointer
 from tinyvllm_lib.kernels.gemm import check_linear_args
 
 
-@cuda.jit(device=True)
+@device_function
 def bf16x4_to_f32(word):
     """The four bf16 values packed in a uint64 (lowest address first), as float32."""
     lo, hi = uint32(word & uint64(0xFFFFFFFF)), uint32(word >> uint64(32))
