@@ -21,8 +21,8 @@
 # running sequence owned one contiguous row of the KV cache, `max_model_len` slots long,
 # whether it used them or not. A 40-token answer to a 30-token question held as much
 # cache as a 4,096-token document could. **PagedAttention**, the idea vLLM was built on,
-# cuts the cache into small fixed-size **blocks** and gives a sequence blocks only as its
-# tokens arrive, the way an operating system gives a process pages of memory. A
+# cuts the cache into small fixed-size **blocks** and gives a sequence blocks only as
+# its tokens arrive, the way an operating system gives a process pages of memory. A
 # sequence's blocks need not be adjacent: a **block table** says where each one is, and
 # the attention kernels read keys and values through it. Chapter 8's kernels already do:
 # its contiguous rows were the simplest block table.
@@ -165,7 +165,7 @@ class BlockManager:
         return found
 
     def num_cached_tokens(self, token_ids) -> int:
-        """How many leading tokens of token_ids the cache holds now (changes nothing)."""
+        """How many leading tokens of token_ids the cache holds (changes nothing)."""
         return len(self._cached_prefix(token_ids)) * self.block_size
 
     def allocate(self, request_id: str, token_ids, num_tokens: int) -> int | None:
@@ -252,7 +252,7 @@ class BlockManager:
         del self.hashes[request_id]
 
     def slot_mapping(self, request_id: str, start: int, stop: int) -> np.ndarray:
-        """Cache slots of the request's tokens start..stop-1, through its block table."""
+        """Cache slots of the request's tokens start..stop-1, through its table."""
         positions = np.arange(start, stop)
         table = np.asarray(self.block_tables[request_id])
         return table[positions // self.block_size] * self.block_size + (
@@ -279,3 +279,180 @@ print("free blocks:", manager.num_free_blocks)
 assert manager.block_tables["a"][:2] == manager.block_tables["b"][:2]
 manager.free("a")
 assert manager.num_cached_tokens(prompt_a) == 8  # a's full blocks stay cached
+
+# %% [markdown]
+# ## The scheduler on blocks
+#
+# *Draft: the scheduling logic, tested against a stand-in for the model; the model
+# runner does not use it yet.*
+#
+# With blocks, each step is planned under two budgets: tokens (`max_num_batched_tokens`)
+# and blocks. Running requests go first, oldest first: a decode needs one slot, a prompt
+# being computed in chunks needs its next chunk — as much of the rest as the token
+# budget allows (**chunked prefill**: a long prompt no longer holds up every decode
+# behind it). When a running request needs a block and none is free, the scheduler
+# **preempts** the
+# most recently admitted running request, vLLM's policy: it gives back every block and
+# goes to the front of the waiting queue, keeping its generated tokens; readmitted, it
+# computes prompt and tokens again (**recomputation**, cheaper than copying its cache to
+# the host and back when it is short). Then, if nothing was preempted this step, waiting
+# requests are admitted first come first served, each starting after its cached prefix.
+# A prompt chunk that does not reach the end of the prompt yields no token.
+
+# %%
+#| export engine.paged_scheduler
+from collections import deque
+
+import numpy as np
+
+from tinyvllm_lib.engine.block_manager import BlockManager
+from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, SchedulerOutput
+from tinyvllm_lib.engine.request import Request, RequestStatus
+from tinyvllm_lib.kernels.checks import cdiv
+
+
+class RequestTokens:
+    """A request's tokens as a sliceable sequence, without joining its lists."""
+
+    def __init__(self, request: Request):
+        self.request = request
+
+    def __len__(self) -> int:
+        return self.request.num_tokens
+
+    def __getitem__(self, s: slice) -> list[int]:
+        start, stop, _ = s.indices(self.request.num_tokens)
+        return self.request.token_ids(start, stop)
+
+
+def is_decode(request: Request, num_new: int) -> bool:
+    """One new token after a computed prompt: a decode row (else a prompt chunk)."""
+    return num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+
+
+class PagedScheduler:
+    """Continuous batching over a BlockManager: chunked prefill, preemption by
+    recomputation, prefix caching.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_manager: BlockManager,
+    ):
+        self.max_num_seqs, self.max_num_batched_tokens = (
+            max_num_seqs,
+            max_num_batched_tokens,
+        )
+        self.max_model_len, self.block_manager = max_model_len, block_manager
+        self.max_blocks = cdiv(max_model_len, block_manager.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in the order they were admitted
+        self.num_preemptions = 0
+        self.num_cached_tokens: dict[str, int] = {}  # at first admission
+
+    def add_request(self, request: Request) -> None:
+        bm = self.block_manager
+        most = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if cdiv(most, bm.block_size) > bm.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} may need {most} tokens of cache, "
+                f"{cdiv(most, bm.block_size)} blocks of {bm.block_size}, more than the "
+                f"whole pool of {bm.num_blocks} blocks"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput | None:
+        bm, budget = self.block_manager, self.max_num_batched_tokens
+        planned: list[tuple[Request, int]] = []
+        preempted, i = False, 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not bm.append_slots(
+                request.request_id, request.num_computed_tokens + n
+            ):
+                preempted = True
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                planned.append((request, n))
+                budget -= n
+                i += 1
+                continue
+            break  # the request itself was the last one, and gave its blocks back
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            tokens = RequestTokens(request)
+            cached = bm.num_cached_tokens(tokens)
+            n = min(request.num_tokens - cached, budget)
+            if bm.allocate(request.request_id, tokens, cached + n) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = cached
+            request.status = RequestStatus.RUNNING
+            self.num_cached_tokens.setdefault(request.request_id, cached)
+            self.running.append(request)
+            planned.append((request, n))
+            budget -= n
+        if not planned:
+            return None
+        # prompt chunks first, then one-token decodes, as the runner takes them
+        planned.sort(key=lambda p: is_decode(*p))  # stable: admission order within each
+        num_prefills = sum(not is_decode(r, n) for r, n in planned)
+        tables = np.zeros((len(planned), self.max_blocks), np.int32)
+        for row, (request, _) in enumerate(planned):
+            table = bm.block_tables[request.request_id]
+            tables[row, : len(table)] = table
+        return SchedulerOutput(
+            [r for r, _ in planned], [n for _, n in planned], num_prefills, tables
+        )
+
+    def postprocess(
+        self, step: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[Request]:
+        """Count the computed tokens, name the blocks they filled; append a token where
+        a request's tokens are all computed; free the finished. The requests that got
+        a token.
+        """
+        s, progressed = result.sampled, []
+        for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
+            request.num_computed_tokens += n
+            self.block_manager.cache_blocks(
+                request.request_id, RequestTokens(request), request.num_computed_tokens
+            )
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a chunk of its prompt: no token yet
+            request.append_token(
+                s.token_ids[i],
+                *(
+                    None if a is None else a[i]
+                    for a in (s.logprobs, s.top_ids, s.top_logprobs)
+                ),
+            )
+            progressed.append(request)
+            if request.is_finished:
+                self.running.remove(request)
+                self.block_manager.free(request.request_id)
+        return progressed

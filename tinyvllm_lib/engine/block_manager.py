@@ -84,7 +84,7 @@ class BlockManager:
         return found
 
     def num_cached_tokens(self, token_ids) -> int:
-        """How many leading tokens of token_ids the cache holds now (changes nothing)."""
+        """How many leading tokens of token_ids the cache holds (changes nothing)."""
         return len(self._cached_prefix(token_ids)) * self.block_size
 
     def allocate(self, request_id: str, token_ids, num_tokens: int) -> int | None:
@@ -171,7 +171,7 @@ class BlockManager:
         del self.hashes[request_id]
 
     def slot_mapping(self, request_id: str, start: int, stop: int) -> np.ndarray:
-        """Cache slots of the request's tokens start..stop-1, through its block table."""
+        """Cache slots of the request's tokens start..stop-1, through its table."""
         positions = np.arange(start, stop)
         table = np.asarray(self.block_tables[request_id])
         return table[positions // self.block_size] * self.block_size + (
