@@ -1243,11 +1243,13 @@ class StepInputs:
     token_ids: np.ndarray  # (num_tokens,) int64
     positions: np.ndarray  # (num_tokens,) int64
     metadata: AttentionMetadata
-    # (rows,) int64: the rows the head runs on: each request's last, then prompt rows
+    # (rows,) int64: the rows the head runs on: the last new token of each request
+    # whose next token is due, then prompt rows
     logits_indices: np.ndarray
     # request index -> its rows of the logits (those that asked for prompt_logprobs)
     prompt_rows: dict[int, slice]
-    sampling: SamplingMetadata
+    sampling: SamplingMetadata  # of the requests whose next token is due
+    num_sampled: int  # how many: a chunk that ends inside a prompt samples nothing
 
 
 @dataclass
@@ -1256,7 +1258,8 @@ class ModelRunnerOutput:
     asked for.
     """
 
-    sampled: SamplerOutput  # rows in the batch's order
+    # one row per request whose next token was due, in the batch's order
+    sampled: SamplerOutput
     # per request: logits (num_prompt_tokens, vocab) of its prompt rows, else None
     prompt_logits: list
 
@@ -1287,17 +1290,22 @@ def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
         step.num_tokens,
     )
     starts = metadata.query_start_loc
-    # each request's last new token: its next token's logits
-    logits_indices = [starts[1:].astype(np.int64) - 1]
-    prompt_rows, row = {}, len(requests)
+    # a request whose tokens are all computed after this step is due its next token:
+    # its last new token's logits (a chunk that ends inside a prompt has none)
+    due = num_computed + num_new >= np.fromiter(
+        (r.num_tokens for r in requests), np.int64, len(requests)
+    )
+    logits_indices = [starts[1:][due].astype(np.int64) - 1]
+    prompt_rows, row = {}, int(due.sum())
     for i, r in enumerate(requests):
         # its prefill: every prompt row
         if r.params.prompt_logprobs is not None and num_computed[i] == 0:
             logits_indices.append(np.arange(starts[i], starts[i + 1], dtype=np.int64))
             prompt_rows[i] = slice(row, row + int(num_new[i]))
             row += int(num_new[i])
+    sampled = [r for r, d in zip(requests, due) if d]
     sampling = SamplingMetadata.from_params(
-        [r.params for r in requests], [r.generator for r in requests]
+        [r.params for r in sampled], [r.generator for r in sampled]
     )
     return StepInputs(
         token_ids,
@@ -1306,6 +1314,7 @@ def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
         np.concatenate(logits_indices),
         prompt_rows,
         sampling,
+        len(sampled),
     )
 
 
@@ -1408,8 +1417,12 @@ class ModelRunner:
             if self.device == "cpu"
             else self._forward_cuda(inputs)
         )
-        num_seqs = len(step.requests)
-        sampled = self.sampler(logits[:num_seqs], inputs.sampling)
+        num_seqs, num_sampled = len(step.requests), inputs.num_sampled
+        sampled = (
+            self.sampler(logits[:num_sampled], inputs.sampling)
+            if num_sampled
+            else SamplerOutput(np.empty(0, np.int64))
+        )
         prompt_logits = [None] * num_seqs
         # copied to the host only when asked for
         for i, rows in inputs.prompt_rows.items():

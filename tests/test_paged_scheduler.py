@@ -26,6 +26,19 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int) -> Request
     return Request(request_id, None, prompt, params, max_tokens, eos_token_ids=[])
 
 
+def stand_in(step) -> ModelRunnerOutput:
+    """The stand-in model's step: a token for each request whose next token is due."""
+    due = [
+        (r, n)
+        for r, n in zip(step.requests, step.num_new_tokens)
+        if r.num_computed_tokens + n >= r.num_tokens
+    ]
+    sampled = np.array(
+        [next_token(r.request_id, r.num_computed_tokens + n) for r, n in due], np.int64
+    )
+    return ModelRunnerOutput(SamplerOutput(sampled), [None] * len(step.requests))
+
+
 def run(scheduler: PagedScheduler, requests: list[Request], max_steps: int = 5000):
     for r in requests:
         scheduler.add_request(r)
@@ -45,16 +58,7 @@ def run(scheduler: PagedScheduler, requests: list[Request], max_steps: int = 500
             table = bm.block_tables[r.request_id]
             assert len(table) >= cdiv(r.num_computed_tokens + n, bm.block_size)
             assert list(step.block_tables[row, : len(table)]) == table
-        # the stand-in computes each row's next token
-        sampled = np.array(
-            [
-                next_token(r.request_id, r.num_computed_tokens + n)
-                for r, n in zip(step.requests, step.num_new_tokens)
-            ]
-        )
-        scheduler.postprocess(
-            step, ModelRunnerOutput(SamplerOutput(sampled), [None] * len(sampled))
-        )
+        scheduler.postprocess(step, stand_in(step))
         holders = [0] * bm.num_blocks
         for table in bm.block_tables.values():
             for b in table:
@@ -138,15 +142,7 @@ def test_a_long_prompt_is_chunked_while_decodes_go_on():
         step = scheduler.schedule()
         assert short in step.requests and long in step.requests  # the decode goes on
         assert step.num_tokens <= 8
-        sampled = np.array(
-            [
-                next_token(r.request_id, r.num_computed_tokens + n)
-                for r, n in zip(step.requests, step.num_new_tokens)
-            ]
-        )
-        scheduler.postprocess(
-            step, ModelRunnerOutput(SamplerOutput(sampled), [None] * len(sampled))
-        )
+        scheduler.postprocess(step, stand_in(step))
         chunks += 1
     assert (
         chunks >= 40 // 7 and long.output_token_ids
@@ -169,3 +165,44 @@ def test_a_cached_prefix_is_not_computed_again():
     # a's first four blocks (16 tokens) are b's too; its fifth differs at token 18
     assert step.num_new_tokens == [4] and b.num_computed_tokens == 16
     assert scheduler.num_cached_tokens["b"] == 16
+
+
+def test_on_the_numpy_model_paging_changes_no_token(tmp_path):
+    """A tiny random Llama on the CPU: a pool a quarter of what the requests need at once,
+    and a token budget below the longest prompt, give the greedy tokens of chapter 09's
+    engine."""
+    from tinyvllm_lib.engine.llm import LLM
+    from tinyvllm_lib.engine.model_runner import ModelRunner
+    from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+
+    folder = make_random_llama(tmp_path, tiny_llama_config(vocab_size=256), seed=5)
+    rng = np.random.default_rng(7)
+    base = list(rng.integers(0, 256, 40))
+    prompts = [
+        base[: int(rng.integers(0, 40))]
+        + list(rng.integers(0, 256, int(rng.integers(1, 20))))
+        for _ in range(16)
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [
+        o.outputs[0].token_ids
+        for o in LLM(folder, device="cpu", max_model_len=128).generate(prompts, params)
+    ]
+
+    block_size = 4
+    need = sum(cdiv(len(p) + 12, block_size) for p in prompts)
+    bm = BlockManager(need // 4, block_size)
+    runner = ModelRunner(
+        folder, "cpu", bm.num_blocks * block_size, block_size, 16, 24, 128
+    )
+    scheduler = PagedScheduler(16, 24, 128, bm)
+    requests = [make_request(f"r{i}", p, 12) for i, p in enumerate(prompts)]
+    for r in requests:
+        scheduler.add_request(r)
+    while scheduler.has_unfinished_requests():
+        step = scheduler.schedule()
+        scheduler.postprocess(step, runner.execute(step))
+    assert (
+        scheduler.num_preemptions > 0 and sum(scheduler.num_cached_tokens.values()) > 0
+    )
+    assert [r.output_token_ids for r in requests] == [list(w) for w in want]

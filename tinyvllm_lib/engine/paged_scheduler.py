@@ -137,8 +137,8 @@ class PagedScheduler:
         a request's tokens are all computed; free the finished. The requests that got
         a token.
         """
-        s, progressed = result.sampled, []
-        for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
+        s, progressed, j = result.sampled, [], 0  # j: the sampled row
+        for request, n in zip(step.requests, step.num_new_tokens):
             request.num_computed_tokens += n
             self.block_manager.cache_blocks(
                 request.request_id, RequestTokens(request), request.num_computed_tokens
@@ -146,12 +146,13 @@ class PagedScheduler:
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
             request.append_token(
-                s.token_ids[i],
+                s.token_ids[j],
                 *(
-                    None if a is None else a[i]
+                    None if a is None else a[j]
                     for a in (s.logprobs, s.top_ids, s.top_logprobs)
                 ),
             )
+            j += 1
             progressed.append(request)
             if request.is_finished:
                 self.running.remove(request)
