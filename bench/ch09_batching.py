@@ -17,6 +17,7 @@ import numpy as np
 
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.engine.model_runner import SchedulerOutput, prepare_inputs
+from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
 from tinyvllm_lib.engine.scheduler import Scheduler
 from tinyvllm_lib.measure import Recorder, time_launches
 from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
@@ -59,10 +60,19 @@ def run(llm: LLM, log: StepLog, prompts, params) -> dict:
             "mean_decode_step_ms": 1e3 * float(np.mean([s[3] for s in decode]))}
 
 
+def contiguous_scheduler(engine, rows: int) -> Scheduler:
+    """Chapter 9's scheduler on `rows` contiguous rows of max_model_len slots, laid in the engine's KV pool."""
+    alloc = ContiguousAllocator(rows, engine.max_model_len, engine.model_runner.block_size)
+    if alloc.num_slots > engine.model_runner.kv_cache.num_slots:
+        raise ValueError(f"{rows} rows of {engine.max_model_len} slots do not fit in the engine's pool")
+    return Scheduler(rows, engine.max_num_batched_tokens, alloc)
+
+
 def decode_step_times(llm: LLM, rows: int, context: int = 512) -> tuple[float, float]:
     """(wall seconds, kernel seconds) of one decode step of `rows` requests at `context` tokens each."""
     engine = llm.llm_engine
-    runner, alloc = engine.model_runner, engine.allocator
+    runner = engine.model_runner
+    alloc = ContiguousAllocator(rows, engine.max_model_len, runner.block_size)  # chapter 9's rows, in the pool
     rng = np.random.default_rng(rows)
     requests = [engine.make_request(f"t{i}", rng.integers(0, 1000, context).tolist(),
                                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) for i in range(rows)]
@@ -100,6 +110,7 @@ def main() -> None:
         folder = make_random_llama(tmp, LLAMA_3_2_1B_CONFIG, seed=0)
         llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
         engine = llm.llm_engine
+        engine.scheduler = contiguous_scheduler(engine, MAX_NUM_SEQS)
         log = StepLog(engine.model_runner.execute)
         engine.model_runner.execute = log
         vocab = llm.config.vocab_size
@@ -117,11 +128,11 @@ def main() -> None:
                   f"({r['prefill_steps']} prefill, {r['prefill_seconds']:.1f} s), {r['seconds']:.1f} s; decode steps "
                   f"{r['mean_decode_step_ms']:.1f} ms at {r['mean_decode_rows']:.0f} rows on average")
         prompts, params = workload(64, vocab)
-        engine.scheduler = Scheduler(1, engine.max_num_batched_tokens, engine.allocator)  # one at a time
+        engine.scheduler = contiguous_scheduler(engine, 1)  # one at a time
         r = run(llm, log, prompts[: args.alone], params[: args.alone])
         rec.add("one_at_a_time", [args.alone], "tok/s", r["output_tokens"] / r["seconds"], **r, **extra)
         print(f"one at a time ({args.alone} requests): {r['output_tokens'] / r['seconds']:.1f} output tok/s")
-        engine.scheduler = Scheduler(MAX_NUM_SEQS, engine.max_num_batched_tokens, engine.allocator)
+        engine.scheduler = contiguous_scheduler(engine, MAX_NUM_SEQS)
         for rows in (1, 16, 64, 256):
             wall, kernels = decode_step_times(llm, rows)
             rec.add("decode_step_wall", [rows], "ms", wall * 1e3, context=512)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import tinyvllm_lib.measure as measure
 from tinyvllm_lib import LLM, SamplingParams
+from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
 from tinyvllm_lib.engine.scheduler import Scheduler
 
 _spec = importlib.util.spec_from_file_location("ch08_decode_cpu", Path(__file__).with_name("ch08_decode_cpu.py"))
@@ -35,7 +36,8 @@ def main() -> None:
     engine = llm.llm_engine
     seconds = {}
     for name, rows in (("cpu_one_at_a_time", 1), ("cpu_batched", args.requests)):
-        engine.scheduler = Scheduler(rows, engine.max_num_batched_tokens, engine.allocator)
+        alloc = ContiguousAllocator(rows, engine.max_model_len, engine.model_runner.block_size)
+        engine.scheduler = Scheduler(rows, engine.max_num_batched_tokens, alloc)  # chapter 9's
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds[name] = time.perf_counter() - t0

@@ -473,6 +473,9 @@ class AttentionMetadata:
     slot_mapping: np.ndarray
     block_tables: np.ndarray  # (num_seqs, max_blocks) int32: each sequence's blocks
     block_size: int
+    # the most tokens a prefill has before its new ones (earlier chunks, cached
+    # prefix): 0 when every prefill starts at position 0
+    max_prefill_context_len: int = 0
 
     def __post_init__(self):
         if isinstance(self.seq_lens, np.ndarray):  # host arrays: check that they agree
@@ -582,6 +585,7 @@ def build_attention_metadata(
         slot_mapping,
         block_tables,
         block_size,
+        int((seq_lens - query_lens)[:num_prefills].max(initial=0)),
     )
     return positions, metadata
 
@@ -2069,6 +2073,12 @@ class PagedAttention:
         self.cache, self.metadata, self.workspace = cache, metadata, workspace
         self.max_context_len, self.decode_config = max_context_len, decode_config
         m = metadata
+        if m.max_prefill_context_len:
+            raise NotImplementedError(
+                "this attention computes a prefill from position 0 (flash attention "
+                "over its own tokens); one after cached tokens needs chapter 10's "
+                "paged prefill"
+            )
         # views, once per step
         self.prefill_starts = m.query_start_loc[: m.num_prefills + 1]
         self.decode_tables, self.decode_lens = (

@@ -902,6 +902,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    # prompt tokens whose K/V came from the prefix cache (chapter 10) instead of being
+    # computed
+    num_cached_tokens: int = 0
 
 
 # %%
@@ -960,6 +963,7 @@ class Request:
         self.logprobs = None if params.logprobs is None else []
         self.cumulative_logprob = None if params.logprobs is None else 0.0
         self.prompt_logprobs = None
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache
         self.finish_reason, self.stop_reason = None, None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
@@ -1098,6 +1102,7 @@ class Request:
             self.prompt_logprobs,
             [completion],
             self.is_finished,
+            self.num_cached_tokens,
         )
 
 
@@ -1299,7 +1304,8 @@ def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
     prompt_rows, row = {}, int(due.sum())
     for i, r in enumerate(requests):
         # its prefill: every prompt row
-        if r.params.prompt_logprobs is not None and num_computed[i] == 0:
+        # a chunk of its prompt (chapter 10 splits long prompts over several steps)
+        if r.params.prompt_logprobs is not None and num_computed[i] < r.num_prompt_tokens:
             logits_indices.append(np.arange(starts[i], starts[i + 1], dtype=np.int64))
             prompt_rows[i] = slice(row, row + int(num_new[i]))
             row += int(num_new[i])
@@ -1330,7 +1336,7 @@ class ModelRunner:
         self,
         folder,
         device: str,
-        num_kv_slots: int,
+        num_kv_slots: int | None,
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -1353,11 +1359,7 @@ class ModelRunner:
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = LlamaNumpy.from_folder(folder)
-            self.kv_cache = KVCache(
-                self.model.config,
-                num_kv_slots,
-                "float32" if kv_cache_dtype == "auto" else kv_cache_dtype,
-            )
+            self.kv_cache_dtype = "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
             self.sampler = Sampler()
         else:
             if kv_cache_dtype not in ("auto", "bfloat16"):
@@ -1367,12 +1369,23 @@ class ModelRunner:
                 )
             self.model = LlamaCuda.from_folder(folder)
             self.stream = cuda.stream()
-            self.kv_cache = CudaKVCache(self.model.config, num_kv_slots)
+            self.kv_cache_dtype = "bfloat16"
             self.sampler = CudaSampler(
                 self.model.config.vocab_size, max_num_seqs, self.stream
             )
             self._make_device_buffers()
-        self.config = self.model.config
+        self.config, self.kv_cache = self.model.config, None
+        # None: the engine sizes the cache once the weights and buffers are in place
+        if num_kv_slots is not None:
+            self.init_kv_cache(num_kv_slots)
+
+    def init_kv_cache(self, num_slots: int) -> None:
+        """Make the KV cache: num_slots token slots of every layer's keys and values."""
+        self.kv_cache = (
+            KVCache(self.config, num_slots, self.kv_cache_dtype)
+            if self.device == "cpu"
+            else CudaKVCache(self.config, num_slots)
+        )
 
     def _make_device_buffers(self) -> None:
         c, rows, tokens = (
@@ -1443,17 +1456,6 @@ class ModelRunner:
         """Copy the step's arrays into the runner's buffers, on its stream: the views a
         launch reads.
         """
-        m = inputs.metadata
-        if np.any(
-            m.seq_lens[: m.num_prefills]
-            != np.diff(m.query_start_loc[: m.num_prefills + 1])
-        ):
-            raise NotImplementedError(
-                "on the GPU a prefill starts at position 0 (flash attention over its "
-                "own tokens); "
-                "one after cached tokens needs paged prefill (chapter 10, not "
-                "written yet)"
-            )
         s, n, rows = self.stream, len(inputs.token_ids), len(inputs.logits_indices)
         b = {name: buf[:n] for name, buf in self.activations.items()}
         cuda.to_device(inputs.token_ids, to=b["ids"], stream=s)

@@ -494,23 +494,10 @@ def make_request(
 
 # %%
 #| export engine.llm_engine
-#| public LLMEngine
-import itertools
 import os
 
-import numpy as np
-from numba import cuda
-
-from tinyvllm_lib.engine.inputs import make_request
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator, kv_cache_bytes_per_token
-from tinyvllm_lib.engine.model_runner import DEVICES, ModelRunner
-from tinyvllm_lib.engine.outputs import RequestOutput
-from tinyvllm_lib.engine.request import Request
-from tinyvllm_lib.engine.scheduler import Scheduler
-from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.models.smollm2 import resolve_model
+from tinyvllm_lib.engine.model_runner import DEVICES
 from tinyvllm_lib.runtime import has_gpu, is_simulator
-from tinyvllm_lib.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when not given: the model's limit, at most this
 # vLLM's default step budget (at least max_model_len here: no chunked prefill yet)
@@ -543,6 +530,25 @@ def _positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+# %%
+#| export engine.llm_engine
+#| public LLMEngine
+import itertools
+
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.engine.inputs import make_request
+from tinyvllm_lib.engine.kv_cache import ContiguousAllocator, kv_cache_bytes_per_token
+from tinyvllm_lib.engine.model_runner import ModelRunner
+from tinyvllm_lib.engine.outputs import RequestOutput
+from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.scheduler import Scheduler
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.smollm2 import resolve_model
+from tinyvllm_lib.tokenizer import Tokenizer
 
 
 class LLMEngine:
@@ -1001,7 +1007,9 @@ class LLM:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         block_size: int = 16,
+        **engine_args,
     ):
+        # engine_args: what a later chapter's engine takes too (chapter 10: the pool)
         self.llm_engine = LLMEngine(
             model,
             device,
@@ -1011,6 +1019,7 @@ class LLM:
             seed,
             kv_cache_dtype,
             block_size,
+            **engine_args,
         )
         e = self.llm_engine
         self.folder, self.config, self.tokenizer, self.device, self.max_model_len = (
@@ -1058,8 +1067,6 @@ class LLM:
             engine.make_request(engine.next_request_id(), p, sp, name=f"prompt {i}")
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
-        for request in requests:
-            engine.enqueue(request)
         index = {r.request_id: i for i, r in enumerate(requests)}
         outputs: list[RequestOutput | None] = [None] * len(requests)
         bar = tqdm(
@@ -1070,6 +1077,8 @@ class LLM:
         )
         t0, num_in, num_out = time.perf_counter(), 0, 0
         try:
+            for request in requests:  # (chapter 10's engine can refuse one here)
+                engine.enqueue(request)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     i = index.get(out.request_id)
@@ -1217,14 +1226,11 @@ assert not llm.llm_engine.has_unfinished_requests()  # nothing was added
 
 # %% tags=["hide-input"]
 engine = llm.llm_engine
-# one request at a time
-engine.scheduler = Scheduler(1, engine.max_num_batched_tokens, engine.allocator)
+engine.scheduler.max_num_seqs = 1  # one request at a time
 t0 = time.perf_counter()
 single = llm.generate(prompts, mix, use_tqdm=False)
 single_seconds = time.perf_counter() - t0
-engine.scheduler = Scheduler(
-    llm.llm_engine.max_num_seqs, engine.max_num_batched_tokens, engine.allocator
-)
+engine.scheduler.max_num_seqs = engine.max_num_seqs
 checks = [
     agrees(
         a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].token_ids, tie=1e-4
@@ -1310,9 +1316,7 @@ def shared_logprob_gaps(a, b) -> np.ndarray:
 if has_gpu():
     gpu = LLM("smollm2", device="cuda", max_model_len=512, max_num_seqs=len(prompts))
     gpu_batched = gpu.generate(prompts, mix, use_tqdm=False)
-    gpu.llm_engine.scheduler = Scheduler(
-        1, gpu.llm_engine.max_num_batched_tokens, gpu.llm_engine.allocator
-    )
+    gpu.llm_engine.scheduler.max_num_seqs = 1
     gpu_single = gpu.generate(prompts, mix, use_tqdm=False)
     checks = [
         agrees(
@@ -1338,9 +1342,7 @@ if has_gpu():
     )
     assert all(ok for ok, _ in checks) and gaps.mean() <= 0.05
     engine = gpu.llm_engine
-    engine.scheduler = Scheduler(
-        len(prompts), engine.max_num_batched_tokens, engine.allocator
-    )
+    engine.scheduler.max_num_seqs = engine.max_num_seqs
     for i, p in enumerate(prompts):
         engine.add_request(
             f"g{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

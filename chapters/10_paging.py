@@ -148,6 +148,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix block."""
+        return sum(self.blocks[i].block_hash is not None for i in self.free_queue)
+
     def _cached_prefix(self, token_ids) -> list[int]:
         """Block ids of the longest cached run of full blocks that token_ids starts
         with, leaving at least its last token uncovered.
@@ -168,14 +173,16 @@ class BlockManager:
         """How many leading tokens of token_ids the cache holds (changes nothing)."""
         return len(self._cached_prefix(token_ids)) * self.block_size
 
-    def allocate(self, request_id: str, token_ids, num_tokens: int) -> int | None:
+    def allocate(
+        self, request_id: str, token_ids, num_tokens: int, use_cache: bool = True
+    ) -> int | None:
         """Give a new request blocks for its first num_tokens tokens, its cached prefix
-        shared: the number of tokens served by the cache, or None (nothing changed)
-        when the pool is short.
+        shared (unless use_cache is False): the number of tokens served by the cache,
+        or None (nothing changed) when the pool is short.
         """
         if request_id in self.block_tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        hits = self._cached_prefix(token_ids)
+        hits = self._cached_prefix(token_ids) if use_cache else []
         if num_tokens < len(hits) * self.block_size:
             raise ValueError(
                 f"allocate {request_id!r}: {num_tokens} tokens is fewer than its "
@@ -351,7 +358,8 @@ class PagedScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they were admitted
         self.num_preemptions = 0
-        self.num_cached_tokens: dict[str, int] = {}  # at first admission
+        # request id -> the logits of its prompt chunks so far (prompt_logprobs)
+        self.prompt_logits: dict[str, list[np.ndarray]] = {}
 
     def add_request(self, request: Request) -> None:
         bm = self.block_manager
@@ -371,19 +379,21 @@ class PagedScheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request.request_id)
+        self.prompt_logits.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def schedule(self) -> SchedulerOutput | None:
-        bm, budget = self.block_manager, self.max_num_batched_tokens
-        planned: list[tuple[Request, int]] = []
-        preempted, i = False, 0
+    def _schedule_running(self, budget: int) -> tuple[list, int, bool]:
+        """Running requests first, oldest first: their next token or prompt chunk, a
+        block taken where one is crossed, the newest preempted while none is free.
+        """
+        planned, preempted, i = [], False, 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not bm.append_slots(
+            while not self.block_manager.append_slots(
                 request.request_id, request.num_computed_tokens + n
             ):
                 preempted = True
@@ -397,25 +407,39 @@ class PagedScheduler:
                 i += 1
                 continue
             break  # the request itself was the last one, and gave its blocks back
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
+        return planned, budget, preempted
+
+    def _admit(self, budget: int) -> list:
+        """Waiting requests in arrival order, each after its cached prefix, while the
+        token budget, max_num_seqs and the blocks of their first chunk allow.
+        """
+        bm, planned = self.block_manager, []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = RequestTokens(request)
-            cached = bm.num_cached_tokens(tokens)
+            # prompt logprobs need the logits of every prompt position: no cache hits
+            use_cache = request.params.prompt_logprobs is None
+            cached = bm.num_cached_tokens(tokens) if use_cache else 0
             n = min(request.num_tokens - cached, budget)
-            if bm.allocate(request.request_id, tokens, cached + n) is None:
+            if bm.allocate(request.request_id, tokens, cached + n, use_cache) is None:
                 break
             self.waiting.popleft()
+            if request.num_tokens == request.num_prompt_tokens:  # nothing generated
+                request.num_cached_tokens = cached
             request.num_computed_tokens = cached
             request.status = RequestStatus.RUNNING
-            self.num_cached_tokens.setdefault(request.request_id, cached)
             self.running.append(request)
             planned.append((request, n))
             budget -= n
+        return planned
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step: which requests run and how many new tokens each, with their
+        block tables; None when there is nothing to run.
+        """
+        planned, budget, preempted = self._schedule_running(self.max_num_batched_tokens)
+        if not preempted:  # a pool that has just run short admits no one
+            planned += self._admit(budget)
         if not planned:
             return None
         # prompt chunks first, then one-token decodes, as the runner takes them
@@ -423,7 +447,7 @@ class PagedScheduler:
         num_prefills = sum(not is_decode(r, n) for r, n in planned)
         tables = np.zeros((len(planned), self.max_blocks), np.int32)
         for row, (request, _) in enumerate(planned):
-            table = bm.block_tables[request.request_id]
+            table = self.block_manager.block_tables[request.request_id]
             tables[row, : len(table)] = table
         return SchedulerOutput(
             [r for r, _ in planned], [n for _, n in planned], num_prefills, tables
@@ -437,11 +461,12 @@ class PagedScheduler:
         a token.
         """
         s, progressed, j = result.sampled, [], 0  # j: the sampled row
-        for request, n in zip(step.requests, step.num_new_tokens):
+        for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
             request.num_computed_tokens += n
             self.block_manager.cache_blocks(
                 request.request_id, RequestTokens(request), request.num_computed_tokens
             )
+            self._collect_prompt_logits(request, result.prompt_logits[i])
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
             request.append_token(
@@ -454,6 +479,362 @@ class PagedScheduler:
             j += 1
             progressed.append(request)
             if request.is_finished:
-                self.running.remove(request)
-                self.block_manager.free(request.request_id)
+                self._release(request)
         return progressed
+
+    def _collect_prompt_logits(self, request: Request, logits) -> None:
+        """Gather a prompt's logits chunk by chunk, and set its prompt_logprobs once the
+        whole prompt is computed (the first time: a recomputation repeats them).
+        """
+        if logits is None or request.prompt_logprobs is not None:
+            return
+        chunks = self.prompt_logits.setdefault(request.request_id, [])
+        chunks.append(logits)
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            del self.prompt_logits[request.request_id]
+            request.set_prompt_logprobs(
+                np.concatenate(chunks)[: request.num_prompt_tokens]
+            )
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Take a request out, waiting or running, and end it with finish_reason
+        'abort'; None if it is not here.
+        """
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                request.abort()
+                return request
+        for request in self.running:
+            if request.request_id == request_id:
+                request.abort()
+                self._release(request)
+                return request
+        return None
+
+    def _release(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        self.prompt_logits.pop(request.request_id, None)
+
+# %% [markdown]
+# ## The engine on blocks
+#
+# The engine changes in its constructor only; `step()` is chapter 9's schedule →
+# execute → postprocess. What changes is where the memory goes. Chapter 9 reserved
+# `max_num_seqs × max_model_len` slots up front. Now the engine first loads the weights
+# and makes every buffer a step needs, then measures what is left, and gives the share
+# `gpu_memory_utilization` allows (vLLM's name and default, 0.9) to KV blocks. On the
+# CPU a byte budget does the same (`kv_cache_memory_bytes`, 4 GiB by default, as vLLM's
+# CPU backend). `num_kv_blocks=N` sets the pool outright; the tests use it. The pool is
+# never larger than chapter 9's reservation: more blocks than `max_num_seqs` sequences
+# of `max_model_len` tokens can fill would only hold cached prefixes.
+#
+# The engine also counts what a server will export (chapter 12): steps, preemptions,
+# prompt tokens and how many of them came from the cache, generated tokens, the requests
+# running at once, and the blocks in use, now and at their peak.
+
+# %%
+#| export engine.stats
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started, and its KV pool (llm.llm_engine.stats)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    # of the requests that have had their first token
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # of those, read from the prefix cache
+    num_generated_tokens: int = 0
+    num_running: int = 0  # requests running after the last step's schedule
+    max_num_running: int = 0  # the most at once
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0  # blocks some request holds, now
+    max_kv_blocks_used: int = 0
+    # free blocks that still hold a cached prefix (evicted when the pool needs them)
+    kv_blocks_cached: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """The share of prompt tokens read from the cache instead of computed."""
+        return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
+
+# %% [markdown]
+# The constructor, then: the same checks as chapter 9's, except that the step budget
+# may now be smaller than `max_model_len` (a long prompt is computed in chunks), and
+# the pool sized as above.
+
+# %%
+# the helpers chapter 9 defined beside its engine
+from tinyvllm_lib.engine.llm_engine import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    _positive_int,
+    resolve_device,
+)
+
+# %%
+#| export engine.llm_engine
+#| replaces LLMEngine
+import itertools
+from dataclasses import replace
+
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.engine.block_manager import BlockManager
+from tinyvllm_lib.engine.inputs import make_request
+from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
+from tinyvllm_lib.engine.model_runner import ModelRunner
+from tinyvllm_lib.engine.outputs import RequestOutput
+from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
+from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.stats import EngineStats
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.smollm2 import resolve_model
+from tinyvllm_lib.runtime import has_gpu
+from tinyvllm_lib.tokenizer import Tokenizer
+
+CPU_KV_CACHE_BYTES = 4 * 2**30  # the CPU's default pool, as vLLM's CPU backend
+
+
+class LLMEngine:
+    """vLLM's engine loop: add_request(...) any time, then step() while
+    has_unfinished_requests().
+
+        step() = scheduler.schedule() -> model_runner.execute()
+                 -> scheduler.postprocess()
+
+    returns the requests that progressed, each as a RequestOutput with its text so far
+    and `finished`. The KV cache is a pool of blocks (num_kv_blocks, or sized from
+    gpu_memory_utilization / kv_cache_memory_bytes) that the scheduler's BlockManager
+    hands out; enable_prefix_caching shares the blocks of common prompt prefixes.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+        kv_cache_dtype: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+    ):
+        self.folder = resolve_model(model)
+        self.config = ModelConfig.from_folder(self.folder)
+        # None: prompts are token ids
+        self.tokenizer = Tokenizer.from_folder(self.folder, missing_ok=True)
+        limit = self.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+        if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len must be an integer in [2, {limit}] (the model's "
+                f"max_position_embeddings), got {max_model_len!r}"
+            )
+        _positive_int("max_num_seqs", max_num_seqs)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+        if _positive_int("max_num_batched_tokens", max_num_batched_tokens) < (
+            max_num_seqs
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({max_num_seqs}): a decode step computes a token for "
+                "every running request"
+            )
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                "gpu_memory_utilization is the share of the GPU's memory the engine "
+                f"may use, in (0, 1]; got {gpu_memory_utilization!r}"
+            )
+        self.device = resolve_device(device)
+        self.max_model_len, self.max_num_seqs, self.max_num_batched_tokens = (
+            max_model_len,
+            max_num_seqs,
+            max_num_batched_tokens,
+        )
+        # the weights and every step buffer first; the KV cache takes what is left
+        self.model_runner = ModelRunner(
+            self.folder,
+            self.device,
+            None,
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            kv_cache_dtype,
+        )
+        num_blocks = self._num_kv_blocks(
+            num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes, block_size
+        )
+        self.model_runner.init_kv_cache(num_blocks * block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = PagedScheduler(
+            max_num_seqs, max_num_batched_tokens, max_model_len, self.block_manager
+        )
+        self._stats = EngineStats(kv_blocks_total=num_blocks)
+        # for requests without a seed of their own
+        self.rng = np.random.default_rng(seed)
+        # unfinished (and aborted but not yet reported) requests by id
+        self.requests: dict[str, Request] = {}
+        # their last RequestOutput goes out with the next step
+        self._aborted: list[Request] = []
+        self._ids = itertools.count()
+
+    def _num_kv_blocks(self, num_kv_blocks, utilization, budget, block_size) -> int:
+        """The pool's size in blocks: as given, or what the memory budget holds, at
+        most what max_num_seqs sequences of max_model_len tokens can use.
+        """
+        per_block = block_size * kv_cache_bytes_per_token(
+            self.config, self.model_runner.kv_cache_dtype
+        )
+        most = self.max_num_seqs * cdiv(self.max_model_len, block_size)
+        if num_kv_blocks is not None:
+            return _positive_int("num_kv_blocks", num_kv_blocks)
+        if budget is None and self.device == "cuda" and has_gpu():
+            free, total = cuda.current_context().get_memory_info()
+            # what is in use now (weights, step buffers, other processes) is not ours
+            # to give
+            budget = int(utilization * total) - (total - free)
+            where = (
+                f"gpu_memory_utilization={utilization} of {total / 2**30:.1f} GiB "
+                f"with {(total - free) / 2**30:.1f} GiB in use"
+            )
+        else:
+            budget = CPU_KV_CACHE_BYTES if budget is None else budget
+            where = f"kv_cache_memory_bytes={budget}"
+        num_blocks = min(budget // per_block, most)
+        # the longest request must fit
+        if num_blocks < cdiv(self.max_model_len, block_size):
+            raise ValueError(
+                f"{where} leaves room for {max(num_blocks, 0)} KV blocks of "
+                f"{block_size} tokens ({per_block} bytes each), fewer than one "
+                f"sequence of max_model_len = {self.max_model_len} needs: lower "
+                "max_model_len or max_num_batched_tokens, or give the cache more "
+                "memory"
+            )
+        return int(num_blocks)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The counters, with the pool as it is now."""
+        bm = self.block_manager
+        return replace(
+            self._stats,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_cached=bm.num_cached_free_blocks,
+        )
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def make_request(
+        self, request_id: str, prompt, params=None, name: str = "prompt"
+    ) -> Request:
+        """A checked Request for a prompt (text, token ids or a dict), not added yet;
+        ValueError on bad input.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(
+                f"request_id must be a non-empty string, got {request_id!r}"
+            )
+        if request_id in self.requests:
+            raise ValueError(
+                f"request_id {request_id!r} is already in use by an unfinished request"
+            )
+        return make_request(
+            request_id,
+            prompt,
+            params,
+            tokenizer=self.tokenizer,
+            vocab_size=self.config.vocab_size,
+            eos_token_ids=self.config.eos_token_ids,
+            max_model_len=self.max_model_len,
+            default_generator=self.rng,
+            name=name,
+        )
+
+    def enqueue(self, request: Request) -> None:
+        """Add a request made by make_request: it waits for blocks, then runs step by
+        step. ValueError if it could never fit in the pool.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(
+                f"request_id {request.request_id!r} is already in use by an "
+                "unfinished request"
+            )
+        self.scheduler.add_request(request)
+        self.requests[request.request_id] = request
+
+    def add_request(self, request_id: str, prompt, params=None) -> None:
+        """vLLM's add_request: check the prompt and its SamplingParams, then queue
+        it.
+        """
+        self.enqueue(self.make_request(request_id, prompt, params))
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now, waiting or running (finish_reason 'abort'); its blocks
+        are freed at once.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request in self._aborted:
+            raise ValueError(f"no unfinished request with id {request_id!r}")
+        self.scheduler.abort_request(request_id)
+        self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, postprocess: the RequestOutput of every request that
+        progressed or was aborted.
+        """
+        done, self._aborted = self._aborted, []
+        # aborted since the last step: finish_reason "abort"
+        outputs = [r.output() for r in done]
+        step = self.scheduler.schedule()
+        if step is not None:
+            self._count_schedule()
+            result = self.model_runner.execute(step)
+            for request in self.scheduler.postprocess(step, result):
+                self._count_token(request)
+                outputs.append(request.output())
+                if request.is_finished:
+                    done.append(request)
+        for request in done:
+            del self.requests[request.request_id]
+        return outputs
+
+    def _count_schedule(self) -> None:
+        s = self._stats
+        s.num_steps += 1
+        s.max_num_running = max(s.max_num_running, len(self.scheduler.running))
+        s.max_kv_blocks_used = max(
+            s.max_kv_blocks_used, self.block_manager.num_used_blocks
+        )
+
+    def _count_token(self, request: Request) -> None:
+        s = self._stats
+        s.num_generated_tokens += 1
+        if len(request.output_token_ids) == 1:  # its first: its prompt is done
+            s.num_prompt_tokens += request.num_prompt_tokens
+            s.num_cached_prompt_tokens += request.num_cached_tokens

@@ -113,10 +113,12 @@ def test_abort_frees_the_place_and_reports_abort(tiny_folder):
     for rid in ("a", "b", "c"):  # c waits: two rows only
         engine.add_request(rid, [5, 6], params)
     engine.step()
-    assert [r.request_id for r in engine.scheduler.running] == ["a", "b"] and engine.allocator.num_free_rows == 0
+    bm = engine.block_manager
+    held = bm.num_used_blocks
+    assert [r.request_id for r in engine.scheduler.running] == ["a", "b"] and held == 2
     engine.abort_request("a")  # running
     engine.abort_request("c")  # waiting
-    assert engine.allocator.num_free_rows == 1 and not engine.scheduler.waiting
+    assert bm.num_used_blocks == held - 1 and not engine.scheduler.waiting
     outputs = {o.request_id: o for o in engine.step()}
     assert outputs["a"].finished and outputs["a"].outputs[0].finish_reason == "abort"
     assert outputs["c"].outputs[0].finish_reason == "abort" and outputs["c"].outputs[0].token_ids == []
@@ -126,7 +128,7 @@ def test_abort_frees_the_place_and_reports_abort(tiny_folder):
         engine.abort_request("nobody")
     engine.add_request("d", [7], params)  # the freed row serves a new request
     finals = drain(engine)
-    assert set(finals) == {"b", "d"} and engine.allocator.num_free_rows == 2
+    assert set(finals) == {"b", "d"} and bm.num_used_blocks == 0
 
 
 def test_bad_and_duplicate_ids_are_refused_and_the_engine_keeps_serving(tiny_folder):
@@ -190,7 +192,7 @@ def test_gpu_batched_equal_one_at_a_time_smollm2(rng):
     params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 65)), logprobs=2) for _ in prompts]
     batched = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
-    engine.scheduler = Scheduler(1, engine.max_num_batched_tokens, engine.allocator)
+    engine.scheduler.max_num_seqs = 1
     single = llm.generate(prompts, params, use_tqdm=False)
     gaps = []
     for a, b in zip(single, batched):

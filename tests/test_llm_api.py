@@ -333,7 +333,8 @@ def test_bad_engine_arguments(tiny):
 def test_cpu_cache_dtypes(tiny):
     runner = tiny.llm_engine.model_runner
     assert runner.device == "cpu" and runner.kv_cache.dtype == "float32"
-    assert runner.kv_cache.num_slots == tiny.llm_engine.allocator.num_slots
+    bm = tiny.llm_engine.block_manager
+    assert runner.kv_cache.num_slots == bm.num_blocks * bm.block_size
     bf16 = LLM(tiny.folder, device="cpu", max_model_len=64, max_num_seqs=2, kv_cache_dtype="bfloat16")
     assert bf16.llm_engine.model_runner.kv_cache.dtype == "bfloat16"
     assert resolve_device("cpu") == "cpu" and resolve_device("auto") == ("cuda" if has_gpu() else "cpu")

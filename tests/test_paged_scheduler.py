@@ -1,10 +1,11 @@
-"""The scheduler on blocks (chapter 10, draft) against a stand-in for the model: whatever
+"""The scheduler on blocks (chapter 10) against a stand-in for the model: whatever
 the pool, the token budget and the preemptions, every request ends with the tokens it
 would get alone, no step exceeds its budgets, and no block leaks."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from hypothesis import strategies as st
 
 from tinyvllm_lib.engine.block_manager import BlockManager
@@ -164,7 +165,7 @@ def test_a_cached_prefix_is_not_computed_again():
     step = scheduler.schedule()
     # a's first four blocks (16 tokens) are b's too; its fifth differs at token 18
     assert step.num_new_tokens == [4] and b.num_computed_tokens == 16
-    assert scheduler.num_cached_tokens["b"] == 16
+    assert b.num_cached_tokens == 16 and b.output().num_cached_tokens == 16
 
 
 def test_on_the_numpy_model_paging_changes_no_token(tmp_path):
@@ -203,6 +204,89 @@ def test_on_the_numpy_model_paging_changes_no_token(tmp_path):
         step = scheduler.schedule()
         scheduler.postprocess(step, runner.execute(step))
     assert (
-        scheduler.num_preemptions > 0 and sum(scheduler.num_cached_tokens.values()) > 0
+        scheduler.num_preemptions > 0 and sum(r.num_cached_tokens for r in requests) > 0
     )
     assert [r.output_token_ids for r in requests] == [list(w) for w in want]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random arrivals, steps, aborts; after every rule the pool's books must balance:
+    no block leaked or held twice, every reference count equal to its holders, the hash
+    table naming exactly the cached blocks. At the end every request has finished, with
+    its own tokens unless it was aborted."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests: list[Request] = []
+        self.bases = [list(np.random.default_rng(s).integers(0, 50, 40)) for s in range(2)]
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4, 8]),
+        num_blocks=st.integers(12, 40),
+        budget=st.integers(1, 32),
+        max_num_seqs=st.integers(1, 6),
+        caching=st.booleans(),
+    )
+    def make(self, block_size, num_blocks, budget, max_num_seqs, caching):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.scheduler = PagedScheduler(max_num_seqs, budget, 48, self.bm)
+
+    @rule(base=st.integers(0, 1), k=st.integers(0, 40), tail=st.lists(st.integers(0, 49), max_size=6), m=st.integers(1, 8))
+    def arrive(self, base, k, tail, m):
+        prompt = self.bases[base][:k] + tail or [7]
+        request = make_request(f"r{len(self.requests)}", prompt, min(m, 48 - len(prompt)) or 1)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:  # larger than the whole pool: refused, nothing changed
+            assert "more than the whole pool" in str(e)
+            return
+        self.requests.append(request)
+
+    @rule()
+    def step(self):
+        step = self.scheduler.schedule()
+        if step is None:
+            assert not self.scheduler.has_unfinished_requests(), "work left but nothing scheduled"
+            return
+        assert step.num_tokens <= self.scheduler.max_num_batched_tokens
+        self.scheduler.postprocess(step, stand_in(step))
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = [r for r in self.requests if not r.is_finished]
+        if live:
+            victim = data.draw(st.sampled_from(live))
+            assert self.scheduler.abort_request(victim.request_id) is victim
+
+    @invariant()
+    def books_balance(self):
+        if not hasattr(self, "bm"):
+            return
+        bm = self.bm
+        holders = [0] * bm.num_blocks
+        for table in bm.block_tables.values():
+            for b in table:
+                holders[b] += 1
+        assert [b.ref_count for b in bm.blocks] == holders
+        free = set(bm.free_queue)
+        assert len(free) == len(bm.free_queue) and free == {i for i, h in enumerate(holders) if h == 0}
+        assert {h: i for i, b in enumerate(bm.blocks) if (h := b.block_hash) is not None} == bm.cached
+        assert set(bm.block_tables) == {r.request_id for r in self.scheduler.running}
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for _ in range(5000):
+            if not self.scheduler.has_unfinished_requests():
+                break
+            self.step()
+        assert not self.scheduler.has_unfinished_requests(), "not finished after 5000 steps"
+        for r in self.requests:
+            assert r.is_finished
+            if r.finish_reason != "abort":
+                assert r.output_token_ids == [next_token(r.request_id, r.num_prompt_tokens + k) for k in range(r.max_tokens)]
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase

@@ -67,6 +67,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix block."""
+        return sum(self.blocks[i].block_hash is not None for i in self.free_queue)
+
     def _cached_prefix(self, token_ids) -> list[int]:
         """Block ids of the longest cached run of full blocks that token_ids starts
         with, leaving at least its last token uncovered.
@@ -87,14 +92,16 @@ class BlockManager:
         """How many leading tokens of token_ids the cache holds (changes nothing)."""
         return len(self._cached_prefix(token_ids)) * self.block_size
 
-    def allocate(self, request_id: str, token_ids, num_tokens: int) -> int | None:
+    def allocate(
+        self, request_id: str, token_ids, num_tokens: int, use_cache: bool = True
+    ) -> int | None:
         """Give a new request blocks for its first num_tokens tokens, its cached prefix
-        shared: the number of tokens served by the cache, or None (nothing changed)
-        when the pool is short.
+        shared (unless use_cache is False): the number of tokens served by the cache,
+        or None (nothing changed) when the pool is short.
         """
         if request_id in self.block_tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        hits = self._cached_prefix(token_ids)
+        hits = self._cached_prefix(token_ids) if use_cache else []
         if num_tokens < len(hits) * self.block_size:
             raise ValueError(
                 f"allocate {request_id!r}: {num_tokens} tokens is fewer than its "

@@ -40,7 +40,9 @@ class LLM:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         block_size: int = 16,
+        **engine_args,
     ):
+        # engine_args: what a later chapter's engine takes too (chapter 10: the pool)
         self.llm_engine = LLMEngine(
             model,
             device,
@@ -50,6 +52,7 @@ class LLM:
             seed,
             kv_cache_dtype,
             block_size,
+            **engine_args,
         )
         e = self.llm_engine
         self.folder, self.config, self.tokenizer, self.device, self.max_model_len = (
@@ -97,8 +100,6 @@ class LLM:
             engine.make_request(engine.next_request_id(), p, sp, name=f"prompt {i}")
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
-        for request in requests:
-            engine.enqueue(request)
         index = {r.request_id: i for i, r in enumerate(requests)}
         outputs: list[RequestOutput | None] = [None] * len(requests)
         bar = tqdm(
@@ -109,6 +110,8 @@ class LLM:
         )
         t0, num_in, num_out = time.perf_counter(), 0, 0
         try:
+            for request in requests:  # (chapter 10's engine can refuse one here)
+                engine.enqueue(request)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     i = index.get(out.request_id)

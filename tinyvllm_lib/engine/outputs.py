@@ -36,3 +36,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    # prompt tokens whose K/V came from the prefix cache (chapter 10) instead of being
+    # computed
+    num_cached_tokens: int = 0

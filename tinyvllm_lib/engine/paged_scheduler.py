@@ -52,7 +52,8 @@ class PagedScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they were admitted
         self.num_preemptions = 0
-        self.num_cached_tokens: dict[str, int] = {}  # at first admission
+        # request id -> the logits of its prompt chunks so far (prompt_logprobs)
+        self.prompt_logits: dict[str, list[np.ndarray]] = {}
 
     def add_request(self, request: Request) -> None:
         bm = self.block_manager
@@ -72,19 +73,21 @@ class PagedScheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request.request_id)
+        self.prompt_logits.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def schedule(self) -> SchedulerOutput | None:
-        bm, budget = self.block_manager, self.max_num_batched_tokens
-        planned: list[tuple[Request, int]] = []
-        preempted, i = False, 0
+    def _schedule_running(self, budget: int) -> tuple[list, int, bool]:
+        """Running requests first, oldest first: their next token or prompt chunk, a
+        block taken where one is crossed, the newest preempted while none is free.
+        """
+        planned, preempted, i = [], False, 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not bm.append_slots(
+            while not self.block_manager.append_slots(
                 request.request_id, request.num_computed_tokens + n
             ):
                 preempted = True
@@ -98,25 +101,39 @@ class PagedScheduler:
                 i += 1
                 continue
             break  # the request itself was the last one, and gave its blocks back
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
+        return planned, budget, preempted
+
+    def _admit(self, budget: int) -> list:
+        """Waiting requests in arrival order, each after its cached prefix, while the
+        token budget, max_num_seqs and the blocks of their first chunk allow.
+        """
+        bm, planned = self.block_manager, []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = RequestTokens(request)
-            cached = bm.num_cached_tokens(tokens)
+            # prompt logprobs need the logits of every prompt position: no cache hits
+            use_cache = request.params.prompt_logprobs is None
+            cached = bm.num_cached_tokens(tokens) if use_cache else 0
             n = min(request.num_tokens - cached, budget)
-            if bm.allocate(request.request_id, tokens, cached + n) is None:
+            if bm.allocate(request.request_id, tokens, cached + n, use_cache) is None:
                 break
             self.waiting.popleft()
+            if request.num_tokens == request.num_prompt_tokens:  # nothing generated
+                request.num_cached_tokens = cached
             request.num_computed_tokens = cached
             request.status = RequestStatus.RUNNING
-            self.num_cached_tokens.setdefault(request.request_id, cached)
             self.running.append(request)
             planned.append((request, n))
             budget -= n
+        return planned
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step: which requests run and how many new tokens each, with their
+        block tables; None when there is nothing to run.
+        """
+        planned, budget, preempted = self._schedule_running(self.max_num_batched_tokens)
+        if not preempted:  # a pool that has just run short admits no one
+            planned += self._admit(budget)
         if not planned:
             return None
         # prompt chunks first, then one-token decodes, as the runner takes them
@@ -124,7 +141,7 @@ class PagedScheduler:
         num_prefills = sum(not is_decode(r, n) for r, n in planned)
         tables = np.zeros((len(planned), self.max_blocks), np.int32)
         for row, (request, _) in enumerate(planned):
-            table = bm.block_tables[request.request_id]
+            table = self.block_manager.block_tables[request.request_id]
             tables[row, : len(table)] = table
         return SchedulerOutput(
             [r for r, _ in planned], [n for _, n in planned], num_prefills, tables
@@ -138,11 +155,12 @@ class PagedScheduler:
         a token.
         """
         s, progressed, j = result.sampled, [], 0  # j: the sampled row
-        for request, n in zip(step.requests, step.num_new_tokens):
+        for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
             request.num_computed_tokens += n
             self.block_manager.cache_blocks(
                 request.request_id, RequestTokens(request), request.num_computed_tokens
             )
+            self._collect_prompt_logits(request, result.prompt_logits[i])
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
             request.append_token(
@@ -155,6 +173,40 @@ class PagedScheduler:
             j += 1
             progressed.append(request)
             if request.is_finished:
-                self.running.remove(request)
-                self.block_manager.free(request.request_id)
+                self._release(request)
         return progressed
+
+    def _collect_prompt_logits(self, request: Request, logits) -> None:
+        """Gather a prompt's logits chunk by chunk, and set its prompt_logprobs once the
+        whole prompt is computed (the first time: a recomputation repeats them).
+        """
+        if logits is None or request.prompt_logprobs is not None:
+            return
+        chunks = self.prompt_logits.setdefault(request.request_id, [])
+        chunks.append(logits)
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            del self.prompt_logits[request.request_id]
+            request.set_prompt_logprobs(
+                np.concatenate(chunks)[: request.num_prompt_tokens]
+            )
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Take a request out, waiting or running, and end it with finish_reason
+        'abort'; None if it is not here.
+        """
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                request.abort()
+                return request
+        for request in self.running:
+            if request.request_id == request_id:
+                request.abort()
+                self._release(request)
+                return request
+        return None
+
+    def _release(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        self.prompt_logits.pop(request.request_id, None)

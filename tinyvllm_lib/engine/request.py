@@ -56,6 +56,7 @@ class Request:
         self.logprobs = None if params.logprobs is None else []
         self.cumulative_logprob = None if params.logprobs is None else 0.0
         self.prompt_logprobs = None
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache
         self.finish_reason, self.stop_reason = None, None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
@@ -194,4 +195,5 @@ class Request:
             self.prompt_logprobs,
             [completion],
             self.is_finished,
+            self.num_cached_tokens,
         )

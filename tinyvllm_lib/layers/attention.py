@@ -177,6 +177,12 @@ class PagedAttention:
         self.cache, self.metadata, self.workspace = cache, metadata, workspace
         self.max_context_len, self.decode_config = max_context_len, decode_config
         m = metadata
+        if m.max_prefill_context_len:
+            raise NotImplementedError(
+                "this attention computes a prefill from position 0 (flash attention "
+                "over its own tokens); one after cached tokens needs chapter 10's "
+                "paged prefill"
+            )
         # views, once per step
         self.prefill_starts = m.query_start_loc[: m.num_prefills + 1]
         self.decode_tables, self.decode_lens = (

@@ -29,6 +29,9 @@ class AttentionMetadata:
     slot_mapping: np.ndarray
     block_tables: np.ndarray  # (num_seqs, max_blocks) int32: each sequence's blocks
     block_size: int
+    # the most tokens a prefill has before its new ones (earlier chunks, cached
+    # prefix): 0 when every prefill starts at position 0
+    max_prefill_context_len: int = 0
 
     def __post_init__(self):
         if isinstance(self.seq_lens, np.ndarray):  # host arrays: check that they agree
@@ -138,5 +141,6 @@ def build_attention_metadata(
         slot_mapping,
         block_tables,
         block_size,
+        int((seq_lens - query_lens)[:num_prefills].max(initial=0)),
     )
     return positions, metadata

@@ -1,0 +1,111 @@
+"""Chapter 10's acceptance on the CPU: the engine on a pool of blocks (a tiny random
+Llama, NumPy) — a pool a quarter of what 64 requests need still gives their greedy tokens,
+a request larger than the pool is refused while the others are served, a 3,000-token
+prompt computed in chunks of 512 gives the logits of one prefill while decodes go on,
+and a shared 1,000-token prefix is read from the cache with the outputs unchanged."""
+
+import numpy as np
+import pytest
+
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.engine.llm_engine import LLMEngine
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    config = tiny_llama_config(vocab_size=256, max_position_embeddings=4096)
+    return make_random_llama(tmp_path_factory.mktemp("paging"), config, seed=11)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_a_quarter_of_the_pool_gives_the_same_tokens(folder, rng):
+    prompts = [rng.integers(0, 256, int(rng.integers(1, 120))).tolist() for _ in range(64)]
+    params = [greedy(int(rng.integers(1, 40))) for _ in prompts]
+    want = tokens(LLM(folder, device="cpu", max_model_len=256, max_num_seqs=64).generate(prompts, params, use_tqdm=False))
+    need = sum(cdiv(len(p) + sp.max_tokens, 16) for p, sp in zip(prompts, params))
+    small = LLM(folder, device="cpu", max_model_len=256, max_num_seqs=64, num_kv_blocks=need // 4)
+    got = small.generate(prompts, params, use_tqdm=False)
+    assert tokens(got) == want  # every request, none lost, the same greedy tokens
+    stats = small.llm_engine.stats
+    print(f"pool {need // 4} of {need} blocks: {stats}")
+    assert stats.num_preemptions > 0 and stats.max_kv_blocks_used <= need // 4
+    assert stats.num_generated_tokens == sum(sp.max_tokens for sp in params)
+    assert stats.kv_blocks_used == 0 and not small.llm_engine.requests
+
+
+def test_a_request_larger_than_the_pool_is_refused_and_the_rest_served(folder):
+    engine = LLMEngine(folder, device="cpu", max_model_len=512, max_num_seqs=4, num_kv_blocks=8)
+    engine.add_request("ok", [1, 2, 3], greedy(5))
+    with pytest.raises(ValueError, match=r"may need 300 tokens of cache, 19 blocks of 16, more than the whole pool of 8"):
+        engine.add_request("big", list(range(200)), greedy(100))
+    engine.add_request("ok2", [4, 5], greedy(5))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert set(done) == {"ok", "ok2"} and all(len(o.outputs[0].token_ids) == 5 for o in done.values())
+    llm = LLM(folder, device="cpu", max_model_len=512, max_num_seqs=4, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="more than the whole pool"):  # generate: nothing is left behind
+        llm.generate([[1, 2], list(range(200))], greedy(100), use_tqdm=False)
+    assert not llm.llm_engine.scheduler.has_unfinished_requests() and llm.llm_engine.block_manager.num_used_blocks == 0
+    assert tokens(llm.generate([[1, 2]], greedy(3), use_tqdm=False))[0] == tokens(
+        LLM(folder, device="cpu", max_model_len=512, max_num_seqs=4).generate([[1, 2]], greedy(3), use_tqdm=False))[0]
+
+
+def test_a_chunked_prompt_gives_the_logits_of_one_prefill_while_decodes_go_on(folder, rng):
+    long_prompt = rng.integers(0, 256, 3000).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    whole = LLM(folder, device="cpu", max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=4096)
+    want = whole.generate([long_prompt], params, use_tqdm=False)[0]
+    engine = LLMEngine(folder, device="cpu", max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=512)
+    for i in range(3):
+        engine.add_request(f"short{i}", rng.integers(0, 256, 5).tolist(), greedy(30))
+    engine.step()  # the short prompts; they decode from now on
+    engine.add_request("long", long_prompt, params)
+    chunks, decodes_alongside = 0, 0
+    got = None
+    while engine.has_unfinished_requests():
+        long = engine.requests.get("long")
+        chunking = long is not None and long.num_computed_tokens < long.num_prompt_tokens
+        outs = {o.request_id: o for o in engine.step()}
+        if chunking:
+            chunks += 1
+            decodes_alongside += sum(rid.startswith("short") for rid in outs)
+        got = outs.get("long", got)
+    assert chunks == cdiv(3000 + 3, 512)  # the first chunk shares its step with 3 decodes
+    assert decodes_alongside >= 3 * (chunks - 1)
+    a = np.array([lp[t] for lp, t in zip(want.prompt_logprobs[1:], long_prompt[1:])])
+    b = np.array([lp[t] for lp, t in zip(got.prompt_logprobs[1:], long_prompt[1:])])
+    print(f"chunked vs whole prompt log-probs: max |Δ| {np.abs(a - b).max():.2e}")
+    assert np.abs(a - b).max() < 1e-4
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_a_shared_prefix_comes_from_the_cache(folder, rng, block_size):
+    prefix = rng.integers(0, 256, 1000).tolist()
+    prompts = [prefix + rng.integers(0, 256, int(rng.integers(1, 30))).tolist() for _ in range(63)]
+    params = [greedy(int(rng.integers(1, 8))) for _ in prompts]
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(folder, device="cpu", max_model_len=1100, max_num_seqs=64, block_size=block_size,
+                  enable_prefix_caching=caching)
+        first = llm.generate([prefix + [3]], greedy(2), use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0
+        outs[caching] = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.llm_engine.stats
+    shared = 1000 // block_size * block_size  # the prefix's full blocks
+    cached = [o.num_cached_tokens for o in outs[True]]
+    print(f"block {block_size}: cached tokens per request {min(cached)}..{max(cached)} of {shared} shared")
+    assert min(cached) >= 0.9 * shared and all(o.num_cached_tokens == 0 for o in outs[False])
+    assert tokens(outs[True]) == tokens(outs[False])
+    assert stats.num_cached_prompt_tokens == 0 and stats.num_prompt_tokens == len(prefix) + 1 + sum(map(len, prompts))
