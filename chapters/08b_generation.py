@@ -1305,7 +1305,10 @@ def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
     for i, r in enumerate(requests):
         # its prefill: every prompt row
         # a chunk of its prompt (chapter 10 splits long prompts over several steps)
-        if r.params.prompt_logprobs is not None and num_computed[i] < r.num_prompt_tokens:
+        if (
+            r.params.prompt_logprobs is not None
+            and num_computed[i] < r.num_prompt_tokens
+        ):
             logits_indices.append(np.arange(starts[i], starts[i + 1], dtype=np.int64))
             prompt_rows[i] = slice(row, row + int(num_new[i]))
             row += int(num_new[i])
@@ -1359,7 +1362,9 @@ class ModelRunner:
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = LlamaNumpy.from_folder(folder)
-            self.kv_cache_dtype = "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
+            self.kv_cache_dtype = (
+                "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
+            )
             self.sampler = Sampler()
         else:
             if kv_cache_dtype not in ("auto", "bfloat16"):

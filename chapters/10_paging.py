@@ -13,10 +13,6 @@
 # %% [markdown]
 # # 10. Paging: blocks of cache, shared and reclaimed
 #
-# *Draft: this chapter is being written. So far it has the block manager; the paged
-# prefill kernel, the scheduler on blocks, preemption, chunked prefill and the
-# measurements come next.*
-#
 # Chapter 9 batched requests, and in doing so found the next limit: memory. Each
 # running sequence owned one contiguous row of the KV cache, `max_model_len` slots long,
 # whether it used them or not. A 40-token answer to a 30-token question held as much
@@ -29,19 +25,135 @@
 #
 # In this chapter you will learn:
 #
+# - how much of chapter 9's cache a real request mix leaves empty, and how much blocks
+#   leave;
 # - the **block manager**: a pool of blocks, a free list, per-request block tables grown
 #   as tokens are appended, and reference counts;
+# - the **scheduler on blocks**: admission when blocks are free, **preemption** by
+#   recomputation when they run out, and **chunked prefill**, which computes a long
+#   prompt over several steps while the running requests keep decoding;
+# - **paged prefill attention**: a kernel for a prompt's new tokens attending over what
+#   the cache already holds of it;
 # - **prefix caching**: a full block is named by a hash of its tokens and of every token
 #   before it, so requests that begin alike share blocks, and freed blocks stay cached
-#   until the pool needs them, least recently used first.
+#   until the pool needs them, least recently used first;
+# - the engine's **statistics**, the counters a server exports.
 
 # %%
 #| default_exp engine.block_manager
 
 # %%
+import tempfile
+import time
+
+import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.measure import load_records
+from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+from tinyvllm_lib.plots import Prose, new_figure
+from tinyvllm_lib.runtime import has_gpu, where_kernels_run
 
 rng = np.random.default_rng()
+# the numbers this chapter's prose quotes, filled in as they are measured
+prose = Prose()
+print(where_kernels_run())
+
+# %% [markdown]
+# ## Where chapter 9's memory went
+#
+# Take the workload chapter 9 measured on the GPU: 256 requests whose prompt and output
+# lengths are drawn uniformly from 100 to 1,024 tokens, with `max_model_len` 2,048. Even
+# at the moment each request is longest — its prompt and all its output in the cache —
+# contiguous rows leave most of their slots empty, because a row is sized for the
+# longest request there could be, not for this one. Blocks of 16 waste only the unfilled
+# end of each request's last block.
+
+# %%
+EMPTY, CACHED, SHARED = "#eeeeee", "#cccccc", "#444444"  # slot and block colours
+CENTER = dict(ha="center", va="center", fontsize=7)
+BELOW = dict(loc="upper center", fontsize=7, frameon=False)  # a legend under the axes
+
+
+def fragmentation(prompt_lens, output_lens, max_model_len: int, block_size: int):
+    """Cache slots reserved and used by requests at their longest, per scheme."""
+    tokens = np.asarray(prompt_lens) + np.asarray(output_lens)
+    used = int(tokens.sum())
+    reserved = {
+        "contiguous": len(tokens) * max_model_len,
+        "blocks": sum(cdiv(int(n), block_size) for n in tokens) * block_size,
+    }
+    return {
+        scheme: {"reserved": r, "used": used, "waste": 1 - used / r}
+        for scheme, r in reserved.items()
+    }
+
+
+def plot_fragmentation(prompt_lens, output_lens, max_model_len: int, block_size: int):
+    """The slots each scheme reserves: the part that holds tokens, and the waste."""
+    numbers = fragmentation(prompt_lens, output_lens, max_model_len, block_size)
+    labels = [
+        f"contiguous rows\n({max_model_len} slots each)",
+        f"blocks of {block_size}\n(as tokens arrive)",
+    ]
+    fig, ax = new_figure(width=8, height=2.2)
+    for y, n in enumerate(numbers.values()):
+        empty = n["reserved"] - n["used"]
+        ax.barh(y, n["used"], color="#1f77b4")
+        ax.barh(y, empty, left=n["used"], color=EMPTY, ec="#999999", hatch="//")
+        ax.text(n["used"] / 2, y, f"{n['used']:,} tokens", color="white", **CENTER)
+        label = f"  {empty:,} empty ({n['waste']:.1%})"
+        ax.text(n["reserved"], y, label, va="center", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, numbers["contiguous"]["reserved"] * 1.3)
+    ax.set_xlabel(
+        f"KV cache slots reserved for {len(prompt_lens)} running requests", fontsize=8
+    )
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.tick_params(labelsize=8)
+    return fig
+
+
+# chapter 9's GPU workload (bench/ch09_batching.py): the same seed, the same lengths
+lengths = np.random.default_rng(0)
+prompt_lens, output_lens = (
+    lengths.integers(100, 1025, 256),
+    lengths.integers(100, 1025, 256),
+)
+frag = fragmentation(prompt_lens, output_lens, 2048, 16)
+fig = plot_fragmentation(prompt_lens, output_lens, 2048, 16)
+plt.show()
+prose.glue("ch10_waste_rows", f"{frag['contiguous']['waste']:.0%}")
+prose.glue("ch10_waste_blocks", f"{frag['blocks']['waste']:.1%}")
+prose.glue(
+    "ch10_rows_fit",
+    f"{frag['contiguous']['reserved'] / frag['blocks']['reserved']:.1f} times",
+)
+prose.glue(
+    "ch10_waste_per_request",
+    f"{(frag['blocks']['reserved'] - frag['blocks']['used']) / 256:.1f} slots",
+)
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+Contiguous rows leave {{ch10_waste_rows}} of their slots empty; blocks leave
+{{ch10_waste_blocks}} ({{ch10_waste_per_request}} per request). In the memory chapter 9
+reserved, blocks hold {{ch10_rows_fit}} as many of these requests — and that is at their
+longest: while a request is still early in its answer, its row is emptier still, and
+its blocks are fewer.
+""")
+
+# %% [markdown]
+# There is a second waste that blocks can remove: requests that begin alike. A chat
+# server sends the same system prompt before every user's message, and a few-shot
+# prompt repeats the same examples; with rows, every request computes and stores its own
+# copy. Blocks can be shared.
 
 # %% [markdown]
 # ## Blocks, and the name of a block
@@ -288,10 +400,101 @@ manager.free("a")
 assert manager.num_cached_tokens(prompt_a) == 8  # a's full blocks stay cached
 
 # %% [markdown]
-# ## The scheduler on blocks
+# The drawing below is a pool of 20 blocks of 4 a moment later. Requests a, b and c
+# start with the same two-block system prompt, and a and b share one more block; d
+# shares nothing. A request that finished earlier left two full blocks behind: nobody
+# holds them, but they keep their hashes until the pool hands them out again. Each
+# table entry points at a physical block, shared blocks show how many tables hold them,
+# and a last block is only as full as its tokens.
+
+
+# %%
+def request_colors(names) -> dict:
+    """One colour per request, in the order given (the book's tab10 cycle)."""
+    return {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
+
+
+def draw_block(ax, x, y, fill, color, text="", text_color="k", **kw):
+    """One block at (x, y): an outlined box, its first `fill` fraction in `color`."""
+    ax.add_patch(plt.Rectangle((x, y), 0.9, 0.8, ec="k", lw=0.5, **{"fc": EMPTY, **kw}))
+    ax.add_patch(plt.Rectangle((x, y), 0.9 * fill, 0.8, fc=color, lw=0))
+    ax.text(x + 0.45, y + 0.4, text, color=text_color, **CENTER)
+
+
+def draw_block_tables(block_manager, request_ids, token_counts):
+    """The pool (top) and each request's block table (below it), an arrow from each
+    table entry to its physical block; token_counts[i]: tokens request_ids[i] holds.
+    """
+    bm, b, colors = block_manager, block_manager.block_size, request_colors(request_ids)
+    fill, holder = np.zeros(bm.num_blocks), {}
+    fig, ax = new_figure(width=9, height=3.0)
+    x = (bm.num_blocks - sum(len(bm.block_tables[r]) + 1 for r in request_ids)) / 2
+    for r, n in zip(request_ids, token_counts):
+        table = bm.block_tables[r]
+        ax.text(x + 0.45 * len(table), -0.25, f"{r}'s table", **CENTER)
+        for i, block_id in enumerate(table):
+            fill[block_id], holder[block_id] = np.clip(n / b - i, 0, 1), r
+            draw_block(ax, x + i, 0, fill[block_id], colors[r], text=block_id)
+            arrow = dict(arrowstyle="->", color=colors[r], lw=0.8, alpha=0.7)
+            ax.annotate("", (block_id + 0.45, 2), (x + i + 0.45, 0.8), arrowprops=arrow)
+        x += len(table) + 1
+    for i, block in enumerate(bm.blocks):
+        is_cached = block.ref_count == 0 and block.block_hash is not None
+        color = SHARED if block.ref_count > 1 else colors.get(holder.get(i), SHARED)
+        ref = f"×{block.ref_count}" if block.ref_count > 1 else ""
+        style = dict(fc=CACHED, hatch="///") if is_cached else {}
+        draw_block(ax, i, 2, fill[i], color, ref, text_color="white", **style)
+        ax.text(i + 0.45, 2.95, i, **CENTER)
+    ax.text(-0.3, 2.4, "physical\nblocks", ha="right", va="center", fontsize=8)
+    legend = [
+        Patch(fc=SHARED, label="shared (×ref_count)"),
+        Patch(fc=CACHED, ec="k", lw=0.5, hatch="///", label="cached, no holder"),
+        Patch(fc=EMPTY, ec="k", lw=0.5, label="free / empty slots"),
+    ]
+    ax.legend(handles=legend, ncol=3, bbox_to_anchor=(0.5, 0.02), **BELOW)
+    ax.set_xlim(-2.5, max(bm.num_blocks, x))
+    ax.set_ylim(-0.5, 3.2)
+    ax.axis("off")
+    return fig
+
+
+pool = BlockManager(num_blocks=20, block_size=4)
+system = list(range(100, 108))  # a system prompt: two full blocks
+live = {
+    "a": system + [1, 2, 3, 4, 5, 6, 7],
+    "b": system + [1, 2, 3, 4, 9, 9],
+    "c": system + [5, 6, 7, 8, 9, 10, 11, 12, 13],
+    "d": [50, 51, 52, 53, 54, 55],
+}
+old = list(range(70, 79))  # a finished request: its full blocks stay cached
+pool.allocate("old", old, len(old))
+pool.cache_blocks("old", old, len(old))
+pool.free("old")
+for name, tokens in live.items():
+    pool.allocate(name, tokens, len(tokens))
+    pool.cache_blocks(name, tokens, len(tokens))  # as their prefill step would
+fig = draw_block_tables(pool, list(live), [len(t) for t in live.values()])
+plt.show()
+
+# %% [markdown]
+# Shared blocks are only ever read. A block is shared only once it is full, and the
+# tokens a request appends go into a block of its own: the first block where two
+# requests differ is never shared, so nobody writes into a block another request reads.
+# vLLM needs **copy-on-write** for a case this book does not have: several samples of
+# one prompt (`n > 1`, beam search), which share even a partly filled last block and
+# must copy it when the first of them appends a different token. With one sample per
+# request, reference counts are enough.
 #
-# *Draft: the scheduling logic, tested against a stand-in for the model; the model
-# runner does not use it yet.*
+# Slot mapping is the block table read forwards: where each new token's keys and values
+# go. `slot_mapping("c", 8, 12)` gives the slots of c's tokens 8 to 11, in its third
+# block:
+
+# %%
+print("c's table:", pool.block_tables["c"])
+print("slots of c's tokens 8..11:", pool.slot_mapping("c", 8, 12))
+
+# %% [markdown]
+# ## The scheduler on blocks
 #
 # With blocks, each step is planned under two budgets: tokens (`max_num_batched_tokens`)
 # and blocks. Running requests go first, oldest first: a decode needs one slot, a prompt
@@ -517,6 +720,688 @@ class PagedScheduler:
         self.block_manager.free(request.request_id)
         self.prompt_logits.pop(request.request_id, None)
 
+
+# %% [markdown]
+# **Why recompute, not swap.** vLLM's other policy copies a preempted request's blocks
+# to host memory and back. Copying costs a PCIe round trip per block; recomputing costs
+# one prefill of the request's tokens, which a GPU computes at hundreds of TFLOP/s and,
+# with the prefix cache, often finds partly cached already (a preempted request's full
+# blocks keep their hashes when freed). For requests of a few thousand tokens,
+# recomputing is the cheaper of the two and needs no host buffers; vLLM's V1 engine
+# recomputes only.
+#
+# The scheduler can be watched without a model. A stand-in that answers every due
+# request with token 7 is enough to see the plan of each step: below, three short
+# requests are decoding when a prompt of 45 tokens arrives, with a budget of 16 tokens a
+# step. The long prompt goes in chunks of 13 — the budget less the three decodes — and
+# the decodes never stop.
+
+# %%
+from tinyvllm_lib.engine.model_runner import ModelRunnerOutput
+from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.sampler import SamplerOutput
+
+KIND_STYLE = {
+    "prefill-chunk": dict(hatch="///"),
+    "prefill": {},
+    "decode": dict(alpha=0.45),
+}
+
+
+def plot_chunked_timeline(steps, budget: int | None = None):
+    """Tokens computed per engine step, stacked by request: hatched, a prompt chunk
+    (no token yet); solid, a prompt's last part; light, a one-token decode.
+    """
+    names = list(dict.fromkeys(name for step in steps for name, _, _ in step))
+    colors = request_colors(names)
+    fig, ax = new_figure(width=8, height=3.0)
+    for s, step in enumerate(steps):
+        bottom = 0
+        for name, n, kind in step:
+            style = dict(color=colors[name], ec="white", lw=0.5, **KIND_STYLE[kind])
+            ax.bar(s, n, 0.8, bottom, **style)
+            if kind != "decode":
+                box = dict(fc=colors[name], ec="none", pad=1)
+                ax.text(s, bottom + n / 2, f"{name}: {n}", bbox=box, **CENTER)
+            bottom += n
+    if budget is not None:
+        ax.axhline(budget, color="k", ls="--", lw=1)
+        ax.text(-0.4, budget, "token budget", va="bottom", fontsize=7)
+        ax.set_ylim(0, budget * 1.15)
+    legend = [Patch(fc=colors[r], label=r) for r in names] + [
+        Patch(fc="white", ec="#777777", hatch="///", label="prompt chunk"),
+        Patch(fc="#777777", alpha=0.45, label="decode"),
+    ]
+    ax.legend(handles=legend, ncol=len(legend), bbox_to_anchor=(0.5, -0.2), **BELOW)
+    ax.set_xticks(range(len(steps)))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("engine step", fontsize=8)
+    ax.set_ylabel("tokens computed", fontsize=8)
+    ax.tick_params(labelsize=8)
+    return fig
+
+
+def stand_in_request(name: str, num_prompt: int, max_tokens: int) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompt = list(range(num_prompt))
+    return Request(name, None, prompt, params, max_tokens, eos_token_ids=[])
+
+
+def plan_of(step) -> list[tuple[str, int, str]]:
+    """(request, new tokens, kind) of each request in a SchedulerOutput."""
+    kinds = []
+    for r, n in zip(step.requests, step.num_new_tokens):
+        done = r.num_computed_tokens + n >= r.num_prompt_tokens
+        kinds.append(
+            "decode" if is_decode(r, n) else "prefill" if done else "prefill-chunk"
+        )
+    return [
+        (r.request_id, n, k)
+        for r, n, k in zip(step.requests, step.num_new_tokens, kinds)
+    ]
+
+
+scheduler = PagedScheduler(8, 16, 128, BlockManager(64, block_size=4))
+for name, n in (("a", 6), ("b", 5), ("c", 4)):
+    scheduler.add_request(stand_in_request(name, n, 8))
+steps = []
+while scheduler.has_unfinished_requests():
+    if len(steps) == 1:
+        scheduler.add_request(stand_in_request("d", 45, 3))  # the long prompt arrives
+    step = scheduler.schedule()
+    steps.append(plan_of(step))
+    due = sum(
+        r.num_computed_tokens + n >= r.num_tokens
+        for r, n in zip(step.requests, step.num_new_tokens)
+    )
+    sampled = SamplerOutput(np.full(due, 7, np.int64))
+    scheduler.postprocess(step, ModelRunnerOutput(sampled, [None] * len(step.requests)))
+fig = plot_chunked_timeline(steps, budget=16)
+plt.show()
+assert all(sum(n for _, n, _ in s) <= 16 for s in steps)
+
+# %% [markdown]
+# ## Paged prefill attention
+#
+# A prompt chunk, or a prompt after a cached prefix, has `n` new tokens after `c` that
+# the cache already holds. Its query $i$ sits at position $c + i$ and attends over keys
+# $0 \dots c + i$: the cached ones and, causally, its own. Since the step writes its new
+# keys and values into the cache before attention runs (chapter 8's `write_kv_cache`),
+# all of them can be read from the cache through the block table — the same path decode
+# attention takes. The NumPy reference reads the context back and reuses chapter 8's
+# `cached_attention_ref`:
+
+# %%
+#| export kernels.paged_attention
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from tinyvllm_lib.kernels.attention import (
+    FLASH_BLOCK_Q,
+    cached_attention_ref,
+    check_out,
+    check_qkv,
+    check_query_start_loc,
+    flash_block_k,
+)
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.decode_attention import bf16_lane, cache_word, cache_words
+from tinyvllm_lib.kernels.rmsnorm import store_activation
+
+
+def paged_prefill_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    block_size,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+):
+    """Float32 reference: each sequence's new queries q (T, H, D) over positions
+    0..seq_lens[s]-1 of the bf16 cache -> (T, H D).
+
+    Sequence s has n = query_start_loc[s + 1] - query_start_loc[s] new tokens, after c =
+    seq_lens[s] - n cached ones: its query i sits at position c + i.
+    """
+    # (T, H, D)
+    q = np.asarray(q, np.float32).reshape(-1, num_heads, head_dim)
+    out = np.zeros((q.shape[0], num_heads * head_dim), np.float32)
+    starts = np.asarray(query_start_loc)
+    for s, seq_len in enumerate(np.asarray(seq_lens)[: len(starts) - 1]):
+        start, end = starts[s], starts[s + 1]
+        num_cached = seq_len - (end - start)
+        pos = np.arange(seq_len)
+        slots = (
+            np.asarray(block_tables)[s, pos // block_size].astype(np.int64) * block_size
+            + pos % block_size
+        )
+        k = bf16_bits_to_f32(k_cache[slots])  # (seq_len, KVH, D)
+        v = bf16_bits_to_f32(v_cache[slots])
+        out[start:end] = cached_attention_ref(
+            q[start:end], k, v, num_cached + np.arange(end - start)
+        )
+    return out
+
+
+# %% [markdown]
+# The kernel is chapter 7's flash kernel with two changes. Its key loop starts at
+# position 0 of the context, not at the chunk's first token, and stops at the tile's
+# last query's position. And it stages K and V tiles from the cache: a key's row of one
+# KV head is 64 bf16 values, 16 eight-byte words, so consecutive threads read
+# consecutive words (chapter 8's `cache_word` finds a word through the block table) and
+# convert them to float32 on the way into shared memory. Element $e$ of word $w$ goes to
+# column $e \cdot 16 + w$ rather than $4w + e$, so that the 32 threads of a warp store
+# to 32 different banks; the queries and accumulators use the same permutation, and a
+# dot product does not care about the order of its terms. A row past the context's last
+# key reloads that key instead of reading a slot nobody wrote, and no query reads it.
+
+# %%
+#| export kernels.paged_attention
+# 8-byte words (4 bf16 values) of K and of V per thread loaded before any is stored:
+# the same registers and bytes in flight as the flash kernel's FLASH_STAGE floats
+PAGED_STAGE = 4
+
+
+def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
+    """Causal GQA attention of new tokens over a paged bf16 KV cache: a block per
+    (query head, query tile, sequence), K/V tiles staged through the block table.
+    """
+    D, BQ, BK, STAGE = head_dim, block_q, block_k, PAGED_STAGE
+    WPR = D // 4  # 8-byte words in one key's row of one KV head
+    TILE_WORDS = BK * WPR
+
+    @cuda.jit
+    def kernel(
+        qkv,
+        k_cache,
+        v_cache,
+        block_tables,
+        block_shift,
+        seq_lens,
+        query_start_loc,
+        num_heads,
+        num_kv_heads,
+        scale,
+        out,
+    ):
+        # query head, row of the tile, sequence
+        h, t, seq = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockIdx.z
+        start = query_start_loc[seq]  # the sequence's first new row in qkv
+        num_new = query_start_loc[seq + 1] - start
+        num_cached = seq_lens[seq] - num_new
+        # the longest (last) tiles first
+        q_tile = (num_new + BQ - 1) // BQ - 1 - cuda.blockIdx.y
+        if q_tile < 0:
+            return
+        i = q_tile * BQ + t  # this thread's query, counted from the first new token
+        is_query = i < num_new
+        pos = num_cached + i  # its position: it sees keys 0..pos
+        kvh = uint32(h // (num_heads // num_kv_heads))
+        bt_row = block_tables[seq]  # this sequence's blocks
+        block_mask = (uint32(1) << block_shift) - uint32(1)
+        # column c of a tile holds dimension 4 (c % WPR) + c // WPR: element e of word w
+        # goes to column e WPR + w, so a warp's stores hit different banks
+        k_tile = cuda.shared.array((BK, D), float32)
+        v_tile = cuda.shared.array((BK, D), float32)
+        q = cuda.local.array(D, float32)  # registers: D is a constant
+        acc = cuda.local.array(D, float32)
+        s = cuda.local.array(BK, float32)
+        kw = cuda.local.array(STAGE, uint64)  # K and V words on their way
+        vw = cuda.local.array(STAGE, uint64)
+        for w in range(WPR):
+            for e in range(4):
+                # column e WPR + w of a tile holds dimension 4 w + e
+                q[e * WPR + w] = (
+                    qkv[start + i, h * D + 4 * w + e] * scale
+                    if is_query
+                    else float32(0.0)
+                )
+                acc[e * WPR + w] = float32(0.0)
+        m, ell = float32(-math.inf), float32(0.0)
+        # causal: no key after the tile's last query
+        num_keys = num_cached + min(num_new, (q_tile + 1) * BQ)
+        for k_start in range(0, num_keys, BK):
+            cuda.syncthreads()  # everyone is done with the previous tile
+            # stage K and V: consecutive threads, consecutive words of a key's row; each
+            # thread issues STAGE loads of each before it stores any. Rows past the
+            # last key reload it: no query reads them
+            for w0 in range(t, TILE_WORDS, STAGE * BQ):
+                for u in range(STAGE):
+                    w = w0 + u * BQ
+                    key = min(k_start + w // WPR, num_keys - 1)
+                    word = cache_word(
+                        bt_row,
+                        uint32(key),
+                        block_shift,
+                        block_mask,
+                        uint32(num_kv_heads),
+                        kvh,
+                        WPR,
+                        uint32(w % WPR),
+                    )
+                    kw[u] = k_cache[word]
+                    vw[u] = v_cache[word]
+                for u in range(STAGE):
+                    w = w0 + u * BQ
+                    if w < TILE_WORDS:
+                        row, col = w // WPR, w % WPR
+                        for e in range(4):
+                            k_tile[row, e * WPR + col] = bf16_lane(kw[u], e)
+                            v_tile[row, e * WPR + col] = bf16_lane(vw[u], e)
+            cuda.syncthreads()
+            if is_query and k_start <= pos:
+                # causal: keys k_start .. pos; later rows are never read
+                num_visible = min(BK, pos - k_start + 1)
+                tile_max = float32(-math.inf)
+                for r in range(num_visible):
+                    # two chains of FMAs: more in flight
+                    x0, x1 = float32(0.0), float32(0.0)
+                    for c in range(0, D, 2):
+                        x0 += q[c] * k_tile[r, c]
+                        x1 += q[c + 1] * k_tile[r, c + 1]
+                    s[r] = x0 + x1
+                    tile_max = max(tile_max, s[r])
+                m_new = max(m, tile_max)
+                # rescales what was summed so far; 0 on the first tile
+                alpha = math.exp(m - m_new)
+                ell *= alpha
+                for c in range(D):
+                    acc[c] *= alpha
+                for r in range(num_visible):
+                    p = math.exp(s[r] - m_new)
+                    ell += p
+                    for c in range(D):
+                        acc[c] += p * v_tile[r, c]
+                m = m_new
+        if is_query:
+            inv_ell = float32(1.0) / ell
+            for w in range(WPR):
+                for e in range(4):
+                    store_activation(
+                        out, start + i, h * D + 4 * w + e, acc[e * WPR + w] * inv_ell
+                    )
+
+    kernel.block_q, kernel.block_k, kernel.head_dim = BQ, BK, D
+    return kernel
+
+
+paged_prefill_d64_kernel = make_paged_prefill_kernel(
+    64, FLASH_BLOCK_Q, flash_block_k(64)
+)
+paged_prefill_d128_kernel = make_paged_prefill_kernel(
+    128, FLASH_BLOCK_Q, flash_block_k(128)
+)
+_PAGED_PREFILL_KERNELS = {
+    (64, FLASH_BLOCK_Q, flash_block_k(64)): paged_prefill_d64_kernel,
+    (128, FLASH_BLOCK_Q, flash_block_k(128)): paged_prefill_d128_kernel,
+}
+
+
+def paged_prefill_kernel_for(
+    head_dim: int, block_q: int = FLASH_BLOCK_Q, block_k: int | None = None
+):
+    """The paged prefill kernel for these compile-time sizes, built on first use."""
+    key = (head_dim, block_q, block_k or flash_block_k(head_dim))
+    if key not in _PAGED_PREFILL_KERNELS:
+        _PAGED_PREFILL_KERNELS[key] = make_paged_prefill_kernel(*key)
+    return _PAGED_PREFILL_KERNELS[key]
+
+
+# %% [markdown]
+# The launch checks its arguments as the other kernels do, and the whole grid is
+# chapter 7's: a block per (query head, query tile, sequence), the longest tiles first.
+
+
+# %%
+#| export kernels.paged_attention
+def check_paged_context(
+    name: str,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    block_size: int,
+    num_seqs: int,
+    num_blocks: int,
+) -> None:
+    """Check block tables (int32, >= num_seqs rows), sequence lengths (int32, >=
+    num_seqs) and the block size (a power of two).
+
+    NumPy arrays are checked in full (each length covers its new tokens and fits its
+    table, whose blocks lie in the cache); device arrays only by dtype and shape.
+    """
+    if (
+        not isinstance(block_size, (int, np.integer))
+        or isinstance(block_size, bool)
+        or block_size < 1
+        or block_size & (block_size - 1)
+    ):
+        raise ValueError(
+            f"{name}: block_size must be a power of two (1, 2, 4, ... 16, ...), got "
+            f"{block_size!r}"
+        )
+    if (
+        block_tables.dtype != np.int32
+        or block_tables.ndim != 2
+        or block_tables.shape[0] < num_seqs
+    ):
+        raise TypeError(
+            f"{name}: block_tables must be int32 (>= {num_seqs}, max_blocks), got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dtype != np.int32 or seq_lens.ndim != 1 or seq_lens.shape[0] < num_seqs:
+        raise TypeError(
+            f"{name}: seq_lens must be int32 (>= {num_seqs},), got "
+            f"{seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    if not (
+        isinstance(seq_lens, np.ndarray) and isinstance(query_start_loc, np.ndarray)
+    ):
+        return
+    lens = seq_lens[:num_seqs].astype(np.int64)
+    num_new = np.diff(query_start_loc.astype(np.int64))
+    max_len = block_tables.shape[1] * int(block_size)
+    if np.any(lens < num_new) or np.any(lens > max_len):
+        raise ValueError(
+            f"{name}: each seq_lens[s] must be at least its new tokens and at most "
+            f"max_blocks * block_size = {max_len}; got seq_lens "
+            f"{lens.tolist()} for new tokens {num_new.tolist()}"
+        )
+    if isinstance(block_tables, np.ndarray):
+        for s, n in enumerate(lens):
+            used = block_tables[s, : cdiv(int(n), int(block_size))]
+            if used.size and (used.min() < 0 or used.max() >= num_blocks):
+                raise ValueError(
+                    f"{name}: block_tables[{s}] names blocks outside the cache's "
+                    f"{num_blocks}: {used.tolist()}"
+                )
+
+
+def paged_prefill_attention(
+    qkv,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    max_query_len: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    out,
+    stream=0,
+    block_q: int = FLASH_BLOCK_Q,
+    block_k: int | None = None,
+):
+    """Causal GQA attention of each sequence's new tokens over its whole context in a
+    paged bf16 KV cache.
+
+    qkv float32 (T, (H + 2 KVH) D) holds the new tokens back to back (only Q is read);
+    sequence s is rows query_start_loc[s] .. query_start_loc[s + 1] - 1, none longer
+    than max_query_len, after seq_lens[s] - (its new tokens) cached ones. Position p of
+    sequence s is at slot block_tables[s, p // block_size] * block_size + p %
+    block_size, block_size a power of two. Every key and value is read from the cache:
+    write_kv_cache must have stored the new tokens' first. out (T, H D): float32, or
+    bf16 bits (uint16).
+    """
+    name = "paged_prefill_attention"
+    num_tokens = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
+    check_out(name, out, (num_tokens, num_heads * head_dim))
+    num_seqs = check_query_start_loc(name, query_start_loc, max_query_len, num_tokens)
+    block_k = block_k or flash_block_k(head_dim)
+    if (
+        head_dim % 4
+        or not 1 <= block_q <= 1024
+        or block_k < 1
+        or 2 * block_k * head_dim * 4 > 48 * 1024
+    ):
+        raise ValueError(
+            f"{name}: need head_dim a multiple of 4 (8-byte words of bf16), "
+            "1 <= block_q <= 1024 and K/V tiles within 48 KiB; got head_dim "
+            f"{head_dim}, block_q {block_q}, block_k {block_k}"
+        )
+    k64, v64 = (
+        cache_words(name, c, num_kv_heads, head_dim) for c in (k_cache, v_cache)
+    )
+    if k64.size != v64.size:
+        raise ValueError(
+            f"{name}: k_cache and v_cache must have as many slots, got "
+            f"{k64.size} and {v64.size} words"
+        )
+    if k64.size >= 2**32:
+        raise ValueError(
+            f"{name}: the kernel indexes the cache with 32 bits; {k64.size} words is "
+            "too many"
+        )
+    num_slots = k64.size // (num_kv_heads * head_dim // 4)
+    check_paged_context(
+        name,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        block_size,
+        num_seqs,
+        num_slots // int(block_size),
+    )
+    if num_tokens == 0 or max_query_len == 0:
+        return out
+    kernel = paged_prefill_kernel_for(head_dim, block_q, block_k)
+    # x fastest: every head's longest tile first
+    grid = (num_heads, cdiv(max_query_len, block_q), num_seqs)
+    kernel[grid, block_q, stream](
+        qkv,
+        k64,
+        v64,
+        block_tables,
+        np.uint32(int(block_size).bit_length() - 1),
+        seq_lens,
+        query_start_loc,
+        num_heads,
+        num_kv_heads,
+        np.float32(1 / math.sqrt(head_dim)),
+        out,
+    )
+    return out
+
+
+# qkv, k and v caches as 8-byte words, block_tables, block_shift, seq_lens,
+# query_start_loc, num_heads, num_kv_heads, scale
+_PAGED_ARGS = (
+    "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
+    "int32[::1], int64, int64, float32"
+)
+PTX_SIGNATURES = {
+    name: [f"void({_PAGED_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
+    for name in ("paged_prefill_d64_kernel", "paged_prefill_d128_kernel")
+}
+
+
+# %% [markdown]
+# Against the reference, on a batch with a prompt from position 0, one after 13 cached
+# tokens (not a whole number of blocks), one single new token after 20, and one longer
+# than a query tile; block tables are a shuffled pool, and every slot outside a context
+# holds NaN, so a read outside one would show:
+
+# %%
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+from tinyvllm_lib.kernels.decode_attention import write_kv_cache_ref
+
+H_, KVH_, D_, B_ = 4, 2, 16, 4
+seqs = [(0, 9), (13, 6), (20, 1), (5, 70)]  # (cached, new) per sequence
+seq_lens = np.array([c + n for c, n in seqs], np.int32)
+starts = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+max_blocks = max(cdiv(int(n), B_) for n in seq_lens)
+tables = rng.permutation(len(seqs) * max_blocks + 3)[: len(seqs) * max_blocks]
+tables = tables.reshape(len(seqs), max_blocks).astype(np.int32)
+shape = ((len(seqs) * max_blocks + 3) * B_, KVH_, D_)
+k_cache = np.full(shape, 0x7FC0, np.uint16)  # NaN in bf16
+v_cache = np.full(shape, 0x7FC0, np.uint16)
+for s, (c, n) in enumerate(
+    seqs
+):  # the cached part, then the new tokens as a step writes them
+    pos = np.arange(c)
+    slots = tables[s, pos // B_] * B_ + pos % B_
+    k_cache[slots] = f32_to_bf16_bits(
+        rng.standard_normal((c, KVH_, D_), dtype=np.float32)
+    )
+    v_cache[slots] = f32_to_bf16_bits(
+        rng.standard_normal((c, KVH_, D_), dtype=np.float32)
+    )
+qkv = rng.standard_normal((int(starts[-1]), (H_ + 2 * KVH_) * D_), dtype=np.float32)
+new_positions = np.concatenate([c + np.arange(n) for c, n in seqs])
+new_seq = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
+slot_mapping = (
+    tables[new_seq, new_positions // B_].astype(np.int64) * B_ + new_positions % B_
+)
+write_kv_cache_ref(qkv, H_, KVH_, slot_mapping, k_cache, v_cache)
+want = paged_prefill_attention_ref(
+    qkv[:, : H_ * D_], k_cache, v_cache, tables, seq_lens, starts, B_, H_, KVH_, D_
+)
+got = np.zeros((int(starts[-1]), H_ * D_), np.float32)
+d = {
+    name: cuda.to_device(a)
+    for name, a in (
+        ("qkv", qkv),
+        ("k", k_cache),
+        ("v", v_cache),
+        ("t", tables),
+        ("l", seq_lens),
+        ("s", starts),
+    )
+}
+out_d = cuda.to_device(got)
+paged_prefill_attention(
+    d["qkv"], d["k"], d["v"], d["t"], d["l"], d["s"], 70, B_, H_, KVH_, D_, out_d
+)
+got = out_d.copy_to_host()
+print(f"max |kernel - reference| = {np.abs(got - want).max():.2e}")
+assert np.isfinite(got).all() and np.abs(got - want).max() < 1e-5
+
+# %% [markdown]
+# ## Paged attention, both halves
+#
+# Chapter 8's `PagedAttention` already read decode contexts through block tables; its
+# prefills attended only among their own new tokens, with chapter 7's flash kernel, so a
+# prompt had to start at position 0. A prompt chunk, or a prompt after a cached prefix,
+# starts later: its queries must see the keys of every token before them. Since the
+# step's new keys and values are written into the cache first, everything such a prefill
+# attends over is in the cache, and `paged_prefill_attention` reads it all through the
+# block table. A step whose prefills all start at 0 keeps the flash kernel, which reads
+# its keys straight from `qkv`.
+
+# %%
+#| export layers.attention
+#| replaces PagedAttention
+from tinyvllm_lib.kernels.attention import flash_attention
+from tinyvllm_lib.kernels.decode_attention import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeAttentionConfig,
+    decode_attention,
+    write_kv_cache,
+)
+from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
+from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
+
+
+class PagedAttention:
+    """The kernel model's attention over the bf16 KV cache
+    (engine.kv_cache.CudaKVCache), for one step.
+
+    Called as attention(layer, qkv, out, stream): stores the new tokens' K/V at their
+    slots; the prefills (the first metadata.num_prefills sequences) attend with
+    flash_attention when all start at position 0, else over the cache with
+    paged_prefill_attention; the decode rows over their contexts with decode_attention.
+    metadata's arrays are on the GPU; workspace comes from decode_workspace;
+    max_context_len bounds every context, so decode attention's grid does not change
+    while they grow.
+    """
+
+    def __init__(
+        self,
+        config,
+        cache,
+        metadata: AttentionMetadata,
+        workspace=None,
+        max_context_len: int | None = None,
+        decode_config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+    ):
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.cache, self.metadata, self.workspace = cache, metadata, workspace
+        self.max_context_len, self.decode_config = max_context_len, decode_config
+        m = metadata
+        # views, once per step
+        self.prefill_starts = m.query_start_loc[: m.num_prefills + 1]
+        self.prefill_tables, self.prefill_lens = (
+            m.block_tables[: m.num_prefills],
+            m.seq_lens[: m.num_prefills],
+        )
+        self.decode_tables, self.decode_lens = (
+            m.block_tables[m.num_prefills :],
+            m.seq_lens[m.num_prefills :],
+        )
+
+    def __call__(self, layer: int, qkv, out, stream=0) -> None:
+        m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        write_kv_cache(qkv, H, KVH, m.slot_mapping, k_cache, v_cache, stream=stream)
+        split = m.num_prefill_tokens
+        if m.num_prefills and m.max_prefill_context_len:
+            paged_prefill_attention(
+                qkv[:split],
+                k_cache,
+                v_cache,
+                self.prefill_tables,
+                self.prefill_lens,
+                self.prefill_starts,
+                m.max_query_len,
+                m.block_size,
+                H,
+                KVH,
+                D,
+                out[:split],
+                stream=stream,
+            )
+        elif m.num_prefills:
+            flash_attention(
+                qkv[:split],
+                self.prefill_starts,
+                m.max_query_len,
+                H,
+                KVH,
+                D,
+                out[:split],
+                stream=stream,
+            )
+        if m.num_decodes:
+            decode_attention(
+                qkv[split:],
+                self.cache.k_words[layer],
+                self.cache.v_words[layer],
+                self.decode_tables,
+                m.block_size,
+                self.decode_lens,
+                H,
+                KVH,
+                D,
+                out[split:],
+                stream=stream,
+                workspace=self.workspace,
+                max_context_len=self.max_context_len,
+                config=self.decode_config,
+            )
+
+
 # %% [markdown]
 # ## The engine on blocks
 #
@@ -562,6 +1447,7 @@ class EngineStats:
         """The share of prompt tokens read from the cache instead of computed."""
         return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
 
+
 # %% [markdown]
 # The constructor, then: the same checks as chapter 9's, except that the step budget
 # may now be smaller than `max_model_len` (a long prompt is computed in chunks), and
@@ -569,13 +1455,6 @@ class EngineStats:
 
 # %%
 # the helpers chapter 9 defined beside its engine
-from tinyvllm_lib.engine.llm_engine import (
-    DEFAULT_MAX_MODEL_LEN,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    _positive_int,
-    resolve_device,
-)
-
 # %%
 #| export engine.llm_engine
 #| replaces LLMEngine
@@ -588,6 +1467,12 @@ from numba import cuda
 from tinyvllm_lib.engine.block_manager import BlockManager
 from tinyvllm_lib.engine.inputs import make_request
 from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
+from tinyvllm_lib.engine.llm_engine import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    _positive_int,
+    resolve_device,
+)
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.outputs import RequestOutput
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
@@ -838,3 +1723,314 @@ class LLMEngine:
         if len(request.output_token_ids) == 1:  # its first: its prompt is done
             s.num_prompt_tokens += request.num_prompt_tokens
             s.num_cached_prompt_tokens += request.num_cached_tokens
+
+
+# %% [markdown]
+# ## The engine under pressure
+#
+# A tiny random Llama on the CPU makes the engine's behaviour quick to see. 64 requests
+# of random lengths run twice: on a pool as large as they could ever need, and on a
+# quarter of what they need at once. On the small pool the scheduler must preempt;
+# every request still finishes, with the same greedy tokens.
+
+# %%
+tiny_folder = make_random_llama(
+    tempfile.mkdtemp(prefix="tinyvllm_ch10_"),
+    tiny_llama_config(vocab_size=256, max_position_embeddings=4096),
+    seed=11,
+)
+prompts = [rng.integers(0, 256, int(rng.integers(1, 120))).tolist() for _ in range(64)]
+params = [
+    SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 40)), ignore_eos=True)
+    for _ in prompts
+]
+need = sum(cdiv(len(p) + sp.max_tokens, 16) for p, sp in zip(prompts, params))
+roomy = LLM(tiny_folder, device="cpu", max_model_len=256, max_num_seqs=64)
+small = LLM(
+    tiny_folder,
+    device="cpu",
+    max_model_len=256,
+    max_num_seqs=64,
+    num_kv_blocks=need // 4,
+)
+want = roomy.generate(prompts, params, use_tqdm=False)
+got = small.generate(prompts, params, use_tqdm=False)
+assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+for name, llm in (("roomy pool", roomy), ("quarter pool", small)):
+    s = llm.llm_engine.stats
+    print(
+        f"{name:>12}: {s.kv_blocks_total:5} blocks, at most {s.max_kv_blocks_used} "
+        f"used and {s.max_num_running} running at once, {s.num_preemptions} "
+        f"preemptions, {s.num_steps} steps"
+    )
+stats = small.llm_engine.stats
+prose.glue("ch10_need", f"{need}")
+prose.glue("ch10_small", f"{need // 4}")
+prose.glue("ch10_preemptions", f"{stats.num_preemptions}")
+prose.glue("ch10_small_running", f"{stats.max_num_running}")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+The 64 requests need {{ch10_need}} blocks at once; with {{ch10_small}} the scheduler
+preempted {{ch10_preemptions}} times and never ran more than {{ch10_small_running}}
+requests together, and the tokens are the same as with room for all.
+""")
+
+# %% [markdown]
+# Too large is refused up front: a request that could never fit in the whole pool, even
+# alone, would wait forever, so `add_request` says so, and the engine goes on serving
+# the others. Here the pool is 8 blocks, 128 tokens, and a request may need 300.
+
+# %%
+tight = LLM(tiny_folder, device="cpu", max_model_len=512, num_kv_blocks=8)
+engine = tight.llm_engine
+try:
+    engine.add_request("huge", list(range(200)), SamplingParams(max_tokens=100))
+except ValueError as e:
+    print("ValueError:", e)
+outs = tight.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=5), use_tqdm=False)
+print("the others:", [o.outputs[0].token_ids for o in outs])
+print(engine.stats)
+
+# %% [markdown]
+# ## Prefix caching at work
+#
+# A chat server is the case prefix caching was made for: every conversation starts with
+# the same system prompt. Below, SmolLM2 answers four questions after a long shared
+# system prompt, on the CPU, with the cache on and off. With the cache on, the first
+# request computes the shared blocks and the others find them; `num_cached_tokens` on
+# each output says how many of its prompt tokens it did not compute. The answers are the
+# same.
+
+# %%
+system_prompt = (
+    "You are a patient teacher who answers in one short sentence. "
+    + "Explain plainly, avoid jargon, and give one concrete example. " * 12
+)
+questions = ["What is rain?", "Why is the sky blue?", "What is copper?", "What is pi?"]
+chat = LLM("smollm2", device="cpu", max_model_len=1024, max_num_seqs=4)
+tokenizer = chat.get_tokenizer()
+chats = [
+    tokenizer.apply_chat_template(
+        [{"role": "system", "content": system_prompt}, {"role": "user", "content": q}],
+        tokenize=True,
+    )
+    for q in questions
+]
+answer = SamplingParams(temperature=0, max_tokens=16)
+timings, answers = {}, {}
+for caching in (True, False):
+    llm = LLM(
+        "smollm2",
+        device="cpu",
+        max_model_len=1024,
+        max_num_seqs=4,
+        enable_prefix_caching=caching,
+    )
+    llm.generate(chats[:1], answer, use_tqdm=False)  # the first conversation
+    t0 = time.perf_counter()
+    answers[caching] = llm.generate(chats[1:], answer, use_tqdm=False)
+    timings[caching] = time.perf_counter() - t0
+for o in answers[True]:
+    print(
+        f"{o.num_cached_tokens:4} of {len(o.prompt_token_ids)} prompt tokens cached:"
+        f" {o.outputs[0].text!r}"
+    )
+same = [
+    a.outputs[0].token_ids == b.outputs[0].token_ids
+    for a, b in zip(answers[True], answers[False])
+]
+print(
+    f"the same answers without the cache: {all(same)}; "
+    f"{timings[False]:.2f} s without the cache, {timings[True]:.2f} s with it "
+    "(this CPU)"
+)
+assert all(same)
+
+# %% [markdown]
+# The shared blocks form a tree: the system prompt's blocks at the root, held by every
+# conversation, then one branch per question where the tokens part. Below, the blocks
+# of three requests that share a system prompt — the pool from the drawing above.
+
+
+# %%
+def draw_prefix_tree(block_manager, request_ids):
+    """The block tables as a tree: a node per physical block (its id and ref_count),
+    an edge from each block to the next one in some request's table.
+    """
+    bm, colors = block_manager, request_colors(request_ids)
+    children, depth, owner = {}, {}, {}
+    for r in request_ids:
+        for i, block_id in enumerate(bm.block_tables[r]):
+            depth[block_id], owner[block_id] = i, owner.get(block_id, r)
+            children.setdefault(block_id, [])
+            parent = bm.block_tables[r][i - 1] if i else None
+            if parent is not None and block_id not in children[parent]:
+                children[parent].append(block_id)
+    y, leaves = {}, iter(range(len(depth)))
+
+    def place(block_id):  # leaves one per row, a parent level with its children
+        kids = children[block_id]
+        y[block_id] = np.mean([place(c) for c in kids]) if kids else next(leaves)
+        return y[block_id]
+
+    for root in dict.fromkeys(bm.block_tables[r][0] for r in request_ids):
+        place(root)
+    fig, ax = new_figure(width=8, height=0.5 * max(y.values()) + 1.0)
+    for parent, kids in children.items():
+        for c in kids:
+            ax.plot([depth[parent], depth[c]], [y[parent], y[c]], c="#999999", zorder=0)
+    for block_id, d in depth.items():
+        ref = bm.blocks[block_id].ref_count
+        fc = SHARED if ref > 1 else colors[owner[block_id]]
+        box = dict(boxstyle="round", fc=fc, ec="none")
+        ax.text(
+            d,
+            y[block_id],
+            f"block {block_id}\nref {ref}",
+            color="white",
+            bbox=box,
+            **CENTER,
+        )
+        if not children[block_id]:
+            name, at = owner[block_id], (d, y[block_id])
+            ax.annotate(
+                name, at, (24, 0), textcoords="offset points", va="center", fontsize=8
+            )
+    ax.set_xlim(-0.5, max(depth.values()) + 0.8)
+    ax.set_ylim(max(y.values()) + 0.6, -0.6)
+    ax.set_xticks(range(max(depth.values()) + 1))
+    ax.set_xlabel("logical block (index in the block table)", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.set_yticks([])
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    return fig
+
+
+fig = draw_prefix_tree(pool, ["a", "b", "c"])
+plt.show()
+
+# %% [markdown]
+# **Who computes a shared prefix?** Requests admitted in the same step as the one that
+# computes a prefix cannot find it: a block is cached only after the step that filled
+# it. Each computes its own copy, and the first copy to be finished is the one cached
+# (the others are freed as ordinary blocks). Requests that arrive a
+# step later find the blocks; that is why the demo above runs the first conversation
+# before the others.
+
+# %% [markdown]
+# ## Measured on the GPU
+#
+# `bench/ch10_paging.py` records to `book/data/ch10_paging.json`. It times paged
+# prefill attention at Llama 3.2 1B's attention shapes against chapter 7's flash kernel;
+# runs chapter 9's ragged workload of 256 requests on Llama 3.2 1B's shapes (random bf16
+# weights) with chapter 9's contiguous rows and with blocks, first in the memory of 256
+# rows of 2,048 slots, then in the memory of 64; and times the first token of 63
+# requests that share a 1,000-token prefix, with the prefix cache on and off.
+
+# %% tags=["hide-input"]
+records = load_records("ch10_paging")
+by_name = {}
+for r in records:
+    by_name.setdefault(r["name"], []).append(r)
+flash = next(iter(by_name.get("flash_prefill", [])), None)
+paged_runs = {r["shape"][1]: r for r in by_name.get("paged_prefill", [])}
+runs = {
+    (r["scheme"], r["memory_rows"]): r for r in by_name.get("output_throughput", [])
+}
+ttft = {r["prefix_caching"]: r for r in by_name.get("ttft_mean", [])}
+missing = "(not yet measured)"
+prose.glue("ch10_gpu", records[0]["device"]["name"] if records else "GPU " + missing)
+prose.glue("ch10_flash", f"{flash['value']:.1f} TFLOP/s" if flash else missing)
+for cached in (0, 1024):
+    r = paged_runs.get(cached)
+    prose.glue(f"ch10_paged_{cached}", f"{r['value']:.1f} TFLOP/s" if r else missing)
+for (scheme, rows), r in runs.items():
+    prose.glue(f"ch10_{scheme}_{rows}", f"{r['value']:,.0f} output tokens/s")
+    prose.glue(f"ch10_{scheme}_{rows}_running", f"{r['max_running']}")
+    prose.glue(f"ch10_{scheme}_{rows}_preempt", f"{r['num_preemptions']}")
+for scheme in ("contiguous", "paged"):
+    for rows in (256, 64):
+        if (scheme, rows) not in runs:
+            for suffix in ("", "_running", "_preempt"):
+                prose.glue(f"ch10_{scheme}_{rows}{suffix}", missing)
+for caching, name in ((True, "on"), (False, "off")):
+    r = ttft.get(caching)
+    prose.glue(f"ch10_ttft_{name}", f"{r['value']:.0f} ms" if r else missing)
+agree = next(iter(by_name.get("prefix_caching_agreement", [])), None)
+prose.glue("ch10_agree", f"{agree['value']} of 63" if agree else missing)
+prose.glue("ch10_agree_dlogp", f"{agree['mean_abs_dlogp']:.3f}" if agree else missing)
+
+if runs:
+    fig, (ax1, ax2) = new_figure(1, 2, width=10, height=3)
+    labels = [f"{s}\n{m} rows of memory" for s, m in runs]
+    colors = ["#999999" if s == "contiguous" else "#1f77b4" for s, _ in runs]
+    ax1.bar(labels, [r["value"] for r in runs.values()], color=colors)
+    ax1.set_ylabel("output tokens/s", fontsize=8)
+    ax1.set_title("256 ragged requests, Llama 3.2 1B shapes", fontsize=9)
+    ax2.bar(labels, [r["max_running"] for r in runs.values()], color=colors)
+    ax2.set_ylabel("requests running at once (most)", fontsize=8)
+    for ax in (ax1, ax2):
+        ax.tick_params(labelsize=7)
+        ax.spines[["top", "right"]].set_visible(False)
+    plt.show()
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+On the {{ch10_gpu}}, paged prefill attention over 2,048 new tokens runs at
+{{ch10_paged_0}} with nothing cached and {{ch10_paged_1024}} after 1,024 cached tokens,
+against {{ch10_flash}} for chapter 7's flash kernel on the same 2,048 tokens, which
+reads its keys in float32 from the step's own `qkv`.
+
+In the memory of 256 full rows, the ragged workload makes {{ch10_contiguous_256}} with
+chapter 9's rows and {{ch10_paged_256}} with blocks: memory is not the limit there, and
+both run up to {{ch10_paged_256_running}} requests at once. In the memory of 64 rows,
+rows run at most {{ch10_contiguous_64_running}} requests at once and make
+{{ch10_contiguous_64}}; blocks run {{ch10_paged_64_running}} at once
+({{ch10_paged_64_preempt}} preemptions) and make {{ch10_paged_64}}.
+
+The first token of 63 requests sharing a 1,000-token prefix comes after
+{{ch10_ttft_off}} on average without the prefix cache and {{ch10_ttft_on}} with it;
+{{ch10_agree}} outputs are identical (mean |Δ log p| of shared tokens
+{{ch10_agree_dlogp}}: a cached prefix is read back in bf16, where a fresh prefill reads
+its own keys in float32).
+""")
+
+# %% [markdown]
+# ## Summary
+#
+# - Contiguous rows reserve `max_model_len` slots a sequence; blocks reserve what its
+#   tokens fill, to the end of its last block. The memory a real mix wastes goes from
+#   most of the cache to a few percent.
+# - The `BlockManager` keeps a pool of blocks, a free list in least-recently-freed
+#   order, per-request block tables and reference counts. Full blocks are named by a
+#   chained hash of their tokens, checked against collisions, and stay cached after
+#   they are freed until the pool needs them.
+# - The `PagedScheduler` plans each step under a token budget and the pool: running
+#   requests first, oldest first; the newest preempted by recomputation when a block
+#   runs out; waiting requests admitted after their cached prefix; long prompts in
+#   chunks alongside running decodes.
+# - `paged_prefill_attention` lets a prompt's new tokens attend over what the cache
+#   holds of it, so a prefill can start anywhere; decode attention already read block
+#   tables.
+# - `LLMEngine` sizes its pool from memory and counts what a server exports
+#   (`llm.llm_engine.stats`).
+#
+# Exported to `tinyvllm_lib`: `engine.block_manager` (`BlockManager`, `KVBlock`,
+# `hash_block`), `engine.paged_scheduler` (`PagedScheduler`), `engine.stats`
+# (`EngineStats`), `kernels.paged_attention` (`paged_prefill_attention`), and new
+# versions of `layers.attention.PagedAttention` and `engine.llm_engine.LLMEngine`.
+#
+# ## Exercises
+#
+# 1. Change `block_size` to 8, 32 and 128 in the fragmentation figure. What does each
+#    cost in waste, and what would a larger block buy the attention kernels?
+# 2. Preempt the *longest* running request instead of the newest. Run the quarter pool:
+#    how many preemptions, and how much recomputation?
+# 3. The prefix cache evicts the least recently freed block first. Build a workload
+#    where that is the wrong choice, and say what vLLM's eviction order does with it.
+# 4. With `max_num_batched_tokens=512`, how many steps does a 3,000-token prompt take,
+#    and what is the longest gap between two tokens of a running request while it is
+#    computed? And with 8,192?
+# 5. Copy-on-write: sketch what `n=2` samples of one prompt would need from the block
+#    manager, and where the copy happens.

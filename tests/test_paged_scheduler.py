@@ -5,8 +5,8 @@ would get alone, no step exceeds its budgets, and no block leaks."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tinyvllm_lib.engine.block_manager import BlockManager
 from tinyvllm_lib.engine.model_runner import ModelRunnerOutput

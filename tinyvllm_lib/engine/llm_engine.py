@@ -50,6 +50,12 @@ from numba import cuda
 from tinyvllm_lib.engine.block_manager import BlockManager
 from tinyvllm_lib.engine.inputs import make_request
 from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
+from tinyvllm_lib.engine.llm_engine import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    _positive_int,
+    resolve_device,
+)
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.outputs import RequestOutput
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
