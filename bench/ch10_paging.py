@@ -11,9 +11,10 @@
    first token with caching on and off, and whether the outputs agree.
 Records to book/data/ch10_paging.json.
 
-    python bench/ch10_paging.py    (an H200: about four minutes)
+    python bench/ch10_paging.py [--only attention workload prefix]    (an H200: about five minutes)
 """
 
+import argparse
 import importlib.util
 import tempfile
 import time
@@ -29,7 +30,7 @@ from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
-from tinyvllm_lib.measure import Recorder, time_launches
+from tinyvllm_lib.measure import Recorder, load_records, time_launches
 from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
 
 _spec = importlib.util.spec_from_file_location("ch09_batching", Path(__file__).with_name("ch09_batching.py"))
@@ -99,10 +100,42 @@ def ttft_run(llm: LLM, prefix, suffixes, params) -> tuple[list[float], list]:
     return [first[f"p{i}"] for i in range(len(suffixes))], [outs[f"p{i}"] for i in range(len(suffixes))]
 
 
+def agrees_up_to_a_near_tie(ref, got, tie: float = 0.1) -> bool:
+    """Chapter 9's comparison: the same tokens, or the first difference where the reference's two best tokens
+    were within `tie` in log-probability."""
+    for t, (x, y) in enumerate(zip(ref.token_ids, got.token_ids)):
+        if x != y:
+            best = sorted(ref.logprobs[t].values(), reverse=True)
+            return len(best) > 1 and best[0] - best[1] < tie
+    return len(ref.token_ids) == len(got.token_ids)
+
+
+def save(rec: Recorder) -> None:
+    """Save, keeping this device's earlier records of what this run did not measure (--only)."""
+    names = {r["name"] for r in rec.records}
+    same_device = [r for r in load_records(rec.chapter) if r.get("device", {}).get("name") == rec.device.get("name")]
+    rec.records = [r for r in same_device if r["name"] not in names] + rec.records
+    print("saved", rec.save())
+
+
+def shared_gaps(a, b) -> list[float]:
+    """|Δ log p| of the tokens two completions share, up to where they part."""
+    gaps = []
+    for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x != y:
+            break
+        gaps.append(abs(a.logprobs[t][x] - b.logprobs[t][y]))
+    return gaps
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=["attention", "workload", "prefix"])
+    only = set(ap.parse_args().only)
     rec = Recorder("ch10_paging")
     rng = np.random.default_rng(0)
-    time_attention(rec, rng)
+    if "attention" in only:
+        time_attention(rec, rng)
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_random_llama(tmp, LLAMA_3_2_1B_CONFIG, seed=0)
         llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
@@ -117,7 +150,7 @@ def main() -> None:
                  "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": engine.max_num_batched_tokens,
                  "workload": "256 requests, prompt and output lengths uniform in [100, 1024], seed 0, greedy"}
         blocks_per_row = cdiv(MAX_MODEL_LEN, BLOCK)
-        for rows in (256, 64):
+        for rows in (256, 64) if "workload" in only else ():
             for scheme in ("contiguous", "paged"):
                 scheduler = (_ch09.contiguous_scheduler(engine, rows) if scheme == "contiguous"
                              else paged(engine, rows * blocks_per_row))
@@ -127,33 +160,40 @@ def main() -> None:
                         kv_blocks=rows * blocks_per_row, **r, **extra)
                 print(f"{scheme:>10}, memory of {rows:>3} rows: {tok_s:7.0f} output tok/s, at most {r['max_running']} "
                       f"running, {r['num_preemptions']} preemptions, {r['seconds']:.1f} s")
-        engine.scheduler = paged(engine, MAX_NUM_SEQS * blocks_per_row)
+        if "prefix" not in only:
+            return save(rec)
         # prefix caching: time to first token
         prefix = rng.integers(0, vocab, 1000).tolist()
         suffixes = [rng.integers(0, vocab, int(rng.integers(20, 60))).tolist() for _ in range(63)]
-        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+        # timed without logprobs (the host-side top-k of 63 rows of 128,256 logits is not the cache's cost);
+        # compared with them
+        sp_time = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
         result = {}
         for caching in (False, True):
             engine.block_manager = BlockManager(MAX_NUM_SEQS * blocks_per_row, BLOCK, enable_prefix_caching=caching)
             engine.scheduler = PagedScheduler(MAX_NUM_SEQS, engine.max_num_batched_tokens, MAX_MODEL_LEN,
                                               engine.block_manager)
+            # a rehearsal on another prefix first: every kernel of these shapes compiled and warm
+            other = rng.integers(0, vocab, 1000).tolist()
+            llm.generate([other + [1]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            ttft_run(llm, other, suffixes, sp_time)
             llm.generate([prefix + [1]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-            ttft, outs = ttft_run(llm, prefix, suffixes, sp)
-            result[caching] = outs
+            ttft, outs = ttft_run(llm, prefix, suffixes, sp_time)
             cached = [o.num_cached_tokens for o in outs]
             rec.add("ttft_mean", [63, 1000], "ms", 1e3 * float(np.mean(ttft)), prefix_caching=caching,
                     ttft_max_ms=1e3 * max(ttft), mean_cached_tokens=float(np.mean(cached)), **extra)
             print(f"prefix caching {'on ' if caching else 'off'}: time to first token mean {1e3 * np.mean(ttft):6.1f} ms, "
                   f"max {1e3 * max(ttft):6.1f} ms; cached prompt tokens per request {np.mean(cached):.0f}")
+            result[caching] = ttft_run(llm, prefix, suffixes, sp)[1]
         same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(result[True], result[False]))
-        gaps = [abs(a.outputs[0].logprobs[t][x] - b.outputs[0].logprobs[t][x])
-                for a, b in zip(result[True], result[False])
-                for t, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)) if x == y]
-        rec.add("prefix_caching_agreement", [63], "requests", same, mean_abs_dlogp=float(np.mean(gaps)),
-                max_abs_dlogp=float(max(gaps)))
-        print(f"prefix caching on vs off: {same}/63 identical outputs; |Δ log p| mean {np.mean(gaps):.4f}, "
-              f"max {max(gaps):.4f}")
-    print("saved", rec.save())
+        near = sum(agrees_up_to_a_near_tie(b.outputs[0], a.outputs[0]) for a, b in zip(result[True], result[False]))
+        gaps = [g for a, b in zip(result[True], result[False]) for g in shared_gaps(a.outputs[0], b.outputs[0])]
+        rec.add("prefix_caching_agreement", [63], "requests", same, agree_up_to_near_tie=near, tie=0.1,
+                mean_abs_dlogp=float(np.mean(gaps)), max_abs_dlogp=float(max(gaps)))
+        print(f"prefix caching on vs off: {same}/63 identical outputs, {near}/63 the same up to a near tie (0.1); "
+              f"|Δ log p| mean {np.mean(gaps):.4f}, max {max(gaps):.4f}")
+    save(rec)
 
 
 if __name__ == "__main__":

@@ -766,7 +766,7 @@ assert (
     and texts["a"][1] in ("stop", "length")
     and texts["c"][1] in ("stop", "length")
 )
-assert engine.scheduler.allocator.num_free_rows == 4  # every row back
+assert not engine.scheduler.running and not engine.scheduler.waiting  # all done
 
 # %% [markdown]
 # ## Static against continuous, measured
@@ -811,9 +811,10 @@ def run_recorded(engine: LLMEngine, scheduler_cls, batch_size: int):
     """The mix through `engine` with a scheduler_cls of batch_size rows: requests,
     per-step (is prefill, {row: request}), seconds.
     """
-    engine.scheduler = scheduler_cls(
-        batch_size, engine.max_num_batched_tokens, engine.allocator
-    )
+    # batch_size rows of max_model_len slots, laid in the engine's KV cache
+    rows = ContiguousAllocator(batch_size, engine.max_model_len)
+    assert rows.num_slots <= engine.model_runner.kv_cache.num_slots
+    engine.scheduler = scheduler_cls(batch_size, engine.max_num_batched_tokens, rows)
     requests = [
         engine.make_request(f"mix{i}", p, sp)
         for i, (p, sp) in enumerate(zip(prompts, mix))

@@ -272,6 +272,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(free) == len(bm.free_queue) and free == {i for i, h in enumerate(holders) if h == 0}
         assert {h: i for i, b in enumerate(bm.blocks) if (h := b.block_hash) is not None} == bm.cached
         assert set(bm.block_tables) == {r.request_id for r in self.scheduler.running}
+        assert set(bm.chains) <= {r.request_id for r in self.requests if not r.is_finished}
 
     def teardown(self):
         if not hasattr(self, "bm"):

@@ -20,7 +20,7 @@ class KVBlock:
 
 def hash_block(parent_hash: int | None, token_ids) -> tuple[int, tuple]:
     """The chained hash of a full block, and the key it was computed from."""
-    key = (parent_hash, tuple(int(t) for t in token_ids))
+    key = (parent_hash, tuple(map(int, token_ids)))
     return hash(key), key
 
 
@@ -57,6 +57,8 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.block_tables: dict[str, list[int]] = {}
         self.hashes: dict[str, list[int]] = {}  # request -> hashes of its cached blocks
+        # request -> (hash, key) of its full blocks so far: each hashed once per request
+        self.chains: dict[str, list[tuple[int, tuple]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,25 +74,39 @@ class BlockManager:
         """Free blocks that still hold a cached prefix block."""
         return sum(self.blocks[i].block_hash is not None for i in self.free_queue)
 
-    def _cached_prefix(self, token_ids) -> list[int]:
+    def _link(self, request_id: str | None, token_ids, i: int) -> tuple[int, tuple]:
+        """(hash, key) of full block i of a request's tokens, hashed once and kept
+        (token ids only ever grow) until forget(request_id).
+        """
+        chain = [] if request_id is None else self.chains.setdefault(request_id, [])
+        b = self.block_size
+        for j in range(len(chain), i + 1):
+            parent = chain[-1][0] if chain else None
+            chain.append(hash_block(parent, token_ids[j * b : (j + 1) * b]))
+        return chain[i]
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept of a request that has ended (its block hashes)."""
+        self.chains.pop(request_id, None)
+
+    def _cached_prefix(self, token_ids, request_id: str | None = None) -> list[int]:
         """Block ids of the longest cached run of full blocks that token_ids starts
         with, leaving at least its last token uncovered.
         """
         if not self.enable_prefix_caching:
             return []
-        found, parent, b = [], None, self.block_size
-        for i in range((len(token_ids) - 1) // b):
-            block_hash, key = hash_block(parent, token_ids[i * b : (i + 1) * b])
+        found = []
+        for i in range((len(token_ids) - 1) // self.block_size):
+            block_hash, key = self._link(request_id, token_ids, i)
             block_id = self.cached.get(block_hash)
             if block_id is None or self.blocks[block_id].hash_key != key:
                 break
             found.append(block_id)
-            parent = block_hash
         return found
 
-    def num_cached_tokens(self, token_ids) -> int:
+    def num_cached_tokens(self, token_ids, request_id: str | None = None) -> int:
         """How many leading tokens of token_ids the cache holds (changes nothing)."""
-        return len(self._cached_prefix(token_ids)) * self.block_size
+        return len(self._cached_prefix(token_ids, request_id)) * self.block_size
 
     def allocate(
         self, request_id: str, token_ids, num_tokens: int, use_cache: bool = True
@@ -101,7 +117,7 @@ class BlockManager:
         """
         if request_id in self.block_tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        hits = self._cached_prefix(token_ids) if use_cache else []
+        hits = self._cached_prefix(token_ids, request_id) if use_cache else []
         if num_tokens < len(hits) * self.block_size:
             raise ValueError(
                 f"allocate {request_id!r}: {num_tokens} tokens is fewer than its "
@@ -157,8 +173,7 @@ class BlockManager:
             self.block_size,
         )
         for i in range(len(hashes), num_computed // b):
-            parent = hashes[-1] if hashes else None
-            block_hash, key = hash_block(parent, token_ids[i * b : (i + 1) * b])
+            block_hash, key = self._link(request_id, token_ids, i)
             hashes.append(block_hash)
             block = self.blocks[table[i]]
             # a block computed twice (two requests in one step) is cached once

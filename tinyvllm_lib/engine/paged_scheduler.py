@@ -113,7 +113,9 @@ class PagedScheduler:
             tokens = RequestTokens(request)
             # prompt logprobs need the logits of every prompt position: no cache hits
             use_cache = request.params.prompt_logprobs is None
-            cached = bm.num_cached_tokens(tokens) if use_cache else 0
+            cached = (
+                bm.num_cached_tokens(tokens, request.request_id) if use_cache else 0
+            )
             n = min(request.num_tokens - cached, budget)
             if bm.allocate(request.request_id, tokens, cached + n, use_cache) is None:
                 break
@@ -197,6 +199,7 @@ class PagedScheduler:
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
+                self.block_manager.forget(request_id)
                 request.abort()
                 return request
         for request in self.running:
@@ -209,4 +212,5 @@ class PagedScheduler:
     def _release(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request.request_id)
+        self.block_manager.forget(request.request_id)
         self.prompt_logits.pop(request.request_id, None)
