@@ -47,15 +47,17 @@
 # | 08 | KV cache | prefill and decode, block tables, decode attention |
 # | 08b | generating text | sampling, stopping, streaming, the model runner |
 # | 09 | batching | continuous batching, the scheduler, the engine loop, `LLM` |
-# | 10 | paging | PagedAttention, preemption, prefix caching — *not written yet* |
+# | 10 | paging | PagedAttention, preemption, chunked prefill, prefix caching |
 # | 11 | Llama 3.2 1B | CUDA graphs, the benchmark — *not written yet* |
 # | 12 | serving | an OpenAI-compatible server — *not written yet* |
 # | 13 | tensor parallelism | one model on several GPUs — *not written yet* |
 #
 # A chapter imports only what earlier chapters exported, so you can read it front to
-# back. **Status:** chapters 00–09 are written; 10–13 are not yet. Where a written
-# chapter says what chapter 10 or 11 does ("chapter 11 captures a decode step in a CUDA
-# graph"), it describes the plan above, not code you can run today.
+# back. Now and then a chapter rewrites a class an earlier one wrote — chapter 10 gives
+# the engine a pool of blocks — and the package keeps the newer one, so an earlier
+# chapter run today uses it too. **Status:** chapters 00–10 are written; 11–13 are not
+# yet. Where a written chapter says what chapter 11 does ("chapter 11 captures a decode
+# step in a CUDA graph"), it describes the plan above, not code you can run today.
 #
 # ## Three ways to run it
 #

@@ -1472,7 +1472,7 @@ class ModelRunner:
             "indices": None,
         }
         # not a plain decode step: the head's rows must be gathered
-        if staged["metadata"].num_prefills or rows != n:
+        if rows and (staged["metadata"].num_prefills or rows != n):
             # a large prompt_logprobs request gets buffers of its own
             fits = rows <= self.max_num_seqs
             staged["indices"] = (
@@ -1492,6 +1492,8 @@ class ModelRunner:
             c, self.kv_cache, staged["metadata"], self.workspace, self.max_model_len
         )
         self.model.run(b, attention, stream)
+        if rows == 0:  # a chunk that ends inside its prompt: no logits needed
+            return self.logits[:0]
         fits = rows <= self.max_num_seqs
         hidden = b["normed"]  # a decode step: every row, in order
         if staged["indices"] is not None:

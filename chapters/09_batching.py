@@ -597,8 +597,8 @@ class LLMEngine:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
                 f"max_model_len ({max_model_len}), "
-                "since a prompt is computed in one step (splitting long ones into "
-                "chunks is chapter 10, not written yet), and at least "
+                "since this engine computes a prompt in one step (chapter 10's "
+                "computes long ones in chunks), and at least "
                 f"max_num_seqs ({max_num_seqs}), since a decode step computes a "
                 "token for every running request"
             )
@@ -639,8 +639,8 @@ class LLMEngine:
                 f"x {self.max_model_len} "
                 f"tokens needs {need / 2**30:.1f} GiB and the GPU has "
                 f"{free / 2**30:.1f} GiB free: lower "
-                "max_num_seqs or max_model_len (sizing the cache from memory is "
-                "chapter 10's paging, not written yet)"
+                "max_num_seqs or max_model_len (chapter 10's engine sizes its "
+                "cache from memory)"
             )
 
     def get_tokenizer(self) -> Tokenizer | None:

@@ -211,13 +211,20 @@ def test_1b_shaped_decode_matches_cpu(tmp_path):
     compare_runners(folder, [list(range(100, 140)), list(range(7, 20))], num_decodes=6, max_model_len=128)
 
 
-def test_cuda_runner_refuses_a_prefill_after_cached_tokens(tiny_folder, monkeypatch):
-    """Flash attention sees only a prefill's own tokens: a prompt continuing cached ones is chapter 10's paged prefill."""
+def test_cuda_runner_computes_a_prompt_in_chunks_like_cpu(tiny_folder, monkeypatch):
+    """A prompt in two steps: the second chunk attends over the first, read from the cache (chapter 10's paged
+    prefill on 'cuda'); the chunk that ends inside the prompt samples nothing."""
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     if not can_launch():
         pytest.skip("needs a GPU or the simulator")
-    runner = ModelRunner(tiny_folder, "cuda", 64, 16, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
-    request = new_request("a", [5, 6, 7, 8])
-    request.num_computed_tokens = 2  # two prompt tokens already cached
-    with pytest.raises(NotImplementedError, match="paged prefill"):
-        runner.execute(SchedulerOutput([request], [2], 1, np.zeros((1, 2), np.int32)))
+    outs = []
+    for device in ("cpu", "cuda"):
+        runner = ModelRunner(tiny_folder, device, 64, 16, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
+        request, table = new_request("a", [5, 6, 7, 8, 9, 10, 11]), np.array([[3, 1]], np.int32)
+        first = runner.execute(SchedulerOutput([request], [4], 1, table))
+        assert len(first.sampled.token_ids) == 0  # inside the prompt: no token
+        request.num_computed_tokens = 4
+        outs.append(runner.execute(SchedulerOutput([request], [3], 1, table)).sampled)
+    (cpu, cuda_) = outs
+    assert cpu.token_ids.tolist() == cuda_.token_ids.tolist()
+    assert np.abs(cpu.logprobs - cuda_.logprobs).max() < 0.05
