@@ -82,6 +82,8 @@ def run_workload(llm: LLM, log, scheduler, prompts, params) -> dict:
 
 def paged(engine, num_blocks: int) -> PagedScheduler:
     """A fresh pool of num_blocks blocks (within the engine's cache) and a scheduler on it."""
+    if num_blocks * BLOCK > engine.model_runner.kv_cache.num_slots:
+        raise ValueError(f"{num_blocks} blocks do not fit in the engine's cache")
     engine.block_manager = BlockManager(num_blocks, BLOCK)
     return PagedScheduler(MAX_NUM_SEQS, engine.max_num_batched_tokens, MAX_MODEL_LEN, engine.block_manager)
 

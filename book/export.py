@@ -9,8 +9,9 @@ The rules (nbdev's syntax, a small subset of it):
   package's top level (`tinyvllm_lib/__init__.py`).
 - A line `#| replaces Name` inside an exported cell says that a later chapter rewrites a
   definition: the earlier cell of the same module that defines `Name` is dropped, so the
-  library holds one version (the chapter that first wrote it still runs its own). That
-  earlier cell must define nothing else, and the new cell must define `Name`.
+  library holds one version, the newer (an earlier chapter that imports `Name` from the
+  library gets it too). That earlier cell must define nothing else, and the new cell must
+  define `Name`.
 Chapters are read in file-name order, so a module gathers cells in chapter order. The output
 is deterministic: no timestamps, no cell ids.
 """

@@ -438,8 +438,9 @@ class ContiguousAllocator:
 #   $\mathit{seq\_len} - n, \dots, \mathit{seq\_len} - 1$;
 # - `block_tables`: each sequence's row of the block table;
 # - `slot_mapping`: the slot each new token's key and value are written to;
-# - `num_prefills`: the batch's first sequences are prompts (computed from position 0),
-#   the rest decode one token each — two kinds of attention, and two kernels on the GPU.
+# - `num_prefills`: the batch's first sequences are prompts (here from position 0;
+#   chapter 10 adds prompt chunks that start later), the rest decode one token each —
+#   two kinds of attention, and two kernels on the GPU.
 #
 # They are built once per step, in one vectorised pass over the batch: no Python loop
 # over tokens, and nothing whose size grows with a sequence's context.
@@ -458,8 +459,8 @@ class AttentionMetadata:
     sequence attends over.
 
     The batch's sequences are packed back to back: the first num_prefills are prompts
-    computed from position 0 (any number of new tokens), the rest decode one new token
-    each. Arrays are NumPy on the host, device arrays after to_device.
+    (or, from chapter 10, prompt chunks) of any number of new tokens, the rest decode
+    one new token each. Arrays are NumPy on the host, device arrays after to_device.
     """
 
     num_prefills: int

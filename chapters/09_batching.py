@@ -493,14 +493,15 @@ def make_request(
 
 
 # %%
-#| export engine.llm_engine
+#| export engine.config
 import os
 
 from tinyvllm_lib.engine.model_runner import DEVICES
 from tinyvllm_lib.runtime import has_gpu, is_simulator
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when not given: the model's limit, at most this
-# vLLM's default step budget (at least max_model_len here: no chunked prefill yet)
+# vLLM's default step budget (this chapter's engine: at least max_model_len, since it
+# computes a prompt in one step)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -526,7 +527,7 @@ def resolve_device(device: str) -> str:
     return ("cuda" if has_gpu() else "cpu") if device == "auto" else device
 
 
-def _positive_int(name: str, value) -> int:
+def positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
@@ -540,6 +541,12 @@ import itertools
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.engine.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    positive_int,
+    resolve_device,
+)
 from tinyvllm_lib.engine.inputs import make_request
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator, kv_cache_bytes_per_token
 from tinyvllm_lib.engine.model_runner import ModelRunner
@@ -588,10 +595,10 @@ class LLMEngine:
                 f"max_model_len must be an integer in [2, {limit}] (the model's "
                 f"max_position_embeddings), got {max_model_len!r}"
             )
-        _positive_int("max_num_seqs", max_num_seqs)
+        positive_int("max_num_seqs", max_num_seqs)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-        if _positive_int("max_num_batched_tokens", max_num_batched_tokens) < max(
+        if positive_int("max_num_batched_tokens", max_num_batched_tokens) < max(
             max_model_len, max_num_seqs
         ):
             raise ValueError(
@@ -733,8 +740,6 @@ class LLMEngine:
 # run, one is aborted, and a bad request is refused while the others carry on.
 
 # %%
-from tinyvllm_lib.engine.llm_engine import LLMEngine
-
 engine = LLMEngine("smollm2", device="cpu", max_model_len=512, max_num_seqs=4)
 engine.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=12))
 engine.add_request("b", prompts[1], SamplingParams(temperature=0, max_tokens=30))
@@ -766,7 +771,7 @@ assert (
     and texts["a"][1] in ("stop", "length")
     and texts["c"][1] in ("stop", "length")
 )
-assert not engine.scheduler.running and not engine.scheduler.waiting  # all done
+assert engine.scheduler.allocator.num_free_rows == 4  # every row back
 
 # %% [markdown]
 # ## Static against continuous, measured
@@ -1960,9 +1965,9 @@ decode step from a CUDA graph instead of launching it.
 # - Batched and one at a time, the answers are the same up to near ties.
 #
 # Exported to `tinyvllm_lib`: `engine.scheduler` (`Scheduler`), `engine.llm_engine`
-# (`LLMEngine`, `resolve_device`), `engine.inputs` (`make_request`, `normalize_prompt`),
-# `engine.llm` (`LLM`), `engine.verify` (`verify_against_transformers`) and the commands
-# `generate`, `chat` and `verify`;
+# (`LLMEngine`), `engine.config` (`resolve_device`, the defaults), `engine.inputs`
+# (`make_request`, `normalize_prompt`), `engine.llm` (`LLM`), `engine.verify`
+# (`verify_against_transformers`) and the commands `generate`, `chat` and `verify`;
 # `from tinyvllm_lib import LLM, LLMEngine, SamplingParams`.
 #
 # ## Exercises

@@ -70,9 +70,9 @@ print(where_kernels_run())
 # Take the workload chapter 9 measured on the GPU: 256 requests whose prompt and output
 # lengths are drawn uniformly from 100 to 1,024 tokens, with `max_model_len` 2,048. Even
 # at the moment each request is longest — its prompt and all its output in the cache —
-# contiguous rows leave most of their slots empty, because a row is sized for the
-# longest request there could be, not for this one. Blocks of 16 waste only the unfilled
-# end of each request's last block.
+# contiguous rows leave a large share of their slots empty, because a row is sized for
+# the longest request there could be, not for this one. Blocks of 16 waste only the
+# unfilled end of each request's last block.
 
 # %%
 EMPTY, CACHED, SHARED = "#eeeeee", "#cccccc", "#444444"  # slot and block colours
@@ -169,9 +169,12 @@ its blocks are fewer.
 # chained through the sequence: the hash of (the previous block's hash, this block's
 # token ids). Two requests whose first 1,000 tokens agree produce the same chain for
 # their first 62 full blocks of 16, and the second can use the first's blocks instead of
-# computing them again. Python's `hash` of a tuple of integers is 64 bits and the same
-# in every process; two different prefixes can still collide, so each cached block keeps
-# the key it was hashed from, and a hit counts only when the keys are equal.
+# computing them again. Python's `hash` of a tuple is 64 bits, and it need only agree
+# within the one process that holds the cache. Two different blocks can still collide,
+# so each cached block keeps the key it was hashed from — its parent's hash and its own
+# tokens — and a hit counts only when the keys are equal. (That checks the block's own
+# tokens; a collision of two whole prefixes would have to hit the same 64-bit parent
+# hash as well, which this book accepts. vLLM can hash with SHA-256 instead.)
 
 # %%
 #| export
@@ -576,12 +579,16 @@ class PagedScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they were admitted
         self.num_preemptions = 0
+        self.admitted: set[str] = set()  # unfinished requests admitted at least once
         # request id -> the logits of its prompt chunks so far (prompt_logprobs)
         self.prompt_logits: dict[str, list[np.ndarray]] = {}
 
     def add_request(self, request: Request) -> None:
         bm = self.block_manager
-        most = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        # the last token sampled is never fed back: it needs no slot
+        most = min(
+            request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len
+        )
         if cdiv(most, bm.block_size) > bm.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r} may need {most} tokens of cache, "
@@ -636,7 +643,11 @@ class PagedScheduler:
             request = self.waiting[0]
             tokens = RequestTokens(request)
             # prompt logprobs need the logits of every prompt position: no cache hits
-            use_cache = request.params.prompt_logprobs is None
+            # until they are collected
+            use_cache = (
+                request.params.prompt_logprobs is None
+                or request.prompt_logprobs is not None
+            )
             cached = (
                 bm.num_cached_tokens(tokens, request.request_id) if use_cache else 0
             )
@@ -644,7 +655,8 @@ class PagedScheduler:
             if bm.allocate(request.request_id, tokens, cached + n, use_cache) is None:
                 break
             self.waiting.popleft()
-            if request.num_tokens == request.num_prompt_tokens:  # nothing generated
+            if request.request_id not in self.admitted:  # its first admission
+                self.admitted.add(request.request_id)
                 request.num_cached_tokens = cached
             request.num_computed_tokens = cached
             request.status = RequestStatus.RUNNING
@@ -723,6 +735,7 @@ class PagedScheduler:
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
+                self.admitted.discard(request_id)
                 self.block_manager.forget(request_id)
                 request.abort()
                 return request
@@ -735,6 +748,7 @@ class PagedScheduler:
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
+        self.admitted.discard(request.request_id)
         self.block_manager.free(request.request_id)
         self.block_manager.forget(request.request_id)
         self.prompt_logits.pop(request.request_id, None)
@@ -745,9 +759,9 @@ class PagedScheduler:
 # to host memory and back. Copying costs a PCIe round trip per block; recomputing costs
 # one prefill of the request's tokens, which a GPU computes at hundreds of TFLOP/s and,
 # with the prefix cache, often finds partly cached already (a preempted request's full
-# blocks keep their hashes when freed). For requests of a few thousand tokens,
-# recomputing is the cheaper of the two and needs no host buffers; vLLM's V1 engine
-# recomputes only.
+# blocks keep their hashes when freed). Which costs less depends on the request's
+# length and the link; recomputing needs no host buffers and no copies to schedule, and
+# vLLM's V1 engine recomputes only.
 #
 # The scheduler can be watched without a model. A stand-in that answers every due
 # request with token 7 is enough to see the plan of each step: below, three short
@@ -838,6 +852,8 @@ while scheduler.has_unfinished_requests():
 fig = plot_chunked_timeline(steps, budget=16)
 plt.show()
 assert all(sum(n for _, n, _ in s) <= 16 for s in steps)
+# the budget less the three decodes
+assert [n for s in steps for name, n, _ in s if name == "d"][:3] == [13, 13, 13]
 
 # %% [markdown]
 # ## Paged prefill attention
@@ -916,8 +932,11 @@ def paged_prefill_attention_ref(
 # KV head is 64 bf16 values, 16 eight-byte words, so consecutive threads read
 # consecutive words (chapter 8's `cache_word` finds a word through the block table) and
 # convert them to float32 on the way into shared memory. Element $e$ of word $w$ goes to
-# column $e \cdot 16 + w$ rather than $4w + e$, so that the 32 threads of a warp store
-# to 32 different banks; the queries and accumulators use the same permutation, and a
+# column $e \cdot 16 + w$ rather than $4w + e$: the 16 threads that store one key's
+# row then hit 16 different banks, and a warp's two rows (64 floats apart) share them —
+# a two-way conflict where the plain layout has four. (Padding each row by 16 floats
+# would remove it; not measured here.) The queries and accumulators use the same
+# permutation, and a
 # dot product does not care about the order of its terms. A row past the context's last
 # key reloads that key instead of reading a slot nobody wrote, and no query reads it.
 
@@ -1424,10 +1443,11 @@ class PagedAttention:
 # %% [markdown]
 # ## The engine on blocks
 #
-# The engine changes in its constructor only; `step()` is chapter 9's schedule →
-# execute → postprocess. What changes is where the memory goes. Chapter 9 reserved
-# `max_num_seqs × max_model_len` slots up front. Now the engine first loads the weights
-# and makes every buffer a step needs, then measures what is left, and gives the share
+# The engine's `step()` is still chapter 9's schedule → execute → postprocess, with two
+# counters added; what changes is its constructor, where the memory goes. Chapter 9
+# reserved `max_num_seqs × max_model_len` slots up front. Now the engine first loads the
+# weights and makes every buffer a step needs (the runner makes them all at once, for
+# the largest step), then measures what is left, and gives the share
 # `gpu_memory_utilization` allows (vLLM's name and default, 0.9) to KV blocks. On the
 # CPU a byte budget does the same (`kv_cache_memory_bytes`, 4 GiB by default, as vLLM's
 # CPU backend). `num_kv_blocks=N` sets the pool outright; the tests use it. The pool is
@@ -1473,8 +1493,6 @@ class EngineStats:
 # the pool sized as above.
 
 # %%
-# the helpers chapter 9 defined beside its engine
-# %%
 #| export engine.llm_engine
 #| replaces LLMEngine
 import itertools
@@ -1484,14 +1502,14 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.block_manager import BlockManager
-from tinyvllm_lib.engine.inputs import make_request
-from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
-from tinyvllm_lib.engine.llm_engine import (
+from tinyvllm_lib.engine.config import (
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    _positive_int,
+    positive_int,
     resolve_device,
 )
+from tinyvllm_lib.engine.inputs import make_request
+from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.outputs import RequestOutput
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
@@ -1546,10 +1564,10 @@ class LLMEngine:
                 f"max_model_len must be an integer in [2, {limit}] (the model's "
                 f"max_position_embeddings), got {max_model_len!r}"
             )
-        _positive_int("max_num_seqs", max_num_seqs)
+        positive_int("max_num_seqs", max_num_seqs)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
-        if _positive_int("max_num_batched_tokens", max_num_batched_tokens) < (
+        if positive_int("max_num_batched_tokens", max_num_batched_tokens) < (
             max_num_seqs
         ):
             raise ValueError(
@@ -1605,7 +1623,7 @@ class LLMEngine:
         )
         most = self.max_num_seqs * cdiv(self.max_model_len, block_size)
         if num_kv_blocks is not None:
-            return _positive_int("num_kv_blocks", num_kv_blocks)
+            return positive_int("num_kv_blocks", num_kv_blocks)
         if budget is None and self.device == "cuda" and has_gpu():
             free, total = cuda.current_context().get_memory_info()
             # what is in use now (weights, step buffers, other processes) is not ours
@@ -1798,7 +1816,7 @@ requests together, and the tokens are the same as with room for all.
 # %% [markdown]
 # Too large is refused up front: a request that could never fit in the whole pool, even
 # alone, would wait forever, so `add_request` says so, and the engine goes on serving
-# the others. Here the pool is 8 blocks, 128 tokens, and a request may need 300.
+# the others. Here the pool is 8 blocks, 128 tokens, and a request may need 299.
 
 # %%
 tight = LLM(tiny_folder, device="cpu", max_model_len=512, num_kv_blocks=8)
@@ -1968,10 +1986,11 @@ for (scheme, rows), r in runs.items():
     prose.glue(f"ch10_{scheme}_{rows}", f"{r['value']:,.0f} output tokens/s")
     prose.glue(f"ch10_{scheme}_{rows}_running", f"{r['max_running']}")
     prose.glue(f"ch10_{scheme}_{rows}_preempt", f"{r['num_preemptions']}")
+    prose.glue(f"ch10_{scheme}_{rows}_step", f"{r['mean_decode_step_ms']:.1f} ms")
 for scheme in ("contiguous", "paged"):
     for rows in (256, 64):
         if (scheme, rows) not in runs:
-            for suffix in ("", "_running", "_preempt"):
+            for suffix in ("", "_running", "_preempt", "_step"):
                 prose.glue(f"ch10_{scheme}_{rows}{suffix}", missing)
 for caching, name in ((True, "on"), (False, "off")):
     r = ttft.get(caching)
@@ -2013,7 +2032,10 @@ reads its keys in float32 from the step's own `qkv`.
 
 In the memory of 256 full rows, the ragged workload makes {{ch10_contiguous_256}} with
 chapter 9's rows and {{ch10_paged_256}} with blocks, in the same run: memory is not the
-limit there, and both run up to {{ch10_paged_256_running}} requests at once. (Chapter 9
+limit there, and they run up to {{ch10_contiguous_256_running}} and
+{{ch10_paged_256_running}} requests at once; their decode steps took
+{{ch10_contiguous_256_step}} and {{ch10_paged_256_step}} on average (a difference this
+chapter has not traced). (Chapter 9
 recorded {{ch10_ch09_record}} output tokens/s for its rows on {{ch10_ch09_date}}, in
 another session: most of a decode step is still Python on the host, and the host's speed
 differs between sessions, so only numbers from one run are compared here.) In the memory
@@ -2025,16 +2047,19 @@ The first token of 63 requests sharing a 1,000-token prefix comes after
 {{ch10_ttft_off}} on average without the prefix cache and {{ch10_ttft_on}} with it. The
 outputs of the two runs are identical for {{ch10_agree}} requests and the same up to a
 near tie (chapter 9's comparison, 0.1) for {{ch10_agree_near}}; the mean |Δ log p| of
-shared tokens is {{ch10_agree_dlogp}}, because a cached prefix is read back in bf16
-where a fresh prefill reads its own keys in float32.
+shared tokens is {{ch10_agree_dlogp}}. The two runs read different keys in bf16 from the
+cache: with it on, every request reads the shared prefix from there; with it off, 63
+prompts of about 1,040 tokens take several steps of 8,192, and a prompt continued in a
+later step reads its first part back from the cache, while the rest of the keys come in
+float32 from the step's own `qkv`.
 """)
 
 # %% [markdown]
 # ## Summary
 #
 # - Contiguous rows reserve `max_model_len` slots a sequence; blocks reserve what its
-#   tokens fill, to the end of its last block. The memory a real mix wastes goes from
-#   most of the cache to a few percent.
+#   tokens fill, to the end of its last block. On chapter 9's request mix the waste
+#   goes from a large share of the cache to under a percent.
 # - The `BlockManager` keeps a pool of blocks, a free list in least-recently-freed
 #   order, per-request block tables and reference counts. Full blocks are named by a
 #   chained hash of their tokens, checked against collisions, and stay cached after

@@ -11,8 +11,8 @@ import pytest
 
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.cli import main
+from tinyvllm_lib.engine.config import resolve_device
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from tinyvllm_lib.engine.llm_engine import resolve_device
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.verify import (
     default_prompt,

@@ -212,19 +212,23 @@ def test_1b_shaped_decode_matches_cpu(tmp_path):
 
 
 def test_cuda_runner_computes_a_prompt_in_chunks_like_cpu(tiny_folder, monkeypatch):
-    """A prompt in two steps: the second chunk attends over the first, read from the cache (chapter 10's paged
-    prefill on 'cuda'); the chunk that ends inside the prompt samples nothing."""
+    """A mixed batch, as chapter 10's scheduler makes them: step 1 a's first chunk (no token: it ends inside the
+    prompt) and c's prompt; step 2 a's second chunk attending over the first through the cache (paged prefill on
+    'cuda'), b's prompt from position 0, and c's decode. The CPU and 'cuda' runners agree."""
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     if not can_launch():
         pytest.skip("needs a GPU or the simulator")
     outs = []
     for device in ("cpu", "cuda"):
-        runner = ModelRunner(tiny_folder, device, 64, 16, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
-        request, table = new_request("a", [5, 6, 7, 8, 9, 10, 11]), np.array([[3, 1]], np.int32)
-        first = runner.execute(SchedulerOutput([request], [4], 1, table))
-        assert len(first.sampled.token_ids) == 0  # inside the prompt: no token
-        request.num_computed_tokens = 4
-        outs.append(runner.execute(SchedulerOutput([request], [3], 1, table)).sampled)
-    (cpu, cuda_) = outs
-    assert cpu.token_ids.tolist() == cuda_.token_ids.tolist()
+        runner = ModelRunner(tiny_folder, device, 64, 16, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32)
+        a, b, c = new_request("a", [5, 6, 7, 8, 9, 10, 11]), new_request("b", [12, 13]), new_request("c", [3, 4, 5])
+        tables = {"a": [3, 1], "b": [2, 0], "c": [0, 2]}
+        rows = lambda *rs: np.array([tables[r.request_id] for r in rs], np.int32)  # noqa: E731
+        first = runner.execute(SchedulerOutput([a, c], [4, 3], 2, rows(a, c)))
+        assert len(first.sampled.token_ids) == 1  # c's token only: a's chunk ends inside its prompt
+        a.num_computed_tokens, c.num_computed_tokens = 4, 3
+        c.output_token_ids.append(int(first.sampled.token_ids[0]))
+        outs.append(runner.execute(SchedulerOutput([a, b, c], [3, 2, 1], 2, rows(a, b, c))).sampled)
+    cpu, cuda_ = outs
+    assert cpu.token_ids.tolist() == cuda_.token_ids.tolist() and len(cpu.token_ids) == 3
     assert np.abs(cpu.logprobs - cuda_.logprobs).max() < 0.05

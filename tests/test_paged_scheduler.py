@@ -4,16 +4,18 @@ would get alone, no step exceeds its budgets, and no block leaks."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tinyvllm_lib.engine.block_manager import BlockManager
+from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
 from tinyvllm_lib.engine.model_runner import ModelRunnerOutput
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler, is_decode
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplerOutput
 from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.engine.scheduler import Scheduler
 from tinyvllm_lib.kernels.checks import cdiv
 
 
@@ -40,10 +42,33 @@ def stand_in(step) -> ModelRunnerOutput:
     return ModelRunnerOutput(SamplerOutput(sampled), [None] * len(step.requests))
 
 
+class ShadowCache:
+    """Where each token's K/V would be: the step's new tokens written through its block tables (as the model
+    writes K/V before attention), then every scheduled request's whole context read back through its table —
+    it must be exactly its own tokens. Catches a wrong block shared, a shared block written into, a cache hit
+    on a block not computed yet or evicted and reused."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm, self.tokens = bm, np.full(bm.num_blocks * bm.block_size, -1, np.int64)
+
+    def slots(self, table, positions):
+        return table[positions // self.bm.block_size].astype(np.int64) * self.bm.block_size + positions % self.bm.block_size
+
+    def step(self, step):
+        for row, (r, n) in enumerate(zip(step.requests, step.num_new_tokens)):
+            c = r.num_computed_tokens
+            self.tokens[self.slots(step.block_tables[row], np.arange(c, c + n))] = r.token_ids(c, c + n)
+        for row, (r, n) in enumerate(zip(step.requests, step.num_new_tokens)):
+            length = r.num_computed_tokens + n
+            got = self.tokens[self.slots(step.block_tables[row], np.arange(length))]
+            assert got.tolist() == r.token_ids(0, length), f"{r.request_id}: its blocks do not hold its context"
+
+
 def run(scheduler: PagedScheduler, requests: list[Request], max_steps: int = 5000):
     for r in requests:
         scheduler.add_request(r)
     bm = scheduler.block_manager
+    shadow = ShadowCache(bm)
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
             return
@@ -59,6 +84,7 @@ def run(scheduler: PagedScheduler, requests: list[Request], max_steps: int = 500
             table = bm.block_tables[r.request_id]
             assert len(table) >= cdiv(r.num_computed_tokens + n, bm.block_size)
             assert list(step.block_tables[row, : len(table)]) == table
+        shadow.step(step)
         scheduler.postprocess(step, stand_in(step))
         holders = [0] * bm.num_blocks
         for table in bm.block_tables.values():
@@ -171,7 +197,7 @@ def test_a_cached_prefix_is_not_computed_again():
 def test_on_the_numpy_model_paging_changes_no_token(tmp_path):
     """A tiny random Llama on the CPU: a pool a quarter of what the requests need at once,
     and a token budget below the longest prompt, give the greedy tokens of chapter 09's
-    engine."""
+    scheduler on contiguous rows."""
     from tinyvllm_lib.engine.llm import LLM
     from tinyvllm_lib.engine.model_runner import ModelRunner
     from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
@@ -185,10 +211,9 @@ def test_on_the_numpy_model_paging_changes_no_token(tmp_path):
         for _ in range(16)
     ]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = [
-        o.outputs[0].token_ids
-        for o in LLM(folder, device="cpu", max_model_len=128).generate(prompts, params)
-    ]
+    ref = LLM(folder, device="cpu", max_model_len=128, max_num_seqs=16)
+    ref.llm_engine.scheduler = Scheduler(16, ref.llm_engine.max_num_batched_tokens, ContiguousAllocator(16, 128))
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
 
     block_size = 4
     need = sum(cdiv(len(p) + 12, block_size) for p in prompts)
@@ -230,6 +255,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def make(self, block_size, num_blocks, budget, max_num_seqs, caching):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.scheduler = PagedScheduler(max_num_seqs, budget, 48, self.bm)
+        self.shadow = ShadowCache(self.bm)
 
     @rule(base=st.integers(0, 1), k=st.integers(0, 40), tail=st.lists(st.integers(0, 49), max_size=6), m=st.integers(1, 8))
     def arrive(self, base, k, tail, m):
@@ -249,7 +275,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not self.scheduler.has_unfinished_requests(), "work left but nothing scheduled"
             return
         assert step.num_tokens <= self.scheduler.max_num_batched_tokens
+        self.shadow.step(step)
+        for r, n in zip(step.requests, step.num_new_tokens):
+            event("chunk" if r.num_computed_tokens + n < r.num_prompt_tokens else "whole or decode")
         self.scheduler.postprocess(step, stand_in(step))
+        if self.scheduler.num_preemptions:
+            event("preempted")
 
     @rule(data=st.data())
     def abort(self, data):

@@ -112,6 +112,7 @@ def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
         # a chunk of its prompt (chapter 10 splits long prompts over several steps)
         if (
             r.params.prompt_logprobs is not None
+            and r.prompt_logprobs is None  # not collected yet (else a recomputation)
             and num_computed[i] < r.num_prompt_tokens
         ):
             logits_indices.append(np.arange(starts[i], starts[i + 1], dtype=np.int64))

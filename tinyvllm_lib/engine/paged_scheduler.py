@@ -52,12 +52,16 @@ class PagedScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they were admitted
         self.num_preemptions = 0
+        self.admitted: set[str] = set()  # unfinished requests admitted at least once
         # request id -> the logits of its prompt chunks so far (prompt_logprobs)
         self.prompt_logits: dict[str, list[np.ndarray]] = {}
 
     def add_request(self, request: Request) -> None:
         bm = self.block_manager
-        most = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        # the last token sampled is never fed back: it needs no slot
+        most = min(
+            request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len
+        )
         if cdiv(most, bm.block_size) > bm.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r} may need {most} tokens of cache, "
@@ -112,7 +116,11 @@ class PagedScheduler:
             request = self.waiting[0]
             tokens = RequestTokens(request)
             # prompt logprobs need the logits of every prompt position: no cache hits
-            use_cache = request.params.prompt_logprobs is None
+            # until they are collected
+            use_cache = (
+                request.params.prompt_logprobs is None
+                or request.prompt_logprobs is not None
+            )
             cached = (
                 bm.num_cached_tokens(tokens, request.request_id) if use_cache else 0
             )
@@ -120,7 +128,8 @@ class PagedScheduler:
             if bm.allocate(request.request_id, tokens, cached + n, use_cache) is None:
                 break
             self.waiting.popleft()
-            if request.num_tokens == request.num_prompt_tokens:  # nothing generated
+            if request.request_id not in self.admitted:  # its first admission
+                self.admitted.add(request.request_id)
                 request.num_cached_tokens = cached
             request.num_computed_tokens = cached
             request.status = RequestStatus.RUNNING
@@ -199,6 +208,7 @@ class PagedScheduler:
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
+                self.admitted.discard(request_id)
                 self.block_manager.forget(request_id)
                 request.abort()
                 return request
@@ -211,6 +221,7 @@ class PagedScheduler:
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
+        self.admitted.discard(request.request_id)
         self.block_manager.free(request.request_id)
         self.block_manager.forget(request.request_id)
         self.prompt_logits.pop(request.request_id, None)

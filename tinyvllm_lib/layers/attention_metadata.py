@@ -14,8 +14,8 @@ class AttentionMetadata:
     sequence attends over.
 
     The batch's sequences are packed back to back: the first num_prefills are prompts
-    computed from position 0 (any number of new tokens), the rest decode one new token
-    each. Arrays are NumPy on the host, device arrays after to_device.
+    (or, from chapter 10, prompt chunks) of any number of new tokens, the rest decode
+    one new token each. Arrays are NumPy on the host, device arrays after to_device.
     """
 
     num_prefills: int
