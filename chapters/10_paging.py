@@ -74,12 +74,8 @@ print(where_kernels_run())
 # the longest request there could be, not for this one. Blocks of 16 waste only the
 # unfilled end of each request's last block.
 
+
 # %%
-EMPTY, CACHED, SHARED = "#eeeeee", "#cccccc", "#444444"  # slot and block colours
-CENTER = dict(ha="center", va="center", fontsize=7)
-BELOW = dict(loc="upper center", fontsize=7, frameon=False)  # a legend under the axes
-
-
 def fragmentation(prompt_lens, output_lens, max_model_len: int, block_size: int):
     """Cache slots reserved and used by requests at their longest, per scheme."""
     tokens = np.asarray(prompt_lens) + np.asarray(output_lens)
@@ -92,6 +88,12 @@ def fragmentation(prompt_lens, output_lens, max_model_len: int, block_size: int)
         scheme: {"reserved": r, "used": used, "waste": 1 - used / r}
         for scheme, r in reserved.items()
     }
+
+
+# %% tags=["hide-input"]
+EMPTY, CACHED, SHARED = "#eeeeee", "#cccccc", "#444444"  # slot and block colours
+CENTER = dict(ha="center", va="center", fontsize=7)
+BELOW = dict(loc="upper center", fontsize=7, frameon=False)  # a legend under the axes
 
 
 def plot_fragmentation(prompt_lens, output_lens, max_model_len: int, block_size: int):
@@ -120,6 +122,7 @@ def plot_fragmentation(prompt_lens, output_lens, max_model_len: int, block_size:
     return fig
 
 
+# %%
 # chapter 9's GPU workload (bench/ch09_batching.py): the same seed, the same lengths
 lengths = np.random.default_rng(0)
 prompt_lens, output_lens = (
@@ -426,7 +429,7 @@ assert manager.num_cached_tokens(prompt_a) == 8  # a's full blocks stay cached
 # and a last block is only as full as its tokens.
 
 
-# %%
+# %% tags=["hide-input"]
 def request_colors(names) -> dict:
     """One colour per request, in the order given (the book's tab10 cycle)."""
     return {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
@@ -476,6 +479,7 @@ def draw_block_tables(block_manager, request_ids, token_counts):
     return fig
 
 
+# %%
 pool = BlockManager(num_blocks=20, block_size=4)
 system = list(range(100, 108))  # a system prompt: two full blocks
 live = {
@@ -774,6 +778,7 @@ from tinyvllm_lib.engine.model_runner import ModelRunnerOutput
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplerOutput
 
+# %% tags=["hide-input"]
 KIND_STYLE = {
     "prefill-chunk": dict(hatch="///"),
     "prefill": {},
@@ -814,6 +819,7 @@ def plot_chunked_timeline(steps, budget: int | None = None):
     return fig
 
 
+# %%
 def stand_in_request(name: str, num_prompt: int, max_tokens: int) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompt = list(range(num_prompt))
@@ -1890,7 +1896,7 @@ assert all(same)
 # of three requests that share a system prompt — the pool from the drawing above.
 
 
-# %%
+# %% tags=["hide-input"]
 def draw_prefix_tree(block_manager, request_ids):
     """The block tables as a tree: a node per physical block (its id and ref_count),
     an edge from each block to the next one in some request's table.
@@ -1944,6 +1950,7 @@ def draw_prefix_tree(block_manager, request_ids):
     return fig
 
 
+# %%
 fig = draw_prefix_tree(pool, ["a", "b", "c"])
 plt.show()
 
