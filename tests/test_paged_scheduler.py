@@ -247,7 +247,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(
         block_size=st.sampled_from([1, 2, 4, 8]),
-        num_blocks=st.integers(12, 40),
+        num_blocks=st.integers(6, 24),
         budget=st.integers(1, 32),
         max_num_seqs=st.integers(1, 6),
         caching=st.booleans(),
@@ -257,7 +257,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler = PagedScheduler(max_num_seqs, budget, 48, self.bm)
         self.shadow = ShadowCache(self.bm)
 
-    @rule(base=st.integers(0, 1), k=st.integers(0, 40), tail=st.lists(st.integers(0, 49), max_size=6), m=st.integers(1, 8))
+    @rule(base=st.integers(0, 1), k=st.integers(0, 40), tail=st.lists(st.integers(0, 49), max_size=6), m=st.integers(1, 30))
     def arrive(self, base, k, tail, m):
         prompt = self.bases[base][:k] + tail or [7]
         request = make_request(f"r{len(self.requests)}", prompt, min(m, 48 - len(prompt)) or 1)
@@ -268,7 +268,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.requests.append(request)
 
-    @rule()
+    @rule(n=st.integers(1, 6))
+    def steps(self, n):
+        for _ in range(n):
+            self.step()
+
     def step(self):
         step = self.scheduler.schedule()
         if step is None:
@@ -320,5 +324,5 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == self.bm.num_blocks
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+SchedulerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=60, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
