@@ -526,8 +526,8 @@ print("slots of c's tokens 8..11:", pool.slot_mapping("c", 8, 12))
 # **preempts** the
 # most recently admitted running request, vLLM's policy: it gives back every block and
 # goes to the front of the waiting queue, keeping its generated tokens; readmitted, it
-# computes prompt and tokens again (**recomputation**, cheaper than copying its cache to
-# the host and back when it is short). Then, if nothing was preempted this step, waiting
+# computes prompt and tokens again (**recomputation**, instead of copying its cache to
+# the host and back; see below). Then, if nothing was preempted this step, waiting
 # requests are admitted first come first served, each starting after its cached prefix.
 # A prompt chunk that does not reach the end of the prompt yields no token.
 
