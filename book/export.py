@@ -7,11 +7,6 @@ The rules (nbdev's syntax, a small subset of it):
   sends one cell to another module (e.g. `__main__` for the command line).
 - A line `#| public name1 name2` inside an exported cell re-exports those names from the
   package's top level (`tinyvllm_lib/__init__.py`).
-- A line `#| replaces Name` inside an exported cell says that a later chapter rewrites a
-  definition: the earlier cell of the same module that defines `Name` is dropped, so the
-  library holds one version, the newer (an earlier chapter that imports `Name` from the
-  library gets it too). That earlier cell must define nothing else, and the new cell must
-  define `Name`.
 Chapters are read in file-name order, so a module gathers cells in chapter order. The output
 is deterministic: no timestamps, no cell ids.
 """
@@ -55,26 +50,6 @@ def chapter_cells(text: str) -> list[str]:
     return cells
 
 
-def defined_names(code: str) -> set[str]:
-    """The names a cell defines at its top level: classes, functions, assigned names."""
-    found = re.findall(r"^(?:class|def)\s+(\w+)|^(\w+)\s*(?::[^=]*)?=(?!=)", code, re.M)
-    return {a or b for a, b in found}
-
-
-def replace_definition(module: Module, name: str, body: str, rel: str) -> None:
-    """Drop the earlier cell of `module` that defines `name` (a `#| replaces` line)."""
-    if name not in defined_names(body):
-        raise SystemExit(f"{rel}: '#| replaces {name}' but the cell does not define {name}")
-    earlier = [i for i, (_, code) in enumerate(module.blocks) if name in defined_names(code)]
-    if len(earlier) != 1:
-        raise SystemExit(f"{rel}: '#| replaces {name}': {len(earlier)} earlier cells of {module.name} define it, want 1")
-    src, code = module.blocks[earlier[0]]
-    others = defined_names(code) - {name}
-    if others:
-        raise SystemExit(f"{rel}: '#| replaces {name}': the cell in {src} also defines {sorted(others)}; split it")
-    del module.blocks[earlier[0]]
-
-
 def collect(chapters_dir: Path, root: Path) -> tuple[dict[str, Module], list[tuple[str, list[str]]]]:
     """Walk the chapters and gather exported cells per module, and the public names."""
     modules: dict[str, Module] = {}
@@ -99,10 +74,7 @@ def collect(chapters_dir: Path, root: Path) -> tuple[dict[str, Module], list[tup
             if names:
                 public.append((target, names))
             body = "\n".join(line for line in lines[1:] if not line.startswith("#|")).strip("\n")
-            module = modules.setdefault(target, Module(target))
-            for name in (n for line in lines if line.startswith("#| replaces") for n in line.split()[2:]):
-                replace_definition(module, name, body, rel)
-            module.blocks.append((rel, body))
+            modules.setdefault(target, Module(target)).blocks.append((rel, body))
     return modules, public
 
 

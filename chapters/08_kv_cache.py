@@ -2035,7 +2035,8 @@ class CudaKVCache:
 
 
 # %%
-#| export layers.attention
+# chapter 10 writes the library's PagedAttention: this one, plus a prefill after cached
+# tokens
 from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.decode_attention import (
     DEFAULT_DECODE_CONFIG,
@@ -2252,10 +2253,11 @@ else:
 #
 # Exported to `tinyvllm_lib`: `engine.kv_cache` (`KVCache`, `CudaKVCache`,
 # `ContiguousAllocator`, `kv_cache_bytes_per_token`), `layers.attention`
-# (`AttentionMetadata`, `build_attention_metadata`, `CachedAttention`,
-# `PagedAttention`), `kernels.attention` (`cached_attention_ref`) and
-# `kernels.decode_attention` (`write_kv_cache`, `decode_attention`,
-# `DecodeAttentionConfig`, `decode_workspace`, `decode_attention_ref`).
+# (`AttentionMetadata`, `build_attention_metadata`, `CachedAttention`; chapter 10
+# writes the library's `PagedAttention`), `kernels.attention`
+# (`cached_attention_ref`) and `kernels.decode_attention` (`write_kv_cache`,
+# `decode_attention`, `DecodeAttentionConfig`, `decode_workspace`,
+# `decode_attention_ref`).
 #
 # ## Exercises
 #

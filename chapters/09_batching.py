@@ -534,8 +534,7 @@ def positive_int(name: str, value) -> int:
 
 
 # %%
-#| export engine.llm_engine
-#| public LLMEngine
+# chapter 10 writes the library's LLMEngine: this one on a pool of blocks
 import itertools
 
 import numpy as np
@@ -1964,11 +1963,13 @@ decode step from a CUDA graph instead of launching it.
 #   graphs.
 # - Batched and one at a time, the answers are the same up to near ties.
 #
-# Exported to `tinyvllm_lib`: `engine.scheduler` (`Scheduler`), `engine.llm_engine`
-# (`LLMEngine`), `engine.config` (`resolve_device`, the defaults), `engine.inputs`
-# (`make_request`, `normalize_prompt`), `engine.llm` (`LLM`), `engine.verify`
-# (`verify_against_transformers`) and the commands `generate`, `chat` and `verify`;
-# `from tinyvllm_lib import LLM, LLMEngine, SamplingParams`.
+# Exported to `tinyvllm_lib`: `engine.scheduler` (`Scheduler`), `engine.config`
+# (`resolve_device`, the defaults), `engine.inputs` (`make_request`,
+# `normalize_prompt`), `engine.llm` (`LLM`), `engine.verify`
+# (`verify_against_transformers`) and the commands `generate`, `chat` and `verify`.
+# This chapter's `LLMEngine` is the one you read here; the library's is chapter 10's,
+# the same loop on a pool of blocks. `from tinyvllm_lib import LLM, LLMEngine,
+# SamplingParams`.
 #
 # ## Exercises
 #

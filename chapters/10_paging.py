@@ -1342,7 +1342,6 @@ assert np.isfinite(got).all() and np.abs(got - want).max() < 1e-5
 
 # %%
 #| export layers.attention
-#| replaces PagedAttention
 from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.decode_attention import (
     DEFAULT_DECODE_CONFIG,
@@ -1500,7 +1499,7 @@ class EngineStats:
 
 # %%
 #| export engine.llm_engine
-#| replaces LLMEngine
+#| public LLMEngine
 import itertools
 from dataclasses import replace
 
@@ -2083,8 +2082,9 @@ float32 from the step's own `qkv`.
 #
 # Exported to `tinyvllm_lib`: `engine.block_manager` (`BlockManager`, `KVBlock`,
 # `hash_block`), `engine.paged_scheduler` (`PagedScheduler`), `engine.stats`
-# (`EngineStats`), `kernels.paged_attention` (`paged_prefill_attention`), and new
-# versions of `layers.attention.PagedAttention` and `engine.llm_engine.LLMEngine`.
+# (`EngineStats`), `kernels.paged_attention` (`paged_prefill_attention`),
+# `layers.attention.PagedAttention` and `engine.llm_engine.LLMEngine` (the library's
+# versions of chapter 8's and chapter 9's classes).
 #
 # ## Exercises
 #

@@ -5,10 +5,10 @@
 from .models.safetensors_io import load_safetensors, SafetensorsError
 from .models.smollm2 import prepare_smollm2
 from .engine.sampling_params import SamplingParams
-from .engine.llm_engine import LLMEngine
 from .engine.llm import LLM
+from .engine.llm_engine import LLMEngine
 
 __all__ = [
-    'load_safetensors', 'SafetensorsError', 'prepare_smollm2', 'SamplingParams',
-    'LLMEngine', 'LLM'
+    'load_safetensors', 'SafetensorsError', 'prepare_smollm2', 'SamplingParams', 'LLM',
+    'LLMEngine'
 ]
