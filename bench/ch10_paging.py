@@ -103,8 +103,8 @@ def ttft_run(llm: LLM, prefix, suffixes, params) -> tuple[list[float], list]:
 
 
 def agrees_up_to_a_near_tie(ref, got, tie: float = 0.1) -> bool:
-    """Chapter 9's comparison: the same tokens, or the first difference where the reference's two best tokens
-    were within `tie` in log-probability."""
+    """The same tokens, or where they first differ the reference's two best tokens were within `tie` in
+    log-probability (a near tie: rounding may pick either)."""
     for t, (x, y) in enumerate(zip(ref.token_ids, got.token_ids)):
         if x != y:
             best = sorted(ref.logprobs[t].values(), reverse=True)

@@ -255,7 +255,8 @@ class BlockManager:
         )
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.block_tables: dict[str, list[int]] = {}
-        self.hashes: dict[str, list[int]] = {}  # request -> hashes of its cached blocks
+        # request -> how many of its leading blocks are named (found or cached)
+        self.num_named: dict[str, int] = {}
         # request -> (hash, key) of its full blocks so far: each hashed once per request
         self.chains: dict[str, list[tuple[int, tuple]]] = {}
 
@@ -333,7 +334,7 @@ class BlockManager:
                 del self.free_queue[block_id]
             self.blocks[block_id].ref_count += 1
         self.block_tables[request_id] = hits + [self._take() for _ in range(num_fresh)]
-        self.hashes[request_id] = [self.blocks[i].block_hash for i in hits]
+        self.num_named[request_id] = len(hits)
         return len(hits) * self.block_size
 
     def _take(self) -> int:
@@ -366,19 +367,15 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        table, hashes, b = (
-            self.block_tables[request_id],
-            self.hashes[request_id],
-            self.block_size,
-        )
-        for i in range(len(hashes), num_computed // b):
+        table, num_full = self.block_tables[request_id], num_computed // self.block_size
+        for i in range(self.num_named[request_id], num_full):
             block_hash, key = self._link(request_id, token_ids, i)
-            hashes.append(block_hash)
             block = self.blocks[table[i]]
             # a block computed twice (two requests in one step) is cached once
             if block_hash not in self.cached:
                 self.cached[block_hash] = table[i]
                 block.block_hash, block.hash_key = block_hash, key
+        self.num_named[request_id] = max(self.num_named[request_id], num_full)
 
     def free(self, request_id: str) -> None:
         """Drop the request's blocks; those no one else holds join the free list, last
@@ -389,7 +386,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        del self.hashes[request_id]
+        del self.num_named[request_id]
 
     def slot_mapping(self, request_id: str, start: int, stop: int) -> np.ndarray:
         """Cache slots of the request's tokens start..stop-1, through its table."""
@@ -2052,7 +2049,8 @@ of 64 rows, rows run at most {{ch10_contiguous_64_running}} requests at once and
 The first token of 63 requests sharing a 1,000-token prefix comes after
 {{ch10_ttft_off}} on average without the prefix cache and {{ch10_ttft_on}} with it. The
 outputs of the two runs are identical for {{ch10_agree}} requests and the same up to a
-near tie (chapter 9's comparison, 0.1) for {{ch10_agree_near}}; the mean |Δ log p| of
+near tie — where they first differ, the two best tokens were within 0.1 — for
+{{ch10_agree_near}}; the mean |Δ log p| of
 shared tokens is {{ch10_agree_dlogp}}. The two runs read different keys in bf16 from the
 cache: with it on, every request reads the shared prefix from there; with it off, 63
 prompts of about 1,040 tokens take several steps of 8,192, and a prompt continued in a

@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from compare import agrees, shared_logprob_gaps
 
 from tinyvllm_lib import LLM, LLMEngine, SamplingParams
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
@@ -15,16 +16,6 @@ from tinyvllm_lib.engine.request import Request, RequestStatus
 from tinyvllm_lib.engine.scheduler import Scheduler
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.models.smollm2 import resolve_model
-
-
-def agrees(ref_ids, ref_logprobs, ids, tie: float) -> tuple[bool, bool]:
-    """(same tokens, stopped at a near tie): equal up to the first step where the reference's two best
-    log-probs are within `tie`, and equal to the end (length too) where there is none."""
-    for t, step in enumerate(ref_logprobs):
-        best = sorted(step.values(), reverse=True)
-        if len(best) > 1 and best[0] - best[1] < tie:
-            return list(ref_ids[:t]) == list(ids[:t]), True
-    return list(ref_ids) == list(ids), False
 
 
 @pytest.fixture(scope="module")
@@ -194,12 +185,7 @@ def test_gpu_batched_equal_one_at_a_time_smollm2(rng):
     engine = llm.llm_engine
     engine.scheduler.max_num_seqs = 1
     single = llm.generate(prompts, params, use_tqdm=False)
-    gaps = []
-    for a, b in zip(single, batched):
-        for t, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
-            if x != y:
-                break
-            gaps.append(abs(a.outputs[0].logprobs[t][x] - b.outputs[0].logprobs[t][y]))
+    gaps = np.concatenate([shared_logprob_gaps(a.outputs[0], b.outputs[0]) for a, b in zip(single, batched)])
     strict = [agrees(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].token_ids, tie=0.05)[0]
               for a, b in zip(single, batched)]
     checks = [agrees(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].token_ids, tie=0.1) for a, b in zip(single, batched)]

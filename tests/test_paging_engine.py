@@ -6,6 +6,7 @@ and a shared 1,000-token prefix is read from the cache with the outputs unchange
 
 import numpy as np
 import pytest
+from compare import agrees, shared_logprob_gaps
 
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator, kv_cache_bytes_per_token
 from tinyvllm_lib.engine.llm import LLM
@@ -117,26 +118,6 @@ def test_a_shared_prefix_comes_from_the_cache(folder, rng, block_size):
     assert stats[True].num_prompt_tokens == num_prompt and stats[True].num_cached_prompt_tokens == sum(cached)
 
 
-def logprob_gaps(a, b) -> np.ndarray:
-    """|Δ log p| of the tokens two completions share, up to where they part."""
-    gaps = []
-    for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
-        if x != y:
-            break
-        gaps.append(abs(a.logprobs[t][x] - b.logprobs[t][y]))
-    return np.array(gaps)
-
-
-def agree_up_to_a_near_tie(ref, got, tie: float = 0.1) -> bool:
-    """The batching issue's comparison: the same tokens, or the first difference where the reference's two best
-    tokens were within `tie` in log-probability."""
-    for t, (x, y) in enumerate(zip(ref.token_ids, got.token_ids)):
-        if x != y:
-            best = sorted(ref.logprobs[t].values(), reverse=True)
-            return len(best) > 1 and best[0] - best[1] < tie
-    return len(ref.token_ids) == len(got.token_ids)
-
-
 @pytest.mark.gpu
 def test_gpu_chunked_prefill_and_prefix_cache_match_one_prefill(rng):
     """SmolLM2 on the GPU. A prompt computed in chunks (paged prefill over the chunks before) or after a cached
@@ -162,11 +143,12 @@ def test_gpu_chunked_prefill_and_prefix_cache_match_one_prefill(rng):
         runs[caching] = llm.generate(prompts, sp, use_tqdm=False)
         del llm
     assert min(o.num_cached_tokens for o in runs[True]) >= 0.9 * (1000 // 16 * 16)
-    gaps = np.concatenate([logprob_gaps(x.outputs[0], y.outputs[0]) for x, y in zip(runs[True], runs[False])])
+    gaps = np.concatenate([shared_logprob_gaps(x.outputs[0], y.outputs[0]) for x, y in zip(runs[True], runs[False])])
     same = sum(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(runs[True], runs[False]))
     print(f"prefix cache on vs off: {same}/16 identical; |Δ log p| mean {gaps.mean():.4f}, max {gaps.max():.4f}")
     assert gaps.mean() <= 0.05
-    assert all(agree_up_to_a_near_tie(y.outputs[0], x.outputs[0]) for x, y in zip(runs[True], runs[False]))
+    assert all(agrees(y.outputs[0].token_ids, y.outputs[0].logprobs, x.outputs[0].token_ids, tie=0.1)[0]
+               for x, y in zip(runs[True], runs[False]))
 
 
 def test_the_pool_is_sized_from_a_byte_budget(folder):

@@ -56,7 +56,8 @@ class BlockManager:
         )
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.block_tables: dict[str, list[int]] = {}
-        self.hashes: dict[str, list[int]] = {}  # request -> hashes of its cached blocks
+        # request -> how many of its leading blocks are named (found or cached)
+        self.num_named: dict[str, int] = {}
         # request -> (hash, key) of its full blocks so far: each hashed once per request
         self.chains: dict[str, list[tuple[int, tuple]]] = {}
 
@@ -134,7 +135,7 @@ class BlockManager:
                 del self.free_queue[block_id]
             self.blocks[block_id].ref_count += 1
         self.block_tables[request_id] = hits + [self._take() for _ in range(num_fresh)]
-        self.hashes[request_id] = [self.blocks[i].block_hash for i in hits]
+        self.num_named[request_id] = len(hits)
         return len(hits) * self.block_size
 
     def _take(self) -> int:
@@ -167,19 +168,15 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        table, hashes, b = (
-            self.block_tables[request_id],
-            self.hashes[request_id],
-            self.block_size,
-        )
-        for i in range(len(hashes), num_computed // b):
+        table, num_full = self.block_tables[request_id], num_computed // self.block_size
+        for i in range(self.num_named[request_id], num_full):
             block_hash, key = self._link(request_id, token_ids, i)
-            hashes.append(block_hash)
             block = self.blocks[table[i]]
             # a block computed twice (two requests in one step) is cached once
             if block_hash not in self.cached:
                 self.cached[block_hash] = table[i]
                 block.block_hash, block.hash_key = block_hash, key
+        self.num_named[request_id] = max(self.num_named[request_id], num_full)
 
     def free(self, request_id: str) -> None:
         """Drop the request's blocks; those no one else holds join the free list, last
@@ -190,7 +187,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        del self.hashes[request_id]
+        del self.num_named[request_id]
 
     def slot_mapping(self, request_id: str, start: int, stop: int) -> np.ndarray:
         """Cache slots of the request's tokens start..stop-1, through its table."""
