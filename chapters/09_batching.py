@@ -1613,6 +1613,11 @@ def _engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> No
         default=1,
         help="requests the engine runs at once (1: one conversation)",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="launch every kernel from Python (no CUDA graphs, chapter 11)",
+    )
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1654,6 +1659,7 @@ def _load_llm(args: argparse.Namespace, model: str):
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -1537,6 +1537,7 @@ class LLMEngine:
     and `finished`. The KV cache is a pool of blocks (num_kv_blocks, or sized from
     gpu_memory_utilization / kv_cache_memory_bytes) that the scheduler's BlockManager
     hands out; enable_prefix_caching shares the blocks of common prompt prefixes.
+    On the GPU decode steps replay CUDA graphs (chapter 11) unless enforce_eager.
     """
 
     def __init__(
@@ -1553,6 +1554,7 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
     ):
         self.folder = resolve_model(model)
         self.config = ModelConfig.from_folder(self.folder)
@@ -1588,8 +1590,12 @@ class LLMEngine:
             max_num_seqs,
             max_num_batched_tokens,
         )
+        runner = ModelRunner
+        if self.device == "cuda" and not enforce_eager:
+            # chapter 11: decode steps captured once per batch size, then replayed
+            from tinyvllm_lib.engine.cuda_graphs import CudaGraphRunner as runner
         # the weights and every step buffer first; the KV cache takes what is left
-        self.model_runner = ModelRunner(
+        self.model_runner = runner(
             self.folder,
             self.device,
             None,

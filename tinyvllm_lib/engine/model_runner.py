@@ -23,6 +23,7 @@ from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
 DEVICES = ("cpu", "cuda")
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
 
 
 @dataclass
@@ -210,8 +211,9 @@ class ModelRunner:
             "query_start_loc": cuda.device_array(rows + 1, np.int32),
             "seq_lens": cuda.device_array(rows, np.int32),
             "slot_mapping": cuda.device_array(tokens, np.int64),
-            "block_tables": cuda.device_array(
-                (rows, cdiv(self.max_model_len, self.block_size)), np.int32
+            # zeros: a row no step has written still names a real block
+            "block_tables": cuda.to_device(
+                np.zeros((rows, cdiv(self.max_model_len, self.block_size)), np.int32)
             ),
             "logits_indices": cuda.device_array(rows, np.int64),
         }
@@ -221,6 +223,8 @@ class ModelRunner:
         # gathered rows for the head
         self.head_rows = cuda.device_array((rows, c.hidden_size), np.uint16)
         self.logits = cuda.device_array((rows, c.vocab_size), np.float32)
+        # cuBLAS's scratch, ours and fixed (CUDA graphs capture its address)
+        self.cublas_workspace = cuda.device_array(CUBLAS_WORKSPACE_BYTES, np.uint8)
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the requests' new tokens through the model, a token sampled for
@@ -297,7 +301,7 @@ class ModelRunner:
         attention = PagedAttention(
             c, self.kv_cache, staged["metadata"], self.workspace, self.max_model_len
         )
-        self.model.run(b, attention, stream)
+        self.model.run(b, attention, stream, self.cublas_workspace)
         if rows == 0:  # a chunk that ends inside its prompt: no logits needed
             return self.logits[:0]
         fits = rows <= self.max_num_seqs
@@ -314,5 +318,5 @@ class ModelRunner:
             if fits
             else cuda.device_array((rows, c.vocab_size), np.float32)
         )
-        self.model.compute_logits(hidden, logits, stream)
+        self.model.compute_logits(hidden, logits, stream, self.cublas_workspace)
         return logits

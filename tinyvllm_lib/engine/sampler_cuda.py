@@ -42,12 +42,28 @@ class CudaSampler:
                 f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
-        # every row's settings, greedy or not: one launch whatever the batch asks
-        for name in self.rows:
-            host = np.ascontiguousarray(getattr(metadata, name), self.rows[name].dtype)
-            cuda.to_device(host, to=self.rows[name][:n], stream=s)
-        r = self.rows
-        sample_kernel[n, SAMPLER_THREADS, s](
+        self.stage(metadata)
+        self.launch(logits, s)
+        return self.collect(logits, metadata)
+
+    def stage(self, metadata: SamplingMetadata, rows: int | None = None) -> None:
+        """Copy every row's settings to the GPU, greedy or not (one launch whatever the
+        batch asks); rows > len(metadata): the rest are greedy padding.
+        """
+        n = len(metadata.temperature)
+        rows = n if rows is None else rows
+        pad = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "uniform": 0.0}
+        for name, buf in self.rows.items():
+            host = np.full(rows, pad[name], buf.dtype)
+            host[:n] = getattr(metadata, name)
+            cuda.to_device(host, to=buf[:rows], stream=self.stream)
+
+    def launch(self, logits, stream, rows: dict | None = None) -> None:
+        """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can
+        capture): ids on the GPU. rows: the settings' device arrays, if not stage's.
+        """
+        n, r = logits.shape[0], self.rows if rows is None else rows
+        sample_kernel[n, SAMPLER_THREADS, stream](
             logits,
             r["temperature"][:n],
             r["top_k"][:n],
@@ -55,13 +71,19 @@ class CudaSampler:
             r["uniform"][:n],
             self.ids[:n],
         )
+
+    def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
+        """Wait for the sampled ids of metadata's rows (the first rows of logits) and
+        bring them to the host, with the log-probs asked for.
+        """
+        n, s = len(metadata.temperature), self.stream
         self.ids[:n].copy_to_host(self.host_ids[:n], stream=s)
         s.synchronize() if s else cuda.synchronize()
         out = SamplerOutput(self.host_ids[:n].copy())
         k = int(metadata.num_logprobs.max(initial=-1))
         # log-probs of the raw logits: copy the rows back (only when asked for)
         if k >= 0:
-            logprobs = log_softmax(logits.copy_to_host(stream=s))
+            logprobs = log_softmax(logits[:n].copy_to_host(stream=s))
             out.logprobs = logprobs[np.arange(n), out.token_ids]
             if k > 0:
                 out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)

