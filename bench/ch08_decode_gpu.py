@@ -59,7 +59,7 @@ def bench_decode_attention(num_seqs: int, bound: int = CONTEXT) -> None:
 
 def bench_engine(label: str, model: str, max_model_len: int = 512) -> None:
     """Batch 1 on the GPU: tokens/s end to end, and one decode step from Python against its kernels in a graph."""
-    llm = LLM(model, device="cuda", max_model_len=max_model_len, max_num_seqs=1)
+    llm = LLM(model, device="cuda", max_model_len=max_model_len, max_num_seqs=1, enforce_eager=True)  # chapter 8b: launched from Python
     prompt = list(range(100, 116))
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # compile

@@ -108,7 +108,8 @@ def main() -> None:
     rec = Recorder("ch09_batching")
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_random_llama(tmp, LLAMA_3_2_1B_CONFIG, seed=0)
-        llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+        llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                  enforce_eager=True)  # chapter 9 launches from Python: its numbers stay its own
         engine = llm.llm_engine
         engine.scheduler = contiguous_scheduler(engine, MAX_NUM_SEQS)
         log = StepLog(engine.model_runner.execute)

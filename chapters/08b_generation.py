@@ -96,10 +96,20 @@ print(where_kernels_run())
 # %%
 #| export engine.sampling_params
 #| public SamplingParams
+import enum
 import math
 from dataclasses import dataclass
 
 SAMPLING_EPS = 1e-5  # a temperature below this means greedy (vLLM's _SAMPLING_EPS)
+
+
+class RequestOutputKind(enum.Enum):
+    """Which steps give a request's RequestOutput (vLLM's names; its DELTA is not
+    here): CUMULATIVE every step it progresses, FINAL_ONLY when it finishes.
+    """
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 def _is_int(value) -> bool:
@@ -133,6 +143,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # LLM.generate asks for FINAL_ONLY when nothing streams (an output per step costs)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n != 1:
@@ -194,6 +206,11 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be True or False, got {getattr(self, name)!r}"
                 )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                "output_kind must be a RequestOutputKind, got "
+                f"{self.output_kind!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -1108,6 +1125,9 @@ class Request:
             self.prompt_logprobs.append(step)
 
     def output(self) -> RequestOutput:
+        """Its state as a RequestOutput: the output tokens copied (they grow), the
+        prompt's ids and the log-prob lists shared (read them, do not change them).
+        """
         completion = CompletionOutput(
             0,
             self.text,
@@ -1120,7 +1140,7 @@ class Request:
         return RequestOutput(
             self.request_id,
             self.prompt,
-            list(self.prompt_token_ids),
+            self.prompt_token_ids,  # a copy per step would cost O(prompt) per token
             self.prompt_logprobs,
             [completion],
             self.is_finished,

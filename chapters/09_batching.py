@@ -975,6 +975,7 @@ could have been made in the same time.
 #| export engine.llm
 #| public LLM
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -982,7 +983,7 @@ from tqdm import tqdm
 
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.outputs import RequestOutput
-from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm_lib.tokenizer import Tokenizer
 
 
@@ -1068,6 +1069,12 @@ class LLM:
                 f"{len(params)} sampling params for {len(prompts)} prompts: give "
                 "one, or one per prompt"
             )
+        if stream is None:  # only finished outputs are read: none for the steps before
+            final = RequestOutputKind.FINAL_ONLY
+            params = [
+                replace(sp, output_kind=final) if isinstance(sp, SamplingParams) else sp
+                for sp in params
+            ]
         requests = [
             engine.make_request(engine.next_request_id(), p, sp, name=f"prompt {i}")
             for i, (p, sp) in enumerate(zip(prompts, params))

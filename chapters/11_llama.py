@@ -912,6 +912,31 @@ else:
     plt.show()
 
 # %% [markdown]
+# ## What the host still costs
+#
+# A graph removes the launches, not the host's other work: every step the scheduler
+# picks its requests, `prepare_inputs` builds the arrays and the graph runner packs
+# them, and after the step each request takes its token, detokenizes it and checks its
+# stop conditions. `bench/ch11_host_cpu.py` measures that work alone, with the runner
+# replaced by one that packs the step and returns random tokens at once, on this
+# project's CPU machine:
+
+# %% tags=["remove-input"]
+host = {r["shape"][0]: r for r in load_records("ch11_host_cpu")}
+for rows, r in sorted(host.items()):
+    prose.glue(f"ch11_host_{rows}", f"{r['value']:.2f} ms")
+    prose.glue(f"ch11_host_cap_{rows}", f"{rows / r['value'] * 1e3:,.0f} tok/s")
+prose.glue("ch11_host_cpu", host[256]["device"]["name"])
+prose.show("""
+On the {{ch11_host_cpu}}, a decode step's host work takes {{ch11_host_1}} with one
+request running, {{ch11_host_64}} with 64 and {{ch11_host_256}} with 256: were the GPU
+infinitely fast, the engine could not pass {{ch11_host_cap_256}} at 256 rows. While
+the host works on a step the GPU waits, and while the GPU runs it the host waits;
+overlapping the two — the next step launched before the last one's tokens are
+post-processed — is the next thing this engine needs.
+""")
+
+# %% [markdown]
 # ## What is left
 #
 # The graphs take away the launches; they do not make the kernels faster or fewer, and

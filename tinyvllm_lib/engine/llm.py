@@ -3,6 +3,7 @@
 
 # defined in chapters/09_batching.py
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -10,7 +11,7 @@ from tqdm import tqdm
 
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.outputs import RequestOutput
-from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm_lib.tokenizer import Tokenizer
 
 
@@ -96,6 +97,12 @@ class LLM:
                 f"{len(params)} sampling params for {len(prompts)} prompts: give "
                 "one, or one per prompt"
             )
+        if stream is None:  # only finished outputs are read: none for the steps before
+            final = RequestOutputKind.FINAL_ONLY
+            params = [
+                replace(sp, output_kind=final) if isinstance(sp, SamplingParams) else sp
+                for sp in params
+            ]
         requests = [
             engine.make_request(engine.next_request_id(), p, sp, name=f"prompt {i}")
             for i, (p, sp) in enumerate(zip(prompts, params))

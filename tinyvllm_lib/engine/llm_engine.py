@@ -21,6 +21,7 @@ from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.outputs import RequestOutput
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
 from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.sampling_params import RequestOutputKind
 from tinyvllm_lib.engine.stats import EngineStats
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.models.config import ModelConfig
@@ -252,7 +253,9 @@ class LLMEngine:
             result = self.model_runner.execute(step)
             for request in self.scheduler.postprocess(step, result):
                 self._count_token(request)
-                outputs.append(request.output())
+                final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
+                if request.is_finished or not final_only:
+                    outputs.append(request.output())
                 if request.is_finished:
                     done.append(request)
         for request in done:

@@ -179,6 +179,9 @@ class Request:
             self.prompt_logprobs.append(step)
 
     def output(self) -> RequestOutput:
+        """Its state as a RequestOutput: the output tokens copied (they grow), the
+        prompt's ids and the log-prob lists shared (read them, do not change them).
+        """
         completion = CompletionOutput(
             0,
             self.text,
@@ -191,7 +194,7 @@ class Request:
         return RequestOutput(
             self.request_id,
             self.prompt,
-            list(self.prompt_token_ids),
+            self.prompt_token_ids,  # a copy per step would cost O(prompt) per token
             self.prompt_logprobs,
             [completion],
             self.is_finished,

@@ -2,10 +2,20 @@
 # chapter and re-export.
 
 # defined in chapters/08b_generation.py
+import enum
 import math
 from dataclasses import dataclass
 
 SAMPLING_EPS = 1e-5  # a temperature below this means greedy (vLLM's _SAMPLING_EPS)
+
+
+class RequestOutputKind(enum.Enum):
+    """Which steps give a request's RequestOutput (vLLM's names; its DELTA is not
+    here): CUMULATIVE every step it progresses, FINAL_ONLY when it finishes.
+    """
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 def _is_int(value) -> bool:
@@ -39,6 +49,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # LLM.generate asks for FINAL_ONLY when nothing streams (an output per step costs)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n != 1:
@@ -100,6 +112,11 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be True or False, got {getattr(self, name)!r}"
                 )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                "output_kind must be a RequestOutputKind, got "
+                f"{self.output_kind!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:
