@@ -35,7 +35,8 @@
 # - **batch-size buckets**: a step of 5 requests replays the graph of 8, and its 3
 #   padding rows write to no cache slot;
 # - **one copy per step**: a decode step's inputs packed into one pinned buffer;
-# - sampling inside the graph, with each request's seed and settings;
+# - sampling inside the graph, with each request's seed and settings, and
+#   log-probabilities computed on the GPU;
 # - the **Llama 3.2 1B stand-in**: a folder with the real tokenizer and random weights
 #   of the exact shapes, for machines without the weights;
 # - `python -m tinyvllm_lib bench latency` and `bench throughput`, and how the engine
@@ -227,6 +228,163 @@ assert np.array_equal(device["temperature"].copy_to_host(), host["temperature"])
 print(f"a 5-row step moves {packed.nbytes(5)} bytes in one copy")
 
 # %% [markdown]
+# ## Log-probabilities on the GPU
+#
+# A request that asks for `logprobs=k` wants, for each token it is given, that token's
+# log-probability and the k most likely tokens with theirs. Chapter 8b's sampler got
+# them by copying the step's whole rows of logits to the host and running NumPy's
+# `log_softmax` and `argpartition` there: 128,256 floats per row for Llama 3, half a
+# megabyte, through PCIe and then through NumPy, every step. On the GPU the same
+# numbers take one more kernel, a block per row, and only k + 1 numbers per row cross:
+#
+# 1. the row's maximum and the sum of `exp(z − max)`: its log-sum-exp `L`, so that
+#    `log p(i) = z[i] − L`;
+# 2. the chosen token's `z − L`;
+# 3. k passes over the row, each finding the largest logit strictly after the last
+#    one found, in the order "larger value first, smaller index on ties" — the
+#    order chapter 8b's greedy argmax uses.
+#
+# k passes over the row is k times the reads of one; for the top 20 of 128,256 that is
+# 2.6 million reads per row, which the GPU does in far less time than PCIe takes to
+# move the row. vLLM caps k at 20 by default (`max_logprobs`); a request asking for
+# more here goes the host's way.
+
+# %%
+#| export kernels.logprobs
+import math
+
+from numba import cuda, float32, int64
+
+from tinyvllm_lib.kernels.checks import is_device_array
+from tinyvllm_lib.kernels.sampling import (
+    MAX_THREADS,
+    SAMPLER_THREADS,
+    block_argmax,
+    block_total,
+    row_argmax,
+)
+
+MAX_LOGPROBS = 20  # the most top tokens a row gets on the GPU (vLLM's max_logprobs)
+
+
+@cuda.jit
+def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
+    """A block per row: the log-softmax of token_ids[row] and of the row's k most
+    likely tokens (larger first, smaller index on ties).
+    """
+    sv = cuda.shared.array(MAX_THREADS, float32)
+    si = cuda.shared.array(MAX_THREADS, int64)
+    r, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    z = logits[r]
+    m, _ = row_argmax(z, sv, si)
+    acc = float32(0.0)
+    for i in range(tid, z.shape[0], nt):
+        acc += math.exp(z[i] - m)
+    lse = m + math.log(block_total(acc, sv))
+    if tid == 0:
+        chosen[r] = z[token_ids[r]] - lse
+    last, last_i = float32(math.inf), int64(-1)
+    for j in range(k):
+        best, best_i = float32(-math.inf), int64(z.shape[0])
+        for i in range(tid, z.shape[0], nt):
+            v = z[i]
+            after = v < last or (v == last and i > last_i)
+            if after and (v > best or best_i == z.shape[0]):
+                best, best_i = v, i
+        last, last_i = block_argmax(best, best_i, sv, si)
+        if tid == 0:
+            top_ids[r, j], top_values[r, j] = last_i, last - lse
+
+
+def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=0):
+    """chosen[r] = log p(token_ids[r]) and the top k of each row of logits (rows,
+    vocab) float32, all on the GPU; top_ids, top_values (>= rows, >= k).
+    """
+    rows, vocab = logits.shape
+    if not all(is_device_array(a) for a in (logits, token_ids, chosen)):
+        raise TypeError("gpu_logprobs: every array must be on the GPU")
+    if not 0 <= k <= min(MAX_LOGPROBS, vocab) or top_ids.shape[1] < k:
+        raise ValueError(
+            f"gpu_logprobs: k must be in [0, {min(MAX_LOGPROBS, vocab)}] and fit "
+            f"top_ids {tuple(top_ids.shape)}, got {k}"
+        )
+    if rows:
+        logprobs_kernel[rows, SAMPLER_THREADS, stream](
+            logits, token_ids, k, chosen, top_ids, top_values
+        )
+
+
+# %% [markdown]
+# Checked against chapter 8b's NumPy path on fresh random logits, with repeated values
+# planted in one row so that ties are exercised:
+
+# %%
+from numba import cuda  # noqa: E402
+
+from tinyvllm_lib.engine.sampler import top_logprobs  # noqa: E402
+from tinyvllm_lib.kernels.attention import log_softmax  # noqa: E402
+from tinyvllm_lib.kernels.logprobs import gpu_logprobs  # noqa: E402
+
+rows, vocab, k = 3, 300, 5
+logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 3
+logits[1, [7, 70, 170]] = logits[1].max() + 1  # a three-way tie at the top
+picked = rng.integers(0, vocab, rows)
+chosen = cuda.device_array(rows, np.float32)
+top_i = cuda.device_array((rows, k), np.int64)
+top_v = cuda.device_array((rows, k), np.float32)
+gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), k, chosen, top_i, top_v)
+want = log_softmax(logits)
+want_i, want_v = top_logprobs(want, k)
+assert np.allclose(chosen.copy_to_host(), want[np.arange(rows), picked], atol=1e-5)
+assert np.allclose(top_v.copy_to_host(), want_v, atol=1e-5)
+assert top_i.copy_to_host()[1, :3].tolist() == [7, 70, 170]  # ties: smaller index first
+assert (top_i.copy_to_host()[[0, 2]] == want_i[[0, 2]]).all()
+print("GPU log-probs match NumPy's; row 1's top 3:", top_i.copy_to_host()[1, :3])
+
+# %% [markdown]
+# The graph runner below samples with it: after the sampling kernel, the same stream
+# runs `gpu_logprobs` on the sampled ids where any row asked, and the host receives ids
+# and the asked-for numbers only.
+
+# %%
+#| export engine.cuda_graphs
+from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata
+from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
+
+
+class GpuLogprobsSampler(CudaSampler):
+    """CudaSampler with log-probabilities computed on the GPU (up to MAX_LOGPROBS top
+    tokens): only the ids and the asked-for numbers cross to the host.
+    """
+
+    def __init__(self, vocab_size: int, max_rows: int, stream=0):
+        super().__init__(vocab_size, max_rows, stream)
+        self.chosen = cuda.device_array(max_rows, np.float32)
+        self.top_ids = cuda.device_array((max_rows, MAX_LOGPROBS), np.int64)
+        self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
+
+    def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
+        n, s = len(metadata.temperature), self.stream
+        k = int(metadata.num_logprobs.max(initial=-1))
+        if k < 0 or k > MAX_LOGPROBS:  # none asked, or more than the GPU path gives
+            return super().collect(logits, metadata)
+        gpu_logprobs(
+            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values, s
+        )
+        ids = self.ids[:n].copy_to_host(stream=s)
+        chosen = self.chosen[:n].copy_to_host(stream=s)
+        top = [
+            a[:n, :k].copy_to_host(stream=s) for a in (self.top_ids, self.top_values)
+        ]
+        s.synchronize() if s else cuda.synchronize()
+        out = SamplerOutput(ids, chosen)
+        if k > 0:
+            out.top_ids, out.top_logprobs = top
+        return out
+
+
+# %% [markdown]
 # ## The graph runner
 #
 # `CudaGraphRunner` is chapter 8b's `ModelRunner` with a decode path of graphs. Once the
@@ -288,6 +446,10 @@ class CudaGraphRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         if self.device != "cuda":
             raise ValueError(f"CUDA graphs need device='cuda', got {self.device!r}")
+        # log-probs on the GPU
+        self.sampler = GpuLogprobsSampler(
+            self.config.vocab_size, self.max_num_seqs, self.stream
+        )
 
     def init_kv_cache(self, num_slots: int) -> None:
         """Make the KV cache, then capture the decode graphs over it."""
@@ -941,8 +1103,8 @@ post-processed — is the next thing this engine needs.
 #
 # The graphs take away the launches; they do not make the kernels faster or fewer, and
 # the host still schedules, prepares and post-processes each step while the GPU waits.
-# Three pieces of this chapter's plan are not written yet, and the speed targets that
-# depend on them are not met:
+# Parts of this chapter's plan are not done yet, and the speed targets that depend on
+# them are not met:
 #
 # - **keeping the GPU busy**: launching step *n + 1* before the host has finished with
 #   step *n*, the sampled ids written on the GPU into the next step's inputs;
@@ -950,8 +1112,8 @@ post-processed — is the next thing this engine needs.
 #   where the table points (RoPE with the KV write, SiLU into the down projection's
 #   input, the residual adds and norms into their neighbours), and decode attention
 #   tuned past 75% of copy bandwidth;
-# - **log-probabilities on the GPU**: today a request that asks for them copies its
-#   whole row of logits to the host.
+# - **the measurements**: every speed in this chapter's plan is a record made on the
+#   GPU, and none is made yet.
 #
 # ## Summary
 #
@@ -961,7 +1123,8 @@ post-processed — is the next thing this engine needs.
 # - One graph per batch size, vLLM's buckets; a step pads up to the next size with rows
 #   that read real memory and write no slot. Prefills run eagerly.
 # - A decode step's inputs are packed into one pinned buffer and moved with one copy;
-#   sampling runs inside the graph from per-row settings.
+#   sampling runs inside the graph from per-row settings, and log-probabilities are
+#   computed on the GPU: only ids and the asked-for numbers reach the host.
 # - The Llama 3.2 1B stand-in has the real tokenizer and random weights of the exact
 #   shapes: speed depends only on shapes.
 # - `python -m tinyvllm_lib bench latency | throughput` measures what vLLM's benchmark

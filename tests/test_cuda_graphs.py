@@ -72,7 +72,7 @@ def test_graph_runner_decodes_like_the_eager_one_and_padding_writes_nothing(smal
     give the eager runner's tokens and log-probs, and a step writes no cache slot but its rows' own."""
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     params = [
-        SamplingParams(temperature=0.0, max_tokens=8, logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=8, logprobs=3),  # the top 3 too, from the GPU path
         SamplingParams(temperature=0.9, seed=7, max_tokens=8, logprobs=0),
         SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=3, max_tokens=8, logprobs=0),
     ]
@@ -96,7 +96,7 @@ def test_graph_runner_decodes_like_the_eager_one_and_padding_writes_nothing(smal
             r.output_token_ids.append(c[-1])  # its last token is new: a decode row
             r.num_computed_tokens = len(c) - 1
             requests.append(r)
-        tokens, logprobs = [], []
+        tokens, logprobs, tops = [], [], []
         for _ in range(steps):
             step = SchedulerOutput(requests, [1, 1, 1], 0, tables)
             assert runner_class is ModelRunner or runner.graph_size(step) == 4
@@ -110,13 +110,16 @@ def test_graph_runner_decodes_like_the_eager_one_and_padding_writes_nothing(smal
                 assert set(changed.tolist()) <= slots  # no slot but the three rows' own
             tokens.append(out.sampled.token_ids.tolist())
             logprobs.append(out.sampled.logprobs)
+            tops.append((out.sampled.top_ids[:, :3].tolist(), out.sampled.top_logprobs[:, :3]))
             for r, t in zip(requests, out.sampled.token_ids):
                 r.num_computed_tokens += 1
                 r.output_token_ids.append(int(t))
-        results.append((tokens, np.array(logprobs)))
-    (eager_tokens, eager_lp), (graph_tokens, graph_lp) = results
+        results.append((tokens, np.array(logprobs), tops))
+    (eager_tokens, eager_lp, eager_top), (graph_tokens, graph_lp, graph_top) = results
     assert graph_tokens == eager_tokens
     assert np.abs(graph_lp - eager_lp).max() < 1e-2
+    for (ei, ev), (gi, gv) in zip(eager_top, graph_top):  # the host's top 3 (eager) and the GPU's (graphs)
+        assert ei[0] == gi[0] and np.abs(ev[0] - gv[0]).max() < 1e-2  # row 0 asked for them
 
 
 @pytest.mark.gpu
@@ -154,3 +157,34 @@ def test_gpu_graphs_give_the_eager_tokens(folder, model, rng):
     gaps = np.concatenate(gaps)
     print(f"{model}: {greedy_same}/20 greedy identical, max |Δ log p| {gaps.max():.2e}")
     assert gaps.max() < 1e-2
+
+
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+@pytest.mark.parametrize("k", [0, 1, 20])
+def test_gpu_logprobs_match_numpy(rng, k):
+    from numba import cuda
+
+    from tinyvllm_lib.engine.sampler import top_logprobs
+    from tinyvllm_lib.kernels.attention import log_softmax
+    from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
+
+    rows, vocab = 4, 700 if not has_gpu() else 128256
+    logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    logits[2, 100:110] = logits[2].max() + 2  # ten equal logits on top: smaller index first
+    logits[3, :] = -1e30
+    logits[3, 5] = 0.0  # one token holds all the mass
+    picked = rng.integers(0, vocab, rows)
+    chosen = cuda.device_array(rows, np.float32)
+    ids, values = cuda.device_array((rows, MAX_LOGPROBS), np.int64), cuda.device_array((rows, MAX_LOGPROBS), np.float32)
+    gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), k, chosen, ids, values)
+    want = log_softmax(logits)
+    np.testing.assert_allclose(chosen.copy_to_host(), want[np.arange(rows), picked], atol=2e-5, rtol=1e-5)
+    if k:
+        want_ids, want_values = top_logprobs(want, k)
+        got_ids, got_values = ids.copy_to_host()[:, :k], values.copy_to_host()[:, :k]
+        np.testing.assert_allclose(got_values, want_values, atol=2e-5, rtol=1e-5)
+        assert (got_ids[:2] == want_ids[:2]).all()
+        assert got_ids[2, : min(k, 10)].tolist() == list(range(100, 100 + min(k, 10)))
+        assert got_ids[3, 0] == 5 and got_values[3, 0] == 0.0
+    with pytest.raises(ValueError, match="k must be in"):
+        gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), MAX_LOGPROBS + 1, chosen, ids, values)

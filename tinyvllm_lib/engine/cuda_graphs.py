@@ -77,6 +77,43 @@ class PackedDecodeInputs:
 
 
 # defined in chapters/11_llama.py
+from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata
+from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
+
+
+class GpuLogprobsSampler(CudaSampler):
+    """CudaSampler with log-probabilities computed on the GPU (up to MAX_LOGPROBS top
+    tokens): only the ids and the asked-for numbers cross to the host.
+    """
+
+    def __init__(self, vocab_size: int, max_rows: int, stream=0):
+        super().__init__(vocab_size, max_rows, stream)
+        self.chosen = cuda.device_array(max_rows, np.float32)
+        self.top_ids = cuda.device_array((max_rows, MAX_LOGPROBS), np.int64)
+        self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
+
+    def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
+        n, s = len(metadata.temperature), self.stream
+        k = int(metadata.num_logprobs.max(initial=-1))
+        if k < 0 or k > MAX_LOGPROBS:  # none asked, or more than the GPU path gives
+            return super().collect(logits, metadata)
+        gpu_logprobs(
+            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values, s
+        )
+        ids = self.ids[:n].copy_to_host(stream=s)
+        chosen = self.chosen[:n].copy_to_host(stream=s)
+        top = [
+            a[:n, :k].copy_to_host(stream=s) for a in (self.top_ids, self.top_values)
+        ]
+        s.synchronize() if s else cuda.synchronize()
+        out = SamplerOutput(ids, chosen)
+        if k > 0:
+            out.top_ids, out.top_logprobs = top
+        return out
+
+
+# defined in chapters/11_llama.py
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
@@ -116,6 +153,10 @@ class CudaGraphRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         if self.device != "cuda":
             raise ValueError(f"CUDA graphs need device='cuda', got {self.device!r}")
+        # log-probs on the GPU
+        self.sampler = GpuLogprobsSampler(
+            self.config.vocab_size, self.max_num_seqs, self.stream
+        )
 
     def init_kv_cache(self, num_slots: int) -> None:
         """Make the KV cache, then capture the decode graphs over it."""
