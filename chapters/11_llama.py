@@ -79,6 +79,44 @@ launching.
 """)
 
 # %% [markdown]
+# Drawn to scale from those two records, with every launch and every kernel given the
+# same length (the records say only their totals), a step looks like this from both
+# sides of the PCIe bus:
+
+
+# %% tags=["hide-input"]
+def draw_step_timelines(wall_ms, kernels_ms, num_kernels=180):
+    """Eager: the host launches one kernel after another and the GPU runs each as it
+    arrives; replayed: one launch, the kernels back to back."""
+    fig, (eager, graph) = new_figure(2, 1, height=3.2, sharex=True)
+    per_launch, per_kernel = wall_ms / num_kernels, kernels_ms / num_kernels
+    for i in range(num_kernels):
+        eager.broken_barh([(i * per_launch, per_launch * 0.9)], (1.1, 0.8), color="C0")
+        eager.broken_barh([((i + 1) * per_launch, per_kernel)], (0.1, 0.8), color="C1")
+    graph.broken_barh([(0, per_launch)], (1.1, 0.8), color="C0")
+    graph.broken_barh([(per_launch, kernels_ms)], (0.1, 0.8), color="C1")
+    for ax, title in (
+        (eager, "launched from Python"),
+        (graph, "replayed from a graph"),
+    ):
+        ax.set_yticks([0.5, 1.5], ["GPU", "host"])
+        ax.set_ylim(0, 2)
+        ax.set_title(title, fontsize=9, loc="left")
+    graph.set_xlabel("ms")
+    eager.set_xlim(0, wall_ms * 1.02)
+    return fig
+
+
+draw_step_timelines(wall["value"], kernels["value"])
+plt.show()
+
+# %% [markdown]
+# Eagerly, the GPU is busy for the thin orange slivers only: each kernel finishes long
+# before the host has launched the next. Replayed, the GPU runs the step's kernels back
+# to back, and the host is free after one call — to prepare the next step, which is
+# where the time goes next (the last section measures it).
+
+# %% [markdown]
 # ## What a graph freezes
 #
 # Chapter 1 built `CudaGraph`: it calls a function that launches kernels on a stream
@@ -294,6 +332,15 @@ def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
         last, last_i = block_argmax(best, best_i, sv, si)
         if tid == 0:
             top_ids[r, j], top_values[r, j] = last_i, last - lse
+
+
+# the types the engine launches it with (tests/ptx_check.py compiles them for sm_90)
+PTX_SIGNATURES = {
+    "logprobs_kernel": [
+        "void(float32[:, ::1], int64[::1], int64, float32[::1], int64[:, ::1], "
+        "float32[:, ::1])"
+    ],
+}
 
 
 def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=0):

@@ -47,6 +47,15 @@ def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
             top_ids[r, j], top_values[r, j] = last_i, last - lse
 
 
+# the types the engine launches it with (tests/ptx_check.py compiles them for sm_90)
+PTX_SIGNATURES = {
+    "logprobs_kernel": [
+        "void(float32[:, ::1], int64[::1], int64, float32[::1], int64[:, ::1], "
+        "float32[:, ::1])"
+    ],
+}
+
+
 def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=0):
     """chosen[r] = log p(token_ids[r]) and the top k of each row of logits (rows,
     vocab) float32, all on the GPU; top_ids, top_values (>= rows, >= k).

@@ -1,0 +1,127 @@
+"""Chapter 11 on the GPU: a decode step of the Llama 3.2 1B stand-in, kernel by kernel.
+
+For each kernel of the step (embedding, first norm; per layer QKV, RoPE, KV write, attention, output
+projection, add + norm, gate-up, SiLU, down, add + norm; LM head, sampler) its time, replayed from a
+captured graph (tinyvllm_lib.measure.time_launches) with the 16 layers' weights and caches rotated
+so that none is read from L2 when a real step would read it from memory; the bytes it must move
+(counted, not measured: weights, cache and activations); its share of the step and of chapter 1's
+copy bandwidth. The sum over kernels is compared with the whole decode graph replayed back to back.
+Records to book/data/ch11_kernels.json.
+
+    python bench/ch11_kernels.py [--rows 1 64 256] [--context 1024]     (~2 minutes on an H200)
+    NUMBA_ENABLE_CUDASIM=1 python bench/ch11_kernels.py --tiny            (the code paths, in the simulator)
+"""
+
+import argparse
+import tempfile
+
+import numpy as np
+from numba import config, cuda
+
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.kernels.activation import silu_mul
+from tinyvllm_lib.kernels.decode_attention import decode_attention, write_kv_cache
+from tinyvllm_lib.kernels.embedding import embed
+from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from tinyvllm_lib.kernels.rope import rope_qkv
+from tinyvllm_lib.kernels.sampling import SAMPLER_THREADS, sample_kernel
+from tinyvllm_lib.layers.linear import linear
+from tinyvllm_lib.measure import Recorder, load_records, time_launches
+from tinyvllm_lib.models.llama_standin import prepare_llama_standin
+from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+
+
+def decode_kernels(runner, rows: int, context: int, rng) -> list:
+    """[(name, launches per step, launch_one(i, stream), bytes per launch)] for a decode step of `rows` rows
+    whose contexts are `context` tokens, its inputs filled with random values."""
+    c, w, b, ws = runner.config, runner.model.weights, runner.activations, runner.cublas_workspace
+    L, H, KVH, D = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    hid, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
+    cache, bs = runner.kv_cache, runner.block_size
+    blocks = context // bs
+    tables = rng.permutation(cache.num_slots // bs)[: rows * blocks].reshape(rows, blocks).astype(np.int32)
+    width = runner.step_arrays["block_tables"].shape[1]
+    full = np.zeros((rows, width), np.int32)
+    full[:, :blocks] = tables
+    bt = cuda.to_device(full)
+    lens = cuda.to_device(np.full(rows, context, np.int32))
+    slots = cuda.to_device((tables[:, -1].astype(np.int64) * bs + bs - 1))
+    ids = cuda.to_device(rng.integers(0, vocab, rows).astype(np.int64))
+    pos = cuda.to_device(np.full(rows, context - 1, np.int64))
+    x = {name: buf[:rows] for name, buf in b.items()}
+    for name in ("residual", "qkv", "delta", "gate_up"):  # finite float32 activations, not uninitialised memory
+        x[name].copy_to_device(rng.standard_normal(x[name].shape).astype(np.float32))
+    for name in ("normed", "attn", "act"):
+        x[name].copy_to_device((rng.standard_normal(x[name].shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    logits = runner.logits[:rows]
+    logits.copy_to_device(rng.standard_normal(logits.shape).astype(np.float32))
+    r = runner.sampler.rows
+    for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("uniform", 0.5)):
+        r[name][:rows].copy_to_device(np.full(rows, value, r[name].dtype))
+    lin = lambda name, wname, out: (lambda i, s: linear(x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws))  # noqa: E731
+    qkv_w, kv_bytes = (H + 2 * KVH) * D, 2 * rows * context * KVH * D * 2
+    act_bytes = lambda *widths_dtypes: rows * sum(n * d for n, d in widths_dtypes)  # noqa: E731
+    kernels = [
+        ("embed", 1, lambda i, s: embed(ids, w["embed_tokens"], x["residual"], stream=s), act_bytes((hid, 2), (hid, 4))),
+        ("rmsnorm", 1, lambda i, s: rmsnorm(x["residual"], w["layers.0.input_layernorm"], 1e-5, x["normed"], stream=s),
+         act_bytes((hid, 4), (hid, 2))),
+        ("qkv_proj", L, lin("normed", "qkv_proj", "qkv"), qkv_w * hid * 2 + act_bytes((hid, 2), (qkv_w, 4))),
+        ("rope", L, lambda i, s: rope_qkv(x["qkv"], pos, runner.model.rope, H, KVH, stream=s),
+         2 * act_bytes(((H + KVH) * D, 4))),
+        ("kv_write", L, lambda i, s: write_kv_cache(x["qkv"], H, KVH, slots, cache.k[i % L], cache.v[i % L], stream=s),
+         act_bytes((2 * KVH * D, 4), (2 * KVH * D, 2))),
+        ("attention", L, lambda i, s: decode_attention(
+            x["qkv"], cache.k_words[i % L], cache.v_words[i % L], bt, bs, lens, H, KVH, D, x["attn"], stream=s,
+            workspace=runner.workspace, max_context_len=runner.max_model_len), kv_bytes + act_bytes((H * D, 4), (H * D, 2))),
+        ("o_proj", L, lin("attn", "o_proj", "delta"), H * D * hid * 2 + act_bytes((H * D, 2), (hid, 4))),
+        ("add_rmsnorm", 2 * L, lambda i, s: fused_add_rmsnorm(x["residual"], x["delta"], w[f"layers.{i % L}.post_attention_layernorm"],
+                                                              1e-5, x["normed"], stream=s), act_bytes((hid, 12), (hid, 2))),
+        ("gate_up_proj", L, lin("normed", "gate_up_proj", "gate_up"), 2 * inter * hid * 2 + act_bytes((hid, 2), (2 * inter, 4))),
+        ("silu_mul", L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s), act_bytes((2 * inter, 4), (inter, 2))),
+        ("down_proj", L, lin("act", "down_proj", "delta"), inter * hid * 2 + act_bytes((inter, 2), (hid, 4))),
+        ("lm_head", 1, lambda i, s: linear(x["normed"], w["lm_head"], logits, stream=s, workspace=ws),
+         vocab * hid * 2 + act_bytes((hid, 2), (vocab, 4))),
+        ("sample", 1, lambda i, s: sample_kernel[rows, SAMPLER_THREADS, s](
+            logits, r["temperature"][:rows], r["top_k"][:rows], r["top_p"][:rows], r["uniform"][:rows], runner.sampler.ids[:rows]),
+         act_bytes((vocab, 4))),
+    ]
+    return kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, for the simulator")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    tmp = tempfile.TemporaryDirectory()
+    tiny = tiny_llama_config(max_position_embeddings=4 * args.context)
+    folder = make_random_llama(tmp.name, tiny) if args.tiny else prepare_llama_standin()
+    rows_max = max(args.rows)
+    llm = LLM(folder, device="cuda", max_model_len=2 * args.context, max_num_seqs=rows_max, enforce_eager=True,
+              num_kv_blocks=(2 * args.context // 16) * rows_max * 2)
+    runner = llm.llm_engine.model_runner
+    copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"][-1]["value"]
+    rec = Recorder("ch11_kernels")
+    for rows in args.rows:
+        total, table = 0.0, []
+        for name, per_step, launch, nbytes in decode_kernels(runner, rows, args.context, rng):
+            repeats = 1 if config.ENABLE_CUDASIM else 10
+            seconds = time_launches(launch, max(per_step, 16 if per_step > 1 else 1), repeats=repeats)
+            us, gb_s = seconds * 1e6, nbytes / seconds / 1e9
+            total += us * per_step
+            table.append((name, per_step, us, nbytes, gb_s))
+        for name, per_step, us, nbytes, gb_s in table:
+            rec.add("decode_kernel", [rows, args.context], "us", us, kernel=name, per_step=per_step, bytes=nbytes,
+                    gb_s=gb_s, copy_gb_s=copy, share_of_step=us * per_step / total, ratio_of_copy=gb_s / copy)
+            print(f"{rows:>3} rows  {name:>13} x{per_step:<3} {us:8.2f} us  {us * per_step / total:6.1%} of the step  "
+                  f"{gb_s:7.0f} GB/s ({gb_s / copy:5.1%} of copy)", flush=True)
+        rec.add("decode_kernels_sum", [rows, args.context], "us", total, copy_gb_s=copy)
+        print(f"{rows:>3} rows: {total:.0f} us per step, summed over kernels", flush=True)
+    if not config.ENABLE_CUDASIM:
+        print("saved", rec.save())
+
+
+if __name__ == "__main__":
+    main()
