@@ -1121,6 +1121,56 @@ else:
     plt.show()
 
 # %% [markdown]
+# And the book's progression on the same workload shape — nano-vllm's 256 requests on
+# Llama 3.2 1B's shapes — chapter by chapter: chapter 8b's engine ran one request at a
+# time (chapter 9 timed it so), chapter 9 batched them on rows, chapter 10 on blocks.
+# The records come from different sessions, whose hosts differ in speed, so the bars
+# show the order of magnitude each chapter bought, not small differences.
+
+
+# %% tags=["hide-input"]
+def progression():
+    """(label, output tok/s, record) per chapter, from the records that exist."""
+    ch09 = load_records("ch09_batching")
+    ch10 = load_records("ch10_paging")
+    pick = lambda recs, f: next((r for r in recs if f(r)), None)  # noqa: E731
+    steps = [
+        ("8b: one at a time", pick(ch09, lambda r: r["name"] == "one_at_a_time")),
+        (
+            "9: batched rows",
+            pick(
+                ch09, lambda r: r["name"] == "output_throughput" and r["shape"] == [256]
+            ),
+        ),
+        (
+            "10: paged",
+            pick(
+                ch10,
+                lambda r: (
+                    r["name"] == "output_throughput"
+                    and r.get("scheme") == "paged"
+                    and r["shape"] == [256, 256]
+                ),
+            ),
+        ),
+        ("11: CUDA graphs", by_name.get("throughput")),
+    ]
+    return [(label, r) for label, r in steps if r is not None]
+
+
+steps = progression()
+fig, ax = new_figure(height=2.4)
+ax.barh([label for label, _ in steps], [r["value"] for _, r in steps], color="C2")
+for i, (_, r) in enumerate(steps):
+    ax.text(r["value"], i, f" {r['value']:,.0f}", va="center", fontsize=8)
+ax.set_xscale("log")
+ax.set_xlabel("output tok/s, nano-vllm's workload (log scale)")
+ax.invert_yaxis()
+plt.show()
+if "throughput" not in by_name:
+    print("chapter 11's bar is missing: not recorded on a GPU yet")
+
+# %% [markdown]
 # ## What the host still costs
 #
 # A graph removes the launches, not the host's other work: every step the scheduler
