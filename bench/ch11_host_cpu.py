@@ -11,6 +11,7 @@ book/data/ch11_host_cpu.json under the CPU's name.
 """
 
 import importlib.util
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -93,7 +94,8 @@ def main() -> None:
             # FINAL_ONLY, as LLM.generate asks when nothing streams
             engine.add_request(str(i), p, replace(benchmark.greedy(o), output_kind=RequestOutputKind.FINAL_ONLY))
         r = decode_steps(engine, runner, rows)
-        rec.add("host_step", [rows], "ms", r["host_ms"], **r, tokenizer="Llama 3.2 (detokenized every step)")
+        rec.add("host_step", [rows], "ms", r["host_ms"], **r, tokenizer="Llama 3.2 (detokenized every step)",
+                load_average=os.getloadavg()[0])  # other jobs on the machine slow even CPU time
         print(f"{rows:>3} running: host {r['host_ms']:.2f} ms per decode step (prepare + pack "
               f"{r['prepare_and_pack_ms']:.2f} ms), median of {r['steps']} steps -> at most "
               f"{rows / r['host_ms'] * 1e3:,.0f} tok/s if the GPU took no time", flush=True)

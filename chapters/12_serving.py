@@ -1,0 +1,2140 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 12. Serving: an OpenAI-compatible server around the engine loop
+#
+# [Chapter 9](09_batching.py) built an engine that runs many requests at once, and
+# [chapter 10](10_paging.py) gave it a pool of blocks and counters. Yet every request
+# still came from one Python call: `LLM.generate` took all its prompts at the start and
+# returned when the last one was done. A server lives differently. Requests arrive one
+# at a time, at moments nobody chose; each client wants its tokens as they are made,
+# not at the end; and a client can leave in the middle of an answer, whose blocks
+# should then go to someone else. vLLM meets this with `vllm serve`, an HTTP server
+# that speaks OpenAI's API, so that every client written for OpenAI — the official
+# `openai` package, LangChain, curl — works with it unchanged. This chapter builds the
+# same server around chapter 10's `LLMEngine`, and a benchmark that loads it the way
+# vLLM's `benchmark_serving` does.
+#
+# In this chapter you will learn:
+#
+# - what an OpenAI request **becomes inside the engine**: a JSON body, checked fields, a
+#   prompt in the model's chat template, `SamplingParams`, a `Request`;
+# - the **asynchronous loop**: one thread steps the engine, the event loop serves HTTP,
+#   and the only things they share are an inbox and one mailbox per request;
+# - **streaming** with server-sent events, **backpressure** (a slow reader gets fewer,
+#   longer pieces; nothing piles up) and **abort** when a client leaves;
+# - errors in OpenAI's shape, and the engine's counters as **Prometheus metrics**;
+# - a **serving benchmark**: Poisson arrivals, and time to first token, inter-token
+#   latency and end-to-end latency against the request rate.
+
+# %%
+#| default_exp entrypoints.openai.api_server
+
+# %%
+import asyncio
+import json
+import math
+import pprint
+import textwrap
+import time
+import timeit
+
+import httpx
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+from tinyvllm_lib.cli import command
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.measure import load_records
+from tinyvllm_lib.plots import Prose, new_figure
+from tinyvllm_lib.runtime import has_gpu
+
+# the numbers this chapter's prose quotes, filled in as they are measured
+prose = Prose()
+DEVICE = "cuda" if has_gpu() else "cpu"
+print(f"the engine runs on {DEVICE}")
+
+# %% [markdown]
+# ## A request on the wire
+#
+# A client of OpenAI's chat API sends one HTTP `POST` to `/v1/chat/completions` whose
+# body is JSON:
+#
+# ```json
+# {"model": "smollm2",
+#  "messages": [{"role": "user", "content": "What is the capital of France?"}],
+#  "max_tokens": 16, "temperature": 0, "stream": true}
+# ```
+#
+# and `/v1/completions` takes a `prompt` instead of `messages`. Most fields are those
+# of `SamplingParams` ([chapter 8b](08b_generation.py)) under the same names, because
+# vLLM chose its names from OpenAI's:
+#
+# | OpenAI field | `SamplingParams` | note |
+# | --- | --- | --- |
+# | `max_tokens` | `max_tokens` | default 16 (completions), or all that fits (chat) |
+# | `max_completion_tokens` (chat) | `max_tokens` | OpenAI's newer name |
+# | `temperature`, `top_p`, `seed`, `stop` | the same | `temperature` defaults to 1 |
+# | `top_k`, `stop_token_ids`, `ignore_eos` | the same | vLLM's extensions |
+# | `logprobs: k` (completions) | `logprobs=k` | at most 20 |
+# | `logprobs`, `top_logprobs: k` (chat) | `logprobs=k` | at most 20 |
+# | `n` | `n` | only 1: one completion per request |
+# | `stream`, `stream_options` | — | how the answer is sent |
+#
+# A server must also refuse what it cannot do, rather than quietly do something else:
+# `presence_penalty`, `logit_bias`, `echo`, tools, or several prompts in one request
+# get a 400 naming the field. Everything else a client may send (`user`, `metadata`)
+# is ignored, as vLLM ignores it.
+#
+# The bodies are parsed by [pydantic](https://docs.pydantic.dev/) models, which check
+# the types (`"max_tokens": "many"` is refused before anything else happens), and the
+# values are checked by the code that already checks them: `SamplingParams`. Its
+# messages begin with the field's name ("top_p must be in (0, 1], got 0"), so a
+# `ValueError` from it becomes a 400 whose `param` is that name. The error's shape is
+# OpenAI's, which clients know how to read:
+#
+# ```json
+# {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p",
+#            "code": null}}
+# ```
+
+# %%
+#| export entrypoints.openai.protocol
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's)
+
+
+class OpenAIError(Exception):
+    """An error for the client: OpenAI's {"error": {...}}, with an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.type, self.code = type, code
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class OpenAIModel(BaseModel):
+    # fields this server does not know are ignored, as OpenAI's and vLLM's servers do
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class GenerationFields(OpenAIModel):
+    """The fields both endpoints share; None means OpenAI's default."""
+
+    model: str | None = None  # None: the served model (as vLLM allows)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # this and the next three: vLLM's extensions
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:123"
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    # field -> the values this server accepts for it (the defaults)
+    ACCEPTED: ClassVar[dict] = {
+        "presence_penalty": (None, 0),
+        "frequency_penalty": (None, 0),
+        "logit_bias": (None, {}),
+    }
+
+    def check_supported(self) -> None:
+        """A 400 for a field this server cannot honour, or stream_options without
+        stream.
+        """
+        for name, accepted in self.ACCEPTED.items():
+            if getattr(self, name) not in accepted:
+                raise OpenAIError(f"{name} is not supported by this server", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(
+                "stream_options is only allowed when stream is true",
+                param="stream_options",
+            )
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, logprobs_param: str
+    ) -> SamplingParams:
+        """The request's SamplingParams; a value they refuse is a 400 naming its
+        field.
+        """
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise OpenAIError(
+                f"{logprobs_param} must be at most {MAX_LOGPROBS}, got {logprobs}",
+                param=logprobs_param,
+            )
+        fields = {
+            "n": 1 if self.n is None else self.n,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "max_tokens": max_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+            "logprobs": logprobs,
+        }
+        try:
+            return SamplingParams(**fields)
+        except ValueError as err:  # its messages start with the field's name
+            name = str(err).split()[0]
+            param = logprobs_param if name == "logprobs" else name
+            raise OpenAIError(
+                str(err), param=param if name in fields else None
+            ) from None
+
+
+class CompletionRequest(GenerationFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    ACCEPTED: ClassVar[dict] = GenerationFields.ACCEPTED | {
+        "echo": (False,),
+        "suffix": (None,),
+        "best_of": (None, 1),
+    }
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[dict] | None = None
+
+    def for_template(self, index: int) -> dict:
+        """{"role", "content"} with the content as text (parts of type text
+        joined).
+        """
+        content = self.content
+        if isinstance(content, list):
+            if bad := [p for p in content if p.get("type") != "text"]:
+                raise OpenAIError(
+                    f"messages.{index}.content: only text parts are supported, got "
+                    f"type {bad[0].get('type')!r}",
+                    param=f"messages.{index}.content",
+                )
+            content = "\n".join(str(p.get("text", "")) for p in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(GenerationFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True  # vLLM's extension
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    ACCEPTED: ClassVar[dict] = GenerationFields.ACCEPTED | {
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "response_format": (None, {"type": "text"}),
+    }
+
+
+# %% [markdown]
+# Here is what a body becomes, and what a bad one gets:
+
+# %%
+from tinyvllm_lib.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    OpenAIError,
+)
+
+body = {
+    "model": "smollm2",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 16,
+    "temperature": 0,
+    "user": "someone",  # not ours to use: ignored
+}
+request = ChatCompletionRequest.model_validate(body)
+params = request.sampling_params(request.max_tokens, None, "top_logprobs")
+pprint.pp({k: v for k, v in vars(params).items() if k != "output_kind"}, width=88)
+try:
+    bad = ChatCompletionRequest.model_validate(body | {"top_p": 0})
+    bad.sampling_params(bad.max_tokens, None, "top_logprobs")
+except OpenAIError as err:
+    print(err.status, json.dumps(err.body(), indent=1))
+    assert err.param == "top_p"
+
+# %% [markdown]
+# ## From messages to a `Request`
+#
+# A chat request's `messages` become one prompt through the model's **chat template**,
+# exactly as `LLM.chat` does it in [chapter 9](09_batching.py): the template renders
+# the conversation as text, with the markers the model was trained on, and the text
+# is encoded without adding special tokens (the template wrote them). A completion's
+# `prompt` is already text, or token ids. What the engine gets is then what
+# `LLM.generate` gives it — a prompt and `SamplingParams` — so that a greedy answer
+# over HTTP is the answer `LLM.generate` gives offline; the tests check that token by
+# token. The `model` field must name the model being served: another name is a 404, as
+# OpenAI answers for a model it does not have.
+#
+# Each endpoint is a small class in the manner of vLLM's `OpenAIServingChat` and
+# `OpenAIServingCompletion`: a method that turns a body into the engine's inputs, and
+# one that turns the engine's outputs into OpenAI's JSON — a `choice`. A whole answer
+# is a list of choices with a `usage` count; a streamed one is a sequence of **chunks**,
+# each carrying a choice with the new piece of text. What the two endpoints share —
+# handing a request to the engine, waiting for its outputs, streaming them — is their
+# base class, after the loop that feeds it is built.
+
+# %%
+llm = LLM("smollm2", device=DEVICE, max_model_len=512, max_num_seqs=32)
+question = [{"role": "user", "content": "What is the capital of France?"}]
+text = llm.tokenizer.apply_chat_template(question, add_generation_prompt=True)
+ids = llm.tokenizer.encode(text, add_special_tokens=False)
+print(text)
+print(f"{len(ids)} prompt tokens")
+
+# %% [markdown]
+# ## One thread steps, the event loop serves
+#
+# An HTTP server in Python is an **event loop**: one thread runs every handler as a
+# coroutine, and a handler gives the thread up at each `await` (a read from the
+# network, a wait for data). That is how one thread keeps thousands of connections
+# open: a handler that waits costs nothing. It also means that a handler must never
+# compute for long — while it does, no other connection is served. An engine step is
+# exactly such a computation: milliseconds on a GPU, more on a CPU. So the engine
+# cannot be stepped from a handler.
+#
+# It gets a thread of its own, which does nothing but run the loop of chapter 9:
+# take new requests, `step()`, hand out what the step produced, again. The engine is
+# **not thread-safe** — its scheduler's queues, the block manager's free list and
+# every request's token lists change inside `step()` — and the simple way to keep it
+# safe is that **no other thread ever touches it**. There is no lock, because nothing
+# is shared but two kinds of mailbox:
+#
+# - the **inbox**, a `queue.SimpleQueue` (safe between threads): handlers post
+#   `add` and `abort` commands to it; the engine thread takes them between steps, and
+#   calls the engine's `add_request` (through `make_request`, which checks the prompt,
+#   and `enqueue`) and `abort_request` itself. Its answer to an `add` — accepted, or
+#   the `ValueError` that becomes a 400 — goes back through an `asyncio.Future`.
+# - one **collector** per request, on the event loop. After each step the engine thread
+#   makes, for every request that progressed, a *delta*: the new token ids, their
+#   log-probs, and the text that can no longer change (`Request.stream_delta`, from
+#   chapter 8b, holds back what could still become a stop string). It cannot put them
+#   into asyncio objects itself — those belong to the loop's thread — so it schedules
+#   one callback on the loop with `loop.call_soon_threadsafe`, which puts each delta
+#   into its request's collector and wakes the handler waiting there.
+#
+# When nothing is running, the engine thread sleeps inside `inbox.get()`, and the first
+# command wakes it. The tokenizer and the model's config never change, so handlers may
+# read them (to render a chat template) without asking the engine thread.
+
+
+# %% tags=["hide-input"]
+ROUND = "round,pad=0.02,rounding_size=0.08"
+
+
+def box(ax, xy, w, h, text, color="#ffffff", size=7.5, style=ROUND, ec="#555555"):
+    """A rounded box at xy (its lower left corner) with its text centred."""
+    ax.add_patch(FancyBboxPatch(xy, w, h, boxstyle=style, fc=color, ec=ec, lw=0.8))
+    ax.text(xy[0] + w / 2, xy[1] + h / 2, text, ha="center", va="center", fontsize=size)
+
+
+def arrow(ax, start, end, text="", color="#333333", rad=0.0, offset=(0, 0), head=True):
+    style = "-|>" if head else "-"
+    bend = f"arc3,rad={rad}"
+    ax.add_patch(
+        FancyArrowPatch(
+            start, end, arrowstyle=style, mutation_scale=9, color=color, lw=1,
+            connectionstyle=bend,
+        )
+    )  # fmt: skip
+    if text:
+        x, y = (start[0] + end[0]) / 2 + offset[0], (start[1] + end[1]) / 2 + offset[1]
+        label = dict(fc="white", ec="none", pad=0.5)
+        ax.text(
+            x, y, text, ha="center", va="center", fontsize=7, color=color, bbox=label
+        )
+
+
+LOOP_STEPS = [  # the engine thread's loop, top to bottom: (y, text)
+    (
+        4.85,
+        "1. take commands (sleep while idle)\nmake_request · enqueue · abort_request",
+    ),
+    (3.6, "2. engine.step()\nschedule → execute → postprocess"),
+    (2.35, "3. a delta per request that progressed\nnew tokens, stream_delta() text"),
+    (1.1, "4. stat loggers (/metrics)\nrunning, waiting, KV blocks, latencies"),
+]
+
+
+def draw_serving_loop():
+    """The server's two threads, and the inbox and collectors between them."""
+    fig, ax = new_figure(width=10, height=4.6)
+    ax.set_xlim(0, 10.4)
+    ax.set_ylim(0, 6.3)
+    ax.axis("off")
+    lane = "round,pad=0.05"
+    box(ax, (1.05, 0.25), 3.75, 5.2, "", "#eef4fb", style=lane, ec="#9ecae1")
+    box(ax, (6.25, 0.25), 3.6, 5.2, "", "#fdf1e6", style=lane, ec="#fdae6b")
+    bold = dict(ha="center", fontsize=8.5, weight="bold")
+    ax.text(2.92, 0.0, "event loop thread (uvicorn, asyncio)", **bold)
+    ax.text(8.05, 0.0, "engine thread: the only one to touch LLMEngine", **bold)
+    for i, y in enumerate((4.05, 2.45, 0.85)):
+        box(ax, (0.05, y + 0.15), 0.75, 0.6, f"client {i + 1}", "#f0f0f0")
+        box(ax, (1.25, y), 1.7, 0.9, f"handler {i + 1}\nawait collector.get()")
+        box(ax, (3.3, y + 0.1), 1.3, 0.7, f"collector {i + 1}\n(one delta)", "#dbe9f6")
+        arrow(ax, (0.8, y + 0.6), (1.25, y + 0.6))  # the request
+        arrow(ax, (1.25, y + 0.3), (0.8, y + 0.3))  # chunks
+        arrow(ax, (3.3, y + 0.45), (2.95, y + 0.45))
+        arrow(ax, (2.95, y + 0.75), (3.12, y + 0.75), head=False)  # onto the bus
+    ax.text(0.45, 5.25, "POST →\n← SSE chunks", ha="center", fontsize=6.5)
+    # every handler posts add / abort along one line to the inbox
+    arrow(ax, (3.12, 1.6), (3.12, 5.75), head=False)
+    arrow(ax, (3.12, 5.75), (4.95, 5.75), "post add / abort", offset=(0, 0.17))
+    box(ax, (4.95, 5.4), 1.2, 0.7, "inbox\n(SimpleQueue)", "#fff7bc")
+    arrow(ax, (6.15, 5.75), (7.0, 5.25))
+    for y, text in LOOP_STEPS:
+        box(ax, (6.45, y - 0.35), 3.2, 0.8, text, size=7)
+    for (y0, _), (y1, _) in zip(LOOP_STEPS, LOOP_STEPS[1:]):
+        arrow(ax, (8.05, y0 - 0.35), (8.05, y1 + 0.45))
+    arrow(ax, (9.65, 0.95), (9.65, 4.8), rad=0.35)  # and again
+    red = "#d62728"
+    for y in (4.5, 2.9, 1.3):
+        arrow(ax, (6.45, 2.35), (4.6, y), color=red)
+    label = "loop.call_soon_threadsafe\n(one callback a step)"
+    ax.text(5.52, 0.55, label, ha="center", fontsize=7, color=red)
+    return fig
+
+
+# %%
+fig = draw_serving_loop()
+plt.show()
+
+# %% [markdown]
+# ### The collector: backpressure without a queue
+#
+# What if a client reads slowly — a phone on a bad network, a script that sleeps
+# between chunks? The engine must not wait for it: a step serves every running
+# request, and one slow reader would slow them all. Nor should the server pile up
+# chunks for it without limit. vLLM's answer is its `RequestOutputCollector`: the
+# mailbox holds **one delta, not a queue**. A delta that arrives before the handler took
+# the last one is merged into it — texts joined, token lists joined — so a slow reader
+# gets fewer, longer pieces of the same text, and the server holds at most one pending
+# piece per request. The network's own flow control does the rest: when a client's
+# socket buffer is full, the handler's `send` waits, it takes from the collector less
+# often, and the deltas merge.
+#
+# The metrics the engine thread computes go to **stat loggers** (vLLM's word): after
+# each step it calls `record(stats, iteration)` on each, with chapter 10's
+# `EngineStats` and an `IterationStats` of that step — the times to first token of
+# requests that got their first token, the gaps of those that got another, the
+# requests that finished.
+
+# %%
+#| export engine.metrics
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tinyvllm_lib.engine.stats import EngineStats
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did, for stat loggers (vLLM's IterationStats); seconds."""
+
+    num_waiting: int = 0  # requests the engine holds but does not run, after the step
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[tuple[str, float]] = field(default_factory=list)  # (reason, e2e)
+
+
+# vLLM's buckets (seconds)
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
+# counter -> the EngineStats field it follows
+COUNTED = {
+    "prompt_tokens": "num_prompt_tokens",
+    "generation_tokens": "num_generated_tokens",
+    "num_preemptions": "num_preemptions",
+    "prefix_cache_queries": "num_prompt_tokens",
+    "prefix_cache_hits": "num_cached_prompt_tokens",
+}
+
+
+class PrometheusStatLogger:
+    """The engine's state and latencies as Prometheus metrics with vLLM's names, prefix
+    tinyvllm: (vLLM's PrometheusStatLogger). record() runs on the engine thread.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.model_name = model_name
+        labels = {"model_name": model_name}
+
+        def make(kind, name, doc, **kw):
+            metric = kind(
+                f"tinyvllm:{name}", doc, ["model_name"], registry=registry, **kw
+            )
+            return metric.labels(**labels)
+
+        self.running = make(Gauge, "num_requests_running", "Requests running.")
+        self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = make(
+            Gauge, "kv_cache_usage_perc", "KV-cache usage: 1 is every block held."
+        )
+        self.counters = {
+            name: make(Counter, name, f"EngineStats.{stat} (tokens or events).")
+            for name, stat in COUNTED.items()
+        }
+        self.success = Counter(
+            "tinyvllm:request_success",
+            "Requests finished, by finish_reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self.ttft = make(
+            Histogram, "time_to_first_token_seconds", "Time to first token.",
+            buckets=TTFT_BUCKETS,
+        )  # fmt: skip
+        self.itl = make(
+            Histogram, "inter_token_latency_seconds", "Time between tokens.",
+            buckets=ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e = make(
+            Histogram, "e2e_request_latency_seconds", "Arrival to last token.",
+            buckets=E2E_BUCKETS,
+        )  # fmt: skip
+        self.last = EngineStats()
+
+    def count_from(self, stats: EngineStats) -> None:
+        """Count from these stats on (the engine may have run before the server)."""
+        self.last = stats
+
+    def record(self, stats: EngineStats, iteration: IterationStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(iteration.num_waiting)
+        self.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+        for name, stat in COUNTED.items():
+            self.counters[name].inc(getattr(stats, stat) - getattr(self.last, stat))
+        self.last = stats
+        for seconds in iteration.time_to_first_tokens:
+            self.ttft.observe(seconds)
+        for seconds in iteration.inter_token_latencies:
+            self.itl.observe(seconds)
+        for reason, seconds in iteration.finished:
+            self.success.labels(self.model_name, reason).inc()
+            self.e2e.observe(seconds)
+
+
+# %% [markdown]
+# The engine thread and its two mailboxes, then. `AsyncLLMEngine` is vLLM's name for
+# this object: `add_request` posts a command and awaits the engine's answer;
+# `generate` is the same as an async iterator of deltas, which aborts its request when
+# the caller stops iterating early; `abort` may be called from anywhere, for a request
+# in any state. Everything below the line `# --- the engine thread ---` runs on the
+# engine's thread only. If a step raises (a bug), the requests in flight get the
+# error and the loop goes on serving new ones.
+
+# %%
+#| export engine.async_llm_engine
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from tinyvllm_lib.engine.llm_engine import LLMEngine
+from tinyvllm_lib.engine.metrics import IterationStats
+from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
+from tinyvllm_lib.engine.request import Request
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    a, b = first.outputs[0], then.outputs[0]
+    merged = replace(
+        b,
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=None if b.logprobs is None else a.logprobs + b.logprobs,
+    )
+    return replace(then, outputs=[merged])
+
+
+class RequestOutputCollector:
+    """One request's mailbox on the event loop: a delta put before the last was taken
+    is merged into it (vLLM's RequestOutputCollector).
+    """
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.ready = asyncio.Event()
+        self.output: RequestOutput | BaseException | None = None
+        self.num_merged = 0  # deltas merged into another because the reader was behind
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        """On the loop's thread (the engine thread calls it through the loop)."""
+        if isinstance(self.output, BaseException):
+            return  # an error stays until it is read
+        if isinstance(self.output, RequestOutput) and isinstance(output, RequestOutput):
+            output = merge_deltas(self.output, output)
+            self.num_merged += 1
+        self.output = output
+        self.ready.set()
+
+    async def get(self, timeout: float | None = None) -> RequestOutput | None:
+        """All that came since the last get, as one delta; None if nothing came in
+        timeout seconds.
+        """
+        if self.output is None:
+            try:
+                await asyncio.wait_for(self.ready.wait(), timeout)
+            except TimeoutError:
+                return None
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+
+@dataclass
+class _Tracked:
+    """What the engine thread keeps of a request it serves."""
+
+    request: Request
+    collector: RequestOutputCollector
+    arrival: float  # time.perf_counter() when the handler posted it
+    num_sent: int = 0  # output tokens delivered so far
+    last_token_time: float = 0.0
+
+
+def _deliver(items: list) -> None:
+    for collector, output in items:
+        collector.put(output)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():  # a handler cancelled meanwhile: nobody to tell
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+
+class AsyncLLMEngine:
+    """An LLMEngine for asyncio callers, stepped by one background thread, the only
+    thread that touches it (vLLM's AsyncLLMEngine). Callers post add and abort to its
+    inbox; each request's deltas come back through its RequestOutputCollector.
+    """
+
+    def __init__(self, engine: LLMEngine, stat_loggers=()):
+        self.engine, self.stat_loggers = engine, list(stat_loggers)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.tracked: dict[str, _Tracked] = {}  # the engine thread's own
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self.thread.is_alive()
+
+    async def add_request(
+        self, request_id: str, prompt, params, name: str = "prompt"
+    ) -> RequestOutputCollector:
+        """Hand a request to the engine: its collector once the engine took it, or the
+        engine's ValueError (a prompt too long, say).
+        """
+        if not self.is_running:
+            raise RuntimeError("the engine loop has stopped")
+        accepted = asyncio.get_running_loop().create_future()
+        collector = RequestOutputCollector()
+        args = (prompt, params, name, collector, accepted, time.perf_counter())
+        self.inbox.put(("add", request_id, args))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return collector
+
+    def abort(self, request_id: str) -> None:
+        """End a request (its client left); any thread, any state, even finished."""
+        self.inbox.put(("abort", request_id, ()))
+
+    async def generate(self, prompt, params, request_id: str, name: str = "prompt"):
+        """vLLM's generate: the request's deltas as they come; stopping early aborts
+        it.
+        """
+        collector = await self.add_request(request_id, prompt, params, name)
+        finished = False
+        try:
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its step; requests in flight get a RuntimeError."""
+        self.inbox.put(("stop", None, ()))
+        self.thread.join(timeout)
+
+    # --- the engine thread ---
+
+    def _run(self) -> None:
+        while True:
+            # idle: sleep until a command comes; busy: take what came, then step
+            idle = not self.engine.has_unfinished_requests()
+            commands = [self.inbox.get()] if idle else []
+            while not self.inbox.empty():
+                commands.append(self.inbox.get())
+            for kind, request_id, args in commands:
+                if kind == "stop":
+                    self._fail_all(RuntimeError("the engine was shut down"))
+                    return
+                if kind == "add":
+                    self._add(request_id, *args)
+                else:
+                    self._abort(request_id)
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _add(self, request_id, prompt, params, name, collector, accepted, arrival):
+        try:
+            request = self.engine.make_request(request_id, prompt, params, name=name)
+            self.engine.enqueue(request)
+        except Exception as err:  # ValueError: the client's fault (a 400)
+            self._call(collector.loop, _resolve, accepted, err)
+            return
+        self.tracked[request_id] = _Tracked(request, collector, arrival)
+        self._call(collector.loop, _resolve, accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self.tracked.get(request_id)
+        if tracked is not None and not tracked.request.is_finished:
+            self.engine.abort_request(request_id)  # its blocks are free at once
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # a bug: fail the requests in flight, keep serving
+            self._fail_all(err)
+            return
+        now, iteration = time.perf_counter(), IterationStats()
+        deliveries = defaultdict(list)  # event loop -> [(collector, delta)]
+        for output in outputs:
+            tracked = self.tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            delta = self._delta(tracked, now, iteration)
+            deliveries[tracked.collector.loop].append((tracked.collector, delta))
+            if output.finished:
+                del self.tracked[output.request_id]
+                reason = output.outputs[0].finish_reason
+                iteration.finished.append((reason, now - tracked.arrival))
+        for loop, items in deliveries.items():
+            self._call(loop, _deliver, items)
+        stats = self.engine.stats
+        iteration.num_waiting = (
+            self.engine.get_num_unfinished_requests() - stats.num_running
+        )
+        for logger in self.stat_loggers:
+            try:
+                logger.record(stats, iteration)
+            except Exception:  # a logger's bug must not stop the loop
+                logging.getLogger("tinyvllm.engine").exception("stat logger failed")
+
+    def _delta(self, tracked: _Tracked, now: float, iteration) -> RequestOutput:
+        """The request's new tokens and stable text since its last delta."""
+        request, start = tracked.request, tracked.num_sent
+        new_ids = request.output_token_ids[start:]
+        if new_ids:
+            if start == 0:
+                iteration.time_to_first_tokens.append(now - tracked.arrival)
+            else:
+                iteration.inter_token_latencies.append(now - tracked.last_token_time)
+            tracked.num_sent, tracked.last_token_time = start + len(new_ids), now
+        logprobs = None if request.logprobs is None else request.logprobs[start:]
+        completion = CompletionOutput(
+            0,
+            request.stream_delta(),
+            new_ids,
+            request.cumulative_logprob,
+            logprobs,
+            request.finish_reason,
+            request.stop_reason,
+        )
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            request.prompt_logprobs,
+            [completion],
+            request.is_finished,
+            request.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _call(loop, fn, *args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # that loop has closed: nobody waits there any more
+            pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, tracked in self.tracked.items():
+            self._call(tracked.collector.loop, _deliver, [(tracked.collector, error)])
+            try:
+                if not tracked.request.is_finished:
+                    self.engine.abort_request(request_id)
+            except Exception:  # after a failed step the engine may be in any state
+                logging.getLogger("tinyvllm.engine").exception("abort failed")
+        self.tracked.clear()
+        while not self.inbox.empty():  # adds that came too late
+            kind, _, args = self.inbox.get()
+            if kind == "add":
+                self._call(args[3].loop, _resolve, args[4], error)
+
+
+# %% [markdown]
+# Synchronous code runs a coroutine to its end with a small helper: a fresh event loop
+# on a helper thread, which works in a script and in a notebook alike (a notebook's own
+# event loop is already running, and `asyncio.run` will not start a second one on its
+# thread). The server itself runs the same way, in the background:
+# `ServerThread` starts [uvicorn](https://www.uvicorn.org/), the HTTP server vLLM uses,
+# on `127.0.0.1` and a port the system picks, and stops it again; `serve_http` is the
+# blocking version the `serve` command uses.
+
+# %%
+#| export entrypoints.launcher
+import asyncio
+import concurrent.futures
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+def run_coroutine(coroutine):
+    """Run a coroutine to its end from synchronous code, in a fresh event loop on a
+    helper thread (which works in a notebook too, whose loop is already running).
+    """
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def serve_http(app, host: str = "127.0.0.1", port: int = 8000, log_level="info"):
+    """Serve app until Ctrl-C."""
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+    )
+
+
+class ServerThread:
+    """app served by uvicorn from a background thread, on host and a free port; a
+    context manager. url is where it listens.
+    """
+
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int = 0, log_level="warning"
+    ):
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))  # port 0: the system picks a free one
+        self.url = f"http://{host}:{self.socket.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# %% [markdown]
+# Three requests go to the engine thread at once, from one event loop: a reader that
+# takes each delta as it comes, a **slow reader** that sleeps a tenth of a second
+# between reads, and one that leaves after three deltas. A stat logger of our own
+# writes down, after every step, how many KV blocks are held.
+
+# %%
+from tinyvllm_lib.engine.async_llm_engine import AsyncLLMEngine
+from tinyvllm_lib.entrypoints.launcher import run_coroutine
+
+
+class BlocksLog:
+    """A stat logger that keeps the KV blocks held after each step."""
+
+    def __init__(self):
+        self.blocks = []
+
+    def record(self, stats, iteration):
+        self.blocks.append(stats.kv_blocks_used)
+
+
+def chat_prompt(content: str) -> dict:
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
+    return {"prompt": text, "prompt_token_ids": llm.tokenizer.encode(text, False)}
+
+
+QUESTIONS = {
+    "fast": "What is the capital of France?",
+    "slow": "Write a short poem about the sea.",
+    "leaves": "Tell me about photosynthesis.",
+}
+demo_params = SamplingParams(temperature=0, max_tokens=48)
+
+
+async def read(engine, name, delay=0.0, leave_after=None):
+    """Read one request's deltas (sleeping `delay` between them); leave early if
+    asked.
+    """
+    collector = await engine.add_request(
+        name, chat_prompt(QUESTIONS[name]), demo_params
+    )
+    pieces, ids = [], []
+    while True:
+        out = await collector.get()
+        pieces.append(out.outputs[0].text)
+        ids += out.outputs[0].token_ids
+        if out.finished or len(pieces) == leave_after:
+            break
+        await asyncio.sleep(delay)
+    if not out.finished:
+        engine.abort(name)
+    return {"pieces": pieces, "ids": ids, "merged": collector.num_merged}
+
+
+async def three_readers(engine):
+    fast, slow, leaves = await asyncio.gather(
+        read(engine, "fast"), read(engine, "slow", delay=0.1),
+        read(engine, "leaves", leave_after=3),
+    )  # fmt: skip
+    return {"fast": fast, "slow": slow, "leaves": leaves}
+
+
+blocks_log = BlocksLog()
+async_engine = AsyncLLMEngine(llm.llm_engine, [blocks_log])
+readers = run_coroutine(three_readers(async_engine))
+async_engine.shutdown()
+for name, r in readers.items():
+    print(
+        f"{name:>7}: {len(r['ids']):>2} tokens in {len(r['pieces']):>2} deltas "
+        f"({r['merged']} merged): {''.join(r['pieces'])[:36]!r}"
+    )
+print(textwrap.fill(f"KV blocks held after each step: {blocks_log.blocks}", 88))
+
+# %% [markdown]
+# The slow reader received its tokens in fewer deltas than it has tokens — the rest
+# were merged while it slept — and the one that left held its blocks only until its
+# abort reached the engine thread; when all three were done the pool was empty again.
+# Merged or not, the pieces are the same text as offline generation, which runs now
+# that the engine thread has stopped (the engine is again anyone's to use, one thread
+# at a time):
+
+# %%
+offline = {
+    name: out
+    for name, out in zip(
+        QUESTIONS,
+        llm.generate([chat_prompt(q) for q in QUESTIONS.values()], demo_params,
+                     use_tqdm=False),
+    )
+}  # fmt: skip
+for name in ("fast", "slow"):
+    assert "".join(readers[name]["pieces"]) == offline[name].outputs[0].text
+    assert readers[name]["ids"] == offline[name].outputs[0].token_ids
+assert readers["slow"]["merged"] > 0, "the slow reader should have had deltas merged"
+leaves = readers["leaves"]["ids"]
+assert leaves == offline["leaves"].outputs[0].token_ids[: len(leaves)]
+assert len(leaves) < len(offline["leaves"].outputs[0].token_ids)
+assert blocks_log.blocks[-1] == 0
+prose.glue("ch12_slow_tokens", len(readers["slow"]["ids"]))
+prose.glue("ch12_slow_deltas", len(readers["slow"]["pieces"]))
+prose.glue("ch12_left_tokens", len(leaves))
+prose.glue("ch12_peak_blocks", max(blocks_log.blocks))
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+The slow reader got its {{ch12_slow_tokens}} tokens in {{ch12_slow_deltas}} deltas; the
+one that left had {{ch12_left_tokens}} tokens when it went. The three held at most
+{{ch12_peak_blocks}} blocks, and none after the last step.
+""")
+
+# %% [markdown]
+# ## The server
+#
+# What is left is HTTP, and it is thin. [FastAPI](https://fastapi.tiangolo.com/) (the
+# framework vLLM's server uses) parses each body into the pydantic models above and
+# calls a handler. The handler checks the model's name and the unsupported fields,
+# builds the engine's inputs, and `await`s the engine's acceptance; a `ValueError` from
+# the engine thread — a prompt longer than `max_model_len`, `max_tokens` that does not
+# fit after it, a token id outside the vocabulary — becomes a 400 there, before any
+# answer has begun. Then:
+#
+# - **without `stream`**, it merges the deltas until the request is finished and
+#   returns one JSON answer;
+# - **with `stream`**, it returns a `StreamingResponse` of **server-sent events**: the
+#   body stays open, and each chunk is a line `data: {json}` followed by a blank line.
+#   A chat stream opens with a chunk whose `delta` is `{"role": "assistant"}`, then one
+#   chunk per delta with `{"content": "..."}`, the last with its `finish_reason`; if the
+#   request asked `stream_options: {"include_usage": true}`, a last chunk with no
+#   choices carries the `usage`; and the stream ends with `data: [DONE]`.
+#
+# **Abort.** A client that closes its connection must free its blocks. The handler
+# asks `await request.is_disconnected()` before each chunk (and, without `stream`,
+# before each delta it merges); while it waits for a delta it wakes every half second
+# to ask again, because a request still waiting for admission produces nothing to
+# send. Starlette also listens for the client's disconnect while it streams, and when
+# it comes first it cancels the generator: Python raises `asyncio.CancelledError` at
+# the generator's `await`. Either way the generator's `finally` clause posts an
+# `abort` — it only puts a command into the inbox, which is safe to do while being
+# cancelled — and the engine thread frees the blocks before its next step.
+#
+# **Errors.** FastAPI answers a body it cannot parse with its own 422 and a list of
+# problems; an OpenAI client expects a 400 with one `error` object, so the server
+# replaces that handler, and the ones for unknown routes (404) and wrong methods
+# (405). Anything else that goes wrong inside a handler is a bug; it gets a 500 in the
+# same shape, and the server keeps serving.
+
+# %%
+#| export entrypoints.openai.serving
+import json
+import math
+import time
+import uuid
+
+from tinyvllm_lib.engine.async_llm_engine import (
+    AsyncLLMEngine,
+    RequestOutputCollector,
+    merge_deltas,
+)
+from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.entrypoints.openai.protocol import OpenAIError
+
+POLL_SECONDS = 0.5  # how often a handler with nothing to send checks on its client
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: a line `data: <json>` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: a token that could not be chosen gets vLLM's -9999."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+class OpenAIServing:
+    """One endpoint: a body into the engine's inputs, the engine's deltas into
+    OpenAI's JSON (vLLM's OpenAIServing). Subclasses make the inputs and choices.
+    """
+
+    object = chunk_object = id_prefix = ""
+
+    def __init__(self, served_model_name: str, tokenizer):
+        self.served_model_name, self.tokenizer = served_model_name, tokenizer
+        self.engine: AsyncLLMEngine | None = None  # set when the server starts
+
+    def engine_inputs(self, request) -> tuple[object, SamplingParams, str]:
+        """(prompt, SamplingParams, the prompt's field name) of a request body."""
+        raise NotImplementedError
+
+    def choice(self, request, out: CompletionOutput, stream: bool, state: dict):
+        raise NotImplementedError
+
+    def opening_choices(self, request) -> list[dict]:
+        return []
+
+    def token(self, token_id: int, as_ids: bool) -> str:
+        if as_ids or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def envelope(self, request_id, created, object, choices, **extra) -> dict:
+        return {
+            "id": request_id,
+            "object": object,
+            "created": created,
+            "model": self.served_model_name,
+            "choices": choices,
+            **extra,
+        }
+
+    @staticmethod
+    def usage(final: RequestOutput, num_generated: int) -> dict:
+        num_prompt = len(final.prompt_token_ids)
+        return {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": num_generated,
+            "total_tokens": num_prompt + num_generated,
+            "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens},
+        }
+
+    async def submit(
+        self, request
+    ) -> tuple[str, SamplingParams, RequestOutputCollector]:
+        """Check a body and hand it to the engine: OpenAIError on bad input."""
+        if request.model is not None and request.model != self.served_model_name:
+            raise OpenAIError(
+                f"The model `{request.model}` does not exist; this server serves "
+                f"`{self.served_model_name}`.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        request.check_supported()
+        prompt, params, name = self.engine_inputs(request)
+        request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        try:
+            collector = await self.engine.add_request(request_id, prompt, params, name)
+        except ValueError as err:  # the engine's checks: lengths, vocabulary, pool
+            param = "max_tokens" if "max_tokens is" in str(err) else name
+            raise OpenAIError(str(err), param=param) from None
+        return request_id, params, collector
+
+    async def respond(self, request, raw_request, request_id, params, collector):
+        """The whole answer (no stream), or None if the client left first."""
+        created, final = int(time.time()), None
+        try:
+            while final is None or not final.finished:
+                if await raw_request.is_disconnected():
+                    return None
+                delta = await collector.get(timeout=POLL_SECONDS)
+                if delta is not None:
+                    final = delta if final is None else merge_deltas(final, delta)
+        finally:
+            if final is None or not final.finished:  # gone, or cancelled
+                self.engine.abort(request_id)
+        out = final.outputs[0]
+        choice = self.choice(request, out, False, {})
+        usage = self.usage(final, len(out.token_ids))
+        return self.envelope(request_id, created, self.object, [choice], usage=usage)
+
+    async def stream(self, request, raw_request, request_id, params, collector):
+        """The answer as server-sent events: chunks, the usage if asked, [DONE]."""
+        created, num_generated, finished, state = int(time.time()), 0, False, {}
+        options = request.stream_options
+        include_usage = options is not None and options.include_usage
+        extra = {"usage": None} if include_usage else {}
+        chunk_object = self.chunk_object
+        try:
+            if opening := self.opening_choices(request):
+                yield sse(
+                    self.envelope(request_id, created, chunk_object, opening, **extra)
+                )
+            while not finished:
+                if await raw_request.is_disconnected():
+                    return
+                delta = await collector.get(timeout=POLL_SECONDS)
+                if delta is None:
+                    continue
+                out, finished = delta.outputs[0], delta.finished
+                num_generated += len(out.token_ids)
+                if (
+                    out.text
+                    or finished
+                    or (params.logprobs is not None and out.token_ids)
+                ):
+                    choice = self.choice(request, out, True, state)
+                    yield sse(
+                        self.envelope(
+                            request_id, created, chunk_object, [choice], **extra
+                        )
+                    )
+            if include_usage:
+                usage = self.usage(delta, num_generated)
+                yield sse(
+                    self.envelope(request_id, created, chunk_object, [], usage=usage)
+                )
+            yield sse("[DONE]")
+        except Exception as err:  # the engine failed this request: say so, end
+            error = OpenAIError(
+                f"the engine failed: {err!r}", 500, type="internal_server_error"
+            )
+            yield sse(error.body())
+            yield sse("[DONE]")
+        finally:
+            # the client left (is_disconnected, or CancelledError while sending)
+            if not finished:
+                self.engine.abort(request_id)
+
+
+# %% [markdown]
+# The two endpoints. A chat choice carries a `message` (or, streamed, a `delta`), and
+# its log-probs are a list of `{"token", "logprob", "bytes", "top_logprobs"}`; a
+# completion's choice carries `text`, and OpenAI's older log-prob shape of parallel
+# lists. A log-prob's token is its text (`" Paris"`), or with vLLM's
+# `return_tokens_as_token_ids` its id (`"token_id:7042"`), which is what the tests use
+# to compare the server's tokens with `LLM.generate`'s.
+
+# %%
+#| export entrypoints.openai.serving_chat
+from jinja2 import TemplateError
+
+from tinyvllm_lib.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from tinyvllm_lib.entrypoints.openai.serving import OpenAIServing, finite
+
+
+class OpenAIServingChat(OpenAIServing):
+    """POST /v1/chat/completions (vLLM's OpenAIServingChat)."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def engine_inputs(self, request: ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise OpenAIError(
+                f"`{self.served_model_name}` has no chat template: use /v1/completions",
+                param="messages",
+            )
+        messages = [m.for_template(i) for i, m in enumerate(request.messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt
+            )
+        except (TemplateError, TypeError, ValueError) as err:
+            raise OpenAIError(f"messages: {err}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        k = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens
+        max_tokens = request.max_tokens if max_tokens is None else max_tokens
+        params = request.sampling_params(max_tokens, k, "top_logprobs")
+        return {"prompt": text, "prompt_token_ids": ids}, params, "messages"
+
+    def opening_choices(self, request) -> list[dict]:
+        delta = {"role": "assistant", "content": ""}
+        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+
+    def choice(self, request, out, stream: bool, state: dict) -> dict:
+        if stream:
+            key, message = "delta", ({"content": out.text} if out.text else {})
+        else:
+            key, message = "message", {"role": "assistant", "content": out.text}
+        logprobs = None
+        if request.logprobs:
+            steps = zip(out.token_ids, out.logprobs)
+            logprobs = {"content": [self.logprob(i, s, request) for i, s in steps]}
+        return {
+            "index": 0,
+            key: message,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason,
+        }
+
+    def logprob(self, token_id: int, step: dict, request) -> dict:
+        """One token's entry: its log-prob and the top_logprobs best."""
+        as_ids, k = request.return_tokens_as_token_ids, request.top_logprobs or 0
+
+        def entry(i, logprob):
+            token = self.token(i, as_ids)
+            return {
+                "token": token,
+                "logprob": finite(logprob),
+                "bytes": list(token.encode()),
+            }
+
+        best = sorted(step.items(), key=lambda item: -item[1])[:k]
+        top = [entry(i, lp) for i, lp in best]
+        return entry(token_id, step[token_id]) | {"top_logprobs": top}
+
+
+# %%
+#| export entrypoints.openai.serving_completion
+from tinyvllm_lib.entrypoints.openai.protocol import CompletionRequest, OpenAIError
+from tinyvllm_lib.entrypoints.openai.serving import OpenAIServing, finite
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for a completion
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """POST /v1/completions (vLLM's OpenAIServingCompletion), one prompt a request."""
+
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def engine_inputs(self, request: CompletionRequest):
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise OpenAIError(
+                    f"this server takes one prompt per request, got {len(prompt)}",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        max_tokens = request.max_tokens
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        params = request.sampling_params(max_tokens, request.logprobs, "logprobs")
+        return prompt, params, "prompt"
+
+    def choice(self, request, out, stream: bool, state: dict) -> dict:
+        logprobs = None
+        if request.logprobs is not None:
+            as_ids = request.return_tokens_as_token_ids
+            tokens = [self.token(i, as_ids) for i in out.token_ids]
+            offsets = []
+            for token in tokens:  # where each token starts in the generated text
+                offsets.append(state.get("offset", 0))
+                state["offset"] = offsets[-1] + len(token)
+            steps = list(zip(out.token_ids, out.logprobs))
+            logprobs = {
+                "tokens": tokens,
+                "token_logprobs": [finite(s[i]) for i, s in steps],
+                "top_logprobs": [
+                    {self.token(j, as_ids): finite(lp) for j, lp in s.items()}
+                    for _, s in steps
+                ],
+                "text_offset": offsets,
+            }
+        return {
+            "index": 0,
+            "text": out.text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason,
+        }
+
+
+# %% [markdown]
+# And the application: the routes, the error handlers, and a *lifespan* that starts the
+# engine thread when the server starts and stops it when the server stops. The
+# Prometheus registry is the server's own (not `prometheus_client`'s global one), so
+# that two servers in one process — the tests start several — count apart.
+
+# %%
+#| export
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+
+from tinyvllm_lib.engine.async_llm_engine import AsyncLLMEngine
+from tinyvllm_lib.engine.llm_engine import LLMEngine
+from tinyvllm_lib.engine.metrics import PrometheusStatLogger
+from tinyvllm_lib.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+)
+from tinyvllm_lib.entrypoints.openai.serving_chat import OpenAIServingChat
+from tinyvllm_lib.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("tinyvllm.server")
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def bad_body(err: RequestValidationError) -> OpenAIError:
+    """FastAPI's 422 for a body it could not parse, as OpenAI's 400."""
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ())[1:])  # after "body"
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"the body is not valid JSON: {first.get('msg')}")
+    return OpenAIError(f"{where or 'body'}: {first.get('msg')}", param=where or None)
+
+
+async def answer(serving, request, raw_request: Request):
+    try:
+        submitted = await serving.submit(request)
+        if request.stream:
+            events = serving.stream(request, raw_request, *submitted)
+            return StreamingResponse(events, media_type="text/event-stream")
+        body = await serving.respond(request, raw_request, *submitted)
+    except OpenAIError:
+        raise
+    except Exception as err:  # the engine failed this request, or a bug: a 500
+        logger.exception("request failed")
+        message = f"internal error: {err!r}"
+        raise OpenAIError(message, 500, type="internal_server_error") from err
+    # no one is there to read a late answer: 499, nginx's "client closed request"
+    return Response(status_code=499) if body is None else JSONResponse(body)
+
+
+def build_app(engine: LLMEngine, served_model_name: str = "smollm2") -> FastAPI:
+    """An OpenAI-compatible server for engine; its engine thread runs while the app
+    is served.
+    """
+    registry = CollectorRegistry()
+    stat_logger = PrometheusStatLogger(registry, served_model_name)
+    chat = OpenAIServingChat(served_model_name, engine.get_tokenizer())
+    completion = OpenAIServingCompletion(served_model_name, engine.get_tokenizer())
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stat_logger.count_from(engine.stats)  # no engine thread yet: ours to read
+        app.state.engine = AsyncLLMEngine(engine, [stat_logger])
+        chat.engine = completion.engine = app.state.engine
+        yield
+        app.state.engine.shutdown()
+
+    app = FastAPI(title="Tiny vLLM", lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_, err: OpenAIError):
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, err: RequestValidationError):
+        return error_response(bad_body(err))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, err: HTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return error_response(OpenAIError(str(err.detail), err.status_code, type=kind))
+
+    @app.exception_handler(Exception)
+    async def server_error(_, err: Exception):  # a bug outside a request's handler
+        message = f"internal error: {err!r}"
+        return error_response(OpenAIError(message, 500, type="internal_server_error"))
+
+    @app.get("/health")
+    async def health():
+        if not app.state.engine.is_running:
+            raise OpenAIError("the engine loop has stopped", 503, type="unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tinyvllm",
+            "root": str(engine.folder),
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
+        return await answer(chat, request, raw)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw: Request):
+        return await answer(completion, request, raw)
+
+    return app
+
+
+# %% [markdown]
+# ### The server at work
+#
+# The server starts in the background on a free port of `127.0.0.1`, around the same
+# engine. A client needs nothing but HTTP; `httpx` shows the bytes. A whole chat
+# answer first:
+
+# %%
+from tinyvllm_lib.entrypoints.launcher import ServerThread
+from tinyvllm_lib.entrypoints.openai.api_server import build_app
+
+server = ServerThread(build_app(llm.llm_engine, "smollm2")).start()
+client = httpx.Client(base_url=server.url, timeout=120)
+print("serving at", server.url)
+reply = client.post(
+    "/v1/chat/completions",
+    json={"model": "smollm2", "messages": question, "max_tokens": 16, "temperature": 0},
+)
+answer_json = reply.json()
+print(json.dumps(answer_json, indent=1))
+assert reply.status_code == 200
+assert "Paris" in answer_json["choices"][0]["message"]["content"]
+
+# %% [markdown]
+# The same question streamed, as the bytes arrive:
+
+# %%
+events = []
+body = {
+    "model": "smollm2",
+    "messages": question,
+    "max_tokens": 16,
+    "temperature": 0,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+with client.stream("POST", "/v1/chat/completions", json=body) as response:
+    for line in response.iter_lines():
+        if line:
+            events.append(line)
+for line in events[:3] + ["..."] + events[-3:]:
+    print(line if len(line) <= 88 else line[:85] + "...")
+chunks = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
+streamed = "".join(
+    c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]
+)
+assert events[-1] == "data: [DONE]"
+assert streamed == answer_json["choices"][0]["message"]["content"]
+assert chunks[-1]["usage"] == answer_json["usage"]
+prose.glue("ch12_num_chunks", len(chunks))
+prose.glue("ch12_chunk_bytes", f"{np.median([len(e) for e in events[1:-2]]):.0f} bytes")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+The answer came as {{ch12_num_chunks}} chunks (the opening one with the role, one per
+piece of text, the usage), a median of {{ch12_chunk_bytes}} each on the wire.
+""")
+
+# %% [markdown]
+# Every bad request gets its status and one `error` object, and the server goes on:
+
+# %%
+good = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4}
+bad_requests = {
+    "malformed JSON": ("/v1/completions", b'{"model": "smollm2", "prompt": '),
+    "a list, not an object": ("/v1/completions", [1, 2, 3]),
+    "no messages": ("/v1/chat/completions", {"model": "smollm2"}),
+    "another model": ("/v1/completions", good | {"model": "gpt-4o"}),
+    "n = 2": ("/v1/completions", good | {"n": 2}),
+    "max_tokens = 0": ("/v1/completions", good | {"max_tokens": 0}),
+    "temperature < 0": ("/v1/completions", good | {"temperature": -0.5}),
+    "top_p = 1.5": ("/v1/completions", good | {"top_p": 1.5}),
+    "prompt too long": ("/v1/completions", good | {"prompt": [42] * 600}),
+    "presence_penalty": ("/v1/completions", good | {"presence_penalty": 1.0}),
+    "no such route": ("/v1/embeddings", good),
+}
+rows = []
+for label, (path, payload) in bad_requests.items():
+    if isinstance(payload, bytes):
+        r = client.post(
+            path, content=payload, headers={"content-type": "application/json"}
+        )
+    else:
+        r = client.post(path, json=payload)
+    error = r.json()["error"]
+    assert r.status_code in (400, 404) and set(error) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+    rows.append((label, r.status_code, error["param"], error["message"]))
+for label, status, param, message in rows:
+    print(f"{label:<22} {status}  {str(param):<16} {message[:43]}")
+assert client.post("/v1/completions", json=good).status_code == 200
+
+# %% [markdown]
+# `/v1/models` names the model; `/metrics` is what a Prometheus server scrapes. The
+# counters start when the server starts (the engine's own `EngineStats` count from its
+# birth, the demo above included), and the bad requests were refused before the engine
+# computed anything. With every answer done, the gauges are back at zero:
+
+# %%
+pprint.pp(client.get("/v1/models").json()["data"][0], width=88)
+metrics_text = client.get("/metrics").text
+for line in metrics_text.splitlines():
+    if line.startswith("tinyvllm:") and not any(
+        s in line for s in ("_bucket", "_created")
+    ):
+        print(line.replace('{model_name="smollm2"}', ""))
+assert 'tinyvllm:kv_cache_usage_perc{model_name="smollm2"} 0.0' in metrics_text
+
+# %% [markdown]
+# ## The `serve` command
+#
+# `python -m tinyvllm_lib serve` is `vllm serve`: the model (`smollm2` by default, or a
+# folder), then where to listen and how big the engine is. It listens on
+# `127.0.0.1:8000` unless told otherwise (`--host 0.0.0.0` opens it to the network),
+# and `--served-model-name` sets the name clients send as `model`. Then, from another
+# terminal:
+#
+# ```text
+# curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+#   -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}]}'
+# ```
+#
+# or any OpenAI client, pointed at `http://127.0.0.1:8000/v1` with any API key.
+
+# %% tags=["hide-input"]
+#| export cli
+import argparse
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default="smollm2",
+        help="a known model name (smollm2, llama-3.2-1b-standin) or a folder",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0: every interface")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name", help="the name clients send as `model` (default: MODEL)"
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument(
+        "--num-kv-blocks", type=int, help="the KV pool in blocks (default: from memory)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--log-level", default="info", help="uvicorn's log level")
+
+
+@command(
+    "serve",
+    "an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, "
+    "/v1/models, /health, /metrics",
+    _serve_arguments,
+)
+def serve(args: argparse.Namespace) -> int:
+    from tinyvllm_lib.engine.llm_engine import LLMEngine
+    from tinyvllm_lib.entrypoints.launcher import serve_http
+    from tinyvllm_lib.entrypoints.openai.api_server import build_app
+
+    try:
+        engine = LLMEngine(
+            args.model,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+            num_kv_blocks=args.num_kv_blocks,
+            enforce_eager=args.enforce_eager,
+        )
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    name = args.served_model_name or args.model
+    print(
+        f"serving {name} ({engine.folder}) on {engine.device}: "
+        f"http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
+    serve_http(build_app(engine, name), args.host, args.port, args.log_level)
+    return 0
+
+
+# %% [markdown]
+# ## What the server costs
+#
+# Count before measuring. Per token, the engine thread makes one delta per request, and
+# the event loop turns it into one chunk: a `json.dumps` of the envelope, a few hundred
+# bytes, written to a socket. How long does making one chunk take here, and what share
+# of one core would it be at the rate chapter 10 measured the engine producing tokens
+# on the GPU?
+
+# %%
+from tinyvllm_lib.entrypoints.openai.serving import sse
+
+sample = chunks[2]
+seconds_per_chunk = (
+    min(timeit.repeat(lambda: sse(sample), number=2000, repeat=5)) / 2000
+)
+paged = [
+    r
+    for r in load_records("ch10_paging")
+    if r["name"] == "output_throughput" and r.get("scheme") == "paged"
+]
+best = max(paged, key=lambda r: r["value"]) if paged else None
+prose.glue("ch12_chunk_us", f"{seconds_per_chunk * 1e6:.1f} µs")
+if best:
+    prose.glue("ch12_gpu_tok_s", f"{best['value']:,.0f} tokens/s")
+    prose.glue("ch12_gpu_name", best["device"]["name"])
+    prose.glue("ch12_core_share", f"{best['value'] * seconds_per_chunk:.0%}")
+else:
+    for key in ("ch12_gpu_tok_s", "ch12_gpu_name", "ch12_core_share"):
+        prose.glue(key, "(not yet measured)")
+print(f"one chunk: {seconds_per_chunk * 1e6:.1f} us to serialise")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+Serialising one chunk takes {{ch12_chunk_us}} on this machine. Chapter 10's engine made
+{{ch12_gpu_tok_s}} on the {{ch12_gpu_name}}; one chunk per token at that rate would take
+{{ch12_core_share}} of one core for `json.dumps` alone — before the HTTP framing, the
+socket writes and the pydantic parsing of the requests. This is why vLLM moved its
+server to a process of its own, apart from the engine's: in one Python process the
+event loop and the engine thread take turns at one interpreter lock, and at a high
+token rate the server's share is not small.
+""")
+
+# %% [markdown]
+# ## A serving benchmark
+#
+# Chapter 11's `bench throughput` hands the engine all its requests at once and
+# measures how fast they finish: the engine's capacity. A server is judged by its
+# clients instead: how long each waits for its first token, how smoothly the rest
+# come, how long the whole answer takes — and how those grow as more clients arrive.
+# vLLM's `benchmark_serving` measures exactly this, and this section follows it.
+#
+# **Arrivals.** Clients do not arrive on a schedule. The usual model is a **Poisson
+# process** of rate $\lambda$ requests per second: arrivals independent of one another,
+# $\lambda$ per second on average. Its gaps are exponentially distributed,
+#
+# $$P(\text{gap} > t) = e^{-\lambda t}, \qquad \mathbb{E}[\text{gap}] = 1/\lambda,$$
+#
+# so the benchmark draws gaps with `rng.exponential(1 / rate)` and sends each request
+# at its time, without waiting for earlier ones. A rate of infinity sends them all at
+# once.
+#
+# **What each client measures**, streaming its answer:
+#
+# - **TTFT**, time to first token: from sending the request to the first chunk with
+#   text. It includes waiting for admission and computing the prompt.
+# - **ITL**, inter-token latency: the gaps between consecutive chunks. A decode step
+#   of the whole batch is one gap; a step that also computes a newcomer's prompt is a
+#   longer one.
+# - **TPOT**, time per output token: (end-to-end latency − TTFT) / (tokens − 1), the
+#   average of one request's gaps.
+# - **E2E latency**: from sending to the last chunk.
+#
+# Each is reported as a mean, a median and tail percentiles (p90, p99): a server whose
+# median is good but whose p99 is poor serves one client in a hundred badly. The
+# workload is vLLM's *random* dataset: prompts of random token ids of one length, and
+# `max_tokens` with `ignore_eos`, so that every request does the same work.
+
+# %%
+#| export benchmark_serving
+"""A serving benchmark in the manner of vLLM's benchmark_serving: Poisson arrivals,
+streamed completions, TTFT / TPOT / ITL / end-to-end latency percentiles.
+"""
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from tinyvllm_lib.entrypoints.launcher import run_coroutine
+
+
+def poisson_arrival_times(num_requests: int, rate: float, seed: int = 0) -> np.ndarray:
+    """Send times in seconds: the first at 0, then exponential gaps of mean 1/rate (a
+    Poisson process); all at 0 for rate = inf.
+    """
+    if math.isinf(rate):
+        return np.zeros(num_requests)
+    gaps = np.random.default_rng(seed).exponential(1 / rate, num_requests - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def random_prompts(
+    num_requests: int, input_len: int, vocab_size: int, seed: int = 0
+) -> list[list[int]]:
+    """vLLM's random dataset: prompts of input_len random token ids."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, (num_requests, input_len)).tolist()
+
+
+@dataclass
+class RequestResult:
+    """What one client saw (seconds)."""
+
+    ok: bool = False
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+async def send_completion(client, base_url, model, prompt, max_tokens) -> RequestResult:
+    """One streamed completion of exactly max_tokens tokens, timed by the chunks that
+    carry text (a model without a tokenizer sends none: TTFT reads 0, no ITL gaps).
+    """
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result, start, last = RequestResult(), time.perf_counter(), None
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                result.error = (await r.aread()).decode()[:300]
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk, now = json.loads(line[len("data: ") :]), time.perf_counter()
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+    except httpx.HTTPError as err:
+        result.error = repr(err)
+        return result
+    result.latency, result.ok = time.perf_counter() - start, True
+    return result
+
+
+async def run_at_rate(base_url, model, prompts, max_tokens, rate, seed=0):
+    """Every prompt sent at its Poisson time: the results and the seconds it took."""
+    arrivals = poisson_arrival_times(len(prompts), rate, seed)
+    limits = httpx.Limits(max_connections=len(prompts))
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(prompt, at):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await send_completion(client, base_url, model, prompt, max_tokens)
+
+        results = await asyncio.gather(*map(one, prompts, arrivals))
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], seconds: float) -> dict:
+    """vLLM's report: counts, throughputs, and mean / median / p90 / p99 in ms."""
+    ok = [r for r in results if r.ok]
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [
+            (r.latency - r.ttft) / (r.output_tokens - 1)
+            for r in ok
+            if r.output_tokens > 1
+        ],
+        "itl": [gap for r in ok for gap in r.itls],
+        "e2el": [r.latency for r in ok],
+    }
+    out = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+        "duration_s": seconds,
+        "request_throughput": len(ok) / seconds,
+        "output_throughput": sum(r.output_tokens for r in ok) / seconds,
+        "total_input_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": sum(r.output_tokens for r in ok),
+    }
+    for name, values in series.items():
+        ms = 1e3 * np.asarray(values if values else [np.nan])
+        out[f"mean_{name}_ms"] = float(np.mean(ms))
+        out[f"median_{name}_ms"] = float(np.median(ms))
+        for p in (90, 99):
+            out[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
+    return out
+
+
+def benchmark_serving(
+    base_url: str, model: str, prompts, max_tokens: int, rates, seed: int = 0
+) -> list[dict]:
+    """The workload at each request rate, after one warm-up request: one summary
+    each.
+    """
+    run_coroutine(run_at_rate(base_url, model, prompts[:1], 2, math.inf))
+    summaries = []
+    for rate in rates:
+        results, seconds = run_coroutine(
+            run_at_rate(base_url, model, prompts, max_tokens, rate, seed)
+        )
+        summary = summarize(results, seconds)
+        summaries.append(
+            {
+                "request_rate": rate,
+                "num_prompts": len(prompts),
+                "max_tokens": max_tokens,
+            }
+            | summary
+        )
+    return summaries
+
+
+# %% [markdown]
+# A small run here, against the server above — in the same process as it, so the
+# client's threads and the server's take turns with the engine's at one interpreter
+# lock. Its numbers say what this machine did, not what a server can do:
+
+# %%
+from tinyvllm_lib.benchmark_serving import benchmark_serving, random_prompts
+
+live_prompts = random_prompts(8, 32, llm.config.vocab_size, seed=1)
+live = benchmark_serving(server.url, "smollm2", live_prompts, 16, rates=[2.0, math.inf])
+print(f"{'rate':>5} {'ok':>3} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
+      f"{'E2E p50':>8} {'tok/s':>6}")  # fmt: skip
+for s in live:
+    print(
+        f"{s['request_rate']:>5} {s['completed']:>3} {s['median_ttft_ms']:>7.0f}ms "
+        f"{s['p99_ttft_ms']:>5.0f}ms {s['median_itl_ms']:>6.0f}ms "
+        f"{s['p99_itl_ms']:>5.0f}ms {s['median_e2el_ms']:>6.0f}ms "
+        f"{s['output_throughput']:>6.1f}"
+    )
+assert all(s["completed"] == len(live_prompts) and s["failed"] == 0 for s in live)
+client.close()
+server.stop()
+
+# %% [markdown]
+# ### Recorded runs
+#
+# `bench/ch12_serving.py` runs the benchmark properly: the server in a process of its
+# own (`python -m tinyvllm_lib serve`), the client in another, a sweep of request rates,
+# and a record per rate and measure in `book/data/ch12_serving.json`. On a machine with
+# no GPU it serves SmolLM2 with the NumPy backend; on a GPU, the Llama 3.2 1B stand-in.
+# The figure shows every device recorded so far, the paragraph under it says which.
+
+# %% tags=["hide-input"]
+records = load_records("ch12_serving")
+by_device = {}
+for r in records:
+    by_device.setdefault(r["device"]["name"], []).append(r)
+MEASURES = ["ttft", "itl", "e2el", "output_throughput"]
+TITLES = ["time to first token (ms)", "inter-token latency (ms)",
+          "end-to-end latency (ms)", "output tokens/s"]  # fmt: skip
+
+
+def sweep(rs, name, key="value"):
+    """(rates, values) of one measure over a device's recorded rates, in order."""
+    rows = sorted(
+        (r for r in rs if r["name"] == name),
+        key=lambda r: math.inf if r["request_rate"] == "inf" else r["request_rate"],
+    )
+    rates = [
+        math.inf if r["request_rate"] == "inf" else r["request_rate"] for r in rows
+    ]
+    return rates, [r[key] for r in rows]
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def glue_device(prefix: str, rs: list) -> None:
+    """The numbers the paragraph below quotes for one device's sweep."""
+    first = rs[0]
+    rates, ttft = sweep(rs, "ttft")
+    _, ttft99 = sweep(rs, "ttft", "p99")
+    _, itl = sweep(rs, "itl")
+    _, itl99 = sweep(rs, "itl", "p99")
+    _, tput = sweep(rs, "output_throughput")
+    values = {
+        "name": first["device"]["name"],
+        "date": first["date"],
+        "model": first["model"],
+        "work": f"{first['num_prompts']} requests of {first['input_len']} prompt "
+        f"tokens and {first['max_tokens']} output tokens",
+        "rates": ", ".join(map(rate_label, rates)),
+        "rate_low": rate_label(rates[0]),
+        "asked_low": f"{rates[0] * first['max_tokens']:,.0f}",
+        "ttft_low": f"{ttft[0]:,.0f} ms",
+        "ttft_high": f"{ttft[-1]:,.0f} ms",
+        "ttft99_high": f"{ttft99[-1]:,.0f} ms",
+        "itl_low": f"{itl[0]:,.0f} ms",
+        "itl_high": f"{itl[-1]:,.0f} ms",
+        "itl99_high": f"{itl99[-1]:,.0f} ms",
+        "tput_low": f"{tput[0]:,.0f} output tokens/s",
+        "tput_high": f"{tput[-1]:,.0f}",
+    }
+    for key, value in values.items():
+        prose.glue(f"{prefix}_{key}", value)
+
+
+cpu = {d: rs for d, rs in by_device.items() if rs[0]["device"].get("kind") == "cpu"}
+gpu = {d: rs for d, rs in by_device.items() if d not in cpu}
+missing = "(not yet measured)"
+for prefix, found in (("ch12_cpu", cpu), ("ch12_gpu", gpu)):
+    if found:
+        glue_device(prefix, next(iter(found.values())))
+    else:
+        for key in ("name", "date", "model", "work", "rates", "rate_low", "asked_low",
+                    "ttft_low", "ttft_high", "ttft99_high", "itl_low", "itl_high",
+                    "itl99_high", "tput_low", "tput_high"):  # fmt: skip
+            prose.glue(f"{prefix}_{key}", missing)
+if gpu:
+    prose.glue("ch12_gpu_sentence", prose.fill("""
+On the {{ch12_gpu_name}} ({{ch12_gpu_date}}), {{ch12_gpu_model}} served
+{{ch12_gpu_work}} at {{ch12_gpu_rates}} requests per second: at {{ch12_gpu_rate_low}}
+per second a median first token after {{ch12_gpu_ttft_low}} and a median gap of
+{{ch12_gpu_itl_low}}; all at once, {{ch12_gpu_ttft_high}} and {{ch12_gpu_itl_high}},
+and {{ch12_gpu_tput_high}} output tokens/s.
+"""))  # fmt: skip
+else:
+    prose.glue("ch12_gpu_sentence", "No GPU record has been made yet: no GPU has run "
+               "`bench/ch12_serving.py` for this copy of the book.")  # fmt: skip
+
+if by_device:
+    finite = [r for rs in by_device.values() for r in sweep(rs, "ttft")[0]]
+    inf_at = 2 * max((r for r in finite if not math.isinf(r)), default=1)
+    fig, axes = new_figure(1, 4, width=12, height=2.9)
+    colors = iter(["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"])
+    for device, rs in by_device.items():
+        color = next(colors)
+        for ax, name in zip(axes, MEASURES):
+            rates, median = sweep(rs, name)
+            x = [inf_at if math.isinf(r) else r for r in rates]
+            ax.plot(x, median, "o-", color=color, label=f"{device}, median")
+            if name != "output_throughput":
+                ax.plot(x, sweep(rs, name, "p99")[1], "s--", color=color, alpha=0.6,
+                        label=f"{device}, p99")  # fmt: skip
+    ticks = sorted({inf_at if math.isinf(r) else r for r in finite})
+    for ax, title in zip(axes, TITLES):
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, [("inf" if t == inf_at else f"{t:g}") for t in ticks])
+        ax.minorticks_off()
+        ax.set_yscale("log" if len(by_device) > 1 else "linear")
+        ax.set_xlabel("request rate (requests/s)", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0].legend(fontsize=6.5, frameon=False)
+    plt.show()
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+The CPU's record ({{ch12_cpu_name}}, {{ch12_cpu_date}}): {{ch12_cpu_model}} served
+{{ch12_cpu_work}} at request rates of {{ch12_cpu_rates}} per second. At
+{{ch12_cpu_rate_low}} request per second the median first token came after
+{{ch12_cpu_ttft_low}} and the median gap between tokens was {{ch12_cpu_itl_low}}, and
+the server made {{ch12_cpu_tput_low}}, against the {{ch12_cpu_asked_low}} output
+tokens/s the clients asked for (the last answers end after the last arrival). With
+every request sent at once, the median first token waited {{ch12_cpu_ttft_high}} (p99
+{{ch12_cpu_ttft99_high}}): the scheduler computes the prompts first, in as few steps
+as its token budget allows, before anyone's second token. The median gap grew to
+{{ch12_cpu_itl_high}} (p99 {{ch12_cpu_itl99_high}}), and the server made
+{{ch12_cpu_tput_high}} output tokens/s. That is the trade every server makes: more
+clients at once fill the batch, so each step makes more tokens, and each step,
+computing more rows and newcomers' prompts, takes longer for everyone in it. How much
+longer depends on the hardware: on a GPU, where a decode step is mostly a read of the
+weights that every row shares (chapter 6), the gap should grow less.
+
+{{ch12_gpu_sentence}}
+""")
+
+
+# %% [markdown]
+# ## Summary
+#
+# - An OpenAI request is a JSON body whose fields are, mostly, `SamplingParams`' own;
+#   pydantic checks the types, `SamplingParams` the values, and both kinds of refusal
+#   are a 400 in OpenAI's error shape, as are malformed bodies, other models' names
+#   (404), unsupported fields and prompts that do not fit.
+# - The engine is stepped by one thread, the only one that touches it. Handlers on the
+#   event loop post `add` and `abort` to its inbox; after each step it sends every
+#   request's delta through `loop.call_soon_threadsafe` to a collector that holds one
+#   delta and merges the next into it — backpressure without a queue.
+# - Streams are server-sent events in OpenAI's chunk format, ending with `[DONE]`; a
+#   client that leaves is noticed by `is_disconnected()` or by the cancellation of its
+#   stream, and its request is aborted and its blocks freed.
+# - `/metrics` exports the engine's gauges, counters and latency histograms under
+#   vLLM's names with the prefix `tinyvllm:`.
+# - A serving benchmark sends requests at Poisson times and measures what clients
+#   feel — TTFT, ITL, TPOT, end-to-end latency, in percentiles — against the request
+#   rate.
+#
+# Exported to `tinyvllm_lib`: `entrypoints.openai.protocol` (the request models,
+# `OpenAIError`), `entrypoints.openai.serving`, `serving_chat` and `serving_completion`
+# (the endpoints), `entrypoints.openai.api_server` (`build_app`),
+# `entrypoints.launcher` (`ServerThread`, `serve_http`, `run_coroutine`),
+# `engine.async_llm_engine` (`AsyncLLMEngine`, `RequestOutputCollector`),
+# `engine.metrics` (`IterationStats`, `PrometheusStatLogger`), `benchmark_serving`, and
+# the `serve` command.
+#
+# ## Exercises
+#
+# 1. Make the collector a plain `asyncio.Queue` and rerun the slow-reader demo with a
+#    reader that sleeps a whole second. How many deltas wait in its queue at the end,
+#    and how much memory would 256 such readers of 2,000 tokens hold?
+# 2. The engine thread wakes handlers with one `call_soon_threadsafe` per step, not one
+#    per request. Change it to one per request and measure the event loop's share of a
+#    step with 256 running requests. What does the loop do with each call?
+# 3. Add `n=2`: two completions of one prompt. What must the engine, the block manager
+#    (chapter 10's exercise on copy-on-write) and the chunk format (`index`) each do?
+# 4. Predict from the recorded CPU sweep the request rate at which the median TTFT
+#    passes one second, then run `bench/ch12_serving.py --rates` around it.
+# 5. Add a limit on waiting requests: a request that arrives when the waiting queue is
+#    full gets `503` at once. Where does the check belong — the handler or the engine
+#    thread — and what does the benchmark's p99 TTFT do with it?
