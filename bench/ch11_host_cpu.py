@@ -20,7 +20,7 @@ import numpy as np
 
 import tinyvllm_lib.measure as measure
 from tinyvllm_lib import benchmark
-from tinyvllm_lib.engine.cuda_graphs import PADDING, SAMPLING_FIELDS, PackedDecodeInputs
+from tinyvllm_lib.engine.cuda_graphs import PackedDecodeInputs, fill_decode_inputs
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, prepare_inputs
 from tinyvllm_lib.engine.sampler import SamplerOutput
@@ -47,16 +47,8 @@ class StandInRunner:
         t0 = time.thread_time()
         inputs = prepare_inputs(step, self.block_size)
         n = inputs.num_sampled
-        if step.num_prefills == 0:
-            rows = len(step.requests)
-            host, m = self.packed.views(rows, on_device=False), inputs.metadata
-            for name, value in PADDING.items():
-                host[name][n:] = value
-            host["ids"][:n], host["positions"][:n] = inputs.token_ids, inputs.positions
-            host["slot_mapping"][:n], host["seq_lens"][:n] = m.slot_mapping, m.seq_lens
-            host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
-            for name in SAMPLING_FIELDS:
-                host[name][:n] = getattr(inputs.sampling, name)
+        if step.num_prefills == 0:  # what CudaGraphRunner.execute does before its copy
+            fill_decode_inputs(self.packed, len(step.requests), inputs)
         out = ModelRunnerOutput(SamplerOutput(self.rng.integers(0, 128000, n)), [None] * len(step.requests))
         self.seconds += time.thread_time() - t0
         return out

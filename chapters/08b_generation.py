@@ -101,6 +101,7 @@ import math
 from dataclasses import dataclass
 
 SAMPLING_EPS = 1e-5  # a temperature below this means greedy (vLLM's _SAMPLING_EPS)
+FLOAT32_TINY = 1.1754944e-38  # the smallest normal float32
 
 
 class RequestOutputKind(enum.Enum):
@@ -157,11 +158,14 @@ class SamplingParams:
                 "temperature must be a finite number >= 0 (0 = greedy), got "
                 f"{self.temperature!r}"
             )
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        # as float32 (what the sampler reads) too: 1e-46 would be 0
+        if not _is_number(self.top_p) or not FLOAT32_TINY <= self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        # an int64 on the GPU: 2**31 - 1 is more than any vocabulary
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             raise ValueError(
-                f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}"
+                f"top_k must be -1 or 0 (off) or a positive integer below 2**31, got "
+                f"{self.top_k!r}"
             )
         if self.max_tokens is not None and (
             not _is_int(self.max_tokens) or self.max_tokens < 1

@@ -14,13 +14,14 @@
 # # 11. Llama 3.2 1B: CUDA graphs and the benchmark
 #
 # Chapters 9 and 10 made the engine serve many requests at once, and left one cost
-# untouched. A decode step of Llama 3.2 1B is some 160 kernels: for each of 16 layers
-# the QKV projection, RoPE, the KV write, attention, the output projection, a residual
-# add with RMSNorm, the gate-up projection, SiLU, the down projection and another add
-# with norm; then the head and the sampler. Chapter 9 timed that step on an H200 both
-# ways (the numbers are below): the kernels alone take about a millisecond, and the step
-# launched from Python takes many times that, because each launch costs tens of
-# microseconds of host time before it reaches the GPU, which waits most of the step.
+# untouched. A decode step of Llama 3.2 1B is 180 kernels: for each of 16 layers the QKV
+# projection, RoPE, the KV write, attention (two kernels: the splits of the context and
+# their combination), the output projection, a residual add with RMSNorm, the gate-up
+# projection, SiLU, the down projection and another add with norm; before them the
+# embedding and a norm, after them the head and the sampler. Chapter 9 timed that step
+# on an H200 both ways (the numbers are below): the kernels alone take a small share of
+# the step launched from Python, because each launch costs host time before it reaches
+# the GPU, which waits most of the step.
 #
 # A **CUDA graph** removes the launches: the kernels of a step are recorded once, with
 # their arguments, and the whole recording is replayed with one call. This chapter
@@ -70,12 +71,15 @@ prose.glue("ch11_gpu", wall["device"]["name"])
 prose.glue("ch11_wall_1", f"{wall['value']:.1f} ms")
 prose.glue("ch11_kernels_1", f"{kernels['value']:.2f} ms")
 prose.glue("ch11_launch_share", f"{1 - kernels['value'] / wall['value']:.0%}")
+# the step's 180 kernels: host time per launch, on average
+per_launch = (wall["value"] - kernels["value"]) / 180 * 1e3
+prose.glue("ch11_per_launch", f"{per_launch:.0f} µs")
 prose.glue("ch11_step_date", wall["date"])
 prose.show("""
 On the {{ch11_gpu}} ({{ch11_step_date}}), a batch-1 decode step of Llama 3.2 1B's shapes
 took {{ch11_wall_1}} launched from Python and {{ch11_kernels_1}} when the same kernels
 were replayed from a captured graph: {{ch11_launch_share}} of the eager step is the host
-launching.
+launching, about {{ch11_per_launch}} per kernel.
 """)
 
 # %% [markdown]
@@ -187,7 +191,7 @@ assert graph_size_for(257, sizes) is None and cuda_graph_sizes(6) == [1, 2, 4, 6
 #
 # Eagerly, chapter 8b's runner copies a decode step's arrays to the GPU one by one:
 # token ids, positions, query starts, lengths, slots, block tables, then four arrays of
-# sampling settings. Each copy from Python costs tens of microseconds, as a launch does,
+# sampling settings. Each copy is a call from Python into the driver, as a launch is,
 # and a graph replay does not remove them. So the graph path packs them: every field of
 # a step of `rows` rows sits at a fixed offset of one pinned host buffer, and one copy
 # moves the lot into a device buffer of the same layout. The 8-byte fields come first so
@@ -282,10 +286,11 @@ print(f"a 5-row step moves {packed.nbytes(5)} bytes in one copy")
 #    one found, in the order "larger value first, smaller index on ties" — the
 #    order chapter 8b's greedy argmax uses.
 #
-# k passes over the row is k times the reads of one; for the top 20 of 128,256 that is
-# 2.6 million reads per row, which the GPU does in far less time than PCIe takes to
-# move the row. vLLM caps k at 20 by default (`max_logprobs`); a request asking for
-# more here goes the host's way.
+# k passes over the row is k times the reads of one — for the top 20 of 128,256, 2.6
+# million reads per row, by one block — but nothing of the row crosses PCIe, no NumPy
+# runs on it, and all rows run at once on different multiprocessors. (How long it takes
+# on the GPU is for `bench/ch11_kernels.py` to record.) vLLM caps k at 20 by default
+# (`max_logprobs`); a request asking for more here goes the host's way.
 
 # %%
 #| export kernels.logprobs
@@ -443,8 +448,8 @@ class GpuLogprobsSampler(CudaSampler):
 #
 # `execute` then asks whether the step can replay: no prefill in it, every row due a
 # token, and a size that holds it. If so it fills the host buffer (padding rows as
-# above), copies it in once, replays, and waits for the sampled ids; the sampler
-# gathers log-probabilities from the logits as before, when a request asked for them.
+# above), copies it in once, replays, and waits for the sampled ids; where a request
+# asked for log-probabilities, `GpuLogprobsSampler` computes them on the GPU first.
 # Anything else goes to `ModelRunner.execute`. Nothing else changes: the scheduler, the
 # cache and the engine do not know whether a step was replayed. `LLM(...,
 # enforce_eager=True)` (vLLM's name) turns graphs off.
@@ -481,22 +486,41 @@ PADDING = {
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
 
 
+def pad_decode_inputs(host: dict, start: int) -> None:
+    """Rows start.. of a packed step's host views: padding."""
+    for name, value in PADDING.items():
+        host[name][start:] = value
+
+
+def fill_decode_inputs(packed: PackedDecodeInputs, rows: int, inputs) -> None:
+    """The host buffer of a rows-row decode step: inputs' rows (StepInputs of a decode
+    step), then padding.
+    """
+    host, m, n = (
+        packed.views(rows, on_device=False),
+        inputs.metadata,
+        inputs.num_sampled,
+    )
+    pad_decode_inputs(host, n)
+    host["ids"][:n], host["positions"][:n] = inputs.token_ids, inputs.positions
+    host["slot_mapping"][:n], host["seq_lens"][:n] = m.slot_mapping, m.seq_lens
+    host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
+    for name in SAMPLING_FIELDS:
+        host[name][:n] = getattr(inputs.sampling, name)
+
+
 class CudaGraphRunner(ModelRunner):
     """ModelRunner on "cuda" whose decode steps replay CUDA graphs: one per batch size
     of cuda_graph_sizes(max_num_seqs), captured when the KV cache is made; prefills and
     mixed steps run eagerly.
     """
 
-    def __init__(self, *args, progress: bool = True, **kwargs):
+    def __init__(self, folder, device: str, *args, progress: bool = True, **kwargs):
+        if device != "cuda":
+            raise ValueError(f"CUDA graphs need device='cuda', got {device!r}")
         self.graphs: dict[int, CudaGraph] = {}
         self.progress = progress  # a bar while capturing
-        super().__init__(*args, **kwargs)
-        if self.device != "cuda":
-            raise ValueError(f"CUDA graphs need device='cuda', got {self.device!r}")
-        # log-probs on the GPU
-        self.sampler = GpuLogprobsSampler(
-            self.config.vocab_size, self.max_num_seqs, self.stream
-        )
+        super().__init__(folder, device, *args, **kwargs)
 
     def init_kv_cache(self, num_slots: int) -> None:
         """Make the KV cache, then capture the decode graphs over it."""
@@ -505,6 +529,11 @@ class CudaGraphRunner(ModelRunner):
 
     def capture(self) -> None:
         """Capture one decode graph per size of cuda_graph_sizes(max_num_seqs)."""
+        # log-probs on the GPU; made before capturing, since a graph records its buffers
+        if not isinstance(self.sampler, GpuLogprobsSampler):
+            self.sampler = GpuLogprobsSampler(
+                self.config.vocab_size, self.max_num_seqs, self.stream
+            )
         self.graph_sizes = cuda_graph_sizes(self.max_num_seqs)
         self.packed = PackedDecodeInputs(
             self.max_num_seqs, self.step_arrays["block_tables"].shape[1]
@@ -548,19 +577,17 @@ class CudaGraphRunner(ModelRunner):
         staged = {"buffers": buffers, "metadata": metadata, "rows": rows}
         staged["indices"] = None  # a decode step: the head takes every row
         sampling = {name: v[name] for name in SAMPLING_FIELDS}
+        sampler = self.sampler  # the one whose buffers the graph records
 
         def launch(stream):
             logits = self.launch(staged, stream)
-            self.sampler.launch(logits, stream, rows=sampling)
+            sampler.launch(logits, stream, rows=sampling)
 
         return launch
 
-    def _pad(self, rows: int, start: int) -> dict:
+    def _pad(self, rows: int, start: int) -> None:
         """Fill rows start.. of the host buffer's rows-row layout with padding."""
-        host = self.packed.views(rows, on_device=False)
-        for name, value in PADDING.items():
-            host[name][start:] = value
-        return host
+        pad_decode_inputs(self.packed.views(rows, on_device=False), start)
 
     def graph_size(self, step: SchedulerOutput) -> int | None:
         """The graph a step can replay: a decode step that fits one; else None."""
@@ -579,12 +606,7 @@ class CudaGraphRunner(ModelRunner):
         # every row due its next token, none collecting prompt logits
         if inputs is None or inputs.num_sampled != n or inputs.prompt_rows:
             return super().execute(step)
-        host, m = self._pad(rows, n), inputs.metadata
-        host["ids"][:n], host["positions"][:n] = inputs.token_ids, inputs.positions
-        host["slot_mapping"][:n], host["seq_lens"][:n] = m.slot_mapping, m.seq_lens
-        host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
-        for name in SAMPLING_FIELDS:
-            host[name][:n] = getattr(inputs.sampling, name)
+        fill_decode_inputs(self.packed, rows, inputs)
         self.packed.copy(rows, self.stream)
         self.graphs[rows].replay()
         sampled = self.sampler.collect(self.logits, inputs.sampling)

@@ -749,7 +749,10 @@ class AsyncLLMEngine:
                 if kind == "add":
                     self._add(request_id, *args)
                 else:
-                    self._abort(request_id)
+                    try:
+                        self._abort(request_id)
+                    except Exception:  # a bug must not end the loop
+                        logging.getLogger("tinyvllm.engine").exception("abort failed")
             if self.engine.has_unfinished_requests():
                 self._step()
 
@@ -780,7 +783,14 @@ class AsyncLLMEngine:
             tracked = self.tracked.get(output.request_id)
             if tracked is None:
                 continue
-            delta = self._delta(tracked, now, iteration)
+            try:
+                delta = self._delta(tracked, now, iteration)
+            except Exception as err:  # a bug in one request's delta: fail that one
+                del self.tracked[output.request_id]
+                if not output.finished:
+                    self.engine.abort_request(output.request_id)
+                deliveries[tracked.collector.loop].append((tracked.collector, err))
+                continue
             deliveries[tracked.collector.loop].append((tracked.collector, delta))
             if output.finished:
                 del self.tracked[output.request_id]
@@ -1388,6 +1398,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from tinyvllm_lib.engine.async_llm_engine import AsyncLLMEngine
@@ -1422,7 +1433,13 @@ async def answer(serving, request, raw_request: Request):
         submitted = await serving.submit(request)
         if request.stream:
             events = serving.stream(request, raw_request, *submitted)
-            return StreamingResponse(events, media_type="text/event-stream")
+            # a client gone before the first chunk never starts the generator, whose
+            # finally would abort: the response aborts after it ends, whatever the way
+            # (a no-op for a finished request)
+            done = BackgroundTask(serving.engine.abort, submitted[0])
+            return StreamingResponse(
+                events, media_type="text/event-stream", background=done
+            )
         body = await serving.respond(request, raw_request, *submitted)
     except OpenAIError:
         raise
@@ -2004,6 +2021,8 @@ def glue_device(prefix: str, rs: list) -> None:
     values = {
         "name": first["device"]["name"],
         "date": first["date"],
+        # other work on the machine when the sweep began (its cores are few)
+        "load": f"{first.get('load_average', float('nan')):.1f}",
         "model": first["model"],
         "work": f"{first['num_prompts']} requests of {first['input_len']} prompt "
         f"tokens and {first['max_tokens']} output tokens",
@@ -2075,9 +2094,10 @@ if by_device:
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show("""
-The CPU's record ({{ch12_cpu_name}}, {{ch12_cpu_date}}): {{ch12_cpu_model}} served
+The CPU's record ({{ch12_cpu_name}}, {{ch12_cpu_date}}, load average
+{{ch12_cpu_load}} when it began): {{ch12_cpu_model}} served
 {{ch12_cpu_work}} at request rates of {{ch12_cpu_rates}} per second. At
-{{ch12_cpu_rate_low}} request per second the median first token came after
+a rate of {{ch12_cpu_rate_low}} per second the median first token came after
 {{ch12_cpu_ttft_low}} and the median gap between tokens was {{ch12_cpu_itl_low}}, and
 the server made {{ch12_cpu_tput_low}}, against the {{ch12_cpu_asked_low}} output
 tokens/s the clients asked for (the last answers end after the last arrival). With

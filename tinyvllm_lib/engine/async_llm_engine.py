@@ -165,7 +165,10 @@ class AsyncLLMEngine:
                 if kind == "add":
                     self._add(request_id, *args)
                 else:
-                    self._abort(request_id)
+                    try:
+                        self._abort(request_id)
+                    except Exception:  # a bug must not end the loop
+                        logging.getLogger("tinyvllm.engine").exception("abort failed")
             if self.engine.has_unfinished_requests():
                 self._step()
 
@@ -196,7 +199,14 @@ class AsyncLLMEngine:
             tracked = self.tracked.get(output.request_id)
             if tracked is None:
                 continue
-            delta = self._delta(tracked, now, iteration)
+            try:
+                delta = self._delta(tracked, now, iteration)
+            except Exception as err:  # a bug in one request's delta: fail that one
+                del self.tracked[output.request_id]
+                if not output.finished:
+                    self.engine.abort_request(output.request_id)
+                deliveries[tracked.collector.loop].append((tracked.collector, err))
+                continue
             deliveries[tracked.collector.loop].append((tracked.collector, delta))
             if output.finished:
                 del self.tracked[output.request_id]

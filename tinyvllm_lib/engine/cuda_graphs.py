@@ -141,22 +141,41 @@ PADDING = {
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
 
 
+def pad_decode_inputs(host: dict, start: int) -> None:
+    """Rows start.. of a packed step's host views: padding."""
+    for name, value in PADDING.items():
+        host[name][start:] = value
+
+
+def fill_decode_inputs(packed: PackedDecodeInputs, rows: int, inputs) -> None:
+    """The host buffer of a rows-row decode step: inputs' rows (StepInputs of a decode
+    step), then padding.
+    """
+    host, m, n = (
+        packed.views(rows, on_device=False),
+        inputs.metadata,
+        inputs.num_sampled,
+    )
+    pad_decode_inputs(host, n)
+    host["ids"][:n], host["positions"][:n] = inputs.token_ids, inputs.positions
+    host["slot_mapping"][:n], host["seq_lens"][:n] = m.slot_mapping, m.seq_lens
+    host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
+    for name in SAMPLING_FIELDS:
+        host[name][:n] = getattr(inputs.sampling, name)
+
+
 class CudaGraphRunner(ModelRunner):
     """ModelRunner on "cuda" whose decode steps replay CUDA graphs: one per batch size
     of cuda_graph_sizes(max_num_seqs), captured when the KV cache is made; prefills and
     mixed steps run eagerly.
     """
 
-    def __init__(self, *args, progress: bool = True, **kwargs):
+    def __init__(self, folder, device: str, *args, progress: bool = True, **kwargs):
+        if device != "cuda":
+            raise ValueError(f"CUDA graphs need device='cuda', got {device!r}")
         self.graphs: dict[int, CudaGraph] = {}
         self.progress = progress  # a bar while capturing
-        super().__init__(*args, **kwargs)
-        if self.device != "cuda":
-            raise ValueError(f"CUDA graphs need device='cuda', got {self.device!r}")
-        # log-probs on the GPU
-        self.sampler = GpuLogprobsSampler(
-            self.config.vocab_size, self.max_num_seqs, self.stream
-        )
+        super().__init__(folder, device, *args, **kwargs)
 
     def init_kv_cache(self, num_slots: int) -> None:
         """Make the KV cache, then capture the decode graphs over it."""
@@ -165,6 +184,11 @@ class CudaGraphRunner(ModelRunner):
 
     def capture(self) -> None:
         """Capture one decode graph per size of cuda_graph_sizes(max_num_seqs)."""
+        # log-probs on the GPU; made before capturing, since a graph records its buffers
+        if not isinstance(self.sampler, GpuLogprobsSampler):
+            self.sampler = GpuLogprobsSampler(
+                self.config.vocab_size, self.max_num_seqs, self.stream
+            )
         self.graph_sizes = cuda_graph_sizes(self.max_num_seqs)
         self.packed = PackedDecodeInputs(
             self.max_num_seqs, self.step_arrays["block_tables"].shape[1]
@@ -208,19 +232,17 @@ class CudaGraphRunner(ModelRunner):
         staged = {"buffers": buffers, "metadata": metadata, "rows": rows}
         staged["indices"] = None  # a decode step: the head takes every row
         sampling = {name: v[name] for name in SAMPLING_FIELDS}
+        sampler = self.sampler  # the one whose buffers the graph records
 
         def launch(stream):
             logits = self.launch(staged, stream)
-            self.sampler.launch(logits, stream, rows=sampling)
+            sampler.launch(logits, stream, rows=sampling)
 
         return launch
 
-    def _pad(self, rows: int, start: int) -> dict:
+    def _pad(self, rows: int, start: int) -> None:
         """Fill rows start.. of the host buffer's rows-row layout with padding."""
-        host = self.packed.views(rows, on_device=False)
-        for name, value in PADDING.items():
-            host[name][start:] = value
-        return host
+        pad_decode_inputs(self.packed.views(rows, on_device=False), start)
 
     def graph_size(self, step: SchedulerOutput) -> int | None:
         """The graph a step can replay: a decode step that fits one; else None."""
@@ -239,12 +261,7 @@ class CudaGraphRunner(ModelRunner):
         # every row due its next token, none collecting prompt logits
         if inputs is None or inputs.num_sampled != n or inputs.prompt_rows:
             return super().execute(step)
-        host, m = self._pad(rows, n), inputs.metadata
-        host["ids"][:n], host["positions"][:n] = inputs.token_ids, inputs.positions
-        host["slot_mapping"][:n], host["seq_lens"][:n] = m.slot_mapping, m.seq_lens
-        host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
-        for name in SAMPLING_FIELDS:
-            host[name][:n] = getattr(inputs.sampling, name)
+        fill_decode_inputs(self.packed, rows, inputs)
         self.packed.copy(rows, self.stream)
         self.graphs[rows].replay()
         sampled = self.sampler.collect(self.logits, inputs.sampling)

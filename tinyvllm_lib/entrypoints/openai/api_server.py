@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from tinyvllm_lib.engine.async_llm_engine import AsyncLLMEngine
@@ -44,7 +45,13 @@ async def answer(serving, request, raw_request: Request):
         submitted = await serving.submit(request)
         if request.stream:
             events = serving.stream(request, raw_request, *submitted)
-            return StreamingResponse(events, media_type="text/event-stream")
+            # a client gone before the first chunk never starts the generator, whose
+            # finally would abort: the response aborts after it ends, whatever the way
+            # (a no-op for a finished request)
+            done = BackgroundTask(serving.engine.abort, submitted[0])
+            return StreamingResponse(
+                events, media_type="text/event-stream", background=done
+            )
         body = await serving.respond(request, raw_request, *submitted)
     except OpenAIError:
         raise
