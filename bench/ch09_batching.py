@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from tinyvllm_lib import LLM, SamplingParams
+from tinyvllm_lib.benchmark import nano_vllm_workload
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
 from tinyvllm_lib.engine.model_runner import SchedulerOutput, prepare_inputs
 from tinyvllm_lib.engine.scheduler import Scheduler
@@ -26,10 +27,8 @@ MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
 
 
 def workload(n: int, vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    prompt_lens, output_lens = rng.integers(100, 1025, n), rng.integers(100, 1025, n)
-    prompts = [rng.integers(0, vocab, int(m)).tolist() for m in prompt_lens]
-    return prompts, [SamplingParams(temperature=0, max_tokens=int(o), ignore_eos=True) for o in output_lens]
+    prompts, output_lens = nano_vllm_workload(n, 100, 1024, seed, vocab)  # chapter 11's, the same draws
+    return prompts, [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in output_lens]
 
 
 class StepLog:

@@ -212,8 +212,7 @@ class SamplingParams:
                 )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(
-                "output_kind must be a RequestOutputKind, got "
-                f"{self.output_kind!r}"
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"
             )
 
     @property
@@ -728,17 +727,14 @@ class CudaSampler:
         self.launch(logits, s)
         return self.collect(logits, metadata)
 
-    def stage(self, metadata: SamplingMetadata, rows: int | None = None) -> None:
+    def stage(self, metadata: SamplingMetadata) -> None:
         """Copy every row's settings to the GPU, greedy or not (one launch whatever the
-        batch asks); rows > len(metadata): the rest are greedy padding.
+        batch asks).
         """
         n = len(metadata.temperature)
-        rows = n if rows is None else rows
-        pad = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "uniform": 0.0}
         for name, buf in self.rows.items():
-            host = np.full(rows, pad[name], buf.dtype)
-            host[:n] = getattr(metadata, name)
-            cuda.to_device(host, to=buf[:rows], stream=self.stream)
+            host = np.ascontiguousarray(getattr(metadata, name), buf.dtype)
+            cuda.to_device(host, to=buf[:n], stream=self.stream)
 
     def launch(self, logits, stream, rows: dict | None = None) -> None:
         """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can

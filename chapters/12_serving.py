@@ -362,7 +362,9 @@ print(f"{len(ids)} prompt tokens")
 # - one **collector** per request, on the event loop. After each step the engine thread
 #   makes, for every request that progressed, a *delta*: the new token ids, their
 #   log-probs, and the text that can no longer change (`Request.stream_delta`, from
-#   chapter 8b, holds back what could still become a stop string). It cannot put them
+#   chapter 8b, holds back what could still become a stop string). It reads them from
+#   the requests themselves, so its requests ask the engine for `FINAL_ONLY` outputs
+#   (chapter 11): no whole `RequestOutput` per request per step. It cannot put them
 #   into asyncio objects itself — those belong to the loop's thread — so it schedules
 #   one callback on the loop with `loop.call_soon_threadsafe`, which puts each delta
 #   into its request's collector and wakes the handler waiting there.
@@ -598,6 +600,7 @@ from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.metrics import IterationStats
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
 from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -757,6 +760,8 @@ class AsyncLLMEngine:
                 self._step()
 
     def _add(self, request_id, prompt, params, name, collector, accepted, arrival):
+        if isinstance(params, SamplingParams):  # the thread builds its own deltas
+            params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
             request = self.engine.make_request(request_id, prompt, params, name=name)
             self.engine.enqueue(request)
@@ -779,22 +784,28 @@ class AsyncLLMEngine:
             return
         now, iteration = time.perf_counter(), IterationStats()
         deliveries = defaultdict(list)  # event loop -> [(collector, delta)]
-        for output in outputs:
-            tracked = self.tracked.get(output.request_id)
-            if tracked is None:
-                continue
+        # FINAL_ONLY: the engine reports a request once, when it ends (or is aborted);
+        # the deltas come from the requests themselves, not from per-step outputs
+        ended = {o.request_id for o in outputs if o.finished}
+        for request_id, tracked in list(self.tracked.items()):
+            finished = request_id in ended
+            if (
+                not finished
+                and len(tracked.request.output_token_ids) == tracked.num_sent
+            ):
+                continue  # nothing new: waiting, or a chunk of its prompt
             try:
                 delta = self._delta(tracked, now, iteration)
             except Exception as err:  # a bug in one request's delta: fail that one
-                del self.tracked[output.request_id]
-                if not output.finished:
-                    self.engine.abort_request(output.request_id)
+                del self.tracked[request_id]
+                if not finished:
+                    self.engine.abort_request(request_id)
                 deliveries[tracked.collector.loop].append((tracked.collector, err))
                 continue
             deliveries[tracked.collector.loop].append((tracked.collector, delta))
-            if output.finished:
-                del self.tracked[output.request_id]
-                reason = output.outputs[0].finish_reason
+            if finished:
+                del self.tracked[request_id]
+                reason = tracked.request.finish_reason
                 iteration.finished.append((reason, now - tracked.arrival))
         for loop, items in deliveries.items():
             self._call(loop, _deliver, items)

@@ -47,6 +47,7 @@ class PackedDecodeInputs:
         nbytes = self.nbytes(max_rows)
         self.host = cuda.pinned_array(nbytes, np.uint8)
         self.device = cuda.device_array(nbytes, np.uint8)
+        self._views: dict = {}  # (rows, on_device) -> views, made once
 
     def _layout(self, rows: int):
         at = 0
@@ -61,7 +62,14 @@ class PackedDecodeInputs:
         )
 
     def views(self, rows: int, on_device: bool) -> dict:
-        """Each field of a rows-row step, as a view of the host or the device buffer."""
+        """Each field of a rows-row step, as a view of the host or the device buffer
+        (the same views every call: a step fills them, it does not remake them).
+        """
+        if (rows, on_device) not in self._views:
+            self._views[rows, on_device] = self._make_views(rows, on_device)
+        return self._views[rows, on_device]
+
+    def _make_views(self, rows: int, on_device: bool) -> dict:
         buffer, out = self.device if on_device else self.host, {}
         for name, dtype, at, count in self._layout(rows):
             view = buffer[at : at + count * np.dtype(dtype).itemsize].view(dtype)

@@ -118,8 +118,7 @@ class SamplingParams:
                 )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(
-                "output_kind must be a RequestOutputKind, got "
-                f"{self.output_kind!r}"
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"
             )
 
     @property
