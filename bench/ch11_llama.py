@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib import benchmark
+from tinyvllm_lib.engine.cuda_graphs import pad_decode_inputs
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.measure import DATA_DIR, Recorder, load_records
 from tinyvllm_lib.models.config import ModelConfig
@@ -40,8 +41,19 @@ def batch1_ceiling(folder) -> tuple[float, float, float]:
     return copy * 1e9 / nbytes, nbytes, copy
 
 
-def graph_kernel_ms(runner, rows: int, replays: int = 50) -> float:
-    """The decode graph of `rows` replayed back to back: the GPU's time per step, no host work between."""
+def graph_kernel_ms(runner, rows: int, context: int, replays: int = 50) -> float:
+    """The decode graph of `rows` replayed back to back on rows of `context` tokens each (distinct
+    cache blocks, random ids, greedy, writing no slot): the GPU's time per step, no host work between.
+    """
+    host = runner.packed.views(rows, on_device=False)
+    pad_decode_inputs(host, 0)
+    per_row = -(-context // runner.block_size)
+    num_blocks = runner.kv_cache.num_slots // runner.block_size
+    blocks = np.arange(rows * per_row).reshape(rows, per_row) % num_blocks
+    host["block_tables"][:, :per_row] = blocks
+    host["seq_lens"][:], host["positions"][:] = context, context - 1
+    host["ids"][:] = np.random.default_rng(rows).integers(0, runner.config.vocab_size, rows)
+    runner.packed.copy(rows, runner.stream)  # the device buffer in this size's layout
     graph, start, end = runner.graphs[rows], cuda.event(), cuda.event()
     graph.replay()
     start.record(graph.stream)
@@ -63,6 +75,7 @@ def graph_num_nodes(runner, rows: int) -> int | None:
 
 
 def engine_part(rec: Recorder, folder, extra: dict) -> None:
+    """Batch 1 with graphs and eager, then throughput with graphs and eager; saved after each."""
     ceiling, nbytes, copy = batch1_ceiling(folder)
     extra = extra | {"weight_bytes": nbytes, "copy_gb_s": copy}
     results = {}
@@ -79,12 +92,14 @@ def engine_part(rec: Recorder, folder, extra: dict) -> None:
         rec.add("bs1_decode" + suffix, [1, 128, 256], "tok/s", lat["decode_tok_s"], ceiling, part="engine", **lat, **extra)
         rec.add("bs1_e2e" + suffix, [1, 128, 256], "tok/s", lat["e2e_tok_s"], ceiling, part="engine", **extra)
         rec.add("bs1_ttft" + suffix, [1, 128], "ms", lat["ttft_ms"], part="engine", **extra)
+        save_part(rec, "engine")
         if not eager:
             runner = llm.llm_engine.model_runner
-            kernels = graph_kernel_ms(runner, 1)
+            kernels = graph_kernel_ms(runner, 1, 256)
             nodes = graph_num_nodes(runner, 1)
             rec.add("bs1_graph_replay", [1], "ms", kernels, part="engine", graph_nodes=nodes,
-                    note="the batch-1 decode graph replayed 50 times back to back: GPU time per step", **extra)
+                    context=256, note="the batch-1 decode graph replayed 50 times back to back at 256 tokens "
+                    "of context: GPU time per step", **extra)
             print(f"bs1 graph replayed back to back: {kernels:.3f} ms per step, {nodes} nodes", flush=True)
         del llm
     for eager in (False, True):
@@ -96,12 +111,14 @@ def engine_part(rec: Recorder, folder, extra: dict) -> None:
                 num_preemptions=stats.num_preemptions, max_num_running=stats.max_num_running,
                 max_num_seqs=MAX_NUM_SEQS, **t, **extra)
         print(f"{name}: {t['output_tok_s']:.0f} output tok/s ({t['seconds']:.1f} s, {stats.num_steps} steps)", flush=True)
+        save_part(rec, "engine")
         if not eager:
             runner = llm.llm_engine.model_runner
             for rows in (64, 256):
-                ms = graph_kernel_ms(runner, rows, replays=20)
-                rec.add("graph_replay", [rows], "ms", ms, part="engine", **extra)
-                print(f"decode graph of {rows} replayed back to back: {ms:.3f} ms per step", flush=True)
+                ms = graph_kernel_ms(runner, rows, 512, replays=20)
+                rec.add("graph_replay", [rows], "ms", ms, part="engine", context=512, **extra)
+                print(f"decode graph of {rows} at 512 tokens replayed back to back: {ms:.3f} ms per step", flush=True)
+            save_part(rec, "engine")
         del llm
 
 
@@ -118,11 +135,17 @@ def transformers_part(rec: Recorder, folder, part: str, extra: dict, batch_sizes
             print(f"transformers {mode} bs1: {r['tok_s']:.0f} decode tok/s, TTFT {r['ttft_ms']:.1f} ms, "
                   f"warm-up {r['warmup_s']:.0f} s", flush=True)
     else:
-        r = tb.throughput(folder, "eager", batch_sizes=batch_sizes)
-        rec.add("transformers_throughput", [256], "tok/s", r["best_output_tok_s"], part=part,
-                **{k: v for k, v in r.items() if k != "best_output_tok_s"}, **extra)
-        print(f"transformers throughput: {r['best_output_tok_s']:.0f} output tok/s at batch {r['best_batch_size']}",
-              flush=True)
+        runs = []  # one batch size at a time, saved after each: a call cut off keeps what it measured
+        for bs in batch_sizes:
+            runs.append(tb.throughput(folder, "eager", batch_sizes=[bs]))
+            r = max(runs, key=lambda run: run["best_output_tok_s"])
+            rec.records = [x for x in rec.records if x["name"] != "transformers_throughput"]
+            rec.add("transformers_throughput", [256], "tok/s", r["best_output_tok_s"], part=part,
+                    batch_sizes_tried=[run["best_batch_size"] for run in runs],
+                    **{k: v for k, v in r.items() if k != "best_output_tok_s"}, **extra)
+            save_part(rec, part)
+            print(f"transformers throughput: {r['best_output_tok_s']:.0f} output tok/s at batch {r['best_batch_size']}",
+                  flush=True)
 
 
 def save_part(rec: Recorder, part: str) -> Path:

@@ -21,6 +21,10 @@ setup)
     if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     fi
+    # chapter 12's server (fastapi, uvicorn, pydantic, starlette), where a call carries .srvwhl/
+    if [ -d .srvwhl ] && ls .srvwhl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .srvwhl/*.whl || exit 1
+    fi
     mkdir -p /tmp/smol
     for d in .smol*; do [ -d "$d" ] && cp "$d"/smol* /tmp/smol/ 2>/dev/null; done
     # the parts travel in several calls (64 MiB each); smolparts.count says how many make the wheel
