@@ -74,26 +74,33 @@ def graph_num_nodes(runner, rows: int) -> int | None:
         return None
 
 
+# (tag, record suffix, LLM arguments): graphs with the overlap (the default), graphs with the host and the
+# GPU taking turns, and no graphs at all
+MODES = (
+    ("graphs + overlap", "", {}),
+    ("graphs, no overlap", "_sync", {"async_scheduling": False}),
+    ("eager", "_eager", {"enforce_eager": True}),
+)
+
+
 def engine_part(rec: Recorder, folder, extra: dict) -> None:
-    """Batch 1 with graphs and eager, then throughput with graphs and eager; saved after each."""
+    """Batch 1, then throughput, in each of MODES; saved after each measurement."""
     ceiling, nbytes, copy = batch1_ceiling(folder)
     extra = extra | {"weight_bytes": nbytes, "copy_gb_s": copy}
-    results = {}
-    for eager in (False, True):
+    for tag, suffix, args in MODES:
         t0 = time.perf_counter()
-        llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, enforce_eager=eager)
+        llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, **args)
         start_s = time.perf_counter() - t0
-        lat = benchmark.latency(llm, 128, 256, repeats=3 if not eager else 1)
-        tag = "eager" if eager else "graphs"
-        results[tag] = lat
+        lat = benchmark.latency(llm, 128, 256, repeats=1 if suffix == "_eager" else 3)
         print(f"bs1 {tag}: {lat['decode_tok_s']:.0f} decode tok/s, {lat['e2e_tok_s']:.0f} e2e, TTFT {lat['ttft_ms']:.1f} ms "
               f"(engine start {start_s:.1f} s)", flush=True)
-        suffix = "" if not eager else "_eager"
-        rec.add("bs1_decode" + suffix, [1, 128, 256], "tok/s", lat["decode_tok_s"], ceiling, part="engine", **lat, **extra)
-        rec.add("bs1_e2e" + suffix, [1, 128, 256], "tok/s", lat["e2e_tok_s"], ceiling, part="engine", **extra)
-        rec.add("bs1_ttft" + suffix, [1, 128], "ms", lat["ttft_ms"], part="engine", **extra)
+        mode = {"mode": tag, "num_steps": llm.llm_engine.stats.num_steps}
+        rec.add("bs1_decode" + suffix, [1, 128, 256], "tok/s", lat["decode_tok_s"], ceiling, part="engine", **mode,
+                **lat, **extra)
+        rec.add("bs1_e2e" + suffix, [1, 128, 256], "tok/s", lat["e2e_tok_s"], ceiling, part="engine", **mode, **extra)
+        rec.add("bs1_ttft" + suffix, [1, 128], "ms", lat["ttft_ms"], part="engine", **mode, **extra)
         save_part(rec, "engine")
-        if not eager:
+        if suffix == "":
             runner = llm.llm_engine.model_runner
             kernels = graph_kernel_ms(runner, 1, 256)
             nodes = graph_num_nodes(runner, 1)
@@ -101,18 +108,19 @@ def engine_part(rec: Recorder, folder, extra: dict) -> None:
                     context=256, note="the batch-1 decode graph replayed 50 times back to back at 256 tokens "
                     "of context: GPU time per step", **extra)
             print(f"bs1 graph replayed back to back: {kernels:.3f} ms per step, {nodes} nodes", flush=True)
+            save_part(rec, "engine")
         del llm
-    for eager in (False, True):
-        llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, enforce_eager=eager)
+    for tag, suffix, args in MODES:
+        llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, **args)
         t = benchmark.throughput(llm)
         stats = llm.llm_engine.stats
-        name = "throughput" if not eager else "throughput_eager"
-        rec.add(name, [256], "tok/s", t["output_tok_s"], part="engine", num_steps=stats.num_steps,
-                num_preemptions=stats.num_preemptions, max_num_running=stats.max_num_running,
-                max_num_seqs=MAX_NUM_SEQS, **t, **extra)
-        print(f"{name}: {t['output_tok_s']:.0f} output tok/s ({t['seconds']:.1f} s, {stats.num_steps} steps)", flush=True)
+        rec.add("throughput" + suffix, [256], "tok/s", t["output_tok_s"], part="engine", mode=tag,
+                num_steps=stats.num_steps, num_preemptions=stats.num_preemptions,
+                max_num_running=stats.max_num_running, max_num_seqs=MAX_NUM_SEQS, **t, **extra)
+        print(f"throughput {tag}: {t['output_tok_s']:.0f} output tok/s ({t['seconds']:.1f} s, {stats.num_steps} steps)",
+              flush=True)
         save_part(rec, "engine")
-        if not eager:
+        if suffix == "":
             runner = llm.llm_engine.model_runner
             for rows in (64, 256):
                 ms = graph_kernel_ms(runner, rows, 512, replays=20)

@@ -1625,6 +1625,11 @@ def _engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> No
         action="store_true",
         help="launch every kernel from Python (no CUDA graphs, chapter 11)",
     )
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="graphs, but the host and the GPU take turns (chapter 11's overlap off)",
+    )
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1667,6 +1672,7 @@ def _load_llm(args: argparse.Namespace, model: str):
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.no_async_scheduling else None,
     )
 
 

@@ -1538,7 +1538,9 @@ class LLMEngine:
     and `finished`. The KV cache is a pool of blocks (num_kv_blocks, or sized from
     gpu_memory_utilization / kv_cache_memory_bytes) that the scheduler's BlockManager
     hands out; enable_prefix_caching shares the blocks of common prompt prefixes.
-    On the GPU decode steps replay CUDA graphs (chapter 11) unless enforce_eager.
+    On the GPU decode steps replay CUDA graphs (chapter 11) unless enforce_eager, and
+    with async_scheduling (on with graphs) the next decode step is launched before the
+    last one is post-processed.
     """
 
     def __init__(
@@ -1556,6 +1558,7 @@ class LLMEngine:
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ):
         self.folder = resolve_model(model)
         self.config = ModelConfig.from_folder(self.folder)
@@ -1611,9 +1614,15 @@ class LLMEngine:
         )
         self.model_runner.init_kv_cache(num_blocks * block_size)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = PagedScheduler(
+        # chapter 11: one decode step in flight while the host post-processes the last
+        self.async_scheduling = self._async_scheduling(async_scheduling)
+        scheduler = PagedScheduler
+        if self.async_scheduling:
+            from tinyvllm_lib.engine.async_scheduler import AsyncScheduler as scheduler
+        self.scheduler = scheduler(
             max_num_seqs, max_num_batched_tokens, max_model_len, self.block_manager
         )
+        self._in_flight = None  # (the step, its AsyncModelRunnerOutput)
         self._stats = EngineStats(kv_blocks_total=num_blocks)
         # for requests without a seed of their own
         self.rng = np.random.default_rng(seed)
@@ -1729,8 +1738,24 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         self._aborted.append(request)
 
+    def _async_scheduling(self, wanted: bool | None) -> bool:
+        """Whether steps overlap: only the graph runner can launch a step and return
+        (None: wherever it can).
+        """
+        can = hasattr(self.model_runner, "execute_async")
+        if wanted and not can:
+            raise ValueError(
+                "async_scheduling needs the CUDA graph runner (device='cuda' without "
+                "enforce_eager)"
+            )
+        return can if wanted is None else bool(wanted)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._aborted)
+            or self._in_flight is not None
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -1742,20 +1767,48 @@ class LLMEngine:
         done, self._aborted = self._aborted, []
         # aborted since the last step: finish_reason "abort"
         outputs = [r.output() for r in done]
-        step = self.scheduler.schedule()
-        if step is not None:
-            self._count_schedule()
-            result = self.model_runner.execute(step)
-            for request in self.scheduler.postprocess(step, result):
-                self._count_token(request)
-                final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
-                if request.is_finished or not final_only:
-                    outputs.append(request.output())
-                if request.is_finished:
-                    done.append(request)
+        if self._in_flight is None:
+            step = self.scheduler.schedule()
+            if step is not None:
+                self._count_schedule()
+                pending = (
+                    self.model_runner.execute_async(step)
+                    if self.async_scheduling
+                    else None
+                )
+                if pending is None:
+                    result = self.model_runner.execute(step)
+                    self._postprocess(step, result, outputs, done)
+                else:
+                    self._in_flight = (step, pending)
+        if self._in_flight is not None:
+            self._step_in_flight(outputs, done)
         for request in done:
             del self.requests[request.request_id]
         return outputs
+
+    def _step_in_flight(self, outputs: list, done: list) -> None:
+        """Chapter 11's overlap: launch the decode step after the one in flight, then
+        wait for that one and post-process it while the GPU runs the next.
+        """
+        step, pending = self._in_flight
+        self._in_flight = None
+        ahead = self.scheduler.schedule_ahead(step)
+        if ahead is not None:
+            launched = self.model_runner.execute_async(ahead, ahead.prev_rows)
+            if launched is not None:
+                self._count_schedule()
+                self._in_flight = (ahead, launched)
+        self._postprocess(step, pending.get_output(), outputs, done)
+
+    def _postprocess(self, step, result, outputs: list, done: list) -> None:
+        for request in self.scheduler.postprocess(step, result):
+            self._count_token(request)
+            final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
+            if request.is_finished or not final_only:
+                outputs.append(request.output())
+            if request.is_finished:
+                done.append(request)
 
     def _count_schedule(self) -> None:
         s = self._stats

@@ -197,6 +197,11 @@ assert graph_size_for(257, sizes) is None and cuda_graph_sizes(6) == [1, 2, 4, 6
 # moves the lot into a device buffer of the same layout. The 8-byte fields come first so
 # that every field is aligned. Each batch size has its own layout, and its graph was
 # captured reading the device buffer at that layout's offsets.
+#
+# There are two host buffers, used in turn. A copy from pinned memory is queued, not
+# done, when `copy` returns; the section on overlap below fills the next step's buffer
+# while the last step's copy may still be waiting on the stream, so it must not be the
+# same buffer.
 
 # %%
 #| export
@@ -210,6 +215,10 @@ DECODE_FIELDS = (
     ("slot_mapping", np.int64),
     ("uniform", np.float64),
     ("top_k", np.int64),
+    (
+        "prev_rows",
+        np.int64,
+    ),  # the row of the step before whose sampled id feeds this row
     ("seq_lens", np.int32),
     ("temperature", np.float32),
     ("top_p", np.float32),
@@ -218,16 +227,17 @@ DECODE_FIELDS = (
 
 
 class PackedDecodeInputs:
-    """A decode step's inputs for up to max_rows rows, packed back to back in one pinned
-    host buffer and one device buffer of the same layout: one copy per step.
+    """A decode step's inputs for up to max_rows rows, packed back to back in a pinned
+    host buffer and one device buffer of the same layout: one copy per step. Two host
+    buffers (`turn` 0 and 1), so one can be filled while the other's copy is queued.
     """
 
     def __init__(self, max_rows: int, max_blocks: int):
         self.max_rows, self.max_blocks = max_rows, max_blocks
         nbytes = self.nbytes(max_rows)
-        self.host = cuda.pinned_array(nbytes, np.uint8)
+        self.hosts = [cuda.pinned_array(nbytes, np.uint8) for _ in range(2)]
         self.device = cuda.device_array(nbytes, np.uint8)
-        self._views: dict = {}  # (rows, on_device) -> views, made once
+        self._views: dict = {}  # (rows, on_device, turn) -> views, made once
 
     def _layout(self, rows: int):
         at = 0
@@ -241,16 +251,18 @@ class PackedDecodeInputs:
             count * np.dtype(d).itemsize for _, d, _, count in self._layout(rows)
         )
 
-    def views(self, rows: int, on_device: bool) -> dict:
-        """Each field of a rows-row step, as a view of the host or the device buffer
-        (the same views every call: a step fills them, it does not remake them).
+    def views(self, rows: int, on_device: bool, turn: int = 0) -> dict:
+        """Each field of a rows-row step, as a view of host buffer `turn` or of the
+        device buffer (the same views every call: a step fills them, it does not remake
+        them).
         """
-        if (rows, on_device) not in self._views:
-            self._views[rows, on_device] = self._make_views(rows, on_device)
-        return self._views[rows, on_device]
+        key = (rows, on_device, 0 if on_device else turn)
+        if key not in self._views:
+            self._views[key] = self._make_views(rows, on_device, turn)
+        return self._views[key]
 
-    def _make_views(self, rows: int, on_device: bool) -> dict:
-        buffer, out = self.device if on_device else self.host, {}
+    def _make_views(self, rows: int, on_device: bool, turn: int) -> dict:
+        buffer, out = self.device if on_device else self.hosts[turn], {}
         for name, dtype, at, count in self._layout(rows):
             view = buffer[at : at + count * np.dtype(dtype).itemsize].view(dtype)
             out[name] = (
@@ -258,10 +270,12 @@ class PackedDecodeInputs:
             )
         return out
 
-    def copy(self, rows: int, stream) -> None:
-        """Copy the host buffer's rows-row layout to the device, on `stream`."""
+    def copy(self, rows: int, stream, turn: int = 0) -> None:
+        """Queue the copy of host buffer `turn`'s rows-row layout to the device, on
+        `stream`.
+        """
         n = self.nbytes(rows)
-        self.device[:n].copy_to_device(self.host[:n], stream=stream)
+        self.device[:n].copy_to_device(self.hosts[turn][:n], stream=stream)
 
 
 # %%
@@ -404,7 +418,10 @@ print("GPU log-probs match NumPy's; row 1's top 3:", top_i.copy_to_host()[1, :3]
 # %% [markdown]
 # The graph runner below samples with it: after the sampling kernel, the same stream
 # runs `gpu_logprobs` on the sampled ids where any row asked, and the host receives ids
-# and the asked-for numbers only.
+# and the asked-for numbers only. `enqueue` queues that work and the copies into one of
+# two pinned host buffers, and returns at once; `finish` reads the buffer once the
+# stream has passed the copies. `collect`, the sampler's blocking call, is the two back
+# to back.
 
 # %%
 #| export engine.cuda_graphs
@@ -415,7 +432,8 @@ from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
 
 class GpuLogprobsSampler(CudaSampler):
     """CudaSampler with log-probabilities computed on the GPU (up to MAX_LOGPROBS top
-    tokens): only the ids and the asked-for numbers cross to the host.
+    tokens): only the ids and the asked-for numbers cross to the host, into one of two
+    pinned buffers (`turn`).
     """
 
     def __init__(self, vocab_size: int, max_rows: int, stream=0):
@@ -423,25 +441,59 @@ class GpuLogprobsSampler(CudaSampler):
         self.chosen = cuda.device_array(max_rows, np.float32)
         self.top_ids = cuda.device_array((max_rows, MAX_LOGPROBS), np.int64)
         self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
+        self.pinned = [
+            {
+                "ids": cuda.pinned_array(max_rows, np.int64),
+                "chosen": cuda.pinned_array(max_rows, np.float32),
+                "top_ids": cuda.pinned_array((max_rows, MAX_LOGPROBS), np.int64),
+                "top_values": cuda.pinned_array((max_rows, MAX_LOGPROBS), np.float32),
+            }
+            for _ in range(2)
+        ]
+
+    def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
+        """Queue the log-probs (if asked) and the copies of the sampled rows to pinned
+        buffer `turn`; nothing waits. What finish needs.
+        """
+        n, s, host = len(metadata.temperature), self.stream, self.pinned[turn]
+        k = int(metadata.num_logprobs.max(initial=-1))
+        if k > MAX_LOGPROBS:
+            raise ValueError(f"the GPU gives at most {MAX_LOGPROBS} log-probs, not {k}")
+        self.ids[:n].copy_to_host(host["ids"][:n], stream=s)
+        if k >= 0:
+            gpu_logprobs(
+                logits[:n],
+                self.ids[:n],
+                k,
+                self.chosen,
+                self.top_ids,
+                self.top_values,
+                s,
+            )
+            self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
+        if k > 0:  # whole rows: a copy of contiguous memory
+            self.top_ids[:n].copy_to_host(host["top_ids"][:n], stream=s)
+            self.top_values[:n].copy_to_host(host["top_values"][:n], stream=s)
+        return turn, n, k
+
+    def finish(self, queued: tuple) -> SamplerOutput:
+        """The samples of an enqueue whose copies are done (the caller waited)."""
+        turn, n, k = queued
+        host = self.pinned[turn]
+        out = SamplerOutput(host["ids"][:n].copy())
+        if k >= 0:
+            out.logprobs = host["chosen"][:n].copy()
+        if k > 0:
+            out.top_ids = host["top_ids"][:n, :k].copy()
+            out.top_logprobs = host["top_values"][:n, :k].copy()
+        return out
 
     def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
-        n, s = len(metadata.temperature), self.stream
-        k = int(metadata.num_logprobs.max(initial=-1))
-        if k < 0 or k > MAX_LOGPROBS:  # none asked, or more than the GPU path gives
-            return super().collect(logits, metadata)
-        gpu_logprobs(
-            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values, s
-        )
-        ids = self.ids[:n].copy_to_host(stream=s)
-        chosen = self.chosen[:n].copy_to_host(stream=s)
-        top = [
-            a[:n, :k].copy_to_host(stream=s) for a in (self.top_ids, self.top_values)
-        ]
-        s.synchronize() if s else cuda.synchronize()
-        out = SamplerOutput(ids, chosen)
-        if k > 0:
-            out.top_ids, out.top_logprobs = top
-        return out
+        if int(metadata.num_logprobs.max(initial=-1)) > MAX_LOGPROBS:
+            return super().collect(logits, metadata)  # the host's log_softmax
+        queued = self.enqueue(logits, metadata, 0)
+        self.stream.synchronize() if self.stream else cuda.synchronize()
+        return self.finish(queued)
 
 
 # %% [markdown]
@@ -464,9 +516,54 @@ class GpuLogprobsSampler(CudaSampler):
 #
 # In numba's simulator, where this book's CI runs, a "replay" calls the function again:
 # the padding and the packed inputs are tested there, the capture only on a GPU.
+#
+# Each graph starts with one more kernel, for the overlap section below: a row whose
+# `prev_rows` field is r ≥ 0 takes as its token id the id that the step before sampled
+# in its row r, read on the GPU from the sampler's buffer; −1, in every row of a step
+# the host knows whole, leaves the copied id.
+
+# %%
+#| export kernels.next_ids
+from numba import cuda
+
+from tinyvllm_lib.kernels.checks import cdiv
+
+NEXT_IDS_THREADS = 128
+
+
+@cuda.jit
+def next_ids_kernel(prev_rows, sampled, ids):
+    """ids[i] = sampled[prev_rows[i]] where prev_rows[i] >= 0; the rest stay."""
+    i = cuda.grid(1)
+    if i < ids.shape[0] and prev_rows[i] >= 0:
+        ids[i] = sampled[prev_rows[i]]
+
+
+def next_ids(prev_rows, sampled, ids, stream=0) -> None:
+    """A step's token ids from the last step's samples, on the GPU (rows with a
+    prev_rows of -1 keep theirs).
+    """
+    n = ids.shape[0]
+    next_ids_kernel[cdiv(n, NEXT_IDS_THREADS), NEXT_IDS_THREADS, stream](
+        prev_rows, sampled, ids
+    )
+
+
+PTX_SIGNATURES = {"next_ids_kernel": ["void(int64[::1], int64[::1], int64[::1])"]}
+
+# %%
+prev_rows = np.array([2, -1, 0, 1], np.int64)
+sampled, ids = np.array([50, 60, 70], np.int64), np.array([1, 2, 3, 4], np.int64)
+d_ids = cuda.to_device(ids)
+next_ids(cuda.to_device(prev_rows), cuda.to_device(sampled), d_ids)
+want = np.where(prev_rows >= 0, sampled[np.maximum(prev_rows, 0)], ids)
+assert np.array_equal(d_ids.copy_to_host(), want), d_ids.copy_to_host()
+print("ids fed forward:", d_ids.copy_to_host())
 
 # %%
 #| export
+from dataclasses import dataclass
+
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
@@ -474,18 +571,24 @@ from tinyvllm_lib.engine.model_runner import (
     ModelRunner,
     ModelRunnerOutput,
     SchedulerOutput,
+    StepInputs,
     prepare_inputs,
 )
-from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
+from tinyvllm_lib.kernels.next_ids import next_ids
+from tinyvllm_lib.layers.attention_metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+)
 
 # what a padding row's fields hold: token 0 at position 0, no slot, one token of
-# context in block 0, greedy
+# context in block 0, greedy, its id its own
 PADDING = {
     "ids": 0,
     "positions": 0,
     "slot_mapping": -1,
     "uniform": 0.0,
     "top_k": 0,
+    "prev_rows": -1,
     "seq_lens": 1,
     "temperature": 0.0,
     "top_p": 1.0,
@@ -500,12 +603,14 @@ def pad_decode_inputs(host: dict, start: int) -> None:
         host[name][start:] = value
 
 
-def fill_decode_inputs(packed: PackedDecodeInputs, rows: int, inputs) -> None:
-    """The host buffer of a rows-row decode step: inputs' rows (StepInputs of a decode
-    step), then padding.
+def fill_decode_inputs(
+    packed: PackedDecodeInputs, rows: int, inputs, turn: int = 0, prev_rows=None
+) -> None:
+    """Host buffer `turn` of a rows-row decode step: inputs' rows (StepInputs of a
+    decode step; prev_rows, if given, where their ids come from), then padding.
     """
     host, m, n = (
-        packed.views(rows, on_device=False),
+        packed.views(rows, on_device=False, turn=turn),
         inputs.metadata,
         inputs.num_sampled,
     )
@@ -515,6 +620,44 @@ def fill_decode_inputs(packed: PackedDecodeInputs, rows: int, inputs) -> None:
     host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
     for name in SAMPLING_FIELDS:
         host[name][:n] = getattr(inputs.sampling, name)
+    # -1: the copied id stands (a buffer keeps what the last step in it wrote)
+    host["prev_rows"][:n] = -1 if prev_rows is None else prev_rows
+
+
+def ahead_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
+    """A decode step scheduled while the step before is in flight: each request's last
+    token is that step's sample, not yet on the host, so the positions are one past its
+    num_computed_tokens and the ids are left to next_ids.
+    """
+    requests, n = step.requests, len(step.requests)
+    computed = np.fromiter((r.num_computed_tokens + 1 for r in requests), np.int32, n)
+    positions, metadata = build_attention_metadata(
+        np.ones(n, np.int32), computed + 1, step.block_tables, block_size, 0
+    )
+    sampling = SamplingMetadata.from_params(
+        [r.params for r in requests], [r.generator for r in requests]
+    )
+    return StepInputs(
+        np.zeros(n, np.int64), positions, metadata, np.arange(n), {}, sampling, n
+    )
+
+
+@dataclass
+class AsyncModelRunnerOutput:
+    """A replayed step still on the GPU (vLLM's name): get_output() waits for its
+    samples.
+    """
+
+    sampler: GpuLogprobsSampler
+    queued: tuple
+    event: object  # recorded after the copies to the host
+    num_rows: int
+
+    def get_output(self) -> ModelRunnerOutput:
+        self.event.synchronize()
+        return ModelRunnerOutput(
+            self.sampler.finish(self.queued), [None] * self.num_rows
+        )
 
 
 class CudaGraphRunner(ModelRunner):
@@ -529,6 +672,8 @@ class CudaGraphRunner(ModelRunner):
         self.graphs: dict[int, CudaGraph] = {}
         self.progress = progress  # a bar while capturing
         super().__init__(folder, device, *args, **kwargs)
+        self.turn = 0  # the host buffers the next replayed step uses
+        self.events = [cuda.event(), cuda.event()]
 
     def init_kv_cache(self, num_slots: int) -> None:
         """Make the KV cache, then capture the decode graphs over it."""
@@ -588,6 +733,8 @@ class CudaGraphRunner(ModelRunner):
         sampler = self.sampler  # the one whose buffers the graph records
 
         def launch(stream):
+            # rows scheduled ahead take the last step's samples (the others keep theirs)
+            next_ids(v["prev_rows"], sampler.ids, v["ids"], stream)
             logits = self.launch(staged, stream)
             sampler.launch(logits, stream, rows=sampling)
 
@@ -598,27 +745,52 @@ class CudaGraphRunner(ModelRunner):
         pad_decode_inputs(self.packed.views(rows, on_device=False), start)
 
     def graph_size(self, step: SchedulerOutput) -> int | None:
-        """The graph a step can replay: a decode step that fits one; else None."""
+        """The graph a step can replay: a decode step that fits one, every row due its
+        next token, none collecting prompt logits, log-probs within the GPU's; else
+        None.
+        """
         if (
             not self.graphs
             or step.num_prefills
             or step.num_tokens != len(step.requests)
         ):
             return None
+        for r in step.requests:
+            if (
+                r.num_computed_tokens + 1 < r.num_tokens  # a recomputation's chunk
+                or (r.params.prompt_logprobs is not None and r.prompt_logprobs is None)
+                or (r.params.logprobs or 0) > MAX_LOGPROBS
+            ):
+                return None
         return graph_size_for(len(step.requests), self.graph_sizes)
 
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_async(
+        self, step: SchedulerOutput, prev_rows=None
+    ) -> AsyncModelRunnerOutput | None:
+        """Replay a decode step and return at once, or None if no graph takes it.
+        prev_rows: a step scheduled ahead (see ahead_inputs): each row's row in the step
+        before, whose sample is its token.
+        """
         rows = self.graph_size(step)
-        inputs = None if rows is None else prepare_inputs(step, self.block_size)
-        n = len(step.requests)
-        # every row due its next token, none collecting prompt logits
-        if inputs is None or inputs.num_sampled != n or inputs.prompt_rows:
-            return super().execute(step)
-        fill_decode_inputs(self.packed, rows, inputs)
-        self.packed.copy(rows, self.stream)
+        if rows is None:
+            return None
+        if prev_rows is None:
+            inputs = prepare_inputs(step, self.block_size)
+        else:
+            inputs = ahead_inputs(step, self.block_size)
+        turn, self.turn = self.turn, 1 - self.turn
+        fill_decode_inputs(self.packed, rows, inputs, turn, prev_rows)
+        self.packed.copy(rows, self.stream, turn)
         self.graphs[rows].replay()
-        sampled = self.sampler.collect(self.logits, inputs.sampling)
-        return ModelRunnerOutput(sampled, [None] * n)
+        queued = self.sampler.enqueue(self.logits, inputs.sampling, turn)
+        self.events[turn].record(self.stream)
+        return AsyncModelRunnerOutput(
+            self.sampler, queued, self.events[turn], len(step.requests)
+        )
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        pending = self.execute_async(step)
+        return super().execute(step) if pending is None else pending.get_output()
 
 
 # %% [markdown]
@@ -643,6 +815,133 @@ if has_gpu():
         del llm
 else:
     print("no GPU here: the graph path is checked in the simulator by the tests")
+
+# %% [markdown]
+# ## Overlapping the host with the GPU
+#
+# A replayed step still leaves the GPU idle while the host works. The engine waits for
+# the step's samples, then post-processes them (appends the tokens, detokenizes, checks
+# stops, frees the finished), schedules the next step, packs its inputs, and only then
+# replays again. Chapter 9's records put that host work at a few hundred microseconds
+# per step at batch 1 and several milliseconds at 256 rows, as long as the GPU's own
+# step or longer: the GPU spends up to half of each step waiting.
+#
+# vLLM's answer is *async scheduling*: schedule and launch step n + 1 before step n's
+# tokens are on the host. Three things make that possible.
+#
+# - The scheduler does not need the tokens to plan a decode step, only their number:
+#   every running request gets one more. `AsyncScheduler.schedule_ahead` plans it
+#   from the step in flight, with a slot for the position one past.
+# - The GPU has the tokens: `next_ids`, the first kernel of each graph, copies each
+#   row's id from the sampler's buffer of the step before (`prev_rows`), so the ids
+#   never make the round trip through the host.
+# - A request may finish at step n (an end-of-sequence token, a stop string) after step
+#   n + 1 was launched with it. Its row of step n + 1 computes a token nobody reads: the
+#   scheduler drops it. A request whose last token by length is step n's is not
+#   scheduled ahead at all, and a waiting request is admitted at the next full schedule,
+#   one step later than it would otherwise be.
+#
+# The engine (chapter 10's `LLMEngine`, with `async_scheduling`, on by default with
+# graphs) then keeps one step in flight: launch step n + 1, then wait for step n and
+# post-process it while the GPU runs n + 1. Anything that is not a replayable decode
+# step (a prefill, a preemption, a waiting request that can be admitted) empties the
+# pipeline first and runs as before. The KV blocks of a request freed at step n may
+# still be read and written by step n + 1 on the GPU; whoever gets them next writes them
+# in a later step, after n + 1 on the same stream.
+
+# %%
+#| export engine.async_scheduler
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, SchedulerOutput
+from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
+from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.sampler import SamplerOutput
+
+
+@dataclass
+class AheadSchedulerOutput(SchedulerOutput):
+    """A decode step planned while the step before is in flight: row i's token is the
+    one that step samples in its row prev_rows[i].
+    """
+
+    prev_rows: np.ndarray | None = None
+
+
+def take_rows(sampled: SamplerOutput, rows: list[int]) -> SamplerOutput:
+    """The samples of some rows."""
+    return SamplerOutput(
+        *(
+            None if a is None else a[rows]
+            for a in (
+                sampled.token_ids,
+                sampled.logprobs,
+                sampled.top_ids,
+                sampled.top_logprobs,
+            )
+        )
+    )
+
+
+class AsyncScheduler(PagedScheduler):
+    """PagedScheduler that can plan the next decode step before the step in flight is
+    post-processed (vLLM's async scheduling), and drops the tokens of requests that
+    finished meanwhile.
+    """
+
+    def schedule_ahead(self, prev: SchedulerOutput) -> AheadSchedulerOutput | None:
+        """The decode step after prev, prev's tokens not yet known; None where only a
+        full schedule will do (prev not all decodes, someone to admit, a short pool).
+        """
+        if prev.num_prefills or prev.num_tokens != len(prev.requests):
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None  # admit it first
+        if len(self.running) != len(prev.requests):
+            return None  # a running request that prev left out: schedule in full
+        # prev's token is the last of a request that reaches max_tokens with it
+        rows = [
+            i
+            for i, r in enumerate(prev.requests)
+            if len(r.output_token_ids) + 1 < r.max_tokens
+        ]
+        requests = [prev.requests[i] for i in rows]
+        for r in requests:  # a slot for the position one past prev's
+            if not self.block_manager.append_slots(
+                r.request_id, r.num_computed_tokens + 2
+            ):
+                return None
+        if not requests:
+            return None
+        tables = np.zeros((len(requests), self.max_blocks), np.int32)
+        for row, r in enumerate(requests):
+            table = self.block_manager.block_tables[r.request_id]
+            tables[row, : len(table)] = table
+        return AheadSchedulerOutput(
+            requests, [1] * len(requests), 0, tables, np.asarray(rows, np.int64)
+        )
+
+    def postprocess(
+        self, step: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[Request]:
+        """PagedScheduler's, less the rows of requests that finished (or were aborted)
+        while the step was in flight: their tokens are dropped.
+        """
+        keep = [i for i, r in enumerate(step.requests) if not r.is_finished]
+        if len(keep) < len(step.requests):  # only decode steps are ever in flight
+            step = SchedulerOutput(
+                [step.requests[i] for i in keep],
+                [1] * len(keep),
+                0,
+                step.block_tables[keep],
+            )
+            result = ModelRunnerOutput(
+                take_rows(result.sampled, keep), [None] * len(keep)
+            )
+        return super().postprocess(step, result)
+
 
 # %% [markdown]
 # ## The Llama 3.2 1B stand-in
@@ -1036,6 +1335,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="graphs, no overlap"
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument(
         "--max-num-seqs", type=int, help="default: 1 for latency, 256 for throughput"
@@ -1064,6 +1366,7 @@ def bench(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=seqs,
             enforce_eager=args.enforce_eager,
+            async_scheduling=False if args.no_async_scheduling else None,
         )
         if args.kind == "latency":
             result = benchmark.latency(

@@ -1687,6 +1687,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="graphs, no overlap"
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
 
 
@@ -1711,6 +1714,7 @@ def serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             num_kv_blocks=args.num_kv_blocks,
             enforce_eager=args.enforce_eager,
+            async_scheduling=False if args.no_async_scheduling else None,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None

@@ -51,6 +51,33 @@ def test_packed_inputs_round_trip_every_field(rng):
             np.testing.assert_array_equal(view.copy_to_host(), want[name], err_msg=name)
 
 
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+@pytest.mark.parametrize("turn", [0, 1])
+def test_a_filled_step_feeds_forward_only_the_rows_it_says(rng, turn):
+    """Either host buffer, whatever an earlier step left in it: a step the host knows whole has prev_rows -1 in
+    every row (its ids stand), a step scheduled ahead has its own; padding rows -1 too."""
+    from tinyvllm_lib.engine.cuda_graphs import ahead_inputs, fill_decode_inputs
+    from tinyvllm_lib.engine.model_runner import prepare_inputs
+
+    packed = PackedDecodeInputs(max_rows=8, max_blocks=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    requests = []
+    for i in range(3):
+        r = new_request(f"r{i}", rng.integers(0, 100, 5).tolist(), params)
+        r.output_token_ids.append(7)
+        r.num_computed_tokens = 5
+        requests.append(r)
+    step = SchedulerOutput(requests, [1, 1, 1], 0, np.array([[1, 0, 0, 0], [2, 0, 0, 0], [3, 0, 0, 0]], np.int32))
+    host = packed.views(4, on_device=False, turn=turn)
+    host["prev_rows"][:] = rng.integers(0, 3, 4)  # what an earlier step ahead left
+    fill_decode_inputs(packed, 4, prepare_inputs(step, 16), turn)
+    assert host["prev_rows"].tolist() == [-1, -1, -1, -1] and host["ids"][:3].tolist() == [7, 7, 7]
+    fill_decode_inputs(packed, 4, ahead_inputs(step, 16), turn, np.array([2, 0, 1]))
+    assert host["prev_rows"].tolist() == [2, 0, 1, -1]
+    assert host["positions"][:3].tolist() == [6, 6, 6] and host["seq_lens"][:3].tolist() == [7, 7, 7]
+    assert host["slot_mapping"][:3].tolist() == [16 * b + 6 for b in (1, 2, 3)]
+
+
 def new_request(rid, prompt, params):
     return Request(rid, None, list(prompt), params, params.max_tokens, eos_token_ids=(), generator=np.random.default_rng(params.seed))
 
@@ -147,6 +174,7 @@ def test_gpu_graphs_give_the_eager_tokens(folder, model, rng):
     for eager in (True, False):
         llm = LLM(path, device="cuda", max_model_len=512, max_num_seqs=48, enforce_eager=eager)
         assert isinstance(llm.llm_engine.model_runner, CudaGraphRunner) != eager
+        assert llm.llm_engine.async_scheduling != eager  # graphs overlap the host's work by default
         outs[eager] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     greedy_same, sampled_same, gaps = 0, 0, []
@@ -196,3 +224,33 @@ def test_gpu_logprobs_match_numpy(rng, k):
         assert got_ids[3, 0] == 5 and got_values[3, 0] == 0.0
     with pytest.raises(ValueError, match="k must be in"):
         gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), MAX_LOGPROBS + 1, chosen, ids, values)
+
+
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, monkeypatch, rng):
+    """The whole engine in the simulator: two requests decode through replayed graphs, the second step launched
+    before the first is post-processed (its ids fed forward by next_ids on the device), one request finishing a
+    step before the other; the tokens are the NumPy engine's (compared as in the batching issue)."""
+    monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
+    prompts = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=1)]
+    want = [o.outputs[0] for o in LLM(small_folder, device="cpu", max_model_len=64).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
+    engine, ahead = llm.llm_engine, []
+    assert engine.async_scheduling and isinstance(engine.model_runner, CudaGraphRunner)
+    launch = engine.model_runner.execute_async
+
+    def counted(step, prev_rows=None):  # the replayed steps: ahead or not
+        out = launch(step, prev_rows)
+        if out is not None:
+            ahead.append(prev_rows is not None)
+        return out
+
+    engine.model_runner.execute_async = counted
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for w, g in zip(want, got):
+        same, _ = agrees(w.token_ids, w.logprobs, g.token_ids, tie=0.02)
+        assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
+    # decode 1 launched, decode 2 (the 3-token request alone) launched ahead of it; the pool empty again
+    assert ahead == [False, True] and engine.block_manager.num_used_blocks == 0

@@ -140,6 +140,11 @@ def _engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> No
         action="store_true",
         help="launch every kernel from Python (no CUDA graphs, chapter 11)",
     )
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="graphs, but the host and the GPU take turns (chapter 11's overlap off)",
+    )
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,6 +187,7 @@ def _load_llm(args: argparse.Namespace, model: str):
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.no_async_scheduling else None,
     )
 
 
@@ -344,6 +350,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="graphs, no overlap"
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument(
         "--max-num-seqs", type=int, help="default: 1 for latency, 256 for throughput"
@@ -372,6 +381,7 @@ def bench(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=seqs,
             enforce_eager=args.enforce_eager,
+            async_scheduling=False if args.no_async_scheduling else None,
         )
         if args.kind == "latency":
             result = benchmark.latency(
@@ -423,6 +433,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="graphs, no overlap"
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
 
 
@@ -447,6 +460,7 @@ def serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             num_kv_blocks=args.num_kv_blocks,
             enforce_eager=args.enforce_eager,
+            async_scheduling=False if args.no_async_scheduling else None,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None

@@ -30,6 +30,10 @@ DECODE_FIELDS = (
     ("slot_mapping", np.int64),
     ("uniform", np.float64),
     ("top_k", np.int64),
+    (
+        "prev_rows",
+        np.int64,
+    ),  # the row of the step before whose sampled id feeds this row
     ("seq_lens", np.int32),
     ("temperature", np.float32),
     ("top_p", np.float32),
@@ -38,16 +42,17 @@ DECODE_FIELDS = (
 
 
 class PackedDecodeInputs:
-    """A decode step's inputs for up to max_rows rows, packed back to back in one pinned
-    host buffer and one device buffer of the same layout: one copy per step.
+    """A decode step's inputs for up to max_rows rows, packed back to back in a pinned
+    host buffer and one device buffer of the same layout: one copy per step. Two host
+    buffers (`turn` 0 and 1), so one can be filled while the other's copy is queued.
     """
 
     def __init__(self, max_rows: int, max_blocks: int):
         self.max_rows, self.max_blocks = max_rows, max_blocks
         nbytes = self.nbytes(max_rows)
-        self.host = cuda.pinned_array(nbytes, np.uint8)
+        self.hosts = [cuda.pinned_array(nbytes, np.uint8) for _ in range(2)]
         self.device = cuda.device_array(nbytes, np.uint8)
-        self._views: dict = {}  # (rows, on_device) -> views, made once
+        self._views: dict = {}  # (rows, on_device, turn) -> views, made once
 
     def _layout(self, rows: int):
         at = 0
@@ -61,16 +66,18 @@ class PackedDecodeInputs:
             count * np.dtype(d).itemsize for _, d, _, count in self._layout(rows)
         )
 
-    def views(self, rows: int, on_device: bool) -> dict:
-        """Each field of a rows-row step, as a view of the host or the device buffer
-        (the same views every call: a step fills them, it does not remake them).
+    def views(self, rows: int, on_device: bool, turn: int = 0) -> dict:
+        """Each field of a rows-row step, as a view of host buffer `turn` or of the
+        device buffer (the same views every call: a step fills them, it does not remake
+        them).
         """
-        if (rows, on_device) not in self._views:
-            self._views[rows, on_device] = self._make_views(rows, on_device)
-        return self._views[rows, on_device]
+        key = (rows, on_device, 0 if on_device else turn)
+        if key not in self._views:
+            self._views[key] = self._make_views(rows, on_device, turn)
+        return self._views[key]
 
-    def _make_views(self, rows: int, on_device: bool) -> dict:
-        buffer, out = self.device if on_device else self.host, {}
+    def _make_views(self, rows: int, on_device: bool, turn: int) -> dict:
+        buffer, out = self.device if on_device else self.hosts[turn], {}
         for name, dtype, at, count in self._layout(rows):
             view = buffer[at : at + count * np.dtype(dtype).itemsize].view(dtype)
             out[name] = (
@@ -78,10 +85,12 @@ class PackedDecodeInputs:
             )
         return out
 
-    def copy(self, rows: int, stream) -> None:
-        """Copy the host buffer's rows-row layout to the device, on `stream`."""
+    def copy(self, rows: int, stream, turn: int = 0) -> None:
+        """Queue the copy of host buffer `turn`'s rows-row layout to the device, on
+        `stream`.
+        """
         n = self.nbytes(rows)
-        self.device[:n].copy_to_device(self.host[:n], stream=stream)
+        self.device[:n].copy_to_device(self.hosts[turn][:n], stream=stream)
 
 
 # defined in chapters/11_llama.py
@@ -92,7 +101,8 @@ from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
 
 class GpuLogprobsSampler(CudaSampler):
     """CudaSampler with log-probabilities computed on the GPU (up to MAX_LOGPROBS top
-    tokens): only the ids and the asked-for numbers cross to the host.
+    tokens): only the ids and the asked-for numbers cross to the host, into one of two
+    pinned buffers (`turn`).
     """
 
     def __init__(self, vocab_size: int, max_rows: int, stream=0):
@@ -100,28 +110,64 @@ class GpuLogprobsSampler(CudaSampler):
         self.chosen = cuda.device_array(max_rows, np.float32)
         self.top_ids = cuda.device_array((max_rows, MAX_LOGPROBS), np.int64)
         self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
+        self.pinned = [
+            {
+                "ids": cuda.pinned_array(max_rows, np.int64),
+                "chosen": cuda.pinned_array(max_rows, np.float32),
+                "top_ids": cuda.pinned_array((max_rows, MAX_LOGPROBS), np.int64),
+                "top_values": cuda.pinned_array((max_rows, MAX_LOGPROBS), np.float32),
+            }
+            for _ in range(2)
+        ]
+
+    def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
+        """Queue the log-probs (if asked) and the copies of the sampled rows to pinned
+        buffer `turn`; nothing waits. What finish needs.
+        """
+        n, s, host = len(metadata.temperature), self.stream, self.pinned[turn]
+        k = int(metadata.num_logprobs.max(initial=-1))
+        if k > MAX_LOGPROBS:
+            raise ValueError(f"the GPU gives at most {MAX_LOGPROBS} log-probs, not {k}")
+        self.ids[:n].copy_to_host(host["ids"][:n], stream=s)
+        if k >= 0:
+            gpu_logprobs(
+                logits[:n],
+                self.ids[:n],
+                k,
+                self.chosen,
+                self.top_ids,
+                self.top_values,
+                s,
+            )
+            self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
+        if k > 0:  # whole rows: a copy of contiguous memory
+            self.top_ids[:n].copy_to_host(host["top_ids"][:n], stream=s)
+            self.top_values[:n].copy_to_host(host["top_values"][:n], stream=s)
+        return turn, n, k
+
+    def finish(self, queued: tuple) -> SamplerOutput:
+        """The samples of an enqueue whose copies are done (the caller waited)."""
+        turn, n, k = queued
+        host = self.pinned[turn]
+        out = SamplerOutput(host["ids"][:n].copy())
+        if k >= 0:
+            out.logprobs = host["chosen"][:n].copy()
+        if k > 0:
+            out.top_ids = host["top_ids"][:n, :k].copy()
+            out.top_logprobs = host["top_values"][:n, :k].copy()
+        return out
 
     def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
-        n, s = len(metadata.temperature), self.stream
-        k = int(metadata.num_logprobs.max(initial=-1))
-        if k < 0 or k > MAX_LOGPROBS:  # none asked, or more than the GPU path gives
-            return super().collect(logits, metadata)
-        gpu_logprobs(
-            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values, s
-        )
-        ids = self.ids[:n].copy_to_host(stream=s)
-        chosen = self.chosen[:n].copy_to_host(stream=s)
-        top = [
-            a[:n, :k].copy_to_host(stream=s) for a in (self.top_ids, self.top_values)
-        ]
-        s.synchronize() if s else cuda.synchronize()
-        out = SamplerOutput(ids, chosen)
-        if k > 0:
-            out.top_ids, out.top_logprobs = top
-        return out
+        if int(metadata.num_logprobs.max(initial=-1)) > MAX_LOGPROBS:
+            return super().collect(logits, metadata)  # the host's log_softmax
+        queued = self.enqueue(logits, metadata, 0)
+        self.stream.synchronize() if self.stream else cuda.synchronize()
+        return self.finish(queued)
 
 
 # defined in chapters/11_llama.py
+from dataclasses import dataclass
+
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
@@ -129,18 +175,24 @@ from tinyvllm_lib.engine.model_runner import (
     ModelRunner,
     ModelRunnerOutput,
     SchedulerOutput,
+    StepInputs,
     prepare_inputs,
 )
-from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
+from tinyvllm_lib.kernels.next_ids import next_ids
+from tinyvllm_lib.layers.attention_metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+)
 
 # what a padding row's fields hold: token 0 at position 0, no slot, one token of
-# context in block 0, greedy
+# context in block 0, greedy, its id its own
 PADDING = {
     "ids": 0,
     "positions": 0,
     "slot_mapping": -1,
     "uniform": 0.0,
     "top_k": 0,
+    "prev_rows": -1,
     "seq_lens": 1,
     "temperature": 0.0,
     "top_p": 1.0,
@@ -155,12 +207,14 @@ def pad_decode_inputs(host: dict, start: int) -> None:
         host[name][start:] = value
 
 
-def fill_decode_inputs(packed: PackedDecodeInputs, rows: int, inputs) -> None:
-    """The host buffer of a rows-row decode step: inputs' rows (StepInputs of a decode
-    step), then padding.
+def fill_decode_inputs(
+    packed: PackedDecodeInputs, rows: int, inputs, turn: int = 0, prev_rows=None
+) -> None:
+    """Host buffer `turn` of a rows-row decode step: inputs' rows (StepInputs of a
+    decode step; prev_rows, if given, where their ids come from), then padding.
     """
     host, m, n = (
-        packed.views(rows, on_device=False),
+        packed.views(rows, on_device=False, turn=turn),
         inputs.metadata,
         inputs.num_sampled,
     )
@@ -170,6 +224,44 @@ def fill_decode_inputs(packed: PackedDecodeInputs, rows: int, inputs) -> None:
     host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
     for name in SAMPLING_FIELDS:
         host[name][:n] = getattr(inputs.sampling, name)
+    # -1: the copied id stands (a buffer keeps what the last step in it wrote)
+    host["prev_rows"][:n] = -1 if prev_rows is None else prev_rows
+
+
+def ahead_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
+    """A decode step scheduled while the step before is in flight: each request's last
+    token is that step's sample, not yet on the host, so the positions are one past its
+    num_computed_tokens and the ids are left to next_ids.
+    """
+    requests, n = step.requests, len(step.requests)
+    computed = np.fromiter((r.num_computed_tokens + 1 for r in requests), np.int32, n)
+    positions, metadata = build_attention_metadata(
+        np.ones(n, np.int32), computed + 1, step.block_tables, block_size, 0
+    )
+    sampling = SamplingMetadata.from_params(
+        [r.params for r in requests], [r.generator for r in requests]
+    )
+    return StepInputs(
+        np.zeros(n, np.int64), positions, metadata, np.arange(n), {}, sampling, n
+    )
+
+
+@dataclass
+class AsyncModelRunnerOutput:
+    """A replayed step still on the GPU (vLLM's name): get_output() waits for its
+    samples.
+    """
+
+    sampler: GpuLogprobsSampler
+    queued: tuple
+    event: object  # recorded after the copies to the host
+    num_rows: int
+
+    def get_output(self) -> ModelRunnerOutput:
+        self.event.synchronize()
+        return ModelRunnerOutput(
+            self.sampler.finish(self.queued), [None] * self.num_rows
+        )
 
 
 class CudaGraphRunner(ModelRunner):
@@ -184,6 +276,8 @@ class CudaGraphRunner(ModelRunner):
         self.graphs: dict[int, CudaGraph] = {}
         self.progress = progress  # a bar while capturing
         super().__init__(folder, device, *args, **kwargs)
+        self.turn = 0  # the host buffers the next replayed step uses
+        self.events = [cuda.event(), cuda.event()]
 
     def init_kv_cache(self, num_slots: int) -> None:
         """Make the KV cache, then capture the decode graphs over it."""
@@ -243,6 +337,8 @@ class CudaGraphRunner(ModelRunner):
         sampler = self.sampler  # the one whose buffers the graph records
 
         def launch(stream):
+            # rows scheduled ahead take the last step's samples (the others keep theirs)
+            next_ids(v["prev_rows"], sampler.ids, v["ids"], stream)
             logits = self.launch(staged, stream)
             sampler.launch(logits, stream, rows=sampling)
 
@@ -253,24 +349,49 @@ class CudaGraphRunner(ModelRunner):
         pad_decode_inputs(self.packed.views(rows, on_device=False), start)
 
     def graph_size(self, step: SchedulerOutput) -> int | None:
-        """The graph a step can replay: a decode step that fits one; else None."""
+        """The graph a step can replay: a decode step that fits one, every row due its
+        next token, none collecting prompt logits, log-probs within the GPU's; else
+        None.
+        """
         if (
             not self.graphs
             or step.num_prefills
             or step.num_tokens != len(step.requests)
         ):
             return None
+        for r in step.requests:
+            if (
+                r.num_computed_tokens + 1 < r.num_tokens  # a recomputation's chunk
+                or (r.params.prompt_logprobs is not None and r.prompt_logprobs is None)
+                or (r.params.logprobs or 0) > MAX_LOGPROBS
+            ):
+                return None
         return graph_size_for(len(step.requests), self.graph_sizes)
 
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_async(
+        self, step: SchedulerOutput, prev_rows=None
+    ) -> AsyncModelRunnerOutput | None:
+        """Replay a decode step and return at once, or None if no graph takes it.
+        prev_rows: a step scheduled ahead (see ahead_inputs): each row's row in the step
+        before, whose sample is its token.
+        """
         rows = self.graph_size(step)
-        inputs = None if rows is None else prepare_inputs(step, self.block_size)
-        n = len(step.requests)
-        # every row due its next token, none collecting prompt logits
-        if inputs is None or inputs.num_sampled != n or inputs.prompt_rows:
-            return super().execute(step)
-        fill_decode_inputs(self.packed, rows, inputs)
-        self.packed.copy(rows, self.stream)
+        if rows is None:
+            return None
+        if prev_rows is None:
+            inputs = prepare_inputs(step, self.block_size)
+        else:
+            inputs = ahead_inputs(step, self.block_size)
+        turn, self.turn = self.turn, 1 - self.turn
+        fill_decode_inputs(self.packed, rows, inputs, turn, prev_rows)
+        self.packed.copy(rows, self.stream, turn)
         self.graphs[rows].replay()
-        sampled = self.sampler.collect(self.logits, inputs.sampling)
-        return ModelRunnerOutput(sampled, [None] * n)
+        queued = self.sampler.enqueue(self.logits, inputs.sampling, turn)
+        self.events[turn].record(self.stream)
+        return AsyncModelRunnerOutput(
+            self.sampler, queued, self.events[turn], len(step.requests)
+        )
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        pending = self.execute_async(step)
+        return super().execute(step) if pending is None else pending.get_output()

@@ -8,8 +8,9 @@ from numba import config, cuda, float32, int64, uint32
 
 from tinyvllm_lib.kernels.bf16 import _f32_bits
 
-# a power of two: the reductions halve it
-SAMPLER_THREADS = 32 if config.ENABLE_CUDASIM else 256
+# a power of two: the reductions halve it (512: a lone greedy row at batch 1 is read by
+# one block, so that block wants many loads in flight)
+SAMPLER_THREADS = 32 if config.ENABLE_CUDASIM else 512
 MAX_THREADS = 1024
 
 
@@ -61,10 +62,28 @@ def block_total(value, sv):
 
 @cuda.jit(device=True)
 def row_argmax(z, sv, si):
-    best, best_i = -math.inf, int64(z.shape[0])
-    for i in range(cuda.threadIdx.x, z.shape[0], cuda.blockDim.x):
-        if z[i] > best:  # increasing i: the first of equal values stays
+    """(largest value, its first index) of row z. Each thread reads i, i + nt, ... in
+    increasing order, four independent loads at a time so that they are in flight
+    together.
+    """
+    n, nt = z.shape[0], cuda.blockDim.x
+    best, best_i = -math.inf, int64(n)
+    i = cuda.threadIdx.x
+    while i + 3 * nt < n:
+        a, b, c, d = z[i], z[i + nt], z[i + 2 * nt], z[i + 3 * nt]
+        if a > best:  # increasing i: the first of equal values stays
+            best, best_i = a, i
+        if b > best:
+            best, best_i = b, i + nt
+        if c > best:
+            best, best_i = c, i + 2 * nt
+        if d > best:
+            best, best_i = d, i + 3 * nt
+        i += 4 * nt
+    while i < n:
+        if z[i] > best:
             best, best_i = z[i], i
+        i += nt
     return block_argmax(float32(best), best_i, sv, si)
 
 

@@ -1,0 +1,143 @@
+"""Chapter 11's overlap on the CPU: the engine with async scheduling (the next decode step launched before the
+last is post-processed) against the same engine stepping synchronously, with a stand-in runner whose token
+at each position is a fixed function of the request and the position. So a step run ahead must compute the
+tokens the synchronous engine computes later, whatever the order: the tests check the scheduling (positions
+one past, requests that finish by length not scheduled ahead, stops found while a step is in flight, aborts,
+admission while others decode, the pool freed), not the kernels (tests/test_cuda_graphs.py does those on a GPU)."""
+
+import numpy as np
+import pytest
+
+from tinyvllm_lib.engine.async_scheduler import AheadSchedulerOutput, AsyncScheduler
+from tinyvllm_lib.engine.llm_engine import LLMEngine
+from tinyvllm_lib.engine.model_runner import ModelRunnerOutput
+from tinyvllm_lib.engine.sampler import SamplerOutput
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    config = tiny_llama_config(vocab_size=VOCAB, max_position_embeddings=1024)
+    return make_random_llama(tmp_path_factory.mktemp("async"), config, seed=12)
+
+
+def token_at(request, index: int) -> int:
+    """The stand-in model: token `index` of a request (0-based over prompt + output)."""
+    return (sum(request.prompt_token_ids) * 31 + index * 17 + len(request.prompt_token_ids)) % VOCAB
+
+
+class Pending:
+    def __init__(self, ids):
+        self.ids, self.collected = ids, False
+
+    def get_output(self) -> ModelRunnerOutput:
+        assert not self.collected, "collected twice"
+        self.collected = True
+        return ModelRunnerOutput(SamplerOutput(np.array(self.ids, np.int64)), [None] * len(self.ids))
+
+
+class StandInRunner:
+    """execute for any step; execute_async for decode steps, ahead ones too (prev_rows)."""
+
+    def __init__(self):
+        self.ahead_steps, self.in_flight = 0, []
+
+    def execute(self, step) -> ModelRunnerOutput:
+        ids = [token_at(r, r.num_computed_tokens + n) for r, n in zip(step.requests, step.num_new_tokens)
+               if r.num_computed_tokens + n >= r.num_tokens]
+        return ModelRunnerOutput(SamplerOutput(np.array(ids, np.int64)), [None] * len(step.requests))
+
+    def execute_async(self, step, prev_rows=None):
+        if step.num_prefills or step.num_tokens != len(step.requests):
+            return None
+        assert not any(r.is_finished for r in step.requests)
+        # in flight: at most the step before, which an ahead step follows
+        assert len([p for p in self.in_flight if not p.collected]) <= (0 if prev_rows is None else 1)
+        ahead = prev_rows is not None
+        if ahead:
+            assert isinstance(step, AheadSchedulerOutput) and len(prev_rows) == len(step.requests)
+            self.ahead_steps += 1
+        # a row's new token is one past its last computed position; ahead, that position is one further
+        ids = [token_at(r, r.num_computed_tokens + 1 + ahead) for r in step.requests]
+        self.in_flight.append(Pending(ids))
+        return self.in_flight[-1]
+
+
+def engine(folder, async_scheduling: bool, max_num_seqs: int = 4) -> tuple[LLMEngine, StandInRunner]:
+    e = LLMEngine(folder, "cpu", max_model_len=256, max_num_seqs=max_num_seqs, num_kv_blocks=64)
+    runner = StandInRunner()
+    e.model_runner = runner
+    if async_scheduling:  # what LLMEngine does with the graph runner
+        e.async_scheduling = True
+        e.scheduler = AsyncScheduler(e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, e.block_manager)
+    return e, runner
+
+
+def run(e: LLMEngine, requests, abort_after: dict | None = None) -> dict:
+    for rid, prompt, params in requests:
+        e.add_request(rid, prompt, params)
+    final, steps = {}, 0
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                final[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+        steps += 1
+        for rid, at in (abort_after or {}).items():
+            if steps == at and rid in e.requests:
+                e.abort_request(rid)
+        assert steps < 1000
+    return final
+
+
+def workload(rng, n: int = 9):
+    requests = []
+    for i in range(n):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 40))).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 25)), ignore_eos=True)
+        if i % 3 == 1:  # a stop token that comes a few tokens in: found while the next step is in flight
+            probe = type("R", (), {"prompt_token_ids": prompt})
+            stop_at = len(prompt) + int(rng.integers(0, 6))
+            params = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[token_at(probe, stop_at)])
+        requests.append((f"r{i}", prompt, params))
+    return requests
+
+
+def test_ahead_steps_give_the_synchronous_engines_tokens(folder, rng):
+    requests = workload(rng)
+    want = run(engine(folder, False)[0], requests)
+    e, runner = engine(folder, True)
+    got = run(e, requests)
+    assert got == want
+    assert runner.ahead_steps > 0 and all(p.collected for p in runner.in_flight)
+    assert e.block_manager.num_used_blocks == 0 and not e.requests
+    stops = [rid for rid, (_, reason) in want.items() if reason == "stop"]
+    assert stops, "the workload has requests that stop on a token"
+
+
+def test_more_requests_than_max_num_seqs_are_admitted_as_others_finish(folder, rng):
+    requests = workload(rng, 12)
+    want = run(engine(folder, False, max_num_seqs=3)[0], requests)
+    e, runner = engine(folder, True, max_num_seqs=3)
+    assert run(e, requests) == want and runner.ahead_steps > 0
+
+
+def test_an_abort_while_a_step_is_in_flight_drops_its_token_and_frees_its_blocks(folder, rng):
+    prompts = [rng.integers(0, VOCAB, 20).tolist() for _ in range(3)]
+    requests = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    want = run(engine(folder, False)[0], requests)
+    e, runner = engine(folder, True)
+    got = run(e, requests, abort_after={"r1": 6})
+    assert got["r0"] == want["r0"] and got["r2"] == want["r2"]
+    tokens, reason = got["r1"]
+    assert reason == "abort" and tokens == want["r1"][0][: len(tokens)] and 0 < len(tokens) < 30
+    assert e.block_manager.num_used_blocks == 0 and runner.ahead_steps > 0
+
+
+def test_async_scheduling_needs_the_graph_runner(folder):
+    with pytest.raises(ValueError, match="async_scheduling needs the CUDA graph runner"):
+        LLMEngine(folder, "cpu", max_model_len=64, async_scheduling=True)
+    assert LLMEngine(folder, "cpu", max_model_len=64).async_scheduling is False
