@@ -2076,6 +2076,22 @@ per second a median first token after {{ch12_gpu_ttft_low}} and a median gap of
 {{ch12_gpu_itl_low}}; all at once, {{ch12_gpu_ttft_high}} and {{ch12_gpu_itl_high}},
 and {{ch12_gpu_tput_high}} output tokens/s.
 """))  # fmt: skip
+    # the engine's own decode step at a like batch (chapter 11), against the gaps seen
+    replay = [r for r in load_records("ch11_llama") if r["name"] == "graph_replay"]
+    _, gpu_itl = sweep(next(iter(gpu.values())), "itl")
+    if replay:
+        step = min(replay, key=lambda r: abs(r["shape"][0] - 64))
+        prose.glue("ch12_replay", f"{step['value']:.1f} ms")
+        prose.glue("ch12_replay_rows", f"{step['shape'][0]}")
+        prose.glue("ch12_itl_over", f"{gpu_itl[-1] / step['value']:.0f} times")
+        prose.glue("ch12_gpu_sentence", prose.fill("""{{ch12_gpu_sentence}} A replayed
+decode step of {{ch12_replay_rows}} rows takes {{ch12_replay}} on the same GPU
+(chapter 11), so the gap between a client's tokens is {{ch12_itl_over}} the GPU's
+part of a step. Where the rest goes is not measured yet; the candidates are the
+engine's host work per step (chapter 11 times it), and the server's: a chunk per token
+per client, encoded as JSON and written by the event loop, which shares one Python
+interpreter with the engine's thread.
+"""))  # fmt: skip
 else:
     prose.glue("ch12_gpu_sentence", "No GPU record has been made yet: no GPU has run "
                "`bench/ch12_serving.py` for this copy of the book.")  # fmt: skip
