@@ -100,6 +100,8 @@ class AsyncLLMEngine:
         self.engine, self.stat_loggers = engine, list(stat_loggers)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tracked: dict[str, _Tracked] = {}  # the engine thread's own
+        # set once by shutdown: no add is posted after it (under the lock)
+        self._stopped, self._lock = False, threading.Lock()
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.thread.start()
 
@@ -113,12 +115,13 @@ class AsyncLLMEngine:
         """Hand a request to the engine: its collector once the engine took it, or the
         engine's ValueError (a prompt too long, say).
         """
-        if not self.is_running:
-            raise RuntimeError("the engine loop has stopped")
         accepted = asyncio.get_running_loop().create_future()
         collector = RequestOutputCollector()
         args = (prompt, params, name, collector, accepted, time.perf_counter())
-        self.inbox.put(("add", request_id, args))
+        with self._lock:  # never after shutdown's stop: nobody would answer it
+            if self._stopped or not self.is_running:
+                raise RuntimeError("the engine loop has stopped")
+            self.inbox.put(("add", request_id, args))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -147,7 +150,9 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the thread after its step; requests in flight get a RuntimeError."""
-        self.inbox.put(("stop", None, ()))
+        with self._lock:
+            self._stopped = True
+            self.inbox.put(("stop", None, ()))
         self.thread.join(timeout)
 
     # --- the engine thread ---
