@@ -475,10 +475,11 @@ def make_request(
             f"is more than max_model_len ({max_model_len}); lower max_tokens or "
             "raise max_model_len"
         )
-    generator = (
-        np.random.default_rng(params.seed)
-        if params.seed is not None
-        else default_generator
+    # a request without a seed gets a generator of its own, seeded from the engine's:
+    # its draws do not depend on which other requests draw, or how often (chapter 11's
+    # overlap draws for rows whose tokens it then drops)
+    generator = np.random.default_rng(
+        params.seed if params.seed is not None else default_generator.integers(2**63)
     )
     return Request(
         request_id,

@@ -834,8 +834,8 @@ else:
 # tokens are on the host. Three things make that possible.
 #
 # - The scheduler does not need the tokens to plan a decode step, only their number:
-#   every running request gets one more. `AsyncScheduler.schedule_ahead` plans it
-#   from the step in flight, with a slot for the position one past.
+#   every running request gets one more. `AsyncScheduler.schedule_ahead` plans it from
+#   the step in flight, with a slot for the position one past.
 # - The GPU has the tokens: `next_ids`, the first kernel of each graph, copies each
 #   row's id from the sampler's buffer of the step before (`prev_rows`), so the ids
 #   never make the round trip through the host.
@@ -848,10 +848,11 @@ else:
 # The engine (chapter 10's `LLMEngine`, with `async_scheduling`, on by default with
 # graphs) then keeps one step in flight: launch step n + 1, then wait for step n and
 # post-process it while the GPU runs n + 1. Anything that is not a replayable decode
-# step (a prefill, a preemption, a waiting request that can be admitted) empties the
-# pipeline first and runs as before. The KV blocks of a request freed at step n may
-# still be read and written by step n + 1 on the GPU; whoever gets them next writes them
-# in a later step, after n + 1 on the same stream.
+# step (a prefill, a preemption, a waiting request while a seat is free, whether or not
+# the pool could take it yet) empties the pipeline first and runs as before. The KV
+# blocks of a request freed at step n may still be read and written by step n + 1 on the
+# GPU; whoever gets them next writes them in a later step, after n + 1 on the same
+# stream.
 
 # %%
 #| export engine.async_scheduler

@@ -43,7 +43,7 @@ class StandInRunner:
     """execute for any step; execute_async for decode steps, ahead ones too (prev_rows)."""
 
     def __init__(self):
-        self.ahead_steps, self.in_flight = 0, []
+        self.ahead_steps, self.in_flight, self.last_step = 0, [], None
 
     def execute(self, step) -> ModelRunnerOutput:
         ids = [token_at(r, r.num_computed_tokens + n) for r, n in zip(step.requests, step.num_new_tokens)
@@ -59,7 +59,12 @@ class StandInRunner:
         ahead = prev_rows is not None
         if ahead:
             assert isinstance(step, AheadSchedulerOutput) and len(prev_rows) == len(step.requests)
+            # each row's token is the one the step in flight samples in row prev_rows[i]: the same request's
+            assert [self.last_step.requests[j] for j in prev_rows] == step.requests
+            # a request whose in-flight token is its last by length is not planned ahead
+            assert all(len(r.output_token_ids) + 1 < r.max_tokens for r in step.requests)
             self.ahead_steps += 1
+        self.last_step = step
         # a row's new token is one past its last computed position; ahead, that position is one further
         ids = [token_at(r, r.num_computed_tokens + 1 + ahead) for r in step.requests]
         self.in_flight.append(Pending(ids))
@@ -135,6 +140,34 @@ def test_an_abort_while_a_step_is_in_flight_drops_its_token_and_frees_its_blocks
     tokens, reason = got["r1"]
     assert reason == "abort" and tokens == want["r1"][0][: len(tokens)] and 0 < len(tokens) < 30
     assert e.block_manager.num_used_blocks == 0 and runner.ahead_steps > 0
+
+
+def test_a_request_added_while_a_seat_is_free_is_admitted_at_the_next_full_schedule(folder, rng):
+    """As chapter 12's server adds requests between steps: with a step in flight and a free seat, the engine
+    plans nothing ahead; the newcomer's prompt runs in the step after, and its tokens are the synchronous
+    engine's."""
+    long = [(f"r{i}", rng.integers(0, VOCAB, 10).tolist(), SamplingParams(temperature=0.0, max_tokens=20,
+                                                                      ignore_eos=True)) for i in range(2)]
+    late = ("late", rng.integers(0, VOCAB, 7).tolist(), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    want = run(engine(folder, False)[0], long + [late])
+    e, runner = engine(folder, True)
+    for rid, prompt, params in long:
+        e.add_request(rid, prompt, params)
+    while runner.ahead_steps < 3:  # decoding, one step in flight
+        e.step()
+    assert e._in_flight is not None
+    e.add_request(*late)
+    before = runner.ahead_steps
+    e.step()  # collects the step in flight; plans nothing ahead: someone waits and a seat is free
+    assert runner.ahead_steps == before and e._in_flight is None and not e.requests["late"].output_token_ids
+    e.step()  # a full schedule: the newcomer's prompt, its first token
+    assert len(e.requests["late"].output_token_ids) == 1
+    final = {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                final[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+    assert final == want and runner.ahead_steps > before
 
 
 def test_async_scheduling_needs_the_graph_runner(folder):

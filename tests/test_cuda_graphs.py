@@ -233,8 +233,9 @@ def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, 
     step before the other; the tokens are the NumPy engine's (compared as in the batching issue)."""
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     prompts = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
-    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1),
-              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=1)]
+    # the second request (row 1) outlives the first: its ahead step feeds row 1's sample into row 0
+    params = [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1)]
     want = [o.outputs[0] for o in LLM(small_folder, device="cpu", max_model_len=64).generate(prompts, params, use_tqdm=False)]
     llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
     engine, ahead = llm.llm_engine, []
@@ -252,5 +253,5 @@ def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, 
     for w, g in zip(want, got):
         same, _ = agrees(w.token_ids, w.logprobs, g.token_ids, tie=0.02)
         assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
-    # decode 1 launched, decode 2 (the 3-token request alone) launched ahead of it; the pool empty again
+    # decode 1 launched, decode 2 (the second request alone) launched ahead of it; the pool empty again
     assert ahead == [False, True] and engine.block_manager.num_used_blocks == 0
