@@ -83,6 +83,32 @@ MODES = (
 )
 
 
+def time_waits(llm) -> list:
+    """Instrument the graph runner: the seconds the host spends waiting in each replayed step's get_output
+    (near zero: the host is the slower part; long: the GPU is). The list fills as the engine steps."""
+    runner, waits = llm.llm_engine.model_runner, []
+    launch = getattr(runner, "execute_async", None)
+    if launch is None:
+        return waits
+
+    def timed(step, prev_rows=None):
+        out = launch(step, prev_rows)
+        if out is not None:
+            get = out.get_output
+
+            def get_output():
+                t0 = time.perf_counter()
+                result = get()
+                waits.append(time.perf_counter() - t0)
+                return result
+
+            out.get_output = get_output
+        return out
+
+    runner.execute_async = timed
+    return waits
+
+
 def engine_part(rec: Recorder, folder, extra: dict) -> None:
     """Batch 1, then throughput, in each of MODES; saved after each measurement."""
     ceiling, nbytes, copy = batch1_ceiling(folder)
@@ -112,8 +138,15 @@ def engine_part(rec: Recorder, folder, extra: dict) -> None:
         del llm
     for tag, suffix, args in MODES:
         llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, **args)
+        waits = time_waits(llm)
         t = benchmark.throughput(llm)
         stats = llm.llm_engine.stats
+        if waits:  # replayed steps: how long the host waited for the GPU in each
+            t |= {"replayed_steps": len(waits), "gpu_wait_s": float(np.sum(waits)),
+                  "gpu_wait_ms_median": 1e3 * float(np.median(waits)),
+                  "gpu_wait_note": "the 4-request warm-up's few steps included"}
+            print(f"  {len(waits)} replayed steps; the host waited for the GPU {np.sum(waits):.2f} s in all "
+                  f"(median {1e3 * np.median(waits):.2f} ms a step)", flush=True)
         rec.add("throughput" + suffix, [256], "tok/s", t["output_tok_s"], part="engine", mode=tag,
                 num_steps=stats.num_steps, num_preemptions=stats.num_preemptions,
                 max_num_running=stats.max_num_running, max_num_seqs=MAX_NUM_SEQS, **t, **extra)
