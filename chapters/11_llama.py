@@ -1562,7 +1562,8 @@ else:
                 fontsize=7,
             )
         total = sum(r["value"] * r["per_step"] for r in rows)
-        ax.set_title(f"{shape[0]} rows: {total / 1e3:.2f} ms", fontsize=9)
+        rows_label = f"{shape[0]} row" + ("s" if shape[0] > 1 else "")
+        ax.set_title(f"{rows_label}: {total / 1e3:.2f} ms", fontsize=9)
         ax.set_xlabel("% of the step")
     np.atleast_1d(axes)[0].invert_yaxis()
     plt.show()
@@ -1626,7 +1627,7 @@ def progression():
                 ),
             ),
         ),
-        ("11: CUDA graphs", by_name.get("throughput")),
+        ("11: graphs + overlap", by_name.get("throughput")),
     ]
     return [(label, r) for label, r in steps if r is not None]
 
