@@ -826,9 +826,9 @@ else:
 # A replayed step still leaves the GPU idle while the host works. The engine waits for
 # the step's samples, then post-processes them (appends the tokens, detokenizes, checks
 # stops, frees the finished), schedules the next step, packs its inputs, and only then
-# replays again. Chapter 9's records put that host work at a few hundred microseconds
-# per step at batch 1 and several milliseconds at 256 rows, as long as the GPU's own
-# step or longer: the GPU spends up to half of each step waiting.
+# replays again. The section on the host's cost below measures that work alone: a
+# fraction of a millisecond per step at batch 1 and milliseconds at 256 rows, of the
+# order of the GPU's own step, during which the GPU waits.
 #
 # vLLM's answer is *async scheduling*: schedule and launch step n + 1 before step n's
 # tokens are on the host. Three things make that possible.
