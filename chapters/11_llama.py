@@ -35,7 +35,7 @@
 #   anything that changes from the GPU's memory, not from their arguments;
 # - **batch-size buckets**: a step of 5 requests replays the graph of 8, and its 3
 #   padding rows write to no cache slot;
-# - **one copy per step**: a decode step's inputs packed into one pinned buffer;
+# - **one copy per step**: a decode step's inputs packed into a pinned buffer;
 # - sampling inside the graph, with each request's seed and settings, and
 #   log-probabilities computed on the GPU;
 # - **async scheduling**: the next step launched before the host has post-processed the
@@ -920,12 +920,12 @@ class AsyncScheduler(PagedScheduler):
                 return None
         if not requests:
             return None
-        tables = np.zeros((len(requests), self.max_blocks), np.int32)
-        for row, r in enumerate(requests):
-            table = self.block_manager.block_tables[r.request_id]
-            tables[row, : len(table)] = table
         return AheadSchedulerOutput(
-            requests, [1] * len(requests), 0, tables, np.asarray(rows, np.int64)
+            requests,
+            [1] * len(requests),
+            0,
+            self.block_tables(requests),
+            np.asarray(rows, np.int64),
         )
 
     def postprocess(
@@ -1694,7 +1694,8 @@ a faster host step is worth as much as faster kernels.
 #   the batch size and a fixed bound; cuBLAS gets a fixed workspace.
 # - One graph per batch size, vLLM's buckets; a step pads up to the next size with rows
 #   that read real memory and write no slot. Prefills run eagerly.
-# - A decode step's inputs are packed into one pinned buffer and moved with one copy;
+# - A decode step's inputs are packed into a pinned buffer (two, used in turn) and
+#   moved with one copy;
 #   sampling runs inside the graph from per-row settings, and log-probabilities are
 #   computed on the GPU: only ids and the asked-for numbers reach the host.
 # - Async scheduling keeps one decode step in flight: the scheduler plans step n + 1

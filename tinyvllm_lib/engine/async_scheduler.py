@@ -66,12 +66,12 @@ class AsyncScheduler(PagedScheduler):
                 return None
         if not requests:
             return None
-        tables = np.zeros((len(requests), self.max_blocks), np.int32)
-        for row, r in enumerate(requests):
-            table = self.block_manager.block_tables[r.request_id]
-            tables[row, : len(table)] = table
         return AheadSchedulerOutput(
-            requests, [1] * len(requests), 0, tables, np.asarray(rows, np.int64)
+            requests,
+            [1] * len(requests),
+            0,
+            self.block_tables(requests),
+            np.asarray(rows, np.int64),
         )
 
     def postprocess(

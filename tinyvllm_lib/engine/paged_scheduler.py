@@ -150,13 +150,20 @@ class PagedScheduler:
         # prompt chunks first, then one-token decodes, as the runner takes them
         planned.sort(key=lambda p: is_decode(*p))  # stable: admission order within each
         num_prefills = sum(not is_decode(r, n) for r, n in planned)
-        tables = np.zeros((len(planned), self.max_blocks), np.int32)
-        for row, (request, _) in enumerate(planned):
+        requests = [r for r, _ in planned]
+        return SchedulerOutput(
+            requests, [n for _, n in planned], num_prefills, self.block_tables(requests)
+        )
+
+    def block_tables(self, requests: list[Request]) -> np.ndarray:
+        """(len(requests), max_blocks) int32: each request's row of the block table,
+        zeros past its blocks.
+        """
+        tables = np.zeros((len(requests), self.max_blocks), np.int32)
+        for row, request in enumerate(requests):
             table = self.block_manager.block_tables[request.request_id]
             tables[row, : len(table)] = table
-        return SchedulerOutput(
-            [r for r, _ in planned], [n for _, n in planned], num_prefills, tables
-        )
+        return tables
 
     def postprocess(
         self, step: SchedulerOutput, result: ModelRunnerOutput
