@@ -25,7 +25,8 @@ from tinyvllm_lib.kernels.embedding import embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
 from tinyvllm_lib.kernels.sampling import SAMPLER_THREADS, sample_kernel
-from tinyvllm_lib.layers.linear import linear
+from tinyvllm_lib.layers.activation import linear_silu_mul
+from tinyvllm_lib.layers.linear import linear, linear_path
 from tinyvllm_lib.measure import Recorder, load_records, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
@@ -76,8 +77,17 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         ("o_proj", L, lin("attn", "o_proj", "delta"), H * D * hid * 2 + act_bytes((H * D, 2), (hid, 4))),
         ("add_rmsnorm", 2 * L, lambda i, s: fused_add_rmsnorm(x["residual"], x["delta"], w[f"layers.{i % L}.post_attention_layernorm"],
                                                               1e-5, x["normed"], stream=s), act_bytes((hid, 12), (hid, 2))),
-        ("gate_up_proj", L, lin("normed", "gate_up_proj", "gate_up"), 2 * inter * hid * 2 + act_bytes((hid, 2), (2 * inter, 4))),
-        ("silu_mul", L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s), act_bytes((2 * inter, 4), (inter, 2))),
+    ]
+    if linear_path(x["normed"], w["layers.0.gate_up_proj"]) == "gemv":  # the model's fused GEMV + SiLU
+        kernels.append(("gate_up_silu", L, lambda i, s: linear_silu_mul(
+            x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"], x["gate_up"], stream=s, workspace=ws),
+            2 * inter * hid * 2 + act_bytes((hid, 2), (inter, 2))))
+    else:
+        kernels += [
+            ("gate_up_proj", L, lin("normed", "gate_up_proj", "gate_up"), 2 * inter * hid * 2 + act_bytes((hid, 2), (2 * inter, 4))),
+            ("silu_mul", L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s), act_bytes((2 * inter, 4), (inter, 2))),
+        ]
+    kernels += [
         ("down_proj", L, lin("act", "down_proj", "delta"), inter * hid * 2 + act_bytes((inter, 2), (hid, 4))),
         ("lm_head", 1, lambda i, s: linear(x["normed"], w["lm_head"], logits, stream=s, workspace=ws),
          vocab * hid * 2 + act_bytes((hid, 2), (vocab, 4))),

@@ -598,12 +598,15 @@ where, for one token at a time, the CUDA cores are plenty.
 
 # %%
 #| export kernels.gemv
+import math
+
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function
 from tinyvllm_lib.kernels.checks import device_pointer
 from tinyvllm_lib.kernels.gemm import check_linear_args
+from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
 @device_function
@@ -722,17 +725,32 @@ GEMV_MAX_ACC = 32
 GEMV_VARIANTS = {
     "warp": lambda tokens: (1, 1, 4),
     "block": lambda tokens: (GEMV_WARPS, 2 if tokens <= 2 else 4, 2),
+    # twice the loads in flight: for long rows, which "block" walks in several steps
+    "block_deep": lambda tokens: (GEMV_WARPS, 2 if tokens <= 2 else 4, 4),
 }
 # "auto": a warp per row from this many rows on (for 1 or 2 tokens)
 GEMV_WARP_MIN_ROWS = 16384
+# "auto": "block_deep" from this many values a row on
+GEMV_DEEP_MIN_K = 4096
 
 
-def make_gemv_kernel(num_tokens: int, warps_per_row: int, rows: int, unroll: int):
+def make_gemv_kernel(
+    num_tokens: int, warps_per_row: int, rows: int, unroll: int, gated: bool = False
+):
     """A GEMV kernel, num_tokens token vectors per pass: out (M, N) = x (M, K) · wᵀ, x
     and w viewed as uint64.
+
+    gated: w is [gate | up] (2 N, K) and out (M, N) = SiLU(x · gateᵀ) * (x · upᵀ),
+    float32 or bf16 bits — chapter 7's MLP with its activation done where the two
+    products are made, not in a kernel of its own. A warp group's rows are then gate
+    row n and up row n (rows = 2).
     """
+    assert not gated or (rows == 2 and warps_per_row == 1), (
+        "a gated GEMV is a warp per (gate, up) pair of rows"
+    )
     threads_per_row = 32 * warps_per_row
-    rows_per_block = GEMV_WARPS // warps_per_row * rows
+    # output columns a block writes
+    rows_per_block = GEMV_WARPS // warps_per_row * (1 if gated else rows)
     # constants for the kernel
     acc_size, words_size, wf_size = rows * num_tokens, rows * unroll, 4 * rows
     assert acc_size <= GEMV_MAX_ACC, (
@@ -748,12 +766,23 @@ def make_gemv_kernel(num_tokens: int, warps_per_row: int, rows: int, unroll: int
         tid = cuda.threadIdx.x
         # which rows, which share of them
         group, t = tid // threads_per_row, uint64(tid % threads_per_row)
-        n0 = uint64(cuda.blockIdx.x * rows_per_block + group * rows)
         M, N, num_words = (
             uint64(x64.shape[0]),
             uint64(w64.shape[0]),
             uint64(w64.shape[1]),
         )
+        if gated:  # row r of the group is w's row n0 + r * (N / 2): gate, then up
+            n0, row_step, num_rows = (
+                uint64(cuda.blockIdx.x * rows_per_block + group),
+                N // uint64(2),
+                N // uint64(2),
+            )
+        else:
+            n0, row_step, num_rows = (
+                uint64(cuda.blockIdx.x * rows_per_block + group * rows),
+                uint64(1),
+                N,
+            )
         lane, warp = tid % 32, tid // 32
         # acc[r * num_tokens + m] = partial y[m0 + m, n0 + r]
         acc = cuda.local.array(acc_size, float32)
@@ -770,7 +799,7 @@ def make_gemv_kernel(num_tokens: int, warps_per_row: int, rows: int, unroll: int
                 for u in range(unroll):
                     jj = j + uint64(u * threads_per_row)
                     for r in range(rows):
-                        n = n0 + uint64(r)
+                        n = n0 + uint64(r) * row_step
                         words[u * rows + r] = (
                             w64[n, jj] if jj < num_words and n < N else uint64(0)
                         )
@@ -793,7 +822,17 @@ def make_gemv_kernel(num_tokens: int, warps_per_row: int, rows: int, unroll: int
                                     )
                 j += uint64(step)
             warp_sum_all(acc)  # every lane now holds its warp's sums
-            if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
+            if gated and warps_per_row == 1:  # lane 0: SiLU(gate) * up
+                for m in range(num_tokens):
+                    if lane == 0 and n0 < num_rows and m0 + uint64(m) < M:
+                        gate, up = acc[m], acc[num_tokens + m]
+                        store_activation(
+                            out,
+                            m0 + uint64(m),
+                            n0,
+                            gate / (float32(1.0) + math.exp(-gate)) * up,
+                        )
+            elif warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
                 for i in range(acc_size):
                     n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
                     if lane == 0 and n < N and m < M:
@@ -870,7 +909,13 @@ def gemv(x, w, out, stream=0, variant: str = "auto"):
         # per row
         variant = "warp"
     if variant == "auto":
-        variant = "warp" if N >= GEMV_WARP_MIN_ROWS and M <= 2 else "block"
+        variant = (
+            "warp"
+            if N >= GEMV_WARP_MIN_ROWS and M <= 2
+            else "block_deep"
+            if K >= GEMV_DEEP_MIN_K
+            else "block"
+        )
     if variant not in GEMV_VARIANTS:
         raise ValueError(
             f"gemv: variant must be 'auto' or one of {list(GEMV_VARIANTS)}, got "

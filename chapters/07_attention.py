@@ -1339,6 +1339,119 @@ if can_launch():
     print("silu_mul agrees with silu_mul_ref, in float32 and in bf16")
 
 # %% [markdown]
+# **Fusing it into the GEMV.** At one token the MLP's `gate_up_proj` is chapter 6's
+# GEMV, and a kernel of its own for SiLU·up costs a launch and a round trip of the
+# `[gate | up]` row through memory for work a thread could do where the two products
+# are made. `make_gemv_kernel(..., gated=True)` gives each warp a *pair* of rows, gate
+# row $n$ and up row $n$ ($n + I$ in the stacked matrix), and its lane 0 writes
+# $\operatorname{SiLU}(g_n) \cdot u_n$ in bf16 instead of the two products. The weights
+# are read as before; what goes is the float32 row (8 bytes an element written and read
+# back) and one launch per layer. `linear_silu_mul` takes this path where `linear` would
+# take the GEMV, and `linear` then `silu_mul` elsewhere (cuBLAS knows no SiLU).
+
+# %%
+#| export kernels.activation
+from tinyvllm_lib.kernels.gemv import (
+    GEMV_BUCKETS,
+    GEMV_MAX_TOKENS,
+    GEMV_THREADS,
+    can_gemv,
+    make_gemv_kernel,
+)
+
+# tokens -> a gated kernel: a warp per (gate, up) pair, four steps in flight
+GEMV_GATED_KERNELS = {}
+for _tokens in GEMV_BUCKETS:
+    _name = f"gemv_gated_t{_tokens}_kernel"
+    GEMV_GATED_KERNELS[_tokens] = globals()[_name] = make_gemv_kernel(
+        _tokens, 1, 2, 4, gated=True
+    )
+    PTX_SIGNATURES[_name] = [
+        f"void(uint64[:, ::1], uint64[:, ::1], {out}[:, ::1])"
+        for out in ("float32", "uint16")
+    ]
+
+
+def gemv_silu_mul(x, w, out, stream=0):
+    """Launch: out (M, I) = SiLU(x · gateᵀ) * (x · upᵀ) for w = [gate | up] (2 I, K),
+    M <= 16 token vectors; out float32 or bf16 bits.
+    """
+    for name, a in (("x", x), ("w", w)):
+        if a.dtype != np.uint16 or a.ndim != 2:
+            raise TypeError(f"gemv_silu_mul: {name} must be 2-D bf16 bits (uint16)")
+    M, N, K = x.shape[0], w.shape[0], x.shape[1]
+    if (
+        N % 2
+        or w.shape[1] != K
+        or tuple(out.shape) != (M, N // 2)
+        or out.dtype not in (np.float32, np.uint16)
+    ):
+        raise ValueError(
+            "gemv_silu_mul: need x (M, K), w (2 I, K), out (M, I) float32 or uint16, "
+            f"got {tuple(x.shape)}, {tuple(w.shape)} and {out.dtype} {tuple(out.shape)}"
+        )
+    if not can_gemv(x, w):
+        raise ValueError(
+            f"gemv_silu_mul: at most {GEMV_MAX_TOKENS} token vectors, 8-byte aligned "
+            f"rows, got x {tuple(x.shape)}"
+        )
+    kernel = GEMV_GATED_KERNELS[
+        next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
+    ]
+    num_blocks = (N // 2 + kernel.rows_per_block - 1) // kernel.rows_per_block
+    kernel[num_blocks, GEMV_THREADS, stream](x.view(np.uint64), w.view(np.uint64), out)
+    return out
+
+
+# %%
+#| export layers.activation
+from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
+from tinyvllm_lib.layers.linear import linear, linear_path
+
+
+def linear_silu_mul(x, w, out, gate_up, *, stream=0, workspace=None):
+    """out (T, I) = SiLU(gate) * up of x · wᵀ = [gate | up], out bf16 bits or float32:
+    one fused GEMV where `linear` would take the GEMV, else `linear` into gate_up
+    (float32 (T, 2 I)) then `silu_mul`.
+    """
+    if linear_path(x, w) == "gemv":
+        return gemv_silu_mul(x, w, out, stream=stream)
+    linear(x, w, gate_up, stream=stream, workspace=workspace)
+    return silu_mul(gate_up, out, stream=stream)
+
+
+# %%
+from tinyvllm_lib.layers.activation import linear_silu_mul
+
+if can_launch():
+    for M, K, inter in (
+        [(1, 64, 40), (3, 100, 17)]
+        if is_simulator()
+        else [
+            (1, 2048, 8192),
+            (5, 2048, 8192),
+        ]
+    ):
+        x_bits = f32_to_bf16_bits(rng.standard_normal((M, K)).astype(np.float32))
+        w_bits = f32_to_bf16_bits(
+            (rng.standard_normal((2 * inter, K)) / np.sqrt(K)).astype(np.float32)
+        )
+        product = (
+            bf16_bits_to_f32(x_bits).astype(np.float64)
+            @ bf16_bits_to_f32(w_bits).astype(np.float64).T
+        )
+        want = silu_mul_ref(product.astype(np.float32))
+        fused = cuda.device_array((M, inter), np.uint16)
+        linear_silu_mul(
+            cuda.to_device(x_bits),
+            cuda.to_device(w_bits),
+            fused,
+            cuda.device_array((M, 2 * inter), np.float32),
+        )
+        assert_bf16_close(fused.copy_to_host(), want)
+    print("linear_silu_mul agrees with silu_mul_ref of the product, in bf16")
+
+# %% [markdown]
 # ## The forward pass in NumPy
 #
 # Now every piece exists, and the forward pass reads top to bottom like the equations at
@@ -1862,10 +1975,10 @@ to {{ch07_look_word}}: the head has found what the question is about.
 import numpy as np
 from numba import cuda
 
-from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import check_positions, rope_qkv, rope_table_from_config
+from tinyvllm_lib.layers.activation import linear_silu_mul
 from tinyvllm_lib.layers.attention import FlashAttention
 from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.config import ModelConfig
@@ -1972,8 +2085,9 @@ class LlamaCuda:
                 b["normed"],
                 stream=stream,
             )
-            linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], **on)
-            silu_mul(b["gate_up"], b["act"], stream=stream)
+            linear_silu_mul(
+                b["normed"], w[p + "gate_up_proj"], b["act"], b["gate_up"], **on
+            )
             linear(b["act"], w[p + "down_proj"], b["delta"], **on)
             next_norm = (
                 w[f"layers.{i + 1}.input_layernorm"]
@@ -1988,9 +2102,7 @@ class LlamaCuda:
         """The LM head: hidden (rows, hidden) bf16 bits on the GPU -> out (rows,
         vocab_size) float32.
         """
-        linear(
-            hidden, self.weights["lm_head"], out, stream=stream, workspace=workspace
-        )
+        linear(hidden, self.weights["lm_head"], out, stream=stream, workspace=workspace)
 
     def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
         """Logits (T, vocab_size), float32 on the host; one sequence by default,

@@ -14,6 +14,7 @@ from tinyvllm_lib.kernels.decode_attention import (
     decode_workspace,
     num_splits_for,
     split_length,
+    workspace_row,
     write_kv_cache,
     write_kv_cache_ref,
 )
@@ -53,11 +54,18 @@ def test_decode_attention_odd_lengths_gqa(rng, num_warps):
 def run_split(qkv, k, v, blocks, block_size, lens, H, KVH, D, max_splits, out_dtype=np.float32, **kw):
     """The split path: a workspace of max_splits, the output poisoned with NaN first (every element must be written)."""
     out = cuda.to_device(np.full((len(qkv), H * D), np.nan if out_dtype == np.float32 else 0x7FC0, out_dtype))
-    ws = cuda.to_device(np.full((len(qkv), max_splits, H, D + 2), np.nan, np.float32))  # stale partials must not leak
-    decode_attention(cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v), cuda.to_device(blocks), block_size,
-                     cuda.to_device(lens), H, KVH, D, out, workspace=ws, **kw)
+    scratch = np.zeros((len(qkv), max_splits, H, workspace_row(D)), np.float32)  # the counters start at zero
+    scratch[..., : D + 2] = np.nan  # stale partials must not leak
+    ws = cuda.to_device(scratch)
+    args = (cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v), cuda.to_device(blocks), block_size,
+            cuda.to_device(lens), H, KVH, D, out)
+    decode_attention(*args, workspace=ws, **kw)
     got = out.copy_to_host()
     assert not (np.isnan(got).any() if out_dtype == np.float32 else (got == 0x7FC0).any())
+    # the last split of each (row, KV head) set its counter back to zero: a second launch combines the same way
+    assert (ws.copy_to_host()[:, 0, :, D + 2] == 0).all()
+    decode_attention(*args, workspace=ws, **kw)
+    assert np.array_equal(out.copy_to_host(), got)
     return got
 
 
@@ -107,7 +115,9 @@ def test_decode_attention_same_launch_while_contexts_grow(rng):
     """The grid is fixed by rows and the bound (a captured graph's launch): every length up to it is right."""
     qkv, k, v, bt, lens = case(rng, 3, 60, 2, 1, 16, 4)
     config = DecodeAttentionConfig(split_keys=8, keys_per_lane=1)
-    ws = cuda.to_device(np.full((3, 8, 2, 18), np.nan, np.float32))
+    scratch = np.zeros((3, 8, 2, workspace_row(16)), np.float32)
+    scratch[..., :18] = np.nan  # stale partials must not leak; the counters start at zero
+    ws = cuda.to_device(scratch)
     d = [cuda.to_device(a) for a in (qkv, k, v, bt)]
     for step_lens in ([1, 2, 3], [9, 17, 33], [60, 1, 47]):
         out = cuda.to_device(np.full((3, 32), np.nan, np.float32))
@@ -134,7 +144,10 @@ def test_decode_splits_and_workspace():
             assert length % step == 0 and -(-n // length) <= splits <= grid
     assert decode_splits(1024, 64, 8) == 2  # 512 keys a block; 1024 blocks wanted, 64 x 8 x 2 there
     ws = decode_workspace(8, 1024, 32, 64)
-    assert ws.dtype == np.float32 and ws.shape[0] == 8 and ws.shape[2:] == (32, 66) and ws.shape[1] > 1
+    assert ws.dtype == np.float32 and ws.shape[0] == 8 and ws.shape[2:] == (32, 96) and ws.shape[1] > 1
+    assert not ws.copy_to_host().any()  # the splits' counters start at zero
+    with pytest.raises(ValueError, match="max_splits must be at most 32"):
+        DecodeAttentionConfig(max_splits=33)
     with pytest.raises(ValueError, match="split_keys"):
         DecodeAttentionConfig(split_keys=0)
 

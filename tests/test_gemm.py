@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.cublas import CublasGemm, cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import gemm_blocked, gemm_naive, gemm_shared
 from tinyvllm_lib.kernels.gemv import GEMV_BUCKETS, GEMV_MAX_ACC, GEMV_VARIANTS, gemv
+from tinyvllm_lib.layers.activation import linear_silu_mul
 from tinyvllm_lib.layers.linear import (
     LINEAR_GEMV_MAX_TOKENS,
     gemv_wins_up_to,
@@ -325,3 +327,53 @@ def test_linear_in_a_cuda_graph(rng):
         w_host = w.copy_to_host()
         assert rel_error(y1.copy_to_host(), reference(a, w_host)) <= TOL
         assert rel_error(y2.copy_to_host(), reference(b, w_host)) <= TOL
+
+
+# --- the gated GEMV: chapter 7's SiLU(gate) * up fused into the product --------------------------------------
+
+
+def gated_reference(x, w):
+    product = reference(x, w).astype(np.float32)
+    return silu_mul_ref(product)
+
+
+@needs_launch
+@pytest.mark.parametrize("M, I, K", [(1, 9, 100), (3, 5, 36), (11, 4, 64)])  # a partial tail; two passes of 8 tokens
+def test_gemv_silu_mul_matches_reference(rng, M, I, K):
+    x, w = random_bf16(rng, (M, K)), random_bf16(rng, (2 * I, K), scale=0.3)
+    want = gated_reference(x, w)
+    out = cuda.to_device(np.full((M, I), np.nan, np.float32))
+    gemv_silu_mul(cuda.to_device(x), cuda.to_device(w), out)
+    assert rel_error(out.copy_to_host(), want) <= TOL
+    bits = cuda.to_device(np.full((M, I), 0x7FC0, np.uint16))  # bf16 out, as the model's down_proj reads it
+    gemv_silu_mul(cuda.to_device(x), cuda.to_device(w), bits)
+    assert rel_error(bf16_bits_to_f32(bits.copy_to_host()), want) <= 2**-7
+
+
+@needs_launch
+def test_linear_silu_mul_takes_the_gemv_or_linear_then_silu_mul(rng):
+    K, I = 64, 12
+    w = random_bf16(rng, (2 * I, K), scale=0.3)
+    for M in (1, 17):  # the fused GEMV; past the GEMV's 16 tokens, linear then silu_mul
+        x = random_bf16(rng, (M, K))
+        gate_up = cuda.to_device(np.full((M, 2 * I), np.nan, np.float32))
+        out = cuda.to_device(np.full((M, I), np.nan, np.float32))
+        linear_silu_mul(cuda.to_device(x), cuda.to_device(w), out, gate_up)
+        assert rel_error(out.copy_to_host(), gated_reference(x, w)) <= TOL
+        assert np.isnan(gate_up.copy_to_host()).all() == (linear_path(x, w) == "gemv")  # fused: gate_up untouched
+
+
+def test_gemv_silu_mul_rejects_bad_shapes():
+    x, w = np.zeros((1, 8), np.uint16), np.zeros((5, 8), np.uint16)
+    with pytest.raises(ValueError, match="w \\(2 I, K\\)"):
+        gemv_silu_mul(x, w, np.zeros((1, 2), np.float32))  # an odd number of rows
+    with pytest.raises(TypeError, match="bf16 bits"):
+        gemv_silu_mul(x.astype(np.float32), np.zeros((4, 8), np.uint16), np.zeros((1, 2), np.float32))
+
+
+@pytest.mark.gpu
+def test_gemv_silu_mul_llama_shape(rng):
+    x, w = random_bf16(rng, (1, 2048)), random_bf16(rng, (2 * 8192, 2048), scale=0.05)
+    out = cuda.to_device(np.full((1, 8192), np.nan, np.float32))
+    gemv_silu_mul(cuda.to_device(x), cuda.to_device(w), out)
+    assert rel_error(out.copy_to_host(), gated_reference(x, w)) <= TOL

@@ -76,3 +76,56 @@ def silu_mul(gate_up, out, stream=0, threads_per_block: int = 256):
             ((width + threads - 1) // threads, num_tokens), threads, stream
         ](gate_up, out)
     return out
+
+
+# defined in chapters/07_attention.py
+from tinyvllm_lib.kernels.gemv import (
+    GEMV_BUCKETS,
+    GEMV_MAX_TOKENS,
+    GEMV_THREADS,
+    can_gemv,
+    make_gemv_kernel,
+)
+
+# tokens -> a gated kernel: a warp per (gate, up) pair, four steps in flight
+GEMV_GATED_KERNELS = {}
+for _tokens in GEMV_BUCKETS:
+    _name = f"gemv_gated_t{_tokens}_kernel"
+    GEMV_GATED_KERNELS[_tokens] = globals()[_name] = make_gemv_kernel(
+        _tokens, 1, 2, 4, gated=True
+    )
+    PTX_SIGNATURES[_name] = [
+        f"void(uint64[:, ::1], uint64[:, ::1], {out}[:, ::1])"
+        for out in ("float32", "uint16")
+    ]
+
+
+def gemv_silu_mul(x, w, out, stream=0):
+    """Launch: out (M, I) = SiLU(x · gateᵀ) * (x · upᵀ) for w = [gate | up] (2 I, K),
+    M <= 16 token vectors; out float32 or bf16 bits.
+    """
+    for name, a in (("x", x), ("w", w)):
+        if a.dtype != np.uint16 or a.ndim != 2:
+            raise TypeError(f"gemv_silu_mul: {name} must be 2-D bf16 bits (uint16)")
+    M, N, K = x.shape[0], w.shape[0], x.shape[1]
+    if (
+        N % 2
+        or w.shape[1] != K
+        or tuple(out.shape) != (M, N // 2)
+        or out.dtype not in (np.float32, np.uint16)
+    ):
+        raise ValueError(
+            "gemv_silu_mul: need x (M, K), w (2 I, K), out (M, I) float32 or uint16, "
+            f"got {tuple(x.shape)}, {tuple(w.shape)} and {out.dtype} {tuple(out.shape)}"
+        )
+    if not can_gemv(x, w):
+        raise ValueError(
+            f"gemv_silu_mul: at most {GEMV_MAX_TOKENS} token vectors, 8-byte aligned "
+            f"rows, got x {tuple(x.shape)}"
+        )
+    kernel = GEMV_GATED_KERNELS[
+        next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
+    ]
+    num_blocks = (N // 2 + kernel.rows_per_block - 1) // kernel.rows_per_block
+    kernel[num_blocks, GEMV_THREADS, stream](x.view(np.uint64), w.view(np.uint64), out)
+    return out

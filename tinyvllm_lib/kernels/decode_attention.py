@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import config, cuda, float32, uint32
+from numba import config, cuda, float32, int32, uint32
 
 from tinyvllm_lib.kernels.attention import check_out, check_qkv
 from tinyvllm_lib.kernels.bf16 import (
@@ -21,6 +21,8 @@ from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 # the simulator runs each thread in Python: one warp a block there
 DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 2
+# splits whose partials each thread loads at once when the last split combines them
+COMBINE_LOADS = 4
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class DecodeAttentionConfig:
     min_split_keys: int = 8
     # split further while the grid has fewer blocks than this (a few per SM)
     target_blocks: int = 1024
-    max_splits: int = 32  # the most splits a workspace holds
+    # the most splits a workspace holds: at most 32, a lane each when they are combined
+    max_splits: int = 32
 
     def __post_init__(self):
         for name in (
@@ -61,6 +64,11 @@ class DecodeAttentionConfig:
                     f"DecodeAttentionConfig.{name} must be a positive integer, got "
                     f"{value!r}"
                 )
+        if self.max_splits > WARP_SIZE:
+            raise ValueError(
+                f"DecodeAttentionConfig.max_splits must be at most {WARP_SIZE}, got "
+                f"{self.max_splits}"
+            )
         if self.max_registers is not None and (
             not isinstance(self.max_registers, int) or self.max_registers < 32
         ):
@@ -335,6 +343,9 @@ def make_decode_attention_kernel(
         # one warp's KPW partial outputs at a time
         sm_acc = cuda.shared.array((KPW, GD), float32)
         sm_l = cuda.shared.array((KPW, G), float32)
+        # the combine's: is this the last split to finish; each split's weight per head
+        sm_last = cuda.shared.array(1, int32)
+        sm_weight = cuda.shared.array((WARP_SIZE, G), float32)
         # every index below is a constant: registers, not local memory
         q = cuda.local.array(QN, float32)
         acc = cuda.local.array(QN, float32)
@@ -472,53 +483,71 @@ def make_decode_attention_kernel(
                     if d == 0:
                         workspace[s, split, h, D] = sm_block_top[g]
                         workspace[s, split, h, D + 1] = den[j]
+        if is_whole:
+            return
+        # the last of the sequence's splits to finish combines them all (no second
+        # kernel): each block makes its partial visible, then counts itself done
+        cuda.threadfence()
+        cuda.syncthreads()
+        used = uint32(uint32(n + split_len - uint32(1)) // split_len)
+        # the count of (s, KV head): the padding after split 0's first head's sum
+        counter = (s, uint32(0), kvh * uint32(G), uint32(D + 2))
+        if tid == 0:
+            done = cuda.atomic.add(workspace, counter, float32(1.0))
+            is_last = uint32(done) == used - uint32(1)
+            sm_last[0] = 1 if is_last else 0
+            if is_last:  # back to zero for the next launch
+                workspace[counter] = float32(0.0)
+        cuda.syncthreads()
+        if sm_last[0] == 0:
+            return
+        cuda.threadfence()  # the other splits' partials, as they wrote them
+        # lane j holds split j's maximum and sum, per query head; every warp works out
+        # the weights (the simulator's shuffles need the whole block), warp 0 keeps them
+        for g in range(G):
+            h = kvh * uint32(G) + uint32(g)
+            jl = min(lane, used - uint32(1))  # lanes past the last split reload it
+            mj = workspace[s, jl, h, D] if lane < used else -math.inf
+            lj = workspace[s, jl, h, D + 1] if lane < used else float32(0.0)
+            top = mj
+            for r in range(5):  # lane masks 1, 2, 4, 8, 16
+                top = max(top, shfl_xor(top, 1 << r, scratch))
+            f = math.exp2(mj - top) if mj > -math.inf else float32(0.0)
+            total = f * lj
+            for r in range(5):
+                total += shfl_xor(total, 1 << r, scratch)
+            if warp == 0:
+                sm_weight[lane, g] = f / total if total > 0 else float32(0.0)
+        cuda.syncthreads()
+        # out = the splits' partials, each weighted: COMBINE_LOADS splits' loads in
+        # flight at a time
+        for j in range(PER_THREAD):
+            num[j] = float32(0.0)
+        vals = cuda.local.array(PER_THREAD * COMBINE_LOADS, float32)
+        for j0 in range(uint32(0), used, uint32(COMBINE_LOADS)):
+            for u in range(COMBINE_LOADS):
+                jj = min(j0 + uint32(u), used - uint32(1))
+                for j in range(PER_THREAD):
+                    t = min(tid + uint32(j * W * WARP_SIZE), uint32(GD - 1))
+                    vals[u * PER_THREAD + j] = workspace[
+                        s, jj, kvh * uint32(G) + t // uint32(D), t % uint32(D)
+                    ]
+            for u in range(COMBINE_LOADS):
+                jj = j0 + uint32(u)
+                for j in range(PER_THREAD):
+                    t = tid + uint32(j * W * WARP_SIZE)
+                    if jj < used and t < GD:
+                        num[j] += (
+                            sm_weight[jj, t // uint32(D)] * vals[u * PER_THREAD + j]
+                        )
+        for j in range(PER_THREAD):
+            t = tid + uint32(j * W * WARP_SIZE)
+            if t < GD:
+                store_activation(out, s, kvh * uint32(GD) + t, num[j])
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
     kernel.keys_per_step = W * KPW * C  # keys a block covers per step of its loop
     return kernel
-
-
-@cuda.jit
-def decode_combine_kernel(
-    workspace,
-    context_lens,
-    num_splits,
-    num_kv_heads,
-    split_keys,
-    min_split_keys,
-    target_blocks,
-    step,
-    out,
-):
-    """A block per (row, query head), a thread per element: add the splits' partials,
-    rescaled to their common maximum.
-    """
-    s, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    D = workspace.shape[3] - 2
-    n = uint32(context_lens[s])
-    split_len = split_length_on_device(
-        n,
-        uint32(num_splits),
-        uint32(cuda.gridDim.x * num_kv_heads),
-        uint32(split_keys),
-        # the kernel's split
-        uint32(target_blocks),
-        uint32(min_split_keys),
-        uint32(step),
-    )
-    used = max(uint32(1), uint32(uint32(n + split_len - uint32(1)) // split_len))
-    if used > 1 and d < D:  # one split: the attention kernel wrote this row itself
-        top = -math.inf
-        for j in range(used):
-            top = max(top, workspace[s, j, h, D])
-        num, den = float32(0.0), float32(0.0)
-        for j in range(used):
-            mj = workspace[s, j, h, D]
-            if mj > -math.inf:
-                f = math.exp2(mj - top)  # maxima are in base 2 (scores times log2 e)
-                num += f * workspace[s, j, h, d]
-                den += f * workspace[s, j, h, D + 1]
-        store_activation(out, s, h * D + d, num / den if den > 0 else float32(0.0))
 
 
 def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
@@ -557,11 +586,6 @@ PTX_SIGNATURES = {
         name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
         for name in ("decode_attention_d64_g4_kernel", "decode_attention_d64_g3_kernel")
     },
-    "decode_combine_kernel": [
-        f"void(float32[:, :, :, ::1], int32[::1], {', '.join(['int64'] * 6)}, "
-        f"{out}[:, ::1])"
-        for out in ("float32", "uint16")
-    ],
 }
 
 
@@ -632,11 +656,24 @@ def decode_workspace(
     cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
 ):
     """The split path's float32 scratch, made once by the caller: (max_rows, splits,
-    num_heads, head_dim + 2).
+    num_heads, workspace_row(head_dim)), zeroed.
+
+    [s, j, h] holds split j's unnormalised output for head h, then its maximum and sum;
+    the row is padded to whole 128-byte lines, so no two blocks' partials share a line.
+    [s, 0, kvh G, head_dim + 2] counts the splits of (s, KV head kvh) done in a launch;
+    the last one sets it back to zero.
     """
     # the most any row count wants
     splits = max(1, min(cfg.max_splits, cdiv(max_context_len, cfg.min_split_keys)))
-    return cuda.device_array((max_rows, splits, num_heads, head_dim + 2), np.float32)
+    shape = (max_rows, splits, num_heads, workspace_row(head_dim))
+    return cuda.to_device(np.zeros(shape, np.float32))
+
+
+def workspace_row(head_dim: int) -> int:
+    """Floats per (row, split, head) of the workspace: head_dim values, the maximum, the
+    sum and a counter, rounded up to whole 128-byte lines.
+    """
+    return cdiv(head_dim + 3, WARP_SIZE) * WARP_SIZE
 
 
 def decode_attention(
@@ -714,11 +751,12 @@ def decode_attention(
         workspace.dtype != np.float32
         or workspace.ndim != 4
         or workspace.shape[0] < rows
-        or tuple(workspace.shape[2:]) != (num_heads, head_dim + 2)
+        or tuple(workspace.shape[2:]) != (num_heads, workspace_row(head_dim))
+        or workspace.shape[1] > WARP_SIZE
     ):
         raise TypeError(
-            f"decode_attention: workspace must be float32 (>= {rows}, splits, "
-            f"{num_heads}, {head_dim + 2}) "
+            f"decode_attention: workspace must be float32 (>= {rows}, splits <= "
+            f"{WARP_SIZE}, {num_heads}, {workspace_row(head_dim)}) "
             f"from decode_workspace, got {workspace.dtype} {tuple(workspace.shape)}"
         )
     if rows == 0:
@@ -750,18 +788,6 @@ def decode_attention(
         scratch,
         out,
     )
-    if splits > 1:
-        decode_combine_kernel[
-            (rows, num_heads), cdiv(head_dim, WARP_SIZE) * WARP_SIZE, stream
-        ](
-            workspace,
-            context_lens,
-            splits,
-            num_kv_heads,
-            *knobs,
-            kernel.keys_per_step,
-            out,
-        )
     return out
 
 
