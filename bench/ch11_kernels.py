@@ -1,11 +1,13 @@
 """Chapter 11 on the GPU: a decode step of the Llama 3.2 1B stand-in, kernel by kernel.
 
-For each kernel of the step (embedding, first norm; per layer QKV, RoPE, KV write, attention, output
-projection, add + norm, gate-up, SiLU, down, add + norm; LM head, sampler) its time, replayed from a
+For each kernel of the step as the model launches it (embedding, first norm; per layer QKV, RoPE with
+the KV write, attention, output projection, add + norm, gate-up with SiLU at one row (gate-up, then
+SiLU, where cuBLAS runs it), down, add + norm; LM head, sampler) its time, replayed from a
 captured graph (tinyvllm_lib.measure.time_launches) with the 16 layers' weights and caches rotated
 so that none is read from L2 when a real step would read it from memory; the bytes it must move
 (counted, not measured: weights, cache and activations); its share of the step and of chapter 1's
 copy bandwidth. The sum over kernels is compared with the whole decode graph replayed back to back.
+Each fusion is also timed against the two kernels it replaces, on the same buffers (records "fusion").
 Records to book/data/ch11_kernels.json.
 
     python bench/ch11_kernels.py [--rows 1 64 256] [--context 1024]     (~2 minutes on an H200)
@@ -20,7 +22,11 @@ from numba import config, cuda
 
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.kernels.activation import silu_mul
-from tinyvllm_lib.kernels.decode_attention import decode_attention, write_kv_cache
+from tinyvllm_lib.kernels.decode_attention import (
+    decode_attention,
+    rope_and_write_kv_cache,
+    write_kv_cache,
+)
 from tinyvllm_lib.kernels.embedding import embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
@@ -67,10 +73,9 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         ("rmsnorm", 1, lambda i, s: rmsnorm(x["residual"], w["layers.0.input_layernorm"], 1e-5, x["normed"], stream=s),
          act_bytes((hid, 4), (hid, 2))),
         ("qkv_proj", L, lin("normed", "qkv_proj", "qkv"), qkv_w * hid * 2 + act_bytes((hid, 2), (qkv_w, 4))),
-        ("rope", L, lambda i, s: rope_qkv(x["qkv"], pos, runner.model.rope, H, KVH, stream=s),
-         2 * act_bytes(((H + KVH) * D, 4))),
-        ("kv_write", L, lambda i, s: write_kv_cache(x["qkv"], H, KVH, slots, cache.k[i % L], cache.v[i % L], stream=s),
-         act_bytes((2 * KVH * D, 4), (2 * KVH * D, 2))),
+        ("rope_kv_write", L, lambda i, s: rope_and_write_kv_cache(  # the attention layer's, as the model calls it
+            x["qkv"], pos, runner.model.rope, H, KVH, slots, cache.k[i % L], cache.v[i % L], stream=s),
+         2 * act_bytes(((H + KVH) * D, 4)) + act_bytes((KVH * D, 4), (2 * KVH * D, 2))),
         ("attention", L, lambda i, s: decode_attention(
             x["qkv"], cache.k_words[i % L], cache.v_words[i % L], bt, bs, lens, H, KVH, D, x["attn"], stream=s,
             workspace=runner.workspace, max_context_len=runner.max_model_len), kv_bytes + act_bytes((H * D, 4), (H * D, 2))),
@@ -96,6 +101,32 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
          act_bytes((vocab, 4))),
     ]
     return kernels
+
+
+def fusions(runner, rows: int, context: int, rng) -> list:
+    """[(fusion, separate(i, stream), fused(i, stream))]: the model's fused kernels against the kernels they replace,
+    on the same buffers (filled by decode_kernels)."""
+    c, w, b, ws = runner.config, runner.model.weights, runner.activations, runner.cublas_workspace
+    L, H, KVH = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+    cache, x = runner.kv_cache, {name: buf[:rows] for name, buf in b.items()}
+    pos = cuda.to_device(np.full(rows, context - 1, np.int64))
+    slots = cuda.to_device(rng.permutation(cache.num_slots)[:rows].astype(np.int64))
+    out = [("rope_kv_write",
+            lambda i, s: (rope_qkv(x["qkv"], pos, runner.model.rope, H, KVH, stream=s),
+                          write_kv_cache(x["qkv"], H, KVH, slots, cache.k[i % L], cache.v[i % L], stream=s)),
+            lambda i, s: rope_and_write_kv_cache(x["qkv"], pos, runner.model.rope, H, KVH, slots, cache.k[i % L],
+                                                 cache.v[i % L], stream=s))]
+    if linear_path(x["normed"], w["layers.0.gate_up_proj"]) == "gemv":
+        out.append(("gate_up_silu",
+                    lambda i, s: (linear(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["gate_up"], stream=s, workspace=ws),
+                                  silu_mul(x["gate_up"], x["act"], stream=s)),
+                    lambda i, s: linear_silu_mul(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"], x["gate_up"],
+                                                 stream=s, workspace=ws)))
+    return out
+
+
+def c_layers(runner) -> int:
+    return runner.config.num_hidden_layers
 
 
 def main() -> None:
@@ -129,6 +160,13 @@ def main() -> None:
                   f"{gb_s:7.0f} GB/s ({gb_s / copy:5.1%} of copy)", flush=True)
         rec.add("decode_kernels_sum", [rows, args.context], "us", total, copy_gb_s=copy)
         print(f"{rows:>3} rows: {total:.0f} us per step, summed over kernels", flush=True)
+        for name, separate, fused in fusions(runner, rows, args.context, rng):
+            repeats = 1 if config.ENABLE_CUDASIM else 10
+            t_sep, t_fused = (time_launches(f, 16, repeats=repeats) * 1e6 for f in (separate, fused))
+            rec.add("fusion", [rows, args.context], "us", t_fused, kernel=name, separate_us=t_sep,
+                    saved_per_step_us=(t_sep - t_fused) * c_layers(runner))
+            print(f"{rows:>3} rows  fusion {name}: {t_sep:.2f} us as two kernels, {t_fused:.2f} us fused "
+                  f"({(t_sep - t_fused) * c_layers(runner):.0f} us a step)", flush=True)
     if not config.ENABLE_CUDASIM:
         print("saved", rec.save())
 

@@ -725,13 +725,9 @@ GEMV_MAX_ACC = 32
 GEMV_VARIANTS = {
     "warp": lambda tokens: (1, 1, 4),
     "block": lambda tokens: (GEMV_WARPS, 2 if tokens <= 2 else 4, 2),
-    # twice the loads in flight: for long rows, which "block" walks in several steps
-    "block_deep": lambda tokens: (GEMV_WARPS, 2 if tokens <= 2 else 4, 4),
 }
 # "auto": a warp per row from this many rows on (for 1 or 2 tokens)
 GEMV_WARP_MIN_ROWS = 16384
-# "auto": "block_deep" from this many values a row on
-GEMV_DEEP_MIN_K = 4096
 
 
 def make_gemv_kernel(
@@ -909,13 +905,7 @@ def gemv(x, w, out, stream=0, variant: str = "auto"):
         # per row
         variant = "warp"
     if variant == "auto":
-        variant = (
-            "warp"
-            if N >= GEMV_WARP_MIN_ROWS and M <= 2
-            else "block_deep"
-            if K >= GEMV_DEEP_MIN_K
-            else "block"
-        )
+        variant = "warp" if N >= GEMV_WARP_MIN_ROWS and M <= 2 else "block"
     if variant not in GEMV_VARIANTS:
         raise ValueError(
             f"gemv: variant must be 'auto' or one of {list(GEMV_VARIANTS)}, got "

@@ -1484,6 +1484,7 @@ if can_launch():
 import numpy as np
 
 from tinyvllm_lib.kernels.attention import attention_ref, flash_attention
+from tinyvllm_lib.kernels.rope import rope_qkv
 
 
 class CausalAttention:
@@ -1535,9 +1536,10 @@ class FlashAttention:
     """The kernel model's attention without a cache: flash_attention over the batch's
     sequences.
 
-    Called by the layer loop as attention(layer, qkv, out, stream); query_start_loc
-    (int32, on the GPU) and max_query_len describe the batch, as flash_attention takes
-    them.
+    Called by the layer loop as attention(layer, qkv, out, stream, rope): rotates q
+    and k by rope = (RoPE table, positions) unless it is None, then attends;
+    query_start_loc (int32, on the GPU) and max_query_len describe the batch, as
+    flash_attention takes them.
     """
 
     def __init__(self, config, query_start_loc, max_query_len: int):
@@ -1548,7 +1550,11 @@ class FlashAttention:
         )
         self.query_start_loc, self.max_query_len = query_start_loc, int(max_query_len)
 
-    def __call__(self, layer: int, qkv, out, stream=0) -> None:
+    def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
+        if rope is not None:  # rope = (table, positions): rotate q and k first
+            rope_qkv(
+                qkv, rope[1], rope[0], self.num_heads, self.num_kv_heads, stream=stream
+            )
         flash_attention(
             qkv,
             self.query_start_loc,
@@ -1954,21 +1960,26 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # and uses it twice. Its `run` method only launches kernels, on one stream, into buffers
 # allocated beforehand: no allocation and no copy between the host and the GPU, so
 # chapter 11 can capture it in a CUDA graph. Like the NumPy model it takes its attention
-# as an argument — an object called as `attention(layer, qkv, out, stream)` — and stops
-# at the final norm; the head is a separate call, `compute_logits`, because an engine
-# needs logits for only a few rows. The dtypes follow the table at the start of the
-# chapter; two fusions save launches and bytes:
+# as an argument — an object called as `attention(layer, qkv, out, stream, rope)` — and
+# stops at the final norm; the head is a separate call, `compute_logits`, because an
+# engine needs logits for only a few rows. RoPE goes to the attention layer with the
+# positions, `rope=(table, positions)`: this chapter's `FlashAttention` rotates q and
+# k with `rope_qkv` before it attends, and chapter 8's cached attention rotates them in
+# the kernel that writes the cache. The dtypes follow the table at the start of the
+# chapter; three fusions save launches and bytes:
 #
 # - chapter 4's **fused residual add + RMSNorm** adds the attention output to the stream
 #   and normalises it for the MLP in one kernel; after the MLP the same kernel adds its
 #   output and normalises for the *next* layer — or, after the last layer, with the
 #   final norm's weight;
 # - the attention kernel and `silu_mul` write **bf16** straight away, the inputs of
-#   `o_proj` and `down_proj`.
+#   `o_proj` and `down_proj`;
+# - `linear_silu_mul` (above) does the gate/up projection and SiLU·up in one GEMV at one
+#   token, and falls back to the two kernels where `linear` takes cuBLAS.
 #
 # Per layer that is eight launches: QKV projection, RoPE, attention, o projection, add +
-# norm, gate/up projection, SiLU·up, down projection, add + norm — and around them the
-# embedding, the first norm and the head.
+# norm, gate/up projection, SiLU·up, down projection, add + norm — seven at one token —
+# and around them the embedding, the first norm and the head.
 
 # %%
 #| export models.llama_cuda
@@ -1977,7 +1988,7 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-from tinyvllm_lib.kernels.rope import check_positions, rope_qkv, rope_table_from_config
+from tinyvllm_lib.kernels.rope import check_positions, rope_table_from_config
 from tinyvllm_lib.layers.activation import linear_silu_mul
 from tinyvllm_lib.layers.attention import FlashAttention
 from tinyvllm_lib.layers.linear import linear
@@ -2050,7 +2061,8 @@ class LlamaCuda:
         final-normed b["normed"] out.
 
         b: make_buffers' arrays, each cut to this pass's tokens; attention(layer, qkv,
-        out, stream) writes the attention output. Allocates and copies nothing.
+        out, stream, rope) rotates q and k by rope = (table, positions) and writes the
+        attention output. Allocates and copies nothing.
         workspace: a device buffer cuBLAS may use (chapter 11's CUDA graphs need one
         that stays put).
         """
@@ -2067,15 +2079,8 @@ class LlamaCuda:
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             linear(b["normed"], w[p + "qkv_proj"], b["qkv"], **on)
-            rope_qkv(
-                b["qkv"],
-                b["positions"],
-                self.rope,
-                c.num_attention_heads,
-                c.num_key_value_heads,
-                stream=stream,
-            )
-            attention(i, b["qkv"], b["attn"], stream)
+            # the attention layer rotates q and k (with its cache write, if it has one)
+            attention(i, b["qkv"], b["attn"], stream, rope=(self.rope, b["positions"]))
             linear(b["attn"], w[p + "o_proj"], b["delta"], **on)
             fused_add_rmsnorm(
                 b["residual"],

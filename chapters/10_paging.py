@@ -1351,6 +1351,7 @@ from tinyvllm_lib.kernels.decode_attention import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
     decode_attention,
+    rope_and_write_kv_cache,
     write_kv_cache,
 )
 from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
@@ -1361,9 +1362,10 @@ class PagedAttention:
     """The kernel model's attention over the bf16 KV cache
     (engine.kv_cache.CudaKVCache), for one step.
 
-    Called as attention(layer, qkv, out, stream): stores the new tokens' K/V at their
-    slots; the prefills (the first metadata.num_prefills sequences) attend with
-    flash_attention when all start at position 0, else over the cache with
+    Called as attention(layer, qkv, out, stream, rope): rotates q and k by rope =
+    (table, positions) as it stores the new tokens' K/V at their slots (rope None: they
+    are rotated already); the prefills (the first metadata.num_prefills sequences)
+    attend with flash_attention when all start at position 0, else over the cache with
     paged_prefill_attention; the decode rows over their contexts with decode_attention.
     metadata's arrays are on the GPU; workspace comes from decode_workspace;
     max_context_len bounds every context, so decode attention's grid does not change
@@ -1398,10 +1400,15 @@ class PagedAttention:
             m.seq_lens[m.num_prefills :],
         )
 
-    def __call__(self, layer: int, qkv, out, stream=0) -> None:
+    def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        write_kv_cache(qkv, H, KVH, m.slot_mapping, k_cache, v_cache, stream=stream)
+        if rope is None:  # q and k are rotated already
+            write_kv_cache(qkv, H, KVH, m.slot_mapping, k_cache, v_cache, stream=stream)
+        else:  # rope = (table, positions): rotate q and k as the cache is written
+            rope_and_write_kv_cache(
+                qkv, rope[1], rope[0], H, KVH, m.slot_mapping, k_cache, v_cache, stream
+            )
         split = m.num_prefill_tokens
         if m.num_prefills and m.max_prefill_context_len:
             paged_prefill_attention(

@@ -13,11 +13,13 @@ from tinyvllm_lib.kernels.decode_attention import (
     decode_splits,
     decode_workspace,
     num_splits_for,
+    rope_and_write_kv_cache,
     split_length,
     workspace_row,
     write_kv_cache,
     write_kv_cache_ref,
 )
+from tinyvllm_lib.kernels.rope import rope_qkv_ref, rope_table
 from tinyvllm_lib.measure import max_rel_error as rel_error
 from tinyvllm_lib.runtime import can_launch
 
@@ -167,6 +169,29 @@ def test_write_kv_cache(rng):
     write_kv_cache(cuda.to_device(qkv), 4, 2, cuda.to_device(slots), k_d, v_d)
     write_kv_cache_ref(qkv, 4, 2, slots, k, v)
     assert np.array_equal(k_d.copy_to_host(), k) and np.array_equal(v_d.copy_to_host(), v)
+
+
+@pytest.mark.parametrize("pos_dtype", [np.int32, np.int64])
+def test_rope_and_write_kv_cache_is_rope_then_the_write(rng, pos_dtype):
+    """The fused kernel against rope_qkv_ref then write_kv_cache_ref: Q and K rotated in place, K and V cached."""
+    H, KVH, D = 4, 2, 16
+    table = rope_table(D, 10000.0, 64)
+    qkv = rng.standard_normal((5, (H + 2 * KVH) * D)).astype(np.float32)
+    positions = np.array([0, 63, 7, 30, 5], pos_dtype)
+    slots = np.array([7, 0, -1, 12, 3], np.int64)  # -1: a padding row, rotated but not cached
+    k, v = rng.integers(0, 2**16, (2, 16, KVH, D), dtype=np.uint16)  # stale bits where nothing is written
+    k_d, v_d, qkv_d = cuda.to_device(k), cuda.to_device(v), cuda.to_device(qkv)
+    rope_and_write_kv_cache(qkv_d, cuda.to_device(positions), table.to_device(), H, KVH, cuda.to_device(slots), k_d, v_d)
+    want = rope_qkv_ref(qkv, positions, table, H, KVH)
+    write_kv_cache_ref(want, H, KVH, slots, k, v)
+    assert rel_error(qkv_d.copy_to_host(), want) < 1e-6
+    got_k, got_v = k_d.copy_to_host(), v_d.copy_to_host()
+    for got, ref in ((got_k, k), (got_v, v)):  # bf16 of (nearly) the same float32: at most one step apart
+        assert np.abs(got.astype(np.int32) - ref.astype(np.int32)).max() <= 1
+    assert np.array_equal(got_v, v)  # V is not rotated: its bits are exact
+    with pytest.raises(ValueError, match="RoPE table"):
+        rope_and_write_kv_cache(qkv_d, cuda.to_device(positions), rope_table(8, 10000.0, 64).to_device(), H, KVH,
+                                cuda.to_device(slots), k_d, v_d)
 
 
 def test_bad_arguments(rng):

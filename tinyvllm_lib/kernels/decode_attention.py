@@ -283,6 +283,7 @@ def make_decode_attention_kernel(
     # 8-byte words per row; keys a block covers per step
     WPR, STEP = D // 4, W * KPW * C
     PER_THREAD = cdiv(GD, W * WARP_SIZE)  # outputs each thread adds up at the end
+    COMBINED = PER_THREAD * COMBINE_LOADS  # partials a thread holds while combining
 
     @cuda.jit(**options)
     def kernel(
@@ -523,7 +524,7 @@ def make_decode_attention_kernel(
         # flight at a time
         for j in range(PER_THREAD):
             num[j] = float32(0.0)
-        vals = cuda.local.array(PER_THREAD * COMBINE_LOADS, float32)
+        vals = cuda.local.array(COMBINED, float32)
         for j0 in range(uint32(0), used, uint32(COMBINE_LOADS)):
             for u in range(COMBINE_LOADS):
                 jj = min(j0 + uint32(u), used - uint32(1))
@@ -791,6 +792,33 @@ def decode_attention(
     return out
 
 
+def check_kv_write(
+    name: str, qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
+) -> int:
+    """What a KV-cache write needs of its arguments; returns head_dim."""
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
+    for cache in (k_cache, v_cache):
+        if (
+            cache.dtype != np.uint16
+            or cache.ndim != 3
+            or tuple(cache.shape[1:]) != (num_kv_heads, head_dim)
+        ):
+            raise TypeError(
+                f"{name}: caches must be uint16 (num_slots, {num_kv_heads}, "
+                f"{head_dim}), got {cache.dtype} {tuple(cache.shape)}"
+            )
+    if slot_mapping.dtype not in (np.int32, np.int64) or slot_mapping.shape != (
+        num_tokens,
+    ):
+        raise TypeError(
+            f"{name}: slot_mapping must be int32 or int64 ({num_tokens},), "
+            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    return head_dim
+
+
 def write_kv_cache(
     qkv,
     num_heads: int,
@@ -805,27 +833,110 @@ def write_kv_cache(
     (int32/int64; -1 skips).
     """
     num_tokens = qkv.shape[0]
-    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
-    check_qkv("write_kv_cache", qkv, num_heads, num_kv_heads, head_dim)
-    for cache in (k_cache, v_cache):
-        if (
-            cache.dtype != np.uint16
-            or cache.ndim != 3
-            or tuple(cache.shape[1:]) != (num_kv_heads, head_dim)
-        ):
-            raise TypeError(
-                f"write_kv_cache: caches must be uint16 (num_slots, {num_kv_heads}, "
-                f"{head_dim}), got {cache.dtype} {tuple(cache.shape)}"
-            )
-    if slot_mapping.dtype not in (np.int32, np.int64) or slot_mapping.shape != (
-        num_tokens,
-    ):
-        raise TypeError(
-            f"write_kv_cache: slot_mapping must be int32 or int64 ({num_tokens},), "
-            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
+    head_dim = check_kv_write(
+        "write_kv_cache", qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
+    )
     if num_tokens:
         total = num_tokens * num_kv_heads * head_dim
         write_kv_cache_kernel[cdiv(total, threads), threads, stream](
             qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
+        )
+
+
+# defined in chapters/08_kv_cache.py
+from tinyvllm_lib.kernels.rope import NAN32, RopeTable
+
+
+@cuda.jit
+def rope_write_kv_cache_kernel(
+    qkv, positions, cos, sin, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
+):
+    """A thread per (token, head of Q, K or V, pair i of the head): rotate Q's and K's
+    pairs (i, i + D/2) in place, then store K's and V's pairs in bf16 at the token's
+    slot.
+    """
+    half = cos.shape[1]
+    heads = num_heads + 2 * num_kv_heads
+    idx = cuda.grid(1)
+    i, head, token = idx % half, (idx // half) % heads, idx // (half * heads)
+    if token >= qkv.shape[0]:
+        return
+    col = head * 2 * half + i
+    x1, x2 = qkv[token, col], qkv[token, col + half]
+    if head < num_heads + num_kv_heads:  # Q or K: rotate
+        pos = positions[token]
+        is_valid = pos >= 0 and pos < cos.shape[0]
+        # outside the table: poison, never read out of bounds
+        c = cos[pos, i] if is_valid else NAN32
+        s = sin[pos, i] if is_valid else NAN32
+        x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
+        qkv[token, col], qkv[token, col + half] = x1, x2
+    slot = slot_mapping[token]
+    if head >= num_heads and slot >= 0:  # K or V, of a token with a slot
+        if head < num_heads + num_kv_heads:
+            kvh = head - num_heads
+            k_cache[slot, kvh, i] = f32_to_bf16(x1)
+            k_cache[slot, kvh, i + half] = f32_to_bf16(x2)
+        else:
+            kvh = head - num_heads - num_kv_heads
+            v_cache[slot, kvh, i] = f32_to_bf16(x1)
+            v_cache[slot, kvh, i + half] = f32_to_bf16(x2)
+
+
+PTX_SIGNATURES["rope_write_kv_cache_kernel"] = [
+    f"void(float32[:, ::1], {p}[::1], float32[:, ::1], float32[:, ::1], int64, int64, "
+    f"{s}[::1], uint16[:, :, ::1], uint16[:, :, ::1])"
+    for p in ("int32", "int64")
+    for s in ("int32", "int64")
+]
+
+
+def rope_and_write_kv_cache(
+    qkv,
+    positions,
+    table: RopeTable,
+    num_heads: int,
+    num_kv_heads: int,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    stream=0,
+    threads: int = 256,
+):
+    """rope_qkv(qkv, positions, table, ...) then write_kv_cache(qkv, ...), in one
+    launch: Q and K rotated in place, K and V stored as bf16 at slot_mapping[t] (-1
+    skips).
+    """
+    num_tokens = qkv.shape[0]
+    head_dim = check_kv_write(
+        "rope_and_write_kv_cache",
+        qkv,
+        num_heads,
+        num_kv_heads,
+        slot_mapping,
+        k_cache,
+        v_cache,
+    )
+    if table.head_dim != head_dim:
+        raise ValueError(
+            f"rope_and_write_kv_cache: the RoPE table is for head_dim "
+            f"{table.head_dim}, the heads have {head_dim}"
+        )
+    if positions.dtype not in (np.int32, np.int64) or positions.shape != (num_tokens,):
+        raise TypeError(
+            f"rope_and_write_kv_cache: positions must be int32 or int64 "
+            f"({num_tokens},), got {positions.dtype} {tuple(positions.shape)}"
+        )
+    if num_tokens:
+        total = num_tokens * (num_heads + 2 * num_kv_heads) * (head_dim // 2)
+        rope_write_kv_cache_kernel[cdiv(total, threads), threads, stream](
+            qkv,
+            positions,
+            table.cos,
+            table.sin,
+            num_heads,
+            num_kv_heads,
+            slot_mapping,
+            k_cache,
+            v_cache,
         )

@@ -6,6 +6,7 @@
 import numpy as np
 
 from tinyvllm_lib.kernels.attention import attention_ref, flash_attention
+from tinyvllm_lib.kernels.rope import rope_qkv
 
 
 class CausalAttention:
@@ -57,9 +58,10 @@ class FlashAttention:
     """The kernel model's attention without a cache: flash_attention over the batch's
     sequences.
 
-    Called by the layer loop as attention(layer, qkv, out, stream); query_start_loc
-    (int32, on the GPU) and max_query_len describe the batch, as flash_attention takes
-    them.
+    Called by the layer loop as attention(layer, qkv, out, stream, rope): rotates q
+    and k by rope = (RoPE table, positions) unless it is None, then attends;
+    query_start_loc (int32, on the GPU) and max_query_len describe the batch, as
+    flash_attention takes them.
     """
 
     def __init__(self, config, query_start_loc, max_query_len: int):
@@ -70,7 +72,11 @@ class FlashAttention:
         )
         self.query_start_loc, self.max_query_len = query_start_loc, int(max_query_len)
 
-    def __call__(self, layer: int, qkv, out, stream=0) -> None:
+    def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
+        if rope is not None:  # rope = (table, positions): rotate q and k first
+            rope_qkv(
+                qkv, rope[1], rope[0], self.num_heads, self.num_kv_heads, stream=stream
+            )
         flash_attention(
             qkv,
             self.query_start_loc,
@@ -145,6 +151,7 @@ from tinyvllm_lib.kernels.decode_attention import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
     decode_attention,
+    rope_and_write_kv_cache,
     write_kv_cache,
 )
 from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
@@ -155,9 +162,10 @@ class PagedAttention:
     """The kernel model's attention over the bf16 KV cache
     (engine.kv_cache.CudaKVCache), for one step.
 
-    Called as attention(layer, qkv, out, stream): stores the new tokens' K/V at their
-    slots; the prefills (the first metadata.num_prefills sequences) attend with
-    flash_attention when all start at position 0, else over the cache with
+    Called as attention(layer, qkv, out, stream, rope): rotates q and k by rope =
+    (table, positions) as it stores the new tokens' K/V at their slots (rope None: they
+    are rotated already); the prefills (the first metadata.num_prefills sequences)
+    attend with flash_attention when all start at position 0, else over the cache with
     paged_prefill_attention; the decode rows over their contexts with decode_attention.
     metadata's arrays are on the GPU; workspace comes from decode_workspace;
     max_context_len bounds every context, so decode attention's grid does not change
@@ -192,10 +200,15 @@ class PagedAttention:
             m.seq_lens[m.num_prefills :],
         )
 
-    def __call__(self, layer: int, qkv, out, stream=0) -> None:
+    def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        write_kv_cache(qkv, H, KVH, m.slot_mapping, k_cache, v_cache, stream=stream)
+        if rope is None:  # q and k are rotated already
+            write_kv_cache(qkv, H, KVH, m.slot_mapping, k_cache, v_cache, stream=stream)
+        else:  # rope = (table, positions): rotate q and k as the cache is written
+            rope_and_write_kv_cache(
+                qkv, rope[1], rope[0], H, KVH, m.slot_mapping, k_cache, v_cache, stream
+            )
         split = m.num_prefill_tokens
         if m.num_prefills and m.max_prefill_context_len:
             paged_prefill_attention(

@@ -7,7 +7,7 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-from tinyvllm_lib.kernels.rope import check_positions, rope_qkv, rope_table_from_config
+from tinyvllm_lib.kernels.rope import check_positions, rope_table_from_config
 from tinyvllm_lib.layers.activation import linear_silu_mul
 from tinyvllm_lib.layers.attention import FlashAttention
 from tinyvllm_lib.layers.linear import linear
@@ -80,7 +80,8 @@ class LlamaCuda:
         final-normed b["normed"] out.
 
         b: make_buffers' arrays, each cut to this pass's tokens; attention(layer, qkv,
-        out, stream) writes the attention output. Allocates and copies nothing.
+        out, stream, rope) rotates q and k by rope = (table, positions) and writes the
+        attention output. Allocates and copies nothing.
         workspace: a device buffer cuBLAS may use (chapter 11's CUDA graphs need one
         that stays put).
         """
@@ -97,15 +98,8 @@ class LlamaCuda:
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             linear(b["normed"], w[p + "qkv_proj"], b["qkv"], **on)
-            rope_qkv(
-                b["qkv"],
-                b["positions"],
-                self.rope,
-                c.num_attention_heads,
-                c.num_key_value_heads,
-                stream=stream,
-            )
-            attention(i, b["qkv"], b["attn"], stream)
+            # the attention layer rotates q and k (with its cache write, if it has one)
+            attention(i, b["qkv"], b["attn"], stream, rope=(self.rope, b["positions"]))
             linear(b["attn"], w[p + "o_proj"], b["delta"], **on)
             fused_add_rmsnorm(
                 b["residual"],
