@@ -1,8 +1,8 @@
 """Chapter 11 on the GPU: a decode step of the Llama 3.2 1B stand-in, kernel by kernel.
 
 For each kernel of the step as the model launches it (embedding, first norm; per layer QKV, RoPE with
-the KV write, attention, output projection, add + norm, gate-up with SiLU at one row (gate-up, then
-SiLU, where cuBLAS runs it), down, add + norm; LM head, sampler) its time, replayed from a
+the KV write, attention, output projection, add + norm, gate-up, SiLU, down, add + norm; LM head,
+sampler) its time, replayed from a
 captured graph (tinyvllm_lib.measure.time_launches) with the 16 layers' weights and caches rotated
 so that none is read from L2 when a real step would read it from memory; the bytes it must move
 (counted, not measured: weights, cache and activations); its share of the step and of chapter 1's
@@ -21,7 +21,7 @@ import numpy as np
 from numba import config, cuda
 
 from tinyvllm_lib.engine.llm import LLM
-from tinyvllm_lib.kernels.activation import silu_mul
+from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
 from tinyvllm_lib.kernels.decode_attention import (
     decode_attention,
     rope_and_write_kv_cache,
@@ -31,7 +31,6 @@ from tinyvllm_lib.kernels.embedding import embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
 from tinyvllm_lib.kernels.sampling import SAMPLER_THREADS, sample_kernel
-from tinyvllm_lib.layers.activation import linear_silu_mul
 from tinyvllm_lib.layers.linear import linear, linear_path
 from tinyvllm_lib.measure import Recorder, load_records, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
@@ -82,17 +81,8 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         ("o_proj", L, lin("attn", "o_proj", "delta"), H * D * hid * 2 + act_bytes((H * D, 2), (hid, 4))),
         ("add_rmsnorm", 2 * L, lambda i, s: fused_add_rmsnorm(x["residual"], x["delta"], w[f"layers.{i % L}.post_attention_layernorm"],
                                                               1e-5, x["normed"], stream=s), act_bytes((hid, 12), (hid, 2))),
-    ]
-    if linear_path(x["normed"], w["layers.0.gate_up_proj"]) == "gemv":  # the model's fused GEMV + SiLU
-        kernels.append(("gate_up_silu", L, lambda i, s: linear_silu_mul(
-            x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"], x["gate_up"], stream=s, workspace=ws),
-            2 * inter * hid * 2 + act_bytes((hid, 2), (inter, 2))))
-    else:
-        kernels += [
-            ("gate_up_proj", L, lin("normed", "gate_up_proj", "gate_up"), 2 * inter * hid * 2 + act_bytes((hid, 2), (2 * inter, 4))),
-            ("silu_mul", L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s), act_bytes((2 * inter, 4), (inter, 2))),
-        ]
-    kernels += [
+        ("gate_up_proj", L, lin("normed", "gate_up_proj", "gate_up"), 2 * inter * hid * 2 + act_bytes((hid, 2), (2 * inter, 4))),
+        ("silu_mul", L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s), act_bytes((2 * inter, 4), (inter, 2))),
         ("down_proj", L, lin("act", "down_proj", "delta"), inter * hid * 2 + act_bytes((inter, 2), (hid, 4))),
         ("lm_head", 1, lambda i, s: linear(x["normed"], w["lm_head"], logits, stream=s, workspace=ws),
          vocab * hid * 2 + act_bytes((hid, 2), (vocab, 4))),
@@ -104,8 +94,9 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
 
 
 def fusions(runner, rows: int, context: int, rng) -> list:
-    """[(fusion, separate(i, stream), fused(i, stream))]: the model's fused kernels against the kernels they replace,
-    on the same buffers (filled by decode_kernels)."""
+    """[(fusion, separate(i, stream), fused(i, stream))]: fused kernels against the kernels they replace, on the
+    same buffers (filled by decode_kernels): RoPE with the KV write (the model's), and at one row the gated GEMV
+    (chapter 7's, which the model does not use)."""
     c, w, b, ws = runner.config, runner.model.weights, runner.activations, runner.cublas_workspace
     L, H, KVH = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
     cache, x = runner.kv_cache, {name: buf[:rows] for name, buf in b.items()}
@@ -120,8 +111,7 @@ def fusions(runner, rows: int, context: int, rng) -> list:
         out.append(("gate_up_silu",
                     lambda i, s: (linear(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["gate_up"], stream=s, workspace=ws),
                                   silu_mul(x["gate_up"], x["act"], stream=s)),
-                    lambda i, s: linear_silu_mul(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"], x["gate_up"],
-                                                 stream=s, workspace=ws)))
+                    lambda i, s: gemv_silu_mul(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"], stream=s)))
     return out
 
 

@@ -1,6 +1,7 @@
 """Chapter 11 under compute-sanitizer: a few graph-captured decode steps of the Llama 3.2 1B stand-in at
 its real shapes (prefill eager, then decode graphs of 1, 2 and 4 rows), with greedy, seeded top-k/top-p
-and log-probability rows, so every kernel of a captured step and the GPU log-prob kernel run.
+and log-probability rows, so every kernel of a captured step and the GPU log-prob kernel run, and
+contexts long enough that decode attention's last split combines the others.
 
     compute-sanitizer --tool memcheck python3 bench/ch11_sanitize.py [--wheel TOKENIZER_WHEEL]
 """
@@ -30,11 +31,13 @@ def main() -> None:
             replay()
         graph.replay = counted
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 128000, n).tolist() for n in (17, 40, 5)]
+    # 40 and 200 tokens: decode attention splits their contexts (2 and 9 splits), so the last split combines
+    prompts = [rng.integers(0, 128000, n).tolist() for n in (17, 40, 5, 200)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=args.max_tokens - 2, ignore_eos=True),
         SamplingParams(temperature=1.0, seed=2, max_tokens=args.max_tokens + 2, logprobs=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for o in outs:

@@ -1346,8 +1346,9 @@ if can_launch():
 # row $n$ and up row $n$ ($n + I$ in the stacked matrix), and its lane 0 writes
 # $\operatorname{SiLU}(g_n) \cdot u_n$ in bf16 instead of the two products. The weights
 # are read as before; what goes is the float32 row (8 bytes an element written and read
-# back) and one launch per layer. `linear_silu_mul` takes this path where `linear` would
-# take the GEMV, and `linear` then `silu_mul` elsewhere (cuBLAS knows no SiLU).
+# back) and one launch per layer. Whether that pays is a measurement: chapter 11 times
+# it against the GEMV and `silu_mul` it would replace, and the model keeps the two
+# kernels.
 
 # %%
 #| export kernels.activation
@@ -1404,24 +1405,7 @@ def gemv_silu_mul(x, w, out, stream=0):
 
 
 # %%
-#| export layers.activation
-from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
-from tinyvllm_lib.layers.linear import linear, linear_path
-
-
-def linear_silu_mul(x, w, out, gate_up, *, stream=0, workspace=None):
-    """out (T, I) = SiLU(gate) * up of x · wᵀ = [gate | up], out bf16 bits or float32:
-    one fused GEMV where `linear` would take the GEMV, else `linear` into gate_up
-    (float32 (T, 2 I)) then `silu_mul`.
-    """
-    if linear_path(x, w) == "gemv":
-        return gemv_silu_mul(x, w, out, stream=stream)
-    linear(x, w, gate_up, stream=stream, workspace=workspace)
-    return silu_mul(gate_up, out, stream=stream)
-
-
-# %%
-from tinyvllm_lib.layers.activation import linear_silu_mul
+from tinyvllm_lib.kernels.activation import gemv_silu_mul
 
 if can_launch():
     for M, K, inter in (
@@ -1442,14 +1426,9 @@ if can_launch():
         )
         want = silu_mul_ref(product.astype(np.float32))
         fused = cuda.device_array((M, inter), np.uint16)
-        linear_silu_mul(
-            cuda.to_device(x_bits),
-            cuda.to_device(w_bits),
-            fused,
-            cuda.device_array((M, 2 * inter), np.float32),
-        )
+        gemv_silu_mul(cuda.to_device(x_bits), cuda.to_device(w_bits), fused)
         assert_bf16_close(fused.copy_to_host(), want)
-    print("linear_silu_mul agrees with silu_mul_ref of the product, in bf16")
+    print("gemv_silu_mul agrees with silu_mul_ref of the product, in bf16")
 
 # %% [markdown]
 # ## The forward pass in NumPy
@@ -1966,30 +1945,31 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # positions, `rope=(table, positions)`: this chapter's `FlashAttention` rotates q and
 # k with `rope_qkv` before it attends, and chapter 8's cached attention rotates them in
 # the kernel that writes the cache. The dtypes follow the table at the start of the
-# chapter; three fusions save launches and bytes:
+# chapter; two fusions save launches and bytes:
 #
 # - chapter 4's **fused residual add + RMSNorm** adds the attention output to the stream
 #   and normalises it for the MLP in one kernel; after the MLP the same kernel adds its
 #   output and normalises for the *next* layer — or, after the last layer, with the
 #   final norm's weight;
 # - the attention kernel and `silu_mul` write **bf16** straight away, the inputs of
-#   `o_proj` and `down_proj`;
-# - `linear_silu_mul` (above) does the gate/up projection and SiLU·up in one GEMV at one
-#   token, and falls back to the two kernels where `linear` takes cuBLAS.
+#   `o_proj` and `down_proj`.
+#
+# (The gated GEMV above is not among them: chapter 11 times it against the two kernels
+# it would replace, and at Llama 3.2 1B's shape it is the slower of the two.)
 #
 # Per layer that is eight launches: QKV projection, RoPE, attention, o projection, add +
-# norm, gate/up projection, SiLU·up, down projection, add + norm — seven at one token —
-# and around them the embedding, the first norm and the head.
+# norm, gate/up projection, SiLU·up, down projection, add + norm — and around them the
+# embedding, the first norm and the head.
 
 # %%
 #| export models.llama_cuda
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import check_positions, rope_table_from_config
-from tinyvllm_lib.layers.activation import linear_silu_mul
 from tinyvllm_lib.layers.attention import FlashAttention
 from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.config import ModelConfig
@@ -2090,9 +2070,8 @@ class LlamaCuda:
                 b["normed"],
                 stream=stream,
             )
-            linear_silu_mul(
-                b["normed"], w[p + "gate_up_proj"], b["act"], b["gate_up"], **on
-            )
+            linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], **on)
+            silu_mul(b["gate_up"], b["act"], stream=stream)
             linear(b["act"], w[p + "down_proj"], b["delta"], **on)
             next_norm = (
                 w[f"layers.{i + 1}.input_layernorm"]

@@ -15,7 +15,6 @@ from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.cublas import CublasGemm, cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import gemm_blocked, gemm_naive, gemm_shared
 from tinyvllm_lib.kernels.gemv import GEMV_BUCKETS, GEMV_MAX_ACC, GEMV_VARIANTS, gemv
-from tinyvllm_lib.layers.activation import linear_silu_mul
 from tinyvllm_lib.layers.linear import (
     LINEAR_GEMV_MAX_TOKENS,
     gemv_wins_up_to,
@@ -348,19 +347,6 @@ def test_gemv_silu_mul_matches_reference(rng, M, I, K):
     bits = cuda.to_device(np.full((M, I), 0x7FC0, np.uint16))  # bf16 out, as the model's down_proj reads it
     gemv_silu_mul(cuda.to_device(x), cuda.to_device(w), bits)
     assert rel_error(bf16_bits_to_f32(bits.copy_to_host()), want) <= 2**-7
-
-
-@needs_launch
-def test_linear_silu_mul_takes_the_gemv_or_linear_then_silu_mul(rng):
-    K, I = 64, 12
-    w = random_bf16(rng, (2 * I, K), scale=0.3)
-    for M in (1, 17):  # the fused GEMV; past the GEMV's 16 tokens, linear then silu_mul
-        x = random_bf16(rng, (M, K))
-        gate_up = cuda.to_device(np.full((M, 2 * I), np.nan, np.float32))
-        out = cuda.to_device(np.full((M, I), np.nan, np.float32))
-        linear_silu_mul(cuda.to_device(x), cuda.to_device(w), out, gate_up)
-        assert rel_error(out.copy_to_host(), gated_reference(x, w)) <= TOL
-        assert np.isnan(gate_up.copy_to_host()).all() == (linear_path(x, w) == "gemv")  # fused: gate_up untouched
 
 
 def test_gemv_silu_mul_rejects_bad_shapes():

@@ -5,10 +5,10 @@
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import check_positions, rope_table_from_config
-from tinyvllm_lib.layers.activation import linear_silu_mul
 from tinyvllm_lib.layers.attention import FlashAttention
 from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.config import ModelConfig
@@ -109,9 +109,8 @@ class LlamaCuda:
                 b["normed"],
                 stream=stream,
             )
-            linear_silu_mul(
-                b["normed"], w[p + "gate_up_proj"], b["act"], b["gate_up"], **on
-            )
+            linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], **on)
+            silu_mul(b["gate_up"], b["act"], stream=stream)
             linear(b["act"], w[p + "down_proj"], b["delta"], **on)
             next_norm = (
                 w[f"layers.{i + 1}.input_layernorm"]
