@@ -14,6 +14,7 @@ from tinyvllm_lib.cli import main
 from tinyvllm_lib.engine.config import resolve_device
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.sampling_params import RequestOutputKind
 from tinyvllm_lib.engine.verify import (
     default_prompt,
     greedy_agreement,
@@ -204,6 +205,34 @@ def test_multibyte_characters_across_tokens(smol, text):
         assert "".join(pieces) == tok.decode(ids) == text
         assert not any("\ufffd" in p for p in pieces)
         assert "" in pieces  # some steps held an incomplete character back
+
+
+def test_deferred_text_is_the_incremental_text(smol, rng):
+    """A FINAL_ONLY request without stop strings decodes once, at the end: the same text, token for token."""
+    for tok in (smol.tokenizer, FakeTokenizer()):
+        vocab = getattr(tok, "vocab_size", None) or 256
+        for trial in range(40):
+            prompt = rng.integers(0, vocab, 7).tolist()
+            ids = rng.integers(0, vocab, 50).tolist() if trial % 2 else tok.encode("I love 🦙 and 東京! ✨ " * 3)
+            texts = []
+            for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+                params = SamplingParams(max_tokens=len(ids), output_kind=kind)
+                request = Request("0", None, prompt, params, len(ids), eos_token_ids=[], tokenizer=tok)
+                assert request.defer_text == (kind is RequestOutputKind.FINAL_ONLY)
+                for t in ids:
+                    request.append_token(t)
+                texts.append(request.text)
+            assert texts[0] == texts[1]
+    # an abort keeps what was generated, decoded then
+    tok = FakeTokenizer()
+    ids = tok.encode("abc")
+    request = Request("0", None, [], SamplingParams(max_tokens=10, output_kind=RequestOutputKind.FINAL_ONLY), 10,
+                      eos_token_ids=[], tokenizer=tok)
+    for t in ids:
+        request.append_token(t)
+    assert request.text == ""
+    request.abort()
+    assert request.output().outputs[0].text == "abc" and request.finish_reason == "abort"
 
 
 def test_incomplete_character_at_the_end_is_flushed():

@@ -24,13 +24,19 @@ class IncrementalDetokenizer:
         """Append a token; return the text it completes ('' while a character is
         incomplete).
         """
+        self.push(token_id)
+        return self._advance(is_final=False)
+
+    def push(self, token_id: int) -> None:
+        """Append a token without decoding: its text comes with the next add or
+        flush.
+        """
         token_id = int(token_id)
         if self.vocab_size is not None and not 0 <= token_id < self.vocab_size:
             raise ValueError(
                 f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
             )
         self.token_ids.append(token_id)
-        return self._advance(is_final=False)
 
     def flush(self) -> str:
         """The text not emitted yet, complete or not (at the end of generation)."""
