@@ -921,10 +921,14 @@ del model, cache
 #   sequence, split), about 512 keys a block, and more splits while the grid is small,
 #   so even one sequence spreads over the GPU. Each block writes its partial —
 #   unnormalised output, maximum and sum — to a float32 **workspace** the caller made
-#   once (`decode_workspace`), and a small second kernel combines the splits into the
-#   output — float32, or bf16 bits for `o_proj` (chapter 4's `store_activation`). A
-#   sequence that needs one split only is written by the first kernel directly. KV heads
-#   are the grid's fastest index, so the blocks that run side by side read whole slots;
+#   once (`decode_workspace`), then counts itself done with an atomic add; **the last
+#   of a sequence's splits to finish combines them all** into the output — float32, or
+#   bf16 bits for `o_proj` (chapter 4's `store_activation`) — and sets the count back to
+#   zero for the next launch. Each lane of its warps holds one split's maximum and sum,
+#   shuffles find the common maximum, and every thread adds up its outputs over the
+#   splits with four splits' loads in flight at a time. A sequence that needs one split
+#   only is written directly. KV heads are the grid's fastest index, so the blocks that
+#   run side by side read whole slots;
 # - **the split is decided on the GPU, per sequence**: each block reads its sequence's
 #   length and works out how many splits that length wants and which keys are its own.
 #   The host fixes only the grid — rows, KV heads and the most splits any length up to
@@ -2036,6 +2040,9 @@ for n in (1, 64, 256):
         f"{r['ratio']:.0%}" if r and r.get("ratio") else "(not yet measured)",
     )
 prose.glue(
+    "ch08_decode_date", decode_records[64]["date"] if 64 in decode_records else ""
+)
+prose.glue(
     "ch08_decode_device",
     decode_records[64]["device"]["name"] if 64 in decode_records else "the GPU",
 )
@@ -2080,8 +2087,11 @@ On the {{ch08_decode_device}}, 64 sequences take {{ch08_decode_64_us}} per layer
 {{ch08_decode_64_copy}} of the copy bandwidth — and 256 take {{ch08_decode_256_us}}
 ({{ch08_decode_256_copy}}). One sequence takes {{ch08_decode_1_us}}: its 2 MiB of K and
 V per layer is too little to fill {{ch08_decode_sms}} SMs, so latency, not bandwidth,
-sets its time, and splitting the context is what keeps it that short. Here is what each
-knob does at 64 sequences, moved alone away from the defaults (the dark bar):
+sets its time, and splitting the context is what keeps it that short. (These records,
+of {{ch08_decode_date}}, were made when a second small kernel combined the splits;
+chapter 11 folds the combine into the last split and measures the kernel again.) Here
+is what each knob does at 64 sequences, moved alone away from the defaults (the dark
+bar):
 """)
 
 # %% tags=["hide-input"]
