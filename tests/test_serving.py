@@ -132,6 +132,8 @@ def test_a_streamed_chat_answer_joins_to_the_same_text(client, offline):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == offline["question"].outputs[0].text and "Paris" in text
+    # the text streams as it is made, not all in the last chunk
+    assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) > 3
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(offline["question"].outputs[0].token_ids)

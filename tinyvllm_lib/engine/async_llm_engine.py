@@ -183,6 +183,9 @@ class AsyncLLMEngine:
             params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
             request = self.engine.make_request(request_id, prompt, params, name=name)
+            # this thread reads the text as it grows (stream_delta): decode it token by
+            # token, even though the engine is told FINAL_ONLY
+            request.defer_text = False
             self.engine.enqueue(request)
         except Exception as err:  # ValueError: the client's fault (a 400)
             self._call(collector.loop, _resolve, accepted, err)

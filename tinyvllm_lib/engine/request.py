@@ -94,7 +94,9 @@ class Request:
         if not self.is_finished:
             self.finish_reason = "abort"
             if self.defer_text and self.detokenizer is not None:
-                self.text += self.detokenizer.flush()  # what it has, decoded now
+                # what it has, decoded now: its stable text, as a streamed request keeps
+                # (a last character still incomplete is left out)
+                self.text += self.detokenizer.flush().rstrip("\ufffd")
         self.status = RequestStatus.FINISHED
 
     @property
