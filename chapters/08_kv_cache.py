@@ -1930,6 +1930,31 @@ def rope_and_write_kv_cache(
         )
 
 
+def cache_new_kv(
+    qkv, rope, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache, stream=0
+):
+    """An attention layer's write of the step's new K and V: rope = (table, positions)
+    rotates q and k as it writes (rope_and_write_kv_cache); None means they are rotated
+    already (write_kv_cache).
+    """
+    if rope is None:
+        return write_kv_cache(
+            qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache, stream=stream
+        )
+    table, positions = rope
+    return rope_and_write_kv_cache(
+        qkv,
+        positions,
+        table,
+        num_heads,
+        num_kv_heads,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        stream,
+    )
+
+
 # %% [markdown]
 # The NumPy reference works in float64 on the same bf16 cache, so the kernel's only
 # error is its float32 arithmetic. A test with several sequences of odd lengths, grouped
@@ -2200,9 +2225,8 @@ from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.decode_attention import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
+    cache_new_kv,
     decode_attention,
-    rope_and_write_kv_cache,
-    write_kv_cache,
 )
 
 
@@ -2252,12 +2276,7 @@ class PagedAttention:
     def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        if rope is None:  # q and k are rotated already
-            write_kv_cache(qkv, H, KVH, m.slot_mapping, k_cache, v_cache, stream=stream)
-        else:  # rope = (table, positions): rotate q and k as the cache is written
-            rope_and_write_kv_cache(
-                qkv, rope[1], rope[0], H, KVH, m.slot_mapping, k_cache, v_cache, stream
-            )
+        cache_new_kv(qkv, rope, H, KVH, m.slot_mapping, k_cache, v_cache, stream)
         split = m.num_prefill_tokens
         if m.num_prefills:
             flash_attention(

@@ -1358,9 +1358,8 @@ from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.decode_attention import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
+    cache_new_kv,
     decode_attention,
-    rope_and_write_kv_cache,
-    write_kv_cache,
 )
 from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
 from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
@@ -1411,12 +1410,7 @@ class PagedAttention:
     def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        if rope is None:  # q and k are rotated already
-            write_kv_cache(qkv, H, KVH, m.slot_mapping, k_cache, v_cache, stream=stream)
-        else:  # rope = (table, positions): rotate q and k as the cache is written
-            rope_and_write_kv_cache(
-                qkv, rope[1], rope[0], H, KVH, m.slot_mapping, k_cache, v_cache, stream
-            )
+        cache_new_kv(qkv, rope, H, KVH, m.slot_mapping, k_cache, v_cache, stream)
         split = m.num_prefill_tokens
         if m.num_prefills and m.max_prefill_context_len:
             paged_prefill_attention(

@@ -940,3 +940,28 @@ def rope_and_write_kv_cache(
             k_cache,
             v_cache,
         )
+
+
+def cache_new_kv(
+    qkv, rope, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache, stream=0
+):
+    """An attention layer's write of the step's new K and V: rope = (table, positions)
+    rotates q and k as it writes (rope_and_write_kv_cache); None means they are rotated
+    already (write_kv_cache).
+    """
+    if rope is None:
+        return write_kv_cache(
+            qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache, stream=stream
+        )
+    table, positions = rope
+    return rope_and_write_kv_cache(
+        qkv,
+        positions,
+        table,
+        num_heads,
+        num_kv_heads,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        stream,
+    )
