@@ -1017,7 +1017,11 @@ class Request:
         eos_token_ids,
         tokenizer=None,
         generator: np.random.Generator | None = None,
+        streams_text: bool = False,
     ):
+        """streams_text: its caller reads the text as it grows (stream_delta), whatever
+        the output kind it asks the engine for.
+        """
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.prompt_token_ids = [int(i) for i in prompt_token_ids]
         self.max_tokens = max_tokens
@@ -1038,7 +1042,9 @@ class Request:
         # it once then, not token by token (two decodes a token: the largest part of
         # the host's step at 256 rows, profiled on the H200's host)
         self.defer_text = (
-            params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop
+            not streams_text
+            and params.output_kind is RequestOutputKind.FINAL_ONLY
+            and not params.stop
         )
         self.output_token_ids: list[int] = []
         self.text, self.num_streamed = "", 0

@@ -448,9 +448,10 @@ def make_request(
     max_model_len: int,
     default_generator: np.random.Generator,
     name: str = "prompt",
+    streams_text: bool = False,
 ) -> Request:
     """A checked Request: the prompt fits in max_model_len with room for its max_tokens;
-    stop strings have a tokenizer.
+    stop strings have a tokenizer. streams_text: the caller reads its text as it grows.
     """
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
@@ -490,6 +491,7 @@ def make_request(
         eos_token_ids,
         tokenizer,
         generator,
+        streams_text,
     )
 
 
@@ -654,10 +656,15 @@ class LLMEngine:
         return self.tokenizer
 
     def make_request(
-        self, request_id: str, prompt, params=None, name: str = "prompt"
+        self,
+        request_id: str,
+        prompt,
+        params=None,
+        name: str = "prompt",
+        streams_text: bool = False,
     ) -> Request:
         """A checked Request for a prompt (text, token ids or a dict), not added yet;
-        ValueError on bad input.
+        ValueError on bad input. streams_text: the caller reads its text as it grows.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(
@@ -677,6 +684,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             default_generator=self.rng,
             name=name,
+            streams_text=streams_text,
         )
 
     def enqueue(self, request: Request) -> None:

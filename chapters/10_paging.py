@@ -701,29 +701,23 @@ class PagedScheduler:
         a token.
         """
         s, progressed, j = result.sampled, [], 0  # j: the sampled row
-        # Python ints once for the whole step, not a NumPy scalar per row; the
-        # log-prob arrays only where some row asked for them
+        # Python ints once for the whole step, not a NumPy scalar per row
         token_ids = np.asarray(s.token_ids).tolist()
-        with_logprobs = s.logprobs is not None
         for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
             request.num_computed_tokens += n
             self.block_manager.cache_blocks(
                 request.request_id, RequestTokens(request), request.num_computed_tokens
             )
-            if result.prompt_logits[i] is not None:
-                self._collect_prompt_logits(request, result.prompt_logits[i])
+            self._collect_prompt_logits(request, result.prompt_logits[i])
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
-            if with_logprobs:
-                request.append_token(
-                    token_ids[j],
-                    *(
-                        None if a is None else a[j]
-                        for a in (s.logprobs, s.top_ids, s.top_logprobs)
-                    ),
-                )
-            else:
-                request.append_token(token_ids[j])
+            request.append_token(
+                token_ids[j],
+                *(
+                    None if a is None else a[j]
+                    for a in (s.logprobs, s.top_ids, s.top_logprobs)
+                ),
+            )
             j += 1
             progressed.append(request)
             if request.is_finished:
@@ -1698,10 +1692,15 @@ class LLMEngine:
         return self.tokenizer
 
     def make_request(
-        self, request_id: str, prompt, params=None, name: str = "prompt"
+        self,
+        request_id: str,
+        prompt,
+        params=None,
+        name: str = "prompt",
+        streams_text: bool = False,
     ) -> Request:
         """A checked Request for a prompt (text, token ids or a dict), not added yet;
-        ValueError on bad input.
+        ValueError on bad input. streams_text: the caller reads its text as it grows.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(
@@ -1721,6 +1720,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             default_generator=self.rng,
             name=name,
+            streams_text=streams_text,
         )
 
     def enqueue(self, request: Request) -> None:

@@ -768,10 +768,11 @@ class AsyncLLMEngine:
         if isinstance(params, SamplingParams):  # the thread builds its own deltas
             params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
-            request = self.engine.make_request(request_id, prompt, params, name=name)
-            # this thread reads the text as it grows (stream_delta): decode it token by
-            # token, even though the engine is told FINAL_ONLY
-            request.defer_text = False
+            # this thread reads the text as it grows (stream_delta), though the engine
+            # is told FINAL_ONLY
+            request = self.engine.make_request(
+                request_id, prompt, params, name=name, streams_text=True
+            )
             self.engine.enqueue(request)
         except Exception as err:  # ValueError: the client's fault (a 400)
             self._call(collector.loop, _resolve, accepted, err)

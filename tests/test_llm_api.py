@@ -233,6 +233,13 @@ def test_deferred_text_is_the_incremental_text(smol, rng):
     assert request.text == ""
     request.abort()
     assert request.output().outputs[0].text == "abc" and request.finish_reason == "abort"
+    # a caller that reads the text as it grows (the server's thread) gets it token by token, whatever the kind
+    streamed = Request("1", None, [], SamplingParams(max_tokens=10, output_kind=RequestOutputKind.FINAL_ONLY), 10,
+                       eos_token_ids=[], tokenizer=tok, streams_text=True)
+    assert not streamed.defer_text
+    for t in ids:
+        streamed.append_token(t)
+    assert streamed.text == "abc"
 
 
 def test_incomplete_character_at_the_end_is_flushed():

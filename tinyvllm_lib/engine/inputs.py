@@ -58,9 +58,10 @@ def make_request(
     max_model_len: int,
     default_generator: np.random.Generator,
     name: str = "prompt",
+    streams_text: bool = False,
 ) -> Request:
     """A checked Request: the prompt fits in max_model_len with room for its max_tokens;
-    stop strings have a tokenizer.
+    stop strings have a tokenizer. streams_text: the caller reads its text as it grows.
     """
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
@@ -100,4 +101,5 @@ def make_request(
         eos_token_ids,
         tokenizer,
         generator,
+        streams_text,
     )

@@ -187,10 +187,15 @@ class LLMEngine:
         return self.tokenizer
 
     def make_request(
-        self, request_id: str, prompt, params=None, name: str = "prompt"
+        self,
+        request_id: str,
+        prompt,
+        params=None,
+        name: str = "prompt",
+        streams_text: bool = False,
     ) -> Request:
         """A checked Request for a prompt (text, token ids or a dict), not added yet;
-        ValueError on bad input.
+        ValueError on bad input. streams_text: the caller reads its text as it grows.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(
@@ -210,6 +215,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             default_generator=self.rng,
             name=name,
+            streams_text=streams_text,
         )
 
     def enqueue(self, request: Request) -> None:

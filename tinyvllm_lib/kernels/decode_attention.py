@@ -844,7 +844,7 @@ def write_kv_cache(
 
 
 # defined in chapters/08_kv_cache.py
-from tinyvllm_lib.kernels.rope import NAN32, RopeTable
+from tinyvllm_lib.kernels.rope import NAN32, RopeTable, check_rope_args
 
 
 @cuda.jit
@@ -922,11 +922,9 @@ def rope_and_write_kv_cache(
             f"rope_and_write_kv_cache: the RoPE table is for head_dim "
             f"{table.head_dim}, the heads have {head_dim}"
         )
-    if positions.dtype not in (np.int32, np.int64) or positions.shape != (num_tokens,):
-        raise TypeError(
-            f"rope_and_write_kv_cache: positions must be int32 or int64 "
-            f"({num_tokens},), got {positions.dtype} {tuple(positions.shape)}"
-        )
+    check_rope_args(
+        qkv, positions, table, num_heads, num_kv_heads, "rope_and_write_kv_cache"
+    )
     if num_tokens:
         total = num_tokens * (num_heads + 2 * num_kv_heads) * (head_dim // 2)
         rope_write_kv_cache_kernel[cdiv(total, threads), threads, stream](

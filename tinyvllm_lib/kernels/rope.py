@@ -308,17 +308,25 @@ ROPE_VARIANTS = ("on_the_fly", "table", "heads_per_thread")
 ROPE_THREADS = 256
 
 
-def _check_rope_args(
-    qkv, positions, table: RopeTable, num_heads: int, num_kv_heads: int
+def check_rope_args(
+    qkv,
+    positions,
+    table: RopeTable,
+    num_heads: int,
+    num_kv_heads: int,
+    caller: str = "rope_qkv",
 ) -> None:
+    """What rotating qkv at these positions by the table needs of them; errors name
+    the caller.
+    """
     for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if not isinstance(count, (int, np.integer)) or count <= 0:
             raise ValueError(
-                f"rope_qkv: {name} must be a positive integer, got {count!r}"
+                f"{caller}: {name} must be a positive integer, got {count!r}"
             )
     if num_heads % num_kv_heads:
         raise ValueError(
-            f"rope_qkv: num_heads ({num_heads}) must be a multiple of num_kv_heads "
+            f"{caller}: num_heads ({num_heads}) must be a multiple of num_kv_heads "
             f"({num_kv_heads})"
         )
     half = table.inv_freq.shape[0]
@@ -333,22 +341,22 @@ def _check_rope_args(
             or not a.flags["C_CONTIGUOUS"]
         ):
             raise TypeError(
-                f"rope_qkv: table.{name} must be contiguous float32 of shape "
+                f"{caller}: table.{name} must be contiguous float32 of shape "
                 f"{tuple(shape)}, got {a.dtype} {tuple(a.shape)}"
             )
     if qkv.dtype != np.float32:
-        raise TypeError(f"rope_qkv: qkv must be float32, got {qkv.dtype}")
+        raise TypeError(f"{caller}: qkv must be float32, got {qkv.dtype}")
     width = (num_heads + 2 * num_kv_heads) * table.head_dim
     if qkv.ndim != 2 or qkv.shape[1] != width:
         raise ValueError(
-            "rope_qkv: qkv must be (num_tokens, (num_heads + 2*num_kv_heads) * "
+            f"{caller}: qkv must be (num_tokens, (num_heads + 2*num_kv_heads) * "
             f"head_dim) = (num_tokens, {width}), got {tuple(qkv.shape)}"
         )
     if not qkv.flags["C_CONTIGUOUS"]:
-        raise ValueError("rope_qkv: qkv must be C-contiguous")
+        raise ValueError(f"{caller}: qkv must be C-contiguous")
     if positions.dtype not in (np.int32, np.int64):
         raise TypeError(
-            f"rope_qkv: positions must be int32 or int64, got {positions.dtype}"
+            f"{caller}: positions must be int32 or int64, got {positions.dtype}"
         )
     if (
         positions.ndim != 1
@@ -356,14 +364,14 @@ def _check_rope_args(
         or not positions.flags["C_CONTIGUOUS"]
     ):
         raise ValueError(
-            "rope_qkv: positions must be contiguous 1-D with one entry per token "
+            f"{caller}: positions must be contiguous 1-D with one entry per token "
             f"({qkv.shape[0]}), got {tuple(positions.shape)}"
         )
     if isinstance(positions, np.ndarray) and positions.size:
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or high >= table.num_positions:
             raise ValueError(
-                f"rope_qkv: positions must lie in [0, {table.num_positions}) (the "
+                f"{caller}: positions must lie in [0, {table.num_positions}) (the "
                 f"table's rows), got [{low}, {high}]"
             )
 
@@ -384,7 +392,7 @@ def rope_qkv(
         raise ValueError(
             f"rope_qkv: variant must be one of {ROPE_VARIANTS}, got {variant!r}"
         )
-    _check_rope_args(qkv, positions, table, num_heads, num_kv_heads)
+    check_rope_args(qkv, positions, table, num_heads, num_kv_heads)
     num_tokens, half = qkv.shape[0], table.head_dim // 2
     num_rotated = int(num_heads + num_kv_heads)
     if num_tokens == 0:
