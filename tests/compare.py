@@ -21,3 +21,23 @@ def shared_logprob_gaps(a, b) -> np.ndarray:
             break
         gaps.append(abs(a.logprobs[t][x] - b.logprobs[t][y]))
     return np.array(gaps)
+
+
+def draw_margin(logits: np.ndarray, params, u: float) -> float:
+    """How near a sampled step came to another token: the least distance, in probability, from its draw u to a
+    boundary of the CDF it was drawn from, or from top_p to the cut of the nucleus (a token in or out of it shifts
+    every boundary after it). Float32 noise in the logits moves both by about 1e-6."""
+    from tinyvllm_lib.engine.sampler import apply_temperature, apply_top_k, apply_top_p
+
+    z = apply_temperature(np.asarray(logits, np.float32)[None], np.array([params.temperature], np.float32))
+    z = apply_top_k(z, np.array([max(params.top_k, 0)], np.int64))
+    kept = apply_top_p(z, np.array([params.top_p], np.float32))[0]
+    probs = np.exp(kept - kept.max(), dtype=np.float64)
+    cdf = np.cumsum(probs) / probs.sum()
+    margin = float(np.min(np.abs(cdf[probs > 0] - u)))
+    if params.top_p < 1:  # the nucleus: the mass before each token, most likely first
+        z = np.sort(z[0])[::-1]
+        sorted_probs = np.exp(z - z[0], dtype=np.float64)
+        sorted_probs /= sorted_probs.sum()
+        margin = min(margin, float(np.min(np.abs(np.cumsum(sorted_probs) - sorted_probs - params.top_p))))
+    return margin

@@ -8,12 +8,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from compare import agrees, shared_logprob_gaps
+from compare import agrees, draw_margin, shared_logprob_gaps
 
 from tinyvllm_lib import LLM, LLMEngine, SamplingParams
 from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
 from tinyvllm_lib.engine.request import Request, RequestStatus
 from tinyvllm_lib.engine.scheduler import Scheduler
+from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.models.smollm2 import resolve_model
 
@@ -51,13 +52,32 @@ def test_64_mixed_requests_batched_equal_one_at_a_time(mixed_folder, rng):
     single = LLM(mixed_folder, device="cpu", max_model_len=512, max_num_seqs=1).generate(prompts, params, use_tqdm=False)
     batched = LLM(mixed_folder, device="cpu", max_model_len=512, max_num_seqs=64).generate(prompts, params, use_tqdm=False)
     checks = [agrees(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].token_ids, tie=1e-4) for a, b in zip(single, batched)]
-    print(f"{sum(t for _, t in checks)} of 64 comparisons stopped at a near tie (top two within 1e-4)")
+    for i, (ok, _) in enumerate(checks):
+        if not ok and not params[i].is_greedy:
+            checks[i] = (sampled_near_tie(mixed_folder, prompts[i], single[i].outputs[0].token_ids,
+                                          batched[i].outputs[0].token_ids, params[i], tie=1e-5), True)
+    print(f"{sum(t for _, t in checks)} of 64 comparisons stopped at a near tie (top two, or a seeded draw and its "
+          "sampling CDF, within 1e-4 and 1e-5)")
     assert all(ok for ok, _ in checks), [i for i, (ok, _) in enumerate(checks) if not ok]
     reasons = Counter((o.outputs[0].finish_reason, isinstance(o.outputs[0].stop_reason, str)) for o in single)
     assert reasons[("stop", False)] and reasons[("stop", True)] and reasons[("length", False)], reasons  # eos, strings, caps
     for a, b in zip(single, batched):  # texts follow the tokens
         if a.outputs[0].token_ids == b.outputs[0].token_ids:
             assert a.outputs[0].text == b.outputs[0].text and a.outputs[0].finish_reason == b.outputs[0].finish_reason
+
+
+def sampled_near_tie(folder, prompt, ref_ids, ids, params, tie: float) -> bool:
+    """Whether a seeded request's two runs part where the draw was a near tie: at the first token where they
+    differ, the request's uniform (one draw a token from its seed) lay within `tie` of a boundary of the sampling
+    CDF, recomputed here from the reference's tokens by the NumPy model."""
+    t = next((t for t, (x, y) in enumerate(zip(ref_ids, ids)) if x != y), None)
+    if t is None:  # one is a prefix of the other: no draw to blame
+        return False
+    logits = LlamaNumpy.from_folder(folder).forward(np.array(list(prompt) + list(ref_ids[:t])))[-1]
+    draws = np.random.default_rng(params.seed).random(t + 1)
+    margin = draw_margin(logits, params, float(draws[t]))
+    print(f"a seeded request parted at token {t}: its draw lay {margin:.1e} from another token")
+    return margin < tie
 
 
 def test_seeded_request_alone_or_batched(mixed_folder):
