@@ -1806,7 +1806,23 @@ waits for the GPU, so there it is the kernels, attention first, that set the pac
 #   table, then the keys) a few microseconds long for 2 MB;
 # - **the add + norms**: two a layer, each a kernel of its own because the norm needs
 #   the whole row before the next projection may start.
-#
+
+# %% tags=["remove-input"]
+if kernel_records:
+    sample_1 = k1["sample"]
+    prose.glue("ch11_sample_1", f"{sample_1['value']:.1f} µs")
+    prose.glue("ch11_sample_share", f"{sample_1['share_of_step']:.0%}")
+    floor_us = sample_1["bytes"] / (sample_1["copy_gb_s"] * 1e9) * 1e6
+    prose.glue("ch11_sample_floor", f"{floor_us:.2f} µs")
+    prose.show("""
+And one kernel that runs once a step: **the greedy sampler**, where one block reads the
+row's 128,256 logits alone: {{ch11_sample_1}} at one row ({{ch11_sample_share}} of the
+step), where the half megabyte would take {{ch11_sample_floor}} at copy bandwidth. The
+time is one block's chain of loads; sharing the row among many blocks, the last of
+which picks among their answers as attention's splits do, would shorten it.
+""")
+
+# %% [markdown]
 # Decode attention at 64 rows is still short of the plan's 75% of copy bandwidth. A
 # quick sweep with the combine in the kernel found four warps a block and 1,024 keys a
 # split faster at every batch size measured, but it was not recorded with the sweep of
