@@ -39,5 +39,5 @@ def draw_margin(logits: np.ndarray, params, u: float) -> float:
         z = np.sort(z[0])[::-1]
         sorted_probs = np.exp(z - z[0], dtype=np.float64)
         sorted_probs /= sorted_probs.sum()
-        margin = min(margin, float(np.min(np.abs(np.cumsum(sorted_probs) - sorted_probs - params.top_p))))
+        margin = min(margin, float(np.min(np.abs(np.cumsum(sorted_probs) - sorted_probs - np.float32(params.top_p)))))
     return margin

@@ -88,6 +88,10 @@ def make_gemv_kernel(
     assert not gated or (rows == 2 and warps_per_row == 1), (
         "a gated GEMV is a warp per (gate, up) pair of rows"
     )
+    # the warps' sums meet as one group: a warp a row, or the whole block
+    assert warps_per_row in (1, GEMV_WARPS), (
+        f"a row is read by one warp or all {GEMV_WARPS}, not {warps_per_row}"
+    )
     threads_per_row = 32 * warps_per_row
     # output columns a block writes
     rows_per_block = GEMV_WARPS // warps_per_row * (1 if gated else rows)
