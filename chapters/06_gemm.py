@@ -1806,9 +1806,9 @@ shared memory is read 4 bytes at a time rather than 16.
 #    cuBLAS overtakes it in the recorded data (`gemv_wins_up_to`); then make the GEMV
 #    faster at 2 to 4 tokens — a warp per group of 4 rows, say — and see how far the
 #    switch moves.
-# 7. Add `16` to `GEMV_BUCKETS` and raise `GEMV_MAX_ACC` to 64. Compile the 16-token
-#    block kernel to PTX (`cuda.compile_ptx`) and find the `.local` array; on a GPU,
-#    time it against two passes of the 8-token kernel.
 # 6. Write `linear` for a `(num_tokens, in_features)` input in float32 (the residual
 #    stream) by fusing the bf16 rounding into the GEMV's loads of $x$. What does it save
 #    per step?
+# 7. Add `16` to `GEMV_BUCKETS` and raise `GEMV_MAX_ACC` to 64. Compile the 16-token
+#    block kernel to PTX (`cuda.compile_ptx`) and find the `.local` array; on a GPU,
+#    time it against two passes of the 8-token kernel.
