@@ -29,12 +29,17 @@ launch, a ramp-up and a tail: add + RMSNorm 2.87 us x 32, SiLU * up 1.85 us x 16
    shape: QKV (3,072 x 2,048) and o_proj (2,048 x 2,048) run at 50% and 44% of copy bandwidth, gate-up 90%, down
    80%. A config that takes QKV and o_proj to ~65% saves ~40 us a step.
 
+4. Decode attention at batch 1's contexts (the latency benchmark's 128 to 384 tokens, in a 2,048-token bound):
+   its knobs (warps a block, keys a split, the grid target, the fewest keys a split) were chosen at 1,024 tokens;
+   at 256 the defaults give 32 splits of 8 keys, each a block of 2 warps, then a 32-way combine. No prediction:
+   the sweep says.
+
 Together ~160 us of 1,140: ~1.0 ms a step, ~1,000 tok/s. Short of 1,100 still: the rest is attention at short
 contexts, RoPE + KV write and the GEMVs' own tails.
 
 Each kernel is checked against NumPy before it is timed. Records to book/data/ch11_fusion_proto.json.
 
-    python bench/ch11_fusion_proto.py                          (~1 minute on an H200)
+    python bench/ch11_fusion_proto.py                          (a few minutes on an H200; not run yet)
     NUMBA_ENABLE_CUDASIM=1 python bench/ch11_fusion_proto.py --tiny   (the checks, in the simulator; the
     simulator makes shared arrays without a lock, so a run can now and then give garbage: run it again)
 """
@@ -389,6 +394,60 @@ def sweep_gemv_knobs(rec, copy, rng, shapes) -> None:
         rec.save()
 
 
+BS1_ATTENTION_GRID = {"num_warps": (1, 2, 4, 8), "split_keys": (64, 128, 256, 512), "target_blocks": (256, 512, 1024),
+                      "min_split_keys": (8, 32)}
+
+
+def sweep_bs1_attention(rec, rng, contexts, max_context_len: int = 2048, grid=BS1_ATTENTION_GRID,
+                        save: bool = True, min_sets: int = 16, repeats: int = 10, rotate: bool = True) -> None:
+    """Decode attention, one row of Llama 3.2 1B's heads, each context over its knobs, checked against float64."""
+    import itertools
+
+    import tinyvllm_lib.kernels.decode_attention as da
+
+    H, KVH, D, BLOCK = 32, 8, 64, 16
+    for context in contexts:
+        blocks = (context + BLOCK - 1) // BLOCK  # the context's blocks; the table is as wide as the bound
+        # in a step the weights stream between two reads of a layer's cache: rotate K/V sets past L2
+        num_sets = max(num_rotations(2 * context * KVH * D * 2), min_sets) if rotate else min_sets
+        sets = []
+        for _ in range(num_sets):
+            k, v = (bits(rng, (blocks * BLOCK, KVH, D)) for _ in range(2))
+            sets.append((cuda.to_device(k), cuda.to_device(v), k, v))
+        bt = np.zeros((1, max_context_len // BLOCK), np.int32)
+        bt[0, :blocks] = rng.permutation(blocks)
+        lens, qkv = np.array([context], np.int32), rng.standard_normal((1, (H + 2 * KVH) * D)).astype(np.float32)
+        want = da.decode_attention_ref(qkv, sets[0][2], sets[0][3], bt, BLOCK, lens, H, KVH, D)
+        d_bt, d_lens, d_qkv = cuda.to_device(bt), cuda.to_device(lens), cuda.to_device(qkv)
+        out, ws = cuda.device_array((1, H * D), np.float32), da.decode_workspace(1, max_context_len, H, D)
+        best = None
+        for knobs in (dict(zip(grid, v)) for v in itertools.product(*grid.values())):
+            cfg = da.DecodeAttentionConfig(**knobs)
+
+            def call(i, stream):
+                k, v = sets[i % len(sets)][:2]
+                da.decode_attention(d_qkv, k, v, d_bt, BLOCK, d_lens, H, KVH, D, out, stream=stream, workspace=ws,
+                                    max_context_len=max_context_len, config=cfg)
+
+            call(0, 0)
+            err = float(np.abs(out.copy_to_host() - want).max() / np.abs(want).max())
+            if not err < 1e-5:
+                print(f"  attention {context} tokens {knobs}: wrong (rel error {err:.1e}), not timed")
+                continue
+            seconds = time_launches(call, len(sets), repeats=repeats)
+            is_default = all(getattr(da.DEFAULT_DECODE_CONFIG, k) == v for k, v in knobs.items())
+            rec.add("bs1_attention", [1, context, max_context_len], "us", seconds * 1e6, **knobs,
+                    is_default=is_default)
+            if best is None or seconds < best[0]:
+                best = (seconds, knobs)
+        default = [r["value"] for r in rec.records if r["name"] == "bs1_attention" and r["shape"][1] == context
+                   and r["is_default"]]
+        print(f"  attention 1 row x {context} tokens: defaults {default[0] if default else float('nan'):.2f} us, "
+              f"best {best[0] * 1e6:.2f} us with {best[1]}", flush=True)
+        if save:
+            rec.save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes, checks only (the simulator)")
@@ -398,6 +457,9 @@ def main() -> None:
         print("checks (tiny shapes):")
         check_prologue_gemvs(rng, hidden=1040, inter=1100, n_out=19, variants=("block", "warp"))
         check_split_argmax(rng, rows=3, vocab=1000, num_splits=5)
+        sweep_bs1_attention(Recorder("ch11_fusion_proto"), rng, contexts=(40,), max_context_len=64, save=False,
+                            grid={"num_warps": (1,), "split_keys": (16,), "target_blocks": (8,), "min_split_keys": (8,)},
+                            min_sets=1, repeats=1, rotate=False)
         return
     hidden, inter, vocab = 2048, 8192, 128256  # Llama 3.2 1B
     print("checks (Llama 3.2 1B shapes):")
@@ -417,6 +479,8 @@ def main() -> None:
     rec.save()
     print("plain GEMV knobs at one token:")
     sweep_gemv_knobs(rec, copy, rng, shapes)
+    print("decode attention at batch 1's contexts:")
+    sweep_bs1_attention(rec, rng, contexts=(128, 256, 384, 1024))
     print(f"records: {rec.save()}")
 
 
