@@ -86,7 +86,7 @@ def main() -> None:
             # FINAL_ONLY, as LLM.generate asks when nothing streams
             engine.add_request(str(i), p, replace(benchmark.greedy(o), output_kind=RequestOutputKind.FINAL_ONLY))
         r = decode_steps(engine, runner, rows)
-        rec.add("host_step", [rows], "ms", r["host_ms"], **r, tokenizer="Llama 3.2 (detokenized every step)",
+        rec.add("host_step", [rows], "ms", r["host_ms"], **r, tokenizer="Llama 3.2 (FINAL_ONLY, no stop strings: decoded once, at the end)",
                 load_average=os.getloadavg()[0])  # other jobs on the machine slow even CPU time
         print(f"{rows:>3} running: host {r['host_ms']:.2f} ms per decode step (prepare + pack "
               f"{r['prepare_and_pack_ms']:.2f} ms), median of {r['steps']} steps -> at most "
