@@ -71,7 +71,12 @@ from tinyvllm_lib.kernels.rmsnorm import (
     fused_add_rmsnorm_ref,
     rmsnorm_ref,
 )
-from tinyvllm_lib.kernels.sampling import SAMPLER_THREADS, argmax_kernel, block_argmax
+from tinyvllm_lib.kernels.sampling import (
+    SAMPLER_THREADS,
+    argmax_kernel,
+    block_argmax,
+    row_argmax,
+)
 from tinyvllm_lib.measure import Recorder, load_records, num_rotations, time_launches
 
 MAX_WORDS = 2048  # the input row in shared memory, 4 bf16 a word: K <= 8,192
@@ -220,28 +225,14 @@ def split_argmax_kernel(logits, part_v, part_i, tickets, out):
     si = cuda.shared.array(1024, int64)
     last = cuda.shared.array(1, int64)
     r, s, num_splits = cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.y
-    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    tid = cuda.threadIdx.x
     n = logits.shape[1]
     share = (n + num_splits - 1) // num_splits
-    lo, hi = s * share, min(n, (s + 1) * share)
-    best, best_i = float32(-math.inf), int64(n)
-    i = lo + tid
-    while i + 3 * nt < hi:  # four loads in flight
-        v0, v1, v2, v3 = logits[r, i], logits[r, i + nt], logits[r, i + 2 * nt], logits[r, i + 3 * nt]
-        if v0 > best:
-            best, best_i = v0, i
-        if v1 > best:
-            best, best_i = v1, i + nt
-        if v2 > best:
-            best, best_i = v2, i + 2 * nt
-        if v3 > best:
-            best, best_i = v3, i + 3 * nt
-        i += 4 * nt
-    while i < hi:
-        if logits[r, i] > best:
-            best, best_i = logits[r, i], i
-        i += nt
-    best, best_i = block_argmax(float32(best), best_i, sv, si)
+    lo, hi = min(n, s * share), min(n, (s + 1) * share)
+    # chapter 8b's loop over this share of the row (with its float64 compares, as argmax_kernel's:
+    # the two are timed with the same inner loop)
+    best, best_i = row_argmax(logits[r, lo:hi], sv, si)
+    best_i += lo
     if tid == 0:
         part_v[r, s], part_i[r, s] = best, best_i
         cuda.threadfence()  # the share's result is visible before the ticket is taken
