@@ -56,8 +56,7 @@ class Request:
             )
         )
         # no one reads its text before it finishes (no stream, no stop string): decode
-        # it once then, not token by token (two decodes a token: the largest part of
-        # the host's step at 256 rows, profiled on the H200's host)
+        # it once then, not token by token (two decodes a token)
         self.defer_text = (
             not streams_text
             and params.output_kind is RequestOutputKind.FINAL_ONLY
