@@ -30,7 +30,6 @@ from tinyvllm_lib.kernels.decode_attention import (
 from tinyvllm_lib.kernels.embedding import embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
-from tinyvllm_lib.kernels.sampling import SAMPLER_THREADS, sample_kernel
 from tinyvllm_lib.layers.linear import linear, linear_path
 from tinyvllm_lib.measure import Recorder, load_records, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
@@ -86,9 +85,7 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         ("down_proj", L, lin("act", "down_proj", "delta"), inter * hid * 2 + act_bytes((inter, 2), (hid, 4))),
         ("lm_head", 1, lambda i, s: linear(x["normed"], w["lm_head"], logits, stream=s, workspace=ws),
          vocab * hid * 2 + act_bytes((hid, 2), (vocab, 4))),
-        ("sample", 1, lambda i, s: sample_kernel[rows, SAMPLER_THREADS, s](
-            logits, r["temperature"][:rows], r["top_k"][:rows], r["top_p"][:rows], r["uniform"][:rows], runner.sampler.ids[:rows]),
-         act_bytes((vocab, 4))),
+        ("sample", 1, lambda i, s: runner.sampler.launch(logits, s, rows=r), act_bytes((vocab, 4))),
     ]
     return kernels
 

@@ -1854,29 +1854,112 @@ longer."""
 # step is now its kernels; what stands between this engine and our target of 1,100
 # tok/s is:
 #
-# - **the small projections**: QKV and the output projection move 8 to 12 MB a layer at
-#   well under half of copy bandwidth, because a kernel that short is mostly its own
-#   start and end; the fix is fewer, longer kernels — the norms and the residual adds
-#   inside the projections' GEMVs, or one persistent kernel for a whole layer, as the
-#   hand-written megakernels do;
+# - **the small projections**: QKV and the output projection move 8 to 12 MB a layer
+#   at a far smaller share of copy bandwidth than gate-up, because a kernel that short
+#   is mostly its own start and end (the knob sweep below moved them, but not far); the
+#   fix is fewer, longer kernels — the norms and the residual adds inside the
+#   projections' GEMVs, or one persistent kernel for a whole layer, as the hand-written
+#   megakernels do;
 # - **attention over one sequence**: still a chain of dependent loads (the block
 #   table, then the keys) a few microseconds long for 2 MB;
 # - **the add + norms**: two a layer, each a kernel of its own because the norm needs
 #   the whole row before the next projection may start.
 
+# %% [markdown]
+# ### Two changes made from these measurements
+#
+# The table pointed at two things that needed no new design, only measurement
+# (`bench/ch11_fusion_proto.py` swept them on the H200; its records are plotted here).
+#
+# **The GEMV's knobs at one token.** Chapter 6 chose its variants at 1 to 16 tokens.
+# At one token every microsecond of a projection is paid 16 times a step, so the sweep
+# tried every (warps sharing a row, rows per warp group, steps in flight) at each
+# decode shape. Chapter 6's variants now take the winners at one token: a block of 8
+# warps on 4 rows, one step at a time, for the small projections; a warp a row with 8
+# steps in flight for the tall ones.
+#
+# **The greedy sampler.** One block read the whole row of 128,256 logits. Chapter 8b now
+# splits a greedy row into shares, a block each, and the last block to finish picks
+# among them (attention's combine, again).
+
+# %% tags=["hide-input"]
+proto = load_records("ch11_fusion_proto")
+knob_records = [r for r in proto if r["name"] == "gemv_knobs"]
+argmax_records = [r for r in proto if r["name"] == "greedy_argmax"]
+if not knob_records or not argmax_records:
+    print("Not recorded yet: bench/ch11_fusion_proto.py has not run on a GPU.")
+else:
+    fig, (ax0, ax1) = new_figure(1, 2, height=3.4)
+    projections = ["qkv", "o", "gate_up", "down"]
+    # (warps sharing a row, rows per warp group, steps in flight): before and now
+    old_knobs = dict(qkv=(8, 2, 2), o=(8, 2, 2), gate_up=(1, 1, 4), down=(8, 2, 2))
+    new_knobs = dict(qkv=(8, 4, 1), o=(8, 4, 1), gate_up=(1, 1, 8), down=(8, 4, 1))
+    knob_us = {
+        (r["projection"], (r["warps_per_row"], r["rows"], r["unroll"])): r["value"]
+        for r in knob_records
+    }
+    for i, name in enumerate(projections):
+        times = [v for (p, _), v in knob_us.items() if p == name]
+        ax0.scatter([i] * len(times), times, s=8, color="0.7", zorder=2)
+        for knobs, marker, label in (
+            (old_knobs[name], "o", "chapter 6's variant before"),
+            (new_knobs[name], "*", "its variant now"),
+        ):
+            ax0.scatter(
+                i, knob_us[name, knobs], marker=marker, s=60, zorder=3,
+                label=label if i == 0 else None,
+            )
+    ax0.set_xticks(range(len(projections)), projections)
+    ax0.set_yscale("log")
+    ax0.set_ylabel("µs per launch, one token")
+    ax0.set_title("GEMV: every knob setting (grey)", fontsize=9)
+    ax0.legend(fontsize=7)
+    for rows in sorted({r["shape"][0] for r in argmax_records}):
+        pts = sorted(
+            (r["num_splits"], r["value"])
+            for r in argmax_records
+            if r["shape"][0] == rows
+        )
+        label = f"{rows} row" + ("s" if rows > 1 else "")
+        ax1.plot(*zip(*pts), marker="o", label=label)
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("blocks a row (1: one block reads the row)")
+    ax1.set_ylabel("µs")
+    ax1.set_title("greedy argmax over 128,256 logits", fontsize=9)
+    ax1.legend(fontsize=7)
+    plt.show()
+
 # %% tags=["remove-input"]
-if kernel_records:
+if kernel_records and knob_records and argmax_records:
     sample_1 = k1["sample"]
     prose.glue("ch11_sample_1", f"{sample_1['value']:.1f} µs")
     prose.glue("ch11_sample_share", f"{sample_1['share_of_step']:.0%}")
     floor_us = sample_1["bytes"] / (sample_1["copy_gb_s"] * 1e9) * 1e6
     prose.glue("ch11_sample_floor", f"{floor_us:.2f} µs")
+    one_row = {
+        r["num_splits"]: r["value"] for r in argmax_records if r["shape"][0] == 1
+    }
+    prose.glue("ch11_argmax_one_block", f"{one_row[1]:.1f} µs")
+    best_splits = min(one_row, key=one_row.get)
+    prose.glue("ch11_argmax_split", f"{one_row[best_splits]:.1f} µs")
+    prose.glue("ch11_argmax_splits", f"{best_splits}")
+    saved = sum(
+        16 * (knob_us[p, old_knobs[p]] - knob_us[p, new_knobs[p]]) for p in projections
+    )
+    prose.glue("ch11_knobs_saved", f"{saved:.0f} µs")
+    prose.glue("ch11_qkv_old", f"{knob_us['qkv', old_knobs['qkv']]:.1f} µs")
+    prose.glue("ch11_qkv_new", f"{knob_us['qkv', new_knobs['qkv']]:.1f} µs")
     prose.show("""
-And one kernel that runs once a step: **the greedy sampler**, where one block reads the
-row's 128,256 logits alone: {{ch11_sample_1}} at one row ({{ch11_sample_share}} of the
-step), where the half megabyte would take {{ch11_sample_floor}} at copy bandwidth. The
-time is one block's chain of loads. Sharing the row among many blocks, the last of
-which picks among their answers as attention's splits do, is exercise 7.
+In the sweep, the new settings take QKV from {{ch11_qkv_old}} to {{ch11_qkv_new}} a
+launch, and the four projections together {{ch11_knobs_saved}} a step (16 layers). One
+block alone took {{ch11_argmax_one_block}} to find a row's largest logit; split
+{{ch11_argmax_splits}} ways, {{ch11_argmax_split}}. Many rows already fill the GPU with
+a block each, and there the shares only add blocks: the sampler picks fewer shares as
+rows grow. In the decode step the sampler kernel is now {{ch11_sample_1}} at one row
+({{ch11_sample_share}} of the step), against {{ch11_sample_floor}} for its half
+megabyte at copy bandwidth: the rest is the chain of a load, a fence, an atomic and the
+last block's combine.
 """)
 
 # %% [markdown]
@@ -1905,6 +1988,8 @@ which picks among their answers as attention's splits do, is exercise 7.
 # - With graphs and the overlap, batch 1 is bounded by its kernels, not the host: the
 #   small projections, attention over one sequence, the norms and the sampler take far
 #   longer than their bytes need, and fewer, fuller kernels are what is left.
+# - Sweep the knobs where the step spends its time: the one-token GEMV settings and a
+#   greedy sampler split over blocks came from measurements, not from design.
 # - Measure each fusion against the kernels it replaces: the combine inside attention
 #   and RoPE with the KV write were kept, the gated GEMV lost and was not adopted.
 # - On a full batch the GPU sets the pace; the graphs took the throughput far past the
@@ -1929,6 +2014,7 @@ which picks among their answers as attention's splits do, is exercise 7.
 #    admitted. Let it plan the decodes ahead and admit the newcomer in the step after.
 #    What must the runner do differently, and what does a request arriving every step
 #    cost in each design?
-# 7. Split the greedy sampler's row over many blocks, the last to finish picking among
-#    their answers as attention's splits do. Predict its time at one row from the half
-#    megabyte it reads, then measure it with `bench/ch11_kernels.py`.
+# 7. The greedy sampler's shares are chosen from a sweep at 1, 8, 64 and 256 rows. A
+#    sampled row still runs in one block, and its bisection reads the row 64 times:
+#    split those passes over blocks too. What must the blocks share after each pass,
+#    and what does a pass then cost?

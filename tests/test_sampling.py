@@ -196,3 +196,62 @@ def test_top_logprobs_clamps_k_to_the_vocabulary():
     ids, values = top_logprobs(log_softmax(LOGITS[None]), 100)
     assert ids.shape == (1, len(LOGITS)) and list(ids[0]) == list(range(len(LOGITS)))
     assert np.all(np.diff(values[0]) <= 0)
+
+
+# --- the GPU sampler's greedy rows, split into shares (simulator in CI, real shapes on a GPU) ---
+
+
+def greedy_ids(logits: np.ndarray, sampler=None) -> list[int]:
+    from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+
+    rows, vocab = logits.shape
+    sampler = sampler or CudaSampler(vocab, rows)
+    meta = SamplingMetadata.from_params([SamplingParams(temperature=0)] * rows, [np.random.default_rng(0)] * rows)
+    return sampler(logits, meta).token_ids.tolist()
+
+
+def test_gpu_greedy_shares_keep_the_first_of_ties_and_reset_their_tickets(rng):
+    from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+    from tinyvllm_lib.kernels.sampling import greedy_shares
+
+    rows, vocab = 4, 203  # not a multiple of the shares: the last share is short
+    z = rng.standard_normal((rows, vocab)).astype(np.float32)
+    top = z.max() + 1
+    z[0, [5, vocab - 1]] = top  # a tie across the first and the last share
+    z[1, [150, 151]] = top  # a tie inside one share
+    z[2, vocab - 1] = top  # the row's very last logit
+    z[3, :] = -np.inf  # nothing above -inf: index vocab, as a one-block argmax gives
+    z[3, 0] = np.nan  # and a NaN is never the largest
+    assert greedy_shares(rows) > 1
+    sampler = CudaSampler(vocab, rows)
+    want = [5, 150, vocab - 1, vocab]
+    for _ in range(2):  # the tickets are back at zero after a launch
+        assert greedy_ids(z, sampler) == want
+        assert not sampler.tickets.copy_to_host().any()
+
+
+def test_gpu_sampler_mixes_split_greedy_rows_with_whole_sampled_rows(rng):
+    """Sampled rows are share 0's work alone: the same draws as the NumPy sampler next to greedy rows."""
+    from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+
+    z = (rng.standard_normal((5, 300)) * 2).astype(np.float32)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, seed=5), SamplingParams(temperature=0),
+              SamplingParams(top_p=0.6, seed=6), SamplingParams(temperature=1.2, seed=7)]
+
+    def draw_all(sampler):
+        return sampler(z, SamplingMetadata.from_params(params, [np.random.default_rng(p.seed) for p in params])).token_ids.tolist()
+
+    on_gpu = draw_all(CudaSampler(300, 5))
+    assert on_gpu == draw_all(Sampler())
+    assert on_gpu[0] == z[0].argmax() and on_gpu[2] == z[2].argmax()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64, 256])
+def test_gpu_greedy_shares_at_llama_vocab(rng, rows):
+    """Every share count the engine uses (64 shares at 1 and 8 rows, 8 at 64 and 256): argmax of 128,256 logits."""
+    vocab = 128256
+    z = rng.standard_normal((rows, vocab)).astype(np.float32)
+    hits = rng.integers(0, vocab, (rows, 2))
+    z[np.arange(rows), hits[:, 0]] = z[np.arange(rows), hits[:, 1]] = 6.0  # a tie, mostly across shares
+    assert greedy_ids(z) == z.argmax(1).tolist()

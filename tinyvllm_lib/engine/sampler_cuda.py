@@ -7,7 +7,12 @@ from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
 from tinyvllm_lib.kernels.attention import log_softmax
-from tinyvllm_lib.kernels.sampling import SAMPLER_THREADS, sample_kernel
+from tinyvllm_lib.kernels.sampling import (
+    MAX_SHARES,
+    SAMPLER_THREADS,
+    greedy_shares,
+    sample_kernel,
+)
 
 
 class CudaSampler:
@@ -28,6 +33,11 @@ class CudaSampler:
             )
         }
         self.host_ids = cuda.pinned_array(max_rows, np.int64)
+        # greedy rows' shares: each share's best logit and index; a ticket counter a row
+        # (back at zero after every launch)
+        self.part_v = cuda.device_array((max_rows, MAX_SHARES), np.float32)
+        self.part_i = cuda.device_array((max_rows, MAX_SHARES), np.int64)
+        self.tickets = cuda.to_device(np.zeros(max_rows, np.int32))
 
     def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
         n, s = len(metadata.temperature), self.stream
@@ -60,12 +70,15 @@ class CudaSampler:
         capture): ids on the GPU. rows: the settings' device arrays, if not stage's.
         """
         n, r = logits.shape[0], self.rows if rows is None else rows
-        sample_kernel[n, SAMPLER_THREADS, stream](
+        sample_kernel[(n, greedy_shares(n)), SAMPLER_THREADS, stream](
             logits,
             r["temperature"][:n],
             r["top_k"][:n],
             r["top_p"][:n],
             r["uniform"][:n],
+            self.part_v,
+            self.part_i,
+            self.tickets,
             self.ids[:n],
         )
 

@@ -65,10 +65,14 @@ GEMV_MAX_TOKENS = 16  # token vectors per call
 GEMV_BUCKETS = (1, 2, 4, 8)
 # accumulators per thread (rows x tokens per pass): at 64, acc left the registers
 GEMV_MAX_ACC = 32
-# variant -> (warps sharing a row, rows per warp group, steps of k loaded before use)
+# variant -> (warps sharing a row, rows per warp group, steps of k loaded before use);
+# one token's knobs come from a sweep of all of them at each decode shape on an H200
+# (bench/ch11_fusion_proto.py, chapter 11: batch 1 is where every microsecond shows)
 GEMV_VARIANTS = {
-    "warp": lambda tokens: (1, 1, 4),
-    "block": lambda tokens: (GEMV_WARPS, 2 if tokens <= 2 else 4, 2),
+    "warp": lambda tokens: (1, 1, 8 if tokens == 1 else 4),
+    "block": lambda tokens: (
+        (GEMV_WARPS, 4, 1) if tokens == 1 else (GEMV_WARPS, 2 if tokens <= 2 else 4, 2)
+    ),
 }
 # "auto": a warp per row from this many rows on (for 1 or 2 tokens)
 GEMV_WARP_MIN_ROWS = 16384

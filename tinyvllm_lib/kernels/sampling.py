@@ -4,14 +4,25 @@
 # defined in chapters/08b_generation.py
 import math
 
-from numba import config, cuda, float32, int64, uint32
+from numba import config, cuda, float32, int32, int64, uint32
 
 from tinyvllm_lib.kernels.bf16 import _f32_bits
 
-# a power of two: the reductions halve it (512: a lone greedy row at batch 1 is read by
-# one block, so that block wants many loads in flight)
+# a power of two: the reductions halve it (512: a sampled row is one block's work, so
+# that block wants many loads in flight)
 SAMPLER_THREADS = 32 if config.ENABLE_CUDASIM else 512
 MAX_THREADS = 1024
+# a greedy row's shares: up to this many blocks (the simulator runs each block's threads
+# in Python: two shares there still take the combining path)
+MAX_SHARES = 2 if config.ENABLE_CUDASIM else 64
+# shares for a batch: about this many blocks in all, at least MIN_SHARES a row (from
+# bench/ch11_fusion_proto.py's sweep of 1, 8, 64 and 256 rows on an H200)
+SHARE_BLOCKS, MIN_SHARES = 512, 8
+
+
+def greedy_shares(rows: int) -> int:
+    """Blocks a greedy row is split over when the batch has `rows` rows."""
+    return max(1, min(MAX_SHARES, max(MIN_SHARES, SHARE_BLOCKS // max(rows, 1))))
 
 
 @cuda.jit(device=True)
@@ -112,20 +123,58 @@ def kept_sum(z, m, inv_t, threshold, count_only, sv):
     return block_total(acc, sv)
 
 
+@cuda.jit(device=True)
+def greedy_share(z, r, part_v, part_i, tickets, out, sv, si, flag):
+    """Block (r, share) of a greedy row: the argmax of its share of z; the row's last
+    block to finish picks among the shares (first index on ties) and resets its ticket.
+    """
+    n, share, num_shares = z.shape[0], cuda.blockIdx.y, cuda.gridDim.y
+    size = (n + num_shares - 1) // num_shares
+    lo, hi = min(n, share * size), min(n, (share + 1) * size)
+    best, i = row_argmax(z[lo:hi], sv, si)
+    i = i + lo if i < hi - lo else int64(n)  # nothing above -inf: n, as for a whole row
+    tid = cuda.threadIdx.x
+    if num_shares == 1:
+        if tid == 0:
+            out[r] = i
+        return
+    if tid == 0:
+        part_v[r, share], part_i[r, share] = best, i
+        cuda.threadfence()  # the share's result is visible before its ticket is taken
+        flag[0] = 1 if cuda.atomic.add(tickets, r, 1) == num_shares - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    cuda.threadfence()
+    v, k = float32(-math.inf), int64(n)
+    if tid < num_shares:  # read through L2 (atomics): other blocks wrote these
+        v = cuda.atomic.add(part_v, (r, tid), float32(0.0))
+        k = cuda.atomic.add(part_i, (r, tid), int64(0))
+    _, k = block_argmax(v, k, sv, si)
+    if tid == 0:
+        out[r] = k
+        tickets[r] = 0
+
+
 @cuda.jit
-def sample_kernel(logits, temperature, top_k, top_p, uniform, out):
-    """A block per row: temperature, top-k and top-p thresholds by bisection over the
-    float order, inverse-CDF draw.
+def sample_kernel(
+    logits, temperature, top_k, top_p, uniform, part_v, part_i, tickets, out
+):
+    """Block (row, share): a greedy row's argmax split over the shares (greedy_share); a
+    sampled row is share 0's alone: temperature, top-k and top-p thresholds by bisection
+    over the float order, inverse-CDF draw.
     """
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
+    flag = cuda.shared.array(1, int32)
     r, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     z = logits[r]
-    m, best_i = row_argmax(z, sv, si)
     if temperature[r] <= 0:  # greedy (the whole block takes this branch)
-        if tid == 0:
-            out[r] = best_i
+        greedy_share(z, r, part_v, part_i, tickets, out, sv, si, flag)
         return
+    if cuda.blockIdx.y > 0:  # a sampled row is one block's work
+        return
+    m, _ = row_argmax(z, sv, si)
     inv_t = float32(1.0) / temperature[r]
     threshold = uint32(0)  # keep tokens whose order key is >= threshold: all of them
     # the largest threshold that keeps at least k tokens: the k-th largest logit
@@ -187,8 +236,11 @@ def sample_kernel(logits, temperature, top_k, top_p, uniform, out):
         out[r] = pick if pick < z.shape[0] else final
 
 
-# temperature, top_k, top_p, uniform, out
-_ROW_ARGS = "float32[::1], int64[::1], float32[::1], float64[::1], int64[::1]"
+# temperature, top_k, top_p, uniform; part_v, part_i, tickets; out
+_ROW_ARGS = (
+    "float32[::1], int64[::1], float32[::1], float64[::1], float32[:, ::1], "
+    "int64[:, ::1], int32[::1], int64[::1]"
+)
 PTX_SIGNATURES = {
     "argmax_kernel": ["void(float32[:, ::1], int64[::1])"],
     "sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"],
