@@ -1953,8 +1953,9 @@ if kernel_records and knob_records and argmax_records:
     prose.show("""
 In the sweep, the new settings take QKV from {{ch11_qkv_old}} to {{ch11_qkv_new}} a
 launch, and the four projections together {{ch11_knobs_saved}} a step (16 layers). One
-block alone took {{ch11_argmax_one_block}} to find a row's largest logit; split
-{{ch11_argmax_splits}} ways, {{ch11_argmax_split}}. Many rows already fill the GPU with
+block alone took {{ch11_argmax_one_block}} to find a row's largest logit (the sweep
+reads the logits from memory, not from L2); split {{ch11_argmax_splits}} ways,
+{{ch11_argmax_split}}. Many rows already fill the GPU with
 a block each, and there the shares only add blocks: the sampler picks fewer shares as
 rows grow. In the decode step the sampler kernel is now {{ch11_sample_1}} at one row
 ({{ch11_sample_share}} of the step), against {{ch11_sample_floor}} for its half
