@@ -1,9 +1,20 @@
 """Chapter 11, next step: prototypes of the fusions that batch 1 still needs, to measure before they enter the book.
 
-NOT YET RUN ON A GPU. Written in a session with no device time left; checked here only in numba's simulator
-(--tiny) and compiled to PTX for sm_90. Nothing in tinyvllm_lib uses these kernels. Run it on the H200 first; if the
-records bear out the predictions below, move the kernels into chapters 6-8 (export), make the model's layer loop
-call them for one-token steps, and test them there.
+Run on the H200 on 2026-12-02 (book/data/ch11_fusion_proto.json). What the records said, against the predictions
+written below before the run:
+  1. The GEMVs whose prologue makes their own input LOST, by far: QKV 14.2 us fused against 9.4 for GEMV + add-norm,
+     down 25.2 against 12.5 (gate-up 25.2 against 23.3). Each block's prologue (a block-wide norm of the row, or 64 KB
+     of [gate | up] for down) is a serial chain before its first multiply, and a 5-10 us kernel cannot hide it. Not
+     adopted. A cheaper prologue would have the producer (o_proj / down) leave the row's sum of squares behind, so the
+     consumer only scales x as it loads it.
+  2. The split argmax WON as predicted: 38.7 us for one block a row (logits from memory) against 7.2 with 64 splits;
+     at 256 rows 8 splits still beat one block (47.7 against 51.7), more lose. Adopted in chapter 8b's sampler.
+  3. The GEMV knob sweep: QKV 6.6 -> 5.4 us, o 4.7 -> 4.3, gate-up 18.8 -> 18.4; down 10.6 -> 10.9 (its best, 10.4,
+     has two steps in flight: the block variant's one-token setting is QKV's and o's). Adopted in chapter 6's
+     variants at one token (decode-step GEMVs 770 -> 736 us in bench/ch06_gemm.py).
+  4. Decode attention at one row barely moves with its knobs (all settings within 0.1 us of each other except the
+     warps a block: 4 warps save 0.3-0.8 us at 128-384 tokens, 8 warps 2 us at 1,024). Its time is its chain of
+     dependent loads, not its grid. Not adopted.
 
 What batch 1 spends (book/data/ch11_kernels.json, 1 row, 1,024 tokens of context, 2026-12-02): a replayed step is
 1.14 ms, of which the projections' GEMVs ~0.82 ms and the LM head 0.13 ms; the rest is small kernels, each a
@@ -39,7 +50,7 @@ contexts, RoPE + KV write and the GEMVs' own tails.
 
 Each kernel is checked against NumPy before it is timed. Records to book/data/ch11_fusion_proto.json.
 
-    python bench/ch11_fusion_proto.py                          (a few minutes on an H200; not run yet)
+    python bench/ch11_fusion_proto.py                          (about 3 minutes on an H200)
     NUMBA_ENABLE_CUDASIM=1 python bench/ch11_fusion_proto.py --tiny   (the checks, in the simulator; the
     simulator makes shared arrays without a lock, so a run can now and then give garbage: run it again)
 """

@@ -1874,9 +1874,11 @@ longer."""
 # **The GEMV's knobs at one token.** Chapter 6 chose its variants at 1 to 16 tokens.
 # At one token every microsecond of a projection is paid 16 times a step, so the sweep
 # tried every (warps sharing a row, rows per warp group, steps in flight) at each
-# decode shape. Chapter 6's variants now take the winners at one token: a block of 8
-# warps on 4 rows, one step at a time, for the small projections; a warp a row with 8
-# steps in flight for the tall ones.
+# decode shape. Chapter 6's variants now take, at one token, what won on the small
+# projections — a block of 8 warps on 4 rows, one step at a time — and on the tall ones
+# — a warp a row with 8 steps in flight. `down`, whose rows are four times as long,
+# would rather have two steps in flight and loses a little; one setting per variant
+# keeps the kernels few.
 #
 # **The greedy sampler.** One block read the whole row of 128,256 logits. Chapter 8b now
 # splits a greedy row into shares, a block each, and the last block to finish picks
