@@ -58,32 +58,6 @@ read_book() {  # what a reader's browser gets: no raw roles, no tracebacks, no m
     "$VENV/bin/pytest" -q -p no:cacheprovider -rs tests/test_book_pages.py
 }
 
-nbval() {
-    "$VENV/bin/pytest" -q -p no:cacheprovider --nbval-lax --nbval-current-env book/_build/nb
-}
-
-nbval_and_book() {  # both execute every chapter, one Python process each: side by side on 2+ cores
-    if [ "$(nproc 2>/dev/null || echo 1)" -lt 2 ]; then
-        step "chapters through nbval" nbval
-        step "book (warnings are errors)" book
-        return
-    fi
-    local logs t0=$SECONDS nbval_rc=0 book_rc=0 nbval_pid book_pid
-    logs=$(mktemp -d)
-    echo "== chapters through nbval, and the book (warnings are errors), side by side"
-    # background subshells keep `set -e`: a failing command ends its job with its status
-    (t=$SECONDS; nbval; echo "== nbval: ok ($((SECONDS - t)) s)") > "$logs/nbval" 2>&1 &
-    nbval_pid=$!
-    (t=$SECONDS; book; echo "== book: ok ($((SECONDS - t)) s)") > "$logs/book" 2>&1 &
-    book_pid=$!
-    wait "$nbval_pid" || nbval_rc=$?
-    wait "$book_pid" || book_rc=$?
-    cat "$logs/nbval" "$logs/book"
-    rm -rf "$logs"
-    [ "$nbval_rc" -eq 0 ] && [ "$book_rc" -eq 0 ] || { echo "== nbval rc $nbval_rc, book rc $book_rc"; return 1; }
-    echo "== chapters through nbval, and the book: ok ($((SECONDS - t0)) s)"
-}
-
 lint() {  # the chapters, tests and scripts; the generated library for line length only (no page scrolls sideways)
     "$VENV/bin/ruff" check chapters tests book bench
     "$VENV/bin/ruff" check --select E501 tinyvllm_lib
@@ -120,7 +94,8 @@ case "$cmd" in
         step "lint" lint
         step "pytest (CUDA simulator; PTX for sm_90 without it)" "$VENV/bin/pytest" -q -p no:cacheprovider --durations=12 tests
         step "chapters to notebooks" chapters_to_notebooks
-        nbval_and_book
+        step "chapters through nbval" "$VENV/bin/pytest" -q -p no:cacheprovider --nbval-lax --nbval-current-env book/_build/nb
+        step "book (warnings are errors)" book
         step "the built book read back (HTML check; pages in a browser)" read_book
         echo "== all checks passed in $((SECONDS - total)) s" ;;
     *) sed -n '2,12p' "$0"; exit 2 ;;
