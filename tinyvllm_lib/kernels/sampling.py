@@ -15,14 +15,16 @@ MAX_THREADS = 1024
 # a greedy row's shares: up to this many blocks (the simulator runs each block's threads
 # in Python: two shares there still take the combining path)
 MAX_SHARES = 2 if config.ENABLE_CUDASIM else 64
-# shares for a batch: about this many blocks in all, at least MIN_SHARES a row (from
-# bench/ch11_fusion_proto.py's sweep of 1, 8, 64 and 256 rows on an H200)
-SHARE_BLOCKS, MIN_SHARES = 512, 8
+# shares for a batch: about this many blocks in all, so that they run in one wave (this
+# kernel's 512-thread blocks are few to an SM); more rows, fewer shares, down to one. On
+# an H200 (bench/ch11_kernels.py), 64 shares at one row took less than half the time of
+# one block, but 8 shares at 256 rows, 2,048 blocks, took longer than one block a row.
+SHARE_BLOCKS = 256
 
 
 def greedy_shares(rows: int) -> int:
     """Blocks a greedy row is split over when the batch has `rows` rows."""
-    return max(1, min(MAX_SHARES, max(MIN_SHARES, SHARE_BLOCKS // max(rows, 1))))
+    return max(1, min(MAX_SHARES, SHARE_BLOCKS // max(rows, 1)))
 
 
 @cuda.jit(device=True)
