@@ -955,9 +955,9 @@ class ServerThread:
 
 # %% [markdown]
 # Three requests go to the engine thread at once, from one event loop: a reader that
-# takes each delta as it comes, a **slow reader** that sleeps a tenth of a second
-# between reads, and one that leaves after three deltas. A stat logger of our own
-# writes down, after every step, how many KV blocks are held.
+# takes each delta as it comes, a **slow reader** that after each read is busy
+# elsewhere until two more deltas have come in, and one that leaves after three deltas.
+# A stat logger of our own writes down, after every step, how many KV blocks are held.
 
 # %%
 from tinyvllm_lib.engine.async_llm_engine import AsyncLLMEngine
@@ -989,9 +989,9 @@ QUESTIONS = {
 demo_params = SamplingParams(temperature=0, max_tokens=48)
 
 
-async def read(engine, name, delay=0.0, leave_after=None):
-    """Read one request's deltas (sleeping `delay` between them); leave early if
-    asked.
+async def read(engine, name, slow=False, leave_after=None):
+    """Read one request's deltas; a slow reader is away after each until two more have
+    come in (or the last); leave early if asked.
     """
     collector = await engine.add_request(
         name, chat_prompt(QUESTIONS[name]), demo_params
@@ -1003,7 +1003,11 @@ async def read(engine, name, delay=0.0, leave_after=None):
         ids += out.outputs[0].token_ids
         if out.finished or len(pieces) == leave_after:
             break
-        await asyncio.sleep(delay)
+        merged = collector.num_merged  # the second delta to come merges into the first
+        while slow and collector.num_merged == merged:
+            if getattr(collector.output, "finished", False):
+                break  # the last delta came alone: nothing more will come
+            await asyncio.sleep(0.005)
     if not out.finished:
         engine.abort(name)
     return {"pieces": pieces, "ids": ids, "merged": collector.num_merged}
@@ -1011,7 +1015,7 @@ async def read(engine, name, delay=0.0, leave_after=None):
 
 async def three_readers(engine):
     fast, slow, leaves = await asyncio.gather(
-        read(engine, "fast"), read(engine, "slow", delay=0.1),
+        read(engine, "fast"), read(engine, "slow", slow=True),
         read(engine, "leaves", leave_after=3),
     )  # fmt: skip
     return {"fast": fast, "slow": slow, "leaves": leaves}
@@ -1030,7 +1034,7 @@ print(textwrap.fill(f"KV blocks held after each step: {blocks_log.blocks}", 88))
 
 # %% [markdown]
 # The slow reader received its tokens in fewer deltas than it has tokens — the rest
-# were merged while it slept — and the one that left held its blocks only until its
+# were merged while it was away — and the one that left held its blocks only until its
 # abort reached the engine thread; when all three were done the pool was empty again.
 # Merged or not, the pieces are the same text as offline generation, which runs now
 # that the engine thread has stopped (the engine is again anyone's to use, one thread
