@@ -8,13 +8,14 @@ written below before the run:
      adopted. A cheaper prologue would have the producer (o_proj / down) leave the row's sum of squares behind, so the
      consumer only scales x as it loads it.
   2. The split argmax WON as predicted: 38.7 us for one block a row (logits from memory) against 7.2 with 64 splits;
-     at 256 rows 8 splits still beat one block (47.7 against 51.7), more lose. Adopted in chapter 8b's sampler.
-  3. The GEMV knob sweep: QKV 6.6 -> 5.4 us, o 4.7 -> 4.3, gate-up 18.8 -> 18.4; down 10.6 -> 10.9 (its best, 10.4,
+     at 256 rows 8 splits still beat one block (47.6 against 51.7), more lose (this kernel has 256 threads a block;
+     the engine's sampler, 512, was slower with 8 shares at 256 rows than with one, so it keeps to ~256 blocks). Adopted in chapter 8b's sampler.
+  3. The GEMV knob sweep: QKV 6.6 -> 5.4 us, o 4.7 -> 4.3, gate-up 18.8 -> 18.3; down 10.6 -> 10.9 (its best, 10.4,
      has two steps in flight: the block variant's one-token setting is QKV's and o's). Adopted in chapter 6's
      variants at one token (decode-step GEMVs 770 -> 736 us in bench/ch06_gemm.py).
-  4. Decode attention at one row barely moves with its knobs (all settings within 0.1 us of each other except the
-     warps a block: 4 warps save 0.3-0.8 us at 128-384 tokens, 8 warps 2 us at 1,024). Its time is its chain of
-     dependent loads, not its grid. Not adopted.
+  4. Decode attention at one row barely moves with its grid knobs (keys a split, the grid target, the fewest keys
+     a split: within 0.5 us at 2 warps and 0.05 us at 4 or 8); the warps a block matter more: 4 warps save 0.3-0.8 us
+     at 128-384 tokens, 8 warps 2 us at 1,024. Its time is its chain of dependent loads. Not adopted.
 
 What batch 1 spends (book/data/ch11_kernels.json, 1 row, 1,024 tokens of context, 2026-12-02): a replayed step is
 1.14 ms, of which the projections' GEMVs ~0.82 ms and the LM head 0.13 ms; the rest is small kernels, each a

@@ -1874,17 +1874,19 @@ longer."""
 # **The GEMV's knobs at one token.** Chapter 6 chose its variants at 1 to 16 tokens.
 # At one token every microsecond of a projection is paid 16 times a step, so the sweep
 # tried every (warps sharing a row, rows per warp group, steps in flight) at each
-# decode shape. Chapter 6's variants now take, at one token, what won on the small
-# projections — a block of 8 warps on 4 rows, one step at a time — and on the tall ones
-# — a warp a row with 8 steps in flight. `down`, whose rows are four times as long,
-# would rather have two steps in flight and loses a little; one setting per variant
-# keeps the kernels few.
+# decode shape. Chapter 6's variants now take, at one token, what was fastest (or
+# within a hair of it) on the small projections — a block of 8 warps on 4 rows, one
+# step at a time — and on the tall ones — a warp a row with 8 steps in flight. `down`,
+# whose rows are four times as long, would rather have two steps in flight and loses a
+# little; one setting per variant keeps the kernels few.
 #
 # **The greedy sampler.** One block read the whole row of 128,256 logits. Chapter 8b now
 # splits a greedy row into shares, a block each, and the last block to finish picks
 # among them (attention's combine, again).
 
 # %% tags=["hide-input"]
+from tinyvllm_lib.kernels.gemv import GEMV_VARIANTS  # noqa: E402
+
 proto = load_records("ch11_fusion_proto")
 knob_records = [r for r in proto if r["name"] == "gemv_knobs"]
 argmax_records = [r for r in proto if r["name"] == "greedy_argmax"]
@@ -1893,9 +1895,13 @@ if not knob_records or not argmax_records:
 else:
     fig, (ax0, ax1) = new_figure(1, 2, height=3.4)
     projections = ["qkv", "o", "gate_up", "down"]
-    # (warps sharing a row, rows per warp group, steps in flight): before and now
+    # (warps sharing a row, rows per warp group, steps in flight): chapter 6's one-token
+    # settings before this chapter, and its variants' now ("auto" picks the warp a row
+    # only for the tall gate-up here)
     old_knobs = dict(qkv=(8, 2, 2), o=(8, 2, 2), gate_up=(1, 1, 4), down=(8, 2, 2))
-    new_knobs = dict(qkv=(8, 4, 1), o=(8, 4, 1), gate_up=(1, 1, 8), down=(8, 4, 1))
+    new_knobs = {
+        p: GEMV_VARIANTS["warp" if p == "gate_up" else "block"](1) for p in projections
+    }
     knob_us = {
         (r["projection"], (r["warps_per_row"], r["rows"], r["unroll"])): r["value"]
         for r in knob_records
@@ -1957,9 +1963,10 @@ In the sweep, the new settings take QKV from {{ch11_qkv_old}} to {{ch11_qkv_new}
 launch, and the four projections together {{ch11_knobs_saved}} a step (16 layers). One
 block alone took {{ch11_argmax_one_block}} to find a row's largest logit (the sweep
 reads the logits from memory, not from L2); split {{ch11_argmax_splits}} ways,
-{{ch11_argmax_split}}. Many rows already fill the GPU with
-a block each, and there the shares only add blocks: the sampler picks fewer shares as
-rows grow. In the decode step the sampler kernel is now {{ch11_sample_1}} at one row
+{{ch11_argmax_split}}. With many rows the blocks multiply, rows times shares, and the
+sampler's own blocks (512 threads, for the sampled rows' bisection) are few to an SM:
+it keeps to about 256 blocks in all, fewer shares as rows grow, one from 256 rows. In
+the decode step the sampler kernel is now {{ch11_sample_1}} at one row
 ({{ch11_sample_share}} of the step), against {{ch11_sample_floor}} for its half
 megabyte at copy bandwidth: the rest is the chain of a load, a fence, an atomic and the
 last block's combine.
@@ -2017,7 +2024,8 @@ last block's combine.
 #    admitted. Let it plan the decodes ahead and admit the newcomer in the step after.
 #    What must the runner do differently, and what does a request arriving every step
 #    cost in each design?
-# 7. The greedy sampler's shares are chosen from a sweep at 1, 8, 64 and 256 rows. A
+# 7. The greedy sampler keeps to about 256 blocks (`greedy_shares`), a rule drawn from
+#    two measurements, not a sweep of its own kernel: sweep it at 1 to 256 rows. A
 #    sampled row still runs in one block, and its bisection reads the row 64 times:
 #    split those passes over blocks too. What must the blocks share after each pass,
 #    and what does a pass then cost?

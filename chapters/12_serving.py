@@ -1005,8 +1005,9 @@ async def read(engine, name, slow=False, leave_after=None):
             break
         merged = collector.num_merged  # the second delta to come merges into the first
         while slow and collector.num_merged == merged:
-            if getattr(collector.output, "finished", False):
-                break  # the last delta came alone: nothing more will come
+            waiting = collector.output  # the last delta, or an error, ends the merging
+            if isinstance(waiting, BaseException) or getattr(waiting, "finished", 0):
+                break  # get() returns it, or raises it
             await asyncio.sleep(0.005)
     if not out.finished:
         engine.abort(name)

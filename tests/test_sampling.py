@@ -231,7 +231,7 @@ def test_gpu_greedy_shares_keep_the_first_of_ties_and_reset_their_tickets(rng):
 
 
 def test_gpu_sampler_mixes_split_greedy_rows_with_whole_sampled_rows(rng):
-    """Sampled rows are share 0's work alone: the same draws as the NumPy sampler next to greedy rows."""
+    """Sampled rows next to split greedy rows: the same draws as the NumPy sampler."""
     from tinyvllm_lib.engine.sampler_cuda import CudaSampler
 
     z = (rng.standard_normal((5, 300)) * 2).astype(np.float32)

@@ -18,7 +18,8 @@ MAX_SHARES = 2 if config.ENABLE_CUDASIM else 64
 # shares for a batch: about this many blocks in all, so that they run in one wave (this
 # kernel's 512-thread blocks are few to an SM); more rows, fewer shares, down to one. On
 # an H200 (bench/ch11_kernels.py), 64 shares at one row took less than half the time of
-# one block, but 8 shares at 256 rows, 2,048 blocks, took longer than one block a row.
+# one block; a first rule with 8 shares at 256 rows (2,048 blocks) took longer than one
+# block a row there (a run whose record was replaced by this rule's).
 SHARE_BLOCKS = 256
 
 
