@@ -60,7 +60,7 @@ import argparse
 import math
 
 import numpy as np
-from numba import config, cuda, float32, int64, uint32, uint64
+from numba import config, cuda, float32, int32, int64, uint32, uint64
 
 from tinyvllm_lib.kernels.activation import silu_mul, silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import (
@@ -83,12 +83,7 @@ from tinyvllm_lib.kernels.rmsnorm import (
     fused_add_rmsnorm_ref,
     rmsnorm_ref,
 )
-from tinyvllm_lib.kernels.sampling import (
-    SAMPLER_THREADS,
-    argmax_kernel,
-    block_argmax,
-    row_argmax,
-)
+from tinyvllm_lib.kernels.sampling import SAMPLER_THREADS, argmax_kernel, greedy_share
 from tinyvllm_lib.measure import Recorder, load_records, num_rotations, time_launches
 
 MAX_WORDS = 2048  # the input row in shared memory, 4 bf16 a word: K <= 8,192
@@ -231,35 +226,14 @@ ARGMAX_THREADS = 32 if config.ENABLE_CUDASIM else 256
 
 @cuda.jit
 def split_argmax_kernel(logits, part_v, part_i, tickets, out):
-    """Block (row, s) finds the largest logit of its share of the row; the row's last block to finish picks among
-    the shares and sets the row's ticket back to 0 (first index on ties, as argmax_kernel)."""
+    """Block (row, s): chapter 8b's greedy_share alone in a kernel: the argmax of share s of the row, the row's last
+    block picking among the shares. (The records were made with this script's own copy of the same algorithm,
+    before it moved into the sampler.)"""
     sv = cuda.shared.array(1024, float32)
     si = cuda.shared.array(1024, int64)
-    last = cuda.shared.array(1, int64)
-    r, s, num_splits = cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.y
-    tid = cuda.threadIdx.x
-    n = logits.shape[1]
-    share = (n + num_splits - 1) // num_splits
-    lo, hi = min(n, s * share), min(n, (s + 1) * share)
-    # chapter 8b's loop over this share of the row (with its float64 compares, as argmax_kernel's:
-    # the two are timed with the same inner loop)
-    best, best_i = row_argmax(logits[r, lo:hi], sv, si)
-    best_i += lo
-    if tid == 0:
-        part_v[r, s], part_i[r, s] = best, best_i
-        cuda.threadfence()  # the share's result is visible before the ticket is taken
-        last[0] = int64(1) if cuda.atomic.add(tickets, r, 1) == num_splits - 1 else int64(0)
-    cuda.syncthreads()
-    if last[0] == 0:
-        return
-    cuda.threadfence()
-    v, k = float32(-math.inf), int64(n)
-    if tid < num_splits:  # through L2: other blocks wrote these
-        v, k = cuda.atomic.add(part_v, (r, tid), float32(0)), cuda.atomic.add(part_i, (r, tid), int64(0))
-    v, k = block_argmax(v, k, sv, si)
-    if tid == 0:
-        out[r] = k
-        tickets[r] = 0
+    flag = cuda.shared.array(1, int32)
+    r = cuda.blockIdx.x
+    greedy_share(logits[r], r, part_v, part_i, tickets, out, sv, si, flag)
 
 
 def split_argmax(logits, part_v, part_i, tickets, out, num_splits: int, stream=0):

@@ -505,8 +505,10 @@ plt.show()
 # a ticket from a per-row counter (`atomic.add`). The block that draws the last ticket
 # knows every share is written: it picks the largest of them (the smallest index on
 # ties, as before) and sets the counter back to zero for the next launch. No second
-# kernel, no host decision. A sampled row keeps the one-block path (its bisection reads
-# the row 64 times; the shares past the first return at once).
+# kernel, no host decision. How many shares depends on the batch (`greedy_shares`):
+# about 256 blocks in all, so a single row gets 64 and a batch of 256 rows one each. A
+# sampled row keeps the one-block path (its bisection reads the row up to 64 times; the
+# shares past the first return at once).
 #
 # One kernel serves every row, greedy or sampled: the row's own temperature decides on
 # the GPU, so the launch is the same whatever the batch asks for. That matters in
