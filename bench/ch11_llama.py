@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib import benchmark
+from tinyvllm_lib.cuda_graph import CudaGraph
 from tinyvllm_lib.engine.cuda_graphs import pad_decode_inputs
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.measure import DATA_DIR, Recorder, load_records
@@ -133,7 +134,23 @@ def engine_part(rec: Recorder, folder, extra: dict) -> None:
             rec.add("bs1_graph_replay", [1], "ms", kernels, part="engine", graph_nodes=nodes,
                     context=256, note="the batch-1 decode graph replayed 50 times back to back at 256 tokens "
                     "of context: GPU time per step", **extra)
-            print(f"bs1 graph replayed back to back: {kernels:.3f} ms per step, {nodes} nodes", flush=True)
+            print(f"bs1 graph replayed back to back: {kernels:.3f} ms per step, {nodes} nodes, "
+                  f"{runner.graphs[1].programmatic_edges} programmatic edges", flush=True)
+            rec.records[-1]["programmatic_edges"] = runner.graphs[1].programmatic_edges
+            # the same engine with the graph's edges left plain (each kernel launched once the one before has
+            # finished): what chapter 1's programmatic edges buy
+            with cuda.defer_cleanup():
+                runner.graphs[1] = CudaGraph(runner._decode_launch(1), runner.stream, programmatic=False)
+                runner.stream.synchronize()
+            plain = graph_kernel_ms(runner, 1, 256)
+            lat_plain = benchmark.latency(llm, 128, 256, repeats=3)
+            print(f"bs1 with plain edges: {lat_plain['decode_tok_s']:.0f} decode tok/s; graph replayed back to back "
+                  f"{plain:.3f} ms per step", flush=True)
+            rec.add("bs1_graph_replay_plain_edges", [1], "ms", plain, part="engine", graph_nodes=nodes,
+                    context=256, programmatic_edges=0, note="as bs1_graph_replay, every edge of the graph plain",
+                    **extra)
+            rec.add("bs1_decode_plain_edges", [1, 128, 256], "tok/s", lat_plain["decode_tok_s"], ceiling,
+                    part="engine", mode="graphs + overlap, plain edges", **lat_plain, **extra)
             save_part(rec, "engine")
         del llm
     for tag, suffix, args in MODES:

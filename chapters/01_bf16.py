@@ -488,10 +488,98 @@ def f32_to_bf16(x):
 # owns; chapter 03 explains grids, blocks and threads properly.
 
 
+# %% [markdown]
+# One more line comes before the kernel. Every kernel in this book starts with
+# `wait_for_previous_kernel()`. Launched the usual way it does nothing; the section on
+# CUDA graphs below says what it is for (letting a GPU start a kernel before the one it
+# depends on has finished), and chapter 11 measures what that buys. It is one PTX
+# instruction, written with numba's `intrinsic`, the way numba itself reaches
+# instructions it has no Python name for. Beside it is a hint of the same kind: ask the
+# L2 cache to fetch the line an address falls in, without waiting for it.
+
+# %%
+#| export kernels.dependent_launch
+from numba import config, types
+
+if config.ENABLE_CUDASIM:
+
+    def wait_for_previous_kernel():
+        """The simulator runs kernels one after another: nothing to wait for."""
+
+    def prefetch_l2(array, row, col):
+        """The simulator has no cache to warm."""
+
+else:
+    from llvmlite import ir
+    from numba.cuda import cgutils
+    from numba.cuda import dispatcher as _dispatcher
+    from numba.cuda.extending import intrinsic
+
+    def _dependent_launch_supported() -> bool:
+        """Whether the GPU being compiled for has `griddepcontrol` (sm_90 on)."""
+        cc = _dispatcher.get_current_device().compute_capability
+        return tuple(cc) >= (9, 0)
+
+    @intrinsic
+    def wait_for_previous_kernel(typingctx):
+        """`griddepcontrol.wait`: block until the kernels this one depends on have
+        finished and their writes are visible. A kernel's first statement.
+
+        It returns at once unless a CUDA graph (CudaGraph below) let the kernel start
+        early; it compiles to nothing on GPUs before Hopper, which cannot.
+        """
+
+        def codegen(context, builder, signature, args):
+            if _dependent_launch_supported():
+                wait = ir.InlineAsm(
+                    ir.FunctionType(ir.VoidType(), []),
+                    "griddepcontrol.wait;",
+                    "~{memory}",  # no load or store moves across it
+                    side_effect=True,
+                )
+                builder.call(wait, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, array, row, col):
+        """`prefetch.global.L2` of the line holding array[row, col] (a 2-D array): a
+        hint that returns at once, loads nothing into registers and cannot fault.
+        """
+        if not (isinstance(array, types.Array) and array.ndim == 2):
+            return None
+
+        def codegen(context, builder, signature, args):
+            array_type, row_type, col_type = signature.args
+            indices = [
+                context.cast(builder, args[1], row_type, types.intp),
+                context.cast(builder, args[2], col_type, types.intp),
+            ]
+            view = context.make_array(array_type)(context, builder, value=args[0])
+            pointer = cgutils.get_item_pointer(
+                context, builder, array_type, view, indices, wraparound=False
+            )
+            prefetch = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [ir.IntType(64)]),
+                "prefetch.global.L2 [$0];",
+                "l",
+                side_effect=True,
+            )
+            builder.call(prefetch, [builder.ptrtoint(pointer, ir.IntType(64))])
+            return context.get_dummy_value()
+
+        return types.void(array, row, col), codegen
+
+
 # %%
 #| export
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
+
 @cuda.jit
 def widen_bf16_kernel(src, dst):
+    wait_for_previous_kernel()  # see the cell above
     # this thread's global index: blockIdx.x * blockDim.x + threadIdx.x
     i = cuda.grid(1)
     if i < src.shape[0]:
@@ -500,6 +588,7 @@ def widen_bf16_kernel(src, dst):
 
 @cuda.jit
 def narrow_f32_kernel(src, dst):
+    wait_for_previous_kernel()
     i = cuda.grid(1)
     if i < src.shape[0]:
         dst[i] = f32_to_bf16(src[i])
@@ -633,6 +722,19 @@ for bad_src, bad_out in [
 #    model. We rotate through enough distinct buffers to exceed the cache.
 # 3. *Noise.* Warm up first (compilation, first-touch), repeat, and take the median.
 #
+# A graph also lets the GPU overlap what a stream cannot. Between two kernels of a
+# stream, the second is launched only once the first has finished: its blocks are
+# scheduled, its arguments fetched, its first loads issued, while the SMs idle — a
+# microsecond or two a kernel. Since Hopper (sm_90), an edge of a graph can be
+# *programmatic*: the second kernel launches as soon as every block of the first has
+# started, and each of its blocks runs until `griddepcontrol.wait`
+# (`wait_for_previous_kernel`, the first line of every kernel here), which returns once
+# the first kernel has finished and its writes are visible. Whatever comes before the
+# wait — nothing, or hints that touch only data no earlier kernel writes — overlaps the
+# kernel before. `CudaGraph` makes every edge between two of the library's kernels
+# programmatic; it knows them by name, since every one of them waits first
+# (tests/test_ptx.py checks the compiled code of each). Chapter 11 measures it.
+#
 # In the simulator the graph is just the Python function, replayed by calling it: the
 # code runs, the times mean nothing.
 
@@ -653,19 +755,89 @@ def _check(result):
     return result[1] if len(result) == 2 else result[1:]
 
 
+# this library's kernels, by the start of their compiled (mangled) names
+LIBRARY_KERNEL_MARK = b"tinyvllm_lib"
+
+
+def _graph_edges(graph) -> list:
+    """(from node, to node, edge data) for every edge of a graph."""
+    get_edges = getattr(_drv, "cuGraphGetEdges_v2", _drv.cuGraphGetEdges)
+    count = _check(get_edges(graph, 0))[-1]
+    if count == 0:
+        return []
+    froms, tos, data, _ = _check(get_edges(graph, count))
+    return list(zip(froms, tos, data))
+
+
+def _library_kernel(node) -> bool:
+    """Whether a graph node launches one of this library's kernels (each of which waits
+    first: wait_for_previous_kernel).
+    """
+    kind = _check(_drv.cuGraphNodeGetType(node))
+    if kind != _drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+        return False
+    params = _check(_drv.cuGraphKernelNodeGetParams(node))
+    if int(params.func):
+        name = _check(_drv.cuFuncGetName(params.func))
+    elif int(params.kern):
+        name = _check(_drv.cuKernelGetName(params.kern))
+    else:
+        return False
+    return LIBRARY_KERNEL_MARK in name
+
+
+def make_edges_programmatic(graph) -> int:
+    """Let each of the library's kernels in `graph` launch as soon as every block of the
+    library kernel before it has started, instead of once it has finished; return how
+    many edges changed.
+
+    The later kernel's blocks then wait in wait_for_previous_kernel
+    (griddepcontrol.wait) until the earlier kernel has finished and its writes are
+    visible, with their launch already done. Edges to or from anything else (cuBLAS,
+    copies) are left as they are.
+    """
+    port = _drv.CUgraphKernelNodePort.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER
+    kind = _drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    add = getattr(_drv, "cuGraphAddDependencies_v2", _drv.cuGraphAddDependencies)
+    remove = getattr(
+        _drv, "cuGraphRemoveDependencies_v2", _drv.cuGraphRemoveDependencies
+    )
+    is_library: dict[int, bool] = {}
+
+    def library(node) -> bool:
+        key = int(node)
+        if key not in is_library:
+            is_library[key] = _library_kernel(node)
+        return is_library[key]
+
+    changed = 0
+    for src, dst, data in _graph_edges(graph):
+        if int(data.type) != 0 or not (library(src) and library(dst)):
+            continue
+        edge = _drv.CUgraphEdgeData()
+        edge.from_port, edge.type = int(port), kind
+        _check(remove(graph, [src], [dst], [data], 1))
+        _check(add(graph, [src], [dst], [edge], 1))
+        changed += 1
+    return changed
+
+
 class CudaGraph:
     """Capture the kernel launches that `launch(stream)` makes, once; replay them with
     one call.
 
     `launch` must only launch kernels on the stream it is given (no allocation, no
     copies to or from the host, no synchronisation). In the simulator, replay simply
-    calls `launch` again.
+    calls `launch` again. programmatic: on a Hopper GPU (or later), let each of the
+    library's kernels start while the one before it finishes
+    (make_edges_programmatic); `programmatic_edges` counts the edges changed.
     """
 
-    def __init__(self, launch: Callable, stream=None):
+    def __init__(self, launch: Callable, stream=None, programmatic: bool = True):
         self.launch = launch
         self.stream = stream if stream is not None else cuda.stream()
         self._exec = None
+        self.programmatic_edges = 0
         if config.ENABLE_CUDASIM:
             return
         launch(self.stream)  # warm-up: compile and load every kernel before capturing
@@ -677,6 +849,8 @@ class CudaGraph:
             launch(self.stream)
         finally:
             graph = _check(_drv.cuStreamEndCapture(handle))
+        if programmatic and cuda.get_current_device().compute_capability >= (9, 0):
+            self.programmatic_edges = make_edges_programmatic(graph)
         self._graph = graph
         self._exec = _check(_drv.cuGraphInstantiate(graph, 0))
 
@@ -880,6 +1054,7 @@ def records_table(records: list[dict], time_key: str | None = None) -> str:
 #| export
 @cuda.jit
 def copy_u64_kernel(src, dst):
+    wait_for_previous_kernel()
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < src.shape[0]:  # grid-stride loop: any grid size covers any length

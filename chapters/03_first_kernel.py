@@ -790,8 +790,12 @@ except ValueError as e:
 
 # %%
 #| export
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
+
 @cuda.jit
 def embed_rows_kernel(ids, table, out):
+    wait_for_previous_kernel()
     t = cuda.blockIdx.x  # one block per token
     if t >= ids.shape[0]:
         return
@@ -848,6 +852,7 @@ NAN_PAIR = 0x7FC000007FC00000  # two float32 quiet NaNs, as one 64-bit word
 
 @cuda.jit
 def embed_wide_kernel(ids, table64, out64):
+    wait_for_previous_kernel()
     t = cuda.blockIdx.x  # one block per token
     if t >= ids.shape[0]:
         return

@@ -227,10 +227,12 @@ import math
 from numba import config, cuda, float32
 
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32, f32_to_bf16
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 
 @cuda.jit
 def rmsnorm_thread_per_row_kernel(x, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.grid(1)
     if row >= x.shape[0]:
         return
@@ -319,6 +321,7 @@ MAX_THREADS = 1024  # the most threads a block can have
 
 @cuda.jit
 def rmsnorm_shared_tree_kernel(x, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x  # a power of two
@@ -477,6 +480,7 @@ from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, block_sum
 
 @cuda.jit
 def rmsnorm_warp_shuffle_kernel(x, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
@@ -572,6 +576,7 @@ ITEMS_PER_THREAD = 8  # elements of a row that each thread keeps in registers
 
 @cuda.jit
 def rmsnorm_kernel(x, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
@@ -619,6 +624,7 @@ def rmsnorm_kernel(x, weight, eps, out):
 #| export
 @cuda.jit
 def fused_add_rmsnorm_kernel(residual, delta, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
@@ -835,6 +841,7 @@ def first_word():
 
 @cuda.jit
 def rmsnorm_wide_kernel(x64, weight32, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     x_row, out_row = x64[row], out[row]  # 1-D views of this row, in words
     num_words = uint64(x64.shape[1])  # hidden / 2: word j holds elements 2j and 2j + 1
@@ -875,6 +882,7 @@ def rmsnorm_wide_kernel(x64, weight32, eps, out):
 
 @cuda.jit
 def fused_add_rmsnorm_wide_kernel(residual64, delta64, weight32, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     residual_row, delta_row, out_row = residual64[row], delta64[row], out[row]
     num_words = uint64(residual64.shape[1])

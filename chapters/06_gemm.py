@@ -304,11 +304,14 @@ def check_linear_args(name: str, x, w, out) -> tuple[int, int, int]:
 
 # %%
 #| export
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
 NAIVE_BLOCK = (32, 8)  # threads along n, along m
 
 
 @cuda.jit
 def gemm_naive_kernel(x, w, out):
+    wait_for_previous_kernel()
     n, m = cuda.grid(2)  # x index -> column n, y index -> row m
     if m < out.shape[0] and n < out.shape[1]:
         acc = float32(0)
@@ -376,6 +379,7 @@ TILE_PADDED = TILE + 1
 
 @cuda.jit
 def gemm_shared_kernel(x, w, out):
+    wait_for_previous_kernel()
     xs = cuda.shared.array((TILE, TILE), float32)  # xs[i, k] = x[m0 + i, k0 + k]
     # ws[j, k] = w[n0 + j, k0 + k]; padded against bank conflicts
     ws = cuda.shared.array((TILE, TILE_PADDED), float32)
@@ -465,6 +469,7 @@ def make_gemm_blocked_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
 
     @cuda.jit
     def kernel(x, w, out):
+        wait_for_previous_kernel()
         # xs[k * xs_stride + i] = x[m0 + i, k0 + k]
         xs = cuda.shared.array(xs_size, float32)
         # ws[k * ws_stride + j] = w[n0 + j, k0 + k]
@@ -714,6 +719,8 @@ else:
 
 # %%
 #| export kernels.gemv
+from tinyvllm_lib.kernels.dependent_launch import prefetch_l2, wait_for_previous_kernel
+
 GEMV_THREADS = 256  # 8 warps per block
 GEMV_WARPS = GEMV_THREADS // 32
 GEMV_MAX_TOKENS = 16  # token vectors per call
@@ -787,6 +794,16 @@ def make_gemv_kernel(
                 uint64(1),
                 N,
             )
+        # No earlier kernel writes w: ask L2 for the block's rows of it (a line = 16
+        # words) before waiting for the kernel before this one, which may still run
+        # (chapter 1's programmatic graph edges; chapter 11 measures them)
+        if t % uint64(16) == uint64(0):
+            for r in range(rows):
+                n = n0 + uint64(r) * row_step
+                if n < N:
+                    for j in range(t, num_words, uint64(threads_per_row)):
+                        prefetch_l2(w64, n, j)
+        wait_for_previous_kernel()
         lane, warp = tid % 32, tid // 32
         # acc[r * num_tokens + m] = partial y[m0 + m, n0 + r]
         acc = cuda.local.array(acc_size, float32)

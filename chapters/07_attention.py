@@ -542,6 +542,7 @@ from numba import cuda, float32
 
 from tinyvllm_lib.kernels.attention import check_out, check_qkv
 from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 SCORES_BLOCK = (32, 8)  # threads along keys, along queries
@@ -550,6 +551,7 @@ SOFTMAX_THREADS = 128  # the most threads of a softmax block (a power of two)
 
 @cuda.jit
 def attention_scores_kernel(qkv, num_heads, num_kv_heads, scale, scores):
+    wait_for_previous_kernel()
     j, i = cuda.grid(2)  # key, query
     h = cuda.blockIdx.z  # query head
     num_tokens = qkv.shape[0]
@@ -591,6 +593,7 @@ def _block_reduce(partial, value, is_max):
 
 @cuda.jit
 def softmax_rows_kernel(scores):
+    wait_for_previous_kernel()
     # one block per row
     h, i = cuda.blockIdx.x // scores.shape[1], cuda.blockIdx.x % scores.shape[1]
     tid, num_threads, num_keys = cuda.threadIdx.x, cuda.blockDim.x, scores.shape[2]
@@ -611,6 +614,7 @@ def softmax_rows_kernel(scores):
 
 @cuda.jit
 def attention_pv_kernel(probs, qkv, num_heads, num_kv_heads, out):
+    wait_for_previous_kernel()
     c, i = cuda.grid(2)  # output column (h * head_dim + d), query
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     if i >= qkv.shape[0] or c >= num_heads * head_dim:
@@ -801,6 +805,7 @@ plt.show()
 from numba import cuda, float32
 
 from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 FLASH_BLOCK_Q = 64  # queries per block: one thread each
@@ -824,6 +829,7 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
 
     @cuda.jit
     def kernel(qkv, query_start_loc, num_heads, num_kv_heads, scale, out):
+        wait_for_previous_kernel()
         # query head, row of the tile, sequence
         h, t, seq = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockIdx.z
         start = query_start_loc[seq]  # the sequence's first row in qkv
@@ -1251,6 +1257,7 @@ import numpy as np
 from numba import cuda, float32
 
 from tinyvllm_lib.kernels.checks import is_c_contiguous
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
@@ -1266,6 +1273,7 @@ def silu_mul_ref(gate_up: np.ndarray) -> np.ndarray:
 
 @cuda.jit
 def silu_mul_kernel(gate_up, out):
+    wait_for_previous_kernel()
     c = cuda.grid(1)  # column of out
     t = cuda.blockIdx.y  # token
     width = out.shape[1]

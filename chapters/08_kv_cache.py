@@ -1104,11 +1104,15 @@ def write_kv_cache_ref(
 
 # %%
 #| export kernels.decode_attention
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
+
 @cuda.jit
 def write_kv_cache_kernel(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache):
     """One thread per (token, element of the KV heads): round k and v to bf16, store at
     the token's slot.
     """
+    wait_for_previous_kernel()
     head_dim = k_cache.shape[2]
     width = num_kv_heads * head_dim
     i = cuda.grid(1)
@@ -1275,6 +1279,7 @@ def make_decode_attention_kernel(
         workspace,
         out,
     ):
+        wait_for_previous_kernel()
         # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit
         # multiplies in the address arithmetic
         # KV heads side by side
@@ -1843,6 +1848,7 @@ def rope_write_kv_cache_kernel(
     pairs (i, i + D/2) in place, then store K's and V's pairs in bf16 at the token's
     slot.
     """
+    wait_for_previous_kernel()
     half = cos.shape[1]
     heads = num_heads + 2 * num_kv_heads
     idx = cuda.grid(1)

@@ -524,6 +524,7 @@ import math
 from numba import config, cuda, float32, int32, int64, uint32
 
 from tinyvllm_lib.kernels.bf16 import _f32_bits
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 # a power of two: the reductions halve it (512: a sampled row is one block's work, so
 # that block wants many loads in flight)
@@ -623,6 +624,7 @@ def argmax_kernel(logits, out):
     """Greedy: a block per row, out[row] = the index of the row's largest logit (the
     first, on ties).
     """
+    wait_for_previous_kernel()
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     _, i = row_argmax(logits[cuda.blockIdx.x], sv, si)
@@ -685,6 +687,7 @@ def sample_kernel(
     sampled row is share 0's alone: temperature, top-k and top-p thresholds by bisection
     over the float order, inverse-CDF draw.
     """
+    wait_for_previous_kernel()
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     flag = cuda.shared.array(1, int32)
@@ -1341,11 +1344,13 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.checks import is_c_contiguous
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 
 @cuda.jit
 def gather_rows_kernel(src, indices, out):
     """out[r] = src[indices[r]]: a block per output row, its threads along the row."""
+    wait_for_previous_kernel()
     r = cuda.blockIdx.x
     row = indices[r]
     for c in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):

@@ -324,6 +324,7 @@ import math
 from numba import cuda, float32, int64
 
 from tinyvllm_lib.kernels.checks import is_device_array
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.sampling import (
     MAX_THREADS,
     SAMPLER_THREADS,
@@ -340,6 +341,7 @@ def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
     """A block per row: the log-softmax of token_ids[row] and of the row's k most
     likely tokens (larger first, smaller index on ties).
     """
+    wait_for_previous_kernel()
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     r, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
@@ -532,6 +534,7 @@ class GpuLogprobsSampler(CudaSampler):
 from numba import cuda
 
 from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 NEXT_IDS_THREADS = 128
 
@@ -539,6 +542,7 @@ NEXT_IDS_THREADS = 128
 @cuda.jit
 def next_ids_kernel(prev_rows, sampled, ids):
     """ids[i] = sampled[prev_rows[i]] where prev_rows[i] >= 0; the rest stay."""
+    wait_for_previous_kernel()
     i = cuda.grid(1)
     if i < ids.shape[0] and prev_rows[i] >= 0:
         ids[i] = sampled[prev_rows[i]]

@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import sys
 import types
 
@@ -23,7 +24,17 @@ cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capab
 
 import tinyvllm_lib
 
-results = {"compiled": [], "missing_signature": [], "failed": []}
+results = {"compiled": [], "missing_signature": [], "failed": [], "no_wait_first": []}
+GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red)\.global", re.M)
+
+
+def waits_first(ptx: str) -> bool:
+    """griddepcontrol.wait comes before the first load, store or atomic on global memory
+    (CudaGraph lets a library kernel start before the one before it has finished)."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = GLOBAL_ACCESS.search(ptx)
+    return wait >= 0 and (first is None or wait < first.start())
+
 for info in pkgutil.walk_packages(tinyvllm_lib.__path__, "tinyvllm_lib."):
     if info.name.endswith("__main__"):
         continue
@@ -41,6 +52,8 @@ for info in pkgutil.walk_packages(tinyvllm_lib.__path__, "tinyvllm_lib."):
             try:
                 ptx, _ = cuda.compile_ptx(obj.py_func, sig, cc=(9, 0))
                 results["compiled"].append(f"{info.name}.{name}{sig[4:]}")
+                if not waits_first(ptx):
+                    results["no_wait_first"].append(f"{info.name}.{name}")
             except Exception as err:  # report every failure, not just the first
                 results["failed"].append(f"{info.name}.{name} {sig}: {type(err).__name__}: {err}")
 json.dump(results, sys.stdout)

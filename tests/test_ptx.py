@@ -1,4 +1,4 @@
-"""The GPU type check: every kernel compiles to PTX for sm_90 (the simulator checks no types)."""
+"""The GPU type check: every kernel compiles to PTX for sm_90 (the simulator checks no types), and\nwaits for the kernel before it (griddepcontrol.wait) before it touches global memory."""
 
 import json
 import os
@@ -17,3 +17,6 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     assert not results["missing_signature"], f"kernels with no PTX_SIGNATURES entry: {results['missing_signature']}"
     assert not results["failed"], "\n".join(results["failed"])
     assert results["compiled"], "no kernel was compiled"
+    # CudaGraph lets a library kernel start early (chapter 1): each must wait before it
+    # touches global memory
+    assert not results["no_wait_first"], f"kernels that do not wait first: {results['no_wait_first']}"

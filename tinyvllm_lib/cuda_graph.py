@@ -17,19 +17,89 @@ def _check(result):
     return result[1] if len(result) == 2 else result[1:]
 
 
+# this library's kernels, by the start of their compiled (mangled) names
+LIBRARY_KERNEL_MARK = b"tinyvllm_lib"
+
+
+def _graph_edges(graph) -> list:
+    """(from node, to node, edge data) for every edge of a graph."""
+    get_edges = getattr(_drv, "cuGraphGetEdges_v2", _drv.cuGraphGetEdges)
+    count = _check(get_edges(graph, 0))[-1]
+    if count == 0:
+        return []
+    froms, tos, data, _ = _check(get_edges(graph, count))
+    return list(zip(froms, tos, data))
+
+
+def _library_kernel(node) -> bool:
+    """Whether a graph node launches one of this library's kernels (each of which waits
+    first: wait_for_previous_kernel).
+    """
+    kind = _check(_drv.cuGraphNodeGetType(node))
+    if kind != _drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+        return False
+    params = _check(_drv.cuGraphKernelNodeGetParams(node))
+    if int(params.func):
+        name = _check(_drv.cuFuncGetName(params.func))
+    elif int(params.kern):
+        name = _check(_drv.cuKernelGetName(params.kern))
+    else:
+        return False
+    return LIBRARY_KERNEL_MARK in name
+
+
+def make_edges_programmatic(graph) -> int:
+    """Let each of the library's kernels in `graph` launch as soon as every block of the
+    library kernel before it has started, instead of once it has finished; return how
+    many edges changed.
+
+    The later kernel's blocks then wait in wait_for_previous_kernel
+    (griddepcontrol.wait) until the earlier kernel has finished and its writes are
+    visible, with their launch already done. Edges to or from anything else (cuBLAS,
+    copies) are left as they are.
+    """
+    port = _drv.CUgraphKernelNodePort.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER
+    kind = _drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    add = getattr(_drv, "cuGraphAddDependencies_v2", _drv.cuGraphAddDependencies)
+    remove = getattr(
+        _drv, "cuGraphRemoveDependencies_v2", _drv.cuGraphRemoveDependencies
+    )
+    is_library: dict[int, bool] = {}
+
+    def library(node) -> bool:
+        key = int(node)
+        if key not in is_library:
+            is_library[key] = _library_kernel(node)
+        return is_library[key]
+
+    changed = 0
+    for src, dst, data in _graph_edges(graph):
+        if int(data.type) != 0 or not (library(src) and library(dst)):
+            continue
+        edge = _drv.CUgraphEdgeData()
+        edge.from_port, edge.type = int(port), kind
+        _check(remove(graph, [src], [dst], [data], 1))
+        _check(add(graph, [src], [dst], [edge], 1))
+        changed += 1
+    return changed
+
+
 class CudaGraph:
     """Capture the kernel launches that `launch(stream)` makes, once; replay them with
     one call.
 
     `launch` must only launch kernels on the stream it is given (no allocation, no
     copies to or from the host, no synchronisation). In the simulator, replay simply
-    calls `launch` again.
+    calls `launch` again. programmatic: on a Hopper GPU (or later), let each of the
+    library's kernels start while the one before it finishes
+    (make_edges_programmatic); `programmatic_edges` counts the edges changed.
     """
 
-    def __init__(self, launch: Callable, stream=None):
+    def __init__(self, launch: Callable, stream=None, programmatic: bool = True):
         self.launch = launch
         self.stream = stream if stream is not None else cuda.stream()
         self._exec = None
+        self.programmatic_edges = 0
         if config.ENABLE_CUDASIM:
             return
         launch(self.stream)  # warm-up: compile and load every kernel before capturing
@@ -41,6 +111,8 @@ class CudaGraph:
             launch(self.stream)
         finally:
             graph = _check(_drv.cuStreamEndCapture(handle))
+        if programmatic and cuda.get_current_device().compute_capability >= (9, 0):
+            self.programmatic_edges = make_edges_programmatic(graph)
         self._graph = graph
         self._exec = _check(_drv.cuGraphInstantiate(graph, 0))
 

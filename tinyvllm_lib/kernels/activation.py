@@ -8,6 +8,7 @@ import numpy as np
 from numba import cuda, float32
 
 from tinyvllm_lib.kernels.checks import is_c_contiguous
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
@@ -23,6 +24,7 @@ def silu_mul_ref(gate_up: np.ndarray) -> np.ndarray:
 
 @cuda.jit
 def silu_mul_kernel(gate_up, out):
+    wait_for_previous_kernel()
     c = cuda.grid(1)  # column of out
     t = cuda.blockIdx.y  # token
     width = out.shape[1]

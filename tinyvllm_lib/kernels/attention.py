@@ -125,6 +125,7 @@ def check_out(name: str, out, shape: tuple, dtypes=(np.float32, np.uint16)) -> N
 from numba import cuda, float32
 
 from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 FLASH_BLOCK_Q = 64  # queries per block: one thread each
@@ -148,6 +149,7 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
 
     @cuda.jit
     def kernel(qkv, query_start_loc, num_heads, num_kv_heads, scale, out):
+        wait_for_previous_kernel()
         # query head, row of the tile, sequence
         h, t, seq = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockIdx.z
         start = query_start_loc[seq]  # the sequence's first row in qkv

@@ -9,6 +9,7 @@ from numba import cuda, float32
 
 from tinyvllm_lib.kernels.attention import check_out, check_qkv
 from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 SCORES_BLOCK = (32, 8)  # threads along keys, along queries
@@ -17,6 +18,7 @@ SOFTMAX_THREADS = 128  # the most threads of a softmax block (a power of two)
 
 @cuda.jit
 def attention_scores_kernel(qkv, num_heads, num_kv_heads, scale, scores):
+    wait_for_previous_kernel()
     j, i = cuda.grid(2)  # key, query
     h = cuda.blockIdx.z  # query head
     num_tokens = qkv.shape[0]
@@ -58,6 +60,7 @@ def _block_reduce(partial, value, is_max):
 
 @cuda.jit
 def softmax_rows_kernel(scores):
+    wait_for_previous_kernel()
     # one block per row
     h, i = cuda.blockIdx.x // scores.shape[1], cuda.blockIdx.x % scores.shape[1]
     tid, num_threads, num_keys = cuda.threadIdx.x, cuda.blockDim.x, scores.shape[2]
@@ -78,6 +81,7 @@ def softmax_rows_kernel(scores):
 
 @cuda.jit
 def attention_pv_kernel(probs, qkv, num_heads, num_kv_heads, out):
+    wait_for_previous_kernel()
     c, i = cuda.grid(2)  # output column (h * head_dim + d), query
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     if i >= qkv.shape[0] or c >= num_heads * head_dim:

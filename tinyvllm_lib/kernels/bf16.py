@@ -86,8 +86,12 @@ def f32_to_bf16(x):
 
 
 # defined in chapters/01_bf16.py
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
+
 @cuda.jit
 def widen_bf16_kernel(src, dst):
+    wait_for_previous_kernel()  # see the cell above
     # this thread's global index: blockIdx.x * blockDim.x + threadIdx.x
     i = cuda.grid(1)
     if i < src.shape[0]:
@@ -96,6 +100,7 @@ def widen_bf16_kernel(src, dst):
 
 @cuda.jit
 def narrow_f32_kernel(src, dst):
+    wait_for_previous_kernel()
     i = cuda.grid(1)
     if i < src.shape[0]:
         dst[i] = f32_to_bf16(src[i])
@@ -147,6 +152,7 @@ def narrow_f32(src, out, threads_per_block: int = 256, stream=0):
 # defined in chapters/01_bf16.py
 @cuda.jit
 def copy_u64_kernel(src, dst):
+    wait_for_previous_kernel()
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < src.shape[0]:  # grid-stride loop: any grid size covers any length

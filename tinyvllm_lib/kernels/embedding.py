@@ -38,8 +38,12 @@ def embed_reference(ids, table: np.ndarray) -> np.ndarray:
 
 
 # defined in chapters/03_first_kernel.py
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
+
 @cuda.jit
 def embed_rows_kernel(ids, table, out):
+    wait_for_previous_kernel()
     t = cuda.blockIdx.x  # one block per token
     if t >= ids.shape[0]:
         return
@@ -69,6 +73,7 @@ NAN_PAIR = 0x7FC000007FC00000  # two float32 quiet NaNs, as one 64-bit word
 
 @cuda.jit
 def embed_wide_kernel(ids, table64, out64):
+    wait_for_previous_kernel()
     t = cuda.blockIdx.x  # one block per token
     if t >= ids.shape[0]:
         return

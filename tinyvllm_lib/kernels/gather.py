@@ -6,11 +6,13 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.checks import is_c_contiguous
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 
 @cuda.jit
 def gather_rows_kernel(src, indices, out):
     """out[r] = src[indices[r]]: a block per output row, its threads along the row."""
+    wait_for_previous_kernel()
     r = cuda.blockIdx.x
     row = indices[r]
     for c in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):

@@ -57,11 +57,14 @@ def check_linear_args(name: str, x, w, out) -> tuple[int, int, int]:
 
 
 # defined in chapters/06_gemm.py
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
 NAIVE_BLOCK = (32, 8)  # threads along n, along m
 
 
 @cuda.jit
 def gemm_naive_kernel(x, w, out):
+    wait_for_previous_kernel()
     n, m = cuda.grid(2)  # x index -> column n, y index -> row m
     if m < out.shape[0] and n < out.shape[1]:
         acc = float32(0)
@@ -90,6 +93,7 @@ TILE_PADDED = TILE + 1
 
 @cuda.jit
 def gemm_shared_kernel(x, w, out):
+    wait_for_previous_kernel()
     xs = cuda.shared.array((TILE, TILE), float32)  # xs[i, k] = x[m0 + i, k0 + k]
     # ws[j, k] = w[n0 + j, k0 + k]; padded against bank conflicts
     ws = cuda.shared.array((TILE, TILE_PADDED), float32)
@@ -141,6 +145,7 @@ def make_gemm_blocked_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
 
     @cuda.jit
     def kernel(x, w, out):
+        wait_for_previous_kernel()
         # xs[k * xs_stride + i] = x[m0 + i, k0 + k]
         xs = cuda.shared.array(xs_size, float32)
         # ws[k * ws_stride + j] = w[n0 + j, k0 + k]

@@ -58,6 +58,8 @@ else:
 
 
 # defined in chapters/06_gemm.py
+from tinyvllm_lib.kernels.dependent_launch import prefetch_l2, wait_for_previous_kernel
+
 GEMV_THREADS = 256  # 8 warps per block
 GEMV_WARPS = GEMV_THREADS // 32
 GEMV_MAX_TOKENS = 16  # token vectors per call
@@ -131,6 +133,16 @@ def make_gemv_kernel(
                 uint64(1),
                 N,
             )
+        # No earlier kernel writes w: ask L2 for the block's rows of it (a line = 16
+        # words) before waiting for the kernel before this one, which may still run
+        # (chapter 1's programmatic graph edges; chapter 11 measures them)
+        if t % uint64(16) == uint64(0):
+            for r in range(rows):
+                n = n0 + uint64(r) * row_step
+                if n < N:
+                    for j in range(t, num_words, uint64(threads_per_row)):
+                        prefetch_l2(w64, n, j)
+        wait_for_previous_kernel()
         lane, warp = tid % 32, tid // 32
         # acc[r * num_tokens + m] = partial y[m0 + m, n0 + r]
         acc = cuda.local.array(acc_size, float32)

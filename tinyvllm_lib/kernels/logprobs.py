@@ -7,6 +7,7 @@ import math
 from numba import cuda, float32, int64
 
 from tinyvllm_lib.kernels.checks import is_device_array
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.sampling import (
     MAX_THREADS,
     SAMPLER_THREADS,
@@ -23,6 +24,7 @@ def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
     """A block per row: the log-softmax of token_ids[row] and of the row's k most
     likely tokens (larger first, smaller index on ties).
     """
+    wait_for_previous_kernel()
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     r, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x

@@ -5,6 +5,7 @@
 from numba import cuda
 
 from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 NEXT_IDS_THREADS = 128
 
@@ -12,6 +13,7 @@ NEXT_IDS_THREADS = 128
 @cuda.jit
 def next_ids_kernel(prev_rows, sampled, ids):
     """ids[i] = sampled[prev_rows[i]] where prev_rows[i] >= 0; the rest stay."""
+    wait_for_previous_kernel()
     i = cuda.grid(1)
     if i < ids.shape[0] and prev_rows[i] >= 0:
         ids[i] = sampled[prev_rows[i]]

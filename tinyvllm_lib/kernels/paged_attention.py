@@ -60,6 +60,8 @@ def paged_prefill_attention_ref(
 
 
 # defined in chapters/10_paging.py
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
 # 8-byte words (4 bf16 values) of K and of V per thread loaded before any is stored:
 # the same registers and bytes in flight as the flash kernel's FLASH_STAGE floats
 PAGED_STAGE = 4
@@ -87,6 +89,7 @@ def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
         scale,
         out,
     ):
+        wait_for_previous_kernel()
         # query head, row of the tile, sequence
         h, t, seq = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockIdx.z
         start = query_start_loc[seq]  # the sequence's first new row in qkv

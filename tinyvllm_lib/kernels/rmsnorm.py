@@ -34,10 +34,12 @@ import math
 from numba import config, cuda, float32
 
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32, f32_to_bf16
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 
 @cuda.jit
 def rmsnorm_thread_per_row_kernel(x, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.grid(1)
     if row >= x.shape[0]:
         return
@@ -56,6 +58,7 @@ MAX_THREADS = 1024  # the most threads a block can have
 
 @cuda.jit
 def rmsnorm_shared_tree_kernel(x, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x  # a power of two
@@ -83,6 +86,7 @@ from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, block_sum
 
 @cuda.jit
 def rmsnorm_warp_shuffle_kernel(x, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
@@ -141,6 +145,7 @@ ITEMS_PER_THREAD = 8  # elements of a row that each thread keeps in registers
 
 @cuda.jit
 def rmsnorm_kernel(x, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
@@ -170,6 +175,7 @@ def rmsnorm_kernel(x, weight, eps, out):
 # defined in chapters/04_rmsnorm.py
 @cuda.jit
 def fused_add_rmsnorm_kernel(residual, delta, weight, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
@@ -317,6 +323,7 @@ def first_word():
 
 @cuda.jit
 def rmsnorm_wide_kernel(x64, weight32, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     x_row, out_row = x64[row], out[row]  # 1-D views of this row, in words
     num_words = uint64(x64.shape[1])  # hidden / 2: word j holds elements 2j and 2j + 1
@@ -357,6 +364,7 @@ def rmsnorm_wide_kernel(x64, weight32, eps, out):
 
 @cuda.jit
 def fused_add_rmsnorm_wide_kernel(residual64, delta64, weight32, eps, out):
+    wait_for_previous_kernel()
     row = cuda.blockIdx.x
     residual_row, delta_row, out_row = residual64[row], delta64[row], out[row]
     num_words = uint64(residual64.shape[1])

@@ -209,11 +209,14 @@ def rope_qkv_ref(
 # defined in chapters/05_rope.py
 from numba import float32
 
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
 NAN32 = np.float32("nan")
 
 
 @cuda.jit
 def rope_on_the_fly_kernel(qkv, positions, inv_freq, num_rotated_heads):
+    wait_for_previous_kernel()
     idx = cuda.grid(1)
     half = inv_freq.shape[0]
     if idx >= qkv.shape[0] * num_rotated_heads * half:
@@ -235,6 +238,7 @@ def rope_on_the_fly_kernel(qkv, positions, inv_freq, num_rotated_heads):
 # defined in chapters/05_rope.py
 @cuda.jit
 def rope_table_kernel(qkv, positions, cos, sin, num_rotated_heads):
+    wait_for_previous_kernel()
     idx = cuda.grid(1)
     half = cos.shape[1]
     if idx >= qkv.shape[0] * num_rotated_heads * half:
@@ -263,6 +267,7 @@ HEADS_PER_THREAD = 4
 
 @cuda.jit
 def rope_kernel(qkv, positions, cos, sin, num_rotated_heads):
+    wait_for_previous_kernel()
     idx = cuda.grid(1)
     half = cos.shape[1]
     num_groups = (num_rotated_heads + HEADS_PER_THREAD - 1) // HEADS_PER_THREAD

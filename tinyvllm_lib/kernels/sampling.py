@@ -7,6 +7,7 @@ import math
 from numba import config, cuda, float32, int32, int64, uint32
 
 from tinyvllm_lib.kernels.bf16 import _f32_bits
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 # a power of two: the reductions halve it (512: a sampled row is one block's work, so
 # that block wants many loads in flight)
@@ -106,6 +107,7 @@ def argmax_kernel(logits, out):
     """Greedy: a block per row, out[row] = the index of the row's largest logit (the
     first, on ties).
     """
+    wait_for_previous_kernel()
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     _, i = row_argmax(logits[cuda.blockIdx.x], sv, si)
@@ -167,6 +169,7 @@ def sample_kernel(
     sampled row is share 0's alone: temperature, top-k and top-p thresholds by bisection
     over the float order, inverse-CDF draw.
     """
+    wait_for_previous_kernel()
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     flag = cuda.shared.array(1, int32)
