@@ -796,7 +796,9 @@ def make_edges_programmatic(graph) -> int:
     visible, with their launch already done. Edges to or from anything else (cuBLAS,
     copies) are left as they are.
     """
-    port = _drv.CUgraphKernelNodePort.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER
+    # CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER, a #define of cuda.h (2): "all blocks have
+    # begun execution"
+    port = 2
     kind = _drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
     add = getattr(_drv, "cuGraphAddDependencies_v2", _drv.cuGraphAddDependencies)
     remove = getattr(
@@ -815,7 +817,7 @@ def make_edges_programmatic(graph) -> int:
         if int(data.type) != 0 or not (library(src) and library(dst)):
             continue
         edge = _drv.CUgraphEdgeData()
-        edge.from_port, edge.type = int(port), kind
+        edge.from_port, edge.type = port, kind
         _check(remove(graph, [src], [dst], [data], 1))
         _check(add(graph, [src], [dst], [edge], 1))
         changed += 1
