@@ -494,8 +494,7 @@ def f32_to_bf16(x):
 # CUDA graphs below says what it is for (letting a GPU start a kernel before the one it
 # depends on has finished), and chapter 11 measures what that buys. It is one PTX
 # instruction, written with numba's `intrinsic`, the way numba itself reaches
-# instructions it has no Python name for. Beside it is a hint of the same kind: ask the
-# L2 cache to fetch the line an address falls in, without waiting for it.
+# instructions it has no Python name for.
 
 # %%
 #| export kernels.dependent_launch
@@ -506,12 +505,8 @@ if config.ENABLE_CUDASIM:
     def wait_for_previous_kernel():
         """The simulator runs kernels one after another: nothing to wait for."""
 
-    def prefetch_l2(array, row, col):
-        """The simulator has no cache to warm."""
-
 else:
     from llvmlite import ir
-    from numba.cuda import cgutils
     from numba.cuda import dispatcher as _dispatcher
     from numba.cuda.extending import intrinsic
 
@@ -541,35 +536,6 @@ else:
             return context.get_dummy_value()
 
         return types.void(), codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, array, row, col):
-        """`prefetch.global.L2` of the line holding array[row, col] (a 2-D array): a
-        hint that returns at once, loads nothing into registers and cannot fault.
-        """
-        if not (isinstance(array, types.Array) and array.ndim == 2):
-            return None
-
-        def codegen(context, builder, signature, args):
-            array_type, row_type, col_type = signature.args
-            indices = [
-                context.cast(builder, args[1], row_type, types.intp),
-                context.cast(builder, args[2], col_type, types.intp),
-            ]
-            view = context.make_array(array_type)(context, builder, value=args[0])
-            pointer = cgutils.get_item_pointer(
-                context, builder, array_type, view, indices, wraparound=False
-            )
-            prefetch = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), [ir.IntType(64)]),
-                "prefetch.global.L2 [$0];",
-                "l",
-                side_effect=True,
-            )
-            builder.call(prefetch, [builder.ptrtoint(pointer, ir.IntType(64))])
-            return context.get_dummy_value()
-
-        return types.void(array, row, col), codegen
 
 
 # %%
@@ -730,10 +696,11 @@ for bad_src, bad_out in [
 # started, and each of its blocks runs until `griddepcontrol.wait`
 # (`wait_for_previous_kernel`, the first line of every kernel here), which returns once
 # the first kernel has finished and its writes are visible. Whatever comes before the
-# wait — nothing, or hints that touch only data no earlier kernel writes — overlaps the
-# kernel before. `CudaGraph` makes every edge between two of the library's kernels
-# programmatic; it knows them by name, since every one of them waits first
-# (tests/test_ptx.py checks the compiled code of each). Chapter 11 measures it.
+# wait — nothing, or loads of data no kernel writes, as chapter 6's GEMV loads its
+# first weights — overlaps the kernel before. `CudaGraph` makes every edge between two
+# of the library's kernels programmatic; it knows them by name, since every one of them
+# waits first (tests/test_ptx.py checks the compiled code of each). Chapter 11 measures
+# it.
 #
 # In the simulator the graph is just the Python function, replayed by calling it: the
 # code runs, the times mean nothing.

@@ -26,13 +26,16 @@ import tinyvllm_lib
 
 results = {"compiled": [], "missing_signature": [], "failed": [], "no_wait_first": []}
 GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red)\.global", re.M)
+GLOBAL_WRITE = re.compile(r"^\s*(?:@%p\d+\s+)?(?:st|atom|red)\.global", re.M)
 
 
-def waits_first(ptx: str) -> bool:
+def waits_first(ptx: str, reads_before_wait: bool) -> bool:
     """griddepcontrol.wait comes before the first load, store or atomic on global memory
-    (CudaGraph lets a library kernel start before the one before it has finished)."""
+    (CudaGraph lets a library kernel start before the one before it has finished); a kernel
+    marked reads_before_wait (the GEMV's first weights, which no kernel writes) may load first,
+    but not write."""
     wait = ptx.find("griddepcontrol.wait")
-    first = GLOBAL_ACCESS.search(ptx)
+    first = (GLOBAL_WRITE if reads_before_wait else GLOBAL_ACCESS).search(ptx)
     return wait >= 0 and (first is None or wait < first.start())
 
 for info in pkgutil.walk_packages(tinyvllm_lib.__path__, "tinyvllm_lib."):
@@ -52,7 +55,7 @@ for info in pkgutil.walk_packages(tinyvllm_lib.__path__, "tinyvllm_lib."):
             try:
                 ptx, _ = cuda.compile_ptx(obj.py_func, sig, cc=(9, 0))
                 results["compiled"].append(f"{info.name}.{name}{sig[4:]}")
-                if not waits_first(ptx):
+                if not waits_first(ptx, getattr(obj, "reads_before_wait", False)):
                     results["no_wait_first"].append(f"{info.name}.{name}")
             except Exception as err:  # report every failure, not just the first
                 results["failed"].append(f"{info.name}.{name} {sig}: {type(err).__name__}: {err}")

@@ -9,12 +9,8 @@ if config.ENABLE_CUDASIM:
     def wait_for_previous_kernel():
         """The simulator runs kernels one after another: nothing to wait for."""
 
-    def prefetch_l2(array, row, col):
-        """The simulator has no cache to warm."""
-
 else:
     from llvmlite import ir
-    from numba.cuda import cgutils
     from numba.cuda import dispatcher as _dispatcher
     from numba.cuda.extending import intrinsic
 
@@ -44,32 +40,3 @@ else:
             return context.get_dummy_value()
 
         return types.void(), codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, array, row, col):
-        """`prefetch.global.L2` of the line holding array[row, col] (a 2-D array): a
-        hint that returns at once, loads nothing into registers and cannot fault.
-        """
-        if not (isinstance(array, types.Array) and array.ndim == 2):
-            return None
-
-        def codegen(context, builder, signature, args):
-            array_type, row_type, col_type = signature.args
-            indices = [
-                context.cast(builder, args[1], row_type, types.intp),
-                context.cast(builder, args[2], col_type, types.intp),
-            ]
-            view = context.make_array(array_type)(context, builder, value=args[0])
-            pointer = cgutils.get_item_pointer(
-                context, builder, array_type, view, indices, wraparound=False
-            )
-            prefetch = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), [ir.IntType(64)]),
-                "prefetch.global.L2 [$0];",
-                "l",
-                side_effect=True,
-            )
-            builder.call(prefetch, [builder.ptrtoint(pointer, ir.IntType(64))])
-            return context.get_dummy_value()
-
-        return types.void(array, row, col), codegen

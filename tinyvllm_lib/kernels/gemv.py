@@ -58,7 +58,7 @@ else:
 
 
 # defined in chapters/06_gemm.py
-from tinyvllm_lib.kernels.dependent_launch import prefetch_l2, wait_for_previous_kernel
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 GEMV_THREADS = 256  # 8 warps per block
 GEMV_WARPS = GEMV_THREADS // 32
@@ -133,21 +133,24 @@ def make_gemv_kernel(
                 uint64(1),
                 N,
             )
-        # No earlier kernel writes w: ask L2 for the block's rows of it (a line = 16
-        # words) before waiting for the kernel before this one, which may still run
-        # (chapter 1's programmatic graph edges; chapter 11 measures them)
-        if t % uint64(16) == uint64(0):
-            for r in range(rows):
-                n = n0 + uint64(r) * row_step
-                if n < N:
-                    for j in range(t, num_words, uint64(threads_per_row)):
-                        prefetch_l2(w64, n, j)
-        wait_for_previous_kernel()
         lane, warp = tid % 32, tid // 32
         # acc[r * num_tokens + m] = partial y[m0 + m, n0 + r]
         acc = cuda.local.array(acc_size, float32)
         words = cuda.local.array(words_size, uint64)
         wf = cuda.local.array(wf_size, float32)  # the words of w, widened
+        # No earlier kernel writes w: load the first step's words before waiting for
+        # the kernel before this one, which may still be running (chapter 1's
+        # programmatic graph edges; chapter 11 measures them)
+        j = t
+        for u in range(unroll):
+            jj = j + uint64(u * threads_per_row)
+            for r in range(rows):
+                n = n0 + uint64(r) * row_step
+                words[u * rows + r] = (
+                    w64[n, jj] if jj < num_words and n < N else uint64(0)
+                )
+        loaded = True  # words holds the step at j = t
+        wait_for_previous_kernel()
         m0 = uint64(0)
         # one pass per num_tokens token vectors; after the first, w comes from the cache
         while m0 < M:
@@ -156,13 +159,15 @@ def make_gemv_kernel(
             j = t
             while j < num_words:
                 # issue every load first: unroll * rows words in flight
-                for u in range(unroll):
-                    jj = j + uint64(u * threads_per_row)
-                    for r in range(rows):
-                        n = n0 + uint64(r) * row_step
-                        words[u * rows + r] = (
-                            w64[n, jj] if jj < num_words and n < N else uint64(0)
-                        )
+                if not loaded:
+                    for u in range(unroll):
+                        jj = j + uint64(u * threads_per_row)
+                        for r in range(rows):
+                            n = n0 + uint64(r) * row_step
+                            words[u * rows + r] = (
+                                w64[n, jj] if jj < num_words and n < N else uint64(0)
+                            )
+                loaded = False
                 for u in range(unroll):
                     jj = j + uint64(u * threads_per_row)
                     if jj < num_words:  # the tail: the last step may be partial
@@ -214,6 +219,7 @@ def make_gemv_kernel(
             m0 += uint64(num_tokens)
 
     kernel.rows_per_block = rows_per_block
+    kernel.reads_before_wait = True  # w's first step (tests/test_ptx.py)
     return kernel
 
 
