@@ -399,7 +399,7 @@ def sweep_bs1_attention(rec, rng, contexts, max_context_len: int = 2048, grid=BS
         out, ws = cuda.device_array((1, H * D), np.float32), da.decode_workspace(1, max_context_len, H, D)
         best = None
         for knobs in (dict(zip(grid, v)) for v in itertools.product(*grid.values())):
-            cfg = da.DecodeAttentionConfig(**knobs)
+            cfg = da.DecodeAttentionConfig(**knobs, few_rows=0)  # these knobs, not the few-rows ones
 
             def call(i, stream):
                 k, v = sets[i % len(sets)][:2]
@@ -412,7 +412,7 @@ def sweep_bs1_attention(rec, rng, contexts, max_context_len: int = 2048, grid=BS
                 print(f"  attention {context} tokens {knobs}: wrong (rel error {err:.1e}), not timed")
                 continue
             seconds = time_launches(call, len(sets), repeats=repeats)
-            is_default = all(getattr(da.DEFAULT_DECODE_CONFIG, k) == v for k, v in knobs.items())
+            is_default = all(getattr(da.DEFAULT_DECODE_CONFIG.for_rows(1), k) == v for k, v in knobs.items())
             rec.add("bs1_attention", [1, context, max_context_len], "us", seconds * 1e6, **knobs,
                     is_default=is_default)
             if best is None or seconds < best[0]:

@@ -93,6 +93,29 @@ def test_decode_attention_lanes_per_key(rng, head_dim, keys_per_lane):
     assert rel_error(got, want) < 1e-5
 
 
+def test_few_rows_knobs_apply_up_to_few_rows():
+    cfg = DecodeAttentionConfig()
+    one = cfg.for_rows(1)
+    assert (one.num_warps, one.split_keys, one.target_blocks) == (cfg.few_rows_warps, cfg.few_rows_split_keys, 1)
+    assert cfg.for_rows(2) is cfg and DecodeAttentionConfig(few_rows=0).for_rows(1).num_warps == cfg.num_warps
+    # one row: no split while the context fits few_rows_split_keys, then about that many keys a split
+    assert decode_splits(cfg.few_rows_split_keys, 1, 8, one) == 1
+    assert decode_splits(1024, 1, 8, one) == -(-1024 // cfg.few_rows_split_keys)
+    with pytest.raises(ValueError, match="few_rows"):
+        DecodeAttentionConfig(few_rows=-1)
+
+
+@pytest.mark.parametrize("length", [10, 45])
+def test_decode_attention_one_row_whole_or_split(rng, length):
+    """One row takes the few-rows knobs: the whole context in one block (10 keys), or splits past 16 (45)."""
+    qkv, k, v, bt, lens = case(rng, 1, 45, 4, 2, 16, 4)
+    lens[:] = length
+    config = DecodeAttentionConfig(few_rows_split_keys=16, keys_per_lane=1)
+    assert decode_splits(45, 1, 2, config.for_rows(1)) == 3
+    got = run_split(qkv, k, v, bt, 4, lens, 4, 2, 16, 8, config=config, max_context_len=45, twice=True)
+    assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)) < 1e-5
+
+
 def test_decode_attention_block_size_power_of_two(rng):
     qkv, k, v, bt, lens = case(rng, 1, 12, 2, 1, 16, 3)
     with pytest.raises(ValueError, match="power of two"):
