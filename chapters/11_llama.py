@@ -1977,6 +1977,100 @@ last block's combine.
 """)
 
 # %% [markdown]
+# ### Letting each kernel start before the last one ends
+#
+# With the step one graph, what remains between two kernels is the graph's own edge:
+# the next kernel is launched once the last has finished, so every one of the step's
+# ~150 kernels begins with its blocks being scheduled and its first loads in flight
+# while the SMs wait. Chapter 1's `CudaGraph` now makes each edge between two of the
+# library's kernels *programmatic* (Hopper's dependent launch): the next kernel is
+# launched as soon as every block of the last one has started, and waits in its first
+# line, `wait_for_previous_kernel`, for the last one to finish. Two kernels use the wait
+# to do some of their work early:
+#
+# - **the GEMV** loads its first step of weights before it waits (chapter 6): no kernel
+#   writes weights, so those loads overlap the kernel before, often a short norm or
+#   attention. (Asking L2 to prefetch every line of the block's rows instead, which we
+#   tried first, made every GEMV slower, even with plain edges.)
+# - **decode attention** over one row no longer splits its context to fill the GPU: with
+#   one row there are 8 blocks whatever it does, and each split adds a fence, an atomic
+#   and a combine to the chain. `DecodeAttentionConfig.for_rows` gives launches of up to
+#   `few_rows` rows (one) 8 warps a block and a split only every 384 keys; the sweep
+#   below chose them (`bench/ch11_attention_one_row.py`).
+#
+# `bench/ch11_llama.py` runs batch 1 twice on one engine: once as captured, once with
+# the decode graph captured again with every edge plain.
+
+# %% tags=["hide-input"]
+pdl = by_name.get("bs1_graph_replay")
+plain = by_name.get("bs1_graph_replay_plain_edges")
+one_row = [
+    r for r in load_records("ch11_attention_one_row") if r["name"] == "bs1_attention"
+]
+if not (pdl and plain and one_row):
+    print("Not recorded yet: bench/ch11_llama.py / ch11_attention_one_row.py on a GPU.")
+else:
+    fig, (ax0, ax1) = new_figure(1, 2, height=3.0)
+    steps = [
+        ("plain edges", plain["value"], by_name["bs1_decode_plain_edges"]["value"]),
+        ("programmatic", pdl["value"], by_name["bs1_decode"]["value"]),
+    ]
+    ax0.barh([label for label, _, _ in steps], [ms * 1e3 for _, ms, _ in steps])
+    for i, (_, ms, tok_s) in enumerate(steps):
+        ax0.text(ms * 1e3, i, f" {ms * 1e3:.0f} µs ({tok_s:,.0f} tok/s)", va="center",
+                 fontsize=8)
+    ax0.set_xlabel("batch-1 decode graph, µs a step (256 tokens)")
+    ax0.set_xlim(0, 1.45e3 * max(ms for _, ms, _ in steps))
+    contexts = sorted({r["shape"][1] for r in one_row})
+    for warps in sorted({r["num_warps"] for r in one_row}):
+        best = [
+            min(r["value"] for r in one_row
+                if r["num_warps"] == warps and r["shape"][1] == n)
+            for n in contexts
+        ]
+        ax1.plot(contexts, best, marker=".", lw=1, label=f"{warps} warps, best grid")
+    chosen = sorted((r["shape"][1], r["value"]) for r in one_row if r["is_default"])
+    ax1.plot(*zip(*chosen), "k*", ms=9, label="for_rows(1)")
+    ax1.set_xlabel("context, tokens")
+    ax1.set_ylabel("µs a layer")
+    ax1.set_title("decode attention, one row", fontsize=9)
+    ax1.legend(fontsize=7)
+    plt.show()
+
+# %% tags=["remove-input"]
+if pdl and plain and one_row:
+    prose.glue("ch11_pdl_edges", f"{pdl.get('programmatic_edges', 0)}")
+    prose.glue("ch11_pdl_nodes", f"{pdl.get('graph_nodes', 0)}")
+    prose.glue("ch11_replay_plain", f"{plain['value'] * 1e3:.0f} µs")
+    prose.glue("ch11_replay_pdl", f"{pdl['value'] * 1e3:.0f} µs")
+    edges = max(1, pdl.get("programmatic_edges", 0))
+    per_kernel = (plain["value"] - pdl["value"]) * 1e3 / edges
+    prose.glue("ch11_pdl_per_edge", f"{per_kernel:.2f} µs")
+    bs1_plain = by_name["bs1_decode_plain_edges"]["value"]
+    prose.glue("ch11_bs1_plain", f"{bs1_plain:,.0f}")
+    prose.glue("ch11_bs1_pdl", f"{by_name['bs1_decode']['value']:,.0f}")
+    at = {
+        (r["shape"][1], r["num_warps"], r["split_keys"], r["target_blocks"]): r["value"]
+        for r in one_row
+    }
+    two_warps = min(v for (n, w, _, _), v in at.items() if n == 256 and w == 2)
+    chosen_256 = next(
+        r["value"] for r in one_row if r["is_default"] and r["shape"][1] == 256
+    )
+    prose.glue("ch11_attn1_two_warps", f"{two_warps:.1f} µs")
+    prose.glue("ch11_attn1_chosen", f"{chosen_256:.1f} µs")
+    prose.show("""
+The batch-1 graph has {{ch11_pdl_nodes}} kernels and {{ch11_pdl_edges}} programmatic
+edges. Replayed back to back at 256 tokens, a step takes {{ch11_replay_pdl}} against
+{{ch11_replay_plain}} with every edge plain, about {{ch11_pdl_per_edge}} an edge, and
+the benchmark's decode goes from {{ch11_bs1_plain}} to {{ch11_bs1_pdl}} tok/s. At 256
+tokens, one row's attention takes {{ch11_attn1_chosen}} a layer with the few-rows
+knobs, against {{ch11_attn1_two_warps}} at best with the 2 warps a block that batches
+use.
+""")
+
+
+# %% [markdown]
 # Decode attention at 64 rows is still short of our target of 75% of copy bandwidth, and
 # chapter 8's knobs have not been swept again since the combine moved into the kernel:
 # its defaults were chosen for the two-kernel version.
@@ -2006,6 +2100,9 @@ last block's combine.
 #   greedy sampler split over blocks came from measurements, not from design.
 # - Measure each fusion against the kernels it replaces: the combine inside attention
 #   and RoPE with the KV write were kept, the gated GEMV lost and was not adopted.
+# - Programmatic graph edges let each kernel launch while the one before it finishes,
+#   and wait for it in its first line; the GEMV loads its first weights before that
+#   wait. Batch 1's attention takes a whole short context in one block of 8 warps.
 # - On a full batch the GPU sets the pace; the graphs took the throughput far past the
 #   eager engine's, and the overlap had little left to hide.
 #
