@@ -332,7 +332,6 @@ def make_decode_attention_kernel(
         workspace,
         out,
     ):
-        wait_for_previous_kernel()
         # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit
         # multiplies in the address arithmetic
         # KV heads side by side
@@ -389,6 +388,24 @@ def make_decode_attention_kernel(
         vw = cuda.local.array(CW, uint64)
         # the scores of this step's C keys, for each query head
         x = cuda.local.array(CG, float32)
+        # Before waiting for the kernel before this one (chapter 1's programmatic
+        # graph edges): the loads of what no kernel of the step writes — the context
+        # length, the block table, the first step's keys and values but the newest
+        # token's, which the KV write just before this kernel stores
+        newest = n - uint32(1)
+        if begin < end:
+            first = uint32(begin + warp * uint32(KPW * C) + key_in_warp)
+            for c in range(C):
+                key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
+                if key < newest:
+                    word = cache_word(
+                        bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR,
+                        sub,
+                    )
+                    for i in range(WPL):
+                        kw[c * WPL + i] = k_cache[word + uint32(L * i)]
+                        vw[c * WPL + i] = v_cache[word + uint32(L * i)]
+        wait_for_previous_kernel()
         for g in range(G):
             m[g] = -math.inf
             ell[g] = float32(0.0)
@@ -411,12 +428,14 @@ def make_decode_attention_kernel(
             # row (masked below)
             for c in range(C):
                 key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
-                word = cache_word(
-                    bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR, sub
-                )
-                for i in range(WPL):
-                    kw[c * WPL + i] = k_cache[word + uint32(L * i)]
-                    vw[c * WPL + i] = v_cache[word + uint32(L * i)]
+                if base != begin or key >= newest:  # not loaded before the wait
+                    word = cache_word(
+                        bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR,
+                        sub,
+                    )
+                    for i in range(WPL):
+                        kw[c * WPL + i] = k_cache[word + uint32(L * i)]
+                        vw[c * WPL + i] = v_cache[word + uint32(L * i)]
             # scores: each lane's part of the dot products, then the L lanes of a key
             # add them
             for c in range(C):
@@ -580,6 +599,7 @@ def make_decode_attention_kernel(
                 store_activation(out, s, kvh * uint32(GD) + t, num[j])
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
+    kernel.reads_before_wait = True  # the first step's cache (tests/test_ptx.py)
     kernel.keys_per_step = W * KPW * C  # keys a block covers per step of its loop
     return kernel
 
