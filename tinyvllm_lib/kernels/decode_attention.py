@@ -54,6 +54,11 @@ class DecodeAttentionConfig:
     few_rows: int = 1
     few_rows_warps: int = FEW_ROWS_WARPS
     few_rows_split_keys: int = 384
+    # load the context length, the block table and the first step's keys and values
+    # (all but the newest token's) before waiting for the kernel before (chapter 1's
+    # programmatic edges); on for few rows only: with a full grid the blocks that
+    # started early took the SMs from the kernel before (chapter 11 measured both)
+    early_loads: bool = False
 
     def __post_init__(self):
         if not isinstance(self.few_rows, int) or self.few_rows < 0:
@@ -103,6 +108,7 @@ class DecodeAttentionConfig:
             split_keys=self.few_rows_split_keys,
             target_blocks=1,
             few_rows=0,
+            early_loads=True,
         )
 
 
@@ -286,9 +292,11 @@ def make_decode_attention_kernel(
     keys_per_lane: int,
     lane_elements: int,
     max_registers: int | None,
+    early_loads: bool = False,
 ):
     """A block per (KV head, sequence, split of the context), all `group` query heads of
-    it; L lanes per key.
+    it; L lanes per key. early_loads: load the first step's keys and values before
+    waiting for the kernel before (DecodeAttentionConfig).
     """
     D, G, W, L, C = (
         head_dim,
@@ -332,6 +340,8 @@ def make_decode_attention_kernel(
         workspace,
         out,
     ):
+        if not early_loads:
+            wait_for_previous_kernel()
         # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit
         # multiplies in the address arithmetic
         # KV heads side by side
@@ -388,12 +398,12 @@ def make_decode_attention_kernel(
         vw = cuda.local.array(CW, uint64)
         # the scores of this step's C keys, for each query head
         x = cuda.local.array(CG, float32)
-        # Before waiting for the kernel before this one (chapter 1's programmatic
-        # graph edges): the loads of what no kernel of the step writes — the context
-        # length, the block table, the first step's keys and values but the newest
-        # token's, which the KV write just before this kernel stores
+        # With early_loads, before waiting for the kernel before this one (chapter 1's
+        # programmatic graph edges): the loads of what no kernel of the step writes —
+        # the context length and block table above, the first step's keys and values
+        # but the newest token's, which the KV write just before this kernel stores
         newest = n - uint32(1)
-        if begin < end:
+        if early_loads and begin < end:
             first = uint32(begin + warp * uint32(KPW * C) + key_in_warp)
             for c in range(C):
                 key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
@@ -405,7 +415,8 @@ def make_decode_attention_kernel(
                     for i in range(WPL):
                         kw[c * WPL + i] = k_cache[word + uint32(L * i)]
                         vw[c * WPL + i] = v_cache[word + uint32(L * i)]
-        wait_for_previous_kernel()
+        if early_loads:
+            wait_for_previous_kernel()
         for g in range(G):
             m[g] = -math.inf
             ell[g] = float32(0.0)
@@ -428,7 +439,8 @@ def make_decode_attention_kernel(
             # row (masked below)
             for c in range(C):
                 key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
-                if base != begin or key >= newest:  # not loaded before the wait
+                # not loaded before the wait
+                if not early_loads or base != begin or key >= newest:
                     word = cache_word(
                         bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR,
                         sub,
@@ -599,7 +611,8 @@ def make_decode_attention_kernel(
                 store_activation(out, s, kvh * uint32(GD) + t, num[j])
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
-    kernel.reads_before_wait = True  # the first step's cache (tests/test_ptx.py)
+    # the first step's cache (tests/test_ptx.py)
+    kernel.reads_before_wait = early_loads
     kernel.keys_per_step = W * KPW * C  # keys a block covers per step of its loop
     return kernel
 
@@ -612,17 +625,21 @@ def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
         cfg.keys_per_lane,
         cfg.lane_elements,
         cfg.max_registers,
+        cfg.early_loads,
     )
 
 
-# (head_dim, group, warps, keys per lane, lane elements, register cap) -> kernel
+# (head_dim, group, warps, keys per lane, lane elements, register cap, early loads) ->
+# kernel
 _DECODE_KERNELS = {}
-# Llama 3.2 1B, SmolLM2
-for _name, _group in (
-    ("decode_attention_d64_g4_kernel", 4),
-    ("decode_attention_d64_g3_kernel", 3),
-):
-    _key = _kernel_key(64, _group, DEFAULT_DECODE_CONFIG)
+# Llama 3.2 1B, SmolLM2; batches and batch 1
+_ATTENTION_KERNELS = {
+    "decode_attention_d64_g4_kernel": (4, DEFAULT_DECODE_CONFIG),
+    "decode_attention_d64_g3_kernel": (3, DEFAULT_DECODE_CONFIG),
+    "decode_attention_d64_g4_one_row_kernel": (4, DEFAULT_DECODE_CONFIG.for_rows(1)),
+}
+for _name, (_group, _cfg) in _ATTENTION_KERNELS.items():
+    _key = _kernel_key(64, _group, _cfg)
     _DECODE_KERNELS[_key] = globals()[_name] = make_decode_attention_kernel(*_key)
 
 _DECODE_ARGS = (
@@ -638,7 +655,7 @@ PTX_SIGNATURES = {
     ],
     **{
         name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
-        for name in ("decode_attention_d64_g4_kernel", "decode_attention_d64_g3_kernel")
+        for name in _ATTENTION_KERNELS
     },
 }
 
