@@ -1105,12 +1105,15 @@ GEMV) for exactly this reason — exercise 5 asks you to try it here.
 #
 # - To time a kernel: count its compulsory bytes, capture many launches in a CUDA graph,
 #   rotate buffers past the L2 cache, and compare with a measured copy ceiling.
+# - Every kernel starts with `wait_for_previous_kernel()`, so that a graph may launch it
+#   before the kernel it depends on has finished (Hopper's programmatic edges).
 #
 # Exported to `tinyvllm_lib`: `kernels.bf16` (`f32_to_bf16_bits`, `bf16_bits_to_f32`,
 # the device helpers `bf16_to_f32` and `f32_to_bf16`, `widen_bf16`, `narrow_f32`,
-# `copy_u64_kernel`), `runtime` (`is_simulator`, `has_gpu`, `can_launch`), `cuda_graph`
-# (`CudaGraph`), `measure` (`time_launches`, `Recorder`, `load_records`) and `plots`
-# (the book's plotting helpers).
+# `copy_u64_kernel`), `kernels.dependent_launch` (`wait_for_previous_kernel`),
+# `runtime` (`is_simulator`, `has_gpu`, `can_launch`), `cuda_graph` (`CudaGraph`, with
+# programmatic edges between the library's kernels), `measure` (`time_launches`,
+# `Recorder`, `load_records`) and `plots` (the book's plotting helpers).
 #
 # ## Exercises
 #

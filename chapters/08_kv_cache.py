@@ -1002,8 +1002,9 @@ COMBINE_LOADS = 4
 @dataclass(frozen=True)
 class DecodeAttentionConfig:
     """The decode attention kernel's knobs. The defaults were chosen from
-    bench/ch08_decode_tune.py's sweep on an H200 (plotted below); the first four are
-    compiled into the kernel, the rest shape its grid.
+    bench/ch08_decode_tune.py's sweep on an H200 (plotted below); the first four (and
+    early_loads) are compiled into the kernel, the rest shape its grid. for_rows swaps
+    in the few-rows knobs, which chapter 11 chose for batch 1.
     """
 
     # bf16 values of a key row per lane (two 8-byte words): head_dim 64 is 8 lanes a key

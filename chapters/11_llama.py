@@ -1996,7 +1996,12 @@ last block's combine.
 #   one row there are 8 blocks whatever it does, and each split adds a fence, an atomic
 #   and a combine to the chain. `DecodeAttentionConfig.for_rows` gives launches of up to
 #   `few_rows` rows (one) 8 warps a block and a split only every 384 keys; the sweep
-#   below chose them (`bench/ch11_attention_one_row.py`).
+#   below chose them (`bench/ch11_attention_one_row.py`, which times each grid setting
+#   alone). Its blocks also load the context length, the block table and their first
+#   keys and values — all but the newest token's, which the KV write just before it
+#   stores — before they wait. Only for few rows: with a full grid of blocks the same
+#   early loads made attention at 64 rows far slower, since the blocks that started
+#   early held the SMs the kernel before still needed.
 #
 # `bench/ch11_llama.py` runs batch 1 twice on one engine: once as captured, once with
 # the decode graph captured again with every edge plain.
@@ -2030,7 +2035,7 @@ else:
         ]
         ax1.plot(contexts, best, marker=".", lw=1, label=f"{warps} warps, best grid")
     chosen = sorted((r["shape"][1], r["value"]) for r in one_row if r["is_default"])
-    ax1.plot(*zip(*chosen), "k*", ms=9, label="for_rows(1)")
+    ax1.plot(*zip(*chosen), "k*", ms=9, label="for_rows(1)'s grid")
     ax1.set_xlabel("context, tokens")
     ax1.set_ylabel("µs a layer")
     ax1.set_title("decode attention, one row", fontsize=9)
