@@ -690,14 +690,16 @@ for bad_src, bad_out in [
 #
 # A graph also lets the GPU overlap what a stream cannot. Between two kernels of a
 # stream, the second is launched only once the first has finished: its blocks are
-# scheduled, its arguments fetched, its first loads issued, while the SMs idle — a
-# microsecond or two a kernel. Since Hopper (sm_90), an edge of a graph can be
-# *programmatic*: the second kernel launches as soon as every block of the first has
-# started, and each of its blocks runs until `griddepcontrol.wait`
-# (`wait_for_previous_kernel`, the first line of every kernel here), which returns once
-# the first kernel has finished and its writes are visible. Whatever comes before the
-# wait — nothing, or loads of data no kernel writes, as chapter 6's GEMV loads its
-# first weights — overlaps the kernel before. `CudaGraph` makes every edge between two
+# scheduled, its arguments fetched, its first loads issued, while the SMs idle. Since
+# Hopper (sm_90), an edge of a graph can be *programmatic*: the second kernel launches
+# as soon as every block of the first has started, and each of its blocks runs until
+# `griddepcontrol.wait` (`wait_for_previous_kernel`, the first line of every kernel
+# here), which returns once the first kernel has finished and its writes are visible.
+# Kernels further back may still be running too, since each waited only for its own
+# predecessor. Whatever comes before the wait — nothing, or loads of data no kernel of
+# the graph writes, as chapter 6's GEMV loads its first weights — overlaps the kernels
+# before. So do the launches `time_launches` times back to back: each start overlaps
+# the previous end, as in a model's step. `CudaGraph` makes every edge between two
 # of the library's kernels programmatic; it knows them by name, since every one of them
 # waits first (tests/test_ptx.py checks the compiled code of each). Chapter 11 measures
 # it.

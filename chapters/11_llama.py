@@ -1980,9 +1980,9 @@ last block's combine.
 # ### Letting each kernel start before the last one ends
 #
 # With the step one graph, what remains between two kernels is the graph's own edge:
-# the next kernel is launched once the last has finished, so every one of the step's
-# ~150 kernels begins with its blocks being scheduled and its first loads in flight
-# while the SMs wait. Chapter 1's `CudaGraph` now makes each edge between two of the
+# the next kernel is launched once the last has finished, so every kernel of the step
+# begins with its blocks being scheduled and its first loads in flight while the SMs
+# wait. Chapter 1's `CudaGraph` now makes each edge between two of the
 # library's kernels *programmatic* (Hopper's dependent launch): the next kernel is
 # launched as soon as every block of the last one has started, and waits in its first
 # line, `wait_for_previous_kernel`, for the last one to finish. Two kernels use the wait
@@ -1990,18 +1990,23 @@ last block's combine.
 #
 # - **the GEMV** loads its first step of weights before it waits (chapter 6): no kernel
 #   writes weights, so those loads overlap the kernel before, often a short norm or
-#   attention. (Asking L2 to prefetch every line of the block's rows instead, which we
-#   tried first, made every GEMV slower, even with plain edges.)
-# - **decode attention** over one row no longer splits its context to fill the GPU: with
-#   one row there are 8 blocks whatever it does, and each split adds a fence, an atomic
-#   and a combine to the chain. `DecodeAttentionConfig.for_rows` gives launches of up to
-#   `few_rows` rows (one) 8 warps a block and a split only every 384 keys; the sweep
-#   below chose them (`bench/ch11_attention_one_row.py`, which times each grid setting
-#   alone). Its blocks also load the context length, the block table and their first
-#   keys and values — all but the newest token's, which the KV write just before it
-#   stores — before they wait. Only for few rows: with a full grid of blocks the same
-#   early loads made attention at 64 rows far slower, since the blocks that started
-#   early held the SMs the kernel before still needed.
+#   attention, and may start while kernels further back still run. (Asking L2 to
+#   prefetch every line of the block's rows instead, which we tried first, made every
+#   GEMV slower on the H200, even with plain edges; that run is not kept.)
+# - **decode attention** over one row no longer splits its context to fill the GPU:
+#   one row has only 8 (row, KV head) blocks to split, and each split adds a fence, an
+#   atomic and a combine to the chain. `DecodeAttentionConfig.for_rows` gives launches
+#   of up to `few_rows` rows (one) 8 warps a block and a split only every 384 keys: one
+#   setting for every context, not the best at any one of them, as the sweep below
+#   shows (`bench/ch11_attention_one_row.py` times each grid setting alone, without the
+#   early loads that follow). The blocks also load the context length, the block table
+#   and their first keys and values — all but the newest token's, which the KV write
+#   just before them stores — before they wait. Those come from the step's input copy
+#   and earlier steps, never from a kernel of this graph; the rule would break if the
+#   GPU ever advanced them itself, as it does the ids. Only for few rows: with a full
+#   grid the same early loads made attention at 64 rows far slower on the H200 (that
+#   run is not kept), since the blocks that started early held SMs the kernel before
+#   still needed.
 #
 # `bench/ch11_llama.py` runs batch 1 twice on one engine: once as captured, once with
 # the decode graph captured again with every edge plain.
@@ -2046,8 +2051,8 @@ else:
 if pdl and plain and one_row:
     prose.glue("ch11_pdl_edges", f"{pdl.get('programmatic_edges', 0)}")
     prose.glue("ch11_pdl_nodes", f"{pdl.get('graph_nodes', 0)}")
-    prose.glue("ch11_replay_plain", f"{plain['value'] * 1e3:.0f} µs")
-    prose.glue("ch11_replay_pdl", f"{pdl['value'] * 1e3:.0f} µs")
+    prose.glue("ch11_replay_plain", f"{plain['value'] * 1e3:,.0f} µs")
+    prose.glue("ch11_replay_pdl", f"{pdl['value'] * 1e3:,.0f} µs")
     edges = max(1, pdl.get("programmatic_edges", 0))
     per_kernel = (plain["value"] - pdl["value"]) * 1e3 / edges
     prose.glue("ch11_pdl_per_edge", f"{per_kernel:.2f} µs")
@@ -2064,14 +2069,28 @@ if pdl and plain and one_row:
     )
     prose.glue("ch11_attn1_two_warps", f"{two_warps:.1f} µs")
     prose.glue("ch11_attn1_chosen", f"{chosen_256:.1f} µs")
+    # the chosen grid against the best setting at each context
+    slower = {
+        n: next(r["value"] for r in one_row if r["is_default"] and r["shape"][1] == n)
+        / min(v for (c, _, _, _), v in at.items() if c == n)
+        - 1
+        for n in sorted({r["shape"][1] for r in one_row})
+    }
+    short = [v for n, v in slower.items() if n <= 384]
+    prose.glue("ch11_attn1_short_gap", f"{min(short):.0%} to {max(short):.0%}")
+    prose.glue("ch11_attn1_long_gap", f"{slower[max(slower)]:.0%}")
+    prose.glue("ch11_attn1_long", f"{max(slower):,}")
     prose.show("""
 The batch-1 graph has {{ch11_pdl_nodes}} kernels and {{ch11_pdl_edges}} programmatic
 edges. Replayed back to back at 256 tokens, a step takes {{ch11_replay_pdl}} against
 {{ch11_replay_plain}} with every edge plain, about {{ch11_pdl_per_edge}} an edge, and
 the benchmark's decode goes from {{ch11_bs1_plain}} to {{ch11_bs1_pdl}} tok/s. At 256
-tokens, one row's attention takes {{ch11_attn1_chosen}} a layer with the few-rows
-knobs, against {{ch11_attn1_two_warps}} at best with the 2 warps a block that batches
-use.
+tokens, one row's attention takes {{ch11_attn1_chosen}} a layer with the few-rows grid
+(timed alone, without the early loads), against {{ch11_attn1_two_warps}} at best with
+the 2 warps a block that batches use. That grid is {{ch11_attn1_short_gap}} slower
+than the best setting at each of the benchmark's contexts (128 to 384 tokens), and
+{{ch11_attn1_long_gap}} at {{ch11_attn1_long}}: one setting for all of them leaves that
+much on the table.
 """)
 
 
@@ -2109,7 +2128,7 @@ use.
 #   and wait for it in its first line; the GEMV loads its first weights before that
 #   wait. Batch 1's attention takes a whole short context in one block of 8 warps.
 # - On a full batch the GPU sets the pace; the graphs took the throughput far past the
-#   eager engine's, and the overlap had little left to hide.
+#   eager engine's, and the overlap keeps the GPU fed between steps.
 #
 # ## Exercises
 #

@@ -25,8 +25,8 @@ cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capab
 import tinyvllm_lib
 
 results = {"compiled": [], "missing_signature": [], "failed": [], "no_wait_first": []}
-GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red)\.global", re.M)
-GLOBAL_WRITE = re.compile(r"^\s*(?:@%p\d+\s+)?(?:st|atom|red)\.global", re.M)
+GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red)\.global", re.M)
+GLOBAL_WRITE = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:st|atom|red)\.global", re.M)
 
 
 def waits_first(ptx: str, reads_before_wait: bool) -> bool:

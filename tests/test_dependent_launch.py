@@ -18,8 +18,8 @@ def _hopper() -> bool:
 @pytest.mark.gpu
 def test_gpu_a_chain_of_copies_reads_each_copy_finished(rng):
     """Eight copies, each reading what the one before wrote, over 64 MB buffers: one wave of blocks each, so
-    every copy is launched while the one before it still runs. Without the wait, a copy would read words
-    its predecessor had not written yet."""
+    every copy is launched while the one before it still runs. (Each reads in the order its predecessor
+    writes, a little behind it, so a missing wait might go unseen here: the next test makes the writer slow.)"""
     words, links = 8 * 2**20, 8
     bufs = [cuda.device_array(words, np.uint64) for _ in range(links + 1)]
     stream = cuda.stream()
@@ -38,6 +38,33 @@ def test_gpu_a_chain_of_copies_reads_each_copy_finished(rng):
         graph.replay()
         stream.synchronize()
         np.testing.assert_array_equal(bufs[-1].copy_to_host(), src)
+
+
+@pytest.mark.gpu
+def test_gpu_a_fast_copy_waits_for_a_slow_one(rng):
+    """One block copies 32 MB (milliseconds), then a full grid copies its output on: the second copy is
+    launched while the first has hardly begun, and would finish long before it if it did not wait. Both
+    buffers are poisoned before each replay, so words read too early cannot match."""
+    words = 4 * 2**20
+    a, b, c = (cuda.device_array(words, np.uint64) for _ in range(3))
+    stream = cuda.stream()
+    blocks = cuda.get_current_device().MULTIPROCESSOR_COUNT * 4
+
+    def launch(s):
+        copy_u64_kernel[1, 256, s](a, b)  # slow: one block
+        copy_u64_kernel[blocks, 256, s](b, c)  # fast
+
+    graph = CudaGraph(launch, stream)
+    assert graph.programmatic_edges == (1 if _hopper() else 0)
+    poison = np.full(words, 0xDEAD, np.uint64)
+    for _ in range(2):
+        src = rng.integers(0, 2**63, words, dtype=np.uint64)
+        a.copy_to_device(src, stream=stream)
+        b.copy_to_device(poison, stream=stream)
+        c.copy_to_device(poison, stream=stream)
+        graph.replay()
+        stream.synchronize()
+        np.testing.assert_array_equal(c.copy_to_host(), src)
 
 
 @cuda.jit
