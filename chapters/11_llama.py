@@ -2027,7 +2027,7 @@ else:
     ]
     ax0.barh([label for label, _, _ in steps], [ms * 1e3 for _, ms, _ in steps])
     for i, (_, ms, tok_s) in enumerate(steps):
-        ax0.text(ms * 1e3, i, f" {ms * 1e3:.0f} µs ({tok_s:,.0f} tok/s)", va="center",
+        ax0.text(ms * 1e3, i, f" {ms * 1e3:,.0f} µs ({tok_s:,.0f} tok/s)", va="center",
                  fontsize=8)
     ax0.set_xlabel("batch-1 decode graph, µs a step (256 tokens)")
     ax0.set_xlim(0, 1.45e3 * max(ms for _, ms, _ in steps))
