@@ -2,12 +2,12 @@
 
 Moves one knob at a time away from the module's defaults: values per lane of a key row
 (lane_elements), rows a lane loads at once (keys_per_lane), a register cap, warps per block, keys
-per split and the grid size the splits aim for, at 1, 8 and 64 sequences x 1024 tokens of context (a paged cache of
+per split, the grid size the splits aim for and loading the next step's rows early (prefetch), at 1, 8 and 64 sequences x 1024 tokens of context (a paged cache of
 16-slot blocks in shuffled order). Every variant is checked against the float64 reference before
 it is timed (in a CUDA graph, rotating through K/V sets larger than L2). Records to
 book/data/ch08_decode_tune.json; the chapter plots it and the defaults are chosen from it.
 
-    python bench/ch08_decode_tune.py [--grid]
+    python bench/ch08_decode_tune.py [--grid] [--seqs 64 8 1]
 """
 
 import argparse
@@ -71,18 +71,25 @@ def settings(grid: dict, defaults: dict) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", action="store_true", help="every combination of the knobs (64 sequences only; minutes)")
+    ap.add_argument("--grid", action="store_true",
+                    help="every combination of rows in flight, register cap, warps, grid target and prefetch (64 sequences"
+                         " only; minutes)")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[64, 8, 1], help="sequences at once (without --grid)")
     args = ap.parse_args()
     copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
     copy_gbs = copy[0]["value"] if copy else None
     base = da.DEFAULT_DECODE_CONFIG
     defaults = {"lane_elements": base.lane_elements, "keys_per_lane": base.keys_per_lane, "max_registers": base.max_registers,
-                "num_warps": base.num_warps, "split_keys": base.split_keys, "target_blocks": base.target_blocks}
+                "num_warps": base.num_warps, "split_keys": base.split_keys, "target_blocks": base.target_blocks,
+                "prefetch": base.prefetch}
     grid = {"lane_elements": (8, 16), "keys_per_lane": (1, 2, 3, 4), "max_registers": (None, 128), "num_warps": (1, 2, 4, 8),
-            "split_keys": (256, 512, 1024), "target_blocks": (512, 1024, 2048)}
+            "split_keys": (256, 512, 1024), "target_blocks": (512, 1024, 2048), "prefetch": (False, True)}
+    if args.grid:  # the knobs that trade registers for bytes in flight, together
+        grid = {"lane_elements": (8,), "keys_per_lane": (1, 2, 3, 4), "max_registers": (None, 128), "num_warps": (2, 4),
+                "split_keys": (512,), "target_blocks": (512, 1024), "prefetch": (False, True)}
     gen = np.random.default_rng(0)
     rec = Recorder("ch08_decode_tune")
-    for n in ((64,) if args.grid else (64, 8, 1)):
+    for n in ((64,) if args.grid else args.seqs):
         case = make_case(gen, n)
         best = None
         todo = [dict(zip(grid, v)) for v in itertools.product(*grid.values())] if args.grid else settings(grid, defaults)

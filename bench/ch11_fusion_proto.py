@@ -406,7 +406,11 @@ def sweep_bs1_attention(rec, rng, contexts, max_context_len: int = 2048, grid=BS
                 da.decode_attention(d_qkv, k, v, d_bt, BLOCK, d_lens, H, KVH, D, out, stream=stream, workspace=ws,
                                     max_context_len=max_context_len, config=cfg)
 
-            call(0, 0)
+            try:
+                call(0, 0)
+            except Exception as e:  # e.g. too many registers for a block of 16 warps
+                print(f"  attention {context} tokens {knobs}: does not launch ({type(e).__name__}), not timed")
+                continue
             err = float(np.abs(out.copy_to_host() - want).max() / np.abs(want).max())
             if not err < 1e-5:
                 print(f"  attention {context} tokens {knobs}: wrong (rel error {err:.1e}), not timed")

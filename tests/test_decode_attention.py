@@ -97,6 +97,7 @@ def test_few_rows_knobs_apply_up_to_few_rows():
     cfg = DecodeAttentionConfig()
     one = cfg.for_rows(1)
     assert (one.num_warps, one.split_keys, one.target_blocks) == (cfg.few_rows_warps, cfg.few_rows_split_keys, 1)
+    assert one.early_loads and one.prefetch
     assert cfg.for_rows(2) is cfg and DecodeAttentionConfig(few_rows=0).for_rows(1).num_warps == cfg.num_warps
     # one row: no split while the context fits few_rows_split_keys, then about that many keys a split
     assert decode_splits(cfg.few_rows_split_keys, 1, 8, one) == 1
@@ -114,6 +115,20 @@ def test_decode_attention_one_row_whole_or_split(rng, length):
     assert decode_splits(45, 1, 2, config.for_rows(1)) == 3
     got = run_split(qkv, k, v, bt, 4, lens, 4, 2, 16, 8, config=config, max_context_len=45, twice=True)
     assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)) < 1e-5
+
+
+@pytest.mark.parametrize("early_loads", [False, True])
+def test_decode_attention_prefetch(rng, early_loads):
+    """prefetch: each step loads the next step's rows while it uses its own (with early_loads, the first step's
+    older rows before the wait), on one key, several steps and a partial last step, whole contexts and splits."""
+    qkv, k, v, bt, lens = case(rng, 3, 45, 4, 2, 16, 4)
+    lens[:] = [1, 45, 33]  # a block steps over 16 keys here
+    want = decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)
+    for split_keys in (4096, 32):
+        config = DecodeAttentionConfig(prefetch=True, early_loads=early_loads, keys_per_lane=1, split_keys=split_keys,
+                                       target_blocks=1)
+        got = run_split(qkv, k, v, bt, 4, lens, 4, 2, 16, 4, config=config, max_context_len=45)
+        assert rel_error(got, want) < 1e-5
 
 
 def test_decode_attention_block_size_power_of_two(rng):

@@ -20,8 +20,10 @@ from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 # the simulator runs each thread in Python: one warp a block there
-DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 2
+DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 4
 FEW_ROWS_WARPS = 1 if config.ENABLE_CUDASIM else 8
+# device functions inlined into the kernel (the simulator has no such option)
+INLINE = {} if config.ENABLE_CUDASIM else {"forceinline": True}
 # splits whose partials each thread loads at once when the last split combines them
 COMBINE_LOADS = 4
 
@@ -30,36 +32,40 @@ COMBINE_LOADS = 4
 class DecodeAttentionConfig:
     """The decode attention kernel's knobs. The defaults were chosen from
     bench/ch08_decode_tune.py's sweep on an H200 (plotted below); the first four (and
-    early_loads) are compiled into the kernel, the rest shape its grid. for_rows swaps
-    in the few-rows knobs, which chapter 11 chose for batch 1.
+    early_loads, prefetch) are compiled into the kernel, the rest shape its grid.
+    for_rows swaps in the few-rows knobs, which chapter 11 chose for batch 1.
     """
 
     # bf16 values of a key row per lane (two 8-byte words): head_dim 64 is 8 lanes a key
     lane_elements: int = 8
-    keys_per_lane: int = 3  # rows each lane loads before it uses any (bytes in flight)
+    keys_per_lane: int = 2  # rows each lane loads before it uses any (bytes in flight)
     # warps per block: they share the block's part of the context
     num_warps: int = DECODE_WARPS
     # a cap on registers per thread (more warps per SM), or None
     max_registers: int | None = None
     # keys per block when a context is split over several blocks (flash-decoding)
-    split_keys: int = 512
+    split_keys: int = 1024
     # never fewer keys per split than this (then rounded up to a block's step)
     min_split_keys: int = 8
     # split further while the grid has fewer blocks than this (a few per SM)
-    target_blocks: int = 1024
+    target_blocks: int = 512
     # the most splits a workspace holds: at most 32, a lane each when they are combined
     max_splits: int = 32
     # Up to few_rows rows (batch 1's steps), there is no grid to fill: a block has
-    # few_rows_warps warps, and a context is split only past few_rows_split_keys keys
-    # (chapter 11 measures them at one row)
+    # few_rows_warps warps of few_rows_keys_per_lane rows a lane, and a context is split
+    # only past few_rows_split_keys keys (chapter 11 measures them at one row)
     few_rows: int = 1
     few_rows_warps: int = FEW_ROWS_WARPS
+    few_rows_keys_per_lane: int = 3
     few_rows_split_keys: int = 384
     # load the context length, the block table and the first step's keys and values
     # (all but the newest token's) before waiting for the kernel before (chapter 1's
     # programmatic edges); on for few rows only: with a full grid the blocks that
     # started early took the SMs from the kernel before (chapter 11 measured both)
     early_loads: bool = False
+    # load the next step's keys and values while this step's are used: loads stay in
+    # flight through the arithmetic, for twice the registers of the rows
+    prefetch: bool = True
 
     def __post_init__(self):
         if not isinstance(self.few_rows, int) or self.few_rows < 0:
@@ -76,6 +82,7 @@ class DecodeAttentionConfig:
             "target_blocks",
             "max_splits",
             "few_rows_warps",
+            "few_rows_keys_per_lane",
             "few_rows_split_keys",
         ):
             value = getattr(self, name)
@@ -106,10 +113,12 @@ class DecodeAttentionConfig:
         return replace(
             self,
             num_warps=self.few_rows_warps,
+            keys_per_lane=self.few_rows_keys_per_lane,
             split_keys=self.few_rows_split_keys,
             target_blocks=1,
             few_rows=0,
             early_loads=True,
+            prefetch=True,
         )
 
 
@@ -294,10 +303,12 @@ def make_decode_attention_kernel(
     lane_elements: int,
     max_registers: int | None,
     early_loads: bool = False,
+    prefetch: bool = False,
 ):
     """A block per (KV head, sequence, split of the context), all `group` query heads of
     it; L lanes per key. early_loads: load the first step's keys and values before
-    waiting for the kernel before (DecodeAttentionConfig).
+    waiting for the kernel before; prefetch: load the next step's while this step's are
+    used (DecodeAttentionConfig).
     """
     D, G, W, L, C = (
         head_dim,
@@ -325,6 +336,37 @@ def make_decode_attention_kernel(
     WPR, STEP = D // 4, W * KPW * C
     PER_THREAD = cdiv(GD, W * WARP_SIZE)  # outputs each thread adds up at the end
     COMBINED = PER_THREAD * COMBINE_LOADS  # partials a thread holds while combining
+
+    def rows_loader(which: str):
+        """A device function that loads this lane's C rows of a step, keys first,
+        first + KPW, ... (past the end, the last key again: masked when used), into kw
+        and vw: every one ("all"), or only those before the newest key ("older") or
+        from it on ("newest"), decided when the kernel is compiled.
+        """
+        check, older = which != "all", which == "older"
+
+        @cuda.jit(device=True, **INLINE)
+        def load_rows(
+            kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads, kvh, sub,
+            first, end, newest,
+        ):
+            block_mask = (uint32(1) << block_shift) - uint32(1)
+            for c in range(C):
+                key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
+                if not check or (key < newest) == older:
+                    word = cache_word(
+                        bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR,
+                        sub,
+                    )
+                    for i in range(WPL):
+                        kw[c * WPL + i] = k_cache[word + uint32(L * i)]
+                        vw[c * WPL + i] = v_cache[word + uint32(L * i)]
+
+        return load_rows
+
+    load_all, load_older, load_newest = (
+        rows_loader(which) for which in ("all", "older", "newest")
+    )
 
     @cuda.jit(**options)
     def kernel(
@@ -376,7 +418,6 @@ def make_decode_attention_kernel(
         warp, lane = tid // uint32(WARP_SIZE), tid % uint32(WARP_SIZE)
         # which of the warp's KPW keys, which part of its row
         key_in_warp, sub = lane // uint32(L), lane % uint32(L)
-        block_mask = (uint32(1) << block_shift) - uint32(1)
         bt_row = block_tables[s]  # this sequence's blocks
         q_row = qkv[s]
         # the simulator's shuffles
@@ -399,23 +440,19 @@ def make_decode_attention_kernel(
         vw = cuda.local.array(CW, uint64)
         # the scores of this step's C keys, for each query head
         x = cuda.local.array(CG, float32)
+        # the next step's rows, loaded while this step's are used (prefetch)
+        kn = cuda.local.array(CW, uint64)
+        vn = cuda.local.array(CW, uint64)
         # With early_loads, before waiting for the kernel before this one (chapter 1's
         # programmatic graph edges): the loads of what no kernel of the step writes —
         # the context length and block table above, the first step's keys and values
         # but the newest token's, which the KV write just before this kernel stores
         newest = n - uint32(1)
+        # this lane's keys in the block's first step: first, first + KPW, ...
+        first = uint32(begin + warp * uint32(KPW * C) + key_in_warp)
         if early_loads and begin < end:
-            first = uint32(begin + warp * uint32(KPW * C) + key_in_warp)
-            for c in range(C):
-                key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
-                if key < newest:
-                    word = cache_word(
-                        bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR,
-                        sub,
-                    )
-                    for i in range(WPL):
-                        kw[c * WPL + i] = k_cache[word + uint32(L * i)]
-                        vw[c * WPL + i] = v_cache[word + uint32(L * i)]
+            load_older(kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads,
+                       kvh, sub, first, end, newest)
         if early_loads:
             wait_for_previous_kernel()
         for g in range(G):
@@ -432,23 +469,26 @@ def make_decode_attention_kernel(
                         * qscale
                     )
                     acc[g * EPL + 4 * i + e] = float32(0.0)
+        # the first step's rows (those the wait held back)
+        if prefetch and early_loads and begin < end:
+            load_newest(kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads,
+                        kvh, sub, first, end, newest)
+        elif prefetch and begin < end:
+            load_all(kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads, kvh,
+                     sub, first, end, newest)
         # the same steps in every warp: the simulator's shuffles need the block
         for base in range(begin, end, uint32(STEP)):
-            # this lane's keys: first, first + KPW, ...
             first = uint32(base + warp * uint32(KPW * C) + key_in_warp)
-            # issue all C rows' loads before using any; past the end, reload the last
-            # row (masked below)
-            for c in range(C):
-                key = min(uint32(first + uint32(c * KPW)), end - uint32(1))
-                # not loaded before the wait
-                if not early_loads or base != begin or key >= newest:
-                    word = cache_word(
-                        bt_row, key, block_shift, block_mask, num_kv_heads, kvh, WPR,
-                        sub,
-                    )
-                    for i in range(WPL):
-                        kw[c * WPL + i] = k_cache[word + uint32(L * i)]
-                        vw[c * WPL + i] = v_cache[word + uint32(L * i)]
+            if prefetch:  # the next step's rows, in flight while this step's are used
+                if base + uint32(STEP) < end:
+                    load_all(kn, vn, k_cache, v_cache, bt_row, block_shift,
+                             num_kv_heads, kvh, sub, first + uint32(STEP), end, newest)
+            elif early_loads and base == begin:  # the rest were loaded before the wait
+                load_newest(kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads,
+                            kvh, sub, first, end, newest)
+            else:  # all C rows' loads issued before any is used
+                load_all(kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads,
+                         kvh, sub, first, end, newest)
             # scores: each lane's part of the dot products, then the L lanes of a key
             # add them
             for c in range(C):
@@ -489,6 +529,9 @@ def make_decode_attention_kernel(
                             acc[g * EPL + 4 * i + e] += p * bf16_lane(
                                 vw[c * WPL + i], e
                             )
+            if prefetch:  # the next step's rows become this step's
+                for j in range(CW):
+                    kw[j], vw[j] = kn[j], vn[j]
         # merge the block's W * KPW partial softmaxes: rescale each to the block's
         # maximum, then add them up
         for g in range(G):
@@ -627,11 +670,12 @@ def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
         cfg.lane_elements,
         cfg.max_registers,
         cfg.early_loads,
+        cfg.prefetch,
     )
 
 
-# (head_dim, group, warps, keys per lane, lane elements, register cap, early loads) ->
-# kernel
+# (head_dim, group, warps, keys per lane, lane elements, register cap, early loads,
+# prefetch) -> kernel
 _DECODE_KERNELS = {}
 # Llama 3.2 1B, SmolLM2; batches and batch 1
 _ATTENTION_KERNELS = {
