@@ -716,6 +716,15 @@ else:
 # be a multiple of a warp's 128 values or of anything else, as long as a row starts on
 # an 8-byte boundary: $K$ a multiple of 4 (every Llama shape is a multiple of 64). The
 # launcher checks.
+#
+# **Starting before the kernel before ends.** Chapter 11 replays a decode step from a
+# CUDA graph whose edges let each kernel start while the one before it is still
+# finishing (chapter 1's programmatic edges); every kernel of the library calls
+# `wait_for_previous_kernel()` before it touches anything another kernel writes, and
+# outside such a graph the wait returns at once. No kernel writes the weights, so the
+# GEMV loads its first step of weight words *before* the wait: those loads are in
+# flight while the norm or attention before it ends, and the loop starts with them in
+# registers (`loaded`). Its input vector is read only after the wait.
 
 # %%
 #| export kernels.gemv

@@ -910,25 +910,27 @@ del model, cache
 #   once, not $G$ times; the $G$ queries and their accumulators stay in registers;
 # - 8 lanes share one key row (head dim 64: 128 bytes): each loads two **8-byte words**
 #   (4 bf16 values each), and the 8 lanes read 64 contiguous bytes per load — two whole
-#   memory sectors; a warp covers 4 keys at a time, and each lane loads **3 rows before
-#   it uses any**, so that enough bytes are in flight to cover the memory's latency;
+#   memory sectors; a warp covers 4 keys at a time, and each lane loads **2 rows before
+#   it uses any** — and, while it works on them, **the next step's 2 rows**
+#   (`prefetch`): a warp has loads in flight all the time, not only between steps, so
+#   enough bytes are in flight to cover the memory's latency;
 # - the 8 lanes add their partial dot products with three shuffles, and every key slot
 #   of the warp keeps its own **online softmax** (chapter 7): its maximum rarely grows
 #   after the first few keys, so the rescaling is a rare branch, not work done per key;
 #   at the end the warp's slots, then the block's warps, are merged, each rescaled to
 #   the common maximum;
 # - **the context is split over several blocks** (flash-decoding): the grid is (KV head,
-#   sequence, split), about 512 keys a block, and more splits while the grid is small,
-#   so even one sequence spreads over the GPU. Each block writes its partial —
-#   unnormalised output, maximum and sum — to a float32 **workspace** the caller made
-#   once (`decode_workspace`), then counts itself done with an atomic add; **the last
-#   of a sequence's splits to finish combines them all** into the output — float32, or
-#   bf16 bits for `o_proj` (chapter 4's `store_activation`) — and sets the count back to
-#   zero for the next launch. Each lane of its warps holds one split's maximum and sum,
-#   shuffles find the common maximum, and every thread adds up its outputs over the
-#   splits with four splits' loads in flight at a time. A sequence that needs one split
-#   only is written directly. KV heads are the grid's fastest index, so the blocks that
-#   run side by side read whole slots;
+#   sequence, split), up to 1,024 keys a block, and more splits while the grid has fewer
+#   than 512 blocks, so even one sequence spreads over the GPU. Each block writes its
+#   partial — unnormalised output, maximum and sum — to a float32 **workspace** the
+#   caller made once (`decode_workspace`), then counts itself done with an atomic add;
+#   **the last of a sequence's splits to finish combines them all** into the output —
+#   float32, or bf16 bits for `o_proj` (chapter 4's `store_activation`) — and sets the
+#   count back to zero for the next launch. Each lane of its warps holds one split's
+#   maximum and sum, shuffles find the common maximum, and every thread adds up its
+#   outputs over the splits with four splits' loads in flight at a time. A sequence that
+#   needs one split only is written directly. KV heads are the grid's fastest index, so
+#   the blocks that run side by side read whole slots;
 # - **the split is decided on the GPU, per sequence**: each block reads its sequence's
 #   length and works out how many splits that length wants and which keys are its own.
 #   The host fixes only the grid — rows, KV heads and the most splits any length up to
@@ -947,8 +949,8 @@ del model, cache
 #
 # - **registers**: with 16 values a lane, the queries and accumulators of 4 heads took
 #   128 registers before anything else, the compiler used about 240, and only 8 warps
-#   fitted on an SM; 8 values a lane (one more shuffle) leaves room for 3 rows in flight
-#   at 127 registers;
+#   fitted on an SM; 8 values a lane (one more shuffle) leaves room for 2 rows in use
+#   and 2 in flight at 127 registers (3 and 3 take 165, and fewer warps fit);
 # - **32-bit indices**: Numba widens integer arithmetic to 64 bits, and a 64-bit add or
 #   multiply is two or more instructions; signed indices also get a check for negative
 #   values. The cache is passed as one flat array of 8-byte words and `cache_word`
@@ -2227,8 +2229,9 @@ On the {{ch08_decode_device}}, 64 sequences take {{ch08_decode_64_us}} per layer
 ({{ch08_decode_256_copy}}). One sequence takes {{ch08_decode_1_us}}: its 2 MiB of K and
 V per layer is too little to fill {{ch08_decode_sms}} SMs, so latency, not bandwidth,
 sets its time, and splitting the context is what keeps it that short. (These records,
-of {{ch08_decode_date}}, were made when a second small kernel combined the splits;
-chapter 11 folds the combine into the last split and measures the kernel again.) Here
+of {{ch08_decode_date}}, were made when a second small kernel combined the splits and
+before the prefetch; chapter 11 folds the combine into the last split and measures the
+kernel again.) Here
 is what each knob does at 64 sequences, moved alone away from the defaults (the dark
 bar):
 """)
@@ -2246,10 +2249,11 @@ KNOBS = {
     "num_warps": "warps per block",
     "split_keys": "keys per split",
     "target_blocks": "grid target",
+    "prefetch": "next step's rows early",
 }
 if tune and tune[0].get("ratio"):
     base = next(r for r in tune if not r["moved"])
-    fig, axes = new_figure(1, len(KNOBS), width=9, height=2.3, sharey=True)
+    fig, axes = new_figure(1, len(KNOBS), width=10, height=2.3, sharey=True)
     for ax, (knob, title) in zip(axes, KNOBS.items()):
         points = sorted(
             [base] + [r for r in tune if r["moved"] == [knob]],
@@ -2278,18 +2282,40 @@ if tune and tune[0].get("ratio"):
 else:
     print("no GPU sweep recorded yet: run bench/ch08_decode_tune.py on a GPU")
 
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+def tuned(knob=None, value=None):
+    """The 64-sequence sweep's share of copy: the defaults, or one knob moved."""
+    for r in tune:
+        if (r["moved"] == [knob] and r[knob] == value) if knob else not r["moved"]:
+            return f"{r['ratio']:.0%}"
+    return "(not recorded)"
+
+
+if tune and tune[0].get("ratio"):
+    prose.glue("ch08_tune_default", tuned())
+    prose.glue("ch08_tune_no_prefetch", tuned("prefetch", False))
+    prose.glue("ch08_tune_one_row", tuned("keys_per_lane", 1))
+    prose.glue("ch08_tune_three_rows", tuned("keys_per_lane", 3))
+    prose.glue("ch08_tune_two_warps", tuned("num_warps", 2))
+    prose.glue("ch08_tune_two_splits", tuned("split_keys", 512))
+    prose.show("""
+The defaults read at {{ch08_tune_default}} of copy. Bytes in flight matter most: one
+row a lane reaches {{ch08_tune_one_row}}, and without the prefetch (two rows a lane,
+loaded only when the step before is done) {{ch08_tune_no_prefetch}}. More rows do not
+help: three with their prefetch take 165 registers, fewer warps fit on an SM, and it
+falls to {{ch08_tune_three_rows}}. The register cap changes nothing here (the kernel
+already needs 127). Sixteen values a lane pushes the registers past that and halves the
+warps. Then the grid: 64 sequences × 8 KV heads are 512 blocks, one wave of 4-warp
+blocks over the GPU, and each block covers a whole 1,024-token context; splitting it in
+two (shorter splits, or a larger grid target) gives 1,024 blocks that no longer fit in
+one wave, and it falls to {{ch08_tune_two_splits}}. Two warps a block leave half the
+GPU's warp slots empty ({{ch08_tune_two_warps}}). The kernel is not the ceiling of the
+hardware — FlashInfer-style kernels use 16-byte loads and tensor cores, which Numba does
+not reach — but it is within sight of the copy bandwidth at the batch sizes where
+attention's bytes are a large part of a step.
+""")
+
 # %% [markdown]
-# Rows in flight matter most: with one row per lane the memory waits between loads;
-# three and four are about equal, four at the 128 registers that still let 16 warps
-# share an SM. Sixteen values a lane pushes the registers past that and halves the
-# warps. One warp a block leaves half the GPU idle — 64 × 8 × 2 blocks of one warp each
-# are fewer warps than 132 SMs hold — and eight warps a block give each warp too short a
-# share of its 512 keys to pay for loading the queries and merging at the end; shorter
-# splits (more of them) cost the same way. The kernel is not the ceiling of the hardware
-# — FlashInfer-style kernels use 16-byte loads and tensor cores, which Numba does not
-# reach — but it is within sight of the copy bandwidth at the batch sizes where
-# attention's bytes are a large part of a step.
-#
 # ## The kernel model with a cache
 #
 # The GPU's cache holds, per layer, bf16 keys and values as `uint16` — and the same
@@ -2539,9 +2565,9 @@ else:
 # - Cached decoding gives the same logits as recomputing (to $10^{-5}$); a bf16 cache
 #   moves SmolLM2's log-probabilities by a few hundredths.
 # - Decode attention is memory-bound and, in Numba, instruction-bound too: all query
-#   heads of a KV head per block, 8 lanes per key row, 3 rows in flight, 32-bit indices,
-#   `exp2`, and the context split over blocks, each sequence choosing its split on the
-#   GPU so the launch does not change from step to step.
+#   heads of a KV head per block, 8 lanes per key row, 2 rows in use and the next 2 in
+#   flight, 32-bit indices, `exp2`, and the context split over blocks, each sequence
+#   choosing its split on the GPU so the launch does not change from step to step.
 #
 # Exported to `tinyvllm_lib`: `engine.kv_cache` (`KVCache`, `CudaKVCache`,
 # `ContiguousAllocator`, `kv_cache_bytes_per_token`), `layers.attention`

@@ -184,7 +184,8 @@ def test_decode_splits_and_workspace():
             splits = num_splits_for(n, cfg.max_splits, rows * 8, cfg.split_keys, cfg.target_blocks, cfg.min_split_keys)
             length = split_length(n, splits, step)
             assert length % step == 0 and -(-n // length) <= splits <= grid
-    assert decode_splits(1024, 64, 8) == 2  # 512 keys a block; 1024 blocks wanted, 64 x 8 x 2 there
+    assert decode_splits(1024, 64, 8) == 1  # 1024 keys a block; 512 blocks wanted, 64 x 8 there
+    assert decode_splits(1024, 8, 8) == 8  # 512 blocks wanted: 8 x 8 x 8
     ws = decode_workspace(8, 1024, 32, 64)
     assert ws.dtype == np.float32 and ws.shape[0] == 8 and ws.shape[2:] == (32, 96) and ws.shape[1] > 1
     assert not ws.copy_to_host().any()  # the splits' counters start at zero
