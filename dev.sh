@@ -53,6 +53,19 @@ book() {
     echo "book: $(pwd)/book/_build/html/index.html"
 }
 
+notebooks_and_book() {  # nbval and the book build each execute every chapter: side by side, one core each
+    local nbval_log=book/_build/nbval.log status=0
+    "$VENV/bin/pytest" -q -p no:cacheprovider --nbval-lax --nbval-current-env book/_build/nb > "$nbval_log" 2>&1 &
+    local nbval_pid=$!
+    local t0=$SECONDS
+    book || status=$?
+    echo "== the book: $((SECONDS - t0)) s (exit $status)"
+    wait "$nbval_pid" || status=$?
+    echo "== chapters through nbval ($((SECONDS - t0)) s for both):"
+    cat "$nbval_log"
+    return "$status"
+}
+
 read_book() {  # what a reader's browser gets: no raw roles, no tracebacks, no missing figures, math typeset
     "$PY" book/check_html.py book/_build/html
     "$VENV/bin/pytest" -q -p no:cacheprovider -rs tests/test_book_pages.py
@@ -92,10 +105,11 @@ case "$cmd" in
         total=$SECONDS
         step "library in sync with chapters" "$PY" book/export.py --check
         step "lint" lint
-        step "pytest (CUDA simulator; PTX for sm_90 without it)" "$VENV/bin/pytest" -q -p no:cacheprovider --durations=12 tests
+        # two workers, one a core; a test file's tests stay on one worker (its module fixtures are made once)
+        step "pytest (CUDA simulator; PTX for sm_90 without it)" \
+            "$VENV/bin/pytest" -q -p no:cacheprovider --durations=12 -n 2 --dist loadfile tests
         step "chapters to notebooks" chapters_to_notebooks
-        step "chapters through nbval" "$VENV/bin/pytest" -q -p no:cacheprovider --nbval-lax --nbval-current-env book/_build/nb
-        step "book (warnings are errors)" book
+        step "chapters through nbval, and the book (warnings are errors), side by side" notebooks_and_book
         step "the built book read back (HTML check; pages in a browser)" read_book
         echo "== all checks passed in $((SECONDS - total)) s" ;;
     *) sed -n '2,12p' "$0"; exit 2 ;;
