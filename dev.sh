@@ -54,16 +54,21 @@ book() {
 }
 
 notebooks_and_book() {  # nbval and the book build each execute every chapter: side by side, one core each
-    local nbval_log=book/_build/nbval.log status=0
+    local nbval_log=book/_build/nbval.log status=0 t0=$SECONDS
     "$VENV/bin/pytest" -q -p no:cacheprovider --nbval-lax --nbval-current-env book/_build/nb > "$nbval_log" 2>&1 &
     local nbval_pid=$!
-    local t0=$SECONDS
-    book || status=$?
-    echo "== the book: $((SECONDS - t0)) s (exit $status)"
-    wait "$nbval_pid" || status=$?
-    echo "== chapters through nbval ($((SECONDS - t0)) s for both):"
+    # both are background jobs: set -e holds inside each (it would not in `book || ...`)
+    book &
+    local book_pid=$!
+    trap 'kill "$nbval_pid" "$book_pid" 2>/dev/null' INT TERM
+    wait "$book_pid" || status=$?
+    echo "== the book: $((SECONDS - t0)) s (exit status $status)"
+    local nbval_status=0
+    wait "$nbval_pid" || nbval_status=$?
+    trap - INT TERM
+    echo "== chapters through nbval: $((SECONDS - t0)) s for both (exit status $nbval_status)"
     cat "$nbval_log"
-    return "$status"
+    [ "$status" -eq 0 ] && [ "$nbval_status" -eq 0 ]
 }
 
 read_book() {  # what a reader's browser gets: no raw roles, no tracebacks, no missing figures, math typeset

@@ -86,7 +86,8 @@ def main() -> None:
             "split_keys": (256, 512, 1024), "target_blocks": (512, 1024, 2048), "prefetch": (False, True)}
     if args.grid:  # the knobs that trade registers for bytes in flight, together
         grid = {"lane_elements": (8,), "keys_per_lane": (1, 2, 3, 4), "max_registers": (None, 128), "num_warps": (2, 4),
-                "split_keys": (512,), "target_blocks": (512, 1024), "prefetch": (False, True)}
+                "split_keys": (512, 1024), "target_blocks": (512, 1024), "prefetch": (False, True)}
+        assert all(defaults[k] in v for k, v in grid.items()), "the grid must hold the defaults (chapter 8's dark bar)"
     gen = np.random.default_rng(0)
     rec = Recorder("ch08_decode_tune")
     for n in ((64,) if args.grid else args.seqs):

@@ -399,7 +399,9 @@ def sweep_bs1_attention(rec, rng, contexts, max_context_len: int = 2048, grid=BS
         out, ws = cuda.device_array((1, H * D), np.float32), da.decode_workspace(1, max_context_len, H, D)
         best = None
         for knobs in (dict(zip(grid, v)) for v in itertools.product(*grid.values())):
-            cfg = da.DecodeAttentionConfig(**knobs, few_rows=0)  # these knobs, not the few-rows ones
+            # these knobs, not the few-rows ones, with the rows a lane that batch 1 uses
+            few = {"keys_per_lane": da.DEFAULT_DECODE_CONFIG.few_rows_keys_per_lane}
+            cfg = da.DecodeAttentionConfig(**{**few, **knobs}, few_rows=0)
 
             def call(i, stream):
                 k, v = sets[i % len(sets)][:2]

@@ -921,7 +921,7 @@ del model, cache
 #   the common maximum;
 # - **the context is split over several blocks** (flash-decoding): the grid is (KV head,
 #   sequence, split), up to 1,024 keys a block, and more splits while the grid has fewer
-#   than 512 blocks, so even one sequence spreads over the GPU. Each block writes its
+#   than 512 blocks, so even a few sequences spread over the GPU. Each block writes its
 #   partial — unnormalised output, maximum and sum — to a float32 **workspace** the
 #   caller made once (`decode_workspace`), then counts itself done with an atomic add;
 #   **the last of a sequence's splits to finish combines them all** into the output —
@@ -1039,7 +1039,7 @@ class DecodeAttentionConfig:
     # started early took the SMs from the kernel before (chapter 11 measured both)
     early_loads: bool = False
     # load the next step's keys and values while this step's are used: loads stay in
-    # flight through the arithmetic, for twice the registers of the rows
+    # flight through the arithmetic, in registers for twice the rows
     prefetch: bool = True
 
     def __post_init__(self):
@@ -1093,7 +1093,6 @@ class DecodeAttentionConfig:
             target_blocks=1,
             few_rows=0,
             early_loads=True,
-            prefetch=True,
         )
 
 
@@ -2251,8 +2250,9 @@ KNOBS = {
     "target_blocks": "grid target",
     "prefetch": "next step's rows early",
 }
-if tune and tune[0].get("ratio"):
-    base = next(r for r in tune if not r["moved"])
+# the defaults' record (a --grid run of the bench may lack one)
+base = next((r for r in tune if not r["moved"]), None)
+if base and base.get("ratio"):
     fig, axes = new_figure(1, len(KNOBS), width=10, height=2.3, sharey=True)
     for ax, (knob, title) in zip(axes, KNOBS.items()):
         points = sorted(
@@ -2291,7 +2291,7 @@ def tuned(knob=None, value=None):
     return "(not recorded)"
 
 
-if tune and tune[0].get("ratio"):
+if base and base.get("ratio"):
     prose.glue("ch08_tune_default", tuned())
     prose.glue("ch08_tune_no_prefetch", tuned("prefetch", False))
     prose.glue("ch08_tune_one_row", tuned("keys_per_lane", 1))
@@ -2299,20 +2299,20 @@ if tune and tune[0].get("ratio"):
     prose.glue("ch08_tune_two_warps", tuned("num_warps", 2))
     prose.glue("ch08_tune_two_splits", tuned("split_keys", 512))
     prose.show("""
-The defaults read at {{ch08_tune_default}} of copy. Bytes in flight matter most: one
-row a lane reaches {{ch08_tune_one_row}}, and without the prefetch (two rows a lane,
-loaded only when the step before is done) {{ch08_tune_no_prefetch}}. More rows do not
-help: three with their prefetch take 165 registers, fewer warps fit on an SM, and it
-falls to {{ch08_tune_three_rows}}. The register cap changes nothing here (the kernel
-already needs 127). Sixteen values a lane pushes the registers past that and halves the
-warps. Then the grid: 64 sequences × 8 KV heads are 512 blocks, one wave of 4-warp
-blocks over the GPU, and each block covers a whole 1,024-token context; splitting it in
-two (shorter splits, or a larger grid target) gives 1,024 blocks that no longer fit in
-one wave, and it falls to {{ch08_tune_two_splits}}. Two warps a block leave half the
-GPU's warp slots empty ({{ch08_tune_two_warps}}). The kernel is not the ceiling of the
-hardware — FlashInfer-style kernels use 16-byte loads and tensor cores, which Numba does
-not reach — but it is within sight of the copy bandwidth at the batch sizes where
-attention's bytes are a large part of a step.
+The defaults read at {{ch08_tune_default}} of copy. Bytes in flight matter most: one row
+a lane reaches {{ch08_tune_one_row}}, and without the prefetch (two rows a lane, loaded
+only when the step before is done) {{ch08_tune_no_prefetch}}. More rows do not help:
+three with their prefetch take 165 registers, fewer warps fit on an SM, and it falls to
+{{ch08_tune_three_rows}}. The register cap moves it by no more than the sweep's noise
+(the kernel needs 127 without it). Sixteen values a lane push the registers past that
+and halve the warps. Then the grid: 64 sequences × 8 KV heads are 512 blocks, one wave
+of 4-warp blocks over the GPU, and each block covers a whole 1,024-token context;
+splitting it in two (shorter splits, or a larger grid target) gives 1,024 blocks that no
+longer fit in one wave, and it falls to {{ch08_tune_two_splits}}. Two warps a block
+leave half the GPU's warp slots empty ({{ch08_tune_two_warps}}). The kernel is not the
+ceiling of the hardware — FlashInfer-style kernels use 16-byte loads and tensor cores,
+which Numba does not reach — but it is within sight of the copy bandwidth at the batch
+sizes where attention's bytes are a large part of a step.
 """)
 
 # %% [markdown]

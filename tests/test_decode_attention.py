@@ -1,5 +1,10 @@
 """Chapter 08's decode attention and KV-cache write kernels against float64 NumPy on the same bf16 cache."""
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -97,7 +102,7 @@ def test_few_rows_knobs_apply_up_to_few_rows():
     cfg = DecodeAttentionConfig()
     one = cfg.for_rows(1)
     assert (one.num_warps, one.split_keys, one.target_blocks) == (cfg.few_rows_warps, cfg.few_rows_split_keys, 1)
-    assert one.early_loads and one.prefetch
+    assert one.early_loads and one.keys_per_lane == cfg.few_rows_keys_per_lane
     assert cfg.for_rows(2) is cfg and DecodeAttentionConfig(few_rows=0).for_rows(1).num_warps == cfg.num_warps
     # one row: no split while the context fits few_rows_split_keys, then about that many keys a split
     assert decode_splits(cfg.few_rows_split_keys, 1, 8, one) == 1
@@ -111,22 +116,23 @@ def test_decode_attention_one_row_whole_or_split(rng, length):
     """One row takes the few-rows knobs: the whole context in one block (10 keys), or splits past 16 (45)."""
     qkv, k, v, bt, lens = case(rng, 1, 45, 4, 2, 16, 4)
     lens[:] = length
-    config = DecodeAttentionConfig(few_rows_split_keys=16, keys_per_lane=1)
-    assert decode_splits(45, 1, 2, config.for_rows(1)) == 3
+    config = DecodeAttentionConfig(few_rows_split_keys=16, few_rows_keys_per_lane=1)
+    assert decode_splits(45, 1, 2, config.for_rows(1)) == 3 and config.for_rows(1).keys_per_lane == 1
     got = run_split(qkv, k, v, bt, 4, lens, 4, 2, 16, 8, config=config, max_context_len=45, twice=True)
     assert rel_error(got, decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)) < 1e-5
 
 
-@pytest.mark.parametrize("early_loads", [False, True])
-def test_decode_attention_prefetch(rng, early_loads):
-    """prefetch: each step loads the next step's rows while it uses its own (with early_loads, the first step's
-    older rows before the wait), on one key, several steps and a partial last step, whole contexts and splits."""
+@pytest.mark.parametrize("prefetch, early_loads", [(False, False), (False, True), (True, False), (True, True)])
+def test_decode_attention_steps(rng, prefetch, early_loads):
+    """Blocks that take several steps: with prefetch each step loads the next step's rows while it uses its own;
+    with early_loads the first step's older rows load before the wait. One key, several steps and a partial last
+    step, whole contexts and splits."""
     qkv, k, v, bt, lens = case(rng, 3, 45, 4, 2, 16, 4)
-    lens[:] = [1, 45, 33]  # a block steps over 16 keys here
+    lens[:] = [1, 45, 33]  # a block of one warp steps over 16 keys here (2 lanes a key row of 16 values)
     want = decode_attention_ref(qkv, k, v, bt, 4, lens, 4, 2, 16)
     for split_keys in (4096, 32):
-        config = DecodeAttentionConfig(prefetch=True, early_loads=early_loads, keys_per_lane=1, split_keys=split_keys,
-                                       target_blocks=1)
+        config = DecodeAttentionConfig(prefetch=prefetch, early_loads=early_loads, keys_per_lane=1, num_warps=1,
+                                       split_keys=split_keys, target_blocks=1)
         got = run_split(qkv, k, v, bt, 4, lens, 4, 2, 16, 4, config=config, max_context_len=45)
         assert rel_error(got, want) < 1e-5
 
@@ -259,3 +265,30 @@ def test_decode_attention_llama_1b_shapes(rng):
     assert rel_error(run_split(qkv, k, v, bt, 16, lens, 32, 8, 64, 32, max_context_len=1024), want) < 1e-5
     one = run_split(qkv[:1], k, v, bt[:1], 16, lens[:1], 32, 8, 64, 32, max_context_len=1024)  # 1 sequence: 32 splits
     assert rel_error(one, want[:1]) < 1e-5
+
+
+# Compile each decode attention kernel to PTX for sm_90 (no GPU, no simulator) and count its local-memory accesses.
+_LOCAL_MEMORY_SCRIPT = """
+import json, re, types
+import numba.cuda.dispatcher as cuda_dispatcher
+from numba import cuda
+cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+from tinyvllm_lib.kernels import decode_attention as da
+found = {}
+for name, sigs in da.PTX_SIGNATURES.items():
+    ptx, _ = cuda.compile_ptx(getattr(da, name).py_func, sigs[0], cc=(9, 0))
+    found[name] = len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx))
+print(json.dumps(found))
+"""
+
+
+def test_decode_attention_rows_stay_in_registers():
+    """The rows a lane holds (and, with prefetch, the next step's) pass through inlined device functions: they stay
+    registers only while every index is a constant and the functions are inlined. Nothing may touch local memory."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    res = subprocess.run([sys.executable, "-c", _LOCAL_MEMORY_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "decode_attention_d64_g4_one_row_kernel" in found and len(found) >= 3
+    assert not any(found.values()), found

@@ -64,7 +64,7 @@ class DecodeAttentionConfig:
     # started early took the SMs from the kernel before (chapter 11 measured both)
     early_loads: bool = False
     # load the next step's keys and values while this step's are used: loads stay in
-    # flight through the arithmetic, for twice the registers of the rows
+    # flight through the arithmetic, in registers for twice the rows
     prefetch: bool = True
 
     def __post_init__(self):
@@ -118,7 +118,6 @@ class DecodeAttentionConfig:
             target_blocks=1,
             few_rows=0,
             early_loads=True,
-            prefetch=True,
         )
 
 
