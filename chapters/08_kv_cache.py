@@ -2259,7 +2259,12 @@ if base and base.get("ratio"):
             [base] + [r for r in tune if r["moved"] == [knob]],
             key=lambda r: (r[knob] is not None, r[knob] or 0),
         )
-        labels = [str(r[knob]) if r[knob] is not None else "none" for r in points]
+        labels = [
+            "none" if r[knob] is None
+            else ("on" if r[knob] else "off") if isinstance(r[knob], bool)
+            else str(r[knob])
+            for r in points
+        ]
         ax.bar(
             labels,
             [100 * r["ratio"] for r in points],
