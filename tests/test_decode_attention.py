@@ -1,12 +1,8 @@
 """Chapter 08's decode attention and KV-cache write kernels against float64 NumPy on the same bf16 cache."""
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from local_memory import local_memory_accesses
 from numba import cuda
 
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
@@ -267,28 +263,9 @@ def test_decode_attention_llama_1b_shapes(rng):
     assert rel_error(one, want[:1]) < 1e-5
 
 
-# Compile each decode attention kernel to PTX for sm_90 (no GPU, no simulator) and count its local-memory accesses.
-_LOCAL_MEMORY_SCRIPT = """
-import json, re, types
-import numba.cuda.dispatcher as cuda_dispatcher
-from numba import cuda
-cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-from tinyvllm_lib.kernels import decode_attention as da
-found = {}
-for name, sigs in da.PTX_SIGNATURES.items():
-    ptx, _ = cuda.compile_ptx(getattr(da, name).py_func, sigs[0], cc=(9, 0))
-    found[name] = len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx))
-print(json.dumps(found))
-"""
-
-
 def test_decode_attention_rows_stay_in_registers():
     """The rows a lane holds (and, with prefetch, the next step's) pass through inlined device functions: they stay
     registers only while every index is a constant and the functions are inlined. Nothing may touch local memory."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    res = subprocess.run([sys.executable, "-c", _LOCAL_MEMORY_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    found = json.loads(res.stdout.strip().splitlines()[-1])
+    found = local_memory_accesses("tinyvllm_lib.kernels.decode_attention")
     assert "decode_attention_d64_g4_one_row_kernel" in found and len(found) >= 3
     assert not any(found.values()), found

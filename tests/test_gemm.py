@@ -1,13 +1,10 @@
 """Chapter 06: the GEMM ladder, the GEMV, cuBLAS's row-major wiring and the linear layer against float64 NumPy."""
 
 import ctypes
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from local_memory import local_memory_accesses
 from numba import cuda
 
 from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul_ref
@@ -104,29 +101,10 @@ def test_gemv_accumulators_fit_the_cap():
             assert rows * tokens <= GEMV_MAX_ACC, (variant, tokens)
 
 
-# Compile every GEMV kernel to PTX for sm_90 (no GPU, no simulator) and list its local-memory accesses.
-_LOCAL_MEMORY_SCRIPT = """
-import json, re, types
-import numba.cuda.dispatcher as cuda_dispatcher
-from numba import cuda
-cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-from tinyvllm_lib.kernels import gemv
-found = {}
-for name, sigs in gemv.PTX_SIGNATURES.items():
-    ptx, _ = cuda.compile_ptx(getattr(gemv, name).py_func, sigs[0], cc=(9, 0))
-    found[name] = len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx))
-print(json.dumps(found))
-"""
-
-
 def test_gemv_accumulators_stay_in_registers():
     """No GEMV kernel may touch local memory: a run-time index into acc (a loop the compiler did not unroll)
     moves the array there, and the kernel still gives right answers, many times more slowly."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    res = subprocess.run([sys.executable, "-c", _LOCAL_MEMORY_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    found = json.loads(res.stdout.strip().splitlines()[-1])
+    found = local_memory_accesses("tinyvllm_lib.kernels.gemv")
     assert len(found) == len(GEMV_VARIANTS) * len(GEMV_BUCKETS)
     assert not any(found.values()), f"ld.local / st.local in the PTX: {found}"
 
