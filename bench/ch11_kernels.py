@@ -1,8 +1,9 @@
 """Chapter 11 on the GPU: a decode step of the Llama 3.2 1B stand-in, kernel by kernel.
 
-For each kernel of the step as the model launches it (embedding, first norm; per layer QKV, RoPE with
-the KV write, attention, output projection, add + norm, gate-up, SiLU, down, add + norm; LM head,
-sampler) its time, replayed from a
+For each kernel of the step as the model launches it (embedding; per layer QKV, RoPE with the KV write,
+attention, output projection, gate-up, SiLU, down; the final norm, LM head, sampler — where the GEMV runs
+the norms are inside QKV and gate-up and the residual adds inside the output and down projections, and
+elsewhere a norm kernel comes before QKV and gate-up) its time, replayed from a
 captured graph (tinyvllm_lib.measure.time_launches) with the 16 layers' weights and caches rotated
 so that none is read from L2 when a real step would read it from memory; the bytes it must move
 (counted, not measured: weights, cache and activations); its share of the step and of chapter 1's
@@ -30,7 +31,7 @@ from tinyvllm_lib.kernels.decode_attention import (
 from tinyvllm_lib.kernels.embedding import embed
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
-from tinyvllm_lib.layers.linear import linear, linear_path
+from tinyvllm_lib.layers.linear import linear, linear_path, rmsnorm_linear
 from tinyvllm_lib.measure import Recorder, load_records, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
@@ -54,7 +55,7 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
     ids = cuda.to_device(rng.integers(0, vocab, rows).astype(np.int64))
     pos = cuda.to_device(np.full(rows, context - 1, np.int64))
     x = {name: buf[:rows] for name, buf in b.items()}
-    for name in ("residual", "qkv", "delta", "gate_up"):  # finite float32 activations, not uninitialised memory
+    for name in ("residual", "qkv", "gate_up"):  # finite float32 activations, not uninitialised memory
         x[name].copy_to_device(rng.standard_normal(x[name].shape).astype(np.float32))
     for name in ("normed", "attn", "act"):
         x[name].copy_to_device((rng.standard_normal(x[name].shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
@@ -63,26 +64,35 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
     r = runner.sampler.rows
     for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("uniform", 0.5)):
         r[name][:rows].copy_to_device(np.full(rows, value, r[name].dtype))
-    lin = lambda name, wname, out: (lambda i, s: linear(x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws))  # noqa: E731
+    lin = lambda name, wname, out, add=False: (lambda i, s: linear(  # noqa: E731
+        x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws, accumulate=add))
+    # the projections after a norm: the norm inside the GEMV, or a norm kernel (its own entry) then the GEMM
+    fused = linear_path(x["normed"], w["layers.0.qkv_proj"]) == "gemv"
+    norm_lin = lambda norm, wname, out: (  # noqa: E731
+        (lambda i, s: rmsnorm_linear(x["residual"], w[f"layers.{i % L}.{norm}"], 1e-5, w[f"layers.{i % L}.{wname}"],
+                                     x[out], x["normed"], stream=s, workspace=ws))
+        if fused else lin("normed", wname, out))
     qkv_w, kv_bytes = (H + 2 * KVH) * D, 2 * rows * context * KVH * D * 2
     act_bytes = lambda *widths_dtypes: rows * sum(n * d for n, d in widths_dtypes)  # noqa: E731
+    norm_in = act_bytes((hid, 4)) + 2 * hid if fused else act_bytes((hid, 2))  # the residual and norm weight, or normed
     kernels = [
         ("embed", 1, lambda i, s: embed(ids, w["embed_tokens"], x["residual"], stream=s), act_bytes((hid, 2), (hid, 4))),
-        ("rmsnorm", 1, lambda i, s: rmsnorm(x["residual"], w["layers.0.input_layernorm"], 1e-5, x["normed"], stream=s),
-         act_bytes((hid, 4), (hid, 2))),
-        ("qkv_proj", L, lin("normed", "qkv_proj", "qkv"), qkv_w * hid * 2 + act_bytes((hid, 2), (qkv_w, 4))),
+        ("rmsnorm", 1 + (0 if fused else 2 * L),  # the final norm, and the two a layer where the GEMV does not run
+         lambda i, s: rmsnorm(x["residual"], w[f"layers.{i % L}.input_layernorm"], 1e-5, x["normed"], stream=s),
+         act_bytes((hid, 4), (hid, 2)) + 2 * hid),
+        ("qkv_proj", L, norm_lin("input_layernorm", "qkv_proj", "qkv"), qkv_w * hid * 2 + norm_in + act_bytes((qkv_w, 4))),
         ("rope_kv_write", L, lambda i, s: rope_and_write_kv_cache(  # the attention layer's, as the model calls it
             x["qkv"], pos, runner.model.rope, H, KVH, slots, cache.k[i % L], cache.v[i % L], stream=s),
          2 * act_bytes(((H + KVH) * D, 4)) + act_bytes((KVH * D, 4), (2 * KVH * D, 2))),
         ("attention", L, lambda i, s: decode_attention(
             x["qkv"], cache.k_words[i % L], cache.v_words[i % L], bt, bs, lens, H, KVH, D, x["attn"], stream=s,
             workspace=runner.workspace, max_context_len=runner.max_model_len), kv_bytes + act_bytes((H * D, 4), (H * D, 2))),
-        ("o_proj", L, lin("attn", "o_proj", "delta"), H * D * hid * 2 + act_bytes((H * D, 2), (hid, 4))),
-        ("add_rmsnorm", 2 * L, lambda i, s: fused_add_rmsnorm(x["residual"], x["delta"], w[f"layers.{i % L}.post_attention_layernorm"],
-                                                              1e-5, x["normed"], stream=s), act_bytes((hid, 12), (hid, 2))),
-        ("gate_up_proj", L, lin("normed", "gate_up_proj", "gate_up"), 2 * inter * hid * 2 + act_bytes((hid, 2), (2 * inter, 4))),
+        # the residual add in the projection: out read and written
+        ("o_proj", L, lin("attn", "o_proj", "residual", add=True), H * D * hid * 2 + act_bytes((H * D, 2), (hid, 8))),
+        ("gate_up_proj", L, norm_lin("post_attention_layernorm", "gate_up_proj", "gate_up"),
+         2 * inter * hid * 2 + norm_in + act_bytes((2 * inter, 4))),
         ("silu_mul", L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s), act_bytes((2 * inter, 4), (inter, 2))),
-        ("down_proj", L, lin("act", "down_proj", "delta"), inter * hid * 2 + act_bytes((inter, 2), (hid, 4))),
+        ("down_proj", L, lin("act", "down_proj", "residual", add=True), inter * hid * 2 + act_bytes((inter, 2), (hid, 8))),
         ("lm_head", 1, lambda i, s: linear(x["normed"], w["lm_head"], logits, stream=s, workspace=ws),
          vocab * hid * 2 + act_bytes((hid, 2), (vocab, 4))),
         ("sample", 1, lambda i, s: runner.sampler.launch(logits, s, rows=r), act_bytes((vocab, 4))),
@@ -92,8 +102,9 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
 
 def fusions(runner, rows: int, context: int, rng) -> list:
     """[(fusion, separate(i, stream), fused(i, stream))]: fused kernels against the kernels they replace, on the
-    same buffers (filled by decode_kernels): RoPE with the KV write (the model's), and at one row the gated GEMV
-    (chapter 7's, which the model does not use)."""
+    same buffers (filled by decode_kernels): RoPE with the KV write (the model's); at one row the gated GEMV
+    (chapter 7's, which the model does not use) and the residual adds and norms inside the GEMVs (the model's:
+    three kernels become two)."""
     c, w, b, ws = runner.config, runner.model.weights, runner.activations, runner.cublas_workspace
     L, H, KVH = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
     cache, x = runner.kv_cache, {name: buf[:rows] for name, buf in b.items()}
@@ -109,6 +120,26 @@ def fusions(runner, rows: int, context: int, rng) -> list:
                     lambda i, s: (linear(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["gate_up"], stream=s, workspace=ws),
                                   silu_mul(x["gate_up"], x["act"], stream=s)),
                     lambda i, s: gemv_silu_mul(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"], stream=s)))
+        # the residual add and the norm in the GEMVs (the model's), against chapter 4's add + norm kernel between
+        # a projection writing its own output and the next reading bf16 normed rows
+        delta = cuda.to_device(rng.standard_normal((rows, c.hidden_size)).astype(np.float32))
+        for name, (first, x_in, norm, second, out_name) in {
+            "add_norm_o_gate_up": ("o_proj", "attn", "post_attention_layernorm", "gate_up_proj", "gate_up"),
+            "add_norm_down_qkv": ("down_proj", "act", "input_layernorm", "qkv_proj", "qkv"),
+        }.items():
+            def separate(i, s, first=first, x_in=x_in, norm=norm, second=second, out_name=out_name):
+                p = f"layers.{i % L}."
+                linear(x[x_in], w[p + first], delta, stream=s, workspace=ws)
+                fused_add_rmsnorm(x["residual"], delta, w[p + norm], 1e-5, x["normed"], stream=s)
+                linear(x["normed"], w[p + second], x[out_name], stream=s, workspace=ws)
+
+            def fused(i, s, first=first, x_in=x_in, norm=norm, second=second, out_name=out_name):
+                p = f"layers.{i % L}."
+                linear(x[x_in], w[p + first], x["residual"], stream=s, workspace=ws, accumulate=True)
+                rmsnorm_linear(x["residual"], w[p + norm], 1e-5, w[p + second], x[out_name], x["normed"], stream=s,
+                               workspace=ws)
+
+            out.append((name, separate, fused))
     return out
 
 
@@ -149,7 +180,7 @@ def main() -> None:
             saved = (t_sep - t_fused) * runner.config.num_hidden_layers  # one launch a layer
             rec.add("fusion", [rows, args.context], "us", t_fused, kernel=name, separate_us=t_sep,
                     saved_per_step_us=saved)
-            print(f"{rows:>3} rows  fusion {name}: {t_sep:.2f} us as two kernels, {t_fused:.2f} us fused "
+            print(f"{rows:>3} rows  fusion {name}: {t_sep:.2f} us separate, {t_fused:.2f} us fused "
                   f"({saved:.0f} us a step)", flush=True)
     if not config.ENABLE_CUDASIM:
         print("saved", rec.save())

@@ -1976,10 +1976,10 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
-from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.kernels.rope import check_positions, rope_table_from_config
 from tinyvllm_lib.layers.attention import FlashAttention
-from tinyvllm_lib.layers.linear import linear
+from tinyvllm_lib.layers.linear import linear, rmsnorm_linear
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
@@ -2034,7 +2034,6 @@ class LlamaCuda:
             "qkv": ((num_tokens, q_width + 2 * kv_width), np.float32),
             # attention output, bf16: o_proj's input
             "attn": ((num_tokens, q_width), np.uint16),
-            "delta": ((num_tokens, hidden), np.float32),  # o_proj and down_proj outputs
             "gate_up": ((num_tokens, 2 * c.intermediate_size), np.float32),
             # SiLU(gate) * up, bf16: down_proj's input
             "act": ((num_tokens, c.intermediate_size), np.uint16),
@@ -2057,38 +2056,20 @@ class LlamaCuda:
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         on = {"stream": stream, "workspace": workspace}  # every linear layer's
         embed(b["ids"], w["embed_tokens"], b["residual"], stream=stream)
-        rmsnorm(
-            b["residual"],
-            w["layers.0.input_layernorm"],
-            eps,
-            b["normed"],
-            stream=stream,
-        )
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
-            linear(b["normed"], w[p + "qkv_proj"], b["qkv"], **on)
+            # x = residual: qkv = norm(x) · Wqkvᵀ, one kernel where the GEMV runs
+            norm_qkv = (w[p + "input_layernorm"], eps, w[p + "qkv_proj"], b["qkv"])
+            rmsnorm_linear(b["residual"], *norm_qkv, b["normed"], **on)
             # the attention layer rotates q and k (with its cache write, if it has one)
             attention(i, b["qkv"], b["attn"], stream, rope=(self.rope, b["positions"]))
-            linear(b["attn"], w[p + "o_proj"], b["delta"], **on)
-            fused_add_rmsnorm(
-                b["residual"],
-                b["delta"],
-                w[p + "post_attention_layernorm"],
-                eps,
-                b["normed"],
-                stream=stream,
-            )
-            linear(b["normed"], w[p + "gate_up_proj"], b["gate_up"], **on)
+            # x += attn · Woᵀ: the residual add is the projection's epilogue
+            linear(b["attn"], w[p + "o_proj"], b["residual"], accumulate=True, **on)
+            norm_up = (w[p + "post_attention_layernorm"], eps, w[p + "gate_up_proj"])
+            rmsnorm_linear(b["residual"], *norm_up, b["gate_up"], b["normed"], **on)
             silu_mul(b["gate_up"], b["act"], stream=stream)
-            linear(b["act"], w[p + "down_proj"], b["delta"], **on)
-            next_norm = (
-                w[f"layers.{i + 1}.input_layernorm"]
-                if i + 1 < c.num_hidden_layers
-                else w["norm"]
-            )
-            fused_add_rmsnorm(
-                b["residual"], b["delta"], next_norm, eps, b["normed"], stream=stream
-            )
+            linear(b["act"], w[p + "down_proj"], b["residual"], accumulate=True, **on)
+        rmsnorm(b["residual"], w["norm"], eps, b["normed"], stream=stream)
 
     def compute_logits(self, hidden, out, stream=0, workspace=None) -> None:
         """The LM head: hidden (rows, hidden) bf16 bits on the GPU -> out (rows,

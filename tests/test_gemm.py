@@ -11,12 +11,13 @@ from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.cublas import CublasGemm, cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import gemm_blocked, gemm_naive, gemm_shared
-from tinyvllm_lib.kernels.gemv import GEMV_BUCKETS, GEMV_MAX_ACC, GEMV_VARIANTS, gemv
+from tinyvllm_lib.kernels.gemv import GEMV_BUCKETS, GEMV_EPILOGUES, GEMV_MAX_ACC, GEMV_VARIANTS, gemv, gemv_rmsnorm
 from tinyvllm_lib.layers.linear import (
     LINEAR_GEMV_MAX_TOKENS,
     gemv_wins_up_to,
     linear,
     linear_path,
+    rmsnorm_linear,
 )
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.measure import max_rel_error as rel_error
@@ -94,6 +95,72 @@ def test_gemv_more_tokens_than_one_pass(rng, variant, M):
     assert rel_error(got, want) <= TOL
 
 
+def rmsnorm_reference(residual, norm_weight, w, eps=1e-5):
+    """RMSNorm(residual) · wᵀ in float64, the normed rows not rounded to bf16 (the fused GEMV keeps them
+    in float32)."""
+    r = residual.astype(np.float64)
+    normed = r / np.sqrt(np.mean(r * r, axis=1, keepdims=True) + eps) * bf16_bits_to_f32(norm_weight)
+    return normed @ bf16_bits_to_f32(w).astype(np.float64).T
+
+
+@needs_launch
+@pytest.mark.parametrize("variant", list(GEMV_VARIANTS))
+@pytest.mark.parametrize("M, N, K", [(1, 13, 100), (3, 9, 1024 + 16), (11, 5, 136)])  # a tail; two passes of 8
+def test_gemv_rmsnorm_matches_reference(rng, variant, M, N, K):
+    residual = rng.standard_normal((M, K), dtype=np.float32) * np.float32(4)
+    residual[0] *= 50  # rows of different size: each is normed by its own mean square
+    norm_weight, w = random_bf16(rng, K), random_bf16(rng, (N, K), scale=0.05)
+    out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    gemv_rmsnorm(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, cuda.to_device(w), out, variant=variant)
+    assert rel_error(out.copy_to_host(), rmsnorm_reference(residual, norm_weight, w)) <= TOL
+
+
+@needs_launch
+@pytest.mark.parametrize("launch", [lambda *a, **k: gemv(*a, variant="warp", **k),
+                                    lambda *a, **k: gemv(*a, variant="block", **k), gemm_blocked, linear])
+@pytest.mark.parametrize("M, N, K", [(1, 13, 100), (11, 5, 136), (19, 37, 44)])
+def test_accumulate_adds_the_product_to_out(rng, launch, M, N, K):
+    if M > 16 and launch not in (gemm_blocked, linear):
+        pytest.skip("the GEMV takes at most 16 token vectors")
+    x, w = random_bf16(rng, (M, K)), random_bf16(rng, (N, K), scale=0.05)
+    before = rng.standard_normal((M, N)).astype(np.float32)
+    out = cuda.to_device(before)
+    launch(cuda.to_device(x), cuda.to_device(w), out, accumulate=True)
+    assert rel_error(out.copy_to_host(), before + reference(x, w)) <= TOL
+
+
+@needs_launch
+@pytest.mark.parametrize("M", [1, 3, 21])  # the GEMV (fused), and the norm kernel then the linear layer
+def test_rmsnorm_linear_on_every_path(rng, M):
+    K, N = 64, 10
+    residual = rng.standard_normal((M, K), dtype=np.float32)
+    norm_weight, w = random_bf16(rng, K), random_bf16(rng, (N, K), scale=0.3)
+    normed = cuda.to_device(np.zeros((M, K), np.uint16))
+    out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    rmsnorm_linear(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, cuda.to_device(w), out, normed)
+    fused = linear_path(normed, cuda.to_device(w)) == "gemv"
+    got, want = out.copy_to_host(), rmsnorm_reference(residual, norm_weight, w)
+    if fused:  # one kernel, normed untouched; float32 normed rows
+        assert not normed.copy_to_host().any()
+        assert rel_error(got, want) <= TOL
+    else:  # the normed rows were rounded to bf16 on their way through `normed`
+        assert normed.copy_to_host().any()
+        assert rel_error(got, want) <= 2**-7
+
+
+def test_gemv_rmsnorm_rejects_bad_input():
+    res, nw, w, out = (np.zeros((2, 8), np.float32), np.zeros(8, np.uint16), np.zeros((3, 8), np.uint16),
+                       np.zeros((2, 3), np.float32))
+    for bad in ((res.astype(np.uint16), nw, w, out), (res, nw[:4], w, out), (res, nw, w[:, :4], out),
+                (res, nw, w, out[:, :2]), (res, nw, w, out.astype(np.float64)), (res[:, ::2], nw[:4], w[:, :4], out)):
+        with pytest.raises(ValueError, match="gemv_rmsnorm: need"):
+            gemv_rmsnorm(bad[0], bad[1], 1e-5, bad[2], bad[3])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        gemv_rmsnorm(np.zeros((2, 6), np.float32), np.zeros(6, np.uint16), 1e-5, np.zeros((3, 6), np.uint16), out)
+    with pytest.raises(ValueError, match="at most 16"):
+        gemv_rmsnorm(np.zeros((17, 8), np.float32), nw, 1e-5, w, np.zeros((17, 3), np.float32))
+
+
 def test_gemv_accumulators_fit_the_cap():
     for variant, config in GEMV_VARIANTS.items():
         for tokens in GEMV_BUCKETS:
@@ -105,7 +172,7 @@ def test_gemv_accumulators_stay_in_registers():
     """No GEMV kernel may touch local memory: a run-time index into acc (a loop the compiler did not unroll)
     moves the array there, and the kernel still gives right answers, many times more slowly."""
     found = local_memory_accesses("tinyvllm_lib.kernels.gemv")
-    assert len(found) == len(GEMV_VARIANTS) * len(GEMV_BUCKETS)
+    assert len(found) == len(GEMV_VARIANTS) * len(GEMV_BUCKETS) * len(GEMV_EPILOGUES)
     assert not any(found.values()), f"ld.local / st.local in the PTX: {found}"
 
 
@@ -142,7 +209,7 @@ class HostCublas:
 def host_cublas_gemm():
     gemm = object.__new__(CublasGemm)  # skip __init__: no nvmath, no GPU
     gemm.cublas, gemm.handle, gemm._bound = HostCublas(), 0, None
-    gemm.alpha, gemm.beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+    gemm.alpha, gemm.beta, gemm.beta_add = np.ones(1, np.float32), np.zeros(1, np.float32), np.ones(1, np.float32)
     gemm.bf16, gemm.f32, gemm.compute, gemm.algo, gemm.op_t, gemm.op_n = "bf16", "f32", 0, 0, "T", "N"
     return gemm
 
@@ -153,6 +220,19 @@ def test_cublas_arguments_compute_row_major_x_times_w_transposed(rng, M, N, K):
     x, w = random_bf16(rng, (M, K)), random_bf16(rng, (N, K))
     out = np.full((M, N), np.nan, np.float32)
     gemm.gemm(x, w, out, M, N, K)
+    assert rel_error(out, reference(x, w)) <= TOL
+
+
+def test_cublas_accumulate_adds_to_out(rng):
+    """beta = 1: out += x · wᵀ (the residual add), in the same row-major wiring."""
+    gemm = host_cublas_gemm()
+    M, N, K = 5, 7, 12
+    x, w = random_bf16(rng, (M, K)), random_bf16(rng, (N, K))
+    before = rng.standard_normal((M, N)).astype(np.float32)
+    out = before.copy()
+    gemm.gemm(x, w, out, M, N, K, accumulate=True)
+    assert rel_error(out, before + reference(x, w)) <= TOL
+    gemm.gemm(x, w, out, M, N, K)  # and beta is 0 again after it
     assert rel_error(out, reference(x, w)) <= TOL
 
 
@@ -265,6 +345,25 @@ def test_gemv_llama_shapes(rng, N, K):
         for variant in ("auto", *GEMV_VARIANTS):
             out = cuda.to_device(np.full((M, N), np.nan, np.float32))
             gemv(cuda.to_device(x), d_w, out, variant=variant)
+            assert rel_error(out.copy_to_host(), want) <= TOL, (M, N, K, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", LLAMA_1B)
+def test_gemv_epilogues_llama_shapes(rng, N, K):
+    """The residual add and the norm in the GEMV, at the decode shapes the model runs them on."""
+    w = random_bf16(rng, (N, K), scale=0.05)
+    d_w = cuda.to_device(w)
+    for M in (1, 2, 9):
+        x, residual = random_bf16(rng, (M, K)), rng.standard_normal((M, K), dtype=np.float32)
+        norm_weight, before = random_bf16(rng, K), rng.standard_normal((M, N)).astype(np.float32)
+        for variant in ("auto", *GEMV_VARIANTS):
+            out = cuda.to_device(before)
+            gemv(cuda.to_device(x), d_w, out, variant=variant, accumulate=True)
+            assert rel_error(out.copy_to_host(), before + reference(x, w)) <= TOL, (M, N, K, variant)
+            out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+            gemv_rmsnorm(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, d_w, out, variant=variant)
+            want = rmsnorm_reference(residual, norm_weight, w)
             assert rel_error(out.copy_to_host(), want) <= TOL, (M, N, K, variant)
 
 

@@ -19,7 +19,7 @@ def _stream_pointer(stream) -> int:
 
 class CublasGemm:
     """One cuBLAS handle (created once), with the host scalars alpha = 1 and beta = 0
-    that each call points to.
+    or 1 (out = x · wᵀ, or out += x · wᵀ) that each call points to.
     """
 
     def __init__(self):
@@ -31,6 +31,7 @@ class CublasGemm:
         self.cublas = cublas
         self.handle = cublas.create()
         self.alpha, self.beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+        self.beta_add = np.ones(1, np.float32)
         self.bf16, self.f32 = (
             int(nvmath.CudaDataType.CUDA_R_16BF),
             int(nvmath.CudaDataType.CUDA_R_32F),
@@ -59,9 +60,9 @@ class CublasGemm:
                 self.cublas.set_workspace(self.handle, *key[1])
             self._bound = key
 
-    def gemm(self, x, w, out, M: int, N: int, K: int):
-        """Row-major out (M, N) = x (M, K) · wᵀ: column-major outᵀ (N, M) = op(A) B with
-        A = w's buffer, op = T.
+    def gemm(self, x, w, out, M: int, N: int, K: int, accumulate: bool = False):
+        """Row-major out (M, N) = x (M, K) · wᵀ (accumulate: out +=): column-major outᵀ
+        (N, M) = op(A) B + beta outᵀ with A = w's buffer, op = T.
         """
         self.cublas.gemm_ex(
             self.handle,
@@ -77,7 +78,7 @@ class CublasGemm:
             device_pointer(x),
             self.bf16,
             K,
-            self.beta.ctypes.data,
+            (self.beta_add if accumulate else self.beta).ctypes.data,
             device_pointer(out),
             self.f32,
             N,
@@ -116,9 +117,9 @@ def cublas_unavailable_reason() -> str | None:
     return _STATE["error"]
 
 
-def gemm_cublas(x, w, out, stream=0, workspace=None):
-    """out (M, N) = x (M, K) · wᵀ by cuBLAS gemmEx (bf16 in, f32 accumulate and out), on
-    `stream`.
+def gemm_cublas(x, w, out, stream=0, workspace=None, accumulate: bool = False):
+    """out (M, N) = x (M, K) · wᵀ (accumulate: out +=) by cuBLAS gemmEx (bf16 in, f32
+    accumulate and out), on `stream`.
     """
     M, N, K = check_linear_args("gemm_cublas", x, w, out)
     if not all(is_device_array(a) for a in (x, w, out)):
@@ -127,5 +128,5 @@ def gemm_cublas(x, w, out, stream=0, workspace=None):
     if gemm is None:
         raise RuntimeError(f"gemm_cublas: cuBLAS is unavailable: {_STATE['error']}")
     gemm.bind(stream, workspace)
-    gemm.gemm(x, w, out, M, N, K)
+    gemm.gemm(x, w, out, M, N, K, accumulate)
     return out

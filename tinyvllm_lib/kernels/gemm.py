@@ -130,9 +130,11 @@ def gemm_shared(x, w, out, stream=0):
 BLOCK_M, BLOCK_N, BLOCK_K, THREAD_M, THREAD_N = 128, 128, 8, 8, 8
 
 
-def make_gemm_blocked_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
+def make_gemm_blocked_kernel(
+    bm: int, bn: int, bk: int, tm: int, tn: int, accumulate: bool = False
+):
     """A register-blocked GEMM kernel: a block computes a bm x bn tile of y, each thread
-    a tm x tn micro-tile.
+    a tm x tn micro-tile; accumulate: out += x · wᵀ.
     """
     # the thread grid: cols threads along n, rows along m
     cols, rows = bn // tn, bm // tm
@@ -194,7 +196,9 @@ def make_gemm_blocked_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
             m = m0 + ty + uint64(rows * i)
             for j in range(tn):
                 n = n0 + tx + uint64(cols * j)
-                if m < M and n < N:
+                if m < M and n < N and accumulate:
+                    out[m, n] += acc[i * tn + j]
+                elif m < M and n < N:
                     out[m, n] = acc[i * tn + j]
 
     return kernel
@@ -203,17 +207,19 @@ def make_gemm_blocked_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
 gemm_blocked_kernel = make_gemm_blocked_kernel(
     BLOCK_M, BLOCK_N, BLOCK_K, THREAD_M, THREAD_N
 )
+gemm_blocked_add_kernel = make_gemm_blocked_kernel(
+    BLOCK_M, BLOCK_N, BLOCK_K, THREAD_M, THREAD_N, accumulate=True
+)
 BLOCKED_THREADS = (BLOCK_M // THREAD_M) * (BLOCK_N // THREAD_N)
 
 
-def gemm_blocked(x, w, out, stream=0):
-    """Launch: out = x · wᵀ, register-blocked (128 x 128 tiles, 8 x 8 outputs per
-    thread).
+def gemm_blocked(x, w, out, stream=0, accumulate: bool = False):
+    """Launch: out = x · wᵀ (accumulate: out += x · wᵀ), register-blocked (128 x 128
+    tiles, 8 x 8 outputs per thread).
     """
     M, N, K = check_linear_args("gemm_blocked", x, w, out)
-    gemm_blocked_kernel[
-        (_grid(N, BLOCK_N), _grid(M, BLOCK_M)), BLOCKED_THREADS, stream
-    ](x, w, out)
+    kernel = gemm_blocked_add_kernel if accumulate else gemm_blocked_kernel
+    kernel[(_grid(N, BLOCK_N), _grid(M, BLOCK_M)), BLOCKED_THREADS, stream](x, w, out)
     return out
 
 
@@ -222,4 +228,5 @@ PTX_SIGNATURES = {
     "gemm_naive_kernel": [_GEMM_SIG],
     "gemm_shared_kernel": [_GEMM_SIG],
     "gemm_blocked_kernel": [_GEMM_SIG],
+    "gemm_blocked_add_kernel": [_GEMM_SIG],
 }

@@ -8,9 +8,9 @@ import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function
-from tinyvllm_lib.kernels.checks import device_pointer
+from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.gemm import check_linear_args
-from tinyvllm_lib.kernels.rmsnorm import store_activation
+from tinyvllm_lib.kernels.rmsnorm import store_activation, unpack_f32_pair
 
 
 @device_function
@@ -78,10 +78,19 @@ GEMV_VARIANTS = {
 }
 # "auto": a warp per row from this many rows on (for 1 or 2 tokens)
 GEMV_WARP_MIN_ROWS = 16384
+# the kernel's body is a device function, inlined into each of its kernels
+INLINE = {} if config.ENABLE_CUDASIM else {"forceinline": True}
 
 
 def make_gemv_kernel(
-    num_tokens: int, warps_per_row: int, rows: int, unroll: int, gated: bool = False
+    num_tokens: int,
+    warps_per_row: int,
+    rows: int,
+    unroll: int,
+    gated: bool = False,
+    accumulate: bool = False,
+    rms_norm: bool = False,
+    max_registers: int | None = None,
 ):
     """A GEMV kernel, num_tokens token vectors per pass: out (M, N) = x (M, K) · wᵀ, x
     and w viewed as uint64.
@@ -90,10 +99,18 @@ def make_gemv_kernel(
     float32 or bf16 bits — chapter 7's MLP with its activation done where the two
     products are made, not in a kernel of its own. A warp group's rows are then gate
     row n and up row n (rows = 2).
+    accumulate: out += x · wᵀ (out float32): the residual add done where the product is
+    made.
+    rms_norm: x is the float32 residual stream (viewed as uint64: float32 pairs) and
+    the kernel takes (x64, w64, out, norm64, eps): out = RMSNorm(x) · wᵀ, with norm64
+    the norm's bf16 weight viewed as uint64. The sum of squares is made in the loop
+    that makes the dot products, and each dot product is scaled at the end.
+    max_registers: a cap for ptxas (None: its own choice).
     """
     assert not gated or (rows == 2 and warps_per_row == 1), (
         "a gated GEMV is a warp per (gate, up) pair of rows"
     )
+    assert not (gated and (accumulate or rms_norm)), "a gated GEMV only stores"
     # the warps' sums meet as one group: a warp a row, or the whole block
     assert warps_per_row in (1, GEMV_WARPS), (
         f"a row is read by one warp or all {GEMV_WARPS}, not {warps_per_row}"
@@ -106,12 +123,27 @@ def make_gemv_kernel(
     assert acc_size <= GEMV_MAX_ACC, (
         f"{acc_size} accumulators per thread would not stay in registers"
     )
+    # the sums to add up across lanes: the dot products, then (rms_norm) each token's
+    # sum of squares
+    sums_size = acc_size + (num_tokens if rms_norm else 0)
     step = threads_per_row * unroll
-    partial_shape = (GEMV_WARPS, acc_size)
+    partial_shape = (GEMV_WARPS, sums_size)
 
-    @cuda.jit
-    def kernel(x64, w64, out):
-        # (warp, row * num_tokens + token)
+    @cuda.jit(device=True, **INLINE)
+    def store_sum(out, m, n, total, squares, k, eps, prior):
+        """out[m, n] = one dot product: scaled by the RMSNorm of its token (rms_norm),
+        added to prior, what out held (accumulate).
+        """
+        if rms_norm:  # the mean of the k squares
+            total *= float32(1.0) / math.sqrt(squares / k + eps)
+        if accumulate:
+            out[m, n] = prior + total
+        else:
+            out[m, n] = total
+
+    @cuda.jit(device=True, **INLINE)
+    def gemv_body(x64, w64, out, norm64, eps):
+        # (warp, row * num_tokens + token), then the sums of squares
         partial = cuda.shared.array(partial_shape, float32)
         tid = cuda.threadIdx.x
         # which rows, which share of them
@@ -134,10 +166,13 @@ def make_gemv_kernel(
                 N,
             )
         lane, warp = tid % 32, tid // 32
-        # acc[r * num_tokens + m] = partial y[m0 + m, n0 + r]
-        acc = cuda.local.array(acc_size, float32)
+        k = float32(4) * float32(num_words)  # values a row: 4 a word of w
+        # acc[r * num_tokens + m] = partial y[m0 + m, n0 + r]; acc[acc_size + m] =
+        # partial sum of token m's squares
+        acc = cuda.local.array(sums_size, float32)
         words = cuda.local.array(words_size, uint64)
         wf = cuda.local.array(wf_size, float32)  # the words of w, widened
+        prior = cuda.local.array(acc_size, float32)  # accumulate: what out held
         # No earlier kernel writes w: load the first step's words before waiting for
         # the kernel before this one, which may still be running (chapter 1's
         # programmatic graph edges; chapter 11 measures them)
@@ -154,7 +189,7 @@ def make_gemv_kernel(
         m0 = uint64(0)
         # one pass per num_tokens token vectors; after the first, w comes from the cache
         while m0 < M:
-            for i in range(acc_size):
+            for i in range(sums_size):
                 acc[i] = float32(0)
             j = t
             while j < num_words:
@@ -175,9 +210,25 @@ def make_gemv_kernel(
                             wf[4 * r], wf[4 * r + 1], wf[4 * r + 2], wf[4 * r + 3] = (
                                 bf16x4_to_f32(words[u * rows + r])
                             )
+                        if rms_norm:  # the norm's weights for these four values
+                            g0, g1, g2, g3 = bf16x4_to_f32(norm64[jj])
                         for m in range(num_tokens):
                             if m0 + uint64(m) < M:
-                                x0, x1, x2, x3 = bf16x4_to_f32(x64[m0 + uint64(m), jj])
+                                if rms_norm:  # x: float32, weighted, squares summed
+                                    x0, x1 = unpack_f32_pair(
+                                        x64[m0 + uint64(m), uint64(2) * jj]
+                                    )
+                                    x2, x3 = unpack_f32_pair(
+                                        x64[m0 + uint64(m), uint64(2) * jj + uint64(1)]
+                                    )
+                                    acc[acc_size + m] += (
+                                        x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+                                    )
+                                    x0, x1, x2, x3 = x0 * g0, x1 * g1, x2 * g2, x3 * g3
+                                else:
+                                    x0, x1, x2, x3 = bf16x4_to_f32(
+                                        x64[m0 + uint64(m), jj]
+                                    )
                                 for r in range(rows):
                                     acc[r * num_tokens + m] += (
                                         x0 * wf[4 * r]
@@ -186,6 +237,11 @@ def make_gemv_kernel(
                                         + x3 * wf[4 * r + 3]
                                     )
                 j += uint64(step)
+            if accumulate:  # what out holds, loaded by its writers before the sums meet, not after
+                for i in range(acc_size):
+                    n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
+                    writes = lane == 0 if warps_per_row == 1 else tid == i
+                    prior[i] = out[m, n] if writes and n < N and m < M else float32(0)
             warp_sum_all(acc)  # every lane now holds its warp's sums
             if gated and warps_per_row == 1:  # lane 0: SiLU(gate) * up
                 for m in range(num_tokens):
@@ -201,40 +257,69 @@ def make_gemv_kernel(
                 for i in range(acc_size):
                     n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
                     if lane == 0 and n < N and m < M:
-                        out[m, n] = acc[i]
+                        squares = (
+                            acc[acc_size + i % num_tokens] if rms_norm else float32(0)
+                        )
+                        store_sum(out, m, n, acc[i], squares, k, eps, prior[i])
             # the block shares its rows: add up the warps' sums through shared memory
             else:
                 if lane == 0:
-                    for i in range(acc_size):
+                    for i in range(sums_size):
                         partial[warp, i] = acc[i]
                 cuda.syncthreads()
+                mine = float32(0)  # prior[tid], with the index known at compile time
+                for i in range(acc_size if accumulate else 0):
+                    mine = prior[i] if tid == i else mine
                 if tid < acc_size:
-                    total = float32(0)
+                    total, squares = float32(0), float32(0)
                     for i in range(GEMV_WARPS):
                         total += partial[i, tid]
+                        if rms_norm:
+                            squares += partial[i, acc_size + tid % num_tokens]
                     n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
                     if n < N and m < M:
-                        out[m, n] = total
+                        store_sum(out, m, n, total, squares, k, eps, mine)
                 cuda.syncthreads()  # partial is read before the next pass writes it
             m0 += uint64(num_tokens)
+
+    launch_options = {} if max_registers is None else {"max_registers": max_registers}
+    if rms_norm:
+
+        @cuda.jit(**launch_options)
+        def kernel(x64, w64, out, norm64, eps):
+            gemv_body(x64, w64, out, norm64, eps)
+
+    else:
+
+        @cuda.jit(**launch_options)
+        def kernel(x64, w64, out):
+            # no norm: w's first row stands in for its weight (never read)
+            gemv_body(x64, w64, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
     kernel.reads_before_wait = True  # w's first step (tests/test_ptx.py)
     return kernel
 
 
-# Module-level names, so that tests/test_ptx.py compiles every one of them.
+# Module-level names, so that tests/test_ptx.py compiles every one of them: the plain
+# GEMV, the one that adds to its output ("add") and the one that norms its input
+# ("rmsnorm"), a kernel a (variant, bucket)
 GEMV_KERNELS = {}
 PTX_SIGNATURES = {}
+GEMV_EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True}}
+_SIG = "uint64[:, ::1], uint64[:, ::1], float32[:, ::1]"
 for _variant, _config in GEMV_VARIANTS.items():
     for _tokens in GEMV_BUCKETS:
-        _name = f"gemv_{_variant}_t{_tokens}_kernel"
-        GEMV_KERNELS[_variant, _tokens] = globals()[_name] = make_gemv_kernel(
-            _tokens, *_config(_tokens)
-        )
-        PTX_SIGNATURES[_name] = [
-            "void(uint64[:, ::1], uint64[:, ::1], float32[:, ::1])"
-        ]
+        for _kind, _flags in GEMV_EPILOGUES.items():
+            _name = f"gemv_{_variant}_t{_tokens}{'_' * bool(_kind)}{_kind}_kernel"
+            GEMV_KERNELS[_variant, _tokens, _kind] = globals()[_name] = (
+                make_gemv_kernel(_tokens, *_config(_tokens), **_flags)
+            )
+            PTX_SIGNATURES[_name] = [
+                f"void({_SIG}, uint64[::1], float32)"
+                if _kind == "rmsnorm"
+                else f"void({_SIG})"
+            ]
 
 
 # defined in chapters/06_gemm.py
@@ -250,19 +335,13 @@ def can_gemv(x, w) -> bool:
     )
 
 
-def gemv(x, w, out, stream=0, variant: str = "auto"):
-    """Launch: out (M, N) = x (M, K) · wᵀ for M <= 16 token vectors, reading w 8 bytes
-    at a time.
+def pick_gemv_kernel(name: str, M: int, N: int, variant: str, kind: str = ""):
+    """(kernel, blocks) for M token vectors and N rows: the variant ("auto": the
+    launcher's choice), its bucket, the epilogue `kind` (see GEMV_EPILOGUES).
     """
-    M, N, K = check_linear_args("gemv", x, w, out)
     if M > GEMV_MAX_TOKENS:
         raise ValueError(
-            f"gemv: at most {GEMV_MAX_TOKENS} token vectors, got {M}: use a GEMM"
-        )
-    if K % 4 or device_pointer(x) % 8 or device_pointer(w) % 8:
-        raise ValueError(
-            f"gemv: reads 4 bf16 at a time, so rows must start on 8-byte boundaries: "
-            f"K={K} must be a multiple of 4 and x, w 8-byte aligned"
+            f"{name}: at most {GEMV_MAX_TOKENS} token vectors, got {M}: use a GEMM"
         )
     if variant == "auto" and config.ENABLE_CUDASIM:
         # the simulator runs every thread in Python: the variant with 8x fewer threads
@@ -272,12 +351,63 @@ def gemv(x, w, out, stream=0, variant: str = "auto"):
         variant = "warp" if N >= GEMV_WARP_MIN_ROWS and M <= 2 else "block"
     if variant not in GEMV_VARIANTS:
         raise ValueError(
-            f"gemv: variant must be 'auto' or one of {list(GEMV_VARIANTS)}, got "
+            f"{name}: variant must be 'auto' or one of {list(GEMV_VARIANTS)}, got "
             f"{variant!r}"
         )
-    kernel = GEMV_KERNELS[
-        variant, next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
-    ]
-    num_blocks = (N + kernel.rows_per_block - 1) // kernel.rows_per_block
-    kernel[num_blocks, GEMV_THREADS, stream](x.view(np.uint64), w.view(np.uint64), out)
+    bucket = next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
+    kernel = GEMV_KERNELS[variant, bucket, kind]
+    return kernel, (N + kernel.rows_per_block - 1) // kernel.rows_per_block
+
+
+def gemv(x, w, out, stream=0, variant: str = "auto", accumulate: bool = False):
+    """Launch: out (M, N) = x (M, K) · wᵀ for M <= 16 token vectors, reading w 8 bytes
+    at a time; accumulate: out += x · wᵀ instead.
+    """
+    M, N, K = check_linear_args("gemv", x, w, out)
+    if K % 4 or device_pointer(x) % 8 or device_pointer(w) % 8:
+        raise ValueError(
+            f"gemv: reads 4 bf16 at a time, so rows must start on 8-byte boundaries: "
+            f"K={K} must be a multiple of 4 and x, w 8-byte aligned"
+        )
+    kernel, blocks = pick_gemv_kernel("gemv", M, N, variant, "add" * accumulate)
+    kernel[blocks, GEMV_THREADS, stream](x.view(np.uint64), w.view(np.uint64), out)
+    return out
+
+
+def gemv_rmsnorm(residual, norm_weight, eps: float, w, out, stream=0, variant="auto"):
+    """Launch: out (M, N) = RMSNorm(residual) · wᵀ for M <= 16 rows of the float32
+    residual stream (M, K), with the norm's bf16 weight (K,): chapter 4's norm and this
+    GEMV in one kernel.
+    """
+    M, K = residual.shape if residual.ndim == 2 else (0, 0)
+    N = w.shape[0] if w.ndim == 2 else 0
+    if (
+        (residual.dtype, norm_weight.dtype, w.dtype, out.dtype)
+        != (np.float32, np.uint16, np.uint16, np.float32)
+        or (tuple(norm_weight.shape), tuple(w.shape), tuple(out.shape))
+        != ((K,), (N, K), (M, N))
+        or not all(is_c_contiguous(a) for a in (residual, norm_weight, w, out))
+        or 0 in (M, N, K)
+    ):
+        raise ValueError(
+            "gemv_rmsnorm: need residual (M, K) float32, norm_weight (K,) and w (N, K) "
+            "bf16 bits, out (M, N) float32, all C-contiguous; got "
+            + ", ".join(
+                f"{a.dtype} {tuple(a.shape)}" for a in (residual, norm_weight, w, out)
+            )
+        )
+    pointers = (device_pointer(a) for a in (residual, norm_weight, w))
+    if K % 4 or any(p % 8 for p in pointers):
+        raise ValueError(
+            f"gemv_rmsnorm: reads 4 values at a time: K={K} must be a multiple of 4 "
+            "and residual, norm_weight, w 8-byte aligned"
+        )
+    kernel, blocks = pick_gemv_kernel("gemv_rmsnorm", M, N, variant, "rmsnorm")
+    kernel[blocks, GEMV_THREADS, stream](
+        residual.view(np.uint64),
+        w.view(np.uint64),
+        out,
+        norm_weight.view(np.uint64),
+        np.float32(eps),
+    )
     return out

@@ -2,10 +2,11 @@
 # chapter and re-export.
 
 # defined in chapters/06_gemm.py
-from tinyvllm_lib.kernels.checks import is_device_array
+from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
 from tinyvllm_lib.kernels.cublas import cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked
-from tinyvllm_lib.kernels.gemv import can_gemv, gemv
+from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm
+from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 
 # Up to how many token vectors `linear` prefers the GEMV to cuBLAS, from the H200's
 # records (book/data/ch06_gemm.json, decode_step_gemv against decode_step_cublas: the 64
@@ -29,9 +30,9 @@ def linear_path(x, w) -> str:
     return "gemv" if can_gemv(x, w) else "blocked"
 
 
-def linear(x, w, out, *, stream=0, workspace=None):
+def linear(x, w, out, *, stream=0, workspace=None, accumulate: bool = False):
     """out (num_tokens, out_features) = x · wᵀ: x bf16 bits (num_tokens, in_features), w
-    bf16 bits (out, in).
+    bf16 bits (out, in); accumulate: out += x · wᵀ (a residual add).
     """
     check_linear_args("linear", x, w, out)
     if not all(is_device_array(a) for a in (x, w, out)):
@@ -41,10 +42,31 @@ def linear(x, w, out, *, stream=0, workspace=None):
         )
     path = linear_path(x, w)
     if path == "gemv":
-        return gemv(x, w, out, stream=stream)
+        return gemv(x, w, out, stream=stream, accumulate=accumulate)
     if path == "cublas":
-        return gemm_cublas(x, w, out, stream=stream, workspace=workspace)
-    return gemm_blocked(x, w, out, stream=stream)
+        return gemm_cublas(
+            x, w, out, stream=stream, workspace=workspace, accumulate=accumulate
+        )
+    return gemm_blocked(x, w, out, stream=stream, accumulate=accumulate)
+
+
+def rmsnorm_linear(
+    residual, norm_weight, eps, w, out, normed, *, stream=0, workspace=None
+):
+    """out = RMSNorm(residual) · wᵀ: residual float32 (num_tokens, in_features),
+    norm_weight its bf16 weight. Where `linear` takes the GEMV, one kernel
+    (gemv_rmsnorm) and `normed` is left alone; elsewhere chapter 4's rmsnorm writes the
+    bf16 rows into `normed` (num_tokens, in_features) and `linear` reads them.
+    """
+    if not all(is_device_array(a) for a in (residual, norm_weight, normed)):
+        raise TypeError("rmsnorm_linear: residual, norm_weight, normed: device arrays")
+    if (
+        linear_path(normed, w) == "gemv"
+        and device_pointer(residual) % 8 == device_pointer(norm_weight) % 8 == 0
+    ):
+        return gemv_rmsnorm(residual, norm_weight, eps, w, out, stream=stream)
+    rmsnorm(residual, norm_weight, eps, normed, stream=stream)
+    return linear(normed, w, out, stream=stream, workspace=workspace)
 
 
 def gemv_wins_up_to(records: list[dict]) -> int | None:
