@@ -237,11 +237,16 @@ def make_gemv_kernel(
                                         + x3 * wf[4 * r + 3]
                                     )
                 j += uint64(step)
-            if accumulate:  # what out holds, loaded by its writers before the sums meet, not after
+            # accumulate: what out holds, loaded by its writers before the sums meet
+            mine = float32(0)  # the block's writers: thread i writes sum i
+            if accumulate and warps_per_row == 1:  # lane 0 writes them all
                 for i in range(acc_size):
                     n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
-                    writes = lane == 0 if warps_per_row == 1 else tid == i
-                    prior[i] = out[m, n] if writes and n < N and m < M else float32(0)
+                    ok = lane == 0 and n < N and m < M
+                    prior[i] = out[m, n] if ok else float32(0)
+            elif accumulate:
+                n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
+                mine = out[m, n] if tid < acc_size and n < N and m < M else float32(0)
             warp_sum_all(acc)  # every lane now holds its warp's sums
             if gated and warps_per_row == 1:  # lane 0: SiLU(gate) * up
                 for m in range(num_tokens):
@@ -267,9 +272,6 @@ def make_gemv_kernel(
                     for i in range(sums_size):
                         partial[warp, i] = acc[i]
                 cuda.syncthreads()
-                mine = float32(0)  # prior[tid], with the index known at compile time
-                for i in range(acc_size if accumulate else 0):
-                    mine = prior[i] if tid == i else mine
                 if tid < acc_size:
                     total, squares = float32(0), float32(0)
                     for i in range(GEMV_WARPS):
