@@ -1,9 +1,9 @@
 """Chapter 11 on the GPU: a decode step of the Llama 3.2 1B stand-in, kernel by kernel.
 
 For each kernel of the step as the model launches it (embedding; per layer QKV, RoPE with the KV write,
-attention, output projection, gate-up, SiLU, down; the final norm, LM head, sampler — where the GEMV runs
-the norms are inside QKV and gate-up and the residual adds inside the output and down projections, and
-elsewhere a norm kernel comes before QKV and gate-up) its time, replayed from a
+attention, output projection, gate-up, SiLU, down; the final norm, LM head, sampler — the residual adds are
+inside the output and down projections, a norm is inside the projection after it where a GEMV whose blocks
+share each row runs it, and elsewhere a norm kernel comes before the projection) its time, replayed from a
 captured graph (tinyvllm_lib.measure.time_launches) with the 16 layers' weights and caches rotated
 so that none is read from L2 when a real step would read it from memory; the bytes it must move
 (counted, not measured: weights, cache and activations); its share of the step and of chapter 1's
@@ -29,6 +29,7 @@ from tinyvllm_lib.kernels.decode_attention import (
     write_kv_cache,
 )
 from tinyvllm_lib.kernels.embedding import embed
+from tinyvllm_lib.kernels.gemv import gemv_rmsnorm, gemv_variant
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
 from tinyvllm_lib.layers.linear import linear, linear_path, rmsnorm_linear
@@ -66,21 +67,24 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         r[name][:rows].copy_to_device(np.full(rows, value, r[name].dtype))
     lin = lambda name, wname, out, add=False: (lambda i, s: linear(  # noqa: E731
         x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws, accumulate=add))
-    # the projections after a norm: the norm inside the GEMV, or a norm kernel (its own entry) then the GEMM
-    fused = linear_path(x["normed"], w["layers.0.qkv_proj"]) == "gemv"
+    # the projections after a norm: the norm inside the GEMV (where a block shares each row, as rmsnorm_linear
+    # decides), or a norm kernel (its own entry) then the projection
+    fused = {name: linear_path(x["normed"], w[f"layers.0.{name}"]) == "gemv"
+             and gemv_variant(rows, w[f"layers.0.{name}"].shape[0]) == "block" for name in ("qkv_proj", "gate_up_proj")}
     norm_lin = lambda norm, wname, out: (  # noqa: E731
         (lambda i, s: rmsnorm_linear(x["residual"], w[f"layers.{i % L}.{norm}"], 1e-5, w[f"layers.{i % L}.{wname}"],
                                      x[out], x["normed"], stream=s, workspace=ws))
-        if fused else lin("normed", wname, out))
+        if fused[wname] else lin("normed", wname, out))
     qkv_w, kv_bytes = (H + 2 * KVH) * D, 2 * rows * context * KVH * D * 2
     act_bytes = lambda *widths_dtypes: rows * sum(n * d for n, d in widths_dtypes)  # noqa: E731
-    norm_in = act_bytes((hid, 4)) + 2 * hid if fused else act_bytes((hid, 2))  # the residual and norm weight, or normed
+    # what a projection after a norm reads besides w: the residual and the norm's weight, or the normed rows
+    norm_in = {name: act_bytes((hid, 4)) + 2 * hid if f else act_bytes((hid, 2)) for name, f in fused.items()}
     kernels = [
         ("embed", 1, lambda i, s: embed(ids, w["embed_tokens"], x["residual"], stream=s), act_bytes((hid, 2), (hid, 4))),
-        ("rmsnorm", 1 + (0 if fused else 2 * L),  # the final norm, and the two a layer where the GEMV does not run
+        ("rmsnorm", 1 + L * sum(not f for f in fused.values()),  # the final norm, and those not in a GEMV
          lambda i, s: rmsnorm(x["residual"], w[f"layers.{i % L}.input_layernorm"], 1e-5, x["normed"], stream=s),
          act_bytes((hid, 4), (hid, 2)) + 2 * hid),
-        ("qkv_proj", L, norm_lin("input_layernorm", "qkv_proj", "qkv"), qkv_w * hid * 2 + norm_in + act_bytes((qkv_w, 4))),
+        ("qkv_proj", L, norm_lin("input_layernorm", "qkv_proj", "qkv"), qkv_w * hid * 2 + norm_in["qkv_proj"] + act_bytes((qkv_w, 4))),
         ("rope_kv_write", L, lambda i, s: rope_and_write_kv_cache(  # the attention layer's, as the model calls it
             x["qkv"], pos, runner.model.rope, H, KVH, slots, cache.k[i % L], cache.v[i % L], stream=s),
          2 * act_bytes(((H + KVH) * D, 4)) + act_bytes((KVH * D, 4), (2 * KVH * D, 2))),
@@ -90,7 +94,7 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         # the residual add in the projection: out read and written
         ("o_proj", L, lin("attn", "o_proj", "residual", add=True), H * D * hid * 2 + act_bytes((H * D, 2), (hid, 8))),
         ("gate_up_proj", L, norm_lin("post_attention_layernorm", "gate_up_proj", "gate_up"),
-         2 * inter * hid * 2 + norm_in + act_bytes((2 * inter, 4))),
+         2 * inter * hid * 2 + norm_in["gate_up_proj"] + act_bytes((2 * inter, 4))),
         ("silu_mul", L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s), act_bytes((2 * inter, 4), (inter, 2))),
         ("down_proj", L, lin("act", "down_proj", "residual", add=True), inter * hid * 2 + act_bytes((inter, 2), (hid, 8))),
         ("lm_head", 1, lambda i, s: linear(x["normed"], w["lm_head"], logits, stream=s, workspace=ws),
@@ -103,8 +107,10 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
 def fusions(runner, rows: int, context: int, rng) -> list:
     """[(fusion, separate(i, stream), fused(i, stream))]: fused kernels against the kernels they replace, on the
     same buffers (filled by decode_kernels): RoPE with the KV write (the model's); at one row the gated GEMV
-    (chapter 7's, which the model does not use) and the residual adds and norms inside the GEMVs (the model's:
-    three kernels become two)."""
+    (chapter 7's, which the model does not use), the residual add inside the output and down projections (the
+    model's: they write what chapter 4's add + norm kernel added, leaving a plain norm), and the norm inside QKV's
+    and gate-up's GEMVs (the model's for QKV; for gate-up, which runs a warp a row, also with blocks sharing each
+    row)."""
     c, w, b, ws = runner.config, runner.model.weights, runner.activations, runner.cublas_workspace
     L, H, KVH = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
     cache, x = runner.kv_cache, {name: buf[:rows] for name, buf in b.items()}
@@ -120,24 +126,38 @@ def fusions(runner, rows: int, context: int, rng) -> list:
                     lambda i, s: (linear(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["gate_up"], stream=s, workspace=ws),
                                   silu_mul(x["gate_up"], x["act"], stream=s)),
                     lambda i, s: gemv_silu_mul(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"], stream=s)))
-        # the residual add and the norm in the GEMVs (the model's), against chapter 4's add + norm kernel between
-        # a projection writing its own output and the next reading bf16 normed rows
+        # the residual add in the projection (the model's), against the projection writing its own output and
+        # chapter 4's add + norm kernel; then the norm: its own kernel, or inside the next projection's GEMV
         delta = cuda.to_device(rng.standard_normal((rows, c.hidden_size)).astype(np.float32))
-        for name, (first, x_in, norm, second, out_name) in {
-            "add_norm_o_gate_up": ("o_proj", "attn", "post_attention_layernorm", "gate_up_proj", "gate_up"),
-            "add_norm_down_qkv": ("down_proj", "act", "input_layernorm", "qkv_proj", "qkv"),
+        for name, (first, x_in, norm) in {
+            "add_in_o_proj": ("o_proj", "attn", "post_attention_layernorm"),
+            "add_in_down_proj": ("down_proj", "act", "input_layernorm"),
         }.items():
-            def separate(i, s, first=first, x_in=x_in, norm=norm, second=second, out_name=out_name):
+            def separate(i, s, first=first, x_in=x_in, norm=norm):
                 p = f"layers.{i % L}."
                 linear(x[x_in], w[p + first], delta, stream=s, workspace=ws)
                 fused_add_rmsnorm(x["residual"], delta, w[p + norm], 1e-5, x["normed"], stream=s)
-                linear(x["normed"], w[p + second], x[out_name], stream=s, workspace=ws)
 
-            def fused(i, s, first=first, x_in=x_in, norm=norm, second=second, out_name=out_name):
+            def fused(i, s, first=first, x_in=x_in, norm=norm):
                 p = f"layers.{i % L}."
                 linear(x[x_in], w[p + first], x["residual"], stream=s, workspace=ws, accumulate=True)
-                rmsnorm_linear(x["residual"], w[p + norm], 1e-5, w[p + second], x[out_name], x["normed"], stream=s,
-                               workspace=ws)
+                rmsnorm(x["residual"], w[p + norm], 1e-5, x["normed"], stream=s)
+
+            out.append((name, separate, fused))
+        for name, (norm, second, out_name, variant) in {
+            "norm_in_qkv_proj": ("input_layernorm", "qkv_proj", "qkv", "auto"),
+            "norm_in_gate_up_proj": ("post_attention_layernorm", "gate_up_proj", "gate_up", "auto"),
+            "norm_in_gate_up_proj_block": ("post_attention_layernorm", "gate_up_proj", "gate_up", "block"),
+        }.items():
+            def separate(i, s, norm=norm, second=second, out_name=out_name):
+                p = f"layers.{i % L}."
+                rmsnorm(x["residual"], w[p + norm], 1e-5, x["normed"], stream=s)
+                linear(x["normed"], w[p + second], x[out_name], stream=s, workspace=ws)
+
+            def fused(i, s, norm=norm, second=second, out_name=out_name, variant=variant):
+                p = f"layers.{i % L}."
+                gemv_rmsnorm(x["residual"], w[p + norm], 1e-5, w[p + second], x[out_name], stream=s,
+                             variant=variant)
 
             out.append((name, separate, fused))
     return out

@@ -819,6 +819,21 @@ def make_gemv_kernel(
             out[m, n] = total
 
     @cuda.jit(device=True, **INLINE)
+    def load_prior(out, prior, n0, m0, N, M, lane, tid):
+        """accumulate: what out holds where this thread will write. A warp a row:
+        lane 0 writes all of its warp's sums, into prior; the block's: thread i writes
+        sum i, returned.
+        """
+        if warps_per_row == 1:
+            for i in range(acc_size):
+                n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
+                ok = lane == 0 and n < N and m < M
+                prior[i] = out[m, n] if ok else float32(0)
+            return float32(0)
+        n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
+        return out[m, n] if tid < acc_size and n < N and m < M else float32(0)
+
+    @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, out, norm64, eps):
         # (warp, row * num_tokens + token), then the sums of squares
         partial = cuda.shared.array(partial_shape, float32)
@@ -868,6 +883,11 @@ def make_gemv_kernel(
         while m0 < M:
             for i in range(sums_size):
                 acc[i] = float32(0)
+            # accumulate, one token: what out holds, loaded as the pass starts, under
+            # way while w streams in (more tokens: after the loop, see below)
+            mine = float32(0)  # the block's writers: thread i writes sum i
+            if accumulate and num_tokens == 1:
+                mine = load_prior(out, prior, n0, m0, N, M, lane, tid)
             j = t
             while j < num_words:
                 # issue every load first: unroll * rows words in flight
@@ -914,16 +934,10 @@ def make_gemv_kernel(
                                         + x3 * wf[4 * r + 3]
                                     )
                 j += uint64(step)
-            # accumulate: what out holds, loaded by its writers before the sums meet
-            mine = float32(0)  # the block's writers: thread i writes sum i
-            if accumulate and warps_per_row == 1:  # lane 0 writes them all
-                for i in range(acc_size):
-                    n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
-                    ok = lane == 0 and n < N and m < M
-                    prior[i] = out[m, n] if ok else float32(0)
-            elif accumulate:
-                n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
-                mine = out[m, n] if tid < acc_size and n < N and m < M else float32(0)
+            # more tokens: held through the loop, the loads would cost registers (a
+            # warp a row: every lane's, for lane 0's values)
+            if accumulate and num_tokens > 1:
+                mine = load_prior(out, prior, n0, m0, N, M, lane, tid)
             warp_sum_all(acc)  # every lane now holds its warp's sums
             if gated and warps_per_row == 1:  # lane 0: SiLU(gate) * up
                 for m in range(num_tokens):
@@ -1002,6 +1016,38 @@ for _variant, _config in GEMV_VARIANTS.items():
 
 
 # %% [markdown]
+# **Two jobs for the GEMV's ends.** A decoding step of Llama (chapter 7) runs, twice a
+# layer, *projection → residual add → RMSNorm → projection*. At one token the add and
+# the norm are a few kilobytes of work in a kernel of their own, and chapter 11 measures
+# what such a kernel costs at batch 1: its launch and its wait, not its bytes. Both fit
+# in the GEMV we have, as compile-time flags of `make_gemv_kernel`:
+#
+# - `accumulate`: the projection *adds* its result to `out` instead of writing it. The
+#   residual stream is the `out` of the output and down projections, and each of its
+#   elements has one writer, so the add needs nothing but a load of what `out` held.
+#   At one token the writers issue it as the loop starts, so that it arrives while
+#   $W$ streams in; at more tokens, where a warp's writer holds many values, after the
+#   loop (held through it, they would cost every lane registers). cuBLAS does the same
+#   with `beta = 1`.
+# - `rms_norm`: the GEMV reads the float32 residual stream and the norm's weight $g$,
+#   and computes $\mathrm{RMSNorm}(x) \cdot W^\top$ itself. The norm's scale
+#   $1/\sqrt{\overline{x^2} + \epsilon}$ is one number per token, so it factors out of
+#   every dot product: $\sum_k \frac{x_k g_k}{s} W_{nk} = \frac{1}{s}\sum_k x_k g_k
+#   W_{nk}$. The kernel adds up $x_k^2$ in the same loop that adds up $x_k g_k W_{nk}$
+#   — each thread sees each $x_k$ of its share once — and the squares travel through
+#   the same warp and block reductions as the dot products; the scale is applied at the
+#   end. No block waits for the whole row before it starts, and no second kernel runs.
+#   The normed values stay in float32 (the separate norm rounds them to bf16 for the
+#   next kernel), so the result is closer to float32, not bit-equal to the two kernels'.
+#
+# The kernel's body is one device function, inlined into each kernel (`forceinline`),
+# so the flags cost nothing where they are off. The norm inside the GEMV is not free:
+# every reader of $x$ now reads float32 values and the norm's weights, three times the
+# bytes of the bf16 rows. Where a block of 8 warps shares each row, that is one read
+# of $x$ for 4 rows of $W$; where a warp owns a row (the 16,384-row gate-up projection),
+# one for each row. `rmsnorm_linear` below therefore fuses only where the blocks share
+# rows, and chapter 11 measures both.
+#
 # The launcher picks the bucket and the variant, views both operands as `uint64` (a
 # view, not a copy) and checks what the views need.
 
@@ -1020,6 +1066,11 @@ def can_gemv(x, w) -> bool:
     )
 
 
+def gemv_variant(M: int, N: int) -> str:
+    """The variant "auto" runs on a GPU for M token vectors and N rows."""
+    return "warp" if N >= GEMV_WARP_MIN_ROWS and M <= 2 else "block"
+
+
 def pick_gemv_kernel(name: str, M: int, N: int, variant: str, kind: str = ""):
     """(kernel, blocks) for M token vectors and N rows: the variant ("auto": the
     launcher's choice), its bucket, the epilogue `kind` (see GEMV_EPILOGUES).
@@ -1033,7 +1084,7 @@ def pick_gemv_kernel(name: str, M: int, N: int, variant: str, kind: str = ""):
         # per row
         variant = "warp"
     if variant == "auto":
-        variant = "warp" if N >= GEMV_WARP_MIN_ROWS and M <= 2 else "block"
+        variant = gemv_variant(M, N)
     if variant not in GEMV_VARIANTS:
         raise ValueError(
             f"{name}: variant must be 'auto' or one of {list(GEMV_VARIANTS)}, got "
@@ -1130,6 +1181,48 @@ if can_launch():
         for variant in GEMV_VARIANTS:
             err = check_gemv(M, N, K, variant)
         print(f"gemv M={M:2d} N={N:6d} K={K:5d}: relative error {err:.1e}")
+
+# %% [markdown]
+# And the two epilogues, against NumPy in float64: the GEMV that adds to what `out`
+# holds, and the GEMV that norms its input (its reference keeps the normed values in
+# float64, as the kernel keeps them in float32):
+
+
+# %%
+def check_gemv_epilogues(M: int, N: int, K: int, variant: str) -> tuple[float, float]:
+    """(relative error of out += x · wᵀ, of out = RMSNorm(residual) · wᵀ)."""
+    rng = np.random.default_rng(M * N + K)
+    x = f32_to_bf16_bits(rng.standard_normal((M, K), dtype=np.float32))
+    w = f32_to_bf16_bits(rng.standard_normal((N, K), dtype=np.float32) * 0.05)
+    w64 = bf16_bits_to_f32(w).astype(np.float64)
+    before = rng.standard_normal((M, N)).astype(np.float32)
+    out = cuda.to_device(before)
+    gemv(cuda.to_device(x), cuda.to_device(w), out, variant=variant, accumulate=True)
+    want = before + bf16_bits_to_f32(x).astype(np.float64) @ w64.T
+    add_err = np.abs(out.copy_to_host() - want).max() / np.abs(want).max()
+    residual = rng.standard_normal((M, K), dtype=np.float32) * 4
+    g = f32_to_bf16_bits(rng.standard_normal(K, dtype=np.float32))
+    r = residual.astype(np.float64)
+    inv_rms = 1 / np.sqrt((r * r).mean(axis=1, keepdims=True) + 1e-5)
+    normed = r * inv_rms * bf16_bits_to_f32(g)
+    out = cuda.device_array((M, N), np.float32)
+    gemv_rmsnorm(
+        cuda.to_device(residual), cuda.to_device(g), 1e-5, cuda.to_device(w), out,
+        variant=variant,
+    )
+    want = normed @ w64.T
+    return add_err, np.abs(out.copy_to_host() - want).max() / np.abs(want).max()
+
+
+if can_launch():
+    for M, N, K in cases[:2]:
+        for variant in GEMV_VARIANTS:
+            add_err, norm_err = check_gemv_epilogues(M, N, K, variant)
+            print(
+                f"M={M:2d} N={N:5d} K={K:5d} {variant:>5}: out += x·wᵀ {add_err:.1e}, "
+                f"RMSNorm(x)·wᵀ {norm_err:.1e}"
+            )
+            assert max(add_err, norm_err) < 1e-4
 
 # %% [markdown]
 # ## cuBLAS, from row-major Python
@@ -1380,7 +1473,7 @@ else:
 from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
 from tinyvllm_lib.kernels.cublas import cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked
-from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm
+from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm, gemv_variant
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 
 # Up to how many token vectors `linear` prefers the GEMV to cuBLAS, from the H200's
@@ -1429,14 +1522,17 @@ def rmsnorm_linear(
     residual, norm_weight, eps, w, out, normed, *, stream=0, workspace=None
 ):
     """out = RMSNorm(residual) · wᵀ: residual float32 (num_tokens, in_features),
-    norm_weight its bf16 weight. Where `linear` takes the GEMV, one kernel
-    (gemv_rmsnorm) and `normed` is left alone; elsewhere chapter 4's rmsnorm writes the
-    bf16 rows into `normed` (num_tokens, in_features) and `linear` reads them.
+    norm_weight its bf16 weight. Where `linear` takes the GEMV and a block shares each
+    row, one kernel (gemv_rmsnorm) and `normed` is left alone; elsewhere chapter 4's
+    rmsnorm writes the bf16 rows into `normed` (num_tokens, in_features) and `linear`
+    reads them. (A warp a row would read the float32 residual and the norm's weight
+    once a row, three times the bytes of the row of w: slower, chapter 11 measures.)
     """
     if not all(is_device_array(a) for a in (residual, norm_weight, normed)):
         raise TypeError("rmsnorm_linear: residual, norm_weight, normed: device arrays")
     if (
         linear_path(normed, w) == "gemv"
+        and gemv_variant(normed.shape[0], w.shape[0]) == "block"
         and device_pointer(residual) % 8 == device_pointer(norm_weight) % 8 == 0
     ):
         return gemv_rmsnorm(residual, norm_weight, eps, w, out, stream=stream)
@@ -1685,7 +1781,7 @@ for layer, (N, K) in [*shapes.items(), ("lm_head", lm_head)]:
     if warp and block:
         faster = "warp" if warp["us"] < block["us"] else "block"
         # what gemv(variant="auto") runs for one token
-        auto = "warp" if N >= GEMV_WARP_MIN_ROWS else "block"
+        auto = gemv_variant(1, N)
         gemv_rows.append((layer, N, K, warp, block, faster, auto))
         print(
             f"{layer:>8} {f'{N} x {K}':>14} {2 * N * K / 1e6:6.1f} "

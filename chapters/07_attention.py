@@ -1953,21 +1953,27 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # positions, `rope=(table, positions)`: this chapter's `FlashAttention` rotates q and
 # k with `rope_qkv` before it attends, and chapter 8's cached attention rotates them in
 # the kernel that writes the cache. The dtypes follow the table at the start of the
-# chapter; two fusions save launches and bytes:
+# chapter; three fusions save launches and bytes:
 #
-# - chapter 4's **fused residual add + RMSNorm** adds the attention output to the stream
-#   and normalises it for the MLP in one kernel; after the MLP the same kernel adds its
-#   output and normalises for the *next* layer — or, after the last layer, with the
-#   final norm's weight;
+# - the **residual add inside the projection**: the output and down projections add
+#   their result to the float32 residual stream (chapter 6's `accumulate`), where it is
+#   made, instead of writing it for an add kernel to read back;
+# - the **norm inside the next projection** where chapter 6's GEMV runs with blocks
+#   sharing each row (`rmsnorm_linear`: the QKV projection at one token, both
+#   projections at 3 to 16): the GEMV reads the residual stream and the norm's weight
+#   itself. Elsewhere chapter 4's `rmsnorm` writes bf16 normed rows and the projection
+#   reads them;
 # - the attention kernel and `silu_mul` write **bf16** straight away, the inputs of
 #   `o_proj` and `down_proj`.
 #
 # (The gated GEMV above is not among them: chapter 11 times it against the two kernels
-# it would replace, and at Llama 3.2 1B's shape it is the slower of the two.)
+# it would replace, and at Llama 3.2 1B's shape it is the slower of the two; chapter 11
+# times the norm inside the gate-up GEMV too.)
 #
-# Per layer that is eight launches: QKV projection, RoPE, attention, o projection, add +
-# norm, gate/up projection, SiLU·up, down projection, add + norm — and around them the
-# embedding, the first norm and the head.
+# Per layer that is six to eight launches: norm (where it is not inside the QKV
+# projection), QKV projection, RoPE, attention, o projection (+ add), norm (likewise),
+# gate/up projection, SiLU·up, down projection (+ add) — and around them the embedding
+# and the final norm; the head is `compute_logits`.
 
 # %%
 #| export models.llama_cuda
@@ -2058,7 +2064,7 @@ class LlamaCuda:
         embed(b["ids"], w["embed_tokens"], b["residual"], stream=stream)
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
-            # x = residual: qkv = norm(x) · Wqkvᵀ, one kernel where the GEMV runs
+            # x = residual: qkv = norm(x) · Wqkvᵀ, one kernel where chapter 6 says so
             norm_qkv = (w[p + "input_layernorm"], eps, w[p + "qkv_proj"], b["qkv"])
             rmsnorm_linear(b["residual"], *norm_qkv, b["normed"], **on)
             # the attention layer rotates q and k (with its cache write, if it has one)

@@ -19,7 +19,8 @@
 # the splits of the context and their combination), the output projection, a residual
 # add with RMSNorm, the gate-up projection, SiLU, the down projection and another add
 # with norm; before them the embedding and a norm, after them the head and the sampler.
-# (Chapter 8's later fusions, measured below, took two kernels a layer away.) Chapter 9
+# (The later fusions of chapters 6 and 8, measured below, took two to four kernels a
+# layer away.) Chapter 9
 # timed that step on an H200 both ways (the numbers are below): the kernels alone take a
 # small share of the step launched from Python, because each launch costs host time
 # before it reaches the GPU, which waits most of the step.
@@ -1509,6 +1510,7 @@ if all(name in by_name for name in needed):
         tt = by_name["transformers_throughput"]
         prose.glue("ch11_tt", f"{tt['value']:,.0f}")
         prose.glue("ch11_tt_batch", f"{tt['best_batch_size']}")
+        prose.glue("ch11_tt_date", tt["date"])
         tt_sizes = tt.get("batch_sizes_tried", [])
     num_eager = tp["num_steps"] - tp.get("replayed_steps", 0)
     prose.glue("ch11_tp_eager_steps", f"{num_eager:,}")
@@ -1547,6 +1549,11 @@ without the overlap, {{ch11_tp_eager}} eagerly"""
                 if len(tt_sizes) == 1
                 else "; transformers' best, at batch {{ch11_tt_batch}}, is {{ch11_tt}}"
             )
+            + (
+                " (recorded {{ch11_tt_date}}, on another lease of the same GPU kind)"
+                if by_name["transformers_throughput"]["date"] != tp["date"]
+                else ""
+            )
             if "transformers_throughput" in by_name
             else ""
         )
@@ -1578,7 +1585,8 @@ if all(name in by_name for name in ("bs1_decode", "throughput")):
 Our targets for this chapter were 1,100 tok/s at batch 1 (70% of the limit, and twice
 `torch.compile`) and 20,000 output tok/s on nano-vllm's workload. Batch 1 reached
 {{ch11_bs1_verdict}} of its target, the workload {{ch11_tp_verdict}} of its. At batch 1
-what is left is in the kernels, which the next section measures one by one.
+the rest of the way to the limit is in the kernels, which the next section measures
+one by one.
 """)
 
 # %% [markdown]
@@ -1590,7 +1598,10 @@ what is left is in the kernels, which the next section measures one by one.
 # must move (weights, cache, activations) and divides. The bars are each kernel's share
 # of the step (summed over its 16 layers); the label is its own share of copy bandwidth.
 # The kernels are the model's as it launches them after the next section's changes:
-# RoPE and the KV write are one kernel, and attention combines its splits itself.
+# RoPE and the KV write are one kernel, attention combines its splits itself, the
+# residual adds are inside the output and down projections, and where the GEMV's blocks
+# share rows (at one row: QKV) the norm is inside the projection; `rmsnorm` counts the
+# norms that are still kernels of their own.
 
 # %% tags=["hide-input"]
 kernel_records = [
@@ -1623,7 +1634,7 @@ else:
 if kernel_records:
     k1 = {r["kernel"]: r for r in kernel_records if r["shape"][0] == 1}
     k64 = {r["kernel"]: r for r in kernel_records if r["shape"][0] == 64}
-    small = ("rope_kv_write", "add_rmsnorm", "silu_mul")
+    small = ("rope_kv_write", "rmsnorm", "silu_mul")
     prose.glue(
         "ch11_small_1",
         f"{sum(k1[k]['share_of_step'] for k in small if k in k1):.0%}",
@@ -1641,16 +1652,16 @@ projection at {{ch11_o_bw}}: 8 to 12 MB each is too little to fill the GPU). Att
 over 1,024 tokens is {{ch11_attn_1}} of the step at {{ch11_attn_1_bw}} of copy — one
 sequence's keys and values are 2 MB a layer, too little to keep the memory busy for the
 few microseconds the kernel's chain of dependent loads takes — and the small kernels
-(RoPE with the KV write, the two add + norms, SiLU) are {{ch11_small_1}} together. At 64
+(RoPE with the KV write, the norms, SiLU) are {{ch11_small_1}} together. At 64
 rows attention reads at {{ch11_attn_64_bw}} of copy; our target is 75%.
 """)
 
 # %% [markdown]
 # ### Fewer kernels: what each change bought
 #
-# Chapters 7 and 8 introduced three changes that the table above called for; here is
-# what each bought, timed against what it replaced at the same shapes (one, the gated
-# GEMV, was not adopted):
+# Chapters 6, 7 and 8 introduced changes that the table above called for; here is what
+# each bought, timed against what it replaced at the same shapes (two were not
+# adopted):
 #
 # - **attention combines its own splits** (chapter 8): the last block of a sequence's
 #   splits to finish, found with an atomic count, adds the partials up, instead of a
@@ -1661,7 +1672,15 @@ rows attention reads at {{ch11_attn_64_bw}} of copy; our target is 75%.
 #   the kernel that stores k and v. `bench/ch11_kernels.py` times the pair and the fused
 #   kernel on the same buffers, in the same run;
 # - **SiLU·up inside the gate-up GEMV** (chapter 7's `gemv_silu_mul`), timed the same
-#   way at one row, where the GEMV runs.
+#   way at one row, where the GEMV runs;
+# - **the residual add inside the projection** (chapter 6's `accumulate`): the output
+#   and down projections add to the residual stream where they make their sums. Before,
+#   each wrote its own output and chapter 4's fused add + norm kernel added it; after,
+#   a plain norm remains — the same two kernels, one fewer activation written and read;
+# - **the norm inside the next projection** (chapter 6's `gemv_rmsnorm`): the GEMV reads
+#   the float32 residual and the norm's weight and scales its sums at the end, against
+#   the norm kernel and the plain GEMV. Timed for QKV (blocks of 8 warps share each
+#   row) and for gate-up, both as the launcher runs it (a warp a row) and with blocks.
 
 # %% tags=["hide-input"]
 fusion_records = sorted(
@@ -1691,7 +1710,7 @@ else:
     fig, ax = new_figure(height=0.32 * len(pairs) + 1.0)
     y = np.arange(len(pairs))
     ax.barh(y - 0.2, [p[1] for p in pairs], 0.4, label="before: separate kernels")
-    ax.barh(y + 0.2, [p[2] for p in pairs], 0.4, label="after: one kernel")
+    ax.barh(y + 0.2, [p[2] for p in pairs], 0.4, label="after: fused")
     for i, (_, b, a) in enumerate(pairs):
         ax.text(max(a, b), i, f" {a - b:+.1f} µs", va="center", fontsize=7)
     ax.set_yticks(y, [p[0] for p in pairs], fontsize=8)
@@ -1725,6 +1744,20 @@ if fused and 1 in before and 1 in after and ("gate_up_silu", 1) in fused:
     gs = fused[("gate_up_silu", 1)]
     prose.glue("ch11_gs_sep", f"{gs['separate_us']:.1f} µs")
     prose.glue("ch11_gs_fused", f"{gs['value']:.1f} µs")
+    epilogues = (
+        "add_in_o_proj",
+        "add_in_down_proj",
+        "norm_in_qkv_proj",
+        "norm_in_gate_up_proj",
+        "norm_in_gate_up_proj_block",
+    )
+    epilogues_recorded = all((k, 1) in fused for k in epilogues)
+    if epilogues_recorded:
+        for k in epilogues:
+            r = fused[(k, 1)]
+            prose.glue(f"ch11_{k}_sep", f"{r['separate_us']:.1f} µs")
+            prose.glue(f"ch11_{k}_fused", f"{r['value']:.1f} µs")
+            prose.glue(f"ch11_{k}_saved", f"{r['saved_per_step_us']:.0f} µs")
     prose.show("""
 At one row the combine folded into attention took a layer's attention from
 {{ch11_attn_before_1}} to {{ch11_attn_after_1}}, {{ch11_attn_saved_1}} a step: the
@@ -1740,6 +1773,23 @@ gated GEMV *lost*: {{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and Si
 A warp per (gate, up) pair of rows means half as many warps, each with twice the loads,
 and that costs the 16,384-row GEMV more than the {{ch11_silu_1}} SiLU kernel it removes;
 the model keeps the two kernels.
+""")
+    if epilogues_recorded:
+        prose.show("""
+The residual add inside the projection saved {{ch11_add_in_o_proj_saved}} a step at the
+output projection ({{ch11_add_in_o_proj_fused}} for the projection and the norm, against
+{{ch11_add_in_o_proj_sep}}) and {{ch11_add_in_down_proj_saved}} at the down projection
+({{ch11_add_in_down_proj_fused}} against {{ch11_add_in_down_proj_sep}}). The norm inside
+QKV's GEMV saved {{ch11_norm_in_qkv_proj_saved}} ({{ch11_norm_in_qkv_proj_fused}}
+against {{ch11_norm_in_qkv_proj_sep}} for the norm and the plain GEMV). Inside gate-up's
+it *lost*: {{ch11_norm_in_gate_up_proj_fused}} against {{ch11_norm_in_gate_up_proj_sep}}
+with a warp a row, and still {{ch11_norm_in_gate_up_proj_block_fused}} against
+{{ch11_norm_in_gate_up_proj_block_sep}} with blocks sharing rows. Each reader of $x$ now
+reads 6 bytes a value where it read 2 (a float32 value and the norm's bf16 weight for a
+bf16 value); for QKV's 768 blocks that is little beside the rows of $W$ they share, for
+gate-up's 16,384 warps, each reading $x$ for one row, it is three times the bytes of
+that row from L1 — the kernel no longer keeps up with memory. The model therefore fuses
+the norm only where the GEMV's blocks share rows (chapter 6's `rmsnorm_linear`).
 """)
 else:
     print("the fusion records are not all there yet: run bench/ch11_kernels.py")
@@ -1855,20 +1905,20 @@ longer."""
 #
 # The graphs take away the launches, the overlap takes the host out of the step, and the
 # fused kernels above took a few launches and one slow combine out of it. At batch 1 the
-# step is now its kernels; what stands between this engine and our target of 1,100
-# tok/s is:
+# step is now its kernels; what stands between this engine and the limit that the
+# weights' bytes set is:
 #
 # - **the small projections**: QKV and the output projection move 8 to 12 MB a layer
 #   at a far smaller share of copy bandwidth than gate-up, because a kernel that short
 #   is mostly its own start and end (the knob sweep below moved them, but not far); the
-#   fix is fewer, longer kernels — the norms and the residual adds inside the
-#   projections' GEMVs, or one persistent kernel for a whole layer, as the hand-written
-#   megakernels do;
+#   residual adds and QKV's norm are inside them now, and what remains is one
+#   persistent kernel for a whole layer, as the hand-written megakernels do;
 # - **attention over one sequence**: a chain of dependent loads (the block table, then
 #   the keys, step after step) a few microseconds long for 2 MB; chapter 8's prefetch
 #   now overlaps each step's loads with the step before, but the chain's start remains;
-# - **the add + norms**: two a layer, each a kernel of its own because the norm needs
-#   the whole row before the next projection may start.
+# - **the norm before gate-up**: a kernel of its own, because the norm needs the whole
+#   row before the projection may start, and the 16,384-row GEMV that could do it
+#   reads $x$ once a row (measured above).
 
 # %% [markdown]
 # ### Two changes made from these measurements
@@ -2136,8 +2186,10 @@ one setting for all of them leaves that much on the table.
 #   longer than their bytes need, and fewer, fuller kernels are what is left.
 # - Sweep the knobs where the step spends its time: the one-token GEMV settings and a
 #   greedy sampler split over blocks came from measurements, not from design.
-# - Measure each fusion against the kernels it replaces: the combine inside attention
-#   and RoPE with the KV write were kept, the gated GEMV lost and was not adopted.
+# - Measure each fusion against the kernels it replaces: the combine inside attention,
+#   RoPE with the KV write, the residual adds inside the projections and the norm
+#   inside QKV's GEMV were kept; the gated GEMV and the norm inside gate-up's GEMV
+#   lost and were not adopted.
 # - Programmatic graph edges let each kernel launch while the one before it finishes,
 #   and wait for it in its first line; the GEMV loads its first weights before that
 #   wait. Batch 1's attention takes a whole short context in one block of 8 warps.

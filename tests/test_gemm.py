@@ -11,7 +11,14 @@ from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.cublas import CublasGemm, cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import gemm_blocked, gemm_naive, gemm_shared
-from tinyvllm_lib.kernels.gemv import GEMV_BUCKETS, GEMV_EPILOGUES, GEMV_MAX_ACC, GEMV_VARIANTS, gemv, gemv_rmsnorm
+from tinyvllm_lib.kernels.gemv import (
+    GEMV_BUCKETS,
+    GEMV_EPILOGUES,
+    GEMV_MAX_ACC,
+    GEMV_VARIANTS,
+    gemv,
+    gemv_rmsnorm,
+)
 from tinyvllm_lib.layers.linear import (
     LINEAR_GEMV_MAX_TOKENS,
     gemv_wins_up_to,

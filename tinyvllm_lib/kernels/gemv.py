@@ -142,6 +142,21 @@ def make_gemv_kernel(
             out[m, n] = total
 
     @cuda.jit(device=True, **INLINE)
+    def load_prior(out, prior, n0, m0, N, M, lane, tid):
+        """accumulate: what out holds where this thread will write. A warp a row:
+        lane 0 writes all of its warp's sums, into prior; the block's: thread i writes
+        sum i, returned.
+        """
+        if warps_per_row == 1:
+            for i in range(acc_size):
+                n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
+                ok = lane == 0 and n < N and m < M
+                prior[i] = out[m, n] if ok else float32(0)
+            return float32(0)
+        n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
+        return out[m, n] if tid < acc_size and n < N and m < M else float32(0)
+
+    @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, out, norm64, eps):
         # (warp, row * num_tokens + token), then the sums of squares
         partial = cuda.shared.array(partial_shape, float32)
@@ -191,6 +206,11 @@ def make_gemv_kernel(
         while m0 < M:
             for i in range(sums_size):
                 acc[i] = float32(0)
+            # accumulate, one token: what out holds, loaded as the pass starts, under
+            # way while w streams in (more tokens: after the loop, see below)
+            mine = float32(0)  # the block's writers: thread i writes sum i
+            if accumulate and num_tokens == 1:
+                mine = load_prior(out, prior, n0, m0, N, M, lane, tid)
             j = t
             while j < num_words:
                 # issue every load first: unroll * rows words in flight
@@ -237,16 +257,10 @@ def make_gemv_kernel(
                                         + x3 * wf[4 * r + 3]
                                     )
                 j += uint64(step)
-            # accumulate: what out holds, loaded by its writers before the sums meet
-            mine = float32(0)  # the block's writers: thread i writes sum i
-            if accumulate and warps_per_row == 1:  # lane 0 writes them all
-                for i in range(acc_size):
-                    n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
-                    ok = lane == 0 and n < N and m < M
-                    prior[i] = out[m, n] if ok else float32(0)
-            elif accumulate:
-                n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
-                mine = out[m, n] if tid < acc_size and n < N and m < M else float32(0)
+            # more tokens: held through the loop, the loads would cost registers (a
+            # warp a row: every lane's, for lane 0's values)
+            if accumulate and num_tokens > 1:
+                mine = load_prior(out, prior, n0, m0, N, M, lane, tid)
             warp_sum_all(acc)  # every lane now holds its warp's sums
             if gated and warps_per_row == 1:  # lane 0: SiLU(gate) * up
                 for m in range(num_tokens):
@@ -337,6 +351,11 @@ def can_gemv(x, w) -> bool:
     )
 
 
+def gemv_variant(M: int, N: int) -> str:
+    """The variant "auto" runs on a GPU for M token vectors and N rows."""
+    return "warp" if N >= GEMV_WARP_MIN_ROWS and M <= 2 else "block"
+
+
 def pick_gemv_kernel(name: str, M: int, N: int, variant: str, kind: str = ""):
     """(kernel, blocks) for M token vectors and N rows: the variant ("auto": the
     launcher's choice), its bucket, the epilogue `kind` (see GEMV_EPILOGUES).
@@ -350,7 +369,7 @@ def pick_gemv_kernel(name: str, M: int, N: int, variant: str, kind: str = ""):
         # per row
         variant = "warp"
     if variant == "auto":
-        variant = "warp" if N >= GEMV_WARP_MIN_ROWS and M <= 2 else "block"
+        variant = gemv_variant(M, N)
     if variant not in GEMV_VARIANTS:
         raise ValueError(
             f"{name}: variant must be 'auto' or one of {list(GEMV_VARIANTS)}, got "

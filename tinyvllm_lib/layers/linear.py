@@ -5,7 +5,7 @@
 from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
 from tinyvllm_lib.kernels.cublas import cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked
-from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm
+from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm, gemv_variant
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 
 # Up to how many token vectors `linear` prefers the GEMV to cuBLAS, from the H200's
@@ -54,14 +54,17 @@ def rmsnorm_linear(
     residual, norm_weight, eps, w, out, normed, *, stream=0, workspace=None
 ):
     """out = RMSNorm(residual) · wᵀ: residual float32 (num_tokens, in_features),
-    norm_weight its bf16 weight. Where `linear` takes the GEMV, one kernel
-    (gemv_rmsnorm) and `normed` is left alone; elsewhere chapter 4's rmsnorm writes the
-    bf16 rows into `normed` (num_tokens, in_features) and `linear` reads them.
+    norm_weight its bf16 weight. Where `linear` takes the GEMV and a block shares each
+    row, one kernel (gemv_rmsnorm) and `normed` is left alone; elsewhere chapter 4's
+    rmsnorm writes the bf16 rows into `normed` (num_tokens, in_features) and `linear`
+    reads them. (A warp a row would read the float32 residual and the norm's weight
+    once a row, three times the bytes of the row of w: slower, chapter 11 measures.)
     """
     if not all(is_device_array(a) for a in (residual, norm_weight, normed)):
         raise TypeError("rmsnorm_linear: residual, norm_weight, normed: device arrays")
     if (
         linear_path(normed, w) == "gemv"
+        and gemv_variant(normed.shape[0], w.shape[0]) == "block"
         and device_pointer(residual) % 8 == device_pointer(norm_weight) % 8 == 0
     ):
         return gemv_rmsnorm(residual, norm_weight, eps, w, out, stream=stream)

@@ -89,7 +89,7 @@ class LlamaCuda:
         embed(b["ids"], w["embed_tokens"], b["residual"], stream=stream)
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
-            # x = residual: qkv = norm(x) · Wqkvᵀ, one kernel where the GEMV runs
+            # x = residual: qkv = norm(x) · Wqkvᵀ, one kernel where chapter 6 says so
             norm_qkv = (w[p + "input_layernorm"], eps, w[p + "qkv_proj"], b["qkv"])
             rmsnorm_linear(b["residual"], *norm_qkv, b["normed"], **on)
             # the attention layer rotates q and k (with its cache write, if it has one)
