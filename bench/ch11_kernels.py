@@ -2,8 +2,8 @@
 
 For each kernel of the step as the model launches it (embedding; per layer QKV, RoPE with the KV write,
 attention, output projection, gate-up, SiLU, down; the final norm, LM head, sampler — the residual adds are
-inside the output and down projections, a norm is inside the projection after it where a GEMV whose blocks
-share each row runs it, and elsewhere a norm kernel comes before the projection) its time, replayed from a
+inside the output and down projections, a norm is inside the projection after it where rmsnorm_linear puts it
+(norm_in_gemv: at one row, QKV), and elsewhere a norm kernel comes before the projection) its time, replayed from a
 captured graph (tinyvllm_lib.measure.time_launches) with the 16 layers' weights and caches rotated
 so that none is read from L2 when a real step would read it from memory; the bytes it must move
 (counted, not measured: weights, cache and activations); its share of the step and of chapter 1's
@@ -29,10 +29,10 @@ from tinyvllm_lib.kernels.decode_attention import (
     write_kv_cache,
 )
 from tinyvllm_lib.kernels.embedding import embed
-from tinyvllm_lib.kernels.gemv import gemv_rmsnorm, gemv_variant
+from tinyvllm_lib.kernels.gemv import gemv_rmsnorm
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
-from tinyvllm_lib.layers.linear import linear, linear_path, rmsnorm_linear
+from tinyvllm_lib.layers.linear import linear, linear_path, norm_in_gemv, rmsnorm_linear
 from tinyvllm_lib.measure import Recorder, load_records, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
@@ -67,10 +67,9 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         r[name][:rows].copy_to_device(np.full(rows, value, r[name].dtype))
     lin = lambda name, wname, out, add=False: (lambda i, s: linear(  # noqa: E731
         x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws, accumulate=add))
-    # the projections after a norm: the norm inside the GEMV (where a block shares each row, as rmsnorm_linear
-    # decides), or a norm kernel (its own entry) then the projection
-    fused = {name: linear_path(x["normed"], w[f"layers.0.{name}"]) == "gemv"
-             and gemv_variant(rows, w[f"layers.0.{name}"].shape[0]) == "block" for name in ("qkv_proj", "gate_up_proj")}
+    # the projections after a norm: the norm inside the GEMV (where rmsnorm_linear puts it), or a norm kernel
+    # (its own entry) then the projection
+    fused = {name: norm_in_gemv(x["normed"], w[f"layers.0.{name}"]) for name in ("qkv_proj", "gate_up_proj")}
     norm_lin = lambda norm, wname, out: (  # noqa: E731
         (lambda i, s: rmsnorm_linear(x["residual"], w[f"layers.{i % L}.{norm}"], 1e-5, w[f"layers.{i % L}.{wname}"],
                                      x[out], x["normed"], stream=s, workspace=ws))

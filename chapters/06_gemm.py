@@ -767,7 +767,6 @@ def make_gemv_kernel(
     gated: bool = False,
     accumulate: bool = False,
     rms_norm: bool = False,
-    max_registers: int | None = None,
 ):
     """A GEMV kernel, num_tokens token vectors per pass: out (M, N) = x (M, K) · wᵀ, x
     and w viewed as uint64.
@@ -782,7 +781,6 @@ def make_gemv_kernel(
     the kernel takes (x64, w64, out, norm64, eps): out = RMSNorm(x) · wᵀ, with norm64
     the norm's bf16 weight viewed as uint64. The sum of squares is made in the loop
     that makes the dot products, and each dot product is scaled at the end.
-    max_registers: a cap for ptxas (None: its own choice).
     """
     assert not gated or (rows == 2 and warps_per_row == 1), (
         "a gated GEMV is a warp per (gate, up) pair of rows"
@@ -975,16 +973,15 @@ def make_gemv_kernel(
                 cuda.syncthreads()  # partial is read before the next pass writes it
             m0 += uint64(num_tokens)
 
-    launch_options = {} if max_registers is None else {"max_registers": max_registers}
     if rms_norm:
 
-        @cuda.jit(**launch_options)
+        @cuda.jit
         def kernel(x64, w64, out, norm64, eps):
             gemv_body(x64, w64, out, norm64, eps)
 
     else:
 
-        @cuda.jit(**launch_options)
+        @cuda.jit
         def kernel(x64, w64, out):
             # no norm: w's first row stands in for its weight (never read)
             gemv_body(x64, w64, out, w64[0], float32(0))
@@ -1042,11 +1039,12 @@ for _variant, _config in GEMV_VARIANTS.items():
 #
 # The kernel's body is one device function, inlined into each kernel (`forceinline`),
 # so the flags cost nothing where they are off. The norm inside the GEMV is not free:
-# every reader of $x$ now reads float32 values and the norm's weights, three times the
-# bytes of the bf16 rows. Where a block of 8 warps shares each row, that is one read
-# of $x$ for 4 rows of $W$; where a warp owns a row (the 16,384-row gate-up projection),
-# one for each row. `rmsnorm_linear` below therefore fuses only where the blocks share
-# rows, and chapter 11 measures both.
+# every reader of $x$ now reads a float32 value and the norm's bf16 weight where it read
+# one bf16 value, three times the bytes, through the same caches that bring $W$ in. A
+# short GEMV, which spends most of its time starting and ending, has room for that; one
+# that already streams $W$ at the memory's pace does not. Chapter 11 measures both on
+# Llama's projections, and `rmsnorm_linear` below fuses the norm only into GEMVs of
+# fewer rows than the one that lost (`NORM_IN_GEMV_MAX_ROWS`).
 #
 # The launcher picks the bucket and the variant, views both operands as `uint64` (a
 # view, not a copy) and checks what the views need.
@@ -1137,6 +1135,12 @@ def gemv_rmsnorm(residual, norm_weight, eps: float, w, out, stream=0, variant="a
         raise ValueError(
             f"gemv_rmsnorm: reads 4 values at a time: K={K} must be a multiple of 4 "
             "and residual, norm_weight, w 8-byte aligned"
+        )
+    number = isinstance(eps, (float, int, np.floating)) and math.isfinite(eps)
+    if not number or eps <= 0:
+        raise ValueError(
+            f"gemv_rmsnorm: eps must be a positive number (config.rms_norm_eps), got "
+            f"{eps!r}"
         )
     kernel, blocks = pick_gemv_kernel("gemv_rmsnorm", M, N, variant, "rmsnorm")
     kernel[blocks, GEMV_THREADS, stream](
@@ -1473,7 +1477,7 @@ else:
 from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
 from tinyvllm_lib.kernels.cublas import cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked
-from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm, gemv_variant
+from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 
 # Up to how many token vectors `linear` prefers the GEMV to cuBLAS, from the H200's
@@ -1483,6 +1487,12 @@ from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 # GEMV's does. tests/test_gemm.py checks this number against the recorded data
 # (gemv_wins_up_to): after re-measuring, update it.
 LINEAR_GEMV_MAX_TOKENS = 1
+# Up to how many rows of w (exclusive) rmsnorm_linear puts the norm inside the GEMV.
+# Measured on the H200 at one token (chapter 11, bench/ch11_kernels.py): inside QKV's
+# GEMV (3,072 rows, a short kernel that runs at half of copy bandwidth) it saved a
+# microsecond and more a layer; inside gate-up's (16,384 rows, at copy bandwidth) it
+# lost, a warp a row and with blocks sharing rows alike.
+NORM_IN_GEMV_MAX_ROWS = 16384
 
 
 def linear_path(x, w) -> str:
@@ -1518,21 +1528,24 @@ def linear(x, w, out, *, stream=0, workspace=None, accumulate: bool = False):
     return gemm_blocked(x, w, out, stream=stream, accumulate=accumulate)
 
 
+def norm_in_gemv(normed, w) -> bool:
+    """Whether rmsnorm_linear runs the norm inside the GEMV for these operands."""
+    return linear_path(normed, w) == "gemv" and w.shape[0] < NORM_IN_GEMV_MAX_ROWS
+
+
 def rmsnorm_linear(
     residual, norm_weight, eps, w, out, normed, *, stream=0, workspace=None
 ):
     """out = RMSNorm(residual) · wᵀ: residual float32 (num_tokens, in_features),
-    norm_weight its bf16 weight. Where `linear` takes the GEMV and a block shares each
-    row, one kernel (gemv_rmsnorm) and `normed` is left alone; elsewhere chapter 4's
-    rmsnorm writes the bf16 rows into `normed` (num_tokens, in_features) and `linear`
-    reads them. (A warp a row would read the float32 residual and the norm's weight
-    once a row, three times the bytes of the row of w: slower, chapter 11 measures.)
+    norm_weight its bf16 weight. Where `linear` takes the GEMV and w has fewer than
+    NORM_IN_GEMV_MAX_ROWS rows (norm_in_gemv), one kernel (gemv_rmsnorm) and `normed`
+    is left alone; elsewhere chapter 4's rmsnorm writes the bf16 rows into `normed`
+    (num_tokens, in_features) and `linear` reads them.
     """
     if not all(is_device_array(a) for a in (residual, norm_weight, normed)):
         raise TypeError("rmsnorm_linear: residual, norm_weight, normed: device arrays")
     if (
-        linear_path(normed, w) == "gemv"
-        and gemv_variant(normed.shape[0], w.shape[0]) == "block"
+        norm_in_gemv(normed, w)
         and device_pointer(residual) % 8 == device_pointer(norm_weight) % 8 == 0
     ):
         return gemv_rmsnorm(residual, norm_weight, eps, w, out, stream=stream)

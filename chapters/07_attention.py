@@ -1958,11 +1958,11 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # - the **residual add inside the projection**: the output and down projections add
 #   their result to the float32 residual stream (chapter 6's `accumulate`), where it is
 #   made, instead of writing it for an add kernel to read back;
-# - the **norm inside the next projection** where chapter 6's GEMV runs with blocks
-#   sharing each row (`rmsnorm_linear`: the QKV projection at one token, both
-#   projections at 3 to 16): the GEMV reads the residual stream and the norm's weight
-#   itself. Elsewhere chapter 4's `rmsnorm` writes bf16 normed rows and the projection
-#   reads them;
+# - the **norm inside the next projection** where chapter 6's `rmsnorm_linear` says so
+#   (`norm_in_gemv`: the GEMV runs, and the projection is short enough, which on the
+#   H200 means QKV at one token): the GEMV reads the residual stream and the norm's
+#   weight itself. Elsewhere chapter 4's `rmsnorm` writes bf16 normed rows and the
+#   projection reads them;
 # - the attention kernel and `silu_mul` write **bf16** straight away, the inputs of
 #   `o_proj` and `down_proj`.
 #
@@ -1970,10 +1970,11 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # it would replace, and at Llama 3.2 1B's shape it is the slower of the two; chapter 11
 # times the norm inside the gate-up GEMV too.)
 #
-# Per layer that is six to eight launches: norm (where it is not inside the QKV
+# Per layer that is seven to nine launches: norm (where it is not inside the QKV
 # projection), QKV projection, RoPE, attention, o projection (+ add), norm (likewise),
-# gate/up projection, SiLU·up, down projection (+ add) — and around them the embedding
-# and the final norm; the head is `compute_logits`.
+# gate/up projection, SiLU·up, down projection (+ add) — eight at one token on the
+# H200 — and around them the embedding and the final norm; the head is
+# `compute_logits`.
 
 # %%
 #| export models.llama_cuda

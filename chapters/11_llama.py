@@ -1550,7 +1550,7 @@ without the overlap, {{ch11_tp_eager}} eagerly"""
                 else "; transformers' best, at batch {{ch11_tt_batch}}, is {{ch11_tt}}"
             )
             + (
-                " (recorded {{ch11_tt_date}}, on another lease of the same GPU kind)"
+                ", recorded {{ch11_tt_date}} on another lease of the same GPU kind"
                 if by_name["transformers_throughput"]["date"] != tp["date"]
                 else ""
             )
@@ -1599,9 +1599,9 @@ one by one.
 # of the step (summed over its 16 layers); the label is its own share of copy bandwidth.
 # The kernels are the model's as it launches them after the next section's changes:
 # RoPE and the KV write are one kernel, attention combines its splits itself, the
-# residual adds are inside the output and down projections, and where the GEMV's blocks
-# share rows (at one row: QKV) the norm is inside the projection; `rmsnorm` counts the
-# norms that are still kernels of their own.
+# residual adds are inside the output and down projections, and at one row the first
+# norm is inside QKV's GEMV; `rmsnorm` counts the norms that are still kernels of their
+# own.
 
 # %% tags=["hide-input"]
 kernel_records = [
@@ -1786,10 +1786,12 @@ it *lost*: {{ch11_norm_in_gate_up_proj_fused}} against {{ch11_norm_in_gate_up_pr
 with a warp a row, and still {{ch11_norm_in_gate_up_proj_block_fused}} against
 {{ch11_norm_in_gate_up_proj_block_sep}} with blocks sharing rows. Each reader of $x$ now
 reads 6 bytes a value where it read 2 (a float32 value and the norm's bf16 weight for a
-bf16 value); for QKV's 768 blocks that is little beside the rows of $W$ they share, for
-gate-up's 16,384 warps, each reading $x$ for one row, it is three times the bytes of
-that row from L1 — the kernel no longer keeps up with memory. The model therefore fuses
-the norm only where the GEMV's blocks share rows (chapter 6's `rmsnorm_linear`).
+bf16 value), through the same caches that bring $W$ in. QKV's GEMV, which runs at
+{{ch11_qkv_bw}} of copy bandwidth — mostly its own start and end — has room for that,
+and a launch fewer is worth more; gate-up's streams $W$ at {{ch11_gate_bw}} of copy, and
+the extra traffic slows it, whether a warp reads $x$ for each row or a block for every
+four. The model puts the norm only inside the shorter projections (chapter 6's
+`NORM_IN_GEMV_MAX_ROWS`).
 """)
 else:
     print("the fusion records are not all there yet: run bench/ch11_kernels.py")
@@ -1917,8 +1919,8 @@ longer."""
 #   the keys, step after step) a few microseconds long for 2 MB; chapter 8's prefetch
 #   now overlaps each step's loads with the step before, but the chain's start remains;
 # - **the norm before gate-up**: a kernel of its own, because the norm needs the whole
-#   row before the projection may start, and the 16,384-row GEMV that could do it
-#   reads $x$ once a row (measured above).
+#   row before the projection may start, and inside gate-up's GEMV it cost more than
+#   the launch it saved (measured above).
 
 # %% [markdown]
 # ### Two changes made from these measurements

@@ -19,11 +19,14 @@ from tinyvllm_lib.kernels.gemv import (
     gemv,
     gemv_rmsnorm,
 )
+from tinyvllm_lib.layers import linear as linear_module
 from tinyvllm_lib.layers.linear import (
     LINEAR_GEMV_MAX_TOKENS,
+    NORM_IN_GEMV_MAX_ROWS,
     gemv_wins_up_to,
     linear,
     linear_path,
+    norm_in_gemv,
     rmsnorm_linear,
 )
 from tinyvllm_lib.measure import load_records
@@ -137,15 +140,34 @@ def test_accumulate_adds_the_product_to_out(rng, launch, M, N, K):
 
 
 @needs_launch
+@pytest.mark.parametrize("variant", ["warp", "block"])
+def test_gemv_rmsnorm_eps_and_zero_rows(rng, variant):
+    """Rows whose mean square is near eps (where dropping or misplacing eps shows) and a row of zeros (0, not
+    NaN)."""
+    M, N, K = 3, 9, 100
+    residual = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3e-3)  # mean square ~ 1e-5
+    residual[2] = 0
+    norm_weight, w = random_bf16(rng, K), random_bf16(rng, (N, K), scale=0.05)
+    out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    gemv_rmsnorm(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, cuda.to_device(w), out, variant=variant)
+    got = out.copy_to_host()
+    assert rel_error(got, rmsnorm_reference(residual, norm_weight, w)) <= TOL
+    assert not got[2].any()
+
+
+@needs_launch
 @pytest.mark.parametrize("M", [1, 3, 21])  # the GEMV (fused), and the norm kernel then the linear layer
-def test_rmsnorm_linear_on_every_path(rng, M):
+@pytest.mark.parametrize("max_rows", [NORM_IN_GEMV_MAX_ROWS, 8])  # 8: w's 10 rows are too many to fuse
+def test_rmsnorm_linear_on_every_path(rng, monkeypatch, M, max_rows):
+    monkeypatch.setattr(linear_module, "NORM_IN_GEMV_MAX_ROWS", max_rows)
     K, N = 64, 10
     residual = rng.standard_normal((M, K), dtype=np.float32)
     norm_weight, w = random_bf16(rng, K), random_bf16(rng, (N, K), scale=0.3)
     normed = cuda.to_device(np.zeros((M, K), np.uint16))
     out = cuda.to_device(np.full((M, N), np.nan, np.float32))
     rmsnorm_linear(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, cuda.to_device(w), out, normed)
-    fused = linear_path(normed, cuda.to_device(w)) == "gemv"
+    fused = linear_path(normed, cuda.to_device(w)) == "gemv" and N < max_rows
+    assert fused == norm_in_gemv(normed, cuda.to_device(w))
     got, want = out.copy_to_host(), rmsnorm_reference(residual, norm_weight, w)
     if fused:  # one kernel, normed untouched; float32 normed rows
         assert not normed.copy_to_host().any()
@@ -166,6 +188,9 @@ def test_gemv_rmsnorm_rejects_bad_input():
         gemv_rmsnorm(np.zeros((2, 6), np.float32), np.zeros(6, np.uint16), 1e-5, np.zeros((3, 6), np.uint16), out)
     with pytest.raises(ValueError, match="at most 16"):
         gemv_rmsnorm(np.zeros((17, 8), np.float32), nw, 1e-5, w, np.zeros((17, 3), np.float32))
+    for eps in (0.0, -1e-5, float("nan"), "1e-5"):
+        with pytest.raises(ValueError, match="eps must be a positive number"):
+            gemv_rmsnorm(res, nw, eps, w, out)
 
 
 def test_gemv_accumulators_fit_the_cap():

@@ -90,7 +90,6 @@ def make_gemv_kernel(
     gated: bool = False,
     accumulate: bool = False,
     rms_norm: bool = False,
-    max_registers: int | None = None,
 ):
     """A GEMV kernel, num_tokens token vectors per pass: out (M, N) = x (M, K) · wᵀ, x
     and w viewed as uint64.
@@ -105,7 +104,6 @@ def make_gemv_kernel(
     the kernel takes (x64, w64, out, norm64, eps): out = RMSNorm(x) · wᵀ, with norm64
     the norm's bf16 weight viewed as uint64. The sum of squares is made in the loop
     that makes the dot products, and each dot product is scaled at the end.
-    max_registers: a cap for ptxas (None: its own choice).
     """
     assert not gated or (rows == 2 and warps_per_row == 1), (
         "a gated GEMV is a warp per (gate, up) pair of rows"
@@ -298,16 +296,15 @@ def make_gemv_kernel(
                 cuda.syncthreads()  # partial is read before the next pass writes it
             m0 += uint64(num_tokens)
 
-    launch_options = {} if max_registers is None else {"max_registers": max_registers}
     if rms_norm:
 
-        @cuda.jit(**launch_options)
+        @cuda.jit
         def kernel(x64, w64, out, norm64, eps):
             gemv_body(x64, w64, out, norm64, eps)
 
     else:
 
-        @cuda.jit(**launch_options)
+        @cuda.jit
         def kernel(x64, w64, out):
             # no norm: w's first row stands in for its weight (never read)
             gemv_body(x64, w64, out, w64[0], float32(0))
@@ -422,6 +419,12 @@ def gemv_rmsnorm(residual, norm_weight, eps: float, w, out, stream=0, variant="a
         raise ValueError(
             f"gemv_rmsnorm: reads 4 values at a time: K={K} must be a multiple of 4 "
             "and residual, norm_weight, w 8-byte aligned"
+        )
+    number = isinstance(eps, (float, int, np.floating)) and math.isfinite(eps)
+    if not number or eps <= 0:
+        raise ValueError(
+            f"gemv_rmsnorm: eps must be a positive number (config.rms_norm_eps), got "
+            f"{eps!r}"
         )
     kernel, blocks = pick_gemv_kernel("gemv_rmsnorm", M, N, variant, "rmsnorm")
     kernel[blocks, GEMV_THREADS, stream](

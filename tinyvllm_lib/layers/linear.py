@@ -5,7 +5,7 @@
 from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
 from tinyvllm_lib.kernels.cublas import cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked
-from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm, gemv_variant
+from tinyvllm_lib.kernels.gemv import can_gemv, gemv, gemv_rmsnorm
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 
 # Up to how many token vectors `linear` prefers the GEMV to cuBLAS, from the H200's
@@ -15,6 +15,12 @@ from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 # GEMV's does. tests/test_gemm.py checks this number against the recorded data
 # (gemv_wins_up_to): after re-measuring, update it.
 LINEAR_GEMV_MAX_TOKENS = 1
+# Up to how many rows of w (exclusive) rmsnorm_linear puts the norm inside the GEMV.
+# Measured on the H200 at one token (chapter 11, bench/ch11_kernels.py): inside QKV's
+# GEMV (3,072 rows, a short kernel that runs at half of copy bandwidth) it saved a
+# microsecond and more a layer; inside gate-up's (16,384 rows, at copy bandwidth) it
+# lost, a warp a row and with blocks sharing rows alike.
+NORM_IN_GEMV_MAX_ROWS = 16384
 
 
 def linear_path(x, w) -> str:
@@ -50,21 +56,24 @@ def linear(x, w, out, *, stream=0, workspace=None, accumulate: bool = False):
     return gemm_blocked(x, w, out, stream=stream, accumulate=accumulate)
 
 
+def norm_in_gemv(normed, w) -> bool:
+    """Whether rmsnorm_linear runs the norm inside the GEMV for these operands."""
+    return linear_path(normed, w) == "gemv" and w.shape[0] < NORM_IN_GEMV_MAX_ROWS
+
+
 def rmsnorm_linear(
     residual, norm_weight, eps, w, out, normed, *, stream=0, workspace=None
 ):
     """out = RMSNorm(residual) · wᵀ: residual float32 (num_tokens, in_features),
-    norm_weight its bf16 weight. Where `linear` takes the GEMV and a block shares each
-    row, one kernel (gemv_rmsnorm) and `normed` is left alone; elsewhere chapter 4's
-    rmsnorm writes the bf16 rows into `normed` (num_tokens, in_features) and `linear`
-    reads them. (A warp a row would read the float32 residual and the norm's weight
-    once a row, three times the bytes of the row of w: slower, chapter 11 measures.)
+    norm_weight its bf16 weight. Where `linear` takes the GEMV and w has fewer than
+    NORM_IN_GEMV_MAX_ROWS rows (norm_in_gemv), one kernel (gemv_rmsnorm) and `normed`
+    is left alone; elsewhere chapter 4's rmsnorm writes the bf16 rows into `normed`
+    (num_tokens, in_features) and `linear` reads them.
     """
     if not all(is_device_array(a) for a in (residual, norm_weight, normed)):
         raise TypeError("rmsnorm_linear: residual, norm_weight, normed: device arrays")
     if (
-        linear_path(normed, w) == "gemv"
-        and gemv_variant(normed.shape[0], w.shape[0]) == "block"
+        norm_in_gemv(normed, w)
         and device_pointer(residual) % 8 == device_pointer(norm_weight) % 8 == 0
     ):
         return gemv_rmsnorm(residual, norm_weight, eps, w, out, stream=stream)
