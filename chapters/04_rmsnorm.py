@@ -974,7 +974,10 @@ def _check_rows(name: str, what: str, a, shape=None, dtypes=(np.float32,)):
         raise ValueError(f"{name}: {what} must be C-contiguous")
 
 
-def _check_weight_eps(name: str, weight, hidden: int, eps) -> np.float32:
+def check_weight_eps(name: str, weight, hidden: int, eps) -> np.float32:
+    """The norm's weight (bf16 bits, hidden long) and eps (positive, finite), as
+    float32: the checks of every norm launcher, chapter 6's fused GEMV's too.
+    """
     if weight.dtype != np.uint16:
         raise TypeError(
             f"{name}: weight must hold bf16 bits as uint16, got {weight.dtype}"
@@ -1081,7 +1084,7 @@ def rmsnorm(
         (np.float32, np.uint16) if variant in ("registers", "wide") else (np.float32,)
     )
     _check_rows("rmsnorm", "out", out, x.shape, out_dtypes)
-    eps32 = _check_weight_eps("rmsnorm", weight, x.shape[1], eps)
+    eps32 = check_weight_eps("rmsnorm", weight, x.shape[1], eps)
     num_rows = x.shape[0]
     if variant == "wide" and can_go_wide(x, weight, out):
         threads = wide_block_threads(x.shape[1], threads_per_block)
@@ -1130,7 +1133,7 @@ def fused_add_rmsnorm(
     _check_rows(
         "fused_add_rmsnorm", "out", out, residual.shape, (np.float32, np.uint16)
     )
-    eps32 = _check_weight_eps("fused_add_rmsnorm", weight, residual.shape[1], eps)
+    eps32 = check_weight_eps("fused_add_rmsnorm", weight, residual.shape[1], eps)
     num_rows = residual.shape[0]
     if variant == "wide" and can_go_wide(residual, delta, weight, out):
         threads = wide_block_threads(residual.shape[1], threads_per_block)

@@ -44,6 +44,7 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.measure import load_records, records_table
 from tinyvllm_lib.plots import Prose, new_figure
 from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator, where_kernels_run
@@ -618,7 +619,11 @@ from numba import config, cuda, float32, uint32, uint64
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function
 from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.gemm import check_linear_args
-from tinyvllm_lib.kernels.rmsnorm import store_activation, unpack_f32_pair
+from tinyvllm_lib.kernels.rmsnorm import (
+    check_weight_eps,
+    store_activation,
+    unpack_f32_pair,
+)
 
 
 @device_function
@@ -1136,19 +1141,14 @@ def gemv_rmsnorm(residual, norm_weight, eps: float, w, out, stream=0, variant="a
             f"gemv_rmsnorm: reads 4 values at a time: K={K} must be a multiple of 4 "
             "and residual, norm_weight, w 8-byte aligned"
         )
-    number = isinstance(eps, (float, int, np.floating)) and math.isfinite(eps)
-    if not number or eps <= 0:
-        raise ValueError(
-            f"gemv_rmsnorm: eps must be a positive number (config.rms_norm_eps), got "
-            f"{eps!r}"
-        )
+    eps = check_weight_eps("gemv_rmsnorm", norm_weight, K, eps)  # chapter 4's check
     kernel, blocks = pick_gemv_kernel("gemv_rmsnorm", M, N, variant, "rmsnorm")
     kernel[blocks, GEMV_THREADS, stream](
         residual.view(np.uint64),
         w.view(np.uint64),
         out,
         norm_weight.view(np.uint64),
-        np.float32(eps),
+        eps,
     )
     return out
 
@@ -1195,27 +1195,22 @@ if can_launch():
 # %%
 def check_gemv_epilogues(M: int, N: int, K: int, variant: str) -> tuple[float, float]:
     """(relative error of out += x · wᵀ, of out = RMSNorm(residual) · wᵀ)."""
-    rng = np.random.default_rng(M * N + K)
-    x = f32_to_bf16_bits(rng.standard_normal((M, K), dtype=np.float32))
-    w = f32_to_bf16_bits(rng.standard_normal((N, K), dtype=np.float32) * 0.05)
-    w64 = bf16_bits_to_f32(w).astype(np.float64)
+    x, w = random_bf16((M, K)), random_bf16((N, K), scale=0.05)
     before = rng.standard_normal((M, N)).astype(np.float32)
     out = cuda.to_device(before)
     gemv(cuda.to_device(x), cuda.to_device(w), out, variant=variant, accumulate=True)
-    want = before + bf16_bits_to_f32(x).astype(np.float64) @ w64.T
-    add_err = np.abs(out.copy_to_host() - want).max() / np.abs(want).max()
-    residual = rng.standard_normal((M, K), dtype=np.float32) * 4
-    g = f32_to_bf16_bits(rng.standard_normal(K, dtype=np.float32))
-    r = residual.astype(np.float64)
-    inv_rms = 1 / np.sqrt((r * r).mean(axis=1, keepdims=True) + 1e-5)
-    normed = r * inv_rms * bf16_bits_to_f32(g)
+    add_err = rel_error(out.copy_to_host(), before + linear_ref(x, w))
+    residual = (4 * rng.standard_normal((M, K))).astype(np.float32)
+    g = random_bf16(K)
     out = cuda.device_array((M, N), np.float32)
     gemv_rmsnorm(
         cuda.to_device(residual), cuda.to_device(g), 1e-5, cuda.to_device(w), out,
         variant=variant,
     )
-    want = normed @ w64.T
-    return add_err, np.abs(out.copy_to_host() - want).max() / np.abs(want).max()
+    # chapter 4's reference, its normed rows kept in float32 as the kernel keeps them
+    normed = rmsnorm_ref(residual, g, 1e-5).astype(np.float64)
+    want = normed @ bf16_bits_to_f32(w).astype(np.float64).T
+    return add_err, rel_error(out.copy_to_host(), want)
 
 
 if can_launch():

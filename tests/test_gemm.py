@@ -19,6 +19,7 @@ from tinyvllm_lib.kernels.gemv import (
     gemv,
     gemv_rmsnorm,
 )
+from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.layers import linear as linear_module
 from tinyvllm_lib.layers.linear import (
     LINEAR_GEMV_MAX_TOKENS,
@@ -106,11 +107,9 @@ def test_gemv_more_tokens_than_one_pass(rng, variant, M):
 
 
 def rmsnorm_reference(residual, norm_weight, w, eps=1e-5):
-    """RMSNorm(residual) · wᵀ in float64, the normed rows not rounded to bf16 (the fused GEMV keeps them
-    in float32)."""
-    r = residual.astype(np.float64)
-    normed = r / np.sqrt(np.mean(r * r, axis=1, keepdims=True) + eps) * bf16_bits_to_f32(norm_weight)
-    return normed @ bf16_bits_to_f32(w).astype(np.float64).T
+    """RMSNorm(residual) · wᵀ: chapter 4's reference, its normed rows kept in float32 (as the fused GEMV keeps
+    them, not rounded to bf16), times w in float64."""
+    return rmsnorm_ref(residual, norm_weight, eps).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
 
 
 @needs_launch

@@ -10,7 +10,11 @@ from numba import config, cuda, float32, uint32, uint64
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function
 from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.gemm import check_linear_args
-from tinyvllm_lib.kernels.rmsnorm import store_activation, unpack_f32_pair
+from tinyvllm_lib.kernels.rmsnorm import (
+    check_weight_eps,
+    store_activation,
+    unpack_f32_pair,
+)
 
 
 @device_function
@@ -420,18 +424,13 @@ def gemv_rmsnorm(residual, norm_weight, eps: float, w, out, stream=0, variant="a
             f"gemv_rmsnorm: reads 4 values at a time: K={K} must be a multiple of 4 "
             "and residual, norm_weight, w 8-byte aligned"
         )
-    number = isinstance(eps, (float, int, np.floating)) and math.isfinite(eps)
-    if not number or eps <= 0:
-        raise ValueError(
-            f"gemv_rmsnorm: eps must be a positive number (config.rms_norm_eps), got "
-            f"{eps!r}"
-        )
+    eps = check_weight_eps("gemv_rmsnorm", norm_weight, K, eps)  # chapter 4's check
     kernel, blocks = pick_gemv_kernel("gemv_rmsnorm", M, N, variant, "rmsnorm")
     kernel[blocks, GEMV_THREADS, stream](
         residual.view(np.uint64),
         w.view(np.uint64),
         out,
         norm_weight.view(np.uint64),
-        np.float32(eps),
+        eps,
     )
     return out
