@@ -162,11 +162,14 @@ def test_gpu_graphs_give_the_eager_tokens(folder, model, rng, monkeypatch):
 
     With a graph for every batch size no step is padded, the kernels run the eager path's shapes and split
     counts, and every token, greedy or seeded, is the eager one, log-probs within 1e-4 (measured on the H200:
-    3e-6; the eager path takes its log-probs on the host, the graphs on the GPU). With vLLM's sizes a step of
-    25 rows runs as 32: its GEMMs at another size and decode attention with another split count, which moves
-    a sum's last bits as any change of batch does (measured: up to 0.019 and 0.028 on SmolLM2 in two runs;
-    in one, three of twenty seeded rows drew another token; none with a graph for every size). That run is
-    held to chapter 9's batched-against-alone criteria."""
+    3e-6; the eager path takes its log-probs on the host, the graphs on the GPU).
+
+    With vLLM's sizes a step of 25 rows runs as 32, and decode attention chooses its split count from the
+    grid's 32 rows: a sum's last bits move as with any change of batch (measured: up to 0.019 and 0.028 on
+    SmolLM2 in two runs; in one, three of twenty seeded rows drew another token; with one split everywhere,
+    padded too, 3e-6 and none: the GEMMs at 32 rows are not the cause). That run must meet chapter 9's batched-against-alone criteria; chapter 11's bar,
+    log-probs within 1e-2, it meets only by luck until the live row count reaches the kernel through a
+    device buffer: it is reported as an expected failure where missed."""
     path = folder if model == "tiny" else "smollm2"
     vocab = 256 if model == "tiny" else 49152
     prompts = [rng.integers(0, vocab, int(rng.integers(1, 200))).tolist() for _ in range(40)]
@@ -207,6 +210,9 @@ def test_gpu_graphs_give_the_eager_tokens(folder, model, rng, monkeypatch):
           f"a near tie (0.1), |Δ log p| mean {gaps.mean():.2e}, max {gaps.max():.2e}")
     assert all(ok for ok, _ in checks)
     assert gaps.mean() <= 0.05
+    if gaps.max() >= 1e-2:
+        pytest.xfail(f"padded steps: max |Δ log p| {gaps.max():.3f} >= 1e-2 (decode attention's split count "
+                     "comes from the padded row count)")
 
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
