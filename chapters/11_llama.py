@@ -815,10 +815,10 @@ class CudaGraphRunner(ModelRunner):
 # test of batched against one-at-a-time runs (a seeded row may then draw another token
 # where its draw falls near a boundary that moved), but this chapter's own bar,
 # log-probabilities within 10⁻², it does not always meet: the split count alone moves a
-# log-probability as much as a different batch does. The cure is another value for a
-# device buffer: the live row count, read by the kernel as it reads the context lengths
-# — not done yet. In the simulator a replay is a relaunch and proves nothing about
-# speed, so the cell runs only on a GPU.
+# log-probability as much as a different batch does. The cure, not in yet: choose the
+# split for the row count rounded up to a graph's size, on the host and in the kernel,
+# so that a padded step and the step itself split every context alike. In the simulator
+# a replay is a relaunch and proves nothing about speed, so the cell runs only on a GPU.
 
 # %%
 if has_gpu():

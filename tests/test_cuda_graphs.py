@@ -168,8 +168,8 @@ def test_gpu_graphs_give_the_eager_tokens(folder, model, rng, monkeypatch):
     grid's 32 rows: a sum's last bits move as with any change of batch (measured: up to 0.019 and 0.028 on
     SmolLM2 in two runs; in one, three of twenty seeded rows drew another token; with one split everywhere,
     padded too, 3e-6 and none: the GEMMs at 32 rows are not the cause). That run must meet chapter 9's batched-against-alone criteria; chapter 11's bar,
-    log-probs within 1e-2, it meets only by luck until the live row count reaches the kernel through a
-    device buffer: it is reported as an expected failure where missed."""
+    log-probs within 1e-2, it meets only by luck until decode attention chooses its split for the row count
+    rounded up to a graph's size: it is reported as an expected failure where missed."""
     path = folder if model == "tiny" else "smollm2"
     vocab = 256 if model == "tiny" else 49152
     prompts = [rng.integers(0, vocab, int(rng.integers(1, 200))).tolist() for _ in range(40)]
@@ -212,7 +212,7 @@ def test_gpu_graphs_give_the_eager_tokens(folder, model, rng, monkeypatch):
     assert gaps.mean() <= 0.05
     if gaps.max() >= 1e-2:
         pytest.xfail(f"padded steps: max |Δ log p| {gaps.max():.3f} >= 1e-2 (decode attention's split count "
-                     "comes from the padded row count)")
+                     "is chosen for the padded row count)")
 
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
