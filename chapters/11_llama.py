@@ -805,19 +805,16 @@ class CudaGraphRunner(ModelRunner):
 
 # %% [markdown]
 # On a GPU, the same requests through both paths: the graphs must give the eager path's
-# tokens, and a batch-1 decode should be many times faster. Padding has a price in
-# numbers, not only in work: a step of 25 rows replayed as 32 runs decode attention with
-# the split count chosen for 32 rows (chapter 8), which moves a sum's last bits as any
-# change of batch does (the GEMMs at 32 rows gave the same numbers as at 25 in the runs
-# checked). So `tests/test_cuda_graphs.py` checks twice. With a graph for every batch
-# size no step is padded, and every token, greedy or seeded, must be the eager one,
-# log-probabilities within 10⁻⁴. With vLLM's sizes the padded run must pass chapter 9's
-# test of batched against one-at-a-time runs (a seeded row may then draw another token
-# where its draw falls near a boundary that moved), but this chapter's own bar,
-# log-probabilities within 10⁻², it does not always meet: the split count alone moves a
-# log-probability as much as a different batch does. The cure, not in yet: choose the
-# split for the row count rounded up to a graph's size, on the host and in the kernel,
-# so that a padded step and the step itself split every context alike. In the simulator
+# tokens, and a batch-1 decode should be many times faster. Padding could have a price
+# in numbers, not only in work: a step of 25 rows replayed as 32 would run decode
+# attention with the split count chosen for 32 rows, and the split count sets the order
+# of float32 sums, so their last bits: measured before chapter 8 rounded the rows
+# (`split_rows`), padded steps moved SmolLM2's log-probabilities by a few hundredths
+# and drew other tokens for some seeded rows, while one split everywhere gave the eager
+# numbers (the GEMMs at 32 rows gave those of 25). Now the eager path, too, splits as
+# for the rows rounded up to a graph's size, so `tests/test_cuda_graphs.py` holds both a
+# graph for every batch size (no step padded) and vLLM's sizes to the eager path's
+# tokens, greedy and seeded, with log-probabilities within 10⁻⁴. In the simulator
 # a replay is a relaunch and proves nothing about speed, so the cell runs only on a GPU.
 
 # %%

@@ -16,6 +16,7 @@ from tinyvllm_lib.kernels.decode_attention import (
     num_splits_for,
     rope_and_write_kv_cache,
     split_length,
+    split_rows,
     workspace_row,
     write_kv_cache,
     write_kv_cache_ref,
@@ -170,6 +171,24 @@ def test_decode_attention_same_launch_while_contexts_grow(rng):
         assert rel_error(out.copy_to_host(), decode_attention_ref(qkv, k, v, bt, 4, lens, 2, 1, 16)) < 1e-5
 
 
+def test_decode_attention_padded_step_gives_the_same_bits(rng):
+    """A step padded to a graph's size (3 rows to 4; the padding row holds one key of block 0, as chapter 11's do)
+    splits every context as the step alone does, so its rows come out bit for bit the same. The grid is sized for
+    512 keys (a graph's bound) and the row count drives the splits (24 blocks wanted, one KV head): 3 rows would
+    want 8 splits of a context of about 100 keys and 4 rows 6, which cut it into 7 and 4 pieces."""
+    qkv, k, v, bt, lens = case(rng, 4, 512, 2, 1, 16, 8)
+    lens[:3] = rng.integers(100, 113, 3)
+    lens[3], bt[3] = 1, 0
+    config = DecodeAttentionConfig(num_warps=1, keys_per_lane=1, split_keys=32, target_blocks=24)
+
+    def launch(n):
+        return run_split(qkv[:n], k, v, bt[:n], 8, lens[:n], 2, 1, 16, 8, config=config, max_context_len=512)
+
+    alone, with_padding = launch(3), launch(4)
+    assert np.array_equal(alone, with_padding[:3])
+    assert rel_error(alone, decode_attention_ref(qkv[:3], k, v, bt[:3], 8, lens[:3], 2, 1, 16)) < 1e-5
+
+
 def test_decode_attention_split_bf16_out(rng):
     qkv, k, v, bt, lens = case(rng, 3, 40, 2, 1, 16, 8)
     got = run_split(qkv, k, v, bt, 8, lens, 2, 1, 16, 8, out_dtype=np.uint16, max_context_len=40)
@@ -183,11 +202,16 @@ def test_decode_splits_and_workspace():
         grid = decode_splits(max_len, rows, 8)
         assert 1 <= grid <= cfg.max_splits
         for n in {1, max_len // 3 + 1, max_len}:  # every length up to the bound fits in the grid's splits
-            splits = num_splits_for(n, cfg.max_splits, rows * 8, cfg.split_keys, cfg.target_blocks, cfg.min_split_keys)
+            splits = num_splits_for(n, cfg.max_splits, split_rows(rows) * 8, cfg.split_keys, cfg.target_blocks,
+                                    cfg.min_split_keys)
             length = split_length(n, splits, step)
             assert length % step == 0 and -(-n // length) <= splits <= grid
     assert decode_splits(1024, 64, 8) == 1  # 1024 keys a block; 512 blocks wanted, 64 x 8 there
     assert decode_splits(1024, 8, 8) == 8  # 512 blocks wanted: 8 x 8 x 8
+    # the rows are rounded up to chapter 11's graph sizes: 25 rows split as 32 do, 3 as 4
+    assert [split_rows(r) for r in (1, 2, 3, 4, 5, 8, 9, 25, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 40]
+    assert decode_splits(1024, 25, 8) == decode_splits(1024, 32, 8) == 2 != num_splits_for(1024, 32, 25 * 8, 1024, 512, 8)
+    assert decode_splits(1024, 3, 8) == decode_splits(1024, 4, 8) == 16
     ws = decode_workspace(8, 1024, 32, 64)
     assert ws.dtype == np.float32 and ws.shape[0] == 8 and ws.shape[2:] == (32, 96) and ws.shape[1] > 1
     assert not ws.copy_to_host().any()  # the splits' counters start at zero

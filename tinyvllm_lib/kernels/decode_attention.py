@@ -246,6 +246,29 @@ def num_splits_for(
     return max(1, min(max_splits, want, (n + min_split_keys - 1) // min_split_keys))
 
 
+def split_rows(rows):
+    """The row count a launch's splits are chosen for: rows rounded up to 1, 2, 4 or a
+    multiple of 8 (chapter 11's CUDA graph sizes). A step padded to a graph's size then
+    splits every context as the same step unpadded does, and the split count decides
+    the order of the float32 sums, so their last bits.
+    """
+    if rows <= 2:
+        return max(rows, 1)
+    if rows <= 4:
+        return 4
+    return (rows + 7) // 8 * 8
+
+
+@cuda.jit(device=True)
+def split_rows_on_device(rows):
+    """split_rows on the GPU, in 32 bits."""
+    if rows <= uint32(2):
+        return rows
+    if rows <= uint32(4):
+        return uint32(4)
+    return uint32(uint32(uint32(rows + uint32(7)) // uint32(8)) * uint32(8))
+
+
 def split_length(n, num_splits, step):
     """Keys per split of a context of n keys in num_splits splits: a multiple of step (a
     block's keys per step).
@@ -399,7 +422,7 @@ def make_decode_attention_kernel(
         split_len = split_length_on_device(
             n,
             uint32(cuda.gridDim.z),
-            uint32(cuda.gridDim.x * cuda.gridDim.y),
+            uint32(cuda.gridDim.x) * split_rows_on_device(uint32(cuda.gridDim.y)),
             uint32(split_keys),
             uint32(target_blocks),
             uint32(min_split_keys),
@@ -751,12 +774,12 @@ def decode_splits(
     max_splits: int | None = None,
 ) -> int:
     """The grid's split axis: the splits the longest context (max_context_len) wants
-    with `rows` rows.
+    with `rows` rows (rounded up by split_rows, as the kernel rounds them).
     """
     return num_splits_for(
         max(1, max_context_len),
         max_splits or cfg.max_splits,
-        rows * num_kv_heads,
+        split_rows(rows) * num_kv_heads,
         cfg.split_keys,
         cfg.target_blocks,
         cfg.min_split_keys,
