@@ -171,7 +171,9 @@ import numpy as np
 
 def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
     """The batch sizes a decode graph is captured for, as vLLM's: 1, 2, 4, then every
-    multiple of 8, up to max_num_seqs (always one of them).
+    multiple of 8, up to max_num_seqs (always one of them). A step padded to its size
+    must round to the same split_rows (chapter 8) as the step itself, or decode
+    attention splits its contexts differently: change the two together.
     """
     sizes = [s for s in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) if s <= max_num_seqs]
     return sizes if sizes and sizes[-1] == max_num_seqs else [*sizes, max_num_seqs]

@@ -19,6 +19,7 @@ from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.model_runner import ModelRunner, SchedulerOutput
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.kernels.decode_attention import split_rows
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.runtime import can_launch, has_gpu
 
@@ -34,6 +35,10 @@ def test_graph_sizes_are_vllms_buckets():
     assert cuda_graph_sizes(1) == [1] and cuda_graph_sizes(12) == [1, 2, 4, 8, 12]
     sizes = cuda_graph_sizes(40)
     assert [graph_size_for(n, sizes) for n in (1, 3, 5, 8, 9, 33, 40, 41)] == [1, 4, 8, 8, 16, 40, 40, None]
+    # a padded step splits its contexts as the step itself (chapter 8's split_rows): every size, every max_num_seqs
+    for max_num_seqs in (1, 12, 40, 256, 300):
+        sizes = cuda_graph_sizes(max_num_seqs)
+        assert all(split_rows(graph_size_for(n, sizes)) == split_rows(n) for n in range(1, max_num_seqs + 1))
 
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
