@@ -61,7 +61,7 @@ from tinyvllm_lib.cli import command, main
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.plots import Prose, new_figure
-from tinyvllm_lib.runtime import has_gpu, where_kernels_run
+from tinyvllm_lib.runtime import can_launch, has_gpu, where_kernels_run
 
 rng = np.random.default_rng()
 # the numbers this chapter's prose quotes, filled in as they are measured
@@ -285,17 +285,18 @@ class PackedDecodeInputs:
 
 
 # %%
-packed = PackedDecodeInputs(max_rows=8, max_blocks=4)
-host = packed.views(5, on_device=False)
-host["ids"][:] = rng.integers(0, 100, 5)
-host["block_tables"][:] = rng.integers(0, 50, (5, 4))
-host["temperature"][:] = rng.random(5)
-packed.copy(5, stream=0)
-device = packed.views(5, on_device=True)
-assert np.array_equal(device["ids"].copy_to_host(), host["ids"])
-assert np.array_equal(device["block_tables"].copy_to_host(), host["block_tables"])
-assert np.array_equal(device["temperature"].copy_to_host(), host["temperature"])
-print(f"a 5-row step moves {packed.nbytes(5)} bytes in one copy")
+if can_launch():  # pinned and device buffers: a GPU or the simulator
+    packed = PackedDecodeInputs(max_rows=8, max_blocks=4)
+    host = packed.views(5, on_device=False)
+    host["ids"][:] = rng.integers(0, 100, 5)
+    host["block_tables"][:] = rng.integers(0, 50, (5, 4))
+    host["temperature"][:] = rng.random(5)
+    packed.copy(5, stream=0)
+    device = packed.views(5, on_device=True)
+    assert np.array_equal(device["ids"].copy_to_host(), host["ids"])
+    assert np.array_equal(device["block_tables"].copy_to_host(), host["block_tables"])
+    assert np.array_equal(device["temperature"].copy_to_host(), host["temperature"])
+    print(f"a 5-row step moves {packed.nbytes(5)} bytes in one copy")
 
 # %% [markdown]
 # ## Log-probabilities on the GPU
@@ -407,21 +408,24 @@ from tinyvllm_lib.engine.sampler import top_logprobs  # noqa: E402
 from tinyvllm_lib.kernels.attention import log_softmax  # noqa: E402
 from tinyvllm_lib.kernels.logprobs import gpu_logprobs  # noqa: E402
 
-rows, vocab, k = 3, 300, 5
-logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 3
-logits[1, [7, 70, 170]] = logits[1].max() + 1  # a three-way tie at the top
-picked = rng.integers(0, vocab, rows)
-chosen = cuda.device_array(rows, np.float32)
-top_i = cuda.device_array((rows, k), np.int64)
-top_v = cuda.device_array((rows, k), np.float32)
-gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), k, chosen, top_i, top_v)
-want = log_softmax(logits)
-want_i, want_v = top_logprobs(want, k)
-assert np.allclose(chosen.copy_to_host(), want[np.arange(rows), picked], atol=1e-5)
-assert np.allclose(top_v.copy_to_host(), want_v, atol=1e-5)
-assert top_i.copy_to_host()[1, :3].tolist() == [7, 70, 170]  # ties: smaller index first
-assert (top_i.copy_to_host()[[0, 2]] == want_i[[0, 2]]).all()
-print("GPU log-probs match NumPy's; row 1's top 3:", top_i.copy_to_host()[1, :3])
+if can_launch():  # a GPU or the simulator
+    rows, vocab, k = 3, 300, 5
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 3
+    logits[1, [7, 70, 170]] = logits[1].max() + 1  # a three-way tie at the top
+    picked = rng.integers(0, vocab, rows)
+    chosen = cuda.device_array(rows, np.float32)
+    top_i = cuda.device_array((rows, k), np.int64)
+    top_v = cuda.device_array((rows, k), np.float32)
+    d_logits, d_picked = cuda.to_device(logits), cuda.to_device(picked)
+    gpu_logprobs(d_logits, d_picked, k, chosen, top_i, top_v)
+    want = log_softmax(logits)
+    want_i, want_v = top_logprobs(want, k)
+    assert np.allclose(chosen.copy_to_host(), want[np.arange(rows), picked], atol=1e-5)
+    assert np.allclose(top_v.copy_to_host(), want_v, atol=1e-5)
+    # ties: the smaller index first
+    assert top_i.copy_to_host()[1, :3].tolist() == [7, 70, 170]
+    assert (top_i.copy_to_host()[[0, 2]] == want_i[[0, 2]]).all()
+    print("GPU log-probs match NumPy's; row 1's top 3:", top_i.copy_to_host()[1, :3])
 
 # %% [markdown]
 # The graph runner below samples with it: after the sampling kernel, the same stream
@@ -564,13 +568,14 @@ def next_ids(prev_rows, sampled, ids, stream=0) -> None:
 PTX_SIGNATURES = {"next_ids_kernel": ["void(int64[::1], int64[::1], int64[::1])"]}
 
 # %%
-prev_rows = np.array([2, -1, 0, 1], np.int64)
-sampled, ids = np.array([50, 60, 70], np.int64), np.array([1, 2, 3, 4], np.int64)
-d_ids = cuda.to_device(ids)
-next_ids(cuda.to_device(prev_rows), cuda.to_device(sampled), d_ids)
-want = np.where(prev_rows >= 0, sampled[np.maximum(prev_rows, 0)], ids)
-assert np.array_equal(d_ids.copy_to_host(), want), d_ids.copy_to_host()
-print("ids fed forward:", d_ids.copy_to_host())
+if can_launch():  # a GPU or the simulator
+    prev_rows = np.array([2, -1, 0, 1], np.int64)
+    sampled, ids = np.array([50, 60, 70], np.int64), np.array([1, 2, 3, 4], np.int64)
+    d_ids = cuda.to_device(ids)
+    next_ids(cuda.to_device(prev_rows), cuda.to_device(sampled), d_ids)
+    want = np.where(prev_rows >= 0, sampled[np.maximum(prev_rows, 0)], ids)
+    assert np.array_equal(d_ids.copy_to_host(), want), d_ids.copy_to_host()
+    print("ids fed forward:", d_ids.copy_to_host())
 
 # %%
 #| export
@@ -960,6 +965,118 @@ class AsyncScheduler(PagedScheduler):
                 take_rows(result.sampled, keep), [None] * len(keep)
             )
         return super().postprocess(step, result)
+
+
+# %% [markdown]
+# ## Nothing compiles under a request
+#
+# numba compiles a kernel the first time it is launched with a new set of argument
+# types, and some kernels are built by a factory the first time a shape asks for them.
+# Capturing the decode graphs compiles everything a decode step launches, but not what
+# only other kinds of step reach: the prefill attention of a prompt, the paged prefill
+# of a prompt that continues (a chunk after a chunk, or a prompt after a cached prefix),
+# a mixed step's gathered head rows, the log-probs kernel. Each of those cost the
+# first request that reached it a compile: measured on the H200, a first prefix-cache
+# hit ran at about a tenth of the same request warm, a first request with log-probs at
+# about 40%.
+#
+# So the engine pays at start-up, as vLLM's `compile_or_warm_up_model` does:
+# `warm_up_model` runs one step of every kind a request can reach through the runner's
+# own `execute`, on throwaway requests whose block tables point at the first blocks of
+# the (still empty) pool, with a progress bar. Whatever those steps compile is compiled
+# before the first user arrives; what they write into the cache is overwritten by the
+# requests that get those blocks. The GPU test `test_gpu_nothing_compiles_after_start`
+# sends one request of every kind after start-up and checks that no numba dispatcher
+# gained an overload.
+
+# %%
+#| export engine.warm_up
+import numpy as np
+from tqdm.auto import tqdm
+
+from tinyvllm_lib.engine.model_runner import SchedulerOutput
+from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.kernels.checks import cdiv
+
+# the kinds of request a step can hold, as SamplingParams
+WARM_UP_PARAMS = {
+    "greedy": {},
+    "sampled": {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 1},
+    "logprobs": {"logprobs": 5, "prompt_logprobs": 1},
+    "top logprobs": {"logprobs": 20},
+}
+
+
+def warm_up_steps(runner) -> list[tuple[str, list, list[int]]]:
+    """The steps warm_up_model runs: (what, requests, new tokens each), in order; a
+    request's later entries continue it. Sizes fit the runner's limits (none below 8
+    tokens of max_model_len: a request there gets the compile).
+    """
+    c, bs = runner.config, runner.block_size
+    if runner.max_model_len < 8:
+        return []
+    budget, pair = runner.max_num_batched_tokens, runner.max_num_seqs >= 2
+    longest = max(1, min(runner.max_model_len - 4, budget - 1, 3 * bs + 5))
+    rng = np.random.default_rng(0)
+
+    def request(name: str, length: int, kind: str) -> Request:
+        ids = rng.integers(0, c.vocab_size, length).tolist()
+        params = SamplingParams(max_tokens=4, ignore_eos=True, **WARM_UP_PARAMS[kind])
+        return Request(f"warm-up {name}", None, ids, params, 4, ())
+
+    a = request("prompt", longest, "greedy")
+    b = request("one token", 1, "logprobs")
+    steps = [  # a prompt of several tokens and one of one token; then a decode step
+        *([("prefill", [a, b], [longest, 1])] if pair else
+          [("prefill", [a], [longest]), ("prefill", [b], [1])]),
+        *([("decode", [a, b], [1, 1])] if pair else
+          [("decode", [a], [1]), ("decode", [b], [1])]),
+    ]
+    if longest >= 2:  # a chunk that ends inside its prompt, then the rest of it
+        chunked, first = request("chunked", longest, "sampled"), longest // 2
+        steps += [("chunk", [chunked], [first])]
+        steps += [("continued chunk", [chunked], [longest - first])]
+    if pair:  # a prompt beside a decode row, with 20 log-probs
+        mixed = request("mixed", min(5, longest), "top logprobs")
+        steps += [("mixed", [mixed, a], [mixed.num_prompt_tokens, 1])]
+        steps += [("decode", [mixed, a], [1, 1])]
+    return steps
+
+
+def warm_up_model(runner, progress: bool = True) -> None:
+    """Run one step of every kind (prefill, decode, a chunk, a continued chunk, a mixed
+    step; greedy, sampled, log-probs) through runner.execute, so that every kernel they
+    reach is compiled now. The requests are throwaway; they write only into the first
+    blocks of the pool, which no request holds yet.
+    """
+    bs, steps = runner.block_size, warm_up_steps(runner)
+    num_blocks = runner.kv_cache.num_slots // bs
+    max_blocks = cdiv(runner.max_model_len, bs)
+    tables, next_block = {}, 0
+    for _, requests, _ in steps:  # each request its own blocks while the pool lasts
+        for r in requests:
+            if r.request_id not in tables:
+                need = cdiv(r.num_prompt_tokens + r.max_tokens, bs)
+                blocks = np.arange(next_block, next_block + need) % num_blocks
+                tables[r.request_id], next_block = blocks, next_block + need
+    bar = tqdm(steps, desc="Compiling kernels", unit="step", disable=not progress)
+    for _, requests, num_new in bar:
+        block_tables = np.zeros((len(requests), max_blocks), np.int32)
+        for row, r in enumerate(requests):
+            block_tables[row, : len(tables[r.request_id])] = tables[r.request_id]
+        prefills = sum(r.num_computed_tokens < r.num_prompt_tokens for r in requests)
+        step = SchedulerOutput(list(requests), list(num_new), prefills, block_tables)
+        result = runner.execute(step)
+        tokens = iter(result.sampled.token_ids)
+        for r, n in zip(requests, num_new):
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= r.num_tokens:  # its next token was due
+                r.output_token_ids.append(int(next(tokens)))
+            if r.params.prompt_logprobs is not None and r.num_computed_tokens >= (
+                r.num_prompt_tokens
+            ):
+                r.prompt_logprobs = []  # collected (the scheduler would keep them)
 
 
 # %% [markdown]

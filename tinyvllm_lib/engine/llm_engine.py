@@ -45,7 +45,8 @@ class LLMEngine:
     hands out; enable_prefix_caching shares the blocks of common prompt prefixes.
     On the GPU decode steps replay CUDA graphs (chapter 11) unless enforce_eager, and
     with async_scheduling (on with graphs) the next decode step is launched before the
-    last one is post-processed.
+    last one is post-processed. On a GPU, start-up compiles every kernel a request can
+    reach (chapter 11's warm_up_model).
     """
 
     def __init__(
@@ -118,6 +119,13 @@ class LLMEngine:
             num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes, block_size
         )
         self.model_runner.init_kv_cache(num_blocks * block_size)
+        if self.device == "cuda" and has_gpu():
+            # chapter 11: every kernel a request can reach is compiled now, not under
+            # the first request that reaches it
+            from tinyvllm_lib.engine.warm_up import warm_up_model
+
+            progress = getattr(self.model_runner, "progress", True)
+            warm_up_model(self.model_runner, progress)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         # chapter 11: one decode step in flight while the host post-processes the last
         self.async_scheduling = self._async_scheduling(async_scheduling)
