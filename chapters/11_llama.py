@@ -976,9 +976,7 @@ class AsyncScheduler(PagedScheduler):
 # only other kinds of step reach: the prefill attention of a prompt, the paged prefill
 # of a prompt that continues (a chunk after a chunk, or a prompt after a cached prefix),
 # a mixed step's gathered head rows, the log-probs kernel. Each of those cost the
-# first request that reached it a compile: measured on the H200, a first prefix-cache
-# hit ran at about a tenth of the same request warm, a first request with log-probs at
-# about 40%.
+# first request that reached it a compile, measured below.
 #
 # So the engine pays at start-up, as vLLM's `compile_or_warm_up_model` does:
 # `warm_up_model` runs one step of every kind a request can reach through the runner's
@@ -1077,6 +1075,63 @@ def warm_up_model(runner, progress: bool = True) -> None:
                 r.num_prompt_tokens
             ):
                 r.prompt_logprobs = []  # collected (the scheduler would keep them)
+
+
+# %% [markdown]
+# `bench/ch11_first_request.py` measures what that buys a user. In fresh processes (the
+# compiled kernels live in the process), the Llama 3.2 1B stand-in at batch 1 serves
+# each kind of request twice, first and again: greedy on a fresh prompt, a prompt after
+# a cached 200-token system prompt (the process's first paged prefill), and greedy with
+# five log-probs; then one more process does the same with the warm-up turned off.
+
+# %% tags=["hide-input"]
+first = {r["name"]: r for r in load_records("ch11_first_request")}
+kinds = [("greedy", "greedy"), ("prefix_hit", "prefix-cache hit"),
+         ("logprobs_5", "logprobs=5")]
+if f"{kinds[0][0]}_first" not in first:
+    print("Not recorded yet: bench/ch11_first_request.py has not run on a GPU.")
+else:
+    fig, ax = new_figure(height=2.6)
+    y = np.arange(len(kinds))
+    series = [("first, no warm-up", "_first_no_warm_up"), ("first", "_first"),
+              ("again", "_again")]
+    for i, (label, suffix) in enumerate(series):
+        values = [first[f"{k}{suffix}"]["value"] for k, _ in kinds]
+        ax.barh(y + (i - 1) * 0.27, values, height=0.27, label=label)
+        for j, v in enumerate(values):
+            ax.text(v, y[j] + (i - 1) * 0.27, f" {v:,.0f}", va="center", fontsize=7)
+    ax.set_yticks(y, [label for _, label in kinds])
+    ax.set_xlabel("tok/s of the whole request (256 new tokens), batch 1")
+    ax.invert_yaxis()
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    plt.show()
+
+# %% tags=["remove-input"]
+if "prefix_hit_first" in first:
+    for k, _ in kinds:
+        f, again = first[f"{k}_first"], first[f"{k}_again"]
+        cold = first[f"{k}_first_no_warm_up"]
+        prose.glue(f"ch11_{k}_first", f"{f['value']:,.0f} tok/s")
+        prose.glue(f"ch11_{k}_again", f"{again['value']:,.0f}")
+        prose.glue(f"ch11_{k}_share", f"{f['value'] / again['value']:.0%}")
+        prose.glue(f"ch11_{k}_cold", f"{cold['value']:,.0f} tok/s")
+        prose.glue(f"ch11_{k}_cold_share", f"{cold['value'] / cold['ceiling']:.0%}")
+    prose.glue("ch11_start_s", f"{first['start_s']['value']:.1f} s")
+    prose.glue("ch11_warm_up_s", f"{first['warm_up_s']['value']:.1f} s")
+    prose.glue("ch11_first_trials", f"{first['start_s']['trials']}")
+    prose.glue("ch11_first_date", first["start_s"]["date"])
+    prose.show("""
+Without the warm-up, the first prefix-cache hit of a process ran at
+{{ch11_prefix_hit_cold}} ({{ch11_prefix_hit_cold_share}} of the same request warm)
+and the first request with log-probs at {{ch11_logprobs_5_cold}}
+({{ch11_logprobs_5_cold_share}}): each waited for a compile. With it (medians of
+{{ch11_first_trials}} processes, {{ch11_first_date}}), the first prefix hit runs at
+{{ch11_prefix_hit_first}}, {{ch11_prefix_hit_share}} of the same request again
+({{ch11_prefix_hit_again}}), and the first log-probs request at
+{{ch11_logprobs_5_first}}, {{ch11_logprobs_5_share}} of again
+({{ch11_logprobs_5_again}}). The engine takes {{ch11_start_s}} to start, weights,
+graphs and all, of which the warm-up's steps and compiles are {{ch11_warm_up_s}}.
+""")
 
 
 # %% [markdown]
