@@ -190,7 +190,7 @@ class Prose:
 
 
 def in_notebook() -> bool:
-    """True inside a Jupyter kernel (JupyterLab, the book's build, nbval), False in a
+    """True inside a Jupyter kernel (JupyterLab, CI's run of every chapter), False in a
     plain script.
     """
     try:
