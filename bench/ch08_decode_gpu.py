@@ -11,7 +11,8 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib import LLM, SamplingParams
-from tinyvllm_lib.engine.model_runner import SchedulerOutput, prepare_inputs
+from tinyvllm_lib.engine.model_runner import prepare_inputs
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.kernels.decode_attention import (
     decode_attention,

@@ -17,9 +17,10 @@ import numpy as np
 
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.benchmark import nano_vllm_workload
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.engine.model_runner import SchedulerOutput, prepare_inputs
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.engine.model_runner import prepare_inputs
 from tinyvllm_lib.engine.scheduler import Scheduler
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.measure import Recorder, time_launches
 from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
 

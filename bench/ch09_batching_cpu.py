@@ -12,7 +12,7 @@ from pathlib import Path
 
 import tinyvllm_lib.measure as measure
 from tinyvllm_lib import LLM, SamplingParams
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
 from tinyvllm_lib.engine.scheduler import Scheduler
 
 _spec = importlib.util.spec_from_file_location("ch08_decode_cpu", Path(__file__).with_name("ch08_decode_cpu.py"))

@@ -22,9 +22,10 @@ import tinyvllm_lib.measure as measure
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.cuda_graphs import PackedDecodeInputs, fill_decode_inputs
 from tinyvllm_lib.engine.llm_engine import LLMEngine
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, prepare_inputs
+from tinyvllm_lib.engine.model_runner import prepare_inputs
 from tinyvllm_lib.engine.sampler import SamplerOutput
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
 _spec = importlib.util.spec_from_file_location("ch08_decode_cpu", Path(__file__).with_name("ch08_decode_cpu.py"))

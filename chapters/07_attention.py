@@ -295,11 +295,12 @@ with np.errstate(over="ignore", invalid="ignore"):
 #
 # Its logarithm, $\log p_j = s_j - m - \log \sum_k e^{s_k - m}$, is how we will compare
 # models (log-probabilities) and what the sampler reports: `log_softmax`, beside it.
+# Both go to a module of their own, `kernels.softmax`, which imports no numba: the
+# engine's host side (the sampler, a request's log-probs) uses them without pulling in
+# the GPU's modules.
 
 # %%
-#| export
-import math
-
+#| export kernels.softmax
 import numpy as np
 
 
@@ -383,6 +384,13 @@ print("online softmax with blocks of 1, 4, 16 and 37 keys = safe softmax, then @
 
 # %%
 #| export
+import math
+
+import numpy as np
+
+from tinyvllm_lib.kernels.softmax import softmax_ref
+
+
 def split_qkv(qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int):
     """Views q (T, H, D), k (T, KVH, D), v (T, KVH, D) of a fused qkv buffer (T, (H + 2
     KVH) * D).
@@ -1657,7 +1665,7 @@ class LlamaNumpy:
 # most likely next token again and again (*greedy* decoding):
 
 # %%
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.softmax import log_softmax
 from tinyvllm_lib.layers.attention import CausalAttention
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 

@@ -54,8 +54,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from numba import cuda
 
-from tinyvllm_lib.kernels.attention import log_softmax, softmax_ref
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+from tinyvllm_lib.kernels.softmax import log_softmax, softmax_ref
 from tinyvllm_lib.measure import load_records, max_rel_error
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
@@ -361,11 +361,18 @@ and then the cache, not the weights, fills the GPU.
 # room for the longest sequence in every row — the waste chapter 10 measures — but
 # everything downstream already speaks block tables, and will not change when the
 # allocator does. Its table is made once; a step reads rows of it and builds nothing
-# that grows with the context.
+# that grows with the context. It lives in a module of its own, beside the cache rather
+# than in it: a scheduler hands out blocks and never touches the GPU, so what it imports
+# imports no numba.
 
 
 # %%
-#| export
+#| export engine.contiguous_allocator
+import numpy as np
+
+from tinyvllm_lib.kernels.checks import cdiv
+
+
 class ContiguousAllocator:
     """Chapter 8's blocks: sequence row r owns blocks r * max_blocks ... (r + 1) *
     max_blocks - 1, laid end to end.
@@ -600,7 +607,7 @@ def build_attention_metadata(
 # `slot_mapping`.
 
 # %%
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
 from tinyvllm_lib.layers.attention_metadata import build_attention_metadata
 
 demo = ContiguousAllocator(max_num_seqs=3, max_model_len=16, block_size=8)
@@ -2605,7 +2612,8 @@ else:
 #   choosing its split on the GPU so the launch does not change from step to step.
 #
 # Exported to `tinyvllm_lib`: `engine.kv_cache` (`KVCache`, `CudaKVCache`,
-# `ContiguousAllocator`, `kv_cache_bytes_per_token`), `layers.attention`
+# `kv_cache_bytes_per_token`), `engine.contiguous_allocator` (`ContiguousAllocator`),
+# `layers.attention`
 # (`AttentionMetadata`, `build_attention_metadata`, `CachedAttention`; chapter 10
 # writes the library's `PagedAttention`), `kernels.attention`
 # (`cached_attention_ref`) and `kernels.decode_attention` (`write_kv_cache`,

@@ -49,8 +49,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from numba import cuda
 
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.kernels.softmax import log_softmax
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.smollm2 import resolve_model
@@ -262,7 +262,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm_lib.engine.sampling_params import SamplingParams
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
@@ -777,13 +777,13 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
-from tinyvllm_lib.kernels.attention import log_softmax
 from tinyvllm_lib.kernels.sampling import (
     MAX_SHARES,
     SAMPLER_THREADS,
     greedy_shares,
     sample_kernel,
 )
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 
 class CudaSampler:
@@ -1098,7 +1098,7 @@ from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_st
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
 from tinyvllm_lib.engine.sampler import top_logprobs
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 
 class RequestStatus(enum.Enum):
@@ -1400,30 +1400,21 @@ def gather_rows(src, indices, out, stream=0, threads: int = 128):
     return out
 
 
+# %% [markdown]
+# A step is a contract between two parts: the scheduler says what to run
+# (`SchedulerOutput`), the runner says what came of it (`ModelRunnerOutput`). The two
+# types live in a module of their own, `engine.step_outputs`, that neither side owns,
+# as vLLM keeps its `SchedulerOutput` apart from both: a scheduler imports them without
+# importing the runner, its kernels or numba.
+
 # %%
-#| export
+#| export engine.step_outputs
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda
 
-from tinyvllm_lib.engine.kv_cache import CudaKVCache, KVCache
 from tinyvllm_lib.engine.request import Request
-from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
-from tinyvllm_lib.engine.sampler_cuda import CudaSampler
-from tinyvllm_lib.kernels.checks import cdiv
-from tinyvllm_lib.kernels.decode_attention import decode_workspace
-from tinyvllm_lib.kernels.gather import gather_rows
-from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
-from tinyvllm_lib.layers.attention_metadata import (
-    AttentionMetadata,
-    build_attention_metadata,
-)
-from tinyvllm_lib.models.llama_cuda import LlamaCuda
-from tinyvllm_lib.models.llama_numpy import LlamaNumpy
-
-DEVICES = ("cpu", "cuda")
-CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
+from tinyvllm_lib.engine.sampler import SamplerOutput
 
 
 @dataclass
@@ -1446,6 +1437,44 @@ class SchedulerOutput:
 
 
 @dataclass
+class ModelRunnerOutput:
+    """What a step produced: one sampled token per request, and the prompt logits some
+    asked for.
+    """
+
+    # one row per request whose next token was due, in the batch's order
+    sampled: SamplerOutput
+    # per request: logits (num_prompt_tokens, vocab) of its prompt rows, else None
+    prompt_logits: list
+
+
+# %%
+#| export
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.engine.kv_cache import CudaKVCache, KVCache
+from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.decode_attention import decode_workspace
+from tinyvllm_lib.kernels.gather import gather_rows
+from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
+from tinyvllm_lib.layers.attention_metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+)
+from tinyvllm_lib.models.llama_cuda import LlamaCuda
+from tinyvllm_lib.models.llama_numpy import LlamaNumpy
+
+DEVICES = ("cpu", "cuda")
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
+
+
+@dataclass
 class StepInputs:
     """The arrays of one step, on the host: what prepare_inputs builds from a
     SchedulerOutput.
@@ -1461,18 +1490,6 @@ class StepInputs:
     prompt_rows: dict[int, slice]
     sampling: SamplingMetadata  # of the requests whose next token is due
     num_sampled: int  # how many: a chunk that ends inside a prompt samples nothing
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What a step produced: one sampled token per request, and the prompt logits some
-    asked for.
-    """
-
-    # one row per request whose next token was due, in the batch's order
-    sampled: SamplerOutput
-    # per request: logits (num_prompt_tokens, vocab) of its prompt rows, else None
-    prompt_logits: list
 
 
 def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
@@ -1732,8 +1749,9 @@ class ModelRunner:
 # loop serves one request at a time — a scheduler that does better is chapter 9.
 
 # %%
-from tinyvllm_lib.engine.model_runner import ModelRunner, SchedulerOutput
+from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request, RequestStatus
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 
 
 def generate_one(
@@ -2018,8 +2036,8 @@ all — CUDA graphs, chapter 11.
 # (the GPU sampling kernels), `engine.sampler_cuda` (`CudaSampler`),
 # `engine.detokenizer` (`IncrementalDetokenizer`), `engine.outputs` (`RequestOutput`,
 # `CompletionOutput`), `engine.request` (`Request`, `RequestStatus`), `kernels.gather`
-# (`gather_rows`) and `engine.model_runner` (`ModelRunner`, `SchedulerOutput`,
-# `prepare_inputs`).
+# (`gather_rows`), `engine.step_outputs` (`SchedulerOutput`, `ModelRunnerOutput`) and
+# `engine.model_runner` (`ModelRunner`, `prepare_inputs`).
 #
 # ## Exercises
 #

@@ -233,9 +233,9 @@ only *which* requests share a step.
 #| export engine.scheduler
 from collections import deque
 
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, SchedulerOutput
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
 from tinyvllm_lib.engine.request import Request, RequestStatus
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:
@@ -549,8 +549,9 @@ from tinyvllm_lib.engine.config import (
     positive_int,
     resolve_device,
 )
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
 from tinyvllm_lib.engine.inputs import make_request
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator, kv_cache_bytes_per_token
+from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.outputs import RequestOutput
 from tinyvllm_lib.engine.request import Request
@@ -1416,7 +1417,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm_lib.engine.sampling_params import SamplingParams
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 TIE_MARGIN = 1e-3
 

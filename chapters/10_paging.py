@@ -535,8 +535,8 @@ from collections import deque
 import numpy as np
 
 from tinyvllm_lib.engine.block_manager import BlockManager
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.engine.request import Request, RequestStatus
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 
 
@@ -780,9 +780,9 @@ class PagedScheduler:
 # the decodes never stop.
 
 # %%
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplerOutput
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput
 
 # %% tags=["hide-input"]
 KIND_STYLE = {

@@ -405,8 +405,8 @@ def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=
 from numba import cuda  # noqa: E402
 
 from tinyvllm_lib.engine.sampler import top_logprobs  # noqa: E402
-from tinyvllm_lib.kernels.attention import log_softmax  # noqa: E402
 from tinyvllm_lib.kernels.logprobs import gpu_logprobs  # noqa: E402
+from tinyvllm_lib.kernels.softmax import log_softmax  # noqa: E402
 
 if can_launch():  # a GPU or the simulator
     rows, vocab, k = 3, 300, 5
@@ -584,13 +584,8 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
-from tinyvllm_lib.engine.model_runner import (
-    ModelRunner,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    StepInputs,
-    prepare_inputs,
-)
+from tinyvllm_lib.engine.model_runner import ModelRunner, StepInputs, prepare_inputs
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.next_ids import next_ids
 from tinyvllm_lib.layers.attention_metadata import (
     AttentionMetadata,
@@ -879,10 +874,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplerOutput
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -992,9 +987,9 @@ class AsyncScheduler(PagedScheduler):
 import numpy as np
 from tqdm.auto import tqdm
 
-from tinyvllm_lib.engine.model_runner import SchedulerOutput
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 
 # the kinds of request a step can hold, as SamplingParams

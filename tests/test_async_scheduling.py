@@ -10,9 +10,9 @@ import pytest
 
 from tinyvllm_lib.engine.async_scheduler import AheadSchedulerOutput, AsyncScheduler
 from tinyvllm_lib.engine.llm_engine import LLMEngine
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput
 from tinyvllm_lib.engine.sampler import SamplerOutput
 from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 
 VOCAB = 256

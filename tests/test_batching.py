@@ -11,7 +11,7 @@ import pytest
 from compare import agrees, draw_margin, shared_logprob_gaps
 
 from tinyvllm_lib import LLM, LLMEngine, SamplingParams
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
 from tinyvllm_lib.engine.request import Request, RequestStatus
 from tinyvllm_lib.engine.sampler import Sampler, SamplingMetadata
 from tinyvllm_lib.engine.scheduler import Scheduler

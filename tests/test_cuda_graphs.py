@@ -16,9 +16,10 @@ from tinyvllm_lib.engine.cuda_graphs import (
     graph_size_for,
 )
 from tinyvllm_lib.engine.llm import LLM
-from tinyvllm_lib.engine.model_runner import ModelRunner, SchedulerOutput
+from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.decode_attention import split_rows
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.runtime import can_launch, has_gpu
@@ -211,8 +212,8 @@ def test_gpu_logprobs_match_numpy(rng, k):
     from numba import cuda
 
     from tinyvllm_lib.engine.sampler import top_logprobs
-    from tinyvllm_lib.kernels.attention import log_softmax
     from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
+    from tinyvllm_lib.kernels.softmax import log_softmax
 
     rows, vocab = 4, 700 if not has_gpu() else 128256
     logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)

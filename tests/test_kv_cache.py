@@ -4,11 +4,8 @@ the NumPy model — cached prefill and decode give the logits of a full forward 
 import numpy as np
 import pytest
 
-from tinyvllm_lib.engine.kv_cache import (
-    ContiguousAllocator,
-    KVCache,
-    kv_cache_bytes_per_token,
-)
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.engine.kv_cache import KVCache, kv_cache_bytes_per_token
 from tinyvllm_lib.kernels.attention import attention_ref, cached_attention_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.layers.attention import CachedAttention, context_slots

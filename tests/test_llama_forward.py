@@ -12,8 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from tinyvllm_lib.kernels.attention import log_softmax
 from tinyvllm_lib.kernels.rope import check_positions
+from tinyvllm_lib.kernels.softmax import log_softmax
 from tinyvllm_lib.layers.attention import CausalAttention
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy, fuse_llama_weights

@@ -7,14 +7,11 @@ import pytest
 from numba import cuda
 
 from tinyvllm_lib import LLM, SamplingParams
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.engine.model_runner import (
-    ModelRunner,
-    SchedulerOutput,
-    prepare_inputs,
-)
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.engine.model_runner import ModelRunner, prepare_inputs
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplingMetadata
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.models.random_llama import (
     LLAMA_3_2_1B_CONFIG,

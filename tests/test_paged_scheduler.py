@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tinyvllm_lib.engine.block_manager import BlockManager
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler, is_decode
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplerOutput
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.engine.scheduler import Scheduler
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 
 

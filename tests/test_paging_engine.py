@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from compare import agrees, shared_logprob_gaps
 
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator, kv_cache_bytes_per_token
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ import pytest
 
 from tinyvllm_lib import SamplingParams
 from tinyvllm_lib.engine.sampler import Sampler, SamplingMetadata, top_logprobs
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 # Upper 0.1% points of the chi-square distribution, P(X > x) = 0.001, by degrees of freedom.
 CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124, 9: 27.877}

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from tinyvllm_lib import LLM, SamplingParams
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.engine.model_runner import ModelRunner, SchedulerOutput
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.engine.warm_up import warm_up_model, warm_up_steps
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.runtime import has_gpu

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplerOutput
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass

@@ -173,13 +173,8 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
-from tinyvllm_lib.engine.model_runner import (
-    ModelRunner,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    StepInputs,
-    prepare_inputs,
-)
+from tinyvllm_lib.engine.model_runner import ModelRunner, StepInputs, prepare_inputs
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.next_ids import next_ids
 from tinyvllm_lib.layers.attention_metadata import (
     AttentionMetadata,

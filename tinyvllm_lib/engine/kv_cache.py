@@ -79,65 +79,6 @@ class KVCache:
 
 
 # defined in chapters/08_kv_cache.py
-class ContiguousAllocator:
-    """Chapter 8's blocks: sequence row r owns blocks r * max_blocks ... (r + 1) *
-    max_blocks - 1, laid end to end.
-    """
-
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int = 16):
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_model_len", max_model_len),
-            ("block_size", block_size),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if block_size & (block_size - 1):
-            raise ValueError(
-                f"block_size must be a power of two (8, 16, 32, ...), got {block_size}"
-            )
-        self.max_num_seqs, self.max_model_len, self.block_size = (
-            max_num_seqs,
-            max_model_len,
-            block_size,
-        )
-        # blocks per row: room for max_model_len tokens
-        self.max_blocks = cdiv(max_model_len, block_size)
-        self.num_blocks = max_num_seqs * self.max_blocks
-        # made once
-        self.table = np.arange(self.num_blocks, dtype=np.int32).reshape(
-            max_num_seqs, self.max_blocks
-        )
-        # pop() hands out row 0 first
-        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def num_free_rows(self) -> int:
-        return len(self.free_rows)
-
-    def allocate(self) -> int:
-        """A free row (its blocks) for a new sequence."""
-        if not self.free_rows:
-            raise RuntimeError(
-                f"all {self.max_num_seqs} cache rows are in use (max_num_seqs)"
-            )
-        return self.free_rows.pop()
-
-    def free(self, row: int) -> None:
-        if not 0 <= row < self.max_num_seqs or row in self.free_rows:
-            raise ValueError(f"cache row {row} is not in use")
-        self.free_rows.append(row)
-
-    def block_tables(self, rows) -> np.ndarray:
-        """The block-table rows (len(rows), max_blocks) int32 of these sequence rows."""
-        return self.table[np.asarray(rows, np.int64)]
-
-
-# defined in chapters/08_kv_cache.py
 class CudaKVCache:
     """The GPU's cache: per layer, bf16 keys and values (num_slots, num_kv_heads,
     head_dim) as uint16 in k[layer] and v[layer], and the same bytes as flat 8-byte

@@ -8,9 +8,9 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.kv_cache import CudaKVCache, KVCache
-from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_attention import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
@@ -24,25 +24,6 @@ from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
 DEVICES = ("cpu", "cuda")
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work, as a scheduler decides it: which requests run, how many new
-    tokens each, and their blocks.
-    """
-
-    # the batch: its num_prefills prompts first, then one-token decodes
-    requests: list[Request]
-    # per request: the tokens computed this step, after its num_computed_tokens
-    num_new_tokens: list[int]
-    num_prefills: int
-    # (len(requests), max_blocks) int32: each request's row of the block table
-    block_tables: np.ndarray
-
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(self.num_new_tokens))
 
 
 @dataclass
@@ -61,18 +42,6 @@ class StepInputs:
     prompt_rows: dict[int, slice]
     sampling: SamplingMetadata  # of the requests whose next token is due
     num_sampled: int  # how many: a chunk that ends inside a prompt samples nothing
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What a step produced: one sampled token per request, and the prompt logits some
-    asked for.
-    """
-
-    # one row per request whose next token was due, in the batch's order
-    sampled: SamplerOutput
-    # per request: logits (num_prompt_tokens, vocab) of its prompt rows, else None
-    prompt_logits: list
 
 
 def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:

@@ -7,8 +7,8 @@ from collections import deque
 import numpy as np
 
 from tinyvllm_lib.engine.block_manager import BlockManager
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.engine.request import Request, RequestStatus
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 
 

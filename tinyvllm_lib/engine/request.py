@@ -10,7 +10,7 @@ from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_st
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
 from tinyvllm_lib.engine.sampler import top_logprobs
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 
 class RequestStatus(enum.Enum):

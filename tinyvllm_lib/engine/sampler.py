@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm_lib.engine.sampling_params import SamplingParams
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:

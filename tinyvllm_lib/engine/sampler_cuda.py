@@ -6,13 +6,13 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
-from tinyvllm_lib.kernels.attention import log_softmax
 from tinyvllm_lib.kernels.sampling import (
     MAX_SHARES,
     SAMPLER_THREADS,
     greedy_shares,
     sample_kernel,
 )
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 
 class CudaSampler:

@@ -4,9 +4,9 @@
 # defined in chapters/09_batching.py
 from collections import deque
 
-from tinyvllm_lib.engine.kv_cache import ContiguousAllocator
-from tinyvllm_lib.engine.model_runner import ModelRunnerOutput, SchedulerOutput
+from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
 from tinyvllm_lib.engine.request import Request, RequestStatus
+from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:

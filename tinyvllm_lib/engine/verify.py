@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm_lib.engine.sampling_params import SamplingParams
-from tinyvllm_lib.kernels.attention import log_softmax
+from tinyvllm_lib.kernels.softmax import log_softmax
 
 TIE_MARGIN = 1e-3
 

@@ -5,9 +5,9 @@
 import numpy as np
 from tqdm.auto import tqdm
 
-from tinyvllm_lib.engine.model_runner import SchedulerOutput
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 
 # the kinds of request a step can hold, as SamplingParams

@@ -6,25 +6,9 @@ import math
 
 import numpy as np
 
-
-def softmax_ref(scores: np.ndarray) -> np.ndarray:
-    """Safe softmax along the last axis, in float32: exp(s - max s) / sum. Rows of -inf
-    only are not allowed.
-    """
-    m = np.max(scores, axis=-1, keepdims=True)
-    e = np.exp(scores - m)
-    return e / np.sum(e, axis=-1, keepdims=True)
+from tinyvllm_lib.kernels.softmax import softmax_ref
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """log p = logits - max - log(sum(exp(logits - max))) along the last axis (float32
-    in, float32 out).
-    """
-    shifted = logits - np.max(logits, axis=-1, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
-
-
-# defined in chapters/07_attention.py
 def split_qkv(qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int):
     """Views q (T, H, D), k (T, KVH, D), v (T, KVH, D) of a fused qkv buffer (T, (H + 2
     KVH) * D).
