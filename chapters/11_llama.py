@@ -1403,7 +1403,10 @@ print(repr(prompt))
 # - **throughput**: many requests at once, here nano-vllm's workload — 256 requests
 #   whose prompt and output lengths are drawn uniformly from 100 to 1,024 tokens
 #   (seed 0) — timed from the first `add_request` to the last token, counting output
-#   tokens.
+#   tokens. Before it, a warm-up on other prompts of the same kind, past one step's
+#   token budget, so that chunked prompts and mixed steps have run once; each timed run
+#   starts on an empty prefix cache (`reset_prefix_cache`, vLLM's name), and the
+#   benchmark scripts take the median of three.
 #
 # `python -m tinyvllm_lib bench latency` and `bench throughput` run them on any model
 # (the stand-in by default) and print a line per run. The same functions serve the
@@ -1479,25 +1482,50 @@ def throughput(
     max_len: int = 1024,
     seed: int = 0,
     use_tqdm: bool = False,
+    repeats: int = 1,
+    before_run=None,
 ) -> dict:
-    """nano-vllm's workload through llm.generate, after a short warm-up: output tok/s
-    from the first request added to the last token.
+    """nano-vllm's workload through llm.generate: output tok/s from the first request
+    added to the last token, the median of `repeats` runs, each on an empty prefix
+    cache. First a warm-up on other prompts of the same kind, past one step's token
+    budget (chunked prompts, mixed steps), so every path the run takes has run once.
+    before_run(): called before each timed run.
     """
     prompts, output_lens = nano_vllm_workload(
         num_requests, min_len, max_len, seed, llm.config.vocab_size
     )
-    llm.generate(prompts[:4], greedy(4), use_tqdm=False)  # warm-up: every kernel
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, [greedy(n) for n in output_lens], use_tqdm=use_tqdm)
-    seconds = time.perf_counter() - start
-    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-    if num_output != sum(output_lens):
-        raise RuntimeError(f"{num_output} output tokens, {sum(output_lens)} asked for")
+    engine = llm.llm_engine
+    warm, _ = nano_vllm_workload(num_requests, min_len, max_len, seed + 1,
+                                 llm.config.vocab_size)
+    past_budget = int(np.searchsorted(np.cumsum([len(p) for p in warm]),
+                                      engine.max_num_batched_tokens)) + 2
+    llm.generate(warm[:past_budget], greedy(8), use_tqdm=False)
+    runs = []
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        if before_run is not None:
+            before_run()
+        steps = engine.stats.num_steps
+        start = time.perf_counter()
+        outputs = llm.generate(
+            prompts, [greedy(n) for n in output_lens], use_tqdm=use_tqdm
+        )
+        seconds = time.perf_counter() - start
+        num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if num_output != sum(output_lens):
+            raise RuntimeError(
+                f"{num_output} output tokens, {sum(output_lens)} asked for"
+            )
+        runs.append((seconds, engine.stats.num_steps - steps))
+    seconds, num_steps = sorted(runs)[len(runs) // 2]  # the median run
     num_prompt = sum(len(p) for p in prompts)
     return {
         "output_tok_s": num_output / seconds,
         "total_tok_s": (num_output + num_prompt) / seconds,
         "seconds": seconds,
+        "num_steps": num_steps,
+        "runs_output_tok_s": [num_output / s for s, _ in runs],
+        "warm_up_requests": past_budget,
         "num_requests": num_requests,
         "output_tokens": num_output,
         "prompt_tokens": num_prompt,

@@ -41,6 +41,17 @@ def test_latency_and_throughput_count_what_they_ran(folder):
     prompts, outs = benchmark.nano_vllm_workload(5, 3, 20, vocab_size=256)
     assert load["output_tokens"] == sum(outs) and load["prompt_tokens"] == sum(map(len, prompts))
     assert load["output_tok_s"] == pytest.approx(sum(outs) / load["seconds"])
+    # repeats: the median run, each on an empty prefix cache (no run reads the one before's blocks)
+    cached_before = llm.llm_engine.stats.num_cached_prompt_tokens
+    calls = []
+    load = benchmark.throughput(llm, num_requests=5, min_len=3, max_len=20, repeats=3,
+                                before_run=lambda: calls.append(llm.llm_engine.block_manager.num_cached_free_blocks))
+    runs = load["runs_output_tok_s"]
+    assert len(runs) == 3 and load["output_tok_s"] == sorted(runs)[1]
+    assert calls == [0, 0, 0] and load["num_steps"] > 0
+    # the warm-up went past one step's token budget (8 x 128 here), on prompts the runs do not share
+    assert load["warm_up_requests"] >= 2
+    assert llm.llm_engine.stats.num_cached_prompt_tokens == cached_before
 
 
 def test_bench_command_prints_and_writes_json(folder, tmp_path, capsys):

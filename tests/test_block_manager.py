@@ -26,6 +26,19 @@ def test_bad_sizes_are_refused():
         BlockManager(0)
 
 
+def test_reset_prefix_cache_forgets_every_block_only_when_none_is_held():
+    manager = BlockManager(16, block_size=4)
+    prompt = list(range(12))
+    manager.allocate("a", prompt, 12)
+    manager.cache_blocks("a", prompt, 12)
+    assert not manager.reset_prefix_cache()  # "a" holds its blocks: nothing changes
+    assert manager.num_cached_tokens(prompt) == 8
+    manager.free("a")
+    assert manager.num_cached_free_blocks == 3 and manager.reset_prefix_cache()
+    assert manager.num_cached_tokens(prompt) == 0 and manager.num_cached_free_blocks == 0
+    assert manager.allocate("b", prompt, 12) == 0 and manager.num_free_blocks == 13
+
+
 def test_a_shared_prefix_is_found_and_never_the_last_token():
     manager = BlockManager(16, block_size=4)
     prompt = list(range(12))  # exactly three full blocks

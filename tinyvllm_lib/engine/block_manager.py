@@ -189,6 +189,17 @@ class BlockManager:
                 self.free_queue[block_id] = None
         del self.num_named[request_id]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache), only while no request
+        holds a block; False, changing nothing, otherwise.
+        """
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = block.hash_key = None
+        self.cached.clear()
+        return True
+
     def slot_mapping(self, request_id: str, start: int, stop: int) -> np.ndarray:
         """Cache slots of the request's tokens start..stop-1, through its table."""
         positions = np.arange(start, stop)

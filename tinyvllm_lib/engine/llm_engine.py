@@ -247,6 +247,14 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (a benchmark's runs then start alike); only between
+        requests: False while any is unfinished.
+        """
+        if self.has_unfinished_requests():
+            return False
+        return self.block_manager.reset_prefix_cache()
+
     def abort_request(self, request_id: str) -> None:
         """End a request now, waiting or running (finish_reason 'abort'); its blocks
         are freed at once.
