@@ -1401,6 +1401,88 @@ def gather_rows(src, indices, out, stream=0, threads: int = 128):
 
 
 # %% [markdown]
+# The runner's settings, and every later part's, travel as one object: `EngineConfig`,
+# with vLLM's field names. `LLM(...)` makes it from its keyword arguments, the engine
+# fills in what depends on the model (the longest sequence it may serve, the step's
+# token budget) and hands the same object to the runner. Fields a later chapter uses
+# are here already — the pool's size and the prefix cache (chapter 10), graphs and
+# overlap (chapter 11) — so that no part takes a list of positional settings and no
+# chapter's class grows another. Each field is checked once, when it is made.
+
+# %%
+#| export engine.engine_config
+import os
+from dataclasses import dataclass
+
+DEVICES = ("cpu", "cuda")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is started with (vLLM's names); LLM(**kwargs) makes it,
+    LLMEngine completes it for its model, the runner reads it.
+    """
+
+    model: str | os.PathLike = "smollm2"
+    device: str = "auto"  # "auto": cuda where there is a GPU, else cpu
+    max_model_len: int | None = None  # None: the model's limit, at most 4,096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # a step's token budget; None: 8,192
+    seed: int = 0  # the generator of requests that bring no seed
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    # chapter 10: the pool of KV blocks and the prefix cache
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    # chapter 11: CUDA graphs, and a step launched before the last is post-processed
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: wherever the runner can
+
+    def __post_init__(self):
+        if self.device not in ("auto", *DEVICES):
+            raise ValueError(
+                f"device must be one of auto, {', '.join(DEVICES)}, got "
+                f"{self.device!r}"
+            )
+        for name in ("max_num_seqs", "block_size", "max_num_batched_tokens",
+                     "num_kv_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (
+            not _is_int(self.max_model_len) or self.max_model_len < 2
+        ):
+            raise ValueError(
+                f"max_model_len must be an integer of at least 2, got "
+                f"{self.max_model_len!r}"
+            )
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"block_size must be a power of two, got {self.block_size!r}"
+            )
+        if (self.max_num_batched_tokens or self.max_num_seqs) < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                f"least max_num_seqs ({self.max_num_seqs}): a decode step computes a "
+                "token for every running request"
+            )
+        if not (isinstance(self.gpu_memory_utilization, (int, float))
+                and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(
+                "gpu_memory_utilization is the share of the GPU's memory the engine "
+                f"may use, in (0, 1]; got {self.gpu_memory_utilization!r}"
+            )
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+# %% [markdown]
 # A step is a contract between two parts: the scheduler says what to run
 # (`SchedulerOutput`), the runner says what came of it (`ModelRunnerOutput`). The two
 # types live in a module of their own, `engine.step_outputs`, that neither side owns,
@@ -1455,6 +1537,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.engine.engine_config import DEVICES, EngineConfig
 from tinyvllm_lib.engine.kv_cache import CudaKVCache, KVCache
 from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
@@ -1470,7 +1553,6 @@ from tinyvllm_lib.layers.attention_metadata import (
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
-DEVICES = ("cpu", "cuda")
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
 
 
@@ -1559,30 +1641,23 @@ class ModelRunner:
     max_num_seqs requests allocates nothing.
     """
 
-    def __init__(
-        self,
-        folder,
-        device: str,
-        num_kv_slots: int | None,
-        block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        kv_cache_dtype: str = "auto",
-    ):
+    def __init__(self, folder, config: EngineConfig, num_kv_slots: int | None = None):
+        """config: its device resolved ("cpu" or "cuda") and its max_model_len and
+        max_num_batched_tokens set (the engine completes them).
+        """
+        device, kv_cache_dtype = config.device, config.kv_cache_dtype
         if device not in DEVICES:
             raise ValueError(
                 f"device must be one of {', '.join(DEVICES)}, got {device!r}"
             )
-        self.device, self.block_size, self.max_num_seqs = (
-            device,
-            block_size,
-            max_num_seqs,
-        )
-        self.max_num_batched_tokens, self.max_model_len = (
-            max_num_batched_tokens,
-            max_model_len,
-        )
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            raise ValueError(
+                "the runner needs max_model_len and max_num_batched_tokens set"
+            )
+        self.engine_config, self.device = config, device
+        self.block_size, self.max_num_seqs = config.block_size, config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = LlamaNumpy.from_folder(folder)
@@ -1600,7 +1675,7 @@ class ModelRunner:
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
             self.sampler = CudaSampler(
-                self.model.config.vocab_size, max_num_seqs, self.stream
+                self.model.config.vocab_size, self.max_num_seqs, self.stream
             )
             self._make_device_buffers()
         self.config, self.kv_cache = self.model.config, None
@@ -1749,6 +1824,7 @@ class ModelRunner:
 # loop serves one request at a time — a scheduler that does better is chapter 9.
 
 # %%
+from tinyvllm_lib.engine.engine_config import EngineConfig
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request, RequestStatus
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
@@ -1794,12 +1870,9 @@ def generate_one(
 allocator = ContiguousAllocator(max_num_seqs=1, max_model_len=512)
 cpu_runner = ModelRunner(
     folder,
-    "cpu",
+    EngineConfig(device="cpu", block_size=allocator.block_size, max_num_seqs=1,
+                 max_num_batched_tokens=512, max_model_len=512),
     allocator.num_slots,
-    allocator.block_size,
-    max_num_seqs=1,
-    max_num_batched_tokens=512,
-    max_model_len=512,
 )
 prompt_ids = tokenizer.apply_chat_template(question, tokenize=True)
 
@@ -1876,12 +1949,9 @@ assert "".join(pieces) == streamed.text == answer.text
 if has_gpu():
     gpu_runner = ModelRunner(
         folder,
-        "cuda",
+        EngineConfig(device="cuda", block_size=allocator.block_size, max_num_seqs=1,
+                     max_num_batched_tokens=512, max_model_len=512),
         allocator.num_slots,
-        allocator.block_size,
-        max_num_seqs=1,
-        max_num_batched_tokens=512,
-        max_model_len=512,
     )
     on_gpu = ask(gpu_runner, SamplingParams(temperature=0, max_tokens=24))
     print(f"on the GPU: {on_gpu.text!r}")
@@ -2054,6 +2124,6 @@ all — CUDA graphs, chapter 11.
 # 4. The runner gathers the head's rows. For a batch of 64 prompts of 500 tokens on
 #    Llama 3.2 1B, how many FLOPs and bytes does gathering save against running the head
 #    on every row?
-# 5. Run `ModelRunner(..., kv_cache_dtype="bfloat16")` on the CPU and compare the
-#    answer's log-probabilities with the float32 cache's. How large is the difference,
-#    and do greedy tokens still agree?
+# 5. Run the CPU's `ModelRunner` with `kv_cache_dtype="bfloat16"` in its `EngineConfig`
+#    and compare the answer's log-probabilities with the float32 cache's. How large is
+#    the difference, and do greedy tokens still agree?

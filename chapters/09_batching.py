@@ -499,7 +499,7 @@ def make_request(
 #| export engine.config
 import os
 
-from tinyvllm_lib.engine.model_runner import DEVICES
+from tinyvllm_lib.engine.engine_config import DEVICES
 from tinyvllm_lib.runtime import has_gpu, is_simulator
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when not given: the model's limit, at most this
@@ -539,6 +539,7 @@ def positive_int(name: str, value) -> int:
 # %%
 # chapter 10 writes the library's LLMEngine: this one on a pool of blocks
 import itertools
+from dataclasses import replace
 
 import numpy as np
 from numba import cuda
@@ -546,10 +547,10 @@ from numba import cuda
 from tinyvllm_lib.engine.config import (
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    positive_int,
     resolve_device,
 )
 from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.engine.engine_config import EngineConfig
 from tinyvllm_lib.engine.inputs import make_request
 from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
 from tinyvllm_lib.engine.model_runner import ModelRunner
@@ -572,68 +573,55 @@ class LLMEngine:
     and `finished`.
     """
 
-    def __init__(
-        self,
-        model: str = "smollm2",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        seed: int = 0,
-        kv_cache_dtype: str = "auto",
-        block_size: int = 16,
-    ):
-        self.folder = resolve_model(model)
+    def __init__(self, model: str = "smollm2", device: str = "auto", **engine_args):
+        """engine_args: EngineConfig's fields (this chapter's engine reads the first
+        eight).
+        """
+        c = EngineConfig(model, device, **engine_args)
+        self.folder = resolve_model(c.model)
         self.config = ModelConfig.from_folder(self.folder)
         # None: prompts are token ids
         self.tokenizer = Tokenizer.from_folder(self.folder, missing_ok=True)
         limit = self.config.max_position_embeddings
-        max_model_len = (
-            min(limit, DEFAULT_MAX_MODEL_LEN)
-            if max_model_len is None
-            else max_model_len
-        )
-        if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
+        max_model_len = c.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > limit:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {limit}] (the model's "
                 f"max_position_embeddings), got {max_model_len!r}"
             )
-        positive_int("max_num_seqs", max_num_seqs)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-        if positive_int("max_num_batched_tokens", max_num_batched_tokens) < max(
-            max_model_len, max_num_seqs
-        ):
+        max_num_batched_tokens = c.max_num_batched_tokens or max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len
+        )
+        if max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
                 f"max_model_len ({max_model_len}), "
                 "since this engine computes a prompt in one step (chapter 10's "
-                "computes long ones in chunks), and at least "
-                f"max_num_seqs ({max_num_seqs}), since a decode step computes a "
-                "token for every running request"
+                "computes long ones in chunks)"
             )
-        self.device = resolve_device(device)
-        self.max_model_len, self.max_num_seqs, self.max_num_batched_tokens = (
-            max_model_len,
-            max_num_seqs,
+        # the config completed for this model: what the runner reads
+        self.engine_config = c = replace(
+            c,
+            device=resolve_device(c.device),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.device, self.max_model_len = c.device, max_model_len
+        self.max_num_seqs, self.max_num_batched_tokens = (
+            c.max_num_seqs,
             max_num_batched_tokens,
         )
-        self.allocator = ContiguousAllocator(max_num_seqs, max_model_len, block_size)
+        self.allocator = ContiguousAllocator(
+            c.max_num_seqs, max_model_len, c.block_size
+        )
         if self.device == "cuda" and has_gpu():
             self._check_gpu_memory()
-        self.model_runner = ModelRunner(
-            self.folder,
-            self.device,
-            self.allocator.num_slots,
-            block_size,
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            kv_cache_dtype,
+        self.model_runner = ModelRunner(self.folder, c, self.allocator.num_slots)
+        self.scheduler = Scheduler(
+            c.max_num_seqs, max_num_batched_tokens, self.allocator
         )
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.allocator)
         # for requests without a seed of their own
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(c.seed)
         # unfinished (and aborted but not yet reported) requests by id
         self.requests: dict[str, Request] = {}
         # their last RequestOutput goes out with the next step
@@ -991,6 +979,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
+from tinyvllm_lib.engine.engine_config import EngineConfig
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.outputs import RequestOutput
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -1013,30 +1002,11 @@ class LLM:
     continuously.
     """
 
-    def __init__(
-        self,
-        model: str = "smollm2",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        seed: int = 0,
-        kv_cache_dtype: str = "auto",
-        block_size: int = 16,
-        **engine_args,
-    ):
-        # engine_args: what a later chapter's engine takes too (chapter 10: the pool)
-        self.llm_engine = LLMEngine(
-            model,
-            device,
-            max_model_len,
-            max_num_seqs,
-            max_num_batched_tokens,
-            seed,
-            kv_cache_dtype,
-            block_size,
-            **engine_args,
-        )
+    def __init__(self, model: str = "smollm2", device: str = "auto", **engine_args):
+        """engine_args: the rest of EngineConfig's fields (max_model_len, max_num_seqs,
+        max_num_batched_tokens, seed, block_size, num_kv_blocks, enforce_eager, ...).
+        """
+        self.llm_engine = LLMEngine(EngineConfig(model, device, **engine_args))
         e = self.llm_engine
         self.folder, self.config, self.tokenizer, self.device, self.max_model_len = (
             e.folder,

@@ -1535,6 +1535,7 @@ from tinyvllm_lib.engine.config import (
     positive_int,
     resolve_device,
 )
+from tinyvllm_lib.engine.engine_config import EngineConfig
 from tinyvllm_lib.engine.inputs import make_request
 from tinyvllm_lib.engine.kv_cache import kv_cache_bytes_per_token
 from tinyvllm_lib.engine.model_runner import ModelRunner
@@ -1570,73 +1571,52 @@ class LLMEngine:
     """
 
     def __init__(
-        self,
-        model: str = "smollm2",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        seed: int = 0,
-        kv_cache_dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
-        async_scheduling: bool | None = None,
+        self, model: "str | EngineConfig" = "smollm2", device: str = "auto",
+        **engine_args,
     ):
-        self.folder = resolve_model(model)
+        """An EngineConfig, or its fields: LLMEngine(folder, "cpu", max_num_seqs=4)."""
+        if isinstance(model, EngineConfig):
+            if engine_args or device != "auto":
+                raise TypeError("give an EngineConfig or its fields, not both")
+            c = model
+        else:
+            c = EngineConfig(model, device, **engine_args)
+        self.folder = resolve_model(c.model)
         self.config = ModelConfig.from_folder(self.folder)
         # None: prompts are token ids
         self.tokenizer = Tokenizer.from_folder(self.folder, missing_ok=True)
         limit = self.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
-        if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
+        max_model_len = c.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > limit:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {limit}] (the model's "
                 f"max_position_embeddings), got {max_model_len!r}"
             )
-        positive_int("max_num_seqs", max_num_seqs)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
-        if positive_int("max_num_batched_tokens", max_num_batched_tokens) < (
-            max_num_seqs
-        ):
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
-                f"max_num_seqs ({max_num_seqs}): a decode step computes a token for "
-                "every running request"
-            )
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                "gpu_memory_utilization is the share of the GPU's memory the engine "
-                f"may use, in (0, 1]; got {gpu_memory_utilization!r}"
-            )
-        self.device = resolve_device(device)
-        self.max_model_len, self.max_num_seqs, self.max_num_batched_tokens = (
-            max_model_len,
-            max_num_seqs,
-            max_num_batched_tokens,
+        # the config completed for this model: what every part reads
+        self.engine_config = c = replace(
+            c,
+            device=resolve_device(c.device),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=c.max_num_batched_tokens
+            or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, c.max_num_seqs),
         )
+        self.device, self.max_model_len = c.device, max_model_len
+        self.max_num_seqs, self.max_num_batched_tokens = (
+            c.max_num_seqs,
+            c.max_num_batched_tokens,
+        )
+        block_size = c.block_size
         runner = ModelRunner
-        if self.device == "cuda" and not enforce_eager:
+        if self.device == "cuda" and not c.enforce_eager:
             # chapter 11: decode steps captured once per batch size, then replayed
             from tinyvllm_lib.engine.cuda_graphs import CudaGraphRunner as runner
         # the weights and every step buffer first; the KV cache takes what is left
-        self.model_runner = runner(
-            self.folder,
-            self.device,
-            None,
-            block_size,
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            kv_cache_dtype,
-        )
+        self.model_runner = runner(self.folder, c)
         num_blocks = self._num_kv_blocks(
-            num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes, block_size
+            c.num_kv_blocks,
+            c.gpu_memory_utilization,
+            c.kv_cache_memory_bytes,
+            block_size,
         )
         self.model_runner.init_kv_cache(num_blocks * block_size)
         if self.device == "cuda" and has_gpu():
@@ -1646,19 +1626,21 @@ class LLMEngine:
 
             progress = getattr(self.model_runner, "progress", True)
             warm_up_model(self.model_runner, progress)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, c.enable_prefix_caching
+        )
         # chapter 11: one decode step in flight while the host post-processes the last
-        self.async_scheduling = self._async_scheduling(async_scheduling)
+        self.async_scheduling = self._async_scheduling(c.async_scheduling)
         scheduler = PagedScheduler
         if self.async_scheduling:
             from tinyvllm_lib.engine.async_scheduler import AsyncScheduler as scheduler
         self.scheduler = scheduler(
-            max_num_seqs, max_num_batched_tokens, max_model_len, self.block_manager
+            c.max_num_seqs, c.max_num_batched_tokens, max_model_len, self.block_manager
         )
         self._in_flight = None  # (the step, its AsyncModelRunnerOutput)
         self._stats = EngineStats(kv_blocks_total=num_blocks)
         # for requests without a seed of their own
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(c.seed)
         # unfinished (and aborted but not yet reported) requests by id
         self.requests: dict[str, Request] = {}
         # their last RequestOutput goes out with the next step

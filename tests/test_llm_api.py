@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tinyvllm_lib import LLM, SamplingParams
+from tinyvllm_lib import LLM, LLMEngine, SamplingParams
 from tinyvllm_lib.cli import main
 from tinyvllm_lib.engine.config import resolve_device
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -347,6 +347,28 @@ def test_other_bad_prompts(tiny):
     expect_value_error(tiny, "prompt 0 must be", [[5, 6.5]])
     with pytest.raises(TypeError, match="SamplingParams"):
         tiny.generate([[5, 6]], {"temperature": 0}, use_tqdm=False)
+
+
+def test_one_engine_config_goes_from_llm_to_the_runner(tiny):
+    """LLM's keyword arguments become one EngineConfig (vLLM's names), checked when made; the engine completes
+    it for its model and the runner reads that same object."""
+    from tinyvllm_lib.engine.engine_config import EngineConfig
+
+    llm = LLM(tiny.folder, device="cpu", max_model_len=64, max_num_seqs=3, seed=7)
+    c = llm.llm_engine.engine_config
+    assert llm.llm_engine.model_runner.engine_config is c
+    assert (c.device, c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens, c.seed) == ("cpu", 64, 3, 8192, 7)
+    engine = LLMEngine(EngineConfig(tiny.folder, "cpu", max_model_len=32, num_kv_blocks=9))
+    assert engine.engine_config.num_kv_blocks == 9 and engine.stats.kv_blocks_total == 9
+    with pytest.raises(TypeError, match="not both"):
+        LLMEngine(EngineConfig(tiny.folder, "cpu"), max_num_seqs=2)
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(tiny.folder, device="cpu", max_num_seq=2)  # a misspelt field is no silent default
+    for bad, match in [({"block_size": 12}, "power of two"), ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+                       ({"max_model_len": 1}, "max_model_len"), ({"num_kv_blocks": 0}, "num_kv_blocks"),
+                       ({"seed": 1.5}, "seed"), ({"max_num_seqs": True}, "max_num_seqs")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
 
 
 def test_bad_engine_arguments(tiny):

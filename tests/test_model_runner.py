@@ -8,6 +8,7 @@ from numba import cuda
 
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.engine.engine_config import EngineConfig
 from tinyvllm_lib.engine.model_runner import ModelRunner, prepare_inputs
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplingMetadata
@@ -56,7 +57,8 @@ def compare_runners(folder, prompts, num_decodes, max_model_len=32, **params):
     results = []
     for device in ("cpu", "cuda"):
         alloc = ContiguousAllocator(len(prompts), max_model_len)
-        runner = ModelRunner(folder, device, alloc.num_slots, alloc.block_size, len(prompts), 64, max_model_len)
+        runner = ModelRunner(folder, EngineConfig(device=device, block_size=alloc.block_size, max_num_seqs=len(prompts),
+                                                 max_num_batched_tokens=64, max_model_len=max_model_len), alloc.num_slots)
         results.append(run_steps(runner, alloc, prompts, num_decodes, **params))
     (ref, ref_prompt), (ours, our_prompt) = results
     gaps = []
@@ -106,12 +108,14 @@ def test_gather_rows(rng):
 
 
 def test_runner_refuses_a_step_too_large(tiny_folder):
-    runner = ModelRunner(tiny_folder, "cpu", 64, 16, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32)
+    runner = ModelRunner(tiny_folder, EngineConfig(device="cpu", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32), 64)
     step = SchedulerOutput([new_request("a", list(range(9)))], [9], 1, np.zeros((1, 2), np.int32))
     with pytest.raises(ValueError, match="1 to 8 tokens"):
         runner.execute(step)
     with pytest.raises(ValueError, match="device"):
-        ModelRunner(tiny_folder, "tpu", 64, 16, 2, 8, 32)
+        EngineConfig(device="tpu")
+    with pytest.raises(ValueError, match="device"):  # the runner takes a resolved device only
+        ModelRunner(tiny_folder, EngineConfig(device="auto", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32))
 
 
 # In the simulator generation through the sampler kernels is slow: these run on a GPU only.
@@ -122,7 +126,7 @@ def test_decode_step_allocates_no_device_memory(tiny_folder, monkeypatch):
     from numba.cuda.cudadrv.driver import Context
 
     alloc = ContiguousAllocator(8, 64)
-    runner = ModelRunner(tiny_folder, "cuda", alloc.num_slots, alloc.block_size, 8, 64, 64)
+    runner = ModelRunner(tiny_folder, EngineConfig(device="cuda", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), alloc.num_slots)
     requests = [new_request(str(i), [3 + i, 4, 5], max_tokens=30, logprobs=None, temperature=0.7 if i % 2 else 0, seed=i)
                 for i in range(8)]
     tables = alloc.block_tables([alloc.allocate() for _ in requests])
@@ -217,7 +221,7 @@ def test_cuda_runner_computes_a_prompt_in_chunks_like_cpu(tiny_folder, monkeypat
         pytest.skip("needs a GPU or the simulator")
     outs = []
     for device in ("cpu", "cuda"):
-        runner = ModelRunner(tiny_folder, device, 64, 16, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32)
+        runner = ModelRunner(tiny_folder, EngineConfig(device=device, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32), 64)
         a, b, c = new_request("a", [5, 6, 7, 8, 9, 10, 11]), new_request("b", [12, 13]), new_request("c", [3, 4, 5])
         tables = {"a": [3, 1], "b": [2, 0], "c": [0, 2]}
         rows = lambda *rs: np.array([tables[r.request_id] for r in rs], np.int32)  # noqa: E731

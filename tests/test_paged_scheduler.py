@@ -198,6 +198,7 @@ def test_on_the_numpy_model_paging_changes_no_token(tmp_path):
     """A tiny random Llama on the CPU: a pool a quarter of what the requests need at once,
     and a token budget below the longest prompt, give the greedy tokens of chapter 09's
     scheduler on contiguous rows."""
+    from tinyvllm_lib.engine.engine_config import EngineConfig
     from tinyvllm_lib.engine.llm import LLM
     from tinyvllm_lib.engine.model_runner import ModelRunner
     from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
@@ -218,9 +219,9 @@ def test_on_the_numpy_model_paging_changes_no_token(tmp_path):
     block_size = 4
     need = sum(cdiv(len(p) + 12, block_size) for p in prompts)
     bm = BlockManager(need // 4, block_size)
-    runner = ModelRunner(
-        folder, "cpu", bm.num_blocks * block_size, block_size, 16, 24, 128
-    )
+    config = EngineConfig(device="cpu", block_size=block_size, max_num_seqs=16, max_num_batched_tokens=24,
+                          max_model_len=128)
+    runner = ModelRunner(folder, config, bm.num_blocks * block_size)
     scheduler = PagedScheduler(16, 24, 128, bm)
     requests = [make_request(f"r{i}", p, 12) for i, p in enumerate(prompts)]
     for r in requests:

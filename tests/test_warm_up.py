@@ -12,6 +12,7 @@ import pytest
 
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
+from tinyvllm_lib.engine.engine_config import EngineConfig
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
@@ -74,7 +75,7 @@ def test_a_warmed_runner_gives_a_fresh_runners_tokens(small_folder, device):
         pytest.skip("needs a GPU")
 
     def run(warm: bool):
-        runner = ModelRunner(small_folder, device, 8 * 16, 16, 2, 32, 32)
+        runner = ModelRunner(small_folder, EngineConfig(device=device, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32), 8 * 16)
         if warm:
             warm_up_model(runner, progress=False)
         params = SamplingParams(temperature=0.8, seed=3, max_tokens=3, logprobs=2, ignore_eos=True)

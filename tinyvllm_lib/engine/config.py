@@ -4,7 +4,7 @@
 # defined in chapters/09_batching.py
 import os
 
-from tinyvllm_lib.engine.model_runner import DEVICES
+from tinyvllm_lib.engine.engine_config import DEVICES
 from tinyvllm_lib.runtime import has_gpu, is_simulator
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when not given: the model's limit, at most this

@@ -267,12 +267,14 @@ class CudaGraphRunner(ModelRunner):
     mixed steps run eagerly.
     """
 
-    def __init__(self, folder, device: str, *args, progress: bool = True, **kwargs):
-        if device != "cuda":
-            raise ValueError(f"CUDA graphs need device='cuda', got {device!r}")
+    def __init__(
+        self, folder, config, num_kv_slots: int | None = None, progress: bool = True
+    ):
+        if config.device != "cuda":
+            raise ValueError(f"CUDA graphs need device='cuda', got {config.device!r}")
         self.graphs: dict[int, CudaGraph] = {}
         self.progress = progress  # a bar while capturing
-        super().__init__(folder, device, *args, **kwargs)
+        super().__init__(folder, config, num_kv_slots)
         self.turn = 0  # the host buffers the next replayed step uses
         self.events = [cuda.event(), cuda.event()]
 

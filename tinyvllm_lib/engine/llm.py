@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
+from tinyvllm_lib.engine.engine_config import EngineConfig
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.outputs import RequestOutput
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -31,30 +32,11 @@ class LLM:
     continuously.
     """
 
-    def __init__(
-        self,
-        model: str = "smollm2",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        seed: int = 0,
-        kv_cache_dtype: str = "auto",
-        block_size: int = 16,
-        **engine_args,
-    ):
-        # engine_args: what a later chapter's engine takes too (chapter 10: the pool)
-        self.llm_engine = LLMEngine(
-            model,
-            device,
-            max_model_len,
-            max_num_seqs,
-            max_num_batched_tokens,
-            seed,
-            kv_cache_dtype,
-            block_size,
-            **engine_args,
-        )
+    def __init__(self, model: str = "smollm2", device: str = "auto", **engine_args):
+        """engine_args: the rest of EngineConfig's fields (max_model_len, max_num_seqs,
+        max_num_batched_tokens, seed, block_size, num_kv_blocks, enforce_eager, ...).
+        """
+        self.llm_engine = LLMEngine(EngineConfig(model, device, **engine_args))
         e = self.llm_engine
         self.folder, self.config, self.tokenizer, self.device, self.max_model_len = (
             e.folder,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.engine.engine_config import DEVICES, EngineConfig
 from tinyvllm_lib.engine.kv_cache import CudaKVCache, KVCache
 from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
@@ -22,7 +23,6 @@ from tinyvllm_lib.layers.attention_metadata import (
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
-DEVICES = ("cpu", "cuda")
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
 
 
@@ -111,30 +111,23 @@ class ModelRunner:
     max_num_seqs requests allocates nothing.
     """
 
-    def __init__(
-        self,
-        folder,
-        device: str,
-        num_kv_slots: int | None,
-        block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        kv_cache_dtype: str = "auto",
-    ):
+    def __init__(self, folder, config: EngineConfig, num_kv_slots: int | None = None):
+        """config: its device resolved ("cpu" or "cuda") and its max_model_len and
+        max_num_batched_tokens set (the engine completes them).
+        """
+        device, kv_cache_dtype = config.device, config.kv_cache_dtype
         if device not in DEVICES:
             raise ValueError(
                 f"device must be one of {', '.join(DEVICES)}, got {device!r}"
             )
-        self.device, self.block_size, self.max_num_seqs = (
-            device,
-            block_size,
-            max_num_seqs,
-        )
-        self.max_num_batched_tokens, self.max_model_len = (
-            max_num_batched_tokens,
-            max_model_len,
-        )
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            raise ValueError(
+                "the runner needs max_model_len and max_num_batched_tokens set"
+            )
+        self.engine_config, self.device = config, device
+        self.block_size, self.max_num_seqs = config.block_size, config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = LlamaNumpy.from_folder(folder)
@@ -152,7 +145,7 @@ class ModelRunner:
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
             self.sampler = CudaSampler(
-                self.model.config.vocab_size, max_num_seqs, self.stream
+                self.model.config.vocab_size, self.max_num_seqs, self.stream
             )
             self._make_device_buffers()
         self.config, self.kv_cache = self.model.config, None
