@@ -15,6 +15,7 @@ from tinyvllm_lib.engine.cuda_graphs import (
     cuda_graph_sizes,
     graph_size_for,
 )
+from tinyvllm_lib.engine.engine_config import EngineConfig
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request
@@ -117,7 +118,7 @@ def test_graph_runner_decodes_like_the_eager_one_and_padding_writes_nothing(smal
     tables = np.array([[1, 2, 0, 0], [3, 4, 0, 0], [5, 6, 0, 0]], np.int32)
     results = []
     for runner_class in (ModelRunner, CudaGraphRunner):
-        runner = runner_class(small_folder, "cuda", 128, 16, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+        runner = runner_class(small_folder, EngineConfig(device="cuda", max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64), 128)
         replays = []
         if runner_class is CudaGraphRunner:
             assert sorted(runner.graphs) == [1, 2, 4]
