@@ -14,11 +14,8 @@ from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.engine.model_runner import prepare_inputs
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
-from tinyvllm_lib.kernels.decode_attention import (
-    decode_attention,
-    decode_attention_ref,
-    decode_workspace,
-)
+from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref
+from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.measure import Recorder, load_records, num_rotations, time_launches
 from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
 

@@ -16,8 +16,14 @@ import itertools
 import numpy as np
 from numba import cuda
 
-import tinyvllm_lib.kernels.decode_attention as da
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref
+from tinyvllm_lib.kernels.decode_attention_config import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeAttentionConfig,
+)
+from tinyvllm_lib.kernels.decode_attention_kernel import decode_attention_kernel_for
+from tinyvllm_lib.kernels.decode_splits import decode_splits, decode_workspace
 from tinyvllm_lib.measure import Recorder, load_records, num_rotations, time_launches
 
 H, KVH, D, CONTEXT, BLOCK = 32, 8, 64, 1024, 16
@@ -37,27 +43,27 @@ def make_case(gen, num_seqs: int) -> dict:
     bt = gen.permutation(num_seqs * blocks_per_seq).astype(np.int32).reshape(num_seqs, blocks_per_seq)
     lens = np.full(num_seqs, CONTEXT, np.int32)
     qkv = gen.standard_normal((num_seqs, (H + 2 * KVH) * D)).astype(np.float32)
-    want = da.decode_attention_ref(qkv, *host, bt, BLOCK, lens, H, KVH, D)
+    want = decode_attention_ref(qkv, *host, bt, BLOCK, lens, H, KVH, D)
     return {"n": num_seqs, "kv_bytes": kv_bytes, "sets": sets, "bt": cuda.to_device(bt),
             "lens": cuda.to_device(lens), "qkv": cuda.to_device(qkv), "want": want,
-            "out": cuda.device_array((num_seqs, H * D), np.float32), "ws": da.decode_workspace(num_seqs, CONTEXT, H, D)}
+            "out": cuda.device_array((num_seqs, H * D), np.float32), "ws": decode_workspace(num_seqs, CONTEXT, H, D)}
 
 
 def run_variant(case: dict, **knobs) -> tuple[float, int, float, int]:
     """(seconds per call, number of splits, relative error, registers per thread) for one setting of the knobs."""
-    config = da.DecodeAttentionConfig(**knobs)  # every knob is a field: nothing global is changed
+    config = DecodeAttentionConfig(**knobs)  # every knob is a field: nothing global is changed
 
     def call(i, stream):
         k, v = case["sets"][i % len(case["sets"])]
-        da.decode_attention(case["qkv"], k, v, case["bt"], BLOCK, case["lens"], H, KVH, D, case["out"], stream=stream,
-                            workspace=case["ws"], max_context_len=CONTEXT, config=config)
+        decode_attention(case["qkv"], k, v, case["bt"], BLOCK, case["lens"], H, KVH, D, case["out"], stream=stream,
+                         workspace=case["ws"], max_context_len=CONTEXT, config=config)
 
     call(0, 0)
     cuda.synchronize()
     err = float(np.abs(case["out"].copy_to_host() - case["want"]).max() / np.abs(case["want"]).max())
     seconds = time_launches(call, 2 * len(case["sets"]))
-    kernel = da.decode_attention_kernel_for(D, H // KVH, config)
-    splits = da.decode_splits(CONTEXT, case["n"], KVH, config, max_splits=case["ws"].shape[1])
+    kernel = decode_attention_kernel_for(D, H // KVH, config)
+    splits = decode_splits(CONTEXT, case["n"], KVH, config, max_splits=case["ws"].shape[1])
     return seconds, splits, err, max(kernel.get_regs_per_thread().values())
 
 
@@ -78,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
     copy_gbs = copy[0]["value"] if copy else None
-    base = da.DEFAULT_DECODE_CONFIG
+    base = DEFAULT_DECODE_CONFIG
     defaults = {"lane_elements": base.lane_elements, "keys_per_lane": base.keys_per_lane, "max_registers": base.max_registers,
                 "num_warps": base.num_warps, "split_keys": base.split_keys, "target_blocks": base.target_blocks,
                 "prefetch": base.prefetch}

@@ -380,7 +380,15 @@ def sweep_bs1_attention(rec, rng, contexts, max_context_len: int = 2048, grid=BS
     """Decode attention, one row of Llama 3.2 1B's heads, each context over its knobs, checked against float64."""
     import itertools
 
-    import tinyvllm_lib.kernels.decode_attention as da
+    from tinyvllm_lib.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+    )
+    from tinyvllm_lib.kernels.decode_attention_config import (
+        DEFAULT_DECODE_CONFIG,
+        DecodeAttentionConfig,
+    )
+    from tinyvllm_lib.kernels.decode_splits import decode_workspace
 
     H, KVH, D, BLOCK = 32, 8, 64, 16
     for context in contexts:
@@ -394,19 +402,19 @@ def sweep_bs1_attention(rec, rng, contexts, max_context_len: int = 2048, grid=BS
         bt = np.zeros((1, max_context_len // BLOCK), np.int32)
         bt[0, :blocks] = rng.permutation(blocks)
         lens, qkv = np.array([context], np.int32), rng.standard_normal((1, (H + 2 * KVH) * D)).astype(np.float32)
-        want = da.decode_attention_ref(qkv, sets[0][2], sets[0][3], bt, BLOCK, lens, H, KVH, D)
+        want = decode_attention_ref(qkv, sets[0][2], sets[0][3], bt, BLOCK, lens, H, KVH, D)
         d_bt, d_lens, d_qkv = cuda.to_device(bt), cuda.to_device(lens), cuda.to_device(qkv)
-        out, ws = cuda.device_array((1, H * D), np.float32), da.decode_workspace(1, max_context_len, H, D)
+        out, ws = cuda.device_array((1, H * D), np.float32), decode_workspace(1, max_context_len, H, D)
         best = None
         for knobs in (dict(zip(grid, v)) for v in itertools.product(*grid.values())):
             # these knobs, not the few-rows ones, with the rows a lane that batch 1 uses
-            few = {"keys_per_lane": da.DEFAULT_DECODE_CONFIG.few_rows_keys_per_lane}
-            cfg = da.DecodeAttentionConfig(**{**few, **knobs}, few_rows=0)
+            few = {"keys_per_lane": DEFAULT_DECODE_CONFIG.few_rows_keys_per_lane}
+            cfg = DecodeAttentionConfig(**{**few, **knobs}, few_rows=0)
 
             def call(i, stream):
                 k, v = sets[i % len(sets)][:2]
-                da.decode_attention(d_qkv, k, v, d_bt, BLOCK, d_lens, H, KVH, D, out, stream=stream, workspace=ws,
-                                    max_context_len=max_context_len, config=cfg)
+                decode_attention(d_qkv, k, v, d_bt, BLOCK, d_lens, H, KVH, D, out, stream=stream, workspace=ws,
+                                 max_context_len=max_context_len, config=cfg)
 
             try:
                 call(0, 0)
@@ -418,7 +426,7 @@ def sweep_bs1_attention(rec, rng, contexts, max_context_len: int = 2048, grid=BS
                 print(f"  attention {context} tokens {knobs}: wrong (rel error {err:.1e}), not timed")
                 continue
             seconds = time_launches(call, len(sets), repeats=repeats)
-            is_default = all(getattr(da.DEFAULT_DECODE_CONFIG.for_rows(1), k) == v for k, v in knobs.items())
+            is_default = all(getattr(DEFAULT_DECODE_CONFIG.for_rows(1), k) == v for k, v in knobs.items())
             rec.add("bs1_attention", [1, context, max_context_len], "us", seconds * 1e6, **knobs,
                     is_default=is_default)
             if best is None or seconds < best[0]:

@@ -23,13 +23,10 @@ from numba import config, cuda
 
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
-from tinyvllm_lib.kernels.decode_attention import (
-    decode_attention,
-    rope_and_write_kv_cache,
-    write_kv_cache,
-)
+from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.embedding import embed
 from tinyvllm_lib.kernels.gemv import gemv_rmsnorm
+from tinyvllm_lib.kernels.kv_cache_write import rope_and_write_kv_cache, write_kv_cache
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
 from tinyvllm_lib.layers.linear import linear, linear_path, norm_in_gemv, rmsnorm_linear

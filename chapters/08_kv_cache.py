@@ -987,33 +987,28 @@ del model, cache
 # chapter 10's paging hands out blocks anywhere, and the kernel does not change. The
 # simulator has no warp shuffles, so there the shuffles go through shared memory
 # (chapter 4's `shfl_xor`).
+#
+# **Six modules, one concept each.** The code below is exported to six small modules of
+# `tinyvllm_lib/kernels/`, so that each reads as one idea and a later chapter imports
+# only the idea it needs: `decode_attention_config` holds the knobs;
+# `kv_cache_write` stores the new tokens' keys and values (with its NumPy reference);
+# `paged_cache` is how a kernel reads a cache of blocks — 8-byte words found through the
+# block table — with the checks of a paged context's arguments, which chapter 10's
+# paged prefill shares; `decode_splits` is the split policy and the workspace;
+# `decode_attention_kernel` builds the kernel; and `decode_attention` holds the NumPy
+# reference and the launcher.
 
 # %%
-#| export kernels.decode_attention
-import math
+#| export kernels.decode_attention_config
 from dataclasses import dataclass, replace
 
-import numpy as np
-from numba import config, cuda, float32, int32, uint32
+from numba import config
 
-from tinyvllm_lib.kernels.attention import check_out, check_qkv
-from tinyvllm_lib.kernels.bf16 import (
-    bf16_bits_to_f32,
-    bf16_to_f32,
-    f32_to_bf16,
-    f32_to_bf16_bits,
-)
-from tinyvllm_lib.kernels.checks import cdiv
-from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
-from tinyvllm_lib.kernels.rmsnorm import store_activation
+from tinyvllm_lib.kernels.reduce import WARP_SIZE
 
 # the simulator runs each thread in Python: one warp a block there
 DECODE_WARPS = 1 if config.ENABLE_CUDASIM else 4
 FEW_ROWS_WARPS = 1 if config.ENABLE_CUDASIM else 8
-# device functions inlined into the kernel (the simulator has no such option)
-INLINE = {} if config.ENABLE_CUDASIM else {"forceinline": True}
-# splits whose partials each thread loads at once when the last split combines them
-COMBINE_LOADS = 4
 
 
 @dataclass(frozen=True)
@@ -1112,6 +1107,15 @@ class DecodeAttentionConfig:
 DEFAULT_DECODE_CONFIG = DecodeAttentionConfig()
 
 
+# %%
+#| export kernels.decode_attention
+import math
+
+import numpy as np
+
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
+
+
 def decode_attention_ref(
     qkv,
     k_cache,
@@ -1145,6 +1149,17 @@ def decode_attention_ref(
     return out
 
 
+# %%
+#| export kernels.kv_cache_write
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.kernels.attention import check_qkv
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16, f32_to_bf16_bits
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
+
 def write_kv_cache_ref(
     qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
 ) -> None:
@@ -1158,11 +1173,6 @@ def write_kv_cache_ref(
     v = qkv[:, (num_heads + KVH) * D :].reshape(num_tokens, KVH, D)
     k_cache[np.asarray(slot_mapping)[keep]] = f32_to_bf16_bits(k[keep])
     v_cache[np.asarray(slot_mapping)[keep]] = f32_to_bf16_bits(v[keep])
-
-
-# %%
-#| export kernels.decode_attention
-from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 
 @cuda.jit
@@ -1185,12 +1195,28 @@ def write_kv_cache_kernel(qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v
             )
 
 
-# %%
-#| export kernels.decode_attention
-from numba import uint64
+PTX_SIGNATURES = {
+    "write_kv_cache_kernel": [
+        f"void(float32[:, ::1], int64, int64, {idx}[::1], uint16[:, :, ::1], "
+        "uint16[:, :, ::1])"
+        for idx in ("int32", "int64")
+    ],
+}
 
-# exp(x) = exp2(x log2 e): scores are kept in base 2, so each exponential is one exp2
-LOG2_E = 1.4426950408889634
+
+# %% [markdown]
+# The kernel reads the cache as 8-byte words and finds a key's words through the block
+# table (`cache_word`, in 32-bit steps); `bf16_lane` widens one of a word's four bf16
+# values. Chapter 10's paged prefill reads the cache the same way, so both go to
+# `paged_cache`.
+
+# %%
+#| export kernels.paged_cache
+import numpy as np
+from numba import cuda, uint32, uint64
+
+from tinyvllm_lib.kernels.bf16 import bf16_to_f32
+from tinyvllm_lib.kernels.checks import cdiv
 
 
 @cuda.jit(device=True)
@@ -1221,76 +1247,109 @@ def cache_word(
     )
 
 
-def num_splits_for(
-    n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys
-):
-    """How many blocks share a context of n keys: about split_keys keys a block, more
-    while the grid's num_row_blocks = rows x KV heads is small; at most max_splits, at
-    least min_split_keys keys each. It never falls as n grows, so the grid's split axis
-    is this for the longest context.
+# %% [markdown]
+# **The split policy, written once.** The host needs it to size the grid (the most
+# splits any length may want), and every block needs it at its start to find its own
+# sequence's split. Numba cannot call a device function from the host, and the host
+# cannot run the kernel's version as it is: there every integer step is truncated to
+# 32 bits (Numba's 64-bit integer divisions there cost about a tenth of the kernel's
+# time, measured), and numba's `uint32` is slow to call in plain Python (about a
+# microsecond a cast, tens of microseconds a launch). So `split_policy` writes the
+# three functions once, with the integer cast as a parameter: Python's `int` gives the
+# host's versions, numba's `uint32` the kernel's, compiled as device functions. The
+# tests check the two against each other.
+
+# %%
+#| export kernels.decode_splits
+from numba import cuda, uint32
+
+
+def split_policy(u32):
+    """The split policy's functions (num_splits_for, split_rows, split_length), every
+    integer step cast by u32: int on the host, numba's uint32 on the GPU.
     """
-    want = max(
-        (n + split_keys - 1) // split_keys,
-        (target_blocks + num_row_blocks - 1) // num_row_blocks,
-    )
-    return max(1, min(max_splits, want, (n + min_split_keys - 1) // min_split_keys))
+
+    def num_splits_for(
+        n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys
+    ):
+        """How many blocks share a context of n keys: about split_keys keys a block,
+        more while the grid's num_row_blocks = rows x KV heads is small; at most
+        max_splits, at least min_split_keys keys each. It never falls as n grows, so
+        the grid's split axis is this for the longest context.
+        """
+        one = u32(1)
+        want = max(
+            u32(u32(n + split_keys - one) // split_keys),
+            u32(u32(target_blocks + num_row_blocks - one) // num_row_blocks),
+        )
+        return max(
+            one,
+            min(max_splits, want, u32(u32(n + min_split_keys - one) // min_split_keys)),
+        )
+
+    def split_rows(rows):
+        """The row count a launch's splits are chosen for: rows rounded up to 1, 2, 4
+        or a multiple of 8 (chapter 11's CUDA graph sizes). A step padded to a graph's
+        size then splits every context as the same step unpadded does, and the split
+        count decides the order of the float32 sums, so their last bits.
+        """
+        if rows <= u32(2):
+            return max(rows, u32(1))
+        if rows <= u32(4):
+            return u32(4)
+        return u32(u32(u32(rows + u32(7)) // u32(8)) * u32(8))
+
+    def split_length(n, num_splits, step):
+        """Keys per split of a context of n keys in num_splits splits: a multiple of
+        step (a block's keys per step).
+        """
+        one = u32(1)
+        per_split = u32(u32(n + num_splits - one) // num_splits)
+        return max(step, u32(u32(u32(per_split + step - one) // step) * step))
+
+    return num_splits_for, split_rows, split_length
 
 
-def split_rows(rows):
-    """The row count a launch's splits are chosen for: rows rounded up to 1, 2, 4 or a
-    multiple of 8 (chapter 11's CUDA graph sizes). A step padded to a graph's size then
-    splits every context as the same step unpadded does, and the split count decides
-    the order of the float32 sums, so their last bits.
-    """
-    if rows <= 2:
-        return max(rows, 1)
-    if rows <= 4:
-        return 4
-    return (rows + 7) // 8 * 8
+# on the host: Python's integers
+num_splits_for, split_rows, split_length = split_policy(int)
+# in the kernel: the same steps in 32 bits, as device functions
+num_splits_for_on_device, split_rows_on_device, split_length_on_device = (
+    cuda.jit(device=True)(f) for f in split_policy(uint32)
+)
 
 
-@cuda.jit(device=True)
-def split_rows_on_device(rows):
-    """split_rows on the GPU, in 32 bits."""
-    if rows <= uint32(2):
-        return rows
-    if rows <= uint32(4):
-        return uint32(4)
-    return uint32(uint32(uint32(rows + uint32(7)) // uint32(8)) * uint32(8))
+# %% [markdown]
+# The kernel factory builds one kernel per head size, group and compile-time knob, and
+# keeps the few the models use ready for the PTX check; it goes to
+# `decode_attention_kernel`.
 
+# %%
+#| export kernels.decode_attention_kernel
+import math
 
-def split_length(n, num_splits, step):
-    """Keys per split of a context of n keys in num_splits splits: a multiple of step (a
-    block's keys per step).
-    """
-    per_split = (n + num_splits - 1) // num_splits
-    return max(step, (per_split + step - 1) // step * step)
+from numba import config, cuda, float32, int32, uint32, uint64
 
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.decode_attention_config import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeAttentionConfig,
+)
+from tinyvllm_lib.kernels.decode_splits import (
+    num_splits_for_on_device,
+    split_length_on_device,
+    split_rows_on_device,
+)
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.paged_cache import bf16_lane, cache_word
+from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
+from tinyvllm_lib.kernels.rmsnorm import store_activation
 
-@cuda.jit(device=True)
-def split_length_on_device(
-    n, max_splits, num_row_blocks, split_keys, target_blocks, min_split_keys, step
-):
-    """split_length(n, num_splits_for(...), step) on the GPU, every step truncated to 32
-    bits.
-
-    Each block works out its own sequence's split at its start, before it loads
-    anything: Numba's 64-bit integer divisions there cost about a tenth of the kernel's
-    time (measured), 32-bit ones a few instructions each.
-    """
-    one = uint32(1)
-    want = max(
-        uint32(uint32(n + split_keys - one) // split_keys),
-        uint32(uint32(target_blocks + num_row_blocks - one) // num_row_blocks),
-    )
-    splits = max(
-        one,
-        min(
-            max_splits, want, uint32(uint32(n + min_split_keys - one) // min_split_keys)
-        ),
-    )
-    per_split = uint32(uint32(n + splits - one) // splits)
-    return max(step, uint32(uint32(uint32(per_split + step - one) // step) * step))
+# exp(x) = exp2(x log2 e): scores are kept in base 2, so each exponential is one exp2
+LOG2_E = 1.4426950408889634
+# device functions inlined into the kernel (the simulator has no such option)
+INLINE = {} if config.ENABLE_CUDASIM else {"forceinline": True}
+# splits whose partials each thread loads at once when the last split combines them
+COMBINE_LOADS = 4
 
 
 def lanes_per_key(head_dim: int, lane_elements: int = 8) -> int:
@@ -1409,15 +1468,15 @@ def make_decode_attention_kernel(
         n = uint32(context_lens[s])
         # this sequence's own split, from its length: the grid holds the most splits any
         # length may want
-        split_len = split_length_on_device(
+        num_splits = num_splits_for_on_device(
             n,
             uint32(cuda.gridDim.z),
             uint32(cuda.gridDim.x) * split_rows_on_device(uint32(cuda.gridDim.y)),
             uint32(split_keys),
             uint32(target_blocks),
             uint32(min_split_keys),
-            uint32(STEP),
         )
+        split_len = split_length_on_device(n, num_splits, uint32(STEP))
         begin = uint32(split * split_len)
         # past this sequence's last split: nothing to do, and the combine reads nothing
         # here
@@ -1705,20 +1764,11 @@ _DECODE_ARGS = (
     "float32[:, :, :, ::1]"
 )
 PTX_SIGNATURES = {
-    "write_kv_cache_kernel": [
-        f"void(float32[:, ::1], int64, int64, {idx}[::1], uint16[:, :, ::1], "
-        "uint16[:, :, ::1])"
-        for idx in ("int32", "int64")
-    ],
-    **{
-        name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
-        for name in _ATTENTION_KERNELS
-    },
+    name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
+    for name in _ATTENTION_KERNELS
 }
 
 
-# %%
-#| export kernels.decode_attention
 def decode_attention_kernel_for(
     head_dim: int, group: int, cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG
 ):
@@ -1731,6 +1781,17 @@ def decode_attention_kernel_for(
     return _DECODE_KERNELS[key]
 
 
+# %% [markdown]
+# The launcher checks its arguments before any launch. The checks of a paged context —
+# the caches as words, the block tables, the context lengths and the block size — are
+# the same for every kernel that reads the cache through a block table, so they live
+# once in `paged_cache` (`check_paged_context`), below chapter 10's paged prefill,
+# which calls them too. The split policy's host side, `decode_splits`, and the
+# workspace go with the policy to `decode_splits`; the launcher, with the NumPy
+# reference, to `decode_attention`.
+
+# %%
+#| export kernels.paged_cache
 def cache_words(name: str, cache, num_kv_heads: int, head_dim: int):
     """A layer's K or V cache as the kernel reads it, one flat array of 8-byte words:
     from uint16 (num_slots, KVH, D), or already uint64 — (num_slots, KVH, D / 4) or
@@ -1755,6 +1816,109 @@ def cache_words(name: str, cache, num_kv_heads: int, head_dim: int):
             f"got {cache.dtype} {tuple(cache.shape)}"
         )
     return cache.reshape(-1) if cache.ndim > 1 else cache
+
+
+def check_paged_context(
+    name: str,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    block_size: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    head_dim: int,
+    query_start_loc=None,
+    lens_name: str = "seq_lens",
+):
+    """Check the arguments of attention over a paged cache; return the caches as flat
+    8-byte words (k64, v64).
+
+    The caches hold bf16 bits (cache_words), as many slots each and fewer than 2**32
+    words (the kernels index them in 32 bits); the block size is a power of two; block
+    tables are int32 (>= num_seqs rows), the lengths (named lens_name) int32 (>=
+    num_seqs). NumPy arrays are checked in full: each length covers its new tokens
+    (query_start_loc; None for decode rows, whose lengths may be 0) and fits its table,
+    whose blocks lie in the cache. Device arrays only by dtype and shape.
+    """
+    if (
+        not isinstance(block_size, (int, np.integer))
+        or isinstance(block_size, bool)
+        or block_size < 1
+        or block_size & (block_size - 1)
+    ):
+        raise ValueError(
+            f"{name}: block_size must be a power of two (1, 2, 4, ... 16, ...), got "
+            f"{block_size!r}"
+        )
+    k64, v64 = (
+        cache_words(name, c, num_kv_heads, head_dim) for c in (k_cache, v_cache)
+    )
+    if k64.size != v64.size:
+        raise ValueError(
+            f"{name}: k_cache and v_cache must have as many slots, got "
+            f"{k64.size} and {v64.size} words"
+        )
+    if k64.size >= 2**32:
+        raise ValueError(
+            f"{name}: the kernel indexes the cache with 32 bits; {k64.size} words is "
+            "too many"
+        )
+    if (
+        block_tables.dtype != np.int32
+        or block_tables.ndim != 2
+        or block_tables.shape[0] < num_seqs
+    ):
+        raise TypeError(
+            f"{name}: block_tables must be int32 (>= {num_seqs}, max_blocks), got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dtype != np.int32 or seq_lens.ndim != 1 or seq_lens.shape[0] < num_seqs:
+        raise TypeError(
+            f"{name}: {lens_name} must be int32 (>= {num_seqs},), got "
+            f"{seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    is_decode = query_start_loc is None
+    if not isinstance(seq_lens, np.ndarray) or not (
+        is_decode or isinstance(query_start_loc, np.ndarray)
+    ):
+        return k64, v64
+    lens = seq_lens[:num_seqs].astype(np.int64)
+    # decode rows: the new token is in the cache already, and a padding row has none
+    num_new = (
+        np.zeros(num_seqs, np.int64)
+        if is_decode
+        else np.diff(query_start_loc.astype(np.int64))
+    )
+    max_len = block_tables.shape[1] * int(block_size)
+    if np.any(lens < num_new) or np.any(lens > max_len):
+        raise ValueError(
+            f"{name}: each {lens_name}[s] must be at least its new tokens and at most "
+            f"max_blocks * block_size = {max_len}; got {lens_name} "
+            f"{lens.tolist()} for new tokens {num_new.tolist()}"
+        )
+    if isinstance(block_tables, np.ndarray):
+        num_blocks = k64.size // (num_kv_heads * head_dim // 4) // int(block_size)
+        for s, n in enumerate(lens):
+            used = block_tables[s, : cdiv(int(n), int(block_size))]
+            if used.size and (used.min() < 0 or used.max() >= num_blocks):
+                raise ValueError(
+                    f"{name}: block_tables[{s}] names blocks outside the cache's "
+                    f"{num_blocks}: {used.tolist()}"
+                )
+    return k64, v64
+
+
+# %%
+#| export kernels.decode_splits
+import numpy as np
+
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.decode_attention_config import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeAttentionConfig,
+)
+from tinyvllm_lib.kernels.reduce import WARP_SIZE
 
 
 def decode_splits(
@@ -1805,6 +1969,38 @@ def workspace_row(head_dim: int) -> int:
     return cdiv(head_dim + 3, WARP_SIZE) * WARP_SIZE
 
 
+def check_workspace(name: str, workspace, rows: int, num_heads: int, head_dim: int):
+    """A workspace from decode_workspace for at least `rows` rows, or None."""
+    if workspace is not None and (
+        workspace.dtype != np.float32
+        or workspace.ndim != 4
+        or workspace.shape[0] < rows
+        or tuple(workspace.shape[2:]) != (num_heads, workspace_row(head_dim))
+        or workspace.shape[1] > WARP_SIZE
+    ):
+        raise TypeError(
+            f"{name}: workspace must be float32 (>= {rows}, splits <= "
+            f"{WARP_SIZE}, {num_heads}, {workspace_row(head_dim)}) "
+            f"from decode_workspace, got {workspace.dtype} {tuple(workspace.shape)}"
+        )
+
+
+# %%
+#| export kernels.decode_attention
+from tinyvllm_lib.kernels.attention import check_out, check_qkv
+from tinyvllm_lib.kernels.decode_attention_config import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeAttentionConfig,
+)
+from tinyvllm_lib.kernels.decode_attention_kernel import (
+    LOG2_E,
+    decode_attention_kernel_for,
+)
+from tinyvllm_lib.kernels.decode_splits import check_workspace, decode_splits
+from tinyvllm_lib.kernels.paged_cache import check_paged_context
+from tinyvllm_lib.kernels.reduce import WARP_SIZE
+
+
 def decode_attention(
     qkv,
     k_cache,
@@ -1834,60 +2030,24 @@ def decode_attention(
     from its own length, so the same launch serves every step while the contexts grow up
     to the bound.
     """
-    rows = check_qkv("decode_attention", qkv, num_heads, num_kv_heads, head_dim)
-    check_out("decode_attention", out, (rows, num_heads * head_dim))
+    name = "decode_attention"
+    rows = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
+    check_out(name, out, (rows, num_heads * head_dim))
     if head_dim % 16:
-        raise ValueError(
-            f"decode_attention: head_dim must be a multiple of 16, got {head_dim}"
-        )
-    k64, v64 = (
-        cache_words("decode_attention", c, num_kv_heads, head_dim)
-        for c in (k_cache, v_cache)
+        raise ValueError(f"{name}: head_dim must be a multiple of 16, got {head_dim}")
+    k64, v64 = check_paged_context(
+        name,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        block_size,
+        rows,
+        num_kv_heads,
+        head_dim,
+        lens_name="context_lens",
     )
-    if k64.size >= 2**32:
-        raise ValueError(
-            "decode_attention: the kernel indexes the cache with 32 bits; "
-            f"{k64.size} words is too many"
-        )
-    if (
-        block_tables.dtype != np.int32
-        or block_tables.ndim != 2
-        or block_tables.shape[0] < rows
-    ):
-        raise TypeError(
-            "decode_attention: block_tables must be int32 (rows, max_blocks), got "
-            f"{block_tables.dtype} {tuple(block_tables.shape)}"
-        )
-    if (
-        context_lens.dtype != np.int32
-        or context_lens.ndim != 1
-        or context_lens.shape[0] < rows
-    ):
-        raise TypeError(
-            "decode_attention: context_lens must be int32 (rows,), got "
-            f"{context_lens.dtype} {tuple(context_lens.shape)}"
-        )
-    if (
-        not isinstance(block_size, (int, np.integer))
-        or block_size < 1
-        or block_size & (block_size - 1)
-    ):
-        raise ValueError(
-            "decode_attention: block_size must be a power of two (1, 2, 4, ... 16, "
-            f"...), got {block_size!r}"
-        )
-    if workspace is not None and (
-        workspace.dtype != np.float32
-        or workspace.ndim != 4
-        or workspace.shape[0] < rows
-        or tuple(workspace.shape[2:]) != (num_heads, workspace_row(head_dim))
-        or workspace.shape[1] > WARP_SIZE
-    ):
-        raise TypeError(
-            f"decode_attention: workspace must be float32 (>= {rows}, splits <= "
-            f"{WARP_SIZE}, {num_heads}, {workspace_row(head_dim)}) "
-            f"from decode_workspace, got {workspace.dtype} {tuple(workspace.shape)}"
-        )
+    check_workspace(name, workspace, rows, num_heads, head_dim)
     if rows == 0:
         return out
     cfg = config.for_rows(rows)
@@ -1920,6 +2080,8 @@ def decode_attention(
     return out
 
 
+# %%
+#| export kernels.kv_cache_write
 def check_kv_write(
     name: str, qkv, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
 ) -> int:
@@ -1983,7 +2145,7 @@ def write_kv_cache(
 # Chapter 11 measures what it saves.
 
 # %%
-#| export kernels.decode_attention
+#| export kernels.kv_cache_write
 from tinyvllm_lib.kernels.rope import NAN32, RopeTable, check_rope_args
 
 
@@ -2115,10 +2277,9 @@ def cache_new_kv(
 
 # %%
 from tinyvllm_lib.kernels.checks import cdiv
-from tinyvllm_lib.kernels.decode_attention import (
-    DecodeAttentionConfig,
-    decode_attention,
-    decode_attention_ref,
+from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref
+from tinyvllm_lib.kernels.decode_attention_config import DecodeAttentionConfig
+from tinyvllm_lib.kernels.decode_splits import (
     decode_workspace,
     num_splits_for,
     split_length,
@@ -2404,12 +2565,12 @@ class CudaKVCache:
 # chapter 10 writes the library's PagedAttention: this one, plus a prefill after cached
 # tokens
 from tinyvllm_lib.kernels.attention import flash_attention
-from tinyvllm_lib.kernels.decode_attention import (
+from tinyvllm_lib.kernels.decode_attention import decode_attention
+from tinyvllm_lib.kernels.decode_attention_config import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
-    cache_new_kv,
-    decode_attention,
 )
+from tinyvllm_lib.kernels.kv_cache_write import cache_new_kv
 
 
 class PagedAttention:
@@ -2616,9 +2777,13 @@ else:
 # `layers.attention`
 # (`AttentionMetadata`, `build_attention_metadata`, `CachedAttention`; chapter 10
 # writes the library's `PagedAttention`), `kernels.attention`
-# (`cached_attention_ref`) and `kernels.decode_attention` (`write_kv_cache`,
-# `decode_attention`, `DecodeAttentionConfig`, `decode_workspace`,
-# `decode_attention_ref`).
+# (`cached_attention_ref`), and decode attention in six modules of one concept each:
+# `kernels.decode_attention_config` (`DecodeAttentionConfig`), `kernels.kv_cache_write`
+# (`write_kv_cache`, `rope_and_write_kv_cache`, `write_kv_cache_ref`),
+# `kernels.paged_cache` (`cache_word`, `cache_words`, `check_paged_context`),
+# `kernels.decode_splits` (`split_policy`, `decode_splits`, `decode_workspace`),
+# `kernels.decode_attention_kernel` (`make_decode_attention_kernel`) and
+# `kernels.decode_attention` (`decode_attention`, `decode_attention_ref`).
 #
 # ## Exercises
 #

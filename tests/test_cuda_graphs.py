@@ -21,7 +21,7 @@ from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
-from tinyvllm_lib.kernels.decode_attention import split_rows
+from tinyvllm_lib.kernels.decode_splits import split_rows
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.runtime import can_launch, has_gpu
 

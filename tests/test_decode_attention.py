@@ -3,21 +3,27 @@
 import numpy as np
 import pytest
 from local_memory import local_memory_accesses
-from numba import cuda
+from numba import cuda, uint32
 
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
-from tinyvllm_lib.kernels.decode_attention import (
+from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref
+from tinyvllm_lib.kernels.decode_attention_config import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
-    decode_attention,
-    decode_attention_ref,
+)
+from tinyvllm_lib.kernels.decode_splits import (
     decode_splits,
     decode_workspace,
     num_splits_for,
-    rope_and_write_kv_cache,
+    num_splits_for_on_device,
     split_length,
+    split_length_on_device,
     split_rows,
+    split_rows_on_device,
     workspace_row,
+)
+from tinyvllm_lib.kernels.kv_cache_write import (
+    rope_and_write_kv_cache,
     write_kv_cache,
     write_kv_cache_ref,
 )
@@ -221,6 +227,34 @@ def test_decode_splits_and_workspace():
         DecodeAttentionConfig(split_keys=0)
 
 
+@cuda.jit
+def _split_policy_kernel(cases, out):
+    """The split policy's device functions, one case a thread: (split_rows, num_splits_for, split_length)."""
+    i = cuda.grid(1)
+    if i < cases.shape[0]:
+        n, rows = cases[i, 0], cases[i, 1]
+        row_blocks = cases[i, 2] * split_rows_on_device(rows)
+        splits = num_splits_for_on_device(n, uint32(32), row_blocks, cases[i, 3], cases[i, 4], cases[i, 5])
+        out[i, 0] = split_rows_on_device(rows)
+        out[i, 1] = splits
+        out[i, 2] = split_length_on_device(n, splits, cases[i, 6])
+
+
+def test_split_policy_host_equals_device(rng):
+    """split_policy is written once: its host functions (Python ints) and the kernel's (uint32 steps) agree."""
+    cases = np.stack([rng.integers(1, 100_000, 64), rng.integers(1, 300, 64), rng.integers(1, 9, 64),
+                      rng.choice([384, 1024], 64), rng.choice([1, 512], 64), rng.integers(1, 17, 64),
+                      rng.choice([16, 48, 96], 64)], axis=1).astype(np.uint32)
+    cases[:4, 1] = [1, 2, 3, 4]  # every branch of split_rows
+    out = cuda.to_device(np.zeros((len(cases), 3), np.uint32))
+    _split_policy_kernel[2, 32](cuda.to_device(cases), out)
+    want = []
+    for n, rows, kvh, split_keys, target_blocks, min_split_keys, step in cases.tolist():
+        splits = num_splits_for(n, 32, kvh * split_rows(rows), split_keys, target_blocks, min_split_keys)
+        want.append((split_rows(rows), splits, split_length(n, splits, step)))
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
 def test_decode_attention_bf16_out_and_block_size_1(rng):
     qkv, k, v, bt, lens = case(rng, 2, 13, 2, 1, 16, 1)
     got = run(qkv, k, v, bt, 1, lens, 2, 1, 16, out_dtype=np.uint16)
@@ -273,6 +307,15 @@ def test_bad_arguments(rng):
     with pytest.raises(ValueError, match="cache"):
         decode_attention(cuda.to_device(qkv), cuda.to_device(np.ascontiguousarray(k[:, :1])), cuda.to_device(v), cuda.to_device(bt), 4,
                          cuda.to_device(lens), 4, 2, 16, out)
+    # the paged context's checks are chapter 10's too (check_paged_context): host arrays are checked in full
+    with pytest.raises(ValueError, match="context_lens"):
+        decode_attention(qkv, k, v, bt, 4, np.array([bt.shape[1] * 4 + 1], np.int32), 4, 2, 16, out)
+    with pytest.raises(ValueError, match="outside the cache"):
+        decode_attention(qkv, k, v, np.full_like(bt, len(k) // 4), 4, lens, 4, 2, 16, out)
+    with pytest.raises(ValueError, match="as many slots"):
+        decode_attention(qkv, k, v[:-4], bt, 4, lens, 4, 2, 16, out)
+    with pytest.raises(TypeError, match="context_lens"):
+        decode_attention(qkv, k, v, bt, 4, lens.astype(np.int64), 4, 2, 16, out)
 
 
 @pytest.mark.gpu
@@ -290,6 +333,6 @@ def test_decode_attention_llama_1b_shapes(rng):
 def test_decode_attention_rows_stay_in_registers():
     """The rows a lane holds (and, with prefetch, the next step's) pass through inlined device functions: they stay
     registers only while every index is a constant and the functions are inlined. Nothing may touch local memory."""
-    found = local_memory_accesses("tinyvllm_lib.kernels.decode_attention")
+    found = local_memory_accesses("tinyvllm_lib.kernels.decode_attention_kernel")
     assert "decode_attention_d64_g4_one_row_kernel" in found and len(found) >= 3
     assert not any(found.values()), found

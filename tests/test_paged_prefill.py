@@ -9,7 +9,7 @@ from numba import cuda
 from tinyvllm_lib.kernels.attention import attention_ref, flash_attention, split_qkv
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.checks import cdiv
-from tinyvllm_lib.kernels.decode_attention import write_kv_cache_ref
+from tinyvllm_lib.kernels.kv_cache_write import write_kv_cache_ref
 from tinyvllm_lib.kernels.paged_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,

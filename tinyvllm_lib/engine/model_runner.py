@@ -13,7 +13,7 @@ from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
 from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
-from tinyvllm_lib.kernels.decode_attention import decode_workspace
+from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
 from tinyvllm_lib.layers.attention_metadata import (

@@ -17,7 +17,7 @@ from tinyvllm_lib.kernels.attention import (
 )
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.kernels.checks import cdiv
-from tinyvllm_lib.kernels.decode_attention import bf16_lane, cache_word, cache_words
+from tinyvllm_lib.kernels.paged_cache import bf16_lane, cache_word, check_paged_context
 from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
@@ -214,68 +214,6 @@ def paged_prefill_kernel_for(
 
 
 # defined in chapters/10_paging.py
-def check_paged_context(
-    name: str,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    block_size: int,
-    num_seqs: int,
-    num_blocks: int,
-) -> None:
-    """Check block tables (int32, >= num_seqs rows), sequence lengths (int32, >=
-    num_seqs) and the block size (a power of two).
-
-    NumPy arrays are checked in full (each length covers its new tokens and fits its
-    table, whose blocks lie in the cache); device arrays only by dtype and shape.
-    """
-    if (
-        not isinstance(block_size, (int, np.integer))
-        or isinstance(block_size, bool)
-        or block_size < 1
-        or block_size & (block_size - 1)
-    ):
-        raise ValueError(
-            f"{name}: block_size must be a power of two (1, 2, 4, ... 16, ...), got "
-            f"{block_size!r}"
-        )
-    if (
-        block_tables.dtype != np.int32
-        or block_tables.ndim != 2
-        or block_tables.shape[0] < num_seqs
-    ):
-        raise TypeError(
-            f"{name}: block_tables must be int32 (>= {num_seqs}, max_blocks), got "
-            f"{block_tables.dtype} {tuple(block_tables.shape)}"
-        )
-    if seq_lens.dtype != np.int32 or seq_lens.ndim != 1 or seq_lens.shape[0] < num_seqs:
-        raise TypeError(
-            f"{name}: seq_lens must be int32 (>= {num_seqs},), got "
-            f"{seq_lens.dtype} {tuple(seq_lens.shape)}"
-        )
-    if not (
-        isinstance(seq_lens, np.ndarray) and isinstance(query_start_loc, np.ndarray)
-    ):
-        return
-    lens = seq_lens[:num_seqs].astype(np.int64)
-    num_new = np.diff(query_start_loc.astype(np.int64))
-    max_len = block_tables.shape[1] * int(block_size)
-    if np.any(lens < num_new) or np.any(lens > max_len):
-        raise ValueError(
-            f"{name}: each seq_lens[s] must be at least its new tokens and at most "
-            f"max_blocks * block_size = {max_len}; got seq_lens "
-            f"{lens.tolist()} for new tokens {num_new.tolist()}"
-        )
-    if isinstance(block_tables, np.ndarray):
-        for s, n in enumerate(lens):
-            used = block_tables[s, : cdiv(int(n), int(block_size))]
-            if used.size and (used.min() < 0 or used.max() >= num_blocks):
-                raise ValueError(
-                    f"{name}: block_tables[{s}] names blocks outside the cache's "
-                    f"{num_blocks}: {used.tolist()}"
-                )
-
-
 def paged_prefill_attention(
     qkv,
     k_cache,
@@ -320,28 +258,17 @@ def paged_prefill_attention(
             "1 <= block_q <= 1024 and K/V tiles within 48 KiB; got head_dim "
             f"{head_dim}, block_q {block_q}, block_k {block_k}"
         )
-    k64, v64 = (
-        cache_words(name, c, num_kv_heads, head_dim) for c in (k_cache, v_cache)
-    )
-    if k64.size != v64.size:
-        raise ValueError(
-            f"{name}: k_cache and v_cache must have as many slots, got "
-            f"{k64.size} and {v64.size} words"
-        )
-    if k64.size >= 2**32:
-        raise ValueError(
-            f"{name}: the kernel indexes the cache with 32 bits; {k64.size} words is "
-            "too many"
-        )
-    num_slots = k64.size // (num_kv_heads * head_dim // 4)
-    check_paged_context(
+    k64, v64 = check_paged_context(
         name,
+        k_cache,
+        v_cache,
         block_tables,
         seq_lens,
-        query_start_loc,
         block_size,
         num_seqs,
-        num_slots // int(block_size),
+        num_kv_heads,
+        head_dim,
+        query_start_loc,
     )
     if num_tokens == 0 or max_query_len == 0:
         return out

@@ -147,12 +147,12 @@ class CachedAttention:
 
 # defined in chapters/10_paging.py
 from tinyvllm_lib.kernels.attention import flash_attention
-from tinyvllm_lib.kernels.decode_attention import (
+from tinyvllm_lib.kernels.decode_attention import decode_attention
+from tinyvllm_lib.kernels.decode_attention_config import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
-    cache_new_kv,
-    decode_attention,
 )
+from tinyvllm_lib.kernels.kv_cache_write import cache_new_kv
 from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
 from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
 
