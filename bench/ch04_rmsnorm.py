@@ -22,12 +22,14 @@ from tinyvllm_lib.kernels.rmsnorm import (
     block_threads,
     can_go_wide,
     fused_add_rmsnorm,
-    fused_add_rmsnorm_kernel,
     fused_add_rmsnorm_ref,
-    fused_add_rmsnorm_wide_kernel,
     rmsnorm,
     rmsnorm_ref,
     wide_block_threads,
+)
+from tinyvllm_lib.kernels.rmsnorm_kernels import (
+    fused_add_rmsnorm_kernel,
+    fused_add_rmsnorm_wide_kernel,
 )
 from tinyvllm_lib.measure import (
     Recorder,

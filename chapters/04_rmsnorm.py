@@ -220,13 +220,18 @@ $n$.)
 # would silently be accumulated in double precision. The launcher hands `eps` to the
 # kernel as a `float32` for the same reason.
 
+# %% [markdown]
+# The kernels of the ladder go to their own module, `kernels.rmsnorm_kernels`; the
+# NumPy references above and the launchers at the end of the chapter, the functions a
+# model calls, to `kernels.rmsnorm`.
+
 # %%
-#| export
+#| export kernels.rmsnorm_kernels
 import math
 
-from numba import config, cuda, float32
+from numba import cuda, float32
 
-from tinyvllm_lib.kernels.bf16 import bf16_to_f32, f32_to_bf16
+from tinyvllm_lib.kernels.bf16 import bf16_to_f32
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 
@@ -315,7 +320,7 @@ ax.set_title(
 plt.show()
 
 # %%
-#| export
+#| export kernels.rmsnorm_kernels
 MAX_THREADS = 1024  # the most threads a block can have
 
 
@@ -474,7 +479,7 @@ def block_sum(value, warp_sums, scratch):
 # The kernel is rung 2 with the tree replaced by `block_sum`:
 
 # %%
-#| export
+#| export kernels.rmsnorm_kernels
 from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, block_sum
 
 
@@ -530,11 +535,16 @@ def rmsnorm_warp_shuffle_kernel(x, weight, eps, out):
 # `store_activation` is declared with numba's `overload`, which runs at compile time
 # with the argument *types* and returns the implementation to compile: a plain store for
 # float32, rounding through chapter 1's `f32_to_bf16` for `uint16`. The simulator runs
-# Python, so there it is an ordinary `if`.
+# Python, so there it is an ordinary `if`. Every later kernel that writes an
+# activation stores it this way, so `store_activation` goes to a module of its own,
+# `kernels.activation_store`, which rung 6's word helpers join below.
 
 # %%
-#| export
+#| export kernels.activation_store
 import numpy as np
+from numba import config, cuda
+
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16
 
 if config.ENABLE_CUDASIM:
 
@@ -570,6 +580,10 @@ else:
 
             return store_f32
 
+
+# %%
+#| export kernels.rmsnorm_kernels
+from tinyvllm_lib.kernels.activation_store import store_activation
 
 ITEMS_PER_THREAD = 8  # elements of a row that each thread keeps in registers
 
@@ -621,7 +635,7 @@ def rmsnorm_kernel(x, weight, eps, out):
 
 
 # %%
-#| export
+#| export kernels.rmsnorm_kernels
 @cuda.jit
 def fused_add_rmsnorm_kernel(residual, delta, weight, eps, out):
     wait_for_previous_kernel()
@@ -737,14 +751,15 @@ PTX_SIGNATURES = {
 # memory, so only a buffer cut out of a larger one at an odd offset misses it); every
 # row then starts on a word boundary too, in the float32 arrays and in a bf16 output.
 # Otherwise the launchers fall back to rung 4 or 5.
+#
+# The helpers that pack and unpack the words, and `store_pair`, which writes a pair as
+# float32 or bf16 as `store_activation` writes one value, join `store_activation` in
+# `kernels.activation_store` (chapter 6's GEMV reads float32 pairs with
+# `unpack_f32_pair` too); the kernels go to `kernels.rmsnorm_kernels`.
 
 # %%
-#| export
+#| export kernels.activation_store
 from numba import int32, uint32, uint64
-
-WIDE_WORDS = 8  # 8-byte words (float32 pairs) of a row that each thread of rung 6 keeps
-WIDE_ITEMS = 2 * WIDE_WORDS  # the same, in elements: 16
-WARP_WORDS = WARP_SIZE * WIDE_WORDS  # the consecutive words one warp takes: 256
 
 if config.ENABLE_CUDASIM:
 
@@ -828,6 +843,21 @@ else:
                 out_row[j] = pack_bf16_pair(first, second)
 
             return store_bf16_pair
+
+
+# %%
+#| export kernels.rmsnorm_kernels
+from numba import uint32, uint64
+
+from tinyvllm_lib.kernels.activation_store import (
+    pack_f32_pair,
+    store_pair,
+    unpack_f32_pair,
+)
+
+WIDE_WORDS = 8  # 8-byte words (float32 pairs) of a row that each thread of rung 6 keeps
+WIDE_ITEMS = 2 * WIDE_WORDS  # the same, in elements: 16
+WARP_WORDS = WARP_SIZE * WIDE_WORDS  # the consecutive words one warp takes: 256
 
 
 @cuda.jit(device=True)
@@ -946,7 +976,23 @@ PTX_SIGNATURES["fused_add_rmsnorm_wide_kernel"] = [
 
 # %%
 #| export
+import math
+
 from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
+from tinyvllm_lib.kernels.reduce import WARP_SIZE
+from tinyvllm_lib.kernels.rmsnorm_kernels import (
+    ITEMS_PER_THREAD,
+    MAX_THREADS,
+    WARP_WORDS,
+    WIDE_ITEMS,
+    fused_add_rmsnorm_kernel,
+    fused_add_rmsnorm_wide_kernel,
+    rmsnorm_kernel,
+    rmsnorm_shared_tree_kernel,
+    rmsnorm_thread_per_row_kernel,
+    rmsnorm_warp_shuffle_kernel,
+    rmsnorm_wide_kernel,
+)
 
 RMSNORM_VARIANTS = {
     "thread_per_row": rmsnorm_thread_per_row_kernel,
@@ -1508,11 +1554,13 @@ cost no Python time.
 #   threads and more rows fit in a multiprocessor's registers. The PTX is what numba
 #   writes; the SASS is what runs.
 #
-# Exported to `tinyvllm_lib`: `kernels.rmsnorm` (`rmsnorm_ref`, `fused_add_rmsnorm_ref`,
-# the kernels of the ladder, `rmsnorm`, `fused_add_rmsnorm`, `block_threads`,
-# `wide_block_threads`, `can_go_wide`, `store_activation`, `store_pair`,
-# `unpack_f32_pair`, `pack_f32_pair`, `pack_bf16_pair`, `ITEMS_PER_THREAD`,
-# `WIDE_WORDS`) and `kernels.reduce` (`shfl_xor`, `warp_sum`, `block_sum`).
+# Exported to `tinyvllm_lib`, one concept a module: `kernels.rmsnorm` (`rmsnorm_ref`,
+# `fused_add_rmsnorm_ref`, the launchers `rmsnorm` and `fused_add_rmsnorm`,
+# `block_threads`, `wide_block_threads`, `can_go_wide`, `check_weight_eps`),
+# `kernels.rmsnorm_kernels` (the kernels of the ladder, `ITEMS_PER_THREAD`,
+# `WIDE_WORDS`), `kernels.activation_store` (`store_activation`, `store_pair`,
+# `unpack_f32_pair`, `pack_f32_pair`, `pack_bf16_pair`) and `kernels.reduce`
+# (`shfl_xor`, `warp_sum`, `block_sum`).
 #
 # ## Exercises
 #

@@ -548,10 +548,10 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.attention import check_out, check_qkv
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 SCORES_BLOCK = (32, 8)  # threads along keys, along queries
 SOFTMAX_THREADS = 128  # the most threads of a softmax block (a power of two)
@@ -812,9 +812,9 @@ plt.show()
 #| export
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 FLASH_BLOCK_Q = 64  # queries per block: one thread each
 # K/V elements per thread loaded before any is stored to shared memory (x2: K and V)
@@ -1264,9 +1264,9 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
 def silu_mul_ref(gate_up: np.ndarray) -> np.ndarray:

@@ -896,6 +896,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.attention import (
     FLASH_BLOCK_Q,
     cached_attention_ref,
@@ -907,7 +908,6 @@ from tinyvllm_lib.kernels.attention import (
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.paged_cache import bf16_lane, cache_word, check_paged_context
-from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
 def paged_prefill_attention_ref(

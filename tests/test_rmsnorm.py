@@ -234,7 +234,7 @@ def test_wide_kernels_compile_to_wide_loads_and_registers_only():
         import numba.cuda.dispatcher as dispatcher
         from numba import cuda
         dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-        from tinyvllm_lib.kernels import rmsnorm as m
+        from tinyvllm_lib.kernels import rmsnorm_kernels as m
         ptx = {f"{name} {sig}": cuda.compile_ptx(getattr(m, name).py_func, sig, cc=(9, 0))[0]
                for name in ("rmsnorm_wide_kernel", "fused_add_rmsnorm_wide_kernel") for sig in m.PTX_SIGNATURES[name]}
         json.dump(ptx, sys.stdout)

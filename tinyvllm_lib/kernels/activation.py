@@ -7,9 +7,9 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 
 def silu_mul_ref(gate_up: np.ndarray) -> np.ndarray:

@@ -108,9 +108,9 @@ def check_out(name: str, out, shape: tuple, dtypes=(np.float32, np.uint16)) -> N
 # defined in chapters/07_attention.py
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 FLASH_BLOCK_Q = 64  # queries per block: one thread each
 # K/V elements per thread loaded before any is stored to shared memory (x2: K and V)

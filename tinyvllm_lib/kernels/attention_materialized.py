@@ -7,10 +7,10 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.attention import check_out, check_qkv
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 SCORES_BLOCK = (32, 8)  # threads along keys, along queries
 SOFTMAX_THREADS = 128  # the most threads of a softmax block (a power of two)

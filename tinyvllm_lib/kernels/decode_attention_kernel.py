@@ -6,6 +6,7 @@ import math
 
 from numba import config, cuda, float32, int32, uint32, uint64
 
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_attention_config import (
     DEFAULT_DECODE_CONFIG,
@@ -19,7 +20,6 @@ from tinyvllm_lib.kernels.decode_splits import (
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.paged_cache import bf16_lane, cache_word
 from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
-from tinyvllm_lib.kernels.rmsnorm import store_activation
 
 # exp(x) = exp2(x log2 e): scores are kept in base 2, so each exponential is one exp2
 LOG2_E = 1.4426950408889634

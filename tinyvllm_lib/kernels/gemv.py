@@ -7,14 +7,11 @@ import math
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
+from tinyvllm_lib.kernels.activation_store import store_activation, unpack_f32_pair
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function
 from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.gemm import check_linear_args
-from tinyvllm_lib.kernels.rmsnorm import (
-    check_weight_eps,
-    store_activation,
-    unpack_f32_pair,
-)
+from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
 
 
 @device_function
