@@ -68,3 +68,9 @@ def test_the_walk_finds_a_gpu_import_where_there_is_one():
     seen = closure(f"{PACKAGE}.engine.model_runner")
     assert any(i.split(".")[0] == "numba" for m in seen for i in top_level_imports(m))
     assert f"{PACKAGE}.engine.step_outputs" in seen
+
+
+def test_no_library_file_is_over_500_lines():
+    """Files of one concept: none of the generated library's modules passes 500 lines."""
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in (ROOT / PACKAGE).rglob("*.py")}
+    assert sizes and not {p: n for p, n in sizes.items() if n > 500}, sorted(sizes.items(), key=lambda x: -x[1])[:5]
