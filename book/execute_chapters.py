@@ -13,7 +13,8 @@ its metadata; the book's reader (book/executed_reader.py) renders those outputs 
 again, and refuses a chapter whose source changed since it ran. Progress-bar widgets are dropped from
 the outputs (the book drops stderr, where the same bars go outside a notebook). Each chapter's time
 is printed, slowest first, and kept in book/_build/nb/times.json, which also orders the next run
-(slowest first, so the last chapter to finish is a short one).
+(slowest first, so the last chapter to finish is a short one); a clean clone starts from the times
+of a CI run kept in book/chapter_times.json (refresh it from times.json when chapters change).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "chapters"
 OUT = ROOT / "book" / "_build" / "nb"
 TIMES = OUT / "times.json"
+COMMITTED_TIMES = ROOT / "book" / "chapter_times.json"  # a clean clone's first order
 WIDGET = "application/vnd.jupyter.widget-view+json"
 CELL_TIMEOUT_S = 3600
 TRACEBACK_LINES = 25  # of a failing cell's traceback, printed
@@ -96,8 +98,9 @@ def run_one(job: tuple[str, str]) -> dict:
 
 
 def slowest_first(paths: list[Path], times: Path) -> list[Path]:
-    """Last run's times (else the file's size) decide the order: longest first."""
-    known = json.loads(times.read_text()) if times.exists() else {}
+    """Last run's times decide the order, longest first; on a clean clone, the times
+    of a CI run kept in book/chapter_times.json (else the file's size)."""
+    known = json.loads((times if times.exists() else COMMITTED_TIMES).read_text())
     return sorted(paths, key=lambda p: known.get(p.stem, p.stat().st_size / 1e3), reverse=True)
 
 
