@@ -1800,6 +1800,25 @@ the rest of the way to the limit is in the kernels, which the next section measu
 one by one.
 """)
 
+# %% tags=["remove-input"]
+reuse = {r["name"]: r for r in load_records("ch11_prefix_reuse")}
+if "cache_kept" in reuse:
+    empty, kept = reuse["empty_cache"], reuse["cache_kept"]
+    prose.glue("ch11_reuse_empty", f"{empty['value']:,.0f}")
+    prose.glue("ch11_reuse_kept", f"{kept['value']:,.0f}")
+    prose.glue("ch11_reuse_share",
+               f"{kept['cached_prompt_tokens'] / kept['prompt_tokens']:.1%}")
+    gain = kept["value"] / empty["value"] - 1
+    prose.glue("ch11_reuse_gain", f"{abs(gain):.0%} {'faster' if gain > 0 else 'slower'}")
+    prose.show("""
+Why each timed run starts on an empty prefix cache: run the same 256 prompts a second
+time with the cache as the first run left it ({{ch11_reuse_kept}} output tok/s against
+{{ch11_reuse_empty}} on an empty cache, in one process of `bench/ch11_prefix_reuse.py`)
+and {{ch11_reuse_share}} of the prompt tokens are read from the cache rather than
+computed: the run is {{ch11_reuse_gain}}, and measures the cache as much as the
+engine.
+""")
+
 # %% [markdown]
 # ### A decode step, kernel by kernel
 #
