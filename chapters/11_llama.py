@@ -1809,7 +1809,8 @@ if "cache_kept" in reuse:
     prose.glue("ch11_reuse_share",
                f"{kept['cached_prompt_tokens'] / kept['prompt_tokens']:.1%}")
     gain = kept["value"] / empty["value"] - 1
-    prose.glue("ch11_reuse_gain", f"{abs(gain):.0%} {'faster' if gain > 0 else 'slower'}")
+    word = "faster" if gain > 0 else "slower"
+    prose.glue("ch11_reuse_gain", f"{abs(gain):.0%} {word}")
     prose.show("""
 Why each timed run starts on an empty prefix cache: run the same 256 prompts a second
 time with the cache as the first run left it ({{ch11_reuse_kept}} output tok/s against
