@@ -78,7 +78,9 @@ def run_one(job: tuple[str, str]) -> dict:
     text = path.read_text(encoding="utf-8")
     nb = jupytext.reads(text, fmt="py:percent")
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    # the kernel's own log at ERROR: ipykernel warns of its unencrypted local TCP on every start
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
                             resources={"metadata": {"path": str(path.parent)}})
     t0 = time.perf_counter()
     result = {"chapter": path.stem, "error": None}
