@@ -33,7 +33,9 @@
 #   and the only things they share are an inbox and one mailbox per request;
 # - **streaming** with server-sent events, **backpressure** (a slow reader gets fewer,
 #   longer pieces; nothing piles up) and **abort** when a client leaves;
-# - errors in OpenAI's shape, and the engine's counters as **Prometheus metrics**;
+# - errors in OpenAI's shape, **refusing abuse early** (text that is not Unicode, bodies
+#   too big, prompts that cannot fit, more waiting than it can serve) with the
+#   tokenizer off the event loop, and the engine's counters as **Prometheus metrics**;
 # - a **serving benchmark**: Poisson arrivals, and time to first token, inter-token
 #   latency and end-to-end latency against the request rate.
 
@@ -109,6 +111,14 @@ print(f"the engine runs on {DEVICE}")
 # {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p",
 #            "code": null}}
 # ```
+#
+# **Text that is not text.** JSON can carry a string that is not Unicode: `"\ud800"` is
+# a valid JSON escape, one half of a UTF-16 surrogate pair, alone — and no encoding can
+# write it. The tokenizer refuses such a string with a `TypeError`, which a server must
+# not let become a 500. So every string of a body has the type `Text` below, which
+# checks it as the body is parsed, and a message's parts must be objects whose `text`
+# is a string: what fails is a 400 naming the field (`messages.0.content.0.text`),
+# before any tokenizer sees it.
 
 # %%
 #| export entrypoints.openai.protocol
@@ -1597,7 +1607,8 @@ class OpenAIServingCompletion(OpenAIServing):
 #   before it is read — at once when its `Content-Length` says so, else as soon as the
 #   pieces of a chunked body pass the limit; what the client still sends, uvicorn
 #   throws away. A small ASGI middleware in front of the application does it, since
-#   FastAPI reads a whole body before a handler runs;
+#   FastAPI reads a whole body before a handler runs (FastAPI's own `max_body_size`
+#   answers a long `Content-Length` in plain text, not in OpenAI's JSON);
 # - the **waiting requests** (`--max-waiting`): past it a new request gets 503 with a
 #   `Retry-After` header, as servers shed load — a quick "not now" rather than a wait
 #   that nobody can bound. The engine thread counts its waiting queue when the request
@@ -1897,7 +1908,9 @@ piece of text, the usage), a median of {{ch12_chunk_bytes}} each on the wire.
 """)
 
 # %% [markdown]
-# Every bad request gets its status and one `error` object, and the server goes on:
+# Every bad request gets its status and one `error` object, and the server goes on —
+# the string that is not Unicode, the prompt whose bytes prove it too long, and the
+# body over the limit among them:
 
 # %%
 good = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4}
@@ -1913,22 +1926,17 @@ bad_requests = {
     "prompt too long": ("/v1/completions", good | {"prompt": [42] * 600}),
     "presence_penalty": ("/v1/completions", good | {"presence_penalty": 1.0}),
     "no such route": ("/v1/embeddings", good),
+    "a lone surrogate": ("/v1/completions", b'{"prompt": "x \\ud800 y"}'),
+    "a 5 MB prompt": ("/v1/completions", good | {"prompt": "hello " * 800_000}),
+    "a 9 MB body": ("/v1/completions", b" " * 9_000_000),
 }
 rows = []
 for label, (path, payload) in bad_requests.items():
-    if isinstance(payload, bytes):
-        r = client.post(
-            path, content=payload, headers={"content-type": "application/json"}
-        )
-    else:
-        r = client.post(path, json=payload)
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
     error = r.json()["error"]
-    assert r.status_code in (400, 404) and set(error) == {
-        "message",
-        "type",
-        "param",
-        "code",
-    }
+    assert r.status_code in (400, 404, 413)
+    assert set(error) == {"message", "type", "param", "code"}
     rows.append((label, r.status_code, error["param"], error["message"]))
 for label, status, param, message in rows:
     print(f"{label:<22} {status}  {str(param):<16} {message[:43]}")
@@ -2047,6 +2055,57 @@ def serve(args: argparse.Namespace) -> int:
     )
     serve_http(app, args.host, args.port, args.log_level)
     return 0
+
+
+# %% [markdown]
+# ### Under abuse and load
+#
+# Three programs try the server as an unfriendly world would, on the CPU. A fuzzer
+# (`tests/test_serving_fuzz.py`, with [hypothesis](https://hypothesis.readthedocs.io/))
+# sends random bodies to both endpoints — any JSON shape, any type in any field, any
+# Unicode, sizes up to megabytes — and checks that no answer is a 5xx, none hangs, and
+# a good request is answered after each. `bench/ch12_stall_cpu.py` streams one answer
+# and meanwhile sends a 5 MB prompt, asking `/health` every 20 ms. And
+# `bench/ch12_soak_cpu.py` keeps the server under a mixed load — good requests streamed
+# or not, clients that leave mid-answer, bad requests, a few huge ones — then checks
+# that nothing was left behind. What the two scripts recorded on this book's CPU:
+
+# %% tags=["hide-input"]
+stall, soak = load_records("ch12_stall"), load_records("ch12_soak")
+refusals = [r for r in stall if r.get("kind") == "refusal"]
+controls = [r for r in stall if r.get("kind") == "control"]
+
+
+def slowest(records, name):
+    return max(r["value"] for r in records if r["name"] == name)
+
+
+figures = {}
+if refusals:
+    figures["stall_health"] = f"{slowest(refusals, 'health_slowest'):.0f} ms"
+    figures["stall_gap"] = f"{slowest(refusals, 'stream_gap_ratio'):.1f}×"
+    figures["stall_control"] = f"{slowest(controls, 'stream_gap_ratio'):.1f}×"
+    figures["stall_cpu"] = refusals[0]["device"]["name"]
+if soak:
+    figures["soak_requests"] = f"{soak[-1]['value']:,.0f}"
+    figures["soak_minutes"] = f"{soak[-1]['seconds'] / 60:.0f} minutes"
+    figures["soak_rss"] = f"{soak[-1]['rss_growth_mb']:+.1f} MB"
+for name in ("stall_health", "stall_gap", "stall_control", "stall_cpu", "soak_requests",
+             "soak_minutes", "soak_rss"):  # fmt: skip
+    prose.glue(f"ch12_{name}", figures.get(name, "(not measured)"))
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+On the {{ch12_stall_cpu}}, `/health` answered within {{ch12_stall_health}} while a 5 MB
+prompt was refused (before the tokenizer moved off the engine's thread and let go of
+the GIL, it waited seconds). The running stream's largest gap meanwhile was
+{{ch12_stall_gap}} its median, where the same stream with nothing refused reached
+{{ch12_stall_control}}: on two cores, NumPy's two BLAS threads lose time to any other
+work at all, the client's included. The soak sent {{ch12_soak_requests}} requests in
+{{ch12_soak_minutes}}: every good answer was the same request's alone, none got a 5xx,
+the gauges came back to zero with no KV block held, and the resident memory changed by
+{{ch12_soak_rss}} after the first minute.
+""")
 
 
 # %% [markdown]
@@ -2481,6 +2540,11 @@ weights that every row shares (chapter 6), the gap should grow less.
 # - Streams are server-sent events in OpenAI's chunk format, ending with `[DONE]`; a
 #   client that leaves is noticed by `is_disconnected()` or by the cancellation of its
 #   stream, and its request is aborted and its blocks freed.
+# - Abuse is refused early and cheaply: every string is checked to be Unicode as the
+#   body is parsed; templates and the tokenizer run on a small worker pool, off the
+#   event loop and the engine's thread; a prompt whose bytes prove it too long is
+#   refused untokenized; a body over `--max-body-bytes` gets 413 unread, a request past
+#   `--max-waiting` 503, one past `--request-timeout` 504.
 # - `/metrics` exports the engine's gauges, counters and latency histograms under
 #   vLLM's names with the prefix `tinyvllm:`.
 # - A serving benchmark sends requests at Poisson times and measures what clients
@@ -2488,8 +2552,10 @@ weights that every row shares (chapter 6), the gap should grow less.
 #   rate.
 #
 # Exported to `tinyvllm_lib`: `entrypoints.openai.protocol` (the request models,
-# `OpenAIError`), `entrypoints.openai.serving`, `serving_chat` and `serving_completion`
-# (the endpoints), `entrypoints.openai.api_server` (`build_app`),
+# `OpenAIError`), `entrypoints.openai.prompts` (`PromptProcessor`, the worker pool),
+# `entrypoints.openai.body_limit` (`BodySizeLimit`), `entrypoints.openai.serving`,
+# `serving_chat` and `serving_completion` (the endpoints),
+# `entrypoints.openai.api_server` (`build_app`),
 # `entrypoints.launcher` (`ServerThread`, `serve_http`, `run_coroutine`),
 # `engine.async_llm_engine` (`AsyncLLMEngine`, `RequestOutputCollector`),
 # `engine.metrics` (`IterationStats`, `PrometheusStatLogger`), `benchmark_serving`, and
@@ -2507,6 +2573,15 @@ weights that every row shares (chapter 6), the gap should grow less.
 #    (chapter 10's exercise on copy-on-write) and the chunk format (`index`) each do?
 # 4. Predict from the recorded CPU sweep the request rate at which the median TTFT
 #    passes one second, then run `bench/ch12_serving.py --rates` around it.
-# 5. Add a limit on waiting requests: a request that arrives when the waiting queue is
-#    full gets `503` at once. Where does the check belong — the handler or the engine
-#    thread — and what does the benchmark's p99 TTFT do with it?
+# 5. The server refuses a prompt untokenized when $\lceil B / L \rceil$ reaches
+#    `max_model_len`, with $L$ the UTF-8 bytes of SmolLM2's longest vocabulary entry.
+#    A byte-level token stands for one byte per character of its entry, fewer than its
+#    UTF-8 bytes: how much smaller is that $L$, and what is then the largest prompt
+#    that must still be tokenized at `max_model_len` 4096? How long does encoding it
+#    take?
+# 6. Serve with `--max-waiting 8` and run the benchmark at a rate past what the CPU
+#    sustains. What happens to the p99 TTFT of the requests that were let in, and what
+#    share is turned away?
+# 7. Set `OPENBLAS_NUM_THREADS=1` and rerun `bench/ch12_stall_cpu.py`. Predict first:
+#    does the stream's median gap grow or shrink on two cores, and its largest gap
+#    while a 5 MB prompt is refused?
