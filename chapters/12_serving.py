@@ -33,7 +33,9 @@
 #   and the only things they share are an inbox and one mailbox per request;
 # - **streaming** with server-sent events, **backpressure** (a slow reader gets fewer,
 #   longer pieces; nothing piles up) and **abort** when a client leaves;
-# - errors in OpenAI's shape, and the engine's counters as **Prometheus metrics**;
+# - errors in OpenAI's shape, **refusing abuse early** (text that is not Unicode, bodies
+#   too big, prompts that cannot fit, more waiting than it can serve) with the
+#   tokenizer off the event loop, and the engine's counters as **Prometheus metrics**;
 # - a **serving benchmark**: Poisson arrivals, and time to first token, inter-token
 #   latency and end-to-end latency against the request rate.
 
@@ -109,16 +111,29 @@ print(f"the engine runs on {DEVICE}")
 # {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p",
 #            "code": null}}
 # ```
+#
+# **Text that is not text.** JSON can carry a string that is not Unicode: `"\ud800"` is
+# a valid JSON escape, one half of a UTF-16 surrogate pair, alone — and no encoding can
+# write it. The tokenizer refuses such a string with a `TypeError`, which a server must
+# not let become a 500. So every string of a body has the type `Text` below, which
+# checks it as the body is parsed, and a message's parts must be objects whose `text`
+# is a string: what fails is a 400 naming the field (`messages.0.content.0.text`),
+# before any tokenizer sees it.
 
 # %%
 #| export entrypoints.openai.protocol
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's)
+
+
+def printable(text: str | None) -> str | None:
+    """text with any lone surrogate written as an escape, so that it can be sent."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode()
 
 
 class OpenAIError(Exception):
@@ -131,10 +146,12 @@ class OpenAIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict | None = None,
     ):
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
-        self.type, self.code = type, code
+        self.message, self.status = printable(message), status
+        self.param, self.type, self.code = printable(param), type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -145,6 +162,21 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
+
+
+def unicode_text(text: str) -> str:
+    """text, if it is Unicode: JSON can escape a lone surrogate (\\ud800), which no
+    encoding can write, and the tokenizer refuses.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        where = f"{err.start}: {text[err.start]!r}"
+        raise ValueError(f"not valid Unicode (a lone surrogate at {where})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]  # every string of a body
 
 
 class OpenAIModel(BaseModel):
@@ -159,7 +191,7 @@ class StreamOptions(OpenAIModel):
 class GenerationFields(OpenAIModel):
     """The fields both endpoints share; None means OpenAI's default."""
 
-    model: str | None = None  # None: the served model (as vLLM allows)
+    model: Text | None = None  # None: the served model (as vLLM allows)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -168,7 +200,7 @@ class GenerationFields(OpenAIModel):
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:123"
     n: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -231,10 +263,10 @@ class GenerationFields(OpenAIModel):
 class CompletionRequest(GenerationFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
     ACCEPTED: ClassVar[dict] = GenerationFields.ACCEPTED | {
         "echo": (False,),
@@ -243,23 +275,29 @@ class CompletionRequest(GenerationFields):
     }
 
 
+class ContentPart(OpenAIModel):
+    type: Text
+    text: Text | None = None
+
+
 class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[dict] | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
 
     def for_template(self, index: int) -> dict:
         """{"role", "content"} with the content as text (parts of type text
         joined).
         """
-        content = self.content
+        content, where = self.content, f"messages.{index}.content"
         if isinstance(content, list):
-            if bad := [p for p in content if p.get("type") != "text"]:
+            if bad := [p.type for p in content if p.type != "text"]:
                 raise OpenAIError(
-                    f"messages.{index}.content: only text parts are supported, got "
-                    f"type {bad[0].get('type')!r}",
-                    param=f"messages.{index}.content",
+                    f"{where}: only text parts are supported, got type {bad[0]!r}",
+                    param=where,
                 )
-            content = "\n".join(str(p.get("text", "")) for p in content)
+            if any(p.text is None for p in content):
+                raise OpenAIError(f"{where}: a text part needs its text", param=where)
+            content = "\n".join(p.text for p in content)
         return {"role": self.role, "content": content or ""}
 
 
@@ -668,6 +706,10 @@ def _deliver(items: list) -> None:
         collector.put(output)
 
 
+class EngineOverloaded(RuntimeError):
+    """A request refused because max_waiting requests wait already (a 503)."""
+
+
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     if not future.done():  # a handler cancelled meanwhile: nobody to tell
         if error is None:
@@ -682,8 +724,9 @@ class AsyncLLMEngine:
     inbox; each request's deltas come back through its RequestOutputCollector.
     """
 
-    def __init__(self, engine: LLMEngine, stat_loggers=()):
+    def __init__(self, engine: LLMEngine, stat_loggers=(), max_waiting=None):
         self.engine, self.stat_loggers = engine, list(stat_loggers)
+        self.max_waiting = max_waiting  # None: as many as come
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tracked: dict[str, _Tracked] = {}  # the engine thread's own
         # set once by shutdown: no add is posted after it (under the lock)
@@ -764,7 +807,14 @@ class AsyncLLMEngine:
             if self.engine.has_unfinished_requests():
                 self._step()
 
+    def _num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)  # admitted, not yet running
+
     def _add(self, request_id, prompt, params, name, collector, accepted, arrival):
+        if self.max_waiting is not None and self._num_waiting() >= self.max_waiting:
+            message = f"{self._num_waiting()} requests are waiting: try again later"
+            self._call(collector.loop, _resolve, accepted, EngineOverloaded(message))
+            return
         if isinstance(params, SamplingParams):  # the thread builds its own deltas
             params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
@@ -818,10 +868,7 @@ class AsyncLLMEngine:
                 iteration.finished.append((reason, now - tracked.arrival))
         for loop, items in deliveries.items():
             self._call(loop, _deliver, items)
-        stats = self.engine.stats
-        iteration.num_waiting = (
-            self.engine.get_num_unfinished_requests() - stats.num_running
-        )
+        stats, iteration.num_waiting = self.engine.stats, self._num_waiting()
         for logger in self.stat_loggers:
             try:
                 logger.record(stats, iteration)
@@ -1106,8 +1153,112 @@ one that left had {{ch12_left_tokens}} tokens when it went. The three held at mo
 # (405). Anything else that goes wrong inside a handler is a bug; it gets a 500 in the
 # same shape, and the server keeps serving.
 
+# %% [markdown]
+# **Tokenizing off the loop.** A prompt becomes token ids before the engine sees it,
+# and that work is not small: the chat template is rendered by Jinja, and a long text
+# takes the tokenizer a long time. On the event loop it would stall every connection;
+# on the engine's thread, every running stream. vLLM keeps the two apart — its API
+# server tokenizes, its engine core only steps — and so does this server: templates
+# and the tokenizer run on a small pool of worker threads of their own. Threads help
+# only if the work lets go of Python's GIL, and the tokenizers library's `encode` does
+# not (a profile of the server during a long refusal, every thread's stack dumped by
+# `faulthandler`, found the engine thread inside `encode` and the event loop unable to
+# run for seconds); its batch call does, and chapter 3's `Tokenizer.encode` uses it.
+#
+# A prompt that cannot fit is refused before it is tokenized, where its length
+# already proves it. A byte-level tokenizer (GPT-2's, SmolLM2's, Llama 3's) puts every
+# byte of a text into some token, and no token stands for more bytes than its
+# vocabulary entry is written with, $L$ at most; so a text of $B$ UTF-8 bytes has at
+# least $\lceil B / L \rceil$ tokens, and if that is already `max_model_len` the
+# answer is a 400 with no tokenizer call. Whatever the template or the tokenizer
+# raises on a request's text is the request's fault: a 400 too.
+
+# %%
+#| export entrypoints.openai.prompts
+import asyncio
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+from tinyvllm_lib.entrypoints.openai.protocol import OpenAIError
+
+
+def longest_token_bytes(tokenizer) -> int | None:
+    """L, the most UTF-8 bytes a vocabulary entry is written with, for a byte-level
+    tokenizer that normalizes nothing (a text of B bytes has at least B / L tokens);
+    None for any other, which may drop or merge characters.
+    """
+    backend = tokenizer.backend
+    pre_tokenizer = repr(backend.pre_tokenizer).lower()
+    if backend.normalizer is not None or "bytelevel" not in pre_tokenizer:
+        return None
+    if "removed" in pre_tokenizer:  # a split that drops what it splits on
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max(len(token.encode()) for token in vocab)
+
+
+class PromptProcessor:
+    """Prompts into token ids on worker threads of their own, off the event loop and
+    the engine's thread; a prompt that cannot fit is a 400, early where it can be.
+    """
+
+    def __init__(self, tokenizer, max_model_len: int, num_threads: int = 2):
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.max_token_bytes = tokenizer and longest_token_bytes(tokenizer)  # or None
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer")
+
+    def check_length(self, num_tokens: int, name: str, at_least="") -> None:
+        """A 400 for a prompt of num_tokens that leaves no room for a new one."""
+        if num_tokens >= self.max_model_len:
+            raise OpenAIError(
+                f"{name} has {at_least}{num_tokens} tokens; max_model_len is "
+                f"{self.max_model_len}, which leaves no room for a new token",
+                param=name,
+            )
+
+    async def from_text(self, text: str, name: str = "prompt") -> dict:
+        return await self._run(self._encode, text, True, name)
+
+    async def from_messages(self, messages: list[dict], add_generation_prompt) -> dict:
+        return await self._run(self._render, messages, add_generation_prompt)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def _encode(self, text: str, add_special_tokens: bool, name: str) -> dict:
+        if self.tokenizer is None:
+            message = f"{name} is text, but the model has no tokenizer.json: give ids"
+            raise OpenAIError(message, param=name)
+        if self.max_token_bytes:  # B bytes are at least B / L tokens
+            at_least = math.ceil(len(text.encode()) / self.max_token_bytes)
+            self.check_length(at_least, name, "at least ")
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as err:  # what it cannot read is the request's fault
+            raise OpenAIError(f"{name}: {err}", param=name) from None
+        self.check_length(len(ids), name)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> dict:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as err:  # the template refused them (raise_exception)
+            raise OpenAIError(f"messages: {err}", param="messages") from None
+        return self._encode(text, False, "messages")
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# %% [markdown]
+# The two endpoints share the rest: handing a request to the engine, waiting for its
+# deltas, streaming them.
+
 # %%
 #| export entrypoints.openai.serving
+import asyncio
 import json
 import math
 import time
@@ -1115,11 +1266,13 @@ import uuid
 
 from tinyvllm_lib.engine.async_llm_engine import (
     AsyncLLMEngine,
+    EngineOverloaded,
     RequestOutputCollector,
     merge_deltas,
 )
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
 from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.entrypoints.openai.prompts import PromptProcessor
 from tinyvllm_lib.entrypoints.openai.protocol import OpenAIError
 
 POLL_SECONDS = 0.5  # how often a handler with nothing to send checks on its client
@@ -1143,11 +1296,17 @@ class OpenAIServing:
 
     object = chunk_object = id_prefix = ""
 
-    def __init__(self, served_model_name: str, tokenizer):
-        self.served_model_name, self.tokenizer = served_model_name, tokenizer
+    def __init__(
+        self,
+        served_model_name: str,
+        prompts: PromptProcessor,
+        request_timeout: float | None = None,
+    ):
+        self.served_model_name, self.prompts = served_model_name, prompts
+        self.tokenizer, self.request_timeout = prompts.tokenizer, request_timeout
         self.engine: AsyncLLMEngine | None = None  # set when the server starts
 
-    def engine_inputs(self, request) -> tuple[object, SamplingParams, str]:
+    async def engine_inputs(self, request) -> tuple[object, SamplingParams, str]:
         """(prompt, SamplingParams, the prompt's field name) of a request body."""
         raise NotImplementedError
 
@@ -1182,10 +1341,26 @@ class OpenAIServing:
             "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens},
         }
 
+    def timed_out(self) -> OpenAIError:
+        message = f"the request took longer than {self.request_timeout} s"
+        return OpenAIError(message, 504, type="timeout_error")
+
+    def next_wait(self, deadline: float | None) -> float:
+        """How long to wait for the next delta; 504 past the deadline."""
+        if deadline is None:
+            return POLL_SECONDS
+        if (left := deadline - time.monotonic()) <= 0:
+            raise self.timed_out()
+        return min(POLL_SECONDS, left)
+
     async def submit(
         self, request
-    ) -> tuple[str, SamplingParams, RequestOutputCollector]:
-        """Check a body and hand it to the engine: OpenAIError on bad input."""
+    ) -> tuple[str, SamplingParams, RequestOutputCollector, float | None]:
+        """Check a body and hand it to the engine: OpenAIError on bad input. The last
+        item is the request's deadline (time.monotonic()), or None.
+        """
+        timeout = self.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         if request.model is not None and request.model != self.served_model_name:
             raise OpenAIError(
                 f"The model `{request.model}` does not exist; this server serves "
@@ -1195,23 +1370,37 @@ class OpenAIServing:
                 code="model_not_found",
             )
         request.check_supported()
-        prompt, params, name = self.engine_inputs(request)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         try:
-            collector = await self.engine.add_request(request_id, prompt, params, name)
+            async with asyncio.timeout(timeout):  # None: no limit
+                prompt, params, name = await self.engine_inputs(request)
+                collector = await self.add(request_id, prompt, params, name)
+        except TimeoutError:
+            raise self.timed_out() from None
+        return request_id, params, collector, deadline
+
+    async def add(self, request_id, prompt, params, name) -> RequestOutputCollector:
+        """Hand a request to the engine; its refusals become OpenAIErrors."""
+        try:
+            return await self.engine.add_request(request_id, prompt, params, name)
+        except EngineOverloaded as err:  # shed load: come back later
+            raise OpenAIError(
+                str(err), 503, type="overloaded_error", headers={"retry-after": "1"}
+            ) from None
         except ValueError as err:  # the engine's checks: lengths, vocabulary, pool
             param = "max_tokens" if "max_tokens is" in str(err) else name
             raise OpenAIError(str(err), param=param) from None
-        return request_id, params, collector
 
-    async def respond(self, request, raw_request, request_id, params, collector):
+    async def respond(
+        self, request, raw_request, request_id, params, collector, deadline
+    ):
         """The whole answer (no stream), or None if the client left first."""
         created, final = int(time.time()), None
         try:
             while final is None or not final.finished:
                 if await raw_request.is_disconnected():
                     return None
-                delta = await collector.get(timeout=POLL_SECONDS)
+                delta = await collector.get(timeout=self.next_wait(deadline))
                 if delta is not None:
                     final = delta if final is None else merge_deltas(final, delta)
         finally:
@@ -1222,7 +1411,9 @@ class OpenAIServing:
         usage = self.usage(final, len(out.token_ids))
         return self.envelope(request_id, created, self.object, [choice], usage=usage)
 
-    async def stream(self, request, raw_request, request_id, params, collector):
+    async def stream(
+        self, request, raw_request, request_id, params, collector, deadline
+    ):
         """The answer as server-sent events: chunks, the usage if asked, [DONE]."""
         created, num_generated, finished, state = int(time.time()), 0, False, {}
         options = request.stream_options
@@ -1237,7 +1428,7 @@ class OpenAIServing:
             while not finished:
                 if await raw_request.is_disconnected():
                     return
-                delta = await collector.get(timeout=POLL_SECONDS)
+                delta = await collector.get(timeout=self.next_wait(deadline))
                 if delta is None:
                     continue
                 out, finished = delta.outputs[0], delta.finished
@@ -1258,6 +1449,9 @@ class OpenAIServing:
                 yield sse(
                     self.envelope(request_id, created, chunk_object, [], usage=usage)
                 )
+            yield sse("[DONE]")
+        except OpenAIError as err:  # past its deadline
+            yield sse(err.body())
             yield sse("[DONE]")
         except Exception as err:  # the engine failed this request: say so, end
             error = OpenAIError(
@@ -1281,8 +1475,6 @@ class OpenAIServing:
 
 # %%
 #| export entrypoints.openai.serving_chat
-from jinja2 import TemplateError
-
 from tinyvllm_lib.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from tinyvllm_lib.entrypoints.openai.serving import OpenAIServing, finite
 
@@ -1293,7 +1485,7 @@ class OpenAIServingChat(OpenAIServing):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def engine_inputs(self, request: ChatCompletionRequest):
+    async def engine_inputs(self, request: ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tokenizer is None or self.tokenizer.chat_template is None:
@@ -1301,19 +1493,16 @@ class OpenAIServingChat(OpenAIServing):
                 f"`{self.served_model_name}` has no chat template: use /v1/completions",
                 param="messages",
             )
-        messages = [m.for_template(i) for i, m in enumerate(request.messages)]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt
-            )
-        except (TemplateError, TypeError, ValueError) as err:
-            raise OpenAIError(f"messages: {err}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         k = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens
         max_tokens = request.max_tokens if max_tokens is None else max_tokens
         params = request.sampling_params(max_tokens, k, "top_logprobs")
-        return {"prompt": text, "prompt_token_ids": ids}, params, "messages"
+        messages = [m.for_template(i) for i, m in enumerate(request.messages)]
+        # the template and the tokenizer run on the worker threads
+        prompt = await self.prompts.from_messages(
+            messages, request.add_generation_prompt
+        )
+        return prompt, params, "messages"
 
     def opening_choices(self, request) -> list[dict]:
         delta = {"role": "assistant", "content": ""}
@@ -1366,7 +1555,7 @@ class OpenAIServingCompletion(OpenAIServing):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def engine_inputs(self, request: CompletionRequest):
+    async def engine_inputs(self, request: CompletionRequest):
         prompt = request.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -1378,6 +1567,9 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = request.max_tokens
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         params = request.sampling_params(max_tokens, request.logprobs, "logprobs")
+        if isinstance(prompt, str):  # tokenized on the worker threads
+            return await self.prompts.from_text(prompt, "prompt"), params, "prompt"
+        self.prompts.check_length(len(prompt), "prompt")  # token ids
         return prompt, params, "prompt"
 
     def choice(self, request, out, stream: bool, state: dict) -> dict:
@@ -1408,6 +1600,85 @@ class OpenAIServingCompletion(OpenAIServing):
 
 
 # %% [markdown]
+# **Limits.** A server open to many clients protects them from one another with
+# three limits, each a flag of `serve`:
+#
+# - the **body size** (`--max-body-bytes`, 8 MiB unless told): a larger body gets 413
+#   before it is read — at once when its `Content-Length` says so, else as soon as the
+#   pieces of a chunked body pass the limit; what the client still sends, uvicorn
+#   throws away. A small ASGI middleware in front of the application does it, since
+#   FastAPI reads a whole body before a handler runs (FastAPI's own `max_body_size`
+#   answers a long `Content-Length` in plain text, not in OpenAI's JSON);
+# - the **waiting requests** (`--max-waiting`): past it a new request gets 503 with a
+#   `Retry-After` header, as servers shed load — a quick "not now" rather than a wait
+#   that nobody can bound. The engine thread counts its waiting queue when the request
+#   reaches it;
+# - the **time per request** (`--request-timeout`, seconds): past it the request is
+#   aborted, and its client gets 504 (a stream gets the error as an event, then
+#   `[DONE]`).
+
+# %% tags=["hide-input"]
+#| export entrypoints.openai.body_limit
+import json
+
+from tinyvllm_lib.entrypoints.openai.protocol import OpenAIError
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over max_bytes gets 413 and OpenAI's error JSON
+    without being read (by its Content-Length, or as its pieces come).
+    """
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self.refuse(send)
+        state = {"received": 0, "over": False, "started": False}
+
+        async def counting_receive():
+            message = await receive()
+            state["received"] += len(message.get("body", b""))
+            if state["received"] > self.max_bytes:
+                state["over"] = True
+                raise BodyTooLarge()  # the application gives up on the body
+            return message
+
+        async def send_unless_over(message):
+            if not state["over"]:  # what the application answers after it: dropped
+                state["started"] = True
+                await send(message)
+
+        try:
+            await self.app(scope, counting_receive, send_unless_over)
+        except Exception:
+            if not state["over"]:
+                raise
+        if state["over"] and not state["started"]:
+            await self.refuse(send)
+
+    async def refuse(self, send) -> None:
+        message = f"the request body is over the server's {self.max_bytes} bytes"
+        body = json.dumps(OpenAIError(message, 413).body()).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+# %% [markdown]
 # And the application: the routes, the error handlers, and a *lifespan* that starts the
 # engine thread when the server starts and stops it when the server stops. The
 # Prometheus registry is the server's own (not `prometheus_client`'s global one), so
@@ -1429,6 +1700,11 @@ from starlette.exceptions import HTTPException
 from tinyvllm_lib.engine.async_llm_engine import AsyncLLMEngine
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.metrics import PrometheusStatLogger
+from tinyvllm_lib.entrypoints.openai.body_limit import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodySizeLimit,
+)
+from tinyvllm_lib.entrypoints.openai.prompts import PromptProcessor
 from tinyvllm_lib.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -1441,15 +1717,31 @@ logger = logging.getLogger("tinyvllm.server")
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def is_field(part) -> bool:
+    """A part of an error's location that is a field or an index, not the label of
+    a union's member (str, list[int], function-after[...], ContentPart).
+    """
+    if isinstance(part, int):
+        return True
+    return part.isidentifier() and part.islower() and part not in TYPE_LABELS
 
 
 def bad_body(err: RequestValidationError) -> OpenAIError:
-    """FastAPI's 422 for a body it could not parse, as OpenAI's 400."""
-    first = err.errors()[0]
-    where = ".".join(str(part) for part in first.get("loc", ())[1:])  # after "body"
-    if first.get("type") == "json_invalid":
-        return OpenAIError(f"the body is not valid JSON: {first.get('msg')}")
+    """FastAPI's 422 for a body it could not parse, as OpenAI's 400: its deepest
+    error (in a union, the member that came closest).
+    """
+    errors = err.errors()
+    if bad_json := [e for e in errors if e.get("type") == "json_invalid"]:
+        return OpenAIError(f"the body is not valid JSON: {bad_json[0].get('msg')}")
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = first.get("loc", ())[1:]  # after "body"
+    where = ".".join(str(part) for part in loc if is_field(part))
     return OpenAIError(f"{where or 'body'}: {first.get('msg')}", param=where or None)
 
 
@@ -1476,25 +1768,35 @@ async def answer(serving, request, raw_request: Request):
     return Response(status_code=499) if body is None else JSONResponse(body)
 
 
-def build_app(engine: LLMEngine, served_model_name: str = "smollm2") -> FastAPI:
+def build_app(
+    engine: LLMEngine,
+    served_model_name: str = "smollm2",
+    max_body_bytes: int | None = None,
+    max_waiting: int | None = None,
+    request_timeout: float | None = None,
+) -> FastAPI:
     """An OpenAI-compatible server for engine; its engine thread runs while the app
-    is served.
+    is served. The limits are serve's flags (None: the default, or no limit).
     """
     registry = CollectorRegistry()
     stat_logger = PrometheusStatLogger(registry, served_model_name)
-    chat = OpenAIServingChat(served_model_name, engine.get_tokenizer())
-    completion = OpenAIServingCompletion(served_model_name, engine.get_tokenizer())
+    prompts = PromptProcessor(engine.get_tokenizer(), engine.max_model_len)
+    chat = OpenAIServingChat(served_model_name, prompts, request_timeout)
+    completion = OpenAIServingCompletion(served_model_name, prompts, request_timeout)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         stat_logger.count_from(engine.stats)  # no engine thread yet: ours to read
-        app.state.engine = AsyncLLMEngine(engine, [stat_logger])
+        app.state.engine = AsyncLLMEngine(engine, [stat_logger], max_waiting)
         chat.engine = completion.engine = app.state.engine
         yield
         app.state.engine.shutdown()
+        prompts.shutdown()
 
     app = FastAPI(title="Tiny vLLM", lifespan=lifespan)
+    max_body_bytes = max_body_bytes or DEFAULT_MAX_BODY_BYTES
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_, err: OpenAIError):
@@ -1606,7 +1908,9 @@ piece of text, the usage), a median of {{ch12_chunk_bytes}} each on the wire.
 """)
 
 # %% [markdown]
-# Every bad request gets its status and one `error` object, and the server goes on:
+# Every bad request gets its status and one `error` object, and the server goes on —
+# the string that is not Unicode, the prompt whose bytes prove it too long, and the
+# body over the limit among them:
 
 # %%
 good = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4}
@@ -1622,22 +1926,17 @@ bad_requests = {
     "prompt too long": ("/v1/completions", good | {"prompt": [42] * 600}),
     "presence_penalty": ("/v1/completions", good | {"presence_penalty": 1.0}),
     "no such route": ("/v1/embeddings", good),
+    "a lone surrogate": ("/v1/completions", b'{"prompt": "x \\ud800 y"}'),
+    "a 5 MB prompt": ("/v1/completions", good | {"prompt": "hello " * 800_000}),
+    "a 9 MB body": ("/v1/completions", b" " * 9_000_000),
 }
 rows = []
 for label, (path, payload) in bad_requests.items():
-    if isinstance(payload, bytes):
-        r = client.post(
-            path, content=payload, headers={"content-type": "application/json"}
-        )
-    else:
-        r = client.post(path, json=payload)
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
     error = r.json()["error"]
-    assert r.status_code in (400, 404) and set(error) == {
-        "message",
-        "type",
-        "param",
-        "code",
-    }
+    assert r.status_code in (400, 404, 413)
+    assert set(error) == {"message", "type", "param", "code"}
     rows.append((label, r.status_code, error["param"], error["message"]))
 for label, status, param, message in rows:
     print(f"{label:<22} {status}  {str(param):<16} {message[:43]}")
@@ -1705,6 +2004,15 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-async-scheduling", action="store_true", help="graphs, no overlap"
     )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
+    parser.add_argument(
+        "--max-body-bytes", type=int, help="a larger body gets 413 (default: 8 MiB)"
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, help="past this many waiting requests: 503"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, help="seconds; past them a request gets 504"
+    )
 
 
 @command(
@@ -1738,8 +2046,66 @@ def serve(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}/v1",
         flush=True,
     )
-    serve_http(build_app(engine, name), args.host, args.port, args.log_level)
+    app = build_app(
+        engine,
+        name,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout,
+    )
+    serve_http(app, args.host, args.port, args.log_level)
     return 0
+
+
+# %% [markdown]
+# ### Under abuse and load
+#
+# Three programs try the server as an unfriendly world would, on the CPU. A fuzzer
+# (`tests/test_serving_fuzz.py`, with [hypothesis](https://hypothesis.readthedocs.io/))
+# sends random bodies to both endpoints — any JSON shape, any type in any field, any
+# Unicode, sizes up to megabytes — and checks that no answer is a 5xx, none hangs, and
+# a good request is answered after each. `bench/ch12_stall_cpu.py` streams one answer
+# and meanwhile sends a 5 MB prompt, asking `/health` every 20 ms. And
+# `bench/ch12_soak_cpu.py` keeps the server under a mixed load — good requests streamed
+# or not, clients that leave mid-answer, bad requests, a few huge ones — then checks
+# that nothing was left behind. What the two scripts recorded on this book's CPU:
+
+# %% tags=["hide-input"]
+stall, soak = load_records("ch12_stall"), load_records("ch12_soak")
+refusals = [r for r in stall if r.get("kind") == "refusal"]
+controls = [r for r in stall if r.get("kind") == "control"]
+
+
+def slowest(records, name):
+    return max(r["value"] for r in records if r["name"] == name)
+
+
+figures = {}
+if refusals:
+    figures["stall_health"] = f"{slowest(refusals, 'health_slowest'):.0f} ms"
+    figures["stall_gap"] = f"{slowest(refusals, 'stream_gap_ratio'):.1f}×"
+    figures["stall_control"] = f"{slowest(controls, 'stream_gap_ratio'):.1f}×"
+    figures["stall_cpu"] = refusals[0]["device"]["name"]
+if soak:
+    figures["soak_requests"] = f"{soak[-1]['value']:,.0f}"
+    figures["soak_minutes"] = f"{soak[-1]['seconds'] / 60:.0f} minutes"
+    figures["soak_rss"] = f"{soak[-1]['rss_growth_mb']:+.1f} MB"
+for name in ("stall_health", "stall_gap", "stall_control", "stall_cpu", "soak_requests",
+             "soak_minutes", "soak_rss"):  # fmt: skip
+    prose.glue(f"ch12_{name}", figures.get(name, "(not measured)"))
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+On the {{ch12_stall_cpu}}, `/health` answered within {{ch12_stall_health}} while a 5 MB
+prompt was refused (before the tokenizer moved off the engine's thread and let go of
+the GIL, it waited seconds). The running stream's largest gap meanwhile was
+{{ch12_stall_gap}} its median, where the same stream with nothing refused reached
+{{ch12_stall_control}}: on two cores, NumPy's two BLAS threads lose time to any other
+work at all, the client's included. The soak sent {{ch12_soak_requests}} requests in
+{{ch12_soak_minutes}}: every good answer was the same request's alone, none got a 5xx,
+the gauges came back to zero with no KV block held, and the resident memory changed by
+{{ch12_soak_rss}} after the first minute.
+""")
 
 
 # %% [markdown]
@@ -2174,6 +2540,11 @@ weights that every row shares (chapter 6), the gap should grow less.
 # - Streams are server-sent events in OpenAI's chunk format, ending with `[DONE]`; a
 #   client that leaves is noticed by `is_disconnected()` or by the cancellation of its
 #   stream, and its request is aborted and its blocks freed.
+# - Abuse is refused early and cheaply: every string is checked to be Unicode as the
+#   body is parsed; templates and the tokenizer run on a small worker pool, off the
+#   event loop and the engine's thread; a prompt whose bytes prove it too long is
+#   refused untokenized; a body over `--max-body-bytes` gets 413 unread, a request past
+#   `--max-waiting` 503, one past `--request-timeout` 504.
 # - `/metrics` exports the engine's gauges, counters and latency histograms under
 #   vLLM's names with the prefix `tinyvllm:`.
 # - A serving benchmark sends requests at Poisson times and measures what clients
@@ -2181,8 +2552,10 @@ weights that every row shares (chapter 6), the gap should grow less.
 #   rate.
 #
 # Exported to `tinyvllm_lib`: `entrypoints.openai.protocol` (the request models,
-# `OpenAIError`), `entrypoints.openai.serving`, `serving_chat` and `serving_completion`
-# (the endpoints), `entrypoints.openai.api_server` (`build_app`),
+# `OpenAIError`), `entrypoints.openai.prompts` (`PromptProcessor`, the worker pool),
+# `entrypoints.openai.body_limit` (`BodySizeLimit`), `entrypoints.openai.serving`,
+# `serving_chat` and `serving_completion` (the endpoints),
+# `entrypoints.openai.api_server` (`build_app`),
 # `entrypoints.launcher` (`ServerThread`, `serve_http`, `run_coroutine`),
 # `engine.async_llm_engine` (`AsyncLLMEngine`, `RequestOutputCollector`),
 # `engine.metrics` (`IterationStats`, `PrometheusStatLogger`), `benchmark_serving`, and
@@ -2200,6 +2573,15 @@ weights that every row shares (chapter 6), the gap should grow less.
 #    (chapter 10's exercise on copy-on-write) and the chunk format (`index`) each do?
 # 4. Predict from the recorded CPU sweep the request rate at which the median TTFT
 #    passes one second, then run `bench/ch12_serving.py --rates` around it.
-# 5. Add a limit on waiting requests: a request that arrives when the waiting queue is
-#    full gets `503` at once. Where does the check belong — the handler or the engine
-#    thread — and what does the benchmark's p99 TTFT do with it?
+# 5. The server refuses a prompt untokenized when $\lceil B / L \rceil$ reaches
+#    `max_model_len`, with $L$ the UTF-8 bytes of SmolLM2's longest vocabulary entry.
+#    A byte-level token stands for one byte per character of its entry, fewer than its
+#    UTF-8 bytes: how much smaller is that $L$, and what is then the largest prompt
+#    that must still be tokenized at `max_model_len` 4096? How long does encoding it
+#    take?
+# 6. Serve with `--max-waiting 8` and run the benchmark at a rate past what the CPU
+#    sustains. What happens to the p99 TTFT of the requests that were let in, and what
+#    share is turned away?
+# 7. Set `OPENBLAS_NUM_THREADS=1` and rerun `bench/ch12_stall_cpu.py`. Predict first:
+#    does the stream's median gap grow or shrink on two cores, and its largest gap
+#    while a 5 MB prompt is refused?

@@ -437,6 +437,15 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-async-scheduling", action="store_true", help="graphs, no overlap"
     )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
+    parser.add_argument(
+        "--max-body-bytes", type=int, help="a larger body gets 413 (default: 8 MiB)"
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, help="past this many waiting requests: 503"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, help="seconds; past them a request gets 504"
+    )
 
 
 @command(
@@ -470,5 +479,12 @@ def serve(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}/v1",
         flush=True,
     )
-    serve_http(build_app(engine, name), args.host, args.port, args.log_level)
+    app = build_app(
+        engine,
+        name,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout,
+    )
+    serve_http(app, args.host, args.port, args.log_level)
     return 0

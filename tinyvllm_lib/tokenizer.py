@@ -261,7 +261,12 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call lets go of Python's GIL while it works (encode holds it: a
+        # long text would stall every other thread of a server)
+        batch = self.backend.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )
+        ids = batch[0].ids
         if (
             add_special_tokens
             and self.adds_bos

@@ -82,6 +82,10 @@ def _deliver(items: list) -> None:
         collector.put(output)
 
 
+class EngineOverloaded(RuntimeError):
+    """A request refused because max_waiting requests wait already (a 503)."""
+
+
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     if not future.done():  # a handler cancelled meanwhile: nobody to tell
         if error is None:
@@ -96,8 +100,9 @@ class AsyncLLMEngine:
     inbox; each request's deltas come back through its RequestOutputCollector.
     """
 
-    def __init__(self, engine: LLMEngine, stat_loggers=()):
+    def __init__(self, engine: LLMEngine, stat_loggers=(), max_waiting=None):
         self.engine, self.stat_loggers = engine, list(stat_loggers)
+        self.max_waiting = max_waiting  # None: as many as come
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tracked: dict[str, _Tracked] = {}  # the engine thread's own
         # set once by shutdown: no add is posted after it (under the lock)
@@ -178,7 +183,14 @@ class AsyncLLMEngine:
             if self.engine.has_unfinished_requests():
                 self._step()
 
+    def _num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)  # admitted, not yet running
+
     def _add(self, request_id, prompt, params, name, collector, accepted, arrival):
+        if self.max_waiting is not None and self._num_waiting() >= self.max_waiting:
+            message = f"{self._num_waiting()} requests are waiting: try again later"
+            self._call(collector.loop, _resolve, accepted, EngineOverloaded(message))
+            return
         if isinstance(params, SamplingParams):  # the thread builds its own deltas
             params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
@@ -232,10 +244,7 @@ class AsyncLLMEngine:
                 iteration.finished.append((reason, now - tracked.arrival))
         for loop, items in deliveries.items():
             self._call(loop, _deliver, items)
-        stats = self.engine.stats
-        iteration.num_waiting = (
-            self.engine.get_num_unfinished_requests() - stats.num_running
-        )
+        stats, iteration.num_waiting = self.engine.stats, self._num_waiting()
         for logger in self.stat_loggers:
             try:
                 logger.record(stats, iteration)

@@ -16,6 +16,11 @@ from starlette.exceptions import HTTPException
 from tinyvllm_lib.engine.async_llm_engine import AsyncLLMEngine
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.metrics import PrometheusStatLogger
+from tinyvllm_lib.entrypoints.openai.body_limit import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodySizeLimit,
+)
+from tinyvllm_lib.entrypoints.openai.prompts import PromptProcessor
 from tinyvllm_lib.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,15 +33,31 @@ logger = logging.getLogger("tinyvllm.server")
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def is_field(part) -> bool:
+    """A part of an error's location that is a field or an index, not the label of
+    a union's member (str, list[int], function-after[...], ContentPart).
+    """
+    if isinstance(part, int):
+        return True
+    return part.isidentifier() and part.islower() and part not in TYPE_LABELS
 
 
 def bad_body(err: RequestValidationError) -> OpenAIError:
-    """FastAPI's 422 for a body it could not parse, as OpenAI's 400."""
-    first = err.errors()[0]
-    where = ".".join(str(part) for part in first.get("loc", ())[1:])  # after "body"
-    if first.get("type") == "json_invalid":
-        return OpenAIError(f"the body is not valid JSON: {first.get('msg')}")
+    """FastAPI's 422 for a body it could not parse, as OpenAI's 400: its deepest
+    error (in a union, the member that came closest).
+    """
+    errors = err.errors()
+    if bad_json := [e for e in errors if e.get("type") == "json_invalid"]:
+        return OpenAIError(f"the body is not valid JSON: {bad_json[0].get('msg')}")
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = first.get("loc", ())[1:]  # after "body"
+    where = ".".join(str(part) for part in loc if is_field(part))
     return OpenAIError(f"{where or 'body'}: {first.get('msg')}", param=where or None)
 
 
@@ -63,25 +84,35 @@ async def answer(serving, request, raw_request: Request):
     return Response(status_code=499) if body is None else JSONResponse(body)
 
 
-def build_app(engine: LLMEngine, served_model_name: str = "smollm2") -> FastAPI:
+def build_app(
+    engine: LLMEngine,
+    served_model_name: str = "smollm2",
+    max_body_bytes: int | None = None,
+    max_waiting: int | None = None,
+    request_timeout: float | None = None,
+) -> FastAPI:
     """An OpenAI-compatible server for engine; its engine thread runs while the app
-    is served.
+    is served. The limits are serve's flags (None: the default, or no limit).
     """
     registry = CollectorRegistry()
     stat_logger = PrometheusStatLogger(registry, served_model_name)
-    chat = OpenAIServingChat(served_model_name, engine.get_tokenizer())
-    completion = OpenAIServingCompletion(served_model_name, engine.get_tokenizer())
+    prompts = PromptProcessor(engine.get_tokenizer(), engine.max_model_len)
+    chat = OpenAIServingChat(served_model_name, prompts, request_timeout)
+    completion = OpenAIServingCompletion(served_model_name, prompts, request_timeout)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         stat_logger.count_from(engine.stats)  # no engine thread yet: ours to read
-        app.state.engine = AsyncLLMEngine(engine, [stat_logger])
+        app.state.engine = AsyncLLMEngine(engine, [stat_logger], max_waiting)
         chat.engine = completion.engine = app.state.engine
         yield
         app.state.engine.shutdown()
+        prompts.shutdown()
 
     app = FastAPI(title="Tiny vLLM", lifespan=lifespan)
+    max_body_bytes = max_body_bytes or DEFAULT_MAX_BODY_BYTES
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_, err: OpenAIError):

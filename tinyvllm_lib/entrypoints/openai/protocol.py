@@ -2,13 +2,18 @@
 # chapter and re-export.
 
 # defined in chapters/12_serving.py
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's)
+
+
+def printable(text: str | None) -> str | None:
+    """text with any lone surrogate written as an escape, so that it can be sent."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode()
 
 
 class OpenAIError(Exception):
@@ -21,10 +26,12 @@ class OpenAIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict | None = None,
     ):
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
-        self.type, self.code = type, code
+        self.message, self.status = printable(message), status
+        self.param, self.type, self.code = printable(param), type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -35,6 +42,21 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
+
+
+def unicode_text(text: str) -> str:
+    """text, if it is Unicode: JSON can escape a lone surrogate (\\ud800), which no
+    encoding can write, and the tokenizer refuses.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        where = f"{err.start}: {text[err.start]!r}"
+        raise ValueError(f"not valid Unicode (a lone surrogate at {where})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]  # every string of a body
 
 
 class OpenAIModel(BaseModel):
@@ -49,7 +71,7 @@ class StreamOptions(OpenAIModel):
 class GenerationFields(OpenAIModel):
     """The fields both endpoints share; None means OpenAI's default."""
 
-    model: str | None = None  # None: the served model (as vLLM allows)
+    model: Text | None = None  # None: the served model (as vLLM allows)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -58,7 +80,7 @@ class GenerationFields(OpenAIModel):
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:123"
     n: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -121,10 +143,10 @@ class GenerationFields(OpenAIModel):
 class CompletionRequest(GenerationFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
     ACCEPTED: ClassVar[dict] = GenerationFields.ACCEPTED | {
         "echo": (False,),
@@ -133,23 +155,29 @@ class CompletionRequest(GenerationFields):
     }
 
 
+class ContentPart(OpenAIModel):
+    type: Text
+    text: Text | None = None
+
+
 class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[dict] | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
 
     def for_template(self, index: int) -> dict:
         """{"role", "content"} with the content as text (parts of type text
         joined).
         """
-        content = self.content
+        content, where = self.content, f"messages.{index}.content"
         if isinstance(content, list):
-            if bad := [p for p in content if p.get("type") != "text"]:
+            if bad := [p.type for p in content if p.type != "text"]:
                 raise OpenAIError(
-                    f"messages.{index}.content: only text parts are supported, got "
-                    f"type {bad[0].get('type')!r}",
-                    param=f"messages.{index}.content",
+                    f"{where}: only text parts are supported, got type {bad[0]!r}",
+                    param=where,
                 )
-            content = "\n".join(str(p.get("text", "")) for p in content)
+            if any(p.text is None for p in content):
+                raise OpenAIError(f"{where}: a text part needs its text", param=where)
+            content = "\n".join(p.text for p in content)
         return {"role": self.role, "content": content or ""}
 
 

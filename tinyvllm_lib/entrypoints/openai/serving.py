@@ -2,6 +2,7 @@
 # chapter and re-export.
 
 # defined in chapters/12_serving.py
+import asyncio
 import json
 import math
 import time
@@ -9,11 +10,13 @@ import uuid
 
 from tinyvllm_lib.engine.async_llm_engine import (
     AsyncLLMEngine,
+    EngineOverloaded,
     RequestOutputCollector,
     merge_deltas,
 )
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
 from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.entrypoints.openai.prompts import PromptProcessor
 from tinyvllm_lib.entrypoints.openai.protocol import OpenAIError
 
 POLL_SECONDS = 0.5  # how often a handler with nothing to send checks on its client
@@ -37,11 +40,17 @@ class OpenAIServing:
 
     object = chunk_object = id_prefix = ""
 
-    def __init__(self, served_model_name: str, tokenizer):
-        self.served_model_name, self.tokenizer = served_model_name, tokenizer
+    def __init__(
+        self,
+        served_model_name: str,
+        prompts: PromptProcessor,
+        request_timeout: float | None = None,
+    ):
+        self.served_model_name, self.prompts = served_model_name, prompts
+        self.tokenizer, self.request_timeout = prompts.tokenizer, request_timeout
         self.engine: AsyncLLMEngine | None = None  # set when the server starts
 
-    def engine_inputs(self, request) -> tuple[object, SamplingParams, str]:
+    async def engine_inputs(self, request) -> tuple[object, SamplingParams, str]:
         """(prompt, SamplingParams, the prompt's field name) of a request body."""
         raise NotImplementedError
 
@@ -76,10 +85,26 @@ class OpenAIServing:
             "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens},
         }
 
+    def timed_out(self) -> OpenAIError:
+        message = f"the request took longer than {self.request_timeout} s"
+        return OpenAIError(message, 504, type="timeout_error")
+
+    def next_wait(self, deadline: float | None) -> float:
+        """How long to wait for the next delta; 504 past the deadline."""
+        if deadline is None:
+            return POLL_SECONDS
+        if (left := deadline - time.monotonic()) <= 0:
+            raise self.timed_out()
+        return min(POLL_SECONDS, left)
+
     async def submit(
         self, request
-    ) -> tuple[str, SamplingParams, RequestOutputCollector]:
-        """Check a body and hand it to the engine: OpenAIError on bad input."""
+    ) -> tuple[str, SamplingParams, RequestOutputCollector, float | None]:
+        """Check a body and hand it to the engine: OpenAIError on bad input. The last
+        item is the request's deadline (time.monotonic()), or None.
+        """
+        timeout = self.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         if request.model is not None and request.model != self.served_model_name:
             raise OpenAIError(
                 f"The model `{request.model}` does not exist; this server serves "
@@ -89,23 +114,37 @@ class OpenAIServing:
                 code="model_not_found",
             )
         request.check_supported()
-        prompt, params, name = self.engine_inputs(request)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         try:
-            collector = await self.engine.add_request(request_id, prompt, params, name)
+            async with asyncio.timeout(timeout):  # None: no limit
+                prompt, params, name = await self.engine_inputs(request)
+                collector = await self.add(request_id, prompt, params, name)
+        except TimeoutError:
+            raise self.timed_out() from None
+        return request_id, params, collector, deadline
+
+    async def add(self, request_id, prompt, params, name) -> RequestOutputCollector:
+        """Hand a request to the engine; its refusals become OpenAIErrors."""
+        try:
+            return await self.engine.add_request(request_id, prompt, params, name)
+        except EngineOverloaded as err:  # shed load: come back later
+            raise OpenAIError(
+                str(err), 503, type="overloaded_error", headers={"retry-after": "1"}
+            ) from None
         except ValueError as err:  # the engine's checks: lengths, vocabulary, pool
             param = "max_tokens" if "max_tokens is" in str(err) else name
             raise OpenAIError(str(err), param=param) from None
-        return request_id, params, collector
 
-    async def respond(self, request, raw_request, request_id, params, collector):
+    async def respond(
+        self, request, raw_request, request_id, params, collector, deadline
+    ):
         """The whole answer (no stream), or None if the client left first."""
         created, final = int(time.time()), None
         try:
             while final is None or not final.finished:
                 if await raw_request.is_disconnected():
                     return None
-                delta = await collector.get(timeout=POLL_SECONDS)
+                delta = await collector.get(timeout=self.next_wait(deadline))
                 if delta is not None:
                     final = delta if final is None else merge_deltas(final, delta)
         finally:
@@ -116,7 +155,9 @@ class OpenAIServing:
         usage = self.usage(final, len(out.token_ids))
         return self.envelope(request_id, created, self.object, [choice], usage=usage)
 
-    async def stream(self, request, raw_request, request_id, params, collector):
+    async def stream(
+        self, request, raw_request, request_id, params, collector, deadline
+    ):
         """The answer as server-sent events: chunks, the usage if asked, [DONE]."""
         created, num_generated, finished, state = int(time.time()), 0, False, {}
         options = request.stream_options
@@ -131,7 +172,7 @@ class OpenAIServing:
             while not finished:
                 if await raw_request.is_disconnected():
                     return
-                delta = await collector.get(timeout=POLL_SECONDS)
+                delta = await collector.get(timeout=self.next_wait(deadline))
                 if delta is None:
                     continue
                 out, finished = delta.outputs[0], delta.finished
@@ -152,6 +193,9 @@ class OpenAIServing:
                 yield sse(
                     self.envelope(request_id, created, chunk_object, [], usage=usage)
                 )
+            yield sse("[DONE]")
+        except OpenAIError as err:  # past its deadline
+            yield sse(err.body())
             yield sse("[DONE]")
         except Exception as err:  # the engine failed this request: say so, end
             error = OpenAIError(

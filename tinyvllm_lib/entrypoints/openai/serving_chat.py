@@ -2,8 +2,6 @@
 # chapter and re-export.
 
 # defined in chapters/12_serving.py
-from jinja2 import TemplateError
-
 from tinyvllm_lib.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from tinyvllm_lib.entrypoints.openai.serving import OpenAIServing, finite
 
@@ -14,7 +12,7 @@ class OpenAIServingChat(OpenAIServing):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def engine_inputs(self, request: ChatCompletionRequest):
+    async def engine_inputs(self, request: ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tokenizer is None or self.tokenizer.chat_template is None:
@@ -22,19 +20,16 @@ class OpenAIServingChat(OpenAIServing):
                 f"`{self.served_model_name}` has no chat template: use /v1/completions",
                 param="messages",
             )
-        messages = [m.for_template(i) for i, m in enumerate(request.messages)]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt
-            )
-        except (TemplateError, TypeError, ValueError) as err:
-            raise OpenAIError(f"messages: {err}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         k = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens
         max_tokens = request.max_tokens if max_tokens is None else max_tokens
         params = request.sampling_params(max_tokens, k, "top_logprobs")
-        return {"prompt": text, "prompt_token_ids": ids}, params, "messages"
+        messages = [m.for_template(i) for i, m in enumerate(request.messages)]
+        # the template and the tokenizer run on the worker threads
+        prompt = await self.prompts.from_messages(
+            messages, request.add_generation_prompt
+        )
+        return prompt, params, "messages"
 
     def opening_choices(self, request) -> list[dict]:
         delta = {"role": "assistant", "content": ""}

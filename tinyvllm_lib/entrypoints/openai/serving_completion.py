@@ -14,7 +14,7 @@ class OpenAIServingCompletion(OpenAIServing):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def engine_inputs(self, request: CompletionRequest):
+    async def engine_inputs(self, request: CompletionRequest):
         prompt = request.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -26,6 +26,9 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = request.max_tokens
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         params = request.sampling_params(max_tokens, request.logprobs, "logprobs")
+        if isinstance(prompt, str):  # tokenized on the worker threads
+            return await self.prompts.from_text(prompt, "prompt"), params, "prompt"
+        self.prompts.check_length(len(prompt), "prompt")  # token ids
         return prompt, params, "prompt"
 
     def choice(self, request, out, stream: bool, state: dict) -> dict:
