@@ -2095,7 +2095,13 @@ for name in ("stall_health", "stall_gap", "stall_control", "stall_cpu", "soak_re
     prose.glue(f"ch12_{name}", figures.get(name, "(not measured)"))
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
-prose.show("""
+if not (refusals and soak):
+    prose.show("""
+The stall and the soak have not been recorded yet: `bench/ch12_stall_cpu.py` and
+`bench/ch12_soak_cpu.py` write `book/data/ch12_stall.json` and `ch12_soak.json`.
+""")
+else:
+    prose.show("""
 On the {{ch12_stall_cpu}}, `/health` answered within {{ch12_stall_health}} while a 5 MB
 prompt was refused (before the tokenizer moved off the engine's thread and let go of
 the GIL, it waited seconds). The running stream's largest gap meanwhile was
