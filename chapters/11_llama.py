@@ -1408,7 +1408,7 @@ print(repr(prompt))
 #   tokens. Before it, a warm-up on other prompts of the same kind, past one step's
 #   token budget, so that chunked prompts and mixed steps have run once; each timed run
 #   starts on an empty prefix cache (`reset_prefix_cache`, vLLM's name), and the
-#   benchmark scripts take the median of three.
+#   benchmark scripts take the median of three runs (one for the slow eager mode).
 #
 # `python -m tinyvllm_lib bench latency` and `bench throughput` run them on any model
 # (the stand-in by default) and print a line per run. The same functions serve the

@@ -8,7 +8,6 @@ OpenAI's error JSON, and the next good request is answered."""
 import asyncio
 import json
 import math
-import re
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 from compare import agrees
+from serving_tools import metrics, wait_idle
 
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.benchmark_serving import (
@@ -85,27 +85,6 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """/metrics as {sample name with labels, model_name dropped: value}."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("tinyvllm:"):
-            name, value = line.rsplit(" ", 1)
-            name = re.sub(r',?model_name="[^"]*"', "", name).replace("{}", "").replace("{,", "{")
-            out[name] = float(value)
-    return out
-
-
-def wait_idle(url: str, seconds: float = 60) -> dict[str, float]:
-    """The metrics once nothing runs, waits or holds a KV block (polled, bounded)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        m = metrics(url)
-        idle = m["tinyvllm:num_requests_running"] == m["tinyvllm:num_requests_waiting"] == 0
-        if (idle and m["tinyvllm:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
 
 
 # --- answers ---
