@@ -1,7 +1,9 @@
 """Chapter 12's server soaked on the CPU: a mixed load for a bounded time, then nothing may be left behind.
 
-`serve smollm2 --device cpu` in a process of its own (127.0.0.1 only). First every good request is sent alone, for its
-reference answer (greedy, with log-probs as token ids). Then --clients concurrent clients send, until --seconds have
+`serve smollm2 --device cpu` in a process of its own (127.0.0.1 only). First a few long prompts write every block of
+its KV pool once (np.zeros: memory becomes resident where tokens are written, so an untouched pool would grow the
+process for a while), and every good request is sent alone, for its reference answer (greedy, log-probs as token
+ids). Then --clients concurrent clients send, until --seconds have
 passed or --max-requests were sent: good requests, streamed and not (each must equal its reference, token for token),
 streams that the client leaves after a few chunks and whole answers it stops waiting for (aborted), bad requests (each
 must get its 4xx and OpenAI's error JSON), and a few large ones (a 5 MB prompt: 400; a 9 MB body: 413). No 5xx, no
@@ -38,6 +40,7 @@ COMPLETIONS = ["The capital of France is", "def fibonacci(n):", "Once upon a tim
 QUESTIONS = ["What is the capital of France?", "Name three fruits.", "Who wrote Hamlet?", "What color is the sky?",
              "What is the largest ocean?", "Name a primary color."]
 MAX_MODEL_LEN = 1024
+NUM_KV_BLOCKS = 256  # of 16 tokens: room for every client's longest request at once
 CHAT = {"model": "smollm2", "max_tokens": 4}
 COMPLETE = {"model": "smollm2", "prompt": "Hi", "max_tokens": 4}
 SURROGATE = b'{"model": "smollm2", "prompt": "x \\ud800 y", "max_tokens": 4}'
@@ -226,6 +229,18 @@ async def run_load(server: ServerProcess, args, goods: list) -> tuple[Soak, list
     return soak, samples, duration
 
 
+def touch_every_block(url: str, timeout: float) -> None:
+    """Write every KV block once, with long prompts of distinct token ids: the pool is np.zeros, whose pages become
+    resident only where tokens are written, so that memory would otherwise grow for as long as unused blocks are
+    left (a pool filling up, not a leak)."""
+    rng = random.Random(1)
+    block_tokens = MAX_MODEL_LEN - 16
+    for _ in range(NUM_KV_BLOCKS * 16 // block_tokens + 2):  # more than the pool: all of it is written
+        prompt = [rng.randrange(100, 49_000) for _ in range(block_tokens)]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=timeout)
+        assert r.status_code == 200, r.text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=600)
@@ -241,9 +256,11 @@ def main() -> int:
     warm = args.warm_seconds if args.warm_seconds is not None else min(60.0, args.seconds / 3)
     load = os.getloadavg()[0]
     serve = ["smollm2", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
-             "--max-waiting", "64", "--request-timeout", str(args.request_timeout)]
+             "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-waiting", "64", "--request-timeout",
+             str(args.request_timeout)]
     problems = []
     with ServerProcess(*serve) as server:
+        touch_every_block(server.url, args.request_timeout)
         goods, dropped = [], []
         for path, body in good_requests():  # each alone: its reference
             r = httpx.post(f"{server.url}{path}", json=body, timeout=args.request_timeout)

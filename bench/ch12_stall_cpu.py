@@ -52,6 +52,8 @@ SENDER = """
 import sys, time, httpx
 url, path = sys.argv[1], sys.argv[2]
 body = open(path, "rb").read()
+print("ready", flush=True)
+sys.stdin.readline()  # go
 print(time.perf_counter(), flush=True)
 r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=300)
 print(time.perf_counter(), r.status_code, r.json()["error"]["message"][:80], flush=True)
@@ -68,9 +70,13 @@ def one_refusal(url: str, path: str | None, body_file: Path, seconds: float = 1.
     deadline = time.monotonic() + 300
     while len(times) < 30 and time.monotonic() < deadline:  # the stream is well under way
         time.sleep(0.01)
-    if path is not None:
+    if path is not None:  # started (Python, httpx, the body read) before the stream's gaps count
         command = [sys.executable, "-c", SENDER, f"{url}{path}", str(body_file)]
-        sender = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        sender = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert sender.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
         start = float(sender.stdout.readline())  # it is about to send
     else:
         sender, start = None, time.perf_counter()
