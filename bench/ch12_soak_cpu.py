@@ -12,7 +12,7 @@ block held: every block free or cached), the server's resident memory grown by a
 --warm-seconds, and the good requests, alone again, still equal to their references. Prints the figures, records them
 (book/data/ch12_soak.json, under the CPU's name) unless --no-save, exits 1 on any failure. CI runs it for a minute.
 
-    python bench/ch12_soak_cpu.py [--seconds 600] [--clients 6] [--no-save]
+    python bench/ch12_soak_cpu.py [--seconds 600] [--clients 6] [--num-kv-blocks 256] [--no-save]
 """
 
 import argparse
@@ -40,7 +40,6 @@ COMPLETIONS = ["The capital of France is", "def fibonacci(n):", "Once upon a tim
 QUESTIONS = ["What is the capital of France?", "Name three fruits.", "Who wrote Hamlet?", "What color is the sky?",
              "What is the largest ocean?", "Name a primary color."]
 MAX_MODEL_LEN = 1024
-NUM_KV_BLOCKS = 256  # of 16 tokens: room for every client's longest request at once
 CHAT = {"model": "smollm2", "max_tokens": 4}
 COMPLETE = {"model": "smollm2", "prompt": "Hi", "max_tokens": 4}
 SURROGATE = b'{"model": "smollm2", "prompt": "x \\ud800 y", "max_tokens": 4}'
@@ -229,13 +228,13 @@ async def run_load(server: ServerProcess, args, goods: list) -> tuple[Soak, list
     return soak, samples, duration
 
 
-def touch_every_block(url: str, timeout: float) -> None:
+def touch_every_block(url: str, num_blocks: int, timeout: float) -> None:
     """Write every KV block once, with long prompts of distinct token ids: the pool is np.zeros, whose pages become
     resident only where tokens are written, so that memory would otherwise grow for as long as unused blocks are
     left (a pool filling up, not a leak)."""
     rng = random.Random(1)
     block_tokens = MAX_MODEL_LEN - 16
-    for _ in range(NUM_KV_BLOCKS * 16 // block_tokens + 2):  # more than the pool: all of it is written
+    for _ in range(-(-num_blocks * 16 // block_tokens) + 1):  # more than the pool: all of it is written
         prompt = [rng.randrange(100, 49_000) for _ in range(block_tokens)]
         r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=timeout)
         assert r.status_code == 200, r.text
@@ -246,6 +245,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--max-requests", type=int, default=100_000)
+    ap.add_argument("--num-kv-blocks", type=int, default=256,
+                    help="the pool, in blocks of 16 tokens: room for every client's longest request at once")
     ap.add_argument("--warm-seconds", type=float, help="memory is compared with this point (default: 60, or a third)")
     ap.add_argument("--max-rss-growth-mb", type=float, default=50)
     ap.add_argument("--request-timeout", type=float, default=300)
@@ -256,18 +257,20 @@ def main() -> int:
     warm = args.warm_seconds if args.warm_seconds is not None else min(60.0, args.seconds / 3)
     load = os.getloadavg()[0]
     serve = ["smollm2", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
-             "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-waiting", "64", "--request-timeout",
+             "--num-kv-blocks", str(args.num_kv_blocks), "--max-waiting", "64", "--request-timeout",
              str(args.request_timeout)]
-    problems = []
+    problems, t0 = [], time.monotonic()
     with ServerProcess(*serve) as server:
-        touch_every_block(server.url, args.request_timeout)
+        print(f"server up in {time.monotonic() - t0:.0f} s", flush=True)
+        touch_every_block(server.url, args.num_kv_blocks, args.request_timeout)
+        print(f"every KV block written at {time.monotonic() - t0:.0f} s", flush=True)
         goods, dropped = [], []
         for path, body in good_requests():  # each alone: its reference
             r = httpx.post(f"{server.url}{path}", json=body, timeout=args.request_timeout)
             assert r.status_code == 200, r.text
             answer = answer_of(path, r.json())
             (goods if answer["margin"] >= TIE else dropped).append((path, body, answer))
-        print(f"{len(goods)} good requests, their references made alone", flush=True)
+        print(f"{len(goods)} good requests, their references made alone at {time.monotonic() - t0:.0f} s", flush=True)
         for path, body, answer in dropped:
             print(f"  left out, a near tie ({answer['margin']:.3f}): {body.get('prompt') or body['messages']}")
         soak, samples, duration = asyncio.run(run_load(server, args, goods))
@@ -280,6 +283,7 @@ def main() -> int:
                 break
             time.sleep(0.2)
         rss_end = server.rss_bytes()
+        print(f"load over and drained at {time.monotonic() - t0:.0f} s", flush=True)
         for path, body, want in goods:  # alone again, after all that
             got = answer_of(path, httpx.post(f"{server.url}{path}", json=body, timeout=args.request_timeout).json())
             if (got["ids"], got["text"]) != (want["ids"], want["text"]):

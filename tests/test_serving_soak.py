@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_a_minute_of_mixed_load_leaves_nothing_behind(tmp_path):
     summary_file = tmp_path / "soak.json"
-    command = [sys.executable, "bench/ch12_soak_cpu.py", "--seconds", "60", "--clients", "4", "--no-save",
-               "--json", str(summary_file)]
+    command = [sys.executable, "bench/ch12_soak_cpu.py", "--seconds", "60", "--clients", "4",
+               "--num-kv-blocks", "128", "--no-save", "--json", str(summary_file)]
     env = os.environ | {"PYTHONPATH": str(ROOT)}  # this checkout's library, in the script and in its server
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     print(done.stdout[-2000:])
