@@ -1,8 +1,8 @@
 """CI's soak: bench/ch12_soak_cpu.py for one minute (the script runs ten by default). `serve smollm2 --device cpu`
-in a process of its own, under a mixed load from four clients (good requests streamed and not, streams left mid-way,
-answers given up on, bad requests, a 5 MB prompt and a 9 MB body); then every good answer equalled the same request
-alone, no request got a 5xx or hung, the /metrics gauges are at zero (no KV block held), and the server's resident
-memory grew by at most 50 MB after its first 20 s."""
+in a process of its own, its KV pool (128 blocks) written once first, then a mixed load from four clients (good
+requests streamed and not, streams left mid-way, answers given up on, bad requests, a 5 MB prompt and a 9 MB body);
+then every good answer equalled the same request alone, no request got a 5xx or hung, the /metrics gauges are at
+zero (no KV block held), and the server's resident memory grew by at most 50 MB after the load's first 20 s."""
 
 import json
 import os
