@@ -1,7 +1,9 @@
 """Chapter 12's server soaked on the CPU: a mixed load for a bounded time, then nothing may be left behind.
 
-`serve smollm2 --device cpu` in a process of its own (127.0.0.1 only). First every good request is sent alone, for its
-reference answer (greedy, with log-probs as token ids). Then --clients concurrent clients send, until --seconds have
+`serve smollm2 --device cpu` in a process of its own (127.0.0.1 only). First a few long prompts write every block of
+its KV pool once (np.zeros: memory becomes resident where tokens are written, so an untouched pool would grow the
+process for a while), and every good request is sent alone, for its reference answer (greedy, log-probs as token
+ids). Then --clients concurrent clients send, until --seconds have
 passed or --max-requests were sent: good requests, streamed and not (each must equal its reference, token for token),
 streams that the client leaves after a few chunks and whole answers it stops waiting for (aborted), bad requests (each
 must get its 4xx and OpenAI's error JSON), and a few large ones (a 5 MB prompt: 400; a 9 MB body: 413). No 5xx, no
@@ -10,7 +12,7 @@ block held: every block free or cached), the server's resident memory grown by a
 --warm-seconds, and the good requests, alone again, still equal to their references. Prints the figures, records them
 (book/data/ch12_soak.json, under the CPU's name) unless --no-save, exits 1 on any failure. CI runs it for a minute.
 
-    python bench/ch12_soak_cpu.py [--seconds 600] [--clients 6] [--no-save]
+    python bench/ch12_soak_cpu.py [--seconds 600] [--clients 6] [--num-kv-blocks 256] [--no-save]
 """
 
 import argparse
@@ -226,11 +228,25 @@ async def run_load(server: ServerProcess, args, goods: list) -> tuple[Soak, list
     return soak, samples, duration
 
 
+def touch_every_block(url: str, num_blocks: int, timeout: float) -> None:
+    """Write every KV block once, with long prompts of distinct token ids: the pool is np.zeros, whose pages become
+    resident only where tokens are written, so that memory would otherwise grow for as long as unused blocks are
+    left (a pool filling up, not a leak)."""
+    rng = random.Random(1)
+    block_tokens = MAX_MODEL_LEN - 16
+    for _ in range(-(-num_blocks * 16 // block_tokens) + 1):  # more than the pool: all of it is written
+        prompt = [rng.randrange(100, 49_000) for _ in range(block_tokens)]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=timeout)
+        assert r.status_code == 200, r.text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--max-requests", type=int, default=100_000)
+    ap.add_argument("--num-kv-blocks", type=int, default=256,
+                    help="the pool, in blocks of 16 tokens: room for every client's longest request at once")
     ap.add_argument("--warm-seconds", type=float, help="memory is compared with this point (default: 60, or a third)")
     ap.add_argument("--max-rss-growth-mb", type=float, default=50)
     ap.add_argument("--request-timeout", type=float, default=300)
@@ -241,16 +257,20 @@ def main() -> int:
     warm = args.warm_seconds if args.warm_seconds is not None else min(60.0, args.seconds / 3)
     load = os.getloadavg()[0]
     serve = ["smollm2", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
-             "--max-waiting", "64", "--request-timeout", str(args.request_timeout)]
-    problems = []
+             "--num-kv-blocks", str(args.num_kv_blocks), "--max-waiting", "64", "--request-timeout",
+             str(args.request_timeout)]
+    problems, t0 = [], time.monotonic()
     with ServerProcess(*serve) as server:
+        print(f"server up in {time.monotonic() - t0:.0f} s", flush=True)
+        touch_every_block(server.url, args.num_kv_blocks, args.request_timeout)
+        print(f"every KV block written at {time.monotonic() - t0:.0f} s", flush=True)
         goods, dropped = [], []
         for path, body in good_requests():  # each alone: its reference
             r = httpx.post(f"{server.url}{path}", json=body, timeout=args.request_timeout)
             assert r.status_code == 200, r.text
             answer = answer_of(path, r.json())
             (goods if answer["margin"] >= TIE else dropped).append((path, body, answer))
-        print(f"{len(goods)} good requests, their references made alone", flush=True)
+        print(f"{len(goods)} good requests, their references made alone at {time.monotonic() - t0:.0f} s", flush=True)
         for path, body, answer in dropped:
             print(f"  left out, a near tie ({answer['margin']:.3f}): {body.get('prompt') or body['messages']}")
         soak, samples, duration = asyncio.run(run_load(server, args, goods))
@@ -263,6 +283,7 @@ def main() -> int:
                 break
             time.sleep(0.2)
         rss_end = server.rss_bytes()
+        print(f"load over and drained at {time.monotonic() - t0:.0f} s", flush=True)
         for path, body, want in goods:  # alone again, after all that
             got = answer_of(path, httpx.post(f"{server.url}{path}", json=body, timeout=args.request_timeout).json())
             if (got["ids"], got["text"]) != (want["ids"], want["text"]):

@@ -50,7 +50,7 @@ message = st.fixed_dictionaries(
     optional={"content": field(st.none() | text | big_text | st.lists(part, max_size=3)), "name": field(text)},
 )
 SHARED = {
-    "model": field(st.sampled_from(["tiny"]) | st.none()),
+    "model": field(st.sampled_from(["tiny"]) | st.none() | text),
     "max_tokens": field(st.integers(-2, 40) | st.none()),
     "temperature": field(st.floats(-1, 3) | st.sampled_from([0, 1])),
     "top_p": field(st.floats(-0.5, 1.5)),

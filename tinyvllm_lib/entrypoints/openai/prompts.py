@@ -57,7 +57,9 @@ class PromptProcessor:
             message = f"{name} is text, but the model has no tokenizer.json: give ids"
             raise OpenAIError(message, param=name)
         if self.max_token_bytes:  # B bytes are at least B / L tokens
-            at_least = math.ceil(len(text.encode()) / self.max_token_bytes)
+            is_ascii = text.isascii()  # then a byte a character
+            num_bytes = len(text if is_ascii else text.encode("utf-8", "surrogatepass"))
+            at_least = math.ceil(num_bytes / self.max_token_bytes)
             self.check_length(at_least, name, "at least ")
         try:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

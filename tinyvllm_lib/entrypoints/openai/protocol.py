@@ -48,6 +48,8 @@ def unicode_text(text: str) -> str:
     """text, if it is Unicode: JSON can escape a lone surrogate (\\ud800), which no
     encoding can write, and the tokenizer refuses.
     """
+    if text.isascii():  # most text, and Python knows it without a look
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
