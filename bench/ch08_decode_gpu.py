@@ -11,7 +11,7 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib import LLM, SamplingParams
-from tinyvllm_lib.engine.model_runner import prepare_inputs
+from tinyvllm_lib.engine.input_batch import InputBatch
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref
@@ -82,9 +82,11 @@ def bench_engine(label: str, model: str, max_model_len: int = 512) -> None:
         for _ in range(steps):
             runner.execute(step)
         wall = (time.perf_counter() - t0) / steps
-        staged = runner.upload(prepare_inputs(step, runner.block_size))
+        batch = InputBatch.from_step(step, runner.block_size)  # the step's kernels, sampler included
+        runner.packed.pack(batch, turn=0)
+        runner.packed.copy(batch, runner.stream)
         runner.stream.synchronize()
-        kernels = time_launches(lambda i, s: runner.launch(staged, s), 1, repeats=20)
+        kernels = time_launches(lambda i, s: runner.run(batch, s), 1, repeats=20)
     finally:
         alloc.free(row)
     tok_s = 64 / total

@@ -18,7 +18,7 @@ import numpy as np
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.benchmark import nano_vllm_workload
 from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
-from tinyvllm_lib.engine.model_runner import prepare_inputs
+from tinyvllm_lib.engine.input_batch import InputBatch
 from tinyvllm_lib.engine.scheduler import Scheduler
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.measure import Recorder, time_launches
@@ -92,9 +92,11 @@ def decode_step_times(llm: LLM, rows: int, context: int = 512) -> tuple[float, f
         for _ in range(10):
             runner.execute(step)
         wall = (time.perf_counter() - t0) / 10
-        staged = runner.upload(prepare_inputs(step, runner.block_size))
+        batch = InputBatch.from_step(step, runner.block_size)  # the step's kernels, sampler included
+        runner.packed.pack(batch, turn=0)
+        runner.packed.copy(batch, runner.stream)
         runner.stream.synchronize()
-        kernels = time_launches(lambda i, s: runner.launch(staged, s), 1, repeats=10)
+        kernels = time_launches(lambda i, s: runner.run(batch, s), 1, repeats=10)
     finally:
         for row in held:
             alloc.free(row)

@@ -1,8 +1,8 @@
 """Chapter 11 on the CPU: what the host spends on a decode step when the model costs nothing.
 
 The engine runs nano-vllm's workload (and one 128 + 256-token request alone) with its runner
-replaced by a stand-in that prepares the step's inputs and packs them as the graph path does
-(prepare_inputs, PackedDecodeInputs' host buffer) and returns random token ids at once. What is
+replaced by a stand-in that prepares the step's inputs and packs them as the GPU runner does
+(InputBatch.from_step, PackedInputs.pack, padded to a graph's size) and returns random token ids at once. What is
 left is the host's share of a step, timed as this thread's CPU time: schedule, prepare and pack, postprocess (append tokens,
 detokenize, stop checks, outputs). Records the median decode step by batch size to
 book/data/ch11_host_cpu.json under the CPU's name.
@@ -20,9 +20,9 @@ import numpy as np
 
 import tinyvllm_lib.measure as measure
 from tinyvllm_lib import benchmark
-from tinyvllm_lib.engine.cuda_graphs import PackedDecodeInputs, fill_decode_inputs
+from tinyvllm_lib.engine.cuda_graphs import cuda_graph_sizes, graph_size_for
+from tinyvllm_lib.engine.input_batch import InputBatch, PackedInputs
 from tinyvllm_lib.engine.llm_engine import LLMEngine
-from tinyvllm_lib.engine.model_runner import prepare_inputs
 from tinyvllm_lib.engine.sampler import SamplerOutput
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind
 from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput
@@ -38,18 +38,21 @@ SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
 
 
 class StandInRunner:
-    """execute(step): prepare the inputs, pack a decode step as CudaGraphRunner does, sample at random; timed."""
+    """execute(step): the step's InputBatch, packed as ModelRunner.execute_async packs it (a decode step padded to
+    its graph's size), sampled at random; timed."""
 
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int = 16):
-        self.packed, self.block_size = PackedDecodeInputs(max_rows, max_blocks), block_size
+    def __init__(self, max_rows: int, max_tokens: int, max_blocks: int, block_size: int = 16):
+        self.packed, self.block_size = PackedInputs(max_tokens, max_rows, max_blocks), block_size
+        self.sizes, self.turn = cuda_graph_sizes(max_rows), 0
         self.rng, self.seconds = np.random.default_rng(0), 0.0
 
     def __call__(self, step):
         t0 = time.thread_time()
-        inputs = prepare_inputs(step, self.block_size)
-        n = inputs.num_sampled
-        if step.num_prefills == 0:  # what CudaGraphRunner.execute does before its copy
-            fill_decode_inputs(self.packed, len(step.requests), inputs)
+        batch = InputBatch.from_step(step, self.block_size)
+        size = graph_size_for(batch.num_reqs, self.sizes) if batch.is_uniform_decode else None
+        self.packed.pack(batch, self.turn, pad_to=size)
+        self.turn = 1 - self.turn
+        n = batch.num_sampled
         out = ModelRunnerOutput(SamplerOutput(self.rng.integers(0, 128000, n)), [None] * len(step.requests))
         self.seconds += time.thread_time() - t0
         return out
@@ -77,7 +80,7 @@ def main() -> None:
     rec = measure.Recorder("ch11_host_cpu")
     for rows in (1, 64, 256):
         engine = LLMEngine(folder, device="cpu", max_model_len=2048, max_num_seqs=rows, num_kv_blocks=rows * 128)
-        runner = StandInRunner(rows, 128)
+        runner = StandInRunner(rows, engine.max_num_batched_tokens, 128)
         engine.model_runner.execute = runner
         if rows == 1:
             prompts, outs = [np.random.default_rng(0).integers(0, 128000, 128).tolist()], [256]

@@ -22,6 +22,7 @@ import numpy as np
 from numba import config, cuda
 
 from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.engine.sampler_cuda import SETTING_DTYPES
 from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.embedding import embed
@@ -44,7 +45,7 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
     cache, bs = runner.kv_cache, runner.block_size
     blocks = context // bs
     tables = rng.permutation(cache.num_slots // bs)[: rows * blocks].reshape(rows, blocks).astype(np.int32)
-    width = runner.step_arrays["block_tables"].shape[1]
+    width = runner.packed.max_blocks
     full = np.zeros((rows, width), np.int32)
     full[:, :blocks] = tables
     bt = cuda.to_device(full)
@@ -59,9 +60,8 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         x[name].copy_to_device((rng.standard_normal(x[name].shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
     logits = runner.logits[:rows]
     logits.copy_to_device(rng.standard_normal(logits.shape).astype(np.float32))
-    r = runner.sampler.rows
-    for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("uniform", 0.5)):
-        r[name][:rows].copy_to_device(np.full(rows, value, r[name].dtype))
+    r = {name: cuda.to_device(np.full(rows, value, SETTING_DTYPES[name]))  # greedy rows
+         for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("uniform", 0.5))}
     lin = lambda name, wname, out, add=False: (lambda i, s: linear(  # noqa: E731
         x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws, accumulate=add))
     # the projections after a norm: the norm inside the GEMV (where rmsnorm_linear puts it), or a norm kernel

@@ -23,7 +23,8 @@ from numba import cuda
 
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.cuda_graph import CudaGraph
-from tinyvllm_lib.engine.cuda_graphs import pad_decode_inputs
+from tinyvllm_lib.engine.cuda_graphs import padding_batch
+from tinyvllm_lib.engine.input_batch import PADDING
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.measure import DATA_DIR, Recorder, load_records
 from tinyvllm_lib.models.config import ModelConfig
@@ -46,16 +47,18 @@ def graph_kernel_ms(runner, rows: int, context: int, replays: int = 50) -> float
     """The decode graph of `rows` replayed back to back on rows of `context` tokens each (distinct
     cache blocks, random ids, greedy, writing no slot): the GPU's time per step, no host work between.
     """
-    host = runner.packed.views(rows, on_device=False)
-    pad_decode_inputs(host, 0)
+    host, _, (to, source) = runner.packed.layout(rows, rows, turn=0)  # the layout the graph of `rows` reads
+    for name, value in PADDING.items():
+        host[name][:] = value
+    host["query_start_loc"][:] = np.arange(rows + 1)
     per_row = -(-context // runner.block_size)
     num_blocks = runner.kv_cache.num_slots // runner.block_size
     blocks = np.arange(rows * per_row).reshape(rows, per_row) % num_blocks
     host["block_tables"][:, :per_row] = blocks
     host["seq_lens"][:], host["positions"][:] = context, context - 1
-    host["ids"][:] = np.random.default_rng(rows).integers(0, runner.config.vocab_size, rows)
-    runner.packed.copy(rows, runner.stream)  # the device buffer in this size's layout
-    graph, start, end = runner.graphs[rows], cuda.event(), cuda.event()
+    host["token_ids"][:] = np.random.default_rng(rows).integers(0, runner.config.vocab_size, rows)
+    to.copy_to_device(source, stream=runner.stream)
+    graph, start, end = runner.graphs.graphs[rows], cuda.event(), cuda.event()
     graph.replay()
     start.record(graph.stream)
     for _ in range(replays):
@@ -69,7 +72,7 @@ def graph_num_nodes(runner, rows: int) -> int | None:
     try:
         from cuda.bindings import driver
 
-        err, _, count = driver.cuGraphGetNodes(runner.graphs[rows]._graph, 0)
+        err, _, count = driver.cuGraphGetNodes(runner.graphs.graphs[rows]._graph, 0)
         return int(count) if int(err) == 0 else None
     except Exception:
         return None
@@ -88,13 +91,13 @@ def time_waits(llm) -> list:
     """Instrument the graph runner: the seconds the host spends waiting in each replayed step's get_output
     (near zero: the host is the slower part; long: the GPU is). The list fills as the engine steps."""
     runner, waits = llm.llm_engine.model_runner, []
-    launch = getattr(runner, "execute_async", None)
-    if launch is None:
+    if runner.graphs is None:
         return waits
+    launch = runner.execute_async
 
-    def timed(step, prev_rows=None):
-        out = launch(step, prev_rows)
-        if out is not None:
+    def timed(step):
+        out = launch(step)
+        if out.cudagraph_size is not None:
             get = out.get_output
 
             def get_output():
@@ -135,12 +138,16 @@ def engine_part(rec: Recorder, folder, extra: dict) -> None:
                     context=256, note="the batch-1 decode graph replayed 50 times back to back at 256 tokens "
                     "of context: GPU time per step", **extra)
             print(f"bs1 graph replayed back to back: {kernels:.3f} ms per step, {nodes} nodes, "
-                  f"{runner.graphs[1].programmatic_edges} programmatic edges", flush=True)
-            rec.records[-1]["programmatic_edges"] = runner.graphs[1].programmatic_edges
+                  f"{runner.graphs.graphs[1].programmatic_edges} programmatic edges", flush=True)
+            rec.records[-1]["programmatic_edges"] = runner.graphs.graphs[1].programmatic_edges
             # the same engine with the graph's edges left plain (each kernel launched once the one before has
             # finished): what chapter 1's programmatic edges buy
             with cuda.defer_cleanup():
-                runner.graphs[1] = CudaGraph(runner._decode_launch(1), runner.stream, programmatic=False)
+                batch = padding_batch(1, runner.block_size)
+                runner.packed.pack(batch, turn=0, pad_to=1)
+                runner.packed.copy(batch, runner.stream)
+                step = runner.graphs.step_function(batch)
+                runner.graphs.graphs[1] = CudaGraph(step, runner.stream, programmatic=False)
                 runner.stream.synchronize()
             plain = graph_kernel_ms(runner, 1, 256)
             lat_plain = benchmark.latency(llm, 128, 256, repeats=3)

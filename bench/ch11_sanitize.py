@@ -24,8 +24,8 @@ def main() -> None:
     folder = prepare_llama_standin(wheel=args.wheel)
     llm = LLM(folder, device="cuda", max_model_len=256, max_num_seqs=4)
     runner = llm.llm_engine.model_runner
-    replays = {rows: 0 for rows in runner.graphs}
-    for rows, graph in runner.graphs.items():
+    replays = {rows: 0 for rows in runner.graphs.graphs}
+    for rows, graph in runner.graphs.graphs.items():
         def counted(graph=graph, rows=rows, replay=graph.replay):
             replays[rows] += 1
             replay()

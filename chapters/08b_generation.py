@@ -785,25 +785,27 @@ from tinyvllm_lib.kernels.sampling import (
 )
 from tinyvllm_lib.kernels.softmax import log_softmax
 
+# each row's settings, as the kernel reads them
+SETTING_DTYPES = {
+    "temperature": np.float32,
+    "top_k": np.int64,
+    "top_p": np.float32,
+    "uniform": np.float64,
+}
+
 
 class CudaSampler:
     """The GPU sampler: logits (batch, vocab) on the GPU -> token ids on the host; the
-    same SamplingMetadata as Sampler.
+    same SamplingMetadata as Sampler. In a step, launch() reads the settings from the
+    step's packed batch and enqueue()/finish() bring the ids back; called, it does all
+    three for logits and settings of its own.
     """
 
     def __init__(self, vocab_size: int, max_rows: int, stream=0):
         self.vocab_size, self.max_rows, self.stream = vocab_size, max_rows, stream
         self.ids = cuda.device_array(max_rows, np.int64)
-        self.rows = {
-            name: cuda.device_array(max_rows, dtype)
-            for name, dtype in (
-                ("temperature", np.float32),
-                ("top_k", np.int64),
-                ("top_p", np.float32),
-                ("uniform", np.float64),
-            )
-        }
-        self.host_ids = cuda.pinned_array(max_rows, np.int64)
+        # the sampled ids cross into one of two pinned buffers, used in turn
+        self.host_ids = [cuda.pinned_array(max_rows, np.int64) for _ in range(2)]
         # greedy rows' shares: each share's best logit and index; a ticket counter a row
         # (back at zero after every launch)
         self.part_v = cuda.device_array((max_rows, MAX_SHARES), np.float32)
@@ -823,51 +825,58 @@ class CudaSampler:
                 f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
-        self.stage(metadata)
-        self.launch(logits, s)
-        return self.collect(logits, metadata)
+        rows = {  # every row's settings, greedy or not: one launch whatever is asked
+            name: cuda.to_device(np.ascontiguousarray(getattr(metadata, name), dtype),
+                                 stream=s)
+            for name, dtype in SETTING_DTYPES.items()
+        }
+        self.launch(logits, s, rows)
+        queued = self.enqueue(logits, metadata, 0)
+        s.synchronize() if s else cuda.synchronize()
+        return self.finish(queued)
 
-    def stage(self, metadata: SamplingMetadata) -> None:
-        """Copy every row's settings to the GPU, greedy or not (one launch whatever the
-        batch asks).
-        """
-        n = len(metadata.temperature)
-        for name, buf in self.rows.items():
-            host = np.ascontiguousarray(getattr(metadata, name), buf.dtype)
-            cuda.to_device(host, to=buf[:n], stream=self.stream)
-
-    def launch(self, logits, stream, rows: dict | None = None) -> None:
+    def launch(self, logits, stream, rows: dict) -> None:
         """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can
-        capture): ids on the GPU. rows: the settings' device arrays, if not stage's.
+        capture): ids on the GPU. rows: the settings' device arrays (SETTING_DTYPES).
         """
-        n, r = logits.shape[0], self.rows if rows is None else rows
+        n = logits.shape[0]
         sample_kernel[(n, greedy_shares(n)), SAMPLER_THREADS, stream](
             logits,
-            r["temperature"][:n],
-            r["top_k"][:n],
-            r["top_p"][:n],
-            r["uniform"][:n],
+            rows["temperature"][:n],
+            rows["top_k"][:n],
+            rows["top_p"][:n],
+            rows["uniform"][:n],
             self.part_v,
             self.part_i,
             self.tickets,
             self.ids[:n],
         )
 
-    def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
-        """Wait for the sampled ids of metadata's rows (the first rows of logits) and
-        bring them to the host, with the log-probs asked for.
+    def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
+        """Queue the copy of metadata's rows' ids (the first rows of logits) to pinned
+        buffer `turn`; nothing waits unless log-probs are asked for, which this sampler
+        computes on the host from a copy of the rows. What finish needs.
         """
         n, s = len(metadata.temperature), self.stream
-        self.ids[:n].copy_to_host(self.host_ids[:n], stream=s)
-        s.synchronize() if s else cuda.synchronize()
-        out = SamplerOutput(self.host_ids[:n].copy())
-        k = int(metadata.num_logprobs.max(initial=-1))
-        # log-probs of the raw logits: copy the rows back (only when asked for)
-        if k >= 0:
+        if n:
+            self.ids[:n].copy_to_host(self.host_ids[turn][:n], stream=s)
+        k, host = int(metadata.num_logprobs.max(initial=-1)), None
+        if n and k >= 0:  # log-probs of the raw logits: the rows cross, then NumPy
+            s.synchronize() if s else cuda.synchronize()
             logprobs = log_softmax(logits[:n].copy_to_host(stream=s))
-            out.logprobs = logprobs[np.arange(n), out.token_ids]
+            host = [logprobs[np.arange(n), self.host_ids[turn][:n]]]
             if k > 0:
-                out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
+                host += top_logprobs(logprobs, k)
+        return turn, n, host
+
+    def finish(self, queued: tuple) -> SamplerOutput:
+        """The samples of an enqueue whose copies are done (the caller waited)."""
+        turn, n, host = queued
+        out = SamplerOutput(self.host_ids[turn][:n].copy())
+        if host is not None:
+            out.logprobs = host[0]
+            if len(host) > 1:
+                out.top_ids, out.top_logprobs = host[1], host[2]
         return out
 
 
@@ -1318,9 +1327,9 @@ class Request:
 # each, these blocks* — and its output is one sampled token per request. In between,
 # four stages, the same on both devices:
 #
-# 1. **prepare**: the step's arrays — token ids, positions, the attention metadata, the
-#    rows that need logits, the sampling settings — in one vectorised NumPy pass over
-#    the batch;
+# 1. **prepare**: the step's `InputBatch` — token ids, positions, the attention
+#    metadata, the rows that need logits, the sampling settings — in one vectorised
+#    NumPy pass over the batch;
 # 2. **the layer loop**, handed the device's attention over the device's cache;
 # 3. **the LM head** on the rows that need logits only: each request's last new token,
 #    plus the whole prompt of a request that asked for its prompt's log-probabilities.
@@ -1331,10 +1340,11 @@ class Request:
 #
 # The device picks the classes — `LlamaNumpy`, `KVCache`, `CachedAttention` and
 # `Sampler` on the CPU; `LlamaCuda`, `CudaKVCache`, `PagedAttention` and `CudaSampler`
-# on the GPU — and on the GPU the runner makes, once, every buffer a step writes: the
-# activations of the largest step, the step's metadata, decode attention's workspace,
-# the logits. A decode step of up to `max_num_seqs` sequences then copies its few small
-# arrays into those buffers and allocates nothing, and no value that changes from step
+# on the GPU — and on the GPU the runner makes, once, every buffer a step reads or
+# writes: the activations of the largest step, the step's packed inputs, decode
+# attention's workspace, the logits. A decode step of up to `max_num_seqs` sequences
+# then copies its inputs in with one copy and allocates nothing, and no value that
+# changes from step
 # to step reaches a kernel's grid: the first condition for capturing it as a CUDA graph
 # (chapter 11).
 
@@ -1512,6 +1522,9 @@ class SchedulerOutput:
     num_prefills: int
     # (len(requests), max_blocks) int32: each request's row of the block table
     block_tables: np.ndarray
+    # chapter 11: a step planned before the last one's tokens reach the host; row i's
+    # token is the one the last step sampled in its row prev_rows[i]
+    prev_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -1530,6 +1543,272 @@ class ModelRunnerOutput:
     prompt_logits: list
 
 
+# %% [markdown]
+# The runner turns a `SchedulerOutput` into one typed batch, `InputBatch` (vLLM's
+# name; SGLang calls it `ForwardBatch`): the token ids and positions, the attention
+# metadata, the rows that need logits, and the sampling settings of the rows due a
+# token — the *prepare* stage above, in one vectorised pass, for both devices. The CPU
+# reads its arrays as they are.
+#
+# On the GPU every one of those arrays must cross to the device each step, and each
+# copy is a call from Python into the driver, as a launch is. So they cross as one:
+# `PackedInputs` lays every field of a step of T tokens and R requests at a fixed offset
+# of one pinned host buffer, the 8-byte fields first so that each is aligned, and one
+# copy moves the lot into a device buffer of the same layout; the batch then carries
+# the device views (`device`) that the kernels read. There are two host buffers, used
+# in turn: a copy from pinned memory is queued, not done, when it returns, and chapter
+# 11 fills the next step while the last one's copy may still wait on the stream. Two
+# fields are chapter 11's and sit unused until then: `prev_rows` (a step launched
+# before the host knows its tokens) and the padding a CUDA graph's fixed size needs.
+
+# %%
+#| export engine.input_batch
+from dataclasses import dataclass, replace
+
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.engine.sampler import SamplingMetadata
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
+from tinyvllm_lib.layers.attention_metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+)
+
+
+@dataclass
+class InputBatch:
+    """One step's inputs, as the runner reads them (vLLM's input batch, SGLang's
+    ForwardBatch): host arrays made by from_step; on the GPU, PackedInputs.pack adds
+    `device`, the same fields as views of one device buffer.
+    """
+
+    num_reqs: int
+    token_ids: np.ndarray  # (num_tokens,) int64; a row fed by prev_rows holds 0
+    positions: np.ndarray  # (num_tokens,) int64
+    metadata: AttentionMetadata  # host arrays
+    # (num_logits,) int64: the rows the head runs on: the last new token of each
+    # request whose next token is due, then the prompt rows some asked for
+    logits_indices: np.ndarray
+    prompt_rows: dict[int, slice]  # request index -> its rows of the logits
+    sampling: SamplingMetadata  # one row per request whose next token is due
+    # (num_reqs,) int64 or None: chapter 11's overlap: row i's token is the one the
+    # step before sampled in its row prev_rows[i] (on the GPU, never on the host)
+    prev_rows: np.ndarray | None = None
+    device: dict | None = None  # field name -> device view, once packed
+    cudagraph_size: int | None = None  # rows of the graph it replays (chapter 11)
+    turn: int = 0  # which of the two host buffers holds it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampling.temperature)
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.logits_indices)
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        """One new token a request, each due its next token, no prompt rows: the steps
+        a decode graph can run (chapter 11).
+        """
+        n = self.num_reqs
+        return self.num_tokens == n == self.num_logits == self.num_sampled
+
+    @classmethod
+    def from_step(cls, step: SchedulerOutput, block_size: int) -> "InputBatch":
+        """The step's arrays in one pass over the batch (nothing whose size grows with
+        a request's context).
+        """
+        requests, ahead = step.requests, step.prev_rows is not None
+        num_new = np.asarray(step.num_new_tokens, np.int32)
+        # a step planned ahead (chapter 11) starts one past what the host has computed
+        num_computed = np.fromiter(
+            (r.num_computed_tokens + ahead for r in requests), np.int32, len(requests)
+        )
+        positions, metadata = build_attention_metadata(
+            num_new, num_computed + num_new, step.block_tables, block_size,
+            step.num_prefills,
+        )
+        if ahead:  # their tokens are the last step's samples, still on the GPU
+            token_ids = np.zeros(step.num_tokens, np.int64)
+        else:
+            token_ids = np.fromiter(
+                (
+                    t
+                    for r, c, n in zip(requests, num_computed, num_new)
+                    for t in r.token_ids(c, c + n)
+                ),
+                np.int64,
+                step.num_tokens,
+            )
+        starts = metadata.query_start_loc
+        # a request whose tokens are all computed after this step is due its next
+        # token: its last new token's logits (a chunk inside a prompt has none)
+        due = ahead or num_computed + num_new >= np.fromiter(
+            (r.num_tokens for r in requests), np.int64, len(requests)
+        )
+        due = np.broadcast_to(due, (len(requests),))
+        logits_indices = [starts[1:][due].astype(np.int64) - 1]
+        prompt_rows, row = {}, int(due.sum())
+        for i, r in enumerate(requests):
+            # its prefill, or a chunk of it (chapter 10): every prompt row
+            if (
+                r.params.prompt_logprobs is not None
+                and r.prompt_logprobs is None  # not collected yet (else recomputed)
+                and num_computed[i] < r.num_prompt_tokens
+            ):
+                rows = np.arange(starts[i], starts[i + 1], dtype=np.int64)
+                logits_indices.append(rows)
+                prompt_rows[i] = slice(row, row + int(num_new[i]))
+                row += int(num_new[i])
+        sampled = [r for r, d in zip(requests, due) if d]
+        sampling = SamplingMetadata.from_params(
+            [r.params for r in sampled], [r.generator for r in sampled]
+        )
+        return cls(len(requests), token_ids, positions, metadata,
+                   np.concatenate(logits_indices), prompt_rows, sampling,
+                   step.prev_rows)
+
+    def device_metadata(self) -> AttentionMetadata:
+        """The attention metadata over the packed device views."""
+        v, n = self.device, self.device["seq_lens"].shape[0]
+        return replace(
+            self.metadata,
+            query_start_loc=v["query_start_loc"],
+            seq_lens=v["seq_lens"],
+            slot_mapping=v["slot_mapping"],
+            block_tables=v["block_tables"][:n],
+        )
+
+
+# the packed fields in their order: (name, dtype, count) with count per step of T
+# tokens and R requests: "tokens" T, "rows" R, "starts" R + 1, "table" R x max_blocks,
+# "logits" T + R (a prompt's rows for its log-probs, and its last row again to sample).
+# The 8-byte fields first, so that every field is aligned.
+PACKED_FIELDS = (
+    ("token_ids", np.int64, "tokens"),
+    ("positions", np.int64, "tokens"),
+    ("slot_mapping", np.int64, "tokens"),
+    ("logits_indices", np.int64, "logits"),
+    ("uniform", np.float64, "rows"),
+    ("top_k", np.int64, "rows"),
+    ("prev_rows", np.int64, "rows"),
+    ("query_start_loc", np.int32, "starts"),
+    ("seq_lens", np.int32, "rows"),
+    ("temperature", np.float32, "rows"),
+    ("top_p", np.float32, "rows"),
+    ("block_tables", np.int32, "table"),
+)
+# the sampler's settings among them (what CudaSampler.launch reads)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+# what a padding row holds (chapter 11 pads a step up to a graph's size): token 0 at
+# position 0, no slot, one token of context in block 0, greedy, its own id
+PADDING = {
+    "token_ids": 0, "positions": 0, "slot_mapping": -1, "logits_indices": 0,
+    "uniform": 0.0, "top_k": 0, "prev_rows": -1, "seq_lens": 1, "temperature": 0.0,
+    "top_p": 1.0, "block_tables": 0,
+}
+TOKEN_FIELDS = {name for name, _, count in PACKED_FIELDS if count == "tokens"}
+MAX_CACHED_LAYOUTS = 512  # views kept for this many step shapes
+
+
+class PackedInputs:
+    """The runner's one set of step buffers: every field of an InputBatch at a fixed
+    offset of a pinned host buffer, and a device buffer of the same layout, so that a
+    step is one copy. Two host buffers, used in turn: one is filled while the other's
+    copy may still be queued. The layout depends on the step's T tokens and R rows; its
+    views are made once per shape.
+    """
+
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int):
+        self.max_tokens, self.max_rows = max_tokens, max_rows
+        self.max_blocks = max_blocks
+        nbytes = self._nbytes(max_tokens, max_rows)
+        self.hosts = [cuda.pinned_array(nbytes, np.uint8) for _ in range(2)]
+        self.device = cuda.device_array(nbytes, np.uint8)
+        self._layouts: dict = {}  # (T, R, turn) -> (host views, device views, copy)
+
+    def _fields(self, tokens: int, rows: int):
+        counts = {"tokens": tokens, "rows": rows, "starts": rows + 1,
+                  "table": rows * self.max_blocks, "logits": tokens + rows}
+        at = 0
+        for name, dtype, count in PACKED_FIELDS:
+            yield name, dtype, at, counts[count]
+            at += counts[count] * np.dtype(dtype).itemsize
+
+    def _nbytes(self, tokens: int, rows: int) -> int:
+        fields = self._fields(tokens, rows)
+        return sum(n * np.dtype(d).itemsize for _, d, _, n in fields)
+
+    def layout(self, tokens: int, rows: int, turn: int) -> tuple:
+        """(host views, device views, (device bytes, host bytes)) of a step of T tokens
+        and R rows in host buffer `turn`.
+        """
+        key = (tokens, rows, turn)
+        if key not in self._layouts:
+            if not (0 < tokens <= self.max_tokens and 0 < rows <= self.max_rows):
+                raise ValueError(
+                    f"a packed step holds 1 to {self.max_tokens} tokens of 1 to "
+                    f"{self.max_rows} rows, got {tokens} of {rows}"
+                )
+            if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+                self._layouts.clear()
+            views = []
+            for buffer in (self.hosts[turn], self.device):
+                out = {}
+                for name, dtype, at, count in self._fields(tokens, rows):
+                    end = at + count * np.dtype(dtype).itemsize
+                    view = buffer[at:end].view(dtype)
+                    out[name] = (view.reshape(rows, self.max_blocks)
+                                 if name == "block_tables" else view)
+                views.append(out)
+            n = self._nbytes(tokens, rows)
+            self._layouts[key] = (*views, (self.device[:n], self.hosts[turn][:n]))
+        return self._layouts[key]
+
+    def pack(self, batch: InputBatch, turn: int, pad_to: int | None = None) -> None:
+        """Write batch into host buffer `turn` and give it its device views (`device`);
+        pad_to: a decode step padded to that many rows (chapter 11's graphs).
+        """
+        n, r, s = batch.num_tokens, batch.num_reqs, batch.num_sampled
+        tokens, rows = (n, r) if pad_to is None else (pad_to, pad_to)
+        host, device, _ = self.layout(tokens, rows, turn)
+        m = batch.metadata
+        host["token_ids"][:n], host["positions"][:n] = batch.token_ids, batch.positions
+        host["slot_mapping"][:n] = m.slot_mapping
+        host["logits_indices"][: batch.num_logits] = batch.logits_indices
+        host["query_start_loc"][: r + 1] = m.query_start_loc
+        host["seq_lens"][:r] = m.seq_lens
+        host["block_tables"][:r, : m.block_tables.shape[1]] = m.block_tables
+        for name in SAMPLING_FIELDS:
+            host[name][:s] = getattr(batch.sampling, name)
+        host["prev_rows"][:r] = -1 if batch.prev_rows is None else batch.prev_rows
+        if rows > r or tokens > n:  # padding rows, one token each
+            for name, value in PADDING.items():
+                host[name][n if name in TOKEN_FIELDS else r :] = value
+            host["query_start_loc"][r + 1 :] = np.arange(n + 1, n + 1 + rows - r)
+        batch.device, batch.cudagraph_size, batch.turn = device, pad_to, turn
+
+    def copy(self, batch: InputBatch, stream) -> None:
+        """Queue the copy of a packed batch's bytes to the device, on `stream`."""
+        rows = batch.cudagraph_size or batch.num_reqs
+        tokens = batch.cudagraph_size or batch.num_tokens
+        to, source = self.layout(tokens, rows, batch.turn)[2]
+        to.copy_to_device(source, stream=stream)
+
+
+# %% [markdown]
+# The runner itself. On the GPU `execute_async` packs the batch, queues its one copy,
+# runs the step's kernels (`run`, which reads nothing but the batch's device views and
+# the runner's buffers), and queues the copy of the sampled ids back; it returns an
+# `AsyncModelRunnerOutput` (vLLM's name) whose `get_output()` waits. `execute` is the
+# two back to back, and the CPU's `execute` the same stages in NumPy.
+
 # %%
 #| export
 from dataclasses import dataclass
@@ -1538,18 +1817,15 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.engine_config import DEVICES, EngineConfig
+from tinyvllm_lib.engine.input_batch import SAMPLING_FIELDS, InputBatch, PackedInputs
 from tinyvllm_lib.engine.kv_cache import CudaKVCache, KVCache
-from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
 from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
-from tinyvllm_lib.layers.attention_metadata import (
-    AttentionMetadata,
-    build_attention_metadata,
-)
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
@@ -1557,93 +1833,35 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
 
 
 @dataclass
-class StepInputs:
-    """The arrays of one step, on the host: what prepare_inputs builds from a
-    SchedulerOutput.
-    """
+class AsyncModelRunnerOutput:
+    """A step launched on the GPU (vLLM's name): get_output() waits for its samples."""
 
-    token_ids: np.ndarray  # (num_tokens,) int64
-    positions: np.ndarray  # (num_tokens,) int64
-    metadata: AttentionMetadata
-    # (rows,) int64: the rows the head runs on: the last new token of each request
-    # whose next token is due, then prompt rows
-    logits_indices: np.ndarray
-    # request index -> its rows of the logits (those that asked for prompt_logprobs)
-    prompt_rows: dict[int, slice]
-    sampling: SamplingMetadata  # of the requests whose next token is due
-    num_sampled: int  # how many: a chunk that ends inside a prompt samples nothing
+    sampler: CudaSampler
+    queued: tuple  # what sampler.finish needs
+    event: object  # recorded after the copies to the host
+    prompt_logits: list  # per request: its prompt rows' logits (host), else None
+    cudagraph_size: int | None  # the graph it replayed (chapter 11), else None
 
-
-def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
-    """The step's arrays in one pass over the batch (nothing whose size grows with a
-    request's context).
-    """
-    requests = step.requests
-    num_new = np.asarray(step.num_new_tokens, np.int32)
-    num_computed = np.fromiter(
-        (r.num_computed_tokens for r in requests), np.int32, len(requests)
-    )
-    positions, metadata = build_attention_metadata(
-        num_new,
-        num_computed + num_new,
-        step.block_tables,
-        block_size,
-        step.num_prefills,
-    )
-    token_ids = np.fromiter(
-        (
-            t
-            for r, c, n in zip(requests, num_computed, num_new)
-            for t in r.token_ids(c, c + n)
-        ),
-        np.int64,
-        step.num_tokens,
-    )
-    starts = metadata.query_start_loc
-    # a request whose tokens are all computed after this step is due its next token:
-    # its last new token's logits (a chunk that ends inside a prompt has none)
-    due = num_computed + num_new >= np.fromiter(
-        (r.num_tokens for r in requests), np.int64, len(requests)
-    )
-    logits_indices = [starts[1:][due].astype(np.int64) - 1]
-    prompt_rows, row = {}, int(due.sum())
-    for i, r in enumerate(requests):
-        # its prefill: every prompt row
-        # a chunk of its prompt (chapter 10 splits long prompts over several steps)
-        if (
-            r.params.prompt_logprobs is not None
-            and r.prompt_logprobs is None  # not collected yet (else a recomputation)
-            and num_computed[i] < r.num_prompt_tokens
-        ):
-            logits_indices.append(np.arange(starts[i], starts[i + 1], dtype=np.int64))
-            prompt_rows[i] = slice(row, row + int(num_new[i]))
-            row += int(num_new[i])
-    sampled = [r for r, d in zip(requests, due) if d]
-    sampling = SamplingMetadata.from_params(
-        [r.params for r in sampled], [r.generator for r in sampled]
-    )
-    return StepInputs(
-        token_ids,
-        positions,
-        metadata,
-        np.concatenate(logits_indices),
-        prompt_rows,
-        sampling,
-        len(sampled),
-    )
+    def get_output(self) -> ModelRunnerOutput:
+        self.event.synchronize()
+        return ModelRunnerOutput(self.sampler.finish(self.queued), self.prompt_logits)
 
 
 class ModelRunner:
     """A step of the model for a batch of requests, on "cpu" (NumPy) or "cuda" (the
-    book's kernels): prepare the step's arrays -> the layer loop with the device's
-    attention over its cache -> the LM head on the rows that need logits -> the sampler.
-    On the GPU every buffer a step writes is made here, once: a decode step of up to
-    max_num_seqs requests allocates nothing.
+    book's kernels): the step's InputBatch -> the layer loop with the device's attention
+    over its cache -> the LM head on the rows that need logits -> the sampler. On the
+    GPU every buffer a step reads or writes is made here, once: a decode step of up to
+    max_num_seqs requests is one copy in and allocates nothing.
     """
 
-    def __init__(self, folder, config: EngineConfig, num_kv_slots: int | None = None):
+    def __init__(
+        self, folder, config: EngineConfig, num_kv_slots: int | None = None,
+        sampler=None,
+    ):
         """config: its device resolved ("cpu" or "cuda") and its max_model_len and
-        max_num_batched_tokens set (the engine completes them).
+        max_num_batched_tokens set (the engine completes them). sampler: on "cuda",
+        the class of sampler (CudaSampler's signature; default CudaSampler).
         """
         device, kv_cache_dtype = config.device, config.kv_cache_dtype
         if device not in DEVICES:
@@ -1658,6 +1876,7 @@ class ModelRunner:
         self.block_size, self.max_num_seqs = config.block_size, config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = LlamaNumpy.from_folder(folder)
@@ -1674,7 +1893,7 @@ class ModelRunner:
             self.model = LlamaCuda.from_folder(folder)
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
-            self.sampler = CudaSampler(
+            self.sampler = (sampler or CudaSampler)(
                 self.model.config.vocab_size, self.max_num_seqs, self.stream
             )
             self._make_device_buffers()
@@ -1698,17 +1917,11 @@ class ModelRunner:
             self.max_num_batched_tokens,
         )
         self.activations = self.model.make_buffers(tokens)  # the largest step's
-        # the step's metadata, copied in by AttentionMetadata.to_device
-        self.step_arrays = {
-            "query_start_loc": cuda.device_array(rows + 1, np.int32),
-            "seq_lens": cuda.device_array(rows, np.int32),
-            "slot_mapping": cuda.device_array(tokens, np.int64),
-            # zeros: a row no step has written still names a real block
-            "block_tables": cuda.to_device(
-                np.zeros((rows, cdiv(self.max_model_len, self.block_size)), np.int32)
-            ),
-            "logits_indices": cuda.device_array(rows, np.int64),
-        }
+        # the step's inputs: one pinned host buffer (two, used in turn), one copy
+        self.packed = PackedInputs(
+            tokens, rows, cdiv(self.max_model_len, self.block_size)
+        )
+        self.turn, self.events = 0, [cuda.event(), cuda.event()]
         self.workspace = decode_workspace(
             rows, self.max_model_len, c.num_attention_heads, c.head_dim
         )
@@ -1718,10 +1931,7 @@ class ModelRunner:
         # cuBLAS's scratch, ours and fixed (CUDA graphs capture its address)
         self.cublas_workspace = cuda.device_array(CUBLAS_WORKSPACE_BYTES, np.uint8)
 
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: the requests' new tokens through the model, a token sampled for
-        each.
-        """
+    def _check(self, step: SchedulerOutput) -> None:
         if (
             not 0 < step.num_tokens <= self.max_num_batched_tokens
             or len(step.requests) > self.max_num_seqs
@@ -1731,86 +1941,91 @@ class ModelRunner:
                 f"{self.max_num_seqs} "
                 f"requests, got {step.num_tokens} tokens of {len(step.requests)}"
             )
-        inputs = prepare_inputs(step, self.block_size)
-        logits = (
-            self._forward_cpu(inputs)
-            if self.device == "cpu"
-            else self._forward_cuda(inputs)
-        )
-        num_seqs, num_sampled = len(step.requests), inputs.num_sampled
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the requests' new tokens through the model, a token sampled for
+        each whose next token is due.
+        """
+        if self.device == "cuda":
+            return self.execute_async(step).get_output()
+        self._check(step)
+        batch = InputBatch.from_step(step, self.block_size)
+        attention = CachedAttention(self.config, self.kv_cache, batch.metadata)
+        hidden = self.model.hidden_states(batch.token_ids, batch.positions, attention)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = (
-            self.sampler(logits[:num_sampled], inputs.sampling)
-            if num_sampled
+            self.sampler(logits[: batch.num_sampled], batch.sampling)
+            if batch.num_sampled
             else SamplerOutput(np.empty(0, np.int64))
         )
-        prompt_logits = [None] * num_seqs
-        # copied to the host only when asked for
-        for i, rows in inputs.prompt_rows.items():
-            prompt_logits[i] = (
-                logits[rows] if self.device == "cpu" else logits[rows].copy_to_host()
-            )
+        prompt_logits = [None] * batch.num_reqs  # only where asked for
+        for i, rows in batch.prompt_rows.items():
+            prompt_logits[i] = logits[rows]
         return ModelRunnerOutput(sampled, prompt_logits)
 
-    def _forward_cpu(self, inputs: StepInputs) -> np.ndarray:
-        attention = CachedAttention(self.config, self.kv_cache, inputs.metadata)
-        hidden = self.model.hidden_states(inputs.token_ids, inputs.positions, attention)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
-
-    def _forward_cuda(self, inputs: StepInputs):
-        return self.launch(self.upload(inputs), self.stream)
-
-    def upload(self, inputs: StepInputs) -> dict:
-        """Copy the step's arrays into the runner's buffers, on its stream: the views a
-        launch reads.
+    def execute_async(self, step: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step on the GPU and return without waiting for it: pack its
+        batch, queue the one copy, run it (or replay its graph, chapter 11), queue the
+        samples' copies back.
         """
-        s, n, rows = self.stream, len(inputs.token_ids), len(inputs.logits_indices)
+        self._check(step)
+        batch = InputBatch.from_step(step, self.block_size)
+        # the one place that decides whether a step replays a graph
+        size = None if self.graphs is None else self.graphs.size_for(batch)
+        if size is None and batch.prev_rows is not None:
+            raise RuntimeError("a step planned ahead of its tokens must replay a graph")
+        turn, self.turn = self.turn, 1 - self.turn
+        self.packed.pack(batch, turn, pad_to=size)
+        self.packed.copy(batch, self.stream)
+        if size is None:
+            logits = self.run(batch, self.stream)
+        else:
+            self.graphs.replay(size)
+            logits = self.logits[:size]
+        queued = self.sampler.enqueue(logits, batch.sampling, turn)
+        prompt_logits = [None] * batch.num_reqs  # copied to the host only when asked
+        for i, rows in batch.prompt_rows.items():
+            prompt_logits[i] = logits[rows].copy_to_host(stream=self.stream)
+        self.events[turn].record(self.stream)
+        return AsyncModelRunnerOutput(
+            self.sampler, queued, self.events[turn], prompt_logits, size
+        )
+
+    def run(self, batch: InputBatch, stream):
+        """The step's kernels only, on `stream`, reading the batch's device views (what
+        a CUDA graph can capture): layers, head rows, head, sampler; the logits.
+        """
+        v, c = batch.device, self.config
+        n = v["token_ids"].shape[0]  # a padded step's rows too
+        num_logits = batch.cudagraph_size or batch.num_logits
+        num_sampled = batch.cudagraph_size or batch.num_sampled
         b = {name: buf[:n] for name, buf in self.activations.items()}
-        cuda.to_device(inputs.token_ids, to=b["ids"], stream=s)
-        cuda.to_device(inputs.positions, to=b["positions"], stream=s)
-        staged = {
-            "buffers": b,
-            "metadata": inputs.metadata.to_device(self.step_arrays, stream=s),
-            "rows": rows,
-            "indices": None,
-        }
-        # not a plain decode step: the head's rows must be gathered
-        if rows and (staged["metadata"].num_prefills or rows != n):
-            # a large prompt_logprobs request gets buffers of its own
-            fits = rows <= self.max_num_seqs
-            staged["indices"] = (
-                self.step_arrays["logits_indices"][:rows]
-                if fits
-                else cuda.device_array(rows, np.int64)
-            )
-            cuda.to_device(inputs.logits_indices, to=staged["indices"], stream=s)
-        return staged
-
-    def launch(self, staged: dict, stream):
-        """The step's kernels only, on `stream` (what a CUDA graph can capture): layers,
-        head rows, head; the logits.
-        """
-        b, rows, c = staged["buffers"], staged["rows"], self.config
+        b["ids"], b["positions"] = v["token_ids"], v["positions"]
         attention = PagedAttention(
-            c, self.kv_cache, staged["metadata"], self.workspace, self.max_model_len
+            c, self.kv_cache, batch.device_metadata(), self.workspace,
+            self.max_model_len,
         )
         self.model.run(b, attention, stream, self.cublas_workspace)
-        if rows == 0:  # a chunk that ends inside its prompt: no logits needed
+        if num_logits == 0:  # a chunk that ends inside its prompt: no logits needed
             return self.logits[:0]
-        fits = rows <= self.max_num_seqs
+        fits = num_logits <= self.max_num_seqs
         hidden = b["normed"]  # a decode step: every row, in order
-        if staged["indices"] is not None:
+        if batch.metadata.num_prefills or num_logits != n:  # gather the head's rows
             hidden = (
-                self.head_rows[:rows]
-                if fits
-                else cuda.device_array((rows, c.hidden_size), np.uint16)
+                self.head_rows[:num_logits]
+                if fits  # a large prompt_logprobs request gets buffers of its own
+                else cuda.device_array((num_logits, c.hidden_size), np.uint16)
             )
-            gather_rows(b["normed"], staged["indices"], hidden, stream=stream)
+            gather_rows(b["normed"], v["logits_indices"][:num_logits], hidden, stream)
         logits = (
-            self.logits[:rows]
+            self.logits[:num_logits]
             if fits
-            else cuda.device_array((rows, c.vocab_size), np.float32)
+            else cuda.device_array((num_logits, c.vocab_size), np.float32)
         )
         self.model.compute_logits(hidden, logits, stream, self.cublas_workspace)
+        if num_sampled:
+            rows = {name: v[name][:num_sampled] for name in SAMPLING_FIELDS}
+            self.sampler.launch(logits[:num_sampled], stream, rows)
         return logits
 
 
@@ -2095,9 +2310,10 @@ all — CUDA graphs, chapter 11.
 # - A request stops at every eos id, at stop tokens, stop strings and `max_tokens`, and
 #   streams text only once it is stable: no half characters, no piece of a stop string.
 # - The model runner turns "these requests, these many new tokens each" into sampled
-#   tokens on either device: the step's arrays in one vectorised pass, the layer loop
-#   with the device's attention, the head on the rows that need it, the sampler. On the
-#   GPU it owns every buffer a step writes, so a decode step allocates nothing.
+#   tokens on either device: the step's `InputBatch` in one vectorised pass, the layer
+#   loop with the device's attention, the head on the rows that need it, the sampler.
+#   On the GPU it owns every buffer a step reads or writes: the batch crosses in one
+#   copy, and a decode step allocates nothing.
 # - One request at a time, the GPU spends most of each step waiting for Python's
 #   launches.
 #
@@ -2106,8 +2322,9 @@ all — CUDA graphs, chapter 11.
 # (the GPU sampling kernels), `engine.sampler_cuda` (`CudaSampler`),
 # `engine.detokenizer` (`IncrementalDetokenizer`), `engine.outputs` (`RequestOutput`,
 # `CompletionOutput`), `engine.request` (`Request`, `RequestStatus`), `kernels.gather`
-# (`gather_rows`), `engine.step_outputs` (`SchedulerOutput`, `ModelRunnerOutput`) and
-# `engine.model_runner` (`ModelRunner`, `prepare_inputs`).
+# (`gather_rows`), `engine.step_outputs` (`SchedulerOutput`, `ModelRunnerOutput`),
+# `engine.input_batch` (`InputBatch`, `PackedInputs`) and `engine.model_runner`
+# (`ModelRunner`, `AsyncModelRunnerOutput`).
 #
 # ## Exercises
 #

@@ -715,6 +715,11 @@ class PagedScheduler:
         # Python ints once for the whole step, not a NumPy scalar per row
         token_ids = np.asarray(s.token_ids).tolist()
         for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
+            if request.is_finished:
+                # finished or aborted while the step ran (chapter 11's overlap): its
+                # row's token, if it had one, is dropped
+                j += request.num_computed_tokens + n >= request.num_tokens
+                continue
             request.num_computed_tokens += n
             self.block_manager.cache_blocks(
                 request.request_id, RequestTokens(request), request.num_computed_tokens
@@ -1535,12 +1540,13 @@ class LLMEngine:
             c.max_num_batched_tokens,
         )
         block_size = c.block_size
-        runner = ModelRunner
-        if self.device == "cuda" and not c.enforce_eager:
-            # chapter 11: decode steps captured once per batch size, then replayed
-            from tinyvllm_lib.engine.cuda_graphs import CudaGraphRunner as runner
+        graphs = self.device == "cuda" and not c.enforce_eager
+        sampler = None
+        if self.device == "cuda":
+            # chapter 11: log-probs computed on the GPU
+            from tinyvllm_lib.engine.cuda_graphs import GpuLogprobsSampler as sampler
         # the weights and every step buffer first; the KV cache takes what is left
-        self.model_runner = runner(self.folder, c)
+        self.model_runner = ModelRunner(self.folder, c, sampler=sampler)
         num_blocks = self._num_kv_blocks(
             c.num_kv_blocks,
             c.gpu_memory_utilization,
@@ -1548,13 +1554,18 @@ class LLMEngine:
             block_size,
         )
         self.model_runner.init_kv_cache(num_blocks * block_size)
+        if graphs:
+            # chapter 11: decode steps captured once per batch size over the cache,
+            # then replayed; a part the runner holds
+            from tinyvllm_lib.engine.cuda_graphs import CudaGraphs
+
+            self.model_runner.graphs = CudaGraphs(self.model_runner)
         if self.device == "cuda" and has_gpu():
             # chapter 11: every kernel a request can reach is compiled now, not under
             # the first request that reaches it
             from tinyvllm_lib.engine.warm_up import warm_up_model
 
-            progress = getattr(self.model_runner, "progress", True)
-            warm_up_model(self.model_runner, progress)
+            warm_up_model(self.model_runner)
         self.block_manager = BlockManager(
             num_blocks, block_size, c.enable_prefix_caching
         )
@@ -1697,13 +1708,13 @@ class LLMEngine:
         self._aborted.append(request)
 
     def _async_scheduling(self, wanted: bool | None) -> bool:
-        """Whether steps overlap: only the graph runner can launch a step and return
-        (None: wherever it can).
+        """Whether steps overlap: only where decode steps replay CUDA graphs, which a
+        step planned ahead of its tokens needs (None: wherever it can).
         """
-        can = hasattr(self.model_runner, "execute_async")
+        can = self.model_runner.graphs is not None
         if wanted and not can:
             raise ValueError(
-                "async_scheduling needs the CUDA graph runner (device='cuda' without "
+                "async_scheduling needs CUDA graphs (device='cuda' without "
                 "enforce_eager)"
             )
         return can if wanted is None else bool(wanted)
@@ -1729,16 +1740,11 @@ class LLMEngine:
             step = self.scheduler.schedule()
             if step is not None:
                 self._count_schedule()
-                pending = (
-                    self.model_runner.execute_async(step)
-                    if self.async_scheduling
-                    else None
-                )
-                if pending is None:
+                if self.async_scheduling:  # chapter 11: launched, not waited for
+                    self._in_flight = (step, self.model_runner.execute_async(step))
+                else:
                     result = self.model_runner.execute(step)
                     self._postprocess(step, result, outputs, done)
-                else:
-                    self._in_flight = (step, pending)
         if self._in_flight is not None:
             self._step_in_flight(outputs, done)
         for request in done:
@@ -1751,12 +1757,15 @@ class LLMEngine:
         """
         step, pending = self._in_flight
         self._in_flight = None
-        ahead = self.scheduler.schedule_ahead(step)
+        # only after a replayed decode step: the step ahead replays a graph too
+        ahead = (
+            self.scheduler.schedule_ahead(step)
+            if pending.cudagraph_size is not None
+            else None
+        )
         if ahead is not None:
-            launched = self.model_runner.execute_async(ahead, ahead.prev_rows)
-            if launched is not None:
-                self._count_schedule()
-                self._in_flight = (ahead, launched)
+            self._count_schedule()
+            self._in_flight = (ahead, self.model_runner.execute_async(ahead))
         self._postprocess(step, pending.get_output(), outputs, done)
 
     def _postprocess(self, step, result, outputs: list, done: list) -> None:

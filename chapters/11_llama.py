@@ -193,110 +193,51 @@ assert graph_size_for(5, sizes) == 8 and graph_size_for(256, sizes) == 256
 assert graph_size_for(257, sizes) is None and cuda_graph_sizes(6) == [1, 2, 4, 6]
 
 # %% [markdown]
-# ## One copy per step
+# ## One copy per step, padded
 #
-# Eagerly, chapter 8b's runner copies a decode step's arrays to the GPU one by one:
-# token ids, positions, query starts, lengths, slots, block tables, then four arrays of
-# sampling settings. Each copy is a call from Python into the driver, as a launch is,
-# and a graph replay does not remove them. So the graph path packs them: every field of
-# a step of `rows` rows sits at a fixed offset of one pinned host buffer, and one copy
-# moves the lot into a device buffer of the same layout. The 8-byte fields come first so
-# that every field is aligned. Each batch size has its own layout, and its graph was
-# captured reading the device buffer at that layout's offsets.
+# Chapter 8b's runner already moves a step's inputs in one copy: `PackedInputs` lays
+# every field of the step's `InputBatch` — ids, positions, slots, lengths, block tables,
+# sampling settings — at a fixed offset of one pinned host buffer, and one copy moves
+# them into a device buffer of the same layout. A graph adds one demand: the layout is
+# the one the graph was captured reading. So a decode step of 5 rows that replays the
+# graph of 8 is packed as a step of 8 (`pack(..., pad_to=8)`): its 5 rows, then 3
+# padding rows, and the device views are the very ones the graph of 8 recorded. The
+# layout of a shape is made once, so every replay of a size reads the same addresses.
 #
-# There are two host buffers, used in turn. A copy from pinned memory is queued, not
-# done, when `copy` returns; the section on overlap below fills the next step's buffer
-# while the last step's copy may still be waiting on the stream, so it must not be the
-# same buffer.
+# Nothing here is a second batch type: the fields a graph needs — the padding and
+# `prev_rows`, the overlap section's — are fields of the one batch, unused before this
+# chapter.
 
 # %%
-#| export
-from numba import cuda
+from tinyvllm_lib.engine.input_batch import InputBatch, PackedInputs  # noqa: E402
+from tinyvllm_lib.engine.request import Request  # noqa: E402
+from tinyvllm_lib.engine.sampling_params import SamplingParams  # noqa: E402
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput  # noqa: E402
 
-# a decode step's inputs in the order they are packed; the 8-byte fields first, so that
-# every field is aligned
-DECODE_FIELDS = (
-    ("ids", np.int64),
-    ("positions", np.int64),
-    ("slot_mapping", np.int64),
-    ("uniform", np.float64),
-    ("top_k", np.int64),
-    (
-        "prev_rows",
-        np.int64,
-    ),  # the row of the step before whose sampled id feeds this row
-    ("seq_lens", np.int32),
-    ("temperature", np.float32),
-    ("top_p", np.float32),
-    ("block_tables", np.int32),  # rows x max_blocks
-)
-
-
-class PackedDecodeInputs:
-    """A decode step's inputs for up to max_rows rows, packed back to back in a pinned
-    host buffer and one device buffer of the same layout: one copy per step. Two host
-    buffers (`turn` 0 and 1), so one can be filled while the other's copy is queued.
-    """
-
-    def __init__(self, max_rows: int, max_blocks: int):
-        self.max_rows, self.max_blocks = max_rows, max_blocks
-        nbytes = self.nbytes(max_rows)
-        self.hosts = [cuda.pinned_array(nbytes, np.uint8) for _ in range(2)]
-        self.device = cuda.device_array(nbytes, np.uint8)
-        self._views: dict = {}  # (rows, on_device, turn) -> views, made once
-
-    def _layout(self, rows: int):
-        at = 0
-        for name, dtype in DECODE_FIELDS:
-            count = rows * (self.max_blocks if name == "block_tables" else 1)
-            yield name, dtype, at, count
-            at += count * np.dtype(dtype).itemsize
-
-    def nbytes(self, rows: int) -> int:
-        return sum(
-            count * np.dtype(d).itemsize for _, d, _, count in self._layout(rows)
-        )
-
-    def views(self, rows: int, on_device: bool, turn: int = 0) -> dict:
-        """Each field of a rows-row step, as a view of host buffer `turn` or of the
-        device buffer (the same views every call: a step fills them, it does not remake
-        them).
-        """
-        key = (rows, on_device, 0 if on_device else turn)
-        if key not in self._views:
-            self._views[key] = self._make_views(rows, on_device, turn)
-        return self._views[key]
-
-    def _make_views(self, rows: int, on_device: bool, turn: int) -> dict:
-        buffer, out = self.device if on_device else self.hosts[turn], {}
-        for name, dtype, at, count in self._layout(rows):
-            view = buffer[at : at + count * np.dtype(dtype).itemsize].view(dtype)
-            out[name] = (
-                view.reshape(rows, self.max_blocks) if name == "block_tables" else view
-            )
-        return out
-
-    def copy(self, rows: int, stream, turn: int = 0) -> None:
-        """Queue the copy of host buffer `turn`'s rows-row layout to the device, on
-        `stream`.
-        """
-        n = self.nbytes(rows)
-        self.device[:n].copy_to_device(self.hosts[turn][:n], stream=stream)
-
-
-# %%
 if can_launch():  # pinned and device buffers: a GPU or the simulator
-    packed = PackedDecodeInputs(max_rows=8, max_blocks=4)
-    host = packed.views(5, on_device=False)
-    host["ids"][:] = rng.integers(0, 100, 5)
-    host["block_tables"][:] = rng.integers(0, 50, (5, 4))
-    host["temperature"][:] = rng.random(5)
-    packed.copy(5, stream=0)
-    device = packed.views(5, on_device=True)
-    assert np.array_equal(device["ids"].copy_to_host(), host["ids"])
-    assert np.array_equal(device["block_tables"].copy_to_host(), host["block_tables"])
-    assert np.array_equal(device["temperature"].copy_to_host(), host["temperature"])
-    print(f"a 5-row step moves {packed.nbytes(5)} bytes in one copy")
+    five = [
+        Request(str(i), None, rng.integers(0, 100, 3 + i).tolist(),
+                SamplingParams(temperature=0.5 * (i % 2)), 8, (),
+                generator=np.random.default_rng(i))
+        for i in range(5)
+    ]
+    for r in five:  # each has computed its prompt but its last token
+        r.num_computed_tokens = r.num_prompt_tokens - 1
+    tables = rng.integers(0, 50, (5, 4)).astype(np.int32)
+    decode = SchedulerOutput(five, [1] * 5, 0, tables)
+    batch = InputBatch.from_step(decode, block_size=16)
+    packed = PackedInputs(max_tokens=8, max_rows=8, max_blocks=4)
+    packed.pack(batch, turn=0, pad_to=8)
+    packed.copy(batch, stream=0)
+    device = {name: view.copy_to_host() for name, view in batch.device.items()}
+    assert np.array_equal(device["token_ids"][:5], batch.token_ids)
+    assert np.array_equal(device["block_tables"][:5], decode.block_tables)
+    assert (device["slot_mapping"][5:] == -1).all()
+    assert (device["seq_lens"][5:] == 1).all()
+    assert np.array_equal(device["query_start_loc"], np.arange(9))
+    print(f"5 rows padded to 8: ids {device['token_ids'].tolist()}, "
+          f"slots {device['slot_mapping'].tolist()}")
+
 
 # %% [markdown]
 # ## Log-probabilities on the GPU
@@ -428,15 +369,18 @@ if can_launch():  # a GPU or the simulator
     print("GPU log-probs match NumPy's; row 1's top 3:", top_i.copy_to_host()[1, :3])
 
 # %% [markdown]
-# The graph runner below samples with it: after the sampling kernel, the same stream
-# runs `gpu_logprobs` on the sampled ids where any row asked, and the host receives ids
-# and the asked-for numbers only. `enqueue` queues that work and the copies into one of
-# two pinned host buffers, and returns at once; `finish` reads the buffer once the
-# stream has passed the copies. `collect`, the sampler's blocking call, is the two back
-# to back.
+# The runner samples with it on the GPU (the engine gives every runner on "cuda" this
+# sampler): after the sampling kernel, the same stream runs `gpu_logprobs` on the
+# sampled ids where any row asked, and the host receives ids and the asked-for numbers
+# only. `enqueue` queues that work and the copies into one of two pinned host buffers,
+# and returns at once; `finish` reads the buffer once the stream has passed the copies.
+# More than `MAX_LOGPROBS` goes chapter 8b's way, through the host.
 
 # %%
 #| export engine.cuda_graphs
+import numpy as np
+from numba import cuda
+
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
 from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
@@ -445,7 +389,7 @@ from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
 class GpuLogprobsSampler(CudaSampler):
     """CudaSampler with log-probabilities computed on the GPU (up to MAX_LOGPROBS top
     tokens): only the ids and the asked-for numbers cross to the host, into one of two
-    pinned buffers (`turn`).
+    pinned buffers (`turn`); nothing waits. More than MAX_LOGPROBS: the host's way.
     """
 
     def __init__(self, vocab_size: int, max_rows: int, stream=0):
@@ -455,7 +399,6 @@ class GpuLogprobsSampler(CudaSampler):
         self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
         self.pinned = [
             {
-                "ids": cuda.pinned_array(max_rows, np.int64),
                 "chosen": cuda.pinned_array(max_rows, np.float32),
                 "top_ids": cuda.pinned_array((max_rows, MAX_LOGPROBS), np.int64),
                 "top_values": cuda.pinned_array((max_rows, MAX_LOGPROBS), np.float32),
@@ -464,69 +407,50 @@ class GpuLogprobsSampler(CudaSampler):
         ]
 
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
-        """Queue the log-probs (if asked) and the copies of the sampled rows to pinned
-        buffer `turn`; nothing waits. What finish needs.
-        """
         n, s, host = len(metadata.temperature), self.stream, self.pinned[turn]
         k = int(metadata.num_logprobs.max(initial=-1))
-        if k > MAX_LOGPROBS:
-            raise ValueError(f"the GPU gives at most {MAX_LOGPROBS} log-probs, not {k}")
-        self.ids[:n].copy_to_host(host["ids"][:n], stream=s)
-        if k >= 0:
-            gpu_logprobs(
-                logits[:n],
-                self.ids[:n],
-                k,
-                self.chosen,
-                self.top_ids,
-                self.top_values,
-                s,
-            )
-            self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
+        if n == 0 or not 0 <= k <= MAX_LOGPROBS:
+            return super().enqueue(logits, metadata, turn)
+        self.ids[:n].copy_to_host(self.host_ids[turn][:n], stream=s)
+        gpu_logprobs(
+            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values, s
+        )
+        self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
         if k > 0:  # whole rows: a copy of contiguous memory
             self.top_ids[:n].copy_to_host(host["top_ids"][:n], stream=s)
             self.top_values[:n].copy_to_host(host["top_values"][:n], stream=s)
         return turn, n, k
 
     def finish(self, queued: tuple) -> SamplerOutput:
-        """The samples of an enqueue whose copies are done (the caller waited)."""
         turn, n, k = queued
-        host = self.pinned[turn]
-        out = SamplerOutput(host["ids"][:n].copy())
-        if k >= 0:
-            out.logprobs = host["chosen"][:n].copy()
+        if not isinstance(k, int):  # the host's log-probs, or none
+            return super().finish(queued)
+        out, host = SamplerOutput(self.host_ids[turn][:n].copy()), self.pinned[turn]
+        out.logprobs = host["chosen"][:n].copy()
         if k > 0:
             out.top_ids = host["top_ids"][:n, :k].copy()
             out.top_logprobs = host["top_values"][:n, :k].copy()
         return out
 
-    def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
-        if int(metadata.num_logprobs.max(initial=-1)) > MAX_LOGPROBS:
-            return super().collect(logits, metadata)  # the host's log_softmax
-        queued = self.enqueue(logits, metadata, 0)
-        self.stream.synchronize() if self.stream else cuda.synchronize()
-        return self.finish(queued)
-
 
 # %% [markdown]
-# ## The graph runner
+# ## The graphs, a part of the runner
 #
-# `CudaGraphRunner` is chapter 8b's `ModelRunner` with a decode path of graphs. Once the
-# KV cache exists it captures, for each size, a function that launches the runner's own
-# kernels — the layer loop (`ModelRunner.launch`, written to be capturable) and the
-# sampler's kernel — on views of the packed buffer. Capturing first runs the function
-# once, to compile and load every kernel, so the buffers are filled with harmless
-# inputs before: token 0 at position 0, slot −1, a context of one token in block 0.
+# `CudaGraphs` is a part the runner holds, made by the engine once the KV cache exists
+# (the graphs record the cache's address). For each size it packs a batch of padding
+# rows (token 0 at position 0, slot −1, a context of one token in block 0) and captures
+# a function of that batch: the runner's own `run` — the layer loop, the head and the
+# sampler's kernel, written in chapter 8b to read nothing but the batch's device views
+# and the runner's buffers. Capturing first runs the function once, which compiles and
+# loads every kernel it launches.
 #
-# `execute_async` then asks whether the step can replay: no prefill in it, every row due
-# a token, and a size that holds it. If so it fills a host buffer (padding rows as
-# above), queues its copy, replays, and queues the sampler's log-probabilities and the
-# copies of the samples back, then returns without waiting: what it returns
-# (`AsyncModelRunnerOutput`, vLLM's name) waits when asked for its output. `execute` is
-# the two back to back.
-# Anything else goes to `ModelRunner.execute`. Nothing else changes: the scheduler, the
-# cache and the engine do not know whether a step was replayed. `LLM(...,
-# enforce_eager=True)` (vLLM's name) turns graphs off.
+# `size_for` is the one place that decides whether a step replays: a batch whose every
+# request has one new token and is due its next one, with no prompt rows to keep
+# (`is_uniform_decode`), and a size that holds it. The runner's `execute_async` asks it,
+# packs the batch padded to that size, queues the one copy, and replays instead of
+# running; the sampler's log-probabilities and the copies back are queued after, as for
+# any step. Nothing else changes: the scheduler and the cache do not know whether a step
+# was replayed. `LLM(..., enforce_eager=True)` (vLLM's name) makes no graphs.
 #
 # In numba's simulator, where this book's CI runs, a "replay" calls the function again:
 # the padding and the packed inputs are tested there, the capture only on a GPU.
@@ -535,6 +459,55 @@ class GpuLogprobsSampler(CudaSampler):
 # `prev_rows` field is r ≥ 0 takes as its token id the id that the step before sampled
 # in its row r, read on the GPU from the sampler's buffer; −1, in every row of a step
 # the host knows whole, leaves the copied id.
+
+# %% [markdown]
+# One step, end to end, as the library now runs it — each box is a type or a call a
+# reader can find by name, the arrows what passes between them. The scheduler's side
+# (left) knows requests and blocks; the runner's (right) knows buffers and kernels; the
+# two meet in `SchedulerOutput` and `ModelRunnerOutput`, in a module neither owns.
+
+
+# %% tags=["hide-input"]
+def draw_step_flow():
+    """One engine step: schedule() to RequestOutput, through the one batch."""
+    boxes = [  # (x, y, text, side): side 0 the scheduler's, 1 the runner's, 2 shared
+        (0.0, 5, "Scheduler.schedule()\n(or schedule_ahead: prev_rows)", 0),
+        (0.0, 4, "SchedulerOutput\nrequests, new tokens, block tables", 2),
+        (1.0, 4, "InputBatch.from_step\nids, positions, metadata,\n"
+         "logits rows, sampling", 1),
+        (1.0, 3, "PackedInputs.pack + copy\none pinned buffer -> one copy\n"
+         "(padded to a graph's size)", 1),
+        (1.0, 2, "CudaGraphs.size_for(batch)?\nreplay its graph : run(batch)\n"
+         "next_ids, layers, head, sampler", 1),
+        (1.0, 1, "sampler.enqueue\nids (+ log-probs) -> pinned host", 1),
+        (1.0, 0, "AsyncModelRunnerOutput\n.get_output() waits", 1),
+        (0.0, 1, "ModelRunnerOutput\nsampled ids, prompt logits", 2),
+        (0.0, 0, "Scheduler.postprocess\n-> RequestOutput", 0),
+    ]
+    fig, ax = new_figure(height=5.2, width=8.5)
+    colors = ("#dbe9f6", "#fde2c8", "#e4e4e4")
+    for x, y, text, side in boxes:
+        ax.text(x, y, text, ha="center", va="center", fontsize=8.5,
+                bbox={"boxstyle": "round,pad=0.4", "fc": colors[side], "ec": "0.4"})
+    arrows = [((0, 5), (0, 4)), ((0, 4), (1, 4)), ((1, 4), (1, 3)), ((1, 3), (1, 2)),
+              ((1, 2), (1, 1)), ((1, 1), (1, 0)), ((1, 0), (0, 1)), ((0, 1), (0, 0))]
+    for (x0, y0), (x1, y1) in arrows:
+        ax.annotate("", (x1 + (0.3 if x1 < x0 else -0.3 if x1 > x0 else 0),
+                         y1 + (0.32 if y1 < y0 else 0)),
+                    (x0 + (-0.3 if x1 < x0 else 0.3 if x1 > x0 else 0),
+                     y0 - (0.32 if y1 < y0 else 0)),
+                    arrowprops={"arrowstyle": "->", "color": "0.3"})
+    ax.text(0.0, 5.75, "the scheduler's side", ha="center", fontsize=9, color="#2b5d8a")
+    ax.text(1.0, 5.75, "the runner's side (GPU)", ha="center", fontsize=9,
+            color="#a0522d")
+    ax.set_xlim(-0.55, 1.55)
+    ax.set_ylim(-0.6, 6.1)
+    ax.axis("off")
+    return fig
+
+
+draw_step_flow()
+plt.show()
 
 # %%
 #| export kernels.next_ids
@@ -579,232 +552,77 @@ if can_launch():  # a GPU or the simulator
 
 # %%
 #| export
-from dataclasses import dataclass
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
-from tinyvllm_lib.engine.model_runner import ModelRunner, StepInputs, prepare_inputs
-from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from tinyvllm_lib.engine.input_batch import InputBatch
 from tinyvllm_lib.kernels.next_ids import next_ids
-from tinyvllm_lib.layers.attention_metadata import (
-    AttentionMetadata,
-    build_attention_metadata,
-)
-
-# what a padding row's fields hold: token 0 at position 0, no slot, one token of
-# context in block 0, greedy, its id its own
-PADDING = {
-    "ids": 0,
-    "positions": 0,
-    "slot_mapping": -1,
-    "uniform": 0.0,
-    "top_k": 0,
-    "prev_rows": -1,
-    "seq_lens": 1,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "block_tables": 0,
-}
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+from tinyvllm_lib.layers.attention_metadata import build_attention_metadata
 
 
-def pad_decode_inputs(host: dict, start: int) -> None:
-    """Rows start.. of a packed step's host views: padding."""
-    for name, value in PADDING.items():
-        host[name][start:] = value
-
-
-def fill_decode_inputs(
-    packed: PackedDecodeInputs, rows: int, inputs, turn: int = 0, prev_rows=None
-) -> None:
-    """Host buffer `turn` of a rows-row decode step: inputs' rows (StepInputs of a
-    decode step; prev_rows, if given, where their ids come from), then padding.
+def padding_batch(rows: int, block_size: int) -> InputBatch:
+    """A decode batch of `rows` padding rows: token 0 at position 0 of a one-token
+    context in block 0, slot -1 (the KV write skips it), greedy.
     """
-    host, m, n = (
-        packed.views(rows, on_device=False, turn=turn),
-        inputs.metadata,
-        inputs.num_sampled,
-    )
-    pad_decode_inputs(host, n)
-    host["ids"][:n], host["positions"][:n] = inputs.token_ids, inputs.positions
-    host["slot_mapping"][:n], host["seq_lens"][:n] = m.slot_mapping, m.seq_lens
-    host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
-    for name in SAMPLING_FIELDS:
-        host[name][:n] = getattr(inputs.sampling, name)
-    # -1: the copied id stands (a buffer keeps what the last step in it wrote)
-    host["prev_rows"][:n] = -1 if prev_rows is None else prev_rows
-
-
-def ahead_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
-    """A decode step scheduled while the step before is in flight: each request's last
-    token is that step's sample, not yet on the host, so the positions are one past its
-    num_computed_tokens and the ids are left to next_ids.
-    """
-    requests, n = step.requests, len(step.requests)
-    computed = np.fromiter((r.num_computed_tokens + 1 for r in requests), np.int32, n)
+    ones = np.ones(rows, np.int32)
     positions, metadata = build_attention_metadata(
-        np.ones(n, np.int32), computed + 1, step.block_tables, block_size, 0
+        ones, ones, np.zeros((rows, 1), np.int32), block_size, 0
     )
-    sampling = SamplingMetadata.from_params(
-        [r.params for r in requests], [r.generator for r in requests]
+    metadata = replace(metadata, slot_mapping=np.full(rows, -1, np.int64))
+    sampling = SamplingMetadata(
+        np.zeros(rows, np.float32), np.zeros(rows, np.int64),
+        np.ones(rows, np.float32), np.zeros(rows, np.float64),
+        np.full(rows, -1, np.int64),
     )
-    return StepInputs(
-        np.zeros(n, np.int64), positions, metadata, np.arange(n), {}, sampling, n
-    )
+    return InputBatch(rows, np.zeros(rows, np.int64), positions, metadata,
+                      np.arange(rows, dtype=np.int64), {}, sampling)
 
 
-@dataclass
-class AsyncModelRunnerOutput:
-    """A replayed step still on the GPU (vLLM's name): get_output() waits for its
-    samples.
+class CudaGraphs:
+    """A runner's decode steps as CUDA graphs: one per size of
+    cuda_graph_sizes(max_num_seqs), captured over its buffers and KV cache; size_for
+    decides which steps replay one.
     """
 
-    sampler: GpuLogprobsSampler
-    queued: tuple
-    event: object  # recorded after the copies to the host
-    num_rows: int
-
-    def get_output(self) -> ModelRunnerOutput:
-        self.event.synchronize()
-        return ModelRunnerOutput(
-            self.sampler.finish(self.queued), [None] * self.num_rows
-        )
-
-
-class CudaGraphRunner(ModelRunner):
-    """ModelRunner on "cuda" whose decode steps replay CUDA graphs: one per batch size
-    of cuda_graph_sizes(max_num_seqs), captured when the KV cache is made; prefills and
-    mixed steps run eagerly.
-    """
-
-    def __init__(
-        self, folder, config, num_kv_slots: int | None = None, progress: bool = True
-    ):
-        if config.device != "cuda":
-            raise ValueError(f"CUDA graphs need device='cuda', got {config.device!r}")
+    def __init__(self, runner, progress: bool = True):
+        if runner.device != "cuda" or runner.kv_cache is None:
+            raise ValueError("CUDA graphs need a runner on 'cuda' with its KV cache")
+        self.runner, self.sizes = runner, cuda_graph_sizes(runner.max_num_seqs)
         self.graphs: dict[int, CudaGraph] = {}
-        self.progress = progress  # a bar while capturing
-        super().__init__(folder, config, num_kv_slots)
-        self.turn = 0  # the host buffers the next replayed step uses
-        self.events = [cuda.event(), cuda.event()]
-
-    def init_kv_cache(self, num_slots: int) -> None:
-        """Make the KV cache, then capture the decode graphs over it."""
-        super().init_kv_cache(num_slots)
-        self.capture()
-
-    def capture(self) -> None:
-        """Capture one decode graph per size of cuda_graph_sizes(max_num_seqs)."""
-        # log-probs on the GPU; made before capturing, since a graph records its buffers
-        if not isinstance(self.sampler, GpuLogprobsSampler):
-            self.sampler = GpuLogprobsSampler(
-                self.config.vocab_size, self.max_num_seqs, self.stream
-            )
-        self.graph_sizes = cuda_graph_sizes(self.max_num_seqs)
-        self.packed = PackedDecodeInputs(
-            self.max_num_seqs, self.step_arrays["block_tables"].shape[1]
-        )
-        # decode rows start where they are: query s is row s
-        self.decode_starts = cuda.to_device(
-            np.arange(self.max_num_seqs + 1, dtype=np.int32)
-        )
-        sizes = tqdm(
-            self.graph_sizes,
-            desc="Capturing CUDA graphs",
-            unit="graph",
-            disable=not self.progress,
-        )
-        self.graphs = {}
+        bar = tqdm(self.sizes, desc="Capturing CUDA graphs", unit="graph",
+                   disable=not progress)
         # no memory may be freed while a stream is being captured
         with cuda.defer_cleanup():
-            for rows in sizes:
-                self._pad(rows, 0)  # harmless inputs for the warm-up launch
-                self.packed.copy(rows, self.stream)
-                self.graphs[rows] = CudaGraph(self._decode_launch(rows), self.stream)
-            self.stream.synchronize()
+            for rows in bar:  # each size's layout, filled with harmless rows
+                batch = padding_batch(rows, runner.block_size)
+                runner.packed.pack(batch, turn=0, pad_to=rows)
+                runner.packed.copy(batch, runner.stream)
+                self.graphs[rows] = CudaGraph(self.step_function(batch), runner.stream)
+            runner.stream.synchronize()
 
-    def _decode_launch(self, rows: int):
-        """The function a graph captures: a rows-row decode step, layers to samples, on
-        the packed buffer's views.
-        """
-        v = self.packed.views(rows, on_device=True)
-        buffers = {name: buf[:rows] for name, buf in self.activations.items()}
-        buffers["ids"], buffers["positions"] = v["ids"], v["positions"]
-        metadata = AttentionMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            max_query_len=1,
-            query_start_loc=self.decode_starts[: rows + 1],
-            seq_lens=v["seq_lens"],
-            slot_mapping=v["slot_mapping"],
-            block_tables=v["block_tables"],
-            block_size=self.block_size,
-        )
-        staged = {"buffers": buffers, "metadata": metadata, "rows": rows}
-        staged["indices"] = None  # a decode step: the head takes every row
-        sampling = {name: v[name] for name in SAMPLING_FIELDS}
-        sampler = self.sampler  # the one whose buffers the graph records
+    def step_function(self, batch: InputBatch):
+        """What a graph captures: a padded decode step on the batch's device views."""
+        runner, v = self.runner, batch.device
 
         def launch(stream):
-            # rows scheduled ahead take the last step's samples (the others keep theirs)
-            next_ids(v["prev_rows"], sampler.ids, v["ids"], stream)
-            logits = self.launch(staged, stream)
-            sampler.launch(logits, stream, rows=sampling)
+            # rows planned ahead take the last step's samples (the others keep theirs)
+            next_ids(v["prev_rows"], runner.sampler.ids, v["token_ids"], stream)
+            runner.run(batch, stream)
 
         return launch
 
-    def _pad(self, rows: int, start: int) -> None:
-        """Fill rows start.. of the host buffer's rows-row layout with padding."""
-        pad_decode_inputs(self.packed.views(rows, on_device=False), start)
-
-    def graph_size(self, step: SchedulerOutput) -> int | None:
-        """The graph a step can replay: a decode step that fits one, every row due its
-        next token, none collecting prompt logits, log-probs within the GPU's; else
-        None.
+    def size_for(self, batch: InputBatch) -> int | None:
+        """The graph a batch replays: a uniform decode step that a size holds; else
+        None (it runs eagerly).
         """
-        if (
-            not self.graphs
-            or step.num_prefills
-            or step.num_tokens != len(step.requests)
-        ):
+        if not batch.is_uniform_decode:
             return None
-        for r in step.requests:
-            if (
-                r.num_computed_tokens + 1 < r.num_tokens  # a recomputation's chunk
-                or (r.params.prompt_logprobs is not None and r.prompt_logprobs is None)
-                or (r.params.logprobs or 0) > MAX_LOGPROBS
-            ):
-                return None
-        return graph_size_for(len(step.requests), self.graph_sizes)
+        return graph_size_for(batch.num_reqs, self.sizes)
 
-    def execute_async(
-        self, step: SchedulerOutput, prev_rows=None
-    ) -> AsyncModelRunnerOutput | None:
-        """Replay a decode step and return at once, or None if no graph takes it.
-        prev_rows: a step scheduled ahead (see ahead_inputs): each row's row in the step
-        before, whose sample is its token.
-        """
-        rows = self.graph_size(step)
-        if rows is None:
-            return None
-        if prev_rows is None:
-            inputs = prepare_inputs(step, self.block_size)
-        else:
-            inputs = ahead_inputs(step, self.block_size)
-        turn, self.turn = self.turn, 1 - self.turn
-        fill_decode_inputs(self.packed, rows, inputs, turn, prev_rows)
-        self.packed.copy(rows, self.stream, turn)
+    def replay(self, rows: int) -> None:
         self.graphs[rows].replay()
-        queued = self.sampler.enqueue(self.logits, inputs.sampling, turn)
-        self.events[turn].record(self.stream)
-        return AsyncModelRunnerOutput(
-            self.sampler, queued, self.events[turn], len(step.requests)
-        )
-
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        pending = self.execute_async(step)
-        return super().execute(step) if pending is None else pending.get_output()
 
 
 # %% [markdown]
@@ -851,15 +669,19 @@ else:
 #
 # - The scheduler does not need the tokens to plan a decode step, only their number:
 #   every running request gets one more. `AsyncScheduler.schedule_ahead` plans it from
-#   the step in flight, with a slot for the position one past.
+#   the step in flight, with a slot for the position one past: a plain
+#   `SchedulerOutput` whose `prev_rows` say, for each row, its row in step n. Chapter
+#   8b's `InputBatch.from_step` reads that field and starts each row one position
+#   further, its id left at 0: the same builder, the same batch.
 # - The GPU has the tokens: `next_ids`, the first kernel of each graph, copies each
 #   row's id from the sampler's buffer of the step before (`prev_rows`), so the ids
 #   never make the round trip through the host.
 # - A request may finish at step n (an end-of-sequence token, a stop string) after step
-#   n + 1 was launched with it. Its row of step n + 1 computes a token nobody reads: the
-#   scheduler drops it. A request whose last token by length is step n's is not
-#   scheduled ahead at all, and a waiting request is admitted at the next full schedule,
-#   one step later than it would otherwise be.
+#   n + 1 was launched with it. Its row of step n + 1 computes a token nobody reads:
+#   chapter 10's `PagedScheduler.postprocess` skips the rows of finished requests. A
+#   request whose last token by length is step n's is not scheduled ahead at all, and
+#   a waiting request is admitted at the next full schedule, one step later than it
+#   would otherwise be.
 #
 # The engine (chapter 10's `LLMEngine`, with `async_scheduling`, on by default with
 # graphs) then keeps one step in flight: launch step n + 1, then wait for step n and
@@ -872,49 +694,22 @@ else:
 
 # %%
 #| export engine.async_scheduler
-from dataclasses import dataclass
-
 import numpy as np
 
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
-from tinyvllm_lib.engine.request import Request
-from tinyvllm_lib.engine.sampler import SamplerOutput
-from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
-
-
-@dataclass
-class AheadSchedulerOutput(SchedulerOutput):
-    """A decode step planned while the step before is in flight: row i's token is the
-    one that step samples in its row prev_rows[i].
-    """
-
-    prev_rows: np.ndarray | None = None
-
-
-def take_rows(sampled: SamplerOutput, rows: list[int]) -> SamplerOutput:
-    """The samples of some rows."""
-    return SamplerOutput(
-        *(
-            None if a is None else a[rows]
-            for a in (
-                sampled.token_ids,
-                sampled.logprobs,
-                sampled.top_ids,
-                sampled.top_logprobs,
-            )
-        )
-    )
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 
 
 class AsyncScheduler(PagedScheduler):
     """PagedScheduler that can plan the next decode step before the step in flight is
-    post-processed (vLLM's async scheduling), and drops the tokens of requests that
-    finished meanwhile.
+    post-processed (vLLM's async scheduling). PagedScheduler.postprocess already drops
+    the token of a request that finished meanwhile.
     """
 
-    def schedule_ahead(self, prev: SchedulerOutput) -> AheadSchedulerOutput | None:
-        """The decode step after prev, prev's tokens not yet known; None where only a
-        full schedule will do (prev not all decodes, someone to admit, a short pool).
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after prev, prev's tokens not yet known (its prev_rows say
+        where they are); None where only a full schedule will do (prev not all decodes,
+        someone to admit, a short pool).
         """
         if prev.num_prefills or prev.num_tokens != len(prev.requests):
             return None
@@ -936,32 +731,13 @@ class AsyncScheduler(PagedScheduler):
                 return None
         if not requests:
             return None
-        return AheadSchedulerOutput(
+        return SchedulerOutput(
             requests,
             [1] * len(requests),
             0,
             self.block_tables(requests),
-            np.asarray(rows, np.int64),
+            prev_rows=np.asarray(rows, np.int64),
         )
-
-    def postprocess(
-        self, step: SchedulerOutput, result: ModelRunnerOutput
-    ) -> list[Request]:
-        """PagedScheduler's, less the rows of requests that finished (or were aborted)
-        while the step was in flight: their tokens are dropped.
-        """
-        keep = [i for i, r in enumerate(step.requests) if not r.is_finished]
-        if len(keep) < len(step.requests):  # only decode steps are ever in flight
-            step = SchedulerOutput(
-                [step.requests[i] for i in keep],
-                [1] * len(keep),
-                0,
-                step.block_tables[keep],
-            )
-            result = ModelRunnerOutput(
-                take_rows(result.sampled, keep), [None] * len(keep)
-            )
-        return super().postprocess(step, result)
 
 
 # %% [markdown]
@@ -2081,11 +1857,12 @@ if "throughput" not in by_name:
 # ## What the host still costs
 #
 # A graph removes the launches, not the host's other work: every step the scheduler
-# picks its requests, `prepare_inputs` builds the arrays and the graph runner packs
-# them, and after the step each request takes its token, detokenizes it and checks its
-# stop conditions. The overlap hides that work behind the GPU's only while it is the
-# shorter. `bench/ch11_host_cpu.py` measures it alone, with the runner replaced by one
-# that packs the step and returns random tokens at once, on this project's CPU machine.
+# picks its requests, `InputBatch.from_step` builds the arrays and `PackedInputs`
+# packs them, and after the step each request takes its token, detokenizes it and
+# checks its stop conditions. The overlap hides that work behind the GPU's only while
+# it is the shorter. `bench/ch11_host_cpu.py` measures it alone, with the runner
+# replaced by one that packs the step and returns random tokens at once, on this
+# project's CPU machine.
 #
 # One part of it is the text: each new token is decoded twice (the incremental
 # detokenizer's prefix and full text). A request whose output kind is `FINAL_ONLY` and
@@ -2403,8 +2180,9 @@ one setting for all of them leaves that much on the table.
 #   the batch size and a fixed bound; cuBLAS gets a fixed workspace.
 # - One graph per batch size, vLLM's buckets; a step pads up to the next size with rows
 #   that read real memory and write no slot. Prefills run eagerly.
-# - A decode step's inputs are packed into a pinned buffer (two, used in turn) and
-#   moved with one copy;
+# - The graphs are a part the runner holds (`CudaGraphs`), captured over chapter 8b's
+#   `run` and its one packed `InputBatch`; `size_for` is the one place that decides
+#   whether a step replays, and the same batch, padded, is what a replay reads;
 #   sampling runs inside the graph from per-row settings, and log-probabilities are
 #   computed on the GPU: only ids and the asked-for numbers reach the host.
 # - Async scheduling keeps one decode step in flight: the scheduler plans step n + 1
@@ -2440,7 +2218,7 @@ one setting for all of them leaves that much on the table.
 # 2. Capture the graph of 8 with `max_context_len` set to 512 instead of the engine's
 #    bound. Which requests would it serve wrongly, and would a test in the simulator
 #    notice? Why not?
-# 3. `PackedDecodeInputs` copies every row of the block table each step, though a row
+# 3. `PackedInputs` copies every row of the block table each step, though a row
 #    changes by at most one entry a step. How could the graph read a table kept on the
 #    GPU instead, and what would a 256-row step save?
 # 4. `logprobs_kernel` makes k passes over the row. Write the one-pass version (each

@@ -8,7 +8,7 @@ admission while others decode, the pool freed), not the kernels (tests/test_cuda
 import numpy as np
 import pytest
 
-from tinyvllm_lib.engine.async_scheduler import AheadSchedulerOutput, AsyncScheduler
+from tinyvllm_lib.engine.async_scheduler import AsyncScheduler
 from tinyvllm_lib.engine.llm_engine import LLMEngine
 from tinyvllm_lib.engine.sampler import SamplerOutput
 from tinyvllm_lib.engine.sampling_params import SamplingParams
@@ -30,17 +30,18 @@ def token_at(request, index: int) -> int:
 
 
 class Pending:
-    def __init__(self, ids):
-        self.ids, self.collected = ids, False
+    def __init__(self, result: ModelRunnerOutput, cudagraph_size):
+        self.result, self.cudagraph_size, self.collected = result, cudagraph_size, False
 
     def get_output(self) -> ModelRunnerOutput:
         assert not self.collected, "collected twice"
         self.collected = True
-        return ModelRunnerOutput(SamplerOutput(np.array(self.ids, np.int64)), [None] * len(self.ids))
+        return self.result
 
 
 class StandInRunner:
-    """execute for any step; execute_async for decode steps, ahead ones too (prev_rows)."""
+    """execute_async for every step, as the GPU runner's: a decode step "replays a graph" (cudagraph_size set),
+    ahead ones too (prev_rows); any other step runs at once."""
 
     def __init__(self):
         self.ahead_steps, self.in_flight, self.last_step = 0, [], None
@@ -50,15 +51,18 @@ class StandInRunner:
                if r.num_computed_tokens + n >= r.num_tokens]
         return ModelRunnerOutput(SamplerOutput(np.array(ids, np.int64)), [None] * len(step.requests))
 
-    def execute_async(self, step, prev_rows=None):
-        if step.num_prefills or step.num_tokens != len(step.requests):
-            return None
-        assert not any(r.is_finished for r in step.requests)
+    def execute_async(self, step):
+        prev_rows = step.prev_rows
         # in flight: at most the step before, which an ahead step follows
         assert len([p for p in self.in_flight if not p.collected]) <= (0 if prev_rows is None else 1)
+        if step.num_prefills or step.num_tokens != len(step.requests):
+            assert prev_rows is None
+            self.in_flight.append(Pending(self.execute(step), None))
+            return self.in_flight[-1]
+        assert not any(r.is_finished for r in step.requests)
         ahead = prev_rows is not None
         if ahead:
-            assert isinstance(step, AheadSchedulerOutput) and len(prev_rows) == len(step.requests)
+            assert len(prev_rows) == len(step.requests)
             # each row's token is the one the step in flight samples in row prev_rows[i]: the same request's
             assert [self.last_step.requests[j] for j in prev_rows] == step.requests
             # a request whose in-flight token is its last by length is not planned ahead
@@ -67,7 +71,8 @@ class StandInRunner:
         self.last_step = step
         # a row's new token is one past its last computed position; ahead, that position is one further
         ids = [token_at(r, r.num_computed_tokens + 1 + ahead) for r in step.requests]
-        self.in_flight.append(Pending(ids))
+        result = ModelRunnerOutput(SamplerOutput(np.array(ids, np.int64)), [None] * len(ids))
+        self.in_flight.append(Pending(result, len(ids)))
         return self.in_flight[-1]
 
 
@@ -171,6 +176,6 @@ def test_a_request_added_while_a_seat_is_free_is_admitted_at_the_next_full_sched
 
 
 def test_async_scheduling_needs_the_graph_runner(folder):
-    with pytest.raises(ValueError, match="async_scheduling needs the CUDA graph runner"):
+    with pytest.raises(ValueError, match="async_scheduling needs CUDA graphs"):
         LLMEngine(folder, "cpu", max_model_len=64, async_scheduling=True)
     assert LLMEngine(folder, "cpu", max_model_len=64).async_scheduling is False

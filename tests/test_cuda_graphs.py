@@ -10,12 +10,13 @@ from compare import agrees, shared_logprob_gaps
 
 import tinyvllm_lib.engine.cuda_graphs as cuda_graphs_module
 from tinyvllm_lib.engine.cuda_graphs import (
-    CudaGraphRunner,
-    PackedDecodeInputs,
+    CudaGraphs,
+    GpuLogprobsSampler,
     cuda_graph_sizes,
     graph_size_for,
 )
 from tinyvllm_lib.engine.engine_config import EngineConfig
+from tinyvllm_lib.engine.input_batch import InputBatch, PackedInputs
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request
@@ -45,29 +46,28 @@ def test_graph_sizes_are_vllms_buckets():
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
 def test_packed_inputs_round_trip_every_field(rng):
-    packed = PackedDecodeInputs(max_rows=16, max_blocks=7)
-    for rows in (1, 5, 16):
-        host = packed.views(rows, on_device=False)
+    packed = PackedInputs(max_tokens=24, max_rows=16, max_blocks=7)
+    for tokens, rows, turn in ((1, 1, 0), (9, 5, 1), (24, 16, 0), (16, 16, 1)):
+        host, device, (to, source) = packed.layout(tokens, rows, turn)
         want = {}
         for name, view in host.items():
             values = rng.integers(-5, 1000, view.shape) if view.dtype.kind == "i" else rng.random(view.shape)
             view[...] = values
             want[name] = view.copy()
             assert view.ctypes.data % view.dtype.itemsize == 0  # aligned
-        packed.copy(rows, stream=0)
-        for name, view in packed.views(rows, on_device=True).items():
+        to.copy_to_device(source)
+        for name, view in device.items():
             np.testing.assert_array_equal(view.copy_to_host(), want[name], err_msg=name)
+    with pytest.raises(ValueError, match="a packed step holds"):
+        packed.layout(25, 1, 0)
 
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
 @pytest.mark.parametrize("turn", [0, 1])
-def test_a_filled_step_feeds_forward_only_the_rows_it_says(rng, turn):
+def test_a_packed_step_feeds_forward_only_the_rows_it_says(rng, turn):
     """Either host buffer, whatever an earlier step left in it: a step the host knows whole has prev_rows -1 in
     every row (its ids stand), a step scheduled ahead has its own; padding rows -1 too."""
-    from tinyvllm_lib.engine.cuda_graphs import ahead_inputs, fill_decode_inputs
-    from tinyvllm_lib.engine.model_runner import prepare_inputs
-
-    packed = PackedDecodeInputs(max_rows=8, max_blocks=4)
+    packed = PackedInputs(max_tokens=8, max_rows=8, max_blocks=4)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     requests = []
     for i in range(3):
@@ -75,15 +75,20 @@ def test_a_filled_step_feeds_forward_only_the_rows_it_says(rng, turn):
         r.output_token_ids.append(7)
         r.num_computed_tokens = 5
         requests.append(r)
-    step = SchedulerOutput(requests, [1, 1, 1], 0, np.array([[1, 0, 0, 0], [2, 0, 0, 0], [3, 0, 0, 0]], np.int32))
-    host = packed.views(4, on_device=False, turn=turn)
+    tables = np.array([[1, 0, 0, 0], [2, 0, 0, 0], [3, 0, 0, 0]], np.int32)
+    step = SchedulerOutput(requests, [1, 1, 1], 0, tables)
+    host = packed.layout(4, 4, turn)[0]
     host["prev_rows"][:] = rng.integers(0, 3, 4)  # what an earlier step ahead left
-    fill_decode_inputs(packed, 4, prepare_inputs(step, 16), turn)
-    assert host["prev_rows"].tolist() == [-1, -1, -1, -1] and host["ids"][:3].tolist() == [7, 7, 7]
-    fill_decode_inputs(packed, 4, ahead_inputs(step, 16), turn, np.array([2, 0, 1]))
-    assert host["prev_rows"].tolist() == [2, 0, 1, -1]
+    batch = InputBatch.from_step(step, 16)
+    packed.pack(batch, turn, pad_to=4)
+    assert host["prev_rows"].tolist() == [-1, -1, -1, -1] and host["token_ids"][:3].tolist() == [7, 7, 7]
+    assert host["slot_mapping"][3] == -1 and host["query_start_loc"].tolist() == [0, 1, 2, 3, 4]
+    ahead = InputBatch.from_step(SchedulerOutput(requests, [1, 1, 1], 0, tables, np.array([2, 0, 1])), 16)
+    packed.pack(ahead, turn, pad_to=4)
+    assert host["prev_rows"].tolist() == [2, 0, 1, -1] and host["token_ids"][:3].tolist() == [0, 0, 0]
     assert host["positions"][:3].tolist() == [6, 6, 6] and host["seq_lens"][:3].tolist() == [7, 7, 7]
     assert host["slot_mapping"][:3].tolist() == [16 * b + 6 for b in (1, 2, 3)]
+    assert ahead.device is packed.layout(4, 4, turn)[1] and ahead.cudagraph_size == 4
 
 
 def new_request(rid, prompt, params):
@@ -117,12 +122,15 @@ def test_graph_runner_decodes_like_the_eager_one_and_padding_writes_nothing(smal
     contexts = [rng.integers(0, 128, n).tolist() for n in (5, 17, 30)]
     tables = np.array([[1, 2, 0, 0], [3, 4, 0, 0], [5, 6, 0, 0]], np.int32)
     results = []
-    for runner_class in (ModelRunner, CudaGraphRunner):
-        runner = runner_class(small_folder, EngineConfig(device="cuda", max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64), 128)
+    for with_graphs in (False, True):
+        config = EngineConfig(device="cuda", max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+        # log-probs: the host's (eager), the GPU's (graphs)
+        runner = ModelRunner(small_folder, config, 128, sampler=GpuLogprobsSampler if with_graphs else None)
         replays = []
-        if runner_class is CudaGraphRunner:
-            assert sorted(runner.graphs) == [1, 2, 4]
-            graph = runner.graphs[4]
+        if with_graphs:
+            runner.graphs = CudaGraphs(runner, progress=False)
+            assert sorted(runner.graphs.graphs) == [1, 2, 4]
+            graph = runner.graphs.graphs[4]
             graph.replay = lambda g=graph, f=graph.replay: (replays.append(g), f())[1]  # count the replays
         cache_rng = np.random.default_rng(1)  # the same cache contents for both runners
         for layer in runner.kv_cache.k + runner.kv_cache.v:
@@ -137,7 +145,6 @@ def test_graph_runner_decodes_like_the_eager_one_and_padding_writes_nothing(smal
         tokens, logprobs, tops = [], [], []
         for _ in range(steps):
             step = SchedulerOutput(requests, [1, 1, 1], 0, tables)
-            assert runner_class is ModelRunner or runner.graph_size(step) == 4
             before = [a.copy_to_host() for a in runner.kv_cache.k + runner.kv_cache.v]
             # each row's new token sits at position num_tokens - 1
             slots = {int(16 * tables[i, (r.num_tokens - 1) // 16] + (r.num_tokens - 1) % 16) for i, r in enumerate(requests)}
@@ -152,7 +159,7 @@ def test_graph_runner_decodes_like_the_eager_one_and_padding_writes_nothing(smal
             for r, t in zip(requests, out.sampled.token_ids):
                 r.num_computed_tokens += 1
                 r.output_token_ids.append(int(t))
-        assert len(replays) == (steps if runner_class is CudaGraphRunner else 0)  # every step replayed the graph of 4
+        assert len(replays) == (steps if with_graphs else 0)  # every step replayed the graph of 4
         results.append((tokens, np.array(logprobs), tops))
     (eager_tokens, eager_lp, eager_top), (graph_tokens, graph_lp, graph_top) = results
     assert graph_tokens == eager_tokens
@@ -191,8 +198,8 @@ def test_gpu_graphs_give_the_eager_tokens(folder, model, rng, monkeypatch):
                 m.setattr(cuda_graphs_module, "cuda_graph_sizes", lambda n: list(range(1, n + 1)))
             llm = LLM(path, device="cuda", max_model_len=512, max_num_seqs=48, enforce_eager=eager)
             runner = llm.llm_engine.model_runner
-            assert isinstance(runner, CudaGraphRunner) != eager
-            assert eager or runner.graph_sizes == (list(range(1, 49)) if every_size else cuda_graph_sizes(48))
+            assert (runner.graphs is None) == eager
+            assert eager or runner.graphs.sizes == (list(range(1, 49)) if every_size else cuda_graph_sizes(48))
             assert llm.llm_engine.async_scheduling != eager  # graphs overlap the host's work by default
             outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
             del llm
@@ -251,13 +258,13 @@ def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, 
     want = [o.outputs[0] for o in LLM(small_folder, device="cpu", max_model_len=64).generate(prompts, params, use_tqdm=False)]
     llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
     engine, ahead = llm.llm_engine, []
-    assert engine.async_scheduling and isinstance(engine.model_runner, CudaGraphRunner)
+    assert engine.async_scheduling and engine.model_runner.graphs is not None
     launch = engine.model_runner.execute_async
 
-    def counted(step, prev_rows=None):  # the replayed steps: ahead or not
-        out = launch(step, prev_rows)
-        if out is not None:
-            ahead.append(prev_rows is not None)
+    def counted(step):  # the replayed steps: ahead or not
+        out = launch(step)
+        if out.cudagraph_size is not None:
+            ahead.append(step.prev_rows is not None)
         return out
 
     engine.model_runner.execute_async = counted

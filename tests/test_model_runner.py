@@ -9,7 +9,8 @@ from numba import cuda
 from tinyvllm_lib import LLM, SamplingParams
 from tinyvllm_lib.engine.contiguous_allocator import ContiguousAllocator
 from tinyvllm_lib.engine.engine_config import EngineConfig
-from tinyvllm_lib.engine.model_runner import ModelRunner, prepare_inputs
+from tinyvllm_lib.engine.input_batch import InputBatch
+from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampler import SamplingMetadata
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
@@ -81,17 +82,24 @@ def test_cuda_runner_matches_cpu(tiny_folder, monkeypatch):
         assert a.shape == b.shape and np.abs(a - b).max() < 0.1
 
 
-def test_prepare_inputs_packs_a_batch():
+def test_input_batch_from_a_step():
     alloc = ContiguousAllocator(3, 32, block_size=16)
     first, second = new_request("a", [4, 5, 6], prompt_logprobs=1), new_request("b", [7, 8])
     first.num_computed_tokens = 0
     second.output_token_ids, second.num_computed_tokens = [9], 2  # decoding: its output token 9 is new
-    inputs = prepare_inputs(SchedulerOutput([first, second], [3, 1], 1, alloc.block_tables([0, 2])), 16)
+    inputs = InputBatch.from_step(SchedulerOutput([first, second], [3, 1], 1, alloc.block_tables([0, 2])), 16)
     np.testing.assert_array_equal(inputs.token_ids, [4, 5, 6, 9])
     np.testing.assert_array_equal(inputs.positions, [0, 1, 2, 2])
     np.testing.assert_array_equal(inputs.metadata.slot_mapping, [0, 1, 2, 2 * 32 + 2])
     np.testing.assert_array_equal(inputs.logits_indices, [2, 3, 0, 1, 2])  # last rows first, then a's prompt rows
     assert inputs.prompt_rows == {0: slice(2, 5)}
+    assert inputs.num_sampled == 2 and not inputs.is_uniform_decode
+    # planned ahead (chapter 11): one position further, its id left to the GPU
+    ahead = InputBatch.from_step(SchedulerOutput([second], [1], 0, alloc.block_tables([2]), np.array([0])), 16)
+    np.testing.assert_array_equal(ahead.token_ids, [0])
+    np.testing.assert_array_equal(ahead.positions, [3])
+    np.testing.assert_array_equal(ahead.metadata.seq_lens, [4])
+    assert ahead.is_uniform_decode and ahead.prev_rows.tolist() == [0]
 
 
 @needs_kernels

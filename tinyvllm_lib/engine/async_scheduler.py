@@ -2,49 +2,22 @@
 # chapter and re-export.
 
 # defined in chapters/11_llama.py
-from dataclasses import dataclass
-
 import numpy as np
 
 from tinyvllm_lib.engine.paged_scheduler import PagedScheduler
-from tinyvllm_lib.engine.request import Request
-from tinyvllm_lib.engine.sampler import SamplerOutput
-from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
-
-
-@dataclass
-class AheadSchedulerOutput(SchedulerOutput):
-    """A decode step planned while the step before is in flight: row i's token is the
-    one that step samples in its row prev_rows[i].
-    """
-
-    prev_rows: np.ndarray | None = None
-
-
-def take_rows(sampled: SamplerOutput, rows: list[int]) -> SamplerOutput:
-    """The samples of some rows."""
-    return SamplerOutput(
-        *(
-            None if a is None else a[rows]
-            for a in (
-                sampled.token_ids,
-                sampled.logprobs,
-                sampled.top_ids,
-                sampled.top_logprobs,
-            )
-        )
-    )
+from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 
 
 class AsyncScheduler(PagedScheduler):
     """PagedScheduler that can plan the next decode step before the step in flight is
-    post-processed (vLLM's async scheduling), and drops the tokens of requests that
-    finished meanwhile.
+    post-processed (vLLM's async scheduling). PagedScheduler.postprocess already drops
+    the token of a request that finished meanwhile.
     """
 
-    def schedule_ahead(self, prev: SchedulerOutput) -> AheadSchedulerOutput | None:
-        """The decode step after prev, prev's tokens not yet known; None where only a
-        full schedule will do (prev not all decodes, someone to admit, a short pool).
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after prev, prev's tokens not yet known (its prev_rows say
+        where they are); None where only a full schedule will do (prev not all decodes,
+        someone to admit, a short pool).
         """
         if prev.num_prefills or prev.num_tokens != len(prev.requests):
             return None
@@ -66,29 +39,10 @@ class AsyncScheduler(PagedScheduler):
                 return None
         if not requests:
             return None
-        return AheadSchedulerOutput(
+        return SchedulerOutput(
             requests,
             [1] * len(requests),
             0,
             self.block_tables(requests),
-            np.asarray(rows, np.int64),
+            prev_rows=np.asarray(rows, np.int64),
         )
-
-    def postprocess(
-        self, step: SchedulerOutput, result: ModelRunnerOutput
-    ) -> list[Request]:
-        """PagedScheduler's, less the rows of requests that finished (or were aborted)
-        while the step was in flight: their tokens are dropped.
-        """
-        keep = [i for i, r in enumerate(step.requests) if not r.is_finished]
-        if len(keep) < len(step.requests):  # only decode steps are ever in flight
-            step = SchedulerOutput(
-                [step.requests[i] for i in keep],
-                [1] * len(keep),
-                0,
-                step.block_tables[keep],
-            )
-            result = ModelRunnerOutput(
-                take_rows(result.sampled, keep), [None] * len(keep)
-            )
-        return super().postprocess(step, result)

@@ -22,80 +22,9 @@ def graph_size_for(num_seqs: int, sizes: list[int]) -> int | None:
 
 
 # defined in chapters/11_llama.py
+import numpy as np
 from numba import cuda
 
-# a decode step's inputs in the order they are packed; the 8-byte fields first, so that
-# every field is aligned
-DECODE_FIELDS = (
-    ("ids", np.int64),
-    ("positions", np.int64),
-    ("slot_mapping", np.int64),
-    ("uniform", np.float64),
-    ("top_k", np.int64),
-    (
-        "prev_rows",
-        np.int64,
-    ),  # the row of the step before whose sampled id feeds this row
-    ("seq_lens", np.int32),
-    ("temperature", np.float32),
-    ("top_p", np.float32),
-    ("block_tables", np.int32),  # rows x max_blocks
-)
-
-
-class PackedDecodeInputs:
-    """A decode step's inputs for up to max_rows rows, packed back to back in a pinned
-    host buffer and one device buffer of the same layout: one copy per step. Two host
-    buffers (`turn` 0 and 1), so one can be filled while the other's copy is queued.
-    """
-
-    def __init__(self, max_rows: int, max_blocks: int):
-        self.max_rows, self.max_blocks = max_rows, max_blocks
-        nbytes = self.nbytes(max_rows)
-        self.hosts = [cuda.pinned_array(nbytes, np.uint8) for _ in range(2)]
-        self.device = cuda.device_array(nbytes, np.uint8)
-        self._views: dict = {}  # (rows, on_device, turn) -> views, made once
-
-    def _layout(self, rows: int):
-        at = 0
-        for name, dtype in DECODE_FIELDS:
-            count = rows * (self.max_blocks if name == "block_tables" else 1)
-            yield name, dtype, at, count
-            at += count * np.dtype(dtype).itemsize
-
-    def nbytes(self, rows: int) -> int:
-        return sum(
-            count * np.dtype(d).itemsize for _, d, _, count in self._layout(rows)
-        )
-
-    def views(self, rows: int, on_device: bool, turn: int = 0) -> dict:
-        """Each field of a rows-row step, as a view of host buffer `turn` or of the
-        device buffer (the same views every call: a step fills them, it does not remake
-        them).
-        """
-        key = (rows, on_device, 0 if on_device else turn)
-        if key not in self._views:
-            self._views[key] = self._make_views(rows, on_device, turn)
-        return self._views[key]
-
-    def _make_views(self, rows: int, on_device: bool, turn: int) -> dict:
-        buffer, out = self.device if on_device else self.hosts[turn], {}
-        for name, dtype, at, count in self._layout(rows):
-            view = buffer[at : at + count * np.dtype(dtype).itemsize].view(dtype)
-            out[name] = (
-                view.reshape(rows, self.max_blocks) if name == "block_tables" else view
-            )
-        return out
-
-    def copy(self, rows: int, stream, turn: int = 0) -> None:
-        """Queue the copy of host buffer `turn`'s rows-row layout to the device, on
-        `stream`.
-        """
-        n = self.nbytes(rows)
-        self.device[:n].copy_to_device(self.hosts[turn][:n], stream=stream)
-
-
-# defined in chapters/11_llama.py
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
 from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
@@ -104,7 +33,7 @@ from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
 class GpuLogprobsSampler(CudaSampler):
     """CudaSampler with log-probabilities computed on the GPU (up to MAX_LOGPROBS top
     tokens): only the ids and the asked-for numbers cross to the host, into one of two
-    pinned buffers (`turn`).
+    pinned buffers (`turn`); nothing waits. More than MAX_LOGPROBS: the host's way.
     """
 
     def __init__(self, vocab_size: int, max_rows: int, stream=0):
@@ -114,7 +43,6 @@ class GpuLogprobsSampler(CudaSampler):
         self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
         self.pinned = [
             {
-                "ids": cuda.pinned_array(max_rows, np.int64),
                 "chosen": cuda.pinned_array(max_rows, np.float32),
                 "top_ids": cuda.pinned_array((max_rows, MAX_LOGPROBS), np.int64),
                 "top_values": cuda.pinned_array((max_rows, MAX_LOGPROBS), np.float32),
@@ -123,274 +51,101 @@ class GpuLogprobsSampler(CudaSampler):
         ]
 
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
-        """Queue the log-probs (if asked) and the copies of the sampled rows to pinned
-        buffer `turn`; nothing waits. What finish needs.
-        """
         n, s, host = len(metadata.temperature), self.stream, self.pinned[turn]
         k = int(metadata.num_logprobs.max(initial=-1))
-        if k > MAX_LOGPROBS:
-            raise ValueError(f"the GPU gives at most {MAX_LOGPROBS} log-probs, not {k}")
-        self.ids[:n].copy_to_host(host["ids"][:n], stream=s)
-        if k >= 0:
-            gpu_logprobs(
-                logits[:n],
-                self.ids[:n],
-                k,
-                self.chosen,
-                self.top_ids,
-                self.top_values,
-                s,
-            )
-            self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
+        if n == 0 or not 0 <= k <= MAX_LOGPROBS:
+            return super().enqueue(logits, metadata, turn)
+        self.ids[:n].copy_to_host(self.host_ids[turn][:n], stream=s)
+        gpu_logprobs(
+            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values, s
+        )
+        self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
         if k > 0:  # whole rows: a copy of contiguous memory
             self.top_ids[:n].copy_to_host(host["top_ids"][:n], stream=s)
             self.top_values[:n].copy_to_host(host["top_values"][:n], stream=s)
         return turn, n, k
 
     def finish(self, queued: tuple) -> SamplerOutput:
-        """The samples of an enqueue whose copies are done (the caller waited)."""
         turn, n, k = queued
-        host = self.pinned[turn]
-        out = SamplerOutput(host["ids"][:n].copy())
-        if k >= 0:
-            out.logprobs = host["chosen"][:n].copy()
+        if not isinstance(k, int):  # the host's log-probs, or none
+            return super().finish(queued)
+        out, host = SamplerOutput(self.host_ids[turn][:n].copy()), self.pinned[turn]
+        out.logprobs = host["chosen"][:n].copy()
         if k > 0:
             out.top_ids = host["top_ids"][:n, :k].copy()
             out.top_logprobs = host["top_values"][:n, :k].copy()
         return out
 
-    def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
-        if int(metadata.num_logprobs.max(initial=-1)) > MAX_LOGPROBS:
-            return super().collect(logits, metadata)  # the host's log_softmax
-        queued = self.enqueue(logits, metadata, 0)
-        self.stream.synchronize() if self.stream else cuda.synchronize()
-        return self.finish(queued)
-
 
 # defined in chapters/11_llama.py
-from dataclasses import dataclass
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
-from tinyvllm_lib.engine.model_runner import ModelRunner, StepInputs, prepare_inputs
-from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from tinyvllm_lib.engine.input_batch import InputBatch
 from tinyvllm_lib.kernels.next_ids import next_ids
-from tinyvllm_lib.layers.attention_metadata import (
-    AttentionMetadata,
-    build_attention_metadata,
-)
-
-# what a padding row's fields hold: token 0 at position 0, no slot, one token of
-# context in block 0, greedy, its id its own
-PADDING = {
-    "ids": 0,
-    "positions": 0,
-    "slot_mapping": -1,
-    "uniform": 0.0,
-    "top_k": 0,
-    "prev_rows": -1,
-    "seq_lens": 1,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "block_tables": 0,
-}
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+from tinyvllm_lib.layers.attention_metadata import build_attention_metadata
 
 
-def pad_decode_inputs(host: dict, start: int) -> None:
-    """Rows start.. of a packed step's host views: padding."""
-    for name, value in PADDING.items():
-        host[name][start:] = value
-
-
-def fill_decode_inputs(
-    packed: PackedDecodeInputs, rows: int, inputs, turn: int = 0, prev_rows=None
-) -> None:
-    """Host buffer `turn` of a rows-row decode step: inputs' rows (StepInputs of a
-    decode step; prev_rows, if given, where their ids come from), then padding.
+def padding_batch(rows: int, block_size: int) -> InputBatch:
+    """A decode batch of `rows` padding rows: token 0 at position 0 of a one-token
+    context in block 0, slot -1 (the KV write skips it), greedy.
     """
-    host, m, n = (
-        packed.views(rows, on_device=False, turn=turn),
-        inputs.metadata,
-        inputs.num_sampled,
-    )
-    pad_decode_inputs(host, n)
-    host["ids"][:n], host["positions"][:n] = inputs.token_ids, inputs.positions
-    host["slot_mapping"][:n], host["seq_lens"][:n] = m.slot_mapping, m.seq_lens
-    host["block_tables"][:n, : m.block_tables.shape[1]] = m.block_tables
-    for name in SAMPLING_FIELDS:
-        host[name][:n] = getattr(inputs.sampling, name)
-    # -1: the copied id stands (a buffer keeps what the last step in it wrote)
-    host["prev_rows"][:n] = -1 if prev_rows is None else prev_rows
-
-
-def ahead_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
-    """A decode step scheduled while the step before is in flight: each request's last
-    token is that step's sample, not yet on the host, so the positions are one past its
-    num_computed_tokens and the ids are left to next_ids.
-    """
-    requests, n = step.requests, len(step.requests)
-    computed = np.fromiter((r.num_computed_tokens + 1 for r in requests), np.int32, n)
+    ones = np.ones(rows, np.int32)
     positions, metadata = build_attention_metadata(
-        np.ones(n, np.int32), computed + 1, step.block_tables, block_size, 0
+        ones, ones, np.zeros((rows, 1), np.int32), block_size, 0
     )
-    sampling = SamplingMetadata.from_params(
-        [r.params for r in requests], [r.generator for r in requests]
+    metadata = replace(metadata, slot_mapping=np.full(rows, -1, np.int64))
+    sampling = SamplingMetadata(
+        np.zeros(rows, np.float32), np.zeros(rows, np.int64),
+        np.ones(rows, np.float32), np.zeros(rows, np.float64),
+        np.full(rows, -1, np.int64),
     )
-    return StepInputs(
-        np.zeros(n, np.int64), positions, metadata, np.arange(n), {}, sampling, n
-    )
+    return InputBatch(rows, np.zeros(rows, np.int64), positions, metadata,
+                      np.arange(rows, dtype=np.int64), {}, sampling)
 
 
-@dataclass
-class AsyncModelRunnerOutput:
-    """A replayed step still on the GPU (vLLM's name): get_output() waits for its
-    samples.
+class CudaGraphs:
+    """A runner's decode steps as CUDA graphs: one per size of
+    cuda_graph_sizes(max_num_seqs), captured over its buffers and KV cache; size_for
+    decides which steps replay one.
     """
 
-    sampler: GpuLogprobsSampler
-    queued: tuple
-    event: object  # recorded after the copies to the host
-    num_rows: int
-
-    def get_output(self) -> ModelRunnerOutput:
-        self.event.synchronize()
-        return ModelRunnerOutput(
-            self.sampler.finish(self.queued), [None] * self.num_rows
-        )
-
-
-class CudaGraphRunner(ModelRunner):
-    """ModelRunner on "cuda" whose decode steps replay CUDA graphs: one per batch size
-    of cuda_graph_sizes(max_num_seqs), captured when the KV cache is made; prefills and
-    mixed steps run eagerly.
-    """
-
-    def __init__(
-        self, folder, config, num_kv_slots: int | None = None, progress: bool = True
-    ):
-        if config.device != "cuda":
-            raise ValueError(f"CUDA graphs need device='cuda', got {config.device!r}")
+    def __init__(self, runner, progress: bool = True):
+        if runner.device != "cuda" or runner.kv_cache is None:
+            raise ValueError("CUDA graphs need a runner on 'cuda' with its KV cache")
+        self.runner, self.sizes = runner, cuda_graph_sizes(runner.max_num_seqs)
         self.graphs: dict[int, CudaGraph] = {}
-        self.progress = progress  # a bar while capturing
-        super().__init__(folder, config, num_kv_slots)
-        self.turn = 0  # the host buffers the next replayed step uses
-        self.events = [cuda.event(), cuda.event()]
-
-    def init_kv_cache(self, num_slots: int) -> None:
-        """Make the KV cache, then capture the decode graphs over it."""
-        super().init_kv_cache(num_slots)
-        self.capture()
-
-    def capture(self) -> None:
-        """Capture one decode graph per size of cuda_graph_sizes(max_num_seqs)."""
-        # log-probs on the GPU; made before capturing, since a graph records its buffers
-        if not isinstance(self.sampler, GpuLogprobsSampler):
-            self.sampler = GpuLogprobsSampler(
-                self.config.vocab_size, self.max_num_seqs, self.stream
-            )
-        self.graph_sizes = cuda_graph_sizes(self.max_num_seqs)
-        self.packed = PackedDecodeInputs(
-            self.max_num_seqs, self.step_arrays["block_tables"].shape[1]
-        )
-        # decode rows start where they are: query s is row s
-        self.decode_starts = cuda.to_device(
-            np.arange(self.max_num_seqs + 1, dtype=np.int32)
-        )
-        sizes = tqdm(
-            self.graph_sizes,
-            desc="Capturing CUDA graphs",
-            unit="graph",
-            disable=not self.progress,
-        )
-        self.graphs = {}
+        bar = tqdm(self.sizes, desc="Capturing CUDA graphs", unit="graph",
+                   disable=not progress)
         # no memory may be freed while a stream is being captured
         with cuda.defer_cleanup():
-            for rows in sizes:
-                self._pad(rows, 0)  # harmless inputs for the warm-up launch
-                self.packed.copy(rows, self.stream)
-                self.graphs[rows] = CudaGraph(self._decode_launch(rows), self.stream)
-            self.stream.synchronize()
+            for rows in bar:  # each size's layout, filled with harmless rows
+                batch = padding_batch(rows, runner.block_size)
+                runner.packed.pack(batch, turn=0, pad_to=rows)
+                runner.packed.copy(batch, runner.stream)
+                self.graphs[rows] = CudaGraph(self.step_function(batch), runner.stream)
+            runner.stream.synchronize()
 
-    def _decode_launch(self, rows: int):
-        """The function a graph captures: a rows-row decode step, layers to samples, on
-        the packed buffer's views.
-        """
-        v = self.packed.views(rows, on_device=True)
-        buffers = {name: buf[:rows] for name, buf in self.activations.items()}
-        buffers["ids"], buffers["positions"] = v["ids"], v["positions"]
-        metadata = AttentionMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            max_query_len=1,
-            query_start_loc=self.decode_starts[: rows + 1],
-            seq_lens=v["seq_lens"],
-            slot_mapping=v["slot_mapping"],
-            block_tables=v["block_tables"],
-            block_size=self.block_size,
-        )
-        staged = {"buffers": buffers, "metadata": metadata, "rows": rows}
-        staged["indices"] = None  # a decode step: the head takes every row
-        sampling = {name: v[name] for name in SAMPLING_FIELDS}
-        sampler = self.sampler  # the one whose buffers the graph records
+    def step_function(self, batch: InputBatch):
+        """What a graph captures: a padded decode step on the batch's device views."""
+        runner, v = self.runner, batch.device
 
         def launch(stream):
-            # rows scheduled ahead take the last step's samples (the others keep theirs)
-            next_ids(v["prev_rows"], sampler.ids, v["ids"], stream)
-            logits = self.launch(staged, stream)
-            sampler.launch(logits, stream, rows=sampling)
+            # rows planned ahead take the last step's samples (the others keep theirs)
+            next_ids(v["prev_rows"], runner.sampler.ids, v["token_ids"], stream)
+            runner.run(batch, stream)
 
         return launch
 
-    def _pad(self, rows: int, start: int) -> None:
-        """Fill rows start.. of the host buffer's rows-row layout with padding."""
-        pad_decode_inputs(self.packed.views(rows, on_device=False), start)
-
-    def graph_size(self, step: SchedulerOutput) -> int | None:
-        """The graph a step can replay: a decode step that fits one, every row due its
-        next token, none collecting prompt logits, log-probs within the GPU's; else
-        None.
+    def size_for(self, batch: InputBatch) -> int | None:
+        """The graph a batch replays: a uniform decode step that a size holds; else
+        None (it runs eagerly).
         """
-        if (
-            not self.graphs
-            or step.num_prefills
-            or step.num_tokens != len(step.requests)
-        ):
+        if not batch.is_uniform_decode:
             return None
-        for r in step.requests:
-            if (
-                r.num_computed_tokens + 1 < r.num_tokens  # a recomputation's chunk
-                or (r.params.prompt_logprobs is not None and r.prompt_logprobs is None)
-                or (r.params.logprobs or 0) > MAX_LOGPROBS
-            ):
-                return None
-        return graph_size_for(len(step.requests), self.graph_sizes)
+        return graph_size_for(batch.num_reqs, self.sizes)
 
-    def execute_async(
-        self, step: SchedulerOutput, prev_rows=None
-    ) -> AsyncModelRunnerOutput | None:
-        """Replay a decode step and return at once, or None if no graph takes it.
-        prev_rows: a step scheduled ahead (see ahead_inputs): each row's row in the step
-        before, whose sample is its token.
-        """
-        rows = self.graph_size(step)
-        if rows is None:
-            return None
-        if prev_rows is None:
-            inputs = prepare_inputs(step, self.block_size)
-        else:
-            inputs = ahead_inputs(step, self.block_size)
-        turn, self.turn = self.turn, 1 - self.turn
-        fill_decode_inputs(self.packed, rows, inputs, turn, prev_rows)
-        self.packed.copy(rows, self.stream, turn)
+    def replay(self, rows: int) -> None:
         self.graphs[rows].replay()
-        queued = self.sampler.enqueue(self.logits, inputs.sampling, turn)
-        self.events[turn].record(self.stream)
-        return AsyncModelRunnerOutput(
-            self.sampler, queued, self.events[turn], len(step.requests)
-        )
-
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        pending = self.execute_async(step)
-        return super().execute(step) if pending is None else pending.get_output()

@@ -8,18 +8,15 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.engine_config import DEVICES, EngineConfig
+from tinyvllm_lib.engine.input_batch import SAMPLING_FIELDS, InputBatch, PackedInputs
 from tinyvllm_lib.engine.kv_cache import CudaKVCache, KVCache
-from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
 from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
-from tinyvllm_lib.layers.attention_metadata import (
-    AttentionMetadata,
-    build_attention_metadata,
-)
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
@@ -27,93 +24,35 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends on Hopper
 
 
 @dataclass
-class StepInputs:
-    """The arrays of one step, on the host: what prepare_inputs builds from a
-    SchedulerOutput.
-    """
+class AsyncModelRunnerOutput:
+    """A step launched on the GPU (vLLM's name): get_output() waits for its samples."""
 
-    token_ids: np.ndarray  # (num_tokens,) int64
-    positions: np.ndarray  # (num_tokens,) int64
-    metadata: AttentionMetadata
-    # (rows,) int64: the rows the head runs on: the last new token of each request
-    # whose next token is due, then prompt rows
-    logits_indices: np.ndarray
-    # request index -> its rows of the logits (those that asked for prompt_logprobs)
-    prompt_rows: dict[int, slice]
-    sampling: SamplingMetadata  # of the requests whose next token is due
-    num_sampled: int  # how many: a chunk that ends inside a prompt samples nothing
+    sampler: CudaSampler
+    queued: tuple  # what sampler.finish needs
+    event: object  # recorded after the copies to the host
+    prompt_logits: list  # per request: its prompt rows' logits (host), else None
+    cudagraph_size: int | None  # the graph it replayed (chapter 11), else None
 
-
-def prepare_inputs(step: SchedulerOutput, block_size: int) -> StepInputs:
-    """The step's arrays in one pass over the batch (nothing whose size grows with a
-    request's context).
-    """
-    requests = step.requests
-    num_new = np.asarray(step.num_new_tokens, np.int32)
-    num_computed = np.fromiter(
-        (r.num_computed_tokens for r in requests), np.int32, len(requests)
-    )
-    positions, metadata = build_attention_metadata(
-        num_new,
-        num_computed + num_new,
-        step.block_tables,
-        block_size,
-        step.num_prefills,
-    )
-    token_ids = np.fromiter(
-        (
-            t
-            for r, c, n in zip(requests, num_computed, num_new)
-            for t in r.token_ids(c, c + n)
-        ),
-        np.int64,
-        step.num_tokens,
-    )
-    starts = metadata.query_start_loc
-    # a request whose tokens are all computed after this step is due its next token:
-    # its last new token's logits (a chunk that ends inside a prompt has none)
-    due = num_computed + num_new >= np.fromiter(
-        (r.num_tokens for r in requests), np.int64, len(requests)
-    )
-    logits_indices = [starts[1:][due].astype(np.int64) - 1]
-    prompt_rows, row = {}, int(due.sum())
-    for i, r in enumerate(requests):
-        # its prefill: every prompt row
-        # a chunk of its prompt (chapter 10 splits long prompts over several steps)
-        if (
-            r.params.prompt_logprobs is not None
-            and r.prompt_logprobs is None  # not collected yet (else a recomputation)
-            and num_computed[i] < r.num_prompt_tokens
-        ):
-            logits_indices.append(np.arange(starts[i], starts[i + 1], dtype=np.int64))
-            prompt_rows[i] = slice(row, row + int(num_new[i]))
-            row += int(num_new[i])
-    sampled = [r for r, d in zip(requests, due) if d]
-    sampling = SamplingMetadata.from_params(
-        [r.params for r in sampled], [r.generator for r in sampled]
-    )
-    return StepInputs(
-        token_ids,
-        positions,
-        metadata,
-        np.concatenate(logits_indices),
-        prompt_rows,
-        sampling,
-        len(sampled),
-    )
+    def get_output(self) -> ModelRunnerOutput:
+        self.event.synchronize()
+        return ModelRunnerOutput(self.sampler.finish(self.queued), self.prompt_logits)
 
 
 class ModelRunner:
     """A step of the model for a batch of requests, on "cpu" (NumPy) or "cuda" (the
-    book's kernels): prepare the step's arrays -> the layer loop with the device's
-    attention over its cache -> the LM head on the rows that need logits -> the sampler.
-    On the GPU every buffer a step writes is made here, once: a decode step of up to
-    max_num_seqs requests allocates nothing.
+    book's kernels): the step's InputBatch -> the layer loop with the device's attention
+    over its cache -> the LM head on the rows that need logits -> the sampler. On the
+    GPU every buffer a step reads or writes is made here, once: a decode step of up to
+    max_num_seqs requests is one copy in and allocates nothing.
     """
 
-    def __init__(self, folder, config: EngineConfig, num_kv_slots: int | None = None):
+    def __init__(
+        self, folder, config: EngineConfig, num_kv_slots: int | None = None,
+        sampler=None,
+    ):
         """config: its device resolved ("cpu" or "cuda") and its max_model_len and
-        max_num_batched_tokens set (the engine completes them).
+        max_num_batched_tokens set (the engine completes them). sampler: on "cuda",
+        the class of sampler (CudaSampler's signature; default CudaSampler).
         """
         device, kv_cache_dtype = config.device, config.kv_cache_dtype
         if device not in DEVICES:
@@ -128,6 +67,7 @@ class ModelRunner:
         self.block_size, self.max_num_seqs = config.block_size, config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = LlamaNumpy.from_folder(folder)
@@ -144,7 +84,7 @@ class ModelRunner:
             self.model = LlamaCuda.from_folder(folder)
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
-            self.sampler = CudaSampler(
+            self.sampler = (sampler or CudaSampler)(
                 self.model.config.vocab_size, self.max_num_seqs, self.stream
             )
             self._make_device_buffers()
@@ -168,17 +108,11 @@ class ModelRunner:
             self.max_num_batched_tokens,
         )
         self.activations = self.model.make_buffers(tokens)  # the largest step's
-        # the step's metadata, copied in by AttentionMetadata.to_device
-        self.step_arrays = {
-            "query_start_loc": cuda.device_array(rows + 1, np.int32),
-            "seq_lens": cuda.device_array(rows, np.int32),
-            "slot_mapping": cuda.device_array(tokens, np.int64),
-            # zeros: a row no step has written still names a real block
-            "block_tables": cuda.to_device(
-                np.zeros((rows, cdiv(self.max_model_len, self.block_size)), np.int32)
-            ),
-            "logits_indices": cuda.device_array(rows, np.int64),
-        }
+        # the step's inputs: one pinned host buffer (two, used in turn), one copy
+        self.packed = PackedInputs(
+            tokens, rows, cdiv(self.max_model_len, self.block_size)
+        )
+        self.turn, self.events = 0, [cuda.event(), cuda.event()]
         self.workspace = decode_workspace(
             rows, self.max_model_len, c.num_attention_heads, c.head_dim
         )
@@ -188,10 +122,7 @@ class ModelRunner:
         # cuBLAS's scratch, ours and fixed (CUDA graphs capture its address)
         self.cublas_workspace = cuda.device_array(CUBLAS_WORKSPACE_BYTES, np.uint8)
 
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: the requests' new tokens through the model, a token sampled for
-        each.
-        """
+    def _check(self, step: SchedulerOutput) -> None:
         if (
             not 0 < step.num_tokens <= self.max_num_batched_tokens
             or len(step.requests) > self.max_num_seqs
@@ -201,84 +132,89 @@ class ModelRunner:
                 f"{self.max_num_seqs} "
                 f"requests, got {step.num_tokens} tokens of {len(step.requests)}"
             )
-        inputs = prepare_inputs(step, self.block_size)
-        logits = (
-            self._forward_cpu(inputs)
-            if self.device == "cpu"
-            else self._forward_cuda(inputs)
-        )
-        num_seqs, num_sampled = len(step.requests), inputs.num_sampled
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the requests' new tokens through the model, a token sampled for
+        each whose next token is due.
+        """
+        if self.device == "cuda":
+            return self.execute_async(step).get_output()
+        self._check(step)
+        batch = InputBatch.from_step(step, self.block_size)
+        attention = CachedAttention(self.config, self.kv_cache, batch.metadata)
+        hidden = self.model.hidden_states(batch.token_ids, batch.positions, attention)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = (
-            self.sampler(logits[:num_sampled], inputs.sampling)
-            if num_sampled
+            self.sampler(logits[: batch.num_sampled], batch.sampling)
+            if batch.num_sampled
             else SamplerOutput(np.empty(0, np.int64))
         )
-        prompt_logits = [None] * num_seqs
-        # copied to the host only when asked for
-        for i, rows in inputs.prompt_rows.items():
-            prompt_logits[i] = (
-                logits[rows] if self.device == "cpu" else logits[rows].copy_to_host()
-            )
+        prompt_logits = [None] * batch.num_reqs  # only where asked for
+        for i, rows in batch.prompt_rows.items():
+            prompt_logits[i] = logits[rows]
         return ModelRunnerOutput(sampled, prompt_logits)
 
-    def _forward_cpu(self, inputs: StepInputs) -> np.ndarray:
-        attention = CachedAttention(self.config, self.kv_cache, inputs.metadata)
-        hidden = self.model.hidden_states(inputs.token_ids, inputs.positions, attention)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
-
-    def _forward_cuda(self, inputs: StepInputs):
-        return self.launch(self.upload(inputs), self.stream)
-
-    def upload(self, inputs: StepInputs) -> dict:
-        """Copy the step's arrays into the runner's buffers, on its stream: the views a
-        launch reads.
+    def execute_async(self, step: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step on the GPU and return without waiting for it: pack its
+        batch, queue the one copy, run it (or replay its graph, chapter 11), queue the
+        samples' copies back.
         """
-        s, n, rows = self.stream, len(inputs.token_ids), len(inputs.logits_indices)
+        self._check(step)
+        batch = InputBatch.from_step(step, self.block_size)
+        # the one place that decides whether a step replays a graph
+        size = None if self.graphs is None else self.graphs.size_for(batch)
+        if size is None and batch.prev_rows is not None:
+            raise RuntimeError("a step planned ahead of its tokens must replay a graph")
+        turn, self.turn = self.turn, 1 - self.turn
+        self.packed.pack(batch, turn, pad_to=size)
+        self.packed.copy(batch, self.stream)
+        if size is None:
+            logits = self.run(batch, self.stream)
+        else:
+            self.graphs.replay(size)
+            logits = self.logits[:size]
+        queued = self.sampler.enqueue(logits, batch.sampling, turn)
+        prompt_logits = [None] * batch.num_reqs  # copied to the host only when asked
+        for i, rows in batch.prompt_rows.items():
+            prompt_logits[i] = logits[rows].copy_to_host(stream=self.stream)
+        self.events[turn].record(self.stream)
+        return AsyncModelRunnerOutput(
+            self.sampler, queued, self.events[turn], prompt_logits, size
+        )
+
+    def run(self, batch: InputBatch, stream):
+        """The step's kernels only, on `stream`, reading the batch's device views (what
+        a CUDA graph can capture): layers, head rows, head, sampler; the logits.
+        """
+        v, c = batch.device, self.config
+        n = v["token_ids"].shape[0]  # a padded step's rows too
+        num_logits = batch.cudagraph_size or batch.num_logits
+        num_sampled = batch.cudagraph_size or batch.num_sampled
         b = {name: buf[:n] for name, buf in self.activations.items()}
-        cuda.to_device(inputs.token_ids, to=b["ids"], stream=s)
-        cuda.to_device(inputs.positions, to=b["positions"], stream=s)
-        staged = {
-            "buffers": b,
-            "metadata": inputs.metadata.to_device(self.step_arrays, stream=s),
-            "rows": rows,
-            "indices": None,
-        }
-        # not a plain decode step: the head's rows must be gathered
-        if rows and (staged["metadata"].num_prefills or rows != n):
-            # a large prompt_logprobs request gets buffers of its own
-            fits = rows <= self.max_num_seqs
-            staged["indices"] = (
-                self.step_arrays["logits_indices"][:rows]
-                if fits
-                else cuda.device_array(rows, np.int64)
-            )
-            cuda.to_device(inputs.logits_indices, to=staged["indices"], stream=s)
-        return staged
-
-    def launch(self, staged: dict, stream):
-        """The step's kernels only, on `stream` (what a CUDA graph can capture): layers,
-        head rows, head; the logits.
-        """
-        b, rows, c = staged["buffers"], staged["rows"], self.config
+        b["ids"], b["positions"] = v["token_ids"], v["positions"]
         attention = PagedAttention(
-            c, self.kv_cache, staged["metadata"], self.workspace, self.max_model_len
+            c, self.kv_cache, batch.device_metadata(), self.workspace,
+            self.max_model_len,
         )
         self.model.run(b, attention, stream, self.cublas_workspace)
-        if rows == 0:  # a chunk that ends inside its prompt: no logits needed
+        if num_logits == 0:  # a chunk that ends inside its prompt: no logits needed
             return self.logits[:0]
-        fits = rows <= self.max_num_seqs
+        fits = num_logits <= self.max_num_seqs
         hidden = b["normed"]  # a decode step: every row, in order
-        if staged["indices"] is not None:
+        if batch.metadata.num_prefills or num_logits != n:  # gather the head's rows
             hidden = (
-                self.head_rows[:rows]
-                if fits
-                else cuda.device_array((rows, c.hidden_size), np.uint16)
+                self.head_rows[:num_logits]
+                if fits  # a large prompt_logprobs request gets buffers of its own
+                else cuda.device_array((num_logits, c.hidden_size), np.uint16)
             )
-            gather_rows(b["normed"], staged["indices"], hidden, stream=stream)
+            gather_rows(b["normed"], v["logits_indices"][:num_logits], hidden, stream)
         logits = (
-            self.logits[:rows]
+            self.logits[:num_logits]
             if fits
-            else cuda.device_array((rows, c.vocab_size), np.float32)
+            else cuda.device_array((num_logits, c.vocab_size), np.float32)
         )
         self.model.compute_logits(hidden, logits, stream, self.cublas_workspace)
+        if num_sampled:
+            rows = {name: v[name][:num_sampled] for name in SAMPLING_FIELDS}
+            self.sampler.launch(logits[:num_sampled], stream, rows)
         return logits

@@ -176,6 +176,11 @@ class PagedScheduler:
         # Python ints once for the whole step, not a NumPy scalar per row
         token_ids = np.asarray(s.token_ids).tolist()
         for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
+            if request.is_finished:
+                # finished or aborted while the step ran (chapter 11's overlap): its
+                # row's token, if it had one, is dropped
+                j += request.num_computed_tokens + n >= request.num_tokens
+                continue
             request.num_computed_tokens += n
             self.block_manager.cache_blocks(
                 request.request_id, RequestTokens(request), request.num_computed_tokens

@@ -14,25 +14,27 @@ from tinyvllm_lib.kernels.sampling import (
 )
 from tinyvllm_lib.kernels.softmax import log_softmax
 
+# each row's settings, as the kernel reads them
+SETTING_DTYPES = {
+    "temperature": np.float32,
+    "top_k": np.int64,
+    "top_p": np.float32,
+    "uniform": np.float64,
+}
+
 
 class CudaSampler:
     """The GPU sampler: logits (batch, vocab) on the GPU -> token ids on the host; the
-    same SamplingMetadata as Sampler.
+    same SamplingMetadata as Sampler. In a step, launch() reads the settings from the
+    step's packed batch and enqueue()/finish() bring the ids back; called, it does all
+    three for logits and settings of its own.
     """
 
     def __init__(self, vocab_size: int, max_rows: int, stream=0):
         self.vocab_size, self.max_rows, self.stream = vocab_size, max_rows, stream
         self.ids = cuda.device_array(max_rows, np.int64)
-        self.rows = {
-            name: cuda.device_array(max_rows, dtype)
-            for name, dtype in (
-                ("temperature", np.float32),
-                ("top_k", np.int64),
-                ("top_p", np.float32),
-                ("uniform", np.float64),
-            )
-        }
-        self.host_ids = cuda.pinned_array(max_rows, np.int64)
+        # the sampled ids cross into one of two pinned buffers, used in turn
+        self.host_ids = [cuda.pinned_array(max_rows, np.int64) for _ in range(2)]
         # greedy rows' shares: each share's best logit and index; a ticket counter a row
         # (back at zero after every launch)
         self.part_v = cuda.device_array((max_rows, MAX_SHARES), np.float32)
@@ -52,49 +54,56 @@ class CudaSampler:
                 f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
-        self.stage(metadata)
-        self.launch(logits, s)
-        return self.collect(logits, metadata)
+        rows = {  # every row's settings, greedy or not: one launch whatever is asked
+            name: cuda.to_device(np.ascontiguousarray(getattr(metadata, name), dtype),
+                                 stream=s)
+            for name, dtype in SETTING_DTYPES.items()
+        }
+        self.launch(logits, s, rows)
+        queued = self.enqueue(logits, metadata, 0)
+        s.synchronize() if s else cuda.synchronize()
+        return self.finish(queued)
 
-    def stage(self, metadata: SamplingMetadata) -> None:
-        """Copy every row's settings to the GPU, greedy or not (one launch whatever the
-        batch asks).
-        """
-        n = len(metadata.temperature)
-        for name, buf in self.rows.items():
-            host = np.ascontiguousarray(getattr(metadata, name), buf.dtype)
-            cuda.to_device(host, to=buf[:n], stream=self.stream)
-
-    def launch(self, logits, stream, rows: dict | None = None) -> None:
+    def launch(self, logits, stream, rows: dict) -> None:
         """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can
-        capture): ids on the GPU. rows: the settings' device arrays, if not stage's.
+        capture): ids on the GPU. rows: the settings' device arrays (SETTING_DTYPES).
         """
-        n, r = logits.shape[0], self.rows if rows is None else rows
+        n = logits.shape[0]
         sample_kernel[(n, greedy_shares(n)), SAMPLER_THREADS, stream](
             logits,
-            r["temperature"][:n],
-            r["top_k"][:n],
-            r["top_p"][:n],
-            r["uniform"][:n],
+            rows["temperature"][:n],
+            rows["top_k"][:n],
+            rows["top_p"][:n],
+            rows["uniform"][:n],
             self.part_v,
             self.part_i,
             self.tickets,
             self.ids[:n],
         )
 
-    def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
-        """Wait for the sampled ids of metadata's rows (the first rows of logits) and
-        bring them to the host, with the log-probs asked for.
+    def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
+        """Queue the copy of metadata's rows' ids (the first rows of logits) to pinned
+        buffer `turn`; nothing waits unless log-probs are asked for, which this sampler
+        computes on the host from a copy of the rows. What finish needs.
         """
         n, s = len(metadata.temperature), self.stream
-        self.ids[:n].copy_to_host(self.host_ids[:n], stream=s)
-        s.synchronize() if s else cuda.synchronize()
-        out = SamplerOutput(self.host_ids[:n].copy())
-        k = int(metadata.num_logprobs.max(initial=-1))
-        # log-probs of the raw logits: copy the rows back (only when asked for)
-        if k >= 0:
+        if n:
+            self.ids[:n].copy_to_host(self.host_ids[turn][:n], stream=s)
+        k, host = int(metadata.num_logprobs.max(initial=-1)), None
+        if n and k >= 0:  # log-probs of the raw logits: the rows cross, then NumPy
+            s.synchronize() if s else cuda.synchronize()
             logprobs = log_softmax(logits[:n].copy_to_host(stream=s))
-            out.logprobs = logprobs[np.arange(n), out.token_ids]
+            host = [logprobs[np.arange(n), self.host_ids[turn][:n]]]
             if k > 0:
-                out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
+                host += top_logprobs(logprobs, k)
+        return turn, n, host
+
+    def finish(self, queued: tuple) -> SamplerOutput:
+        """The samples of an enqueue whose copies are done (the caller waited)."""
+        turn, n, host = queued
+        out = SamplerOutput(self.host_ids[turn][:n].copy())
+        if host is not None:
+            out.logprobs = host[0]
+            if len(host) > 1:
+                out.top_ids, out.top_logprobs = host[1], host[2]
         return out

@@ -23,6 +23,9 @@ class SchedulerOutput:
     num_prefills: int
     # (len(requests), max_blocks) int32: each request's row of the block table
     block_tables: np.ndarray
+    # chapter 11: a step planned before the last one's tokens reach the host; row i's
+    # token is the one the last step sampled in its row prev_rows[i]
+    prev_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
