@@ -83,12 +83,19 @@ print(where_kernels_run())
 #
 # 1. **Temperature** $T$: $p_i \propto e^{z_i / T}$. $T < 1$ sharpens, $T > 1$ flattens;
 #    $T = 0$ means **greedy**, the argmax.
-# 2. **Top-k**: keep the $k$ largest logits (and any tied with the $k$-th), drop the
+# 2. **Min-p**: keep the tokens at least `min_p` times as likely as the most likely one,
+#    $p_i \ge \text{min\_p} \cdot \max_j p_j$ ($0$ = off).
+# 3. **Top-k**: keep the $k$ largest logits (and any tied with the $k$-th), drop the
 #    rest.
-# 3. **Top-p** (nucleus): sort what is left by probability; keep the smallest prefix
-#    whose probability reaches $p$ — token $i$ (in descending order) stays if the mass
-#    before it is below $p$: $\sum_{j < i} p_{(j)} < p$.
-# 4. **Sample** from the renormalised rest.
+# 4. **Top-p** (nucleus): keep the smallest set of most likely tokens whose probability
+#    reaches $p$ — token $i$ stays if the tokens *more likely than it* hold less than
+#    $p$: $\sum_{j:\, z_j > z_i} p_j < p$. A tie at the boundary stays whole, as top-k
+#    keeps ties with the $k$-th: which of two equal logits survives must not depend on
+#    their positions in the vocabulary.
+# 5. **Sample** from the renormalised rest.
+#
+# This is the order of vLLM's (v1) sampler, which applies min-p with the logits
+# processors that keep the argmax, before top-k and top-p.
 #
 # The parameters live in `SamplingParams`, with vLLM's names and defaults, checked when
 # it is made:
@@ -135,6 +142,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # 1 = off
     top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # 0 = off; else keep p_i >= min_p * max p
     seed: int | None = None  # None: the LLM's generator
     stop: str | list[str] | None = None  # stop strings: the text ends before them
     stop_token_ids: list[int] | None = None
@@ -161,6 +169,8 @@ class SamplingParams:
         # as float32 (what the sampler reads) too: 1e-46 would be 0
         if not _is_number(self.top_p) or not FLOAT32_TINY <= self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         # an int64 on the GPU: 2**31 - 1 is more than any vocabulary
         if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             raise ValueError(
@@ -227,6 +237,7 @@ for bad in (
     {"temperature": -0.5},
     {"top_p": 0.0},
     {"top_k": -3},
+    {"min_p": 1.5},
     {"max_tokens": 0},
     {"n": 2},
     {"stop": [""]},
@@ -248,12 +259,14 @@ for bad in (
 # **inverse CDF**: the sampled token is the first whose cumulative probability exceeds
 # $u$.
 #
-# First the three transformations, each a function of a batch, each formula above its
-# code:
+# First the four transformations, each a function of a batch, each formula above its
+# code ($m$ is the row's largest logit after temperature; min-p is a threshold on
+# $z_i - m$, since $p_i / p_{\max} = e^{z_i - m}$):
 #
-# $$ z_i \leftarrow z_i / T
-#    \qquad\qquad z_i \leftarrow -\infty \text{ if } z_i < z_{(k)} \qquad\qquad
-# z_{(i)} \leftarrow -\infty \text{ if } \textstyle\sum_{j<i} p_{(j)} \ge p $$
+# $$ z_i \leftarrow z_i / T \qquad z_i \leftarrow -\infty \text{ if }
+#    z_i - m < \log \text{min\_p} \qquad z_i \leftarrow -\infty \text{ if }
+#    z_i < z_{(k)} \qquad z_i \leftarrow -\infty \text{ if }
+#    \textstyle\sum_{j:\, z_j > z_i} p_j \ge p $$
 
 # %%
 #| export engine.sampler
@@ -272,6 +285,17 @@ def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray
     )
 
 
+def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Keep tokens with z - max z >= log(min_p) (float32, as the GPU compares them),
+    -inf elsewhere; min_p = 0 keeps all.
+    """
+    out = logits.copy()
+    for row in np.flatnonzero(min_p > 0):
+        floor = np.float32(np.log(np.float64(min_p[row])))
+        out[row, logits[row] - logits[row].max() < floor] = -np.inf
+    return out
+
+
 def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
     """Keep each row's k largest logits (and ties with the k-th), -inf elsewhere; k = 0
     keeps all.
@@ -286,16 +310,19 @@ def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
 
 
 def apply_top_p(logits: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    """Keep the most likely tokens until their probability reaches p (always the first),
-    -inf elsewhere.
+    """Keep each token whose more likely tokens hold less than p of the probability
+    (the first always; a tie at the boundary whole), -inf elsewhere.
     """
     out = logits.copy()
     for row in np.flatnonzero(top_p < 1):
         order = np.argsort(-logits[row], kind="stable")  # most likely first
-        probs = np.exp(logits[row, order] - logits[row, order[0]], dtype=np.float64)
+        z = logits[row, order]
+        probs = np.exp(z - z[0], dtype=np.float64)
         probs /= probs.sum()
         mass_before = np.cumsum(probs) - probs
-        out[row, order[mass_before >= top_p[row]]] = -np.inf
+        # the mass strictly above a token: the mass before the first of its value
+        first_of_value = np.searchsorted(-z, -z, side="left")
+        out[row, order[mass_before[first_of_value] >= top_p[row]]] = -np.inf
     return out
 
 
@@ -347,6 +374,11 @@ class SamplingMetadata:
     uniform: np.ndarray
     # (batch,) int64; -1 = none, k >= 0 = the sampled token's and the top k
     num_logprobs: np.ndarray
+    min_p: np.ndarray | None = None  # (batch,) float32; 0 = off (None: all 0)
+
+    def __post_init__(self):
+        if self.min_p is None:
+            self.min_p = np.zeros(len(self.temperature), np.float32)
 
     @classmethod
     def from_params(
@@ -361,6 +393,7 @@ class SamplingMetadata:
             ),
             top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
             top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
             uniform=np.array(
                 [
                     0.0 if p.is_greedy else g.random()
@@ -388,7 +421,7 @@ class SamplerOutput:
 
 class Sampler:
     """The CPU sampler: logits (batch, vocab) and per-row settings -> token ids;
-    temperature, top-k, top-p, draw.
+    temperature, min-p, top-k, top-p, draw.
     """
 
     def __call__(self, logits: np.ndarray, metadata: SamplingMetadata) -> SamplerOutput:
@@ -402,6 +435,7 @@ class Sampler:
         rows = np.flatnonzero(metadata.temperature > 0)
         if rows.size:
             z = apply_temperature(logits[rows], metadata.temperature[rows])
+            z = apply_min_p(z, metadata.min_p[rows])
             z = apply_top_k(z, metadata.top_k[rows])
             z = apply_top_p(z, metadata.top_p[rows])
             token_ids[rows] = sample_inverse_cdf(z, metadata.uniform[rows])
@@ -449,6 +483,8 @@ settings = {  # name: (params, expected probabilities worked out by hand)
         SamplingParams(top_p=0.7),
         np.r_[base[:3], 0, 0, 0] / base[:3].sum(),
     ),
+    # p_i / p_0 = e^(z_i - 2): 0.22 for token 3, 0.14 for token 4
+    "min-p = 0.2": (SamplingParams(min_p=0.2), np.r_[base[:4], 0, 0] / base[:4].sum()),
 }
 num_samples = 20_000
 sampler, counts = Sampler(), {}
@@ -680,7 +716,7 @@ def greedy_share(z, r, part_v, part_i, tickets, out, sv, si, flag):
 
 
 @cuda.jit
-def sample_kernel(
+def bisection_sample_kernel(
     logits, temperature, top_k, top_p, uniform, part_v, part_i, tickets, out
 ):
     """Block (row, share): a greedy row's argmax split over the shares (greedy_share); a
@@ -767,7 +803,423 @@ _ROW_ARGS = (
 )
 PTX_SIGNATURES = {
     "argmax_kernel": ["void(float32[:, ::1], int64[::1])"],
-    "sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"],
+    "bisection_sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"],
+}
+
+
+# %% [markdown]
+# RADIX_PLACEHOLDER
+
+# %%
+#| export kernels.sampling_radix
+import math
+
+import numpy as np
+from numba import cuda, float32, float64, int32, int64
+
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.sampling import (
+    MAX_SHARES,
+    MAX_THREADS,
+    SAMPLER_THREADS,
+    block_argmax,
+    block_total,
+    greedy_shares,
+    order_key,
+)
+
+# a key's three digits, most significant first: 11, 11 and 10 bits
+NUM_BINS = 2048
+NUM_STEPS = 7  # launches: max (+ top-k digit 0), top-k digits 1-2, top-p 0-2, draw
+# a row's state between steps (int64 columns of `state`; float32 of `fstate`)
+KEY_K, K_PREFIX, K_DONE, K_LEFT, KEY_P, P_PREFIX, P_DONE = range(7)
+MAX_X, GOAL_LEFT = 0, 1
+COUNT, MASS, DRAW = 0, 1, 2  # what a pass over a slice adds up
+
+
+@cuda.jit(device=True)
+def sample_key(x):
+    """order_key(x) as an int64, 0 for NaN: below every number, so never kept."""
+    return int64(0) if x != x else int64(order_key(x))
+
+
+@cuda.jit(device=True)
+def digit(d):
+    """(shift, bins) of digit d of a key: (21, 2048), (10, 2048), (0, 1024)."""
+    return (21, 2048) if d == 0 else (10, 2048) if d == 1 else (0, 1024)
+
+
+@cuda.jit(device=True)
+def block_scan(value, lane, sv):
+    """(sum over the lanes before `lane`, through it, over all), one lane a thread."""
+    nt = cuda.blockDim.x
+    sv[lane] = value
+    cuda.syncthreads()
+    off = 1
+    while off < nt:
+        v = sv[lane - off] if lane >= off else float32(0.0)
+        cuda.syncthreads()
+        sv[lane] += v
+        cuda.syncthreads()
+        off *= 2
+    before = sv[lane - 1] if lane > 0 else float32(0.0)
+    through, total = sv[lane], sv[nt - 1]
+    cuda.syncthreads()
+    return before, through, total
+
+
+@cuda.jit(device=True)
+def visit(v, t, m, floor, lo_key, prefix, d, mode, counts, masses):
+    """One logit v of a pass: if kept (key >= lo_key, z / T - m >= floor) and its key
+    starts with prefix's digits before d, count it (and its mass) in digit d's bin;
+    returns its mass e^(z / T - m) (0 if dropped, or counting only).
+    """
+    x = v / t
+    key = sample_key(x)
+    shift, bins = digit(d)
+    high = shift + (11 if d < 2 else 10)  # the bits above digit d
+    if key < lo_key or (key >> high) != (prefix >> high):
+        return float32(0.0)
+    if mode != COUNT and x - m < floor:  # min-p
+        return float32(0.0)
+    e = float32(0.0) if mode == COUNT else math.exp(x - m)
+    if mode != DRAW:
+        b = (key >> shift) & (bins - 1)
+        cuda.atomic.add(counts, b, 1)
+        if mode == MASS:
+            cuda.atomic.add(masses, b, e)
+    return e
+
+
+@cuda.jit(device=True)
+def slice_pass(z, lo, hi, t, m, floor, lo_key, prefix, d, mode, counts, masses):
+    """visit() over z[lo:hi], four loads in flight a thread; the block's mass."""
+    nt = cuda.blockDim.x
+    acc = float32(0.0)
+    i = lo + cuda.threadIdx.x
+    while i + 3 * nt < hi:
+        a, b, c, e = z[i], z[i + nt], z[i + 2 * nt], z[i + 3 * nt]
+        acc += visit(a, t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        acc += visit(b, t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        acc += visit(c, t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        acc += visit(e, t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        i += 4 * nt
+    while i < hi:
+        acc += visit(z[i], t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        i += nt
+    return acc
+
+
+@cuda.jit(device=True)
+def last_of_row(tickets, r, flag):
+    """Every block of row r takes a ticket after its writes: True in the last one."""
+    cuda.threadfence()  # this thread's writes are visible before the ticket is taken
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        flag[0] = 1 if cuda.atomic.add(tickets, r, 1) == cuda.gridDim.y - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return False
+    cuda.threadfence()
+    return True
+
+
+@cuda.jit(device=True)
+def add_histogram(hist_count, hist_mass, r, bins, counts, masses):
+    """The block's histogram into row r's global one (its non-empty bins)."""
+    for b in range(cuda.threadIdx.x, bins, cuda.blockDim.x):
+        if counts[b]:
+            cuda.atomic.add(hist_count, (r, b), counts[b])
+            cuda.atomic.add(hist_mass, (r, b), masses[b])
+
+
+@cuda.jit(device=True)
+def pick_bin(hist_count, hist_mass, r, bins, by_mass, goal, counts, masses, sv, si):
+    """Last block: read row r's histogram (and zero it for the next step); the largest
+    bin b whose bins >= b weigh at least goal (count or mass; goal < 0: -goal times the
+    total). (b, goal less the weight of the bins above b, count in b, whether no bin
+    reached goal: then b is the lowest non-empty bin).
+    """
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    per = bins // nt  # each thread its own run of bins: the bins >= b are a suffix
+    own = float32(0.0)
+    for b in range(tid * per, (tid + 1) * per):
+        counts[b] = cuda.atomic.exch(hist_count, (r, b), 0)  # read through L2
+        masses[b] = cuda.atomic.add(hist_mass, (r, b), float32(0.0))
+        hist_mass[r, b] = 0
+        own += masses[b] if by_mass else float32(counts[b])
+    # weight of the bins above this thread's: a scan over the threads, highest first
+    above, _, total = block_scan(own, nt - 1 - tid, sv)
+    if goal < 0:
+        goal = -goal * total
+    goal = max(goal, float32(1e-38))  # rounding left nothing to find: the top bin
+    found, found_above = int64(-1), float32(0.0)
+    if above < goal:
+        for b in range((tid + 1) * per - 1, tid * per - 1, -1):
+            w = masses[b] if by_mass else float32(counts[b])
+            if found < 0 and above + w >= goal:
+                found, found_above = b, above
+            above += w
+    _, b = block_argmax(float32(found), found, sv, si)
+    if found >= 0 and found == b:
+        sv[0] = found_above
+    cuda.syncthreads()
+    found_above = sv[0]
+    cuda.syncthreads()
+    is_short = b < 0
+    if is_short:  # the histogram weighs less than goal (rounding): its lowest bin
+        low = int64(bins)
+        for j in range((tid + 1) * per - 1, tid * per - 1, -1):
+            if counts[j]:
+                low = j
+        _, b = block_argmax(float32(-low), low, sv, si)
+        b = min(b, int64(bins - 1))  # (an empty histogram: never, a row keeps its max)
+    return b, goal - found_above, counts[b], is_short
+
+
+@cuda.jit(device=True)
+def max_step(z, lo, hi, t, r, is_k, k, hist_count, hist_mass, part_v, part_i,
+             tickets, state, fstate, out, counts, masses, sv, si, flag):
+    """Step 0, block (r, share): the largest logit of the share (first index on
+    ties) and, for top-k, the histogram of its keys' first digit. The row's last block:
+    a greedy row's token; a sampled row's max and top-k's first bin.
+    """
+    tid, n, share = cuda.threadIdx.x, z.shape[0], cuda.blockIdx.y
+    is_sampled = t > 0
+    for b in range(tid, NUM_BINS, cuda.blockDim.x):
+        counts[b], masses[b] = 0, 0
+    cuda.syncthreads()
+    best, best_i = float32(-math.inf), int64(n)
+    for i in range(lo + tid, hi, cuda.blockDim.x):  # increasing i: the first of ties
+        v = z[i]
+        if v > best:
+            best, best_i = v, i
+        if is_k:
+            visit(v, t, float32(0.0), float32(0.0), 1, 0, 0, COUNT, counts, masses)
+    best, best_i = block_argmax(best, best_i, sv, si)
+    if tid == 0:
+        part_v[r, share], part_i[r, share] = best, best_i
+    if is_k:
+        add_histogram(hist_count, hist_mass, r, NUM_BINS, counts, masses)
+    if not last_of_row(tickets, r, flag):
+        return
+    v, j = float32(-math.inf), int64(n)
+    if tid < cuda.gridDim.y:  # read through L2 (atomics): other blocks wrote these
+        v = cuda.atomic.add(part_v, (r, tid), float32(0.0))
+        j = cuda.atomic.add(part_i, (r, tid), int64(0))
+    m, j = block_argmax(v, j, sv, si)
+    if is_k:
+        b, left, count, is_short = pick_bin(
+            hist_count, hist_mass, r, NUM_BINS, False, float32(k), counts, masses,
+            sv, si,
+        )
+    if tid == 0:
+        tickets[r] = 0
+        if not is_sampled:
+            out[r] = j
+            return
+        fstate[r, MAX_X] = m / t
+        state[r, KEY_K], state[r, K_DONE], state[r, P_DONE] = 1, 1, 0
+        if is_k:
+            k_left = int64(left)
+            state[r, K_PREFIX], state[r, K_LEFT] = b << 21, k_left
+            if count == k_left or is_short:
+                state[r, KEY_K] = b << 21
+            else:
+                state[r, K_DONE] = 0
+
+
+@cuda.jit(device=True)
+def select_step(z, lo, hi, t, r, d, by_mass, top_p, min_p, hist_count, hist_mass,
+                tickets, state, fstate, counts, masses, sv, si, flag):
+    """Steps 1-5, block (r, share): digit d of top-k's threshold (count) or top-p's
+    (mass), the share's histogram of the keys in the bin so far; the row's last block
+    picks the next bin.
+    """
+    tid = cuda.threadIdx.x
+    shift, bins = digit(d)
+    for b in range(tid, bins, cuda.blockDim.x):
+        counts[b], masses[b] = 0, 0
+    cuda.syncthreads()
+    if by_mass:
+        prefix = state[r, P_PREFIX] if d > 0 else int64(0)
+        m, floor = fstate[r, MAX_X], min_p_floor(min_p)
+        slice_pass(z, lo, hi, t, m, floor, state[r, KEY_K], prefix, d, MASS, counts,
+                   masses)
+        goal = fstate[r, GOAL_LEFT] if d > 0 else -top_p  # < 0: a share of the total
+    else:
+        prefix = state[r, K_PREFIX]
+        zero = float32(0.0)
+        slice_pass(z, lo, hi, t, zero, zero, 1, prefix, d, COUNT, counts, masses)
+        goal = float32(state[r, K_LEFT])
+    cuda.syncthreads()
+    add_histogram(hist_count, hist_mass, r, bins, counts, masses)
+    if not last_of_row(tickets, r, flag):
+        return
+    b, left, count, is_short = pick_bin(
+        hist_count, hist_mass, r, bins, by_mass, goal, counts, masses, sv, si
+    )
+    if tid == 0:
+        tickets[r] = 0
+        prefix |= b << shift
+        if by_mass:
+            state[r, P_PREFIX] = prefix
+            fstate[r, GOAL_LEFT] = left
+            if d == 2 or count == 1 or is_short:
+                state[r, KEY_P], state[r, P_DONE] = prefix, 1
+        else:
+            k_left = int64(left)
+            state[r, K_PREFIX], state[r, K_LEFT] = prefix, k_left
+            if d == 2 or count == k_left or is_short:
+                state[r, KEY_K], state[r, K_DONE] = prefix, 1
+
+
+@cuda.jit(device=True)
+def min_p_floor(min_p):
+    """log(min_p) as float32 (min-p keeps z / T - m >= it); -inf when min_p is 0."""
+    return float32(math.log(float64(min_p))) if min_p > 0 else float32(-math.inf)
+
+
+@cuda.jit(device=True)
+def draw_step(z, lo, hi, t, r, min_p, u, is_p, part_v, tickets, state, fstate, out,
+              counts, masses, sv, si, flag):
+    """Step 6, block (r, share): the kept mass of the share. The row's last block finds
+    the share where u times the total falls, then the token within it (inverse CDF in
+    token order).
+    """
+    tid, nt, n = cuda.threadIdx.x, cuda.blockDim.x, z.shape[0]
+    lo_key = max(state[r, KEY_K], state[r, KEY_P]) if is_p else state[r, KEY_K]
+    m, floor = fstate[r, MAX_X], min_p_floor(min_p)
+    part = slice_pass(z, lo, hi, t, m, floor, lo_key, 0, 0, DRAW, counts, masses)
+    part = block_total(part, sv)
+    if tid == 0:
+        part_v[r, cuda.blockIdx.y] = part
+    if not last_of_row(tickets, r, flag):
+        return
+    # the shares in order: which one holds u * total (or the last with any mass)
+    w = float32(0.0)
+    if tid < cuda.gridDim.y:
+        w = cuda.atomic.add(part_v, (r, tid), float32(0.0))
+    before, through, total = block_scan(w, tid, sv)
+    target = float32(u) * total
+    hit = tid if w > 0 and before <= target < through else -1
+    _, share = block_argmax(float32(hit), int64(hit), sv, si)
+    if share < 0:
+        _, share = block_argmax(float32(tid if w > 0 else -1), int64(tid), sv, si)
+    if tid == share:
+        sv[0] = target - before
+    cuda.syncthreads()
+    target = sv[0]
+    cuda.syncthreads()
+    # within the share: each thread a contiguous segment, a scan over the threads
+    size = (n + cuda.gridDim.y - 1) // cuda.gridDim.y
+    lo, hi = share * size, min(n, (share + 1) * size)
+    seg = (hi - lo + nt - 1) // nt
+    start, end = min(hi, lo + tid * seg), min(hi, lo + (tid + 1) * seg)
+    part, last = float32(0.0), int64(-1)
+    for i in range(start, end):
+        e = visit(z[i], t, m, floor, lo_key, 0, 0, DRAW, counts, masses)
+        if e > 0:
+            part, last = part + e, i
+    before, through, _ = block_scan(part, tid, sv)
+    found = int64(-1)
+    if before <= target < through:
+        run = before
+        for i in range(start, end):
+            run += visit(z[i], t, m, floor, lo_key, 0, 0, DRAW, counts, masses)
+            if run > target and found < 0:
+                found = i
+    is_found, pick = block_argmax(float32(found >= 0), found, sv, si)
+    _, last = block_argmax(float32(last), last, sv, si)  # u * total rounded up
+    if tid == 0:
+        out[r] = pick if is_found > 0 else last
+        tickets[r] = 0
+
+
+@cuda.jit
+def sample_step_kernel(step, logits, temperature, top_k, top_p, min_p, uniform,
+                       hist_count, hist_mass, part_v, part_i, tickets, state, fstate,
+                       out):
+    """Step `step` of sampling (0-6), block (row, share): 0 the max (a greedy row's
+    token); 1-2 top-k's threshold, 3-5 top-p's, a digit of the key each; 6 the draw.
+    A row with nothing to do at a step returns at once.
+    """
+    wait_for_previous_kernel()
+    sv = cuda.shared.array(MAX_THREADS, float32)
+    si = cuda.shared.array(MAX_THREADS, int64)
+    counts = cuda.shared.array(NUM_BINS, int32)
+    masses = cuda.shared.array(NUM_BINS, float32)
+    flag = cuda.shared.array(1, int32)
+    r, share = cuda.blockIdx.x, cuda.blockIdx.y
+    z, t = logits[r], temperature[r]
+    n = z.shape[0]
+    size = (n + cuda.gridDim.y - 1) // cuda.gridDim.y
+    lo, hi = min(n, share * size), min(n, (share + 1) * size)
+    is_k, is_p = t > 0 and 0 < top_k[r] < n, t > 0 and top_p[r] < 1
+    if step == 0:
+        max_step(z, lo, hi, t, r, is_k, top_k[r], hist_count, hist_mass, part_v,
+                 part_i, tickets, state, fstate, out, counts, masses, sv, si, flag)
+    elif step < 3:
+        if is_k and state[r, K_DONE] == 0:
+            select_step(z, lo, hi, t, r, step, False, top_p[r], min_p[r], hist_count,
+                        hist_mass, tickets, state, fstate, counts, masses, sv, si, flag)
+    elif step < 6:
+        if is_p and (step == 3 or state[r, P_DONE] == 0):
+            select_step(z, lo, hi, t, r, step - 3, True, top_p[r], min_p[r],
+                        hist_count, hist_mass, tickets, state, fstate, counts, masses,
+                        sv, si, flag)
+    elif t > 0:
+        draw_step(z, lo, hi, t, r, min_p[r], uniform[r], is_p, part_v, tickets, state,
+                  fstate, out, counts, masses, sv, si, flag)
+
+
+def sampler_workspace(max_rows: int) -> dict:
+    """The device arrays sample() works in, for up to max_rows rows (histograms and
+    tickets at zero: every step leaves them so).
+    """
+    return {
+        "hist_count": cuda.to_device(np.zeros((max_rows, NUM_BINS), np.int32)),
+        "hist_mass": cuda.to_device(np.zeros((max_rows, NUM_BINS), np.float32)),
+        "part_v": cuda.device_array((max_rows, MAX_SHARES), np.float32),
+        "part_i": cuda.device_array((max_rows, MAX_SHARES), np.int64),
+        "tickets": cuda.to_device(np.zeros(max_rows, np.int32)),
+        "state": cuda.device_array((max_rows, 8), np.int64),
+        "fstate": cuda.device_array((max_rows, 2), np.float32),
+    }
+
+
+def needed_steps(temperature, top_k, top_p, vocab_size: int) -> list[int]:
+    """The steps a batch needs, from its settings on the host (a graph takes all)."""
+    is_sampled = np.asarray(temperature) > 0
+    is_k = is_sampled & (np.asarray(top_k) > 0) & (np.asarray(top_k) < vocab_size)
+    is_p = is_sampled & (np.asarray(top_p) < 1)
+    return [0, *[1, 2] * is_k.any(), *[3, 4, 5] * is_p.any(), *[6] * is_sampled.any()]
+
+
+def sample(logits, temperature, top_k, top_p, min_p, uniform, workspace, out,
+           stream=0, steps=range(NUM_STEPS)) -> None:
+    """Sample one token per row of logits (rows, vocab) into out, all on the GPU: the
+    fixed launches a CUDA graph captures (steps: a subset, when the host knows no row
+    needs the others).
+    """
+    rows = logits.shape[0]
+    w = workspace
+    grid = (rows, greedy_shares(rows))
+    for step in steps:
+        sample_step_kernel[grid, SAMPLER_THREADS, stream](
+            step, logits, temperature, top_k, top_p, min_p, uniform,
+            w["hist_count"], w["hist_mass"], w["part_v"], w["part_i"], w["tickets"],
+            w["state"], w["fstate"], out,
+        )
+
+
+# the types the engine launches it with (tests/ptx_check.py compiles them for sm_90)
+PTX_SIGNATURES = {
+    "sample_step_kernel": [
+        "void(int64, float32[:, ::1], float32[::1], int64[::1], float32[::1], "
+        "float32[::1], float64[::1], int32[:, ::1], float32[:, ::1], float32[:, ::1], "
+        "int64[:, ::1], int32[::1], int64[:, ::1], float32[:, ::1], int64[::1])"
+    ],
 }
 
 
@@ -777,11 +1229,11 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
-from tinyvllm_lib.kernels.sampling import (
-    MAX_SHARES,
-    SAMPLER_THREADS,
-    greedy_shares,
-    sample_kernel,
+from tinyvllm_lib.kernels.sampling_radix import (
+    NUM_STEPS,
+    needed_steps,
+    sample,
+    sampler_workspace,
 )
 from tinyvllm_lib.kernels.softmax import log_softmax
 
@@ -800,15 +1252,15 @@ class CudaSampler:
                 ("temperature", np.float32),
                 ("top_k", np.int64),
                 ("top_p", np.float32),
+                ("min_p", np.float32),
                 ("uniform", np.float64),
             )
         }
         self.host_ids = cuda.pinned_array(max_rows, np.int64)
-        # greedy rows' shares: each share's best logit and index; a ticket counter a row
-        # (back at zero after every launch)
-        self.part_v = cuda.device_array((max_rows, MAX_SHARES), np.float32)
-        self.part_i = cuda.device_array((max_rows, MAX_SHARES), np.int64)
-        self.tickets = cuda.to_device(np.zeros(max_rows, np.int32))
+        # the shares' partial results, the rows' histograms and state, a ticket counter
+        # a row (back at zero after every step)
+        self.workspace = sampler_workspace(max_rows)
+        self.tickets = self.workspace["tickets"]
 
     def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
         n, s = len(metadata.temperature), self.stream
@@ -824,7 +1276,11 @@ class CudaSampler:
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
         self.stage(metadata)
-        self.launch(logits, s)
+        # the host knows the settings here: only the steps some row needs
+        steps = needed_steps(
+            metadata.temperature, metadata.top_k, metadata.top_p, self.vocab_size
+        )
+        self.launch(logits, s, steps=steps)
         return self.collect(logits, metadata)
 
     def stage(self, metadata: SamplingMetadata) -> None:
@@ -836,21 +1292,22 @@ class CudaSampler:
             host = np.ascontiguousarray(getattr(metadata, name), buf.dtype)
             cuda.to_device(host, to=buf[:n], stream=self.stream)
 
-    def launch(self, logits, stream, rows: dict | None = None) -> None:
-        """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can
-        capture): ids on the GPU. rows: the settings' device arrays, if not stage's.
+    def launch(
+        self, logits, stream, rows: dict | None = None, steps=range(NUM_STEPS)
+    ) -> None:
+        """The sampling kernels over logits' rows, on `stream` (what a CUDA graph can
+        capture: every step, whatever the rows ask): ids on the GPU. rows: the
+        settings' device arrays, if not stage's.
         """
         n, r = logits.shape[0], self.rows if rows is None else rows
-        sample_kernel[(n, greedy_shares(n)), SAMPLER_THREADS, stream](
+        sample(
             logits,
-            r["temperature"][:n],
-            r["top_k"][:n],
-            r["top_p"][:n],
+            *(r[name][:n] for name in ("temperature", "top_k", "top_p", "min_p")),
             r["uniform"][:n],
-            self.part_v,
-            self.part_i,
-            self.tickets,
+            self.workspace,
             self.ids[:n],
+            stream,
+            steps,
         )
 
     def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:

@@ -39,6 +39,7 @@ DECODE_FIELDS = (
     ("seq_lens", np.int32),
     ("temperature", np.float32),
     ("top_p", np.float32),
+    ("min_p", np.float32),
     ("block_tables", np.int32),  # rows x max_blocks
 )
 
@@ -98,7 +99,11 @@ class PackedDecodeInputs:
 # defined in chapters/11_llama.py
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
-from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
+from tinyvllm_lib.kernels.logprobs import (
+    MAX_LOGPROBS,
+    gpu_logprobs,
+    logprobs_workspace,
+)
 
 
 class GpuLogprobsSampler(CudaSampler):
@@ -112,6 +117,7 @@ class GpuLogprobsSampler(CudaSampler):
         self.chosen = cuda.device_array(max_rows, np.float32)
         self.top_ids = cuda.device_array((max_rows, MAX_LOGPROBS), np.int64)
         self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
+        self.logprobs_workspace = logprobs_workspace(max_rows)
         self.pinned = [
             {
                 "ids": cuda.pinned_array(max_rows, np.int64),
@@ -139,6 +145,7 @@ class GpuLogprobsSampler(CudaSampler):
                 self.chosen,
                 self.top_ids,
                 self.top_values,
+                self.logprobs_workspace,
                 s,
             )
             self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
@@ -193,9 +200,10 @@ PADDING = {
     "seq_lens": 1,
     "temperature": 0.0,
     "top_p": 1.0,
+    "min_p": 0.0,
     "block_tables": 0,
 }
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform")
 
 
 def pad_decode_inputs(host: dict, start: int) -> None:

@@ -6,11 +6,11 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
-from tinyvllm_lib.kernels.sampling import (
-    MAX_SHARES,
-    SAMPLER_THREADS,
-    greedy_shares,
-    sample_kernel,
+from tinyvllm_lib.kernels.sampling_radix import (
+    NUM_STEPS,
+    needed_steps,
+    sample,
+    sampler_workspace,
 )
 from tinyvllm_lib.kernels.softmax import log_softmax
 
@@ -29,15 +29,15 @@ class CudaSampler:
                 ("temperature", np.float32),
                 ("top_k", np.int64),
                 ("top_p", np.float32),
+                ("min_p", np.float32),
                 ("uniform", np.float64),
             )
         }
         self.host_ids = cuda.pinned_array(max_rows, np.int64)
-        # greedy rows' shares: each share's best logit and index; a ticket counter a row
-        # (back at zero after every launch)
-        self.part_v = cuda.device_array((max_rows, MAX_SHARES), np.float32)
-        self.part_i = cuda.device_array((max_rows, MAX_SHARES), np.int64)
-        self.tickets = cuda.to_device(np.zeros(max_rows, np.int32))
+        # the shares' partial results, the rows' histograms and state, a ticket counter
+        # a row (back at zero after every step)
+        self.workspace = sampler_workspace(max_rows)
+        self.tickets = self.workspace["tickets"]
 
     def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
         n, s = len(metadata.temperature), self.stream
@@ -53,7 +53,11 @@ class CudaSampler:
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
         self.stage(metadata)
-        self.launch(logits, s)
+        # the host knows the settings here: only the steps some row needs
+        steps = needed_steps(
+            metadata.temperature, metadata.top_k, metadata.top_p, self.vocab_size
+        )
+        self.launch(logits, s, steps=steps)
         return self.collect(logits, metadata)
 
     def stage(self, metadata: SamplingMetadata) -> None:
@@ -65,21 +69,22 @@ class CudaSampler:
             host = np.ascontiguousarray(getattr(metadata, name), buf.dtype)
             cuda.to_device(host, to=buf[:n], stream=self.stream)
 
-    def launch(self, logits, stream, rows: dict | None = None) -> None:
-        """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can
-        capture): ids on the GPU. rows: the settings' device arrays, if not stage's.
+    def launch(
+        self, logits, stream, rows: dict | None = None, steps=range(NUM_STEPS)
+    ) -> None:
+        """The sampling kernels over logits' rows, on `stream` (what a CUDA graph can
+        capture: every step, whatever the rows ask): ids on the GPU. rows: the
+        settings' device arrays, if not stage's.
         """
         n, r = logits.shape[0], self.rows if rows is None else rows
-        sample_kernel[(n, greedy_shares(n)), SAMPLER_THREADS, stream](
+        sample(
             logits,
-            r["temperature"][:n],
-            r["top_k"][:n],
-            r["top_p"][:n],
+            *(r[name][:n] for name in ("temperature", "top_k", "top_p", "min_p")),
             r["uniform"][:n],
-            self.part_v,
-            self.part_i,
-            self.tickets,
+            self.workspace,
             self.ids[:n],
+            stream,
+            steps,
         )
 
     def collect(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
