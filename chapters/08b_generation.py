@@ -523,9 +523,10 @@ plt.show()
 # On the GPU the logits stay on the GPU; only token ids come back. The sampler takes the
 # same `SamplingMetadata` as the NumPy one, including each row's uniform number drawn on
 # the host from the request's own generator — so a seed gives the same draw on both
-# devices. A block per row: greedy rows take the argmax (a block reduction that keeps
-# the first of equal values, as `np.argmax` does). Sampled rows find their thresholds
-# without sorting: top-k is the largest value $t$ with at least $k$ logits $\ge t$,
+# devices. The first rung of the ladder is a block per row: greedy rows take the argmax
+# (a block reduction that keeps the first of equal values, as `np.argmax` does). Sampled
+# rows find their thresholds without sorting: top-k is the largest value $t$ with at
+# least $k$ logits $\ge t$,
 # top-p the largest $t$ whose kept mass $\sum_{z_i \ge t} e^{(z_i - m)/T}$ still reaches
 # $p$ of the total. Both are found by **bisection** over the 32-bit keys that order
 # float32 values like the floats themselves (flip the sign bit of positives, every bit
@@ -542,9 +543,9 @@ plt.show()
 # knows every share is written: it picks the largest of them (the smallest index on
 # ties, as before) and sets the counter back to zero for the next launch. No second
 # kernel, no host decision. How many shares depends on the batch (`greedy_shares`):
-# about 256 blocks in all, so a single row gets 64 and a batch of 256 rows one each. A
-# sampled row keeps the one-block path (its bisection reads the row up to 64 times; the
-# shares past the first return at once).
+# about 256 blocks in all, so a single row gets 64 and a batch of 256 rows one each. In
+# this first rung a sampled row keeps the one-block path (its bisection reads the row up
+# to 64 times; the shares past the first return at once) — the next rung fixes that.
 #
 # One kernel serves every row, greedy or sampled: the row's own temperature decides on
 # the GPU, so the launch is the same whatever the batch asks for. That matters in
@@ -808,7 +809,89 @@ PTX_SIGNATURES = {
 
 
 # %% [markdown]
-# RADIX_PLACEHOLDER
+# ### The second rung: a radix select, spread over the shares
+#
+# The bisection costs what its passes cost: one block reads the row's 128,256 logits
+# (half a megabyte) up to 64 times, top-k and top-p each bisecting 32 bits. On an H200
+# that made a top-p step about 1.2 ms, longer than the whole decode step of Llama 3.2
+# 1B. Two changes make sampling cost about what its bytes cost:
+#
+# 1. **Spread every row over shares**, as the greedy rows already were: the blocks of a
+#    row each take a slice, and the row's last block (the ticket) combines.
+# 2. **Find each threshold in three passes, not 32**: a **radix select** over the same
+#    order keys. Cut the 32-bit key into digits of 11, 11 and 10 bits. One pass counts
+#    the row's keys by their first digit (2,048 bins); summing the bins from the top
+#    finds the bin that holds the $k$-th largest, and the count above it. The next pass
+#    counts only the keys of that bin, by their second digit; the third by their last.
+#    Three passes give the exact 32-bit key of the $k$-th largest — and most rows stop
+#    earlier, when the bin holds exactly the tokens still wanted. Top-p is the same with
+#    each bin's *mass* $\sum e^{z_i/T - m}$ in place of its count: the bin where the
+#    mass from the top first reaches $p$ of the total.
+#
+# A worked example, in NumPy, of what the kernel's passes compute: the top-50 threshold
+# of a row of Llama's size, digit by digit.
+
+# %%
+def order_keys(x: np.ndarray) -> np.ndarray:
+    """uint32 keys that order like the float32 x (as the kernel's order_key)."""
+    u = x.astype(np.float32).view(np.uint32)
+    return np.where(u >> 31, ~u, u | np.uint32(0x80000000))
+
+
+def radix_select(keys: np.ndarray, k: int) -> int:
+    """The k-th largest key, by 11-, 11- and 10-bit digits, printing each pass."""
+    prefix, left = 0, k
+    for shift, bits in ((21, 11), (10, 11), (0, 10)):
+        same = keys >> (shift + bits) == prefix >> (shift + bits)  # in the bin so far
+        digits = (keys[same] >> shift) & ((1 << bits) - 1)
+        counts = np.bincount(digits, minlength=1 << bits)
+        from_top = np.cumsum(counts[::-1])[::-1]  # keys in bins >= b
+        b = int(np.flatnonzero(from_top >= left).max())
+        above = int(from_top[b] - counts[b])
+        print(f"digit of {bits} bits: {same.sum():>6} keys, bin {b:>4} holds "
+              f"{counts[b]:>4}, {above:>2} above it, {left - above:>2} still wanted")
+        prefix, left = prefix | b << shift, left - above
+        if counts[b] == left:  # the whole bin is kept: its lowest key will do
+            break
+    return prefix
+
+
+example = (rng.standard_normal(128256) * 2).astype(np.float32)
+threshold = radix_select(order_keys(example).astype(np.int64), 50)
+kept = order_keys(example) >= threshold
+print(f"{kept.sum()} tokens kept; np.partition's 50th largest is "
+      f"{np.partition(example, -50)[-50]:.4f}, the smallest kept "
+      f"{example[kept].min():.4f}")
+assert kept.sum() == 50 and example[kept].min() == np.partition(example, -50)[-50]
+
+# %% [markdown]
+# The first digit is the sign, the exponent and two bits of mantissa, so its bins are
+# coarse — a few hundred logits in the top one here; the second narrows to one or a
+# few, and then the bin is the threshold. A tie needs no special case: equal logits have
+# equal keys, so top-k keeps every token tied with the $k$-th, and top-p every token
+# tied at its boundary, as the NumPy reference does.
+#
+# On the GPU each pass is one launch of `sample_step_kernel` over the grid rows x
+# shares: every block counts its slice into a 2,048-bin histogram in shared memory,
+# adds the non-empty bins to the row's histogram in global memory (atomics), and takes
+# a ticket; the row's last block reads the row's histogram (and sets it back to zero),
+# picks the bin, and writes the row's state — the prefix so far, what is still wanted —
+# for the next launch. Seven launches make a sample, always the same seven, so that a
+# CUDA graph can capture them:
+#
+# | step | every block of the row | the row's last block |
+# | --- | --- | --- |
+# | 0 | largest logit; top-k's first digits | greedy: its token; else $m$, a bin |
+# | 1, 2 | top-k's counts by the next digits | the next bin; at last the threshold |
+# | 3, 4, 5 | top-p's masses by digit (what top-k, min-p keep) | the same |
+# | 6 | the kept mass of its slice | the share where $u \cdot$ total falls; the token |
+#
+# A row with nothing to do at a step — greedy after step 0, no top-k, a threshold found
+# early — returns at once; the eager sampler, which knows the batch's settings on the
+# host, launches only the steps some row needs. Min-p needs no pass of its own: it is a
+# test on $z_i/T - m$, made wherever a token's fate is decided. The draw keeps chapter
+# 8b's inverse CDF in token order: each share's kept mass, a scan over the shares to
+# find the one where $u$ times the total falls, then a scan over that share's threads.
 
 # %%
 #| export kernels.sampling_radix
@@ -1193,7 +1276,8 @@ def needed_steps(temperature, top_k, top_p, vocab_size: int) -> list[int]:
     is_sampled = np.asarray(temperature) > 0
     is_k = is_sampled & (np.asarray(top_k) > 0) & (np.asarray(top_k) < vocab_size)
     is_p = is_sampled & (np.asarray(top_p) < 1)
-    return [0, *[1, 2] * is_k.any(), *[3, 4, 5] * is_p.any(), *[6] * is_sampled.any()]
+    steps = [0] + [1, 2] * bool(is_k.any()) + [3, 4, 5] * bool(is_p.any())
+    return steps + [6] * bool(is_sampled.any())
 
 
 def sample(logits, temperature, top_k, top_p, min_p, uniform, workspace, out,
@@ -1377,6 +1461,75 @@ if can_launch():
     )
     assert picked == tied.argmax(1).tolist() == [30, 30, 30]
     assert not greedy_sampler.tickets.copy_to_host().any()
+
+# %% [markdown]
+# ### How fast is sampling?
+#
+# `bench/ch08b_sampler.py` times the sampling launches alone on the GPU, replayed from a
+# CUDA graph over logits rotated past L2, for both rungs, at 1 and 256 rows of Llama 3's
+# 128,256 logits; it records to `book/data/ch08b_sampler.json`. The floor is what the
+# row's bytes take at chapter 1's copy bandwidth: 0.5 MB a row, a tenth of a
+# microsecond for one row. At one row no kernel comes near it — each of the seven
+# launches costs a few microseconds however little it reads — so what to compare there
+# is the rungs; at 256 rows (131 MB) the passes over the rows are what count.
+
+# %% tags=["hide-input"]
+sampler_records = [r for r in load_records("ch08b_sampler") if r["name"] == "sample"]
+timed = {(r["shape"][0], r["setting"], r["kernel"]): r for r in sampler_records}
+not_yet = "(not recorded yet)"
+prose.glue(
+    "ch08b_sampler_gpu",
+    sampler_records[0]["device"]["name"] if sampler_records else "GPU " + not_yet,
+)
+for rows in (1, 256):
+    for setting, key in (("top_p_0.9", "topp"), ("greedy", "greedy")):
+        new, old = timed.get((rows, setting, "radix")), timed.get(
+            (rows, setting, "bisection")
+        )
+        for label, r in (("new", new), ("old", old)):
+            prose.glue(
+                f"ch08b_{key}_{label}_{rows}",
+                f"{r['value']:.1f} µs" if r else not_yet,
+            )
+        prose.glue(
+            f"ch08b_{key}_gain_{rows}",
+            f"{old['value'] / new['value']:.0f}×" if new and old else not_yet,
+        )
+        prose.glue(
+            f"ch08b_{key}_times_{rows}",
+            f"{new['times_bytes']:.1f}×" if new else not_yet,
+        )
+if sampler_records:
+    settings = list(dict.fromkeys(r["setting"] for r in sampler_records))
+    fig, axes = new_figure(1, 2, width=10, height=3)
+    for ax, rows in zip(axes, (1, 256)):
+        x = np.arange(len(settings))
+        for dx, kernel in ((-0.2, "bisection"), (0.2, "radix")):
+            us = [timed.get((rows, s, kernel), {}).get("value", np.nan) for s in
+                  settings]
+            ax.bar(x + dx, us, 0.4, label=kernel)
+        some = next(r for r in sampler_records if r["shape"][0] == rows)
+        ax.axhline(some["bytes_us"], color="k", lw=0.8, label="bytes at copy speed")
+        ax.set_yscale("log")
+        ax.set_xticks(x, settings, rotation=30, fontsize=7)
+        ax.set_title(f"{rows} row(s) x {some['shape'][1]:,} logits", fontsize=9)
+    axes[0].set_ylabel("µs per sample")
+    axes[0].legend(fontsize=7)
+    plt.show()
+else:
+    print("not recorded yet: run bench/ch08b_sampler.py on a GPU")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+On the {{ch08b_sampler_gpu}}, a top-p 0.9 sample of one row took
+{{ch08b_topp_old_1}} with the bisection and {{ch08b_topp_new_1}} with the radix select
+({{ch08b_topp_gain_1}}); at 256 rows {{ch08b_topp_old_256}} against
+{{ch08b_topp_new_256}} ({{ch08b_topp_gain_256}}), which is {{ch08b_topp_times_256}} the
+time the rows' bytes take at copy bandwidth: the passes that top-p needs (the max,
+two or three digits, the draw) each read the rows once more. Greedy rows pay for the
+launches they skip: {{ch08b_greedy_new_1}} at one row against {{ch08b_greedy_old_1}}
+for the first rung's single launch.
+""")
 
 # %% [markdown]
 # ## Stopping, and streaming text

@@ -307,20 +307,26 @@ if can_launch():  # pinned and device buffers: a GPU or the simulator
 # them by copying the step's whole rows of logits to the host and running NumPy's
 # `log_softmax` and `argpartition` there: 128,256 floats per row for Llama 3, half a
 # megabyte, through PCIe and then through NumPy, every step. On the GPU the same
-# numbers take one more kernel, a block per row, and only k + 1 numbers per row cross:
+# numbers take one more kernel, and only k + 1 numbers per row cross:
 #
 # 1. the row's maximum and the sum of `exp(z − max)`: its log-sum-exp `L`, so that
 #    `log p(i) = z[i] − L`;
 # 2. the chosen token's `z − L`;
-# 3. k passes over the row, each finding the largest logit strictly after the last
-#    one found, in the order "larger value first, smaller index on ties" — the
-#    order chapter 8b's greedy argmax uses.
+# 3. the k largest logits, in the order "larger value first, smaller index on ties" —
+#    the order chapter 8b's greedy argmax uses.
 #
-# k passes over the row is k times the reads of one — for the top 20 of 128,256, 2.6
-# million reads per row, by one block — but nothing of the row crosses PCIe, no NumPy
-# runs on it, and all rows run at once on different multiprocessors. (How long it takes
-# on the GPU is for `bench/ch11_kernels.py` to record.) vLLM caps k at 20 by default
-# (`max_logprobs`); a request asking for more here goes the host's way.
+# The first rung, `one_block_logprobs_kernel`, gives each row one block and makes
+# k + 2 passes over it: the max, the sum, then k passes each finding the largest logit
+# strictly after the last one found — for the top 20 of 128,256, 2.8 million reads per
+# row by one multiprocessor. The second, `logprobs_kernel`, reads the row once, spread
+# over the same shares as chapter 8b's sampler. In its single pass over its slice each
+# thread keeps a running maximum with its sum of `exp(z − max)` (rescaled when the
+# maximum grows, as chapter 7's online softmax) and its own k largest in a short sorted
+# list (a new logit goes in only when it beats the list's last, which after the first
+# few is rare). Then k rounds of a block argmax over the threads' list heads give the
+# slice's k largest; the row's last block (the ticket again) combines the shares' maxima
+# and sums into `L` and picks the row's k largest among the shares' k each. vLLM caps k
+# at 20 by default (`max_logprobs`); a request asking for more here goes the host's way.
 
 # %%
 #| export kernels.logprobs
@@ -554,6 +560,38 @@ if can_launch():  # a GPU or the simulator
     assert top_i.copy_to_host()[1, :3].tolist() == [7, 70, 170]
     assert (top_i.copy_to_host()[[0, 2]] == want_i[[0, 2]]).all()
     print("GPU log-probs match NumPy's; row 1's top 3:", top_i.copy_to_host()[1, :3])
+
+# %% tags=["hide-input"]
+# the two rungs on the GPU: bench/ch08b_sampler.py (both rungs in one run)
+lp = {
+    (r["shape"][0], r["setting"], r["kernel"]): r
+    for r in load_records("ch08b_sampler")
+    if r["name"] == "logprobs"
+}
+for rows in (1, 256):
+    for k in (5, 20):
+        new, old = (lp.get((rows, f"logprobs_{k}", kind)) for kind in
+                    ("shares", "one_block"))
+        prose.glue(f"ch11_lp{k}_new_{rows}",
+                   f"{new['value']:.1f} µs" if new else "(not recorded yet)")
+        prose.glue(f"ch11_lp{k}_old_{rows}",
+                   f"{old['value']:.1f} µs" if old else "(not recorded yet)")
+        prose.glue(f"ch11_lp{k}_times_{rows}",
+                   f"{new['times_bytes']:.1f}×" if new else "(not recorded yet)")
+for (rows, setting, kind), r in lp.items():
+    print(f"{rows:>3} rows  {setting:<12} {kind:<10} {r['value']:9.1f} µs  "
+          f"({r['times_bytes']:.1f}x the bytes at copy bandwidth)")
+if not lp:
+    print("not recorded yet: run bench/ch08b_sampler.py on a GPU")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+The top 20 log-probs of one row took {{ch11_lp20_old_1}} with a block per row and
+{{ch11_lp20_new_1}} spread over the shares; at 256 rows {{ch11_lp20_old_256}} against
+{{ch11_lp20_new_256}}, {{ch11_lp20_times_256}} the time the rows' bytes take at copy
+bandwidth. For the top 5: {{ch11_lp5_old_1}} against {{ch11_lp5_new_1}} at one row,
+{{ch11_lp5_old_256}} against {{ch11_lp5_new_256}} at 256.
+""")
 
 # %% [markdown]
 # The graph runner below samples with it: after the sampling kernel, the same stream
@@ -2578,8 +2616,10 @@ one setting for all of them leaves that much on the table.
 # 3. `PackedDecodeInputs` copies every row of the block table each step, though a row
 #    changes by at most one entry a step. How could the graph read a table kept on the
 #    GPU instead, and what would a 256-row step save?
-# 4. `logprobs_kernel` makes k passes over the row. Write the one-pass version (each
-#    thread keeps its own top k, then the block merges them) and say where it wins.
+# 4. `logprobs_kernel` merges the threads' lists in k rounds of a block argmax, each
+#    nine steps of `syncthreads`. Do the first rounds within a warp with shuffles (and a
+#    shared-memory stand-in for the simulator); predict, then measure, the gain at one
+#    row and at 256.
 # 5. The host's share: profile `bench/ch11_host_cpu.py` at 256 rows and remove the
 #    largest cost you find without changing any output.
 # 6. `AsyncScheduler.schedule_ahead` gives up whenever a waiting request could be

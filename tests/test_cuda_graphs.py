@@ -213,7 +213,11 @@ def test_gpu_logprobs_match_numpy(rng, k):
     from numba import cuda
 
     from tinyvllm_lib.engine.sampler import top_logprobs
-    from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs, logprobs_workspace
+    from tinyvllm_lib.kernels.logprobs import (
+        MAX_LOGPROBS,
+        gpu_logprobs,
+        logprobs_workspace,
+    )
     from tinyvllm_lib.kernels.softmax import log_softmax
 
     rows, vocab = 4, 700 if not has_gpu() else 128256

@@ -383,7 +383,8 @@ def needed_steps(temperature, top_k, top_p, vocab_size: int) -> list[int]:
     is_sampled = np.asarray(temperature) > 0
     is_k = is_sampled & (np.asarray(top_k) > 0) & (np.asarray(top_k) < vocab_size)
     is_p = is_sampled & (np.asarray(top_p) < 1)
-    return [0, *[1, 2] * is_k.any(), *[3, 4, 5] * is_p.any(), *[6] * is_sampled.any()]
+    steps = [0] + [1, 2] * bool(is_k.any()) + [3, 4, 5] * bool(is_p.any())
+    return steps + [6] * bool(is_sampled.any())
 
 
 def sample(logits, temperature, top_k, top_p, min_p, uniform, workspace, out,
