@@ -25,8 +25,8 @@
 #
 # - **sampling** as vLLM does it: temperature, then top-k, then top-p, then a draw from
 #   the request's own random generator — checked as a distribution with a chi-square
-#   test — and the same on the GPU, in one kernel whose launch never depends on the
-#   settings;
+#   test — and the same on the GPU, as a radix select whose launches never depend on
+#   the settings;
 # - when to **stop** (end-of-sequence ids, stop strings, stop tokens, a length limit)
 #   and how to **stream** text when a character spans several tokens;
 # - the **model runner**: one object for both devices that turns "these requests, these
@@ -2700,8 +2700,10 @@ all — CUDA graphs, chapter 11.
 #
 # - The sampler applies temperature, top-k and top-p in vLLM's order and draws with a
 #   uniform from the request's own generator; its frequencies pass a chi-square test.
-#   The GPU sampler takes the same metadata and finds top-k and top-p thresholds by
-#   bisection over the float order, in one kernel for greedy and sampled rows alike.
+#   The GPU sampler takes the same metadata and finds top-k and top-p thresholds by a
+#   radix select over the float order — three passes of 2,048-bin histograms, each row
+#   spread over several blocks — in the same seven launches for greedy and sampled rows
+#   alike; min-p is a test on $z/T - m$, and ties at a threshold are kept whole.
 # - A request stops at every eos id, at stop tokens, stop strings and `max_tokens`, and
 #   streams text only once it is stable: no half characters, no piece of a stop string.
 # - The model runner turns "these requests, these many new tokens each" into sampled
@@ -2713,7 +2715,8 @@ all — CUDA graphs, chapter 11.
 #
 # Exported to `tinyvllm_lib`: `engine.sampling_params` (`SamplingParams`),
 # `engine.sampler` (`Sampler`, `SamplingMetadata`, `SamplerOutput`), `kernels.sampling`
-# (the GPU sampling kernels), `engine.sampler_cuda` (`CudaSampler`),
+# (the argmax and the bisection rung), `kernels.sampling_radix` (the radix select),
+# `engine.sampler_cuda` (`CudaSampler`),
 # `engine.detokenizer` (`IncrementalDetokenizer`), `engine.outputs` (`RequestOutput`,
 # `CompletionOutput`), `engine.request` (`Request`, `RequestStatus`), `kernels.gather`
 # (`gather_rows`), `engine.step_outputs` (`SchedulerOutput`, `ModelRunnerOutput`) and
