@@ -25,8 +25,8 @@
 #
 # - **sampling** as vLLM does it: temperature, then top-k, then top-p, then a draw from
 #   the request's own random generator — checked as a distribution with a chi-square
-#   test — and the same on the GPU, in one kernel whose launch never depends on the
-#   settings;
+#   test — and the same on the GPU, as a radix select whose launches never depend on
+#   the settings;
 # - when to **stop** (end-of-sequence ids, stop strings, stop tokens, a length limit)
 #   and how to **stream** text when a character spans several tokens;
 # - the **model runner**: one object for both devices that turns "these requests, these
@@ -83,12 +83,19 @@ print(where_kernels_run())
 #
 # 1. **Temperature** $T$: $p_i \propto e^{z_i / T}$. $T < 1$ sharpens, $T > 1$ flattens;
 #    $T = 0$ means **greedy**, the argmax.
-# 2. **Top-k**: keep the $k$ largest logits (and any tied with the $k$-th), drop the
+# 2. **Min-p**: keep the tokens at least `min_p` times as likely as the most likely one,
+#    $p_i \ge \text{min\_p} \cdot \max_j p_j$ ($0$ = off).
+# 3. **Top-k**: keep the $k$ largest logits (and any tied with the $k$-th), drop the
 #    rest.
-# 3. **Top-p** (nucleus): sort what is left by probability; keep the smallest prefix
-#    whose probability reaches $p$ — token $i$ (in descending order) stays if the mass
-#    before it is below $p$: $\sum_{j < i} p_{(j)} < p$.
-# 4. **Sample** from the renormalised rest.
+# 4. **Top-p** (nucleus): keep the smallest set of most likely tokens whose probability
+#    reaches $p$ — token $i$ stays if the tokens *more likely than it* hold less than
+#    $p$: $\sum_{j:\, z_j > z_i} p_j < p$. A tie at the boundary stays whole, as top-k
+#    keeps ties with the $k$-th: which of two equal logits survives must not depend on
+#    their positions in the vocabulary.
+# 5. **Sample** from the renormalised rest.
+#
+# This is the order of vLLM's (v1) sampler, which applies min-p with the logits
+# processors that keep the argmax, before top-k and top-p.
 #
 # The parameters live in `SamplingParams`, with vLLM's names and defaults, checked when
 # it is made:
@@ -135,6 +142,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # 1 = off
     top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # 0 = off; else keep p_i >= min_p * max p
     seed: int | None = None  # None: the LLM's generator
     stop: str | list[str] | None = None  # stop strings: the text ends before them
     stop_token_ids: list[int] | None = None
@@ -161,6 +169,8 @@ class SamplingParams:
         # as float32 (what the sampler reads) too: 1e-46 would be 0
         if not _is_number(self.top_p) or not FLOAT32_TINY <= self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         # an int64 on the GPU: 2**31 - 1 is more than any vocabulary
         if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             raise ValueError(
@@ -227,6 +237,7 @@ for bad in (
     {"temperature": -0.5},
     {"top_p": 0.0},
     {"top_k": -3},
+    {"min_p": 1.5},
     {"max_tokens": 0},
     {"n": 2},
     {"stop": [""]},
@@ -248,12 +259,14 @@ for bad in (
 # **inverse CDF**: the sampled token is the first whose cumulative probability exceeds
 # $u$.
 #
-# First the three transformations, each a function of a batch, each formula above its
-# code:
+# First the four transformations, each a function of a batch, each formula above its
+# code ($m$ is the row's largest logit after temperature; min-p is a threshold on
+# $z_i - m$, since $p_i / p_{\max} = e^{z_i - m}$):
 #
-# $$ z_i \leftarrow z_i / T
-#    \qquad\qquad z_i \leftarrow -\infty \text{ if } z_i < z_{(k)} \qquad\qquad
-# z_{(i)} \leftarrow -\infty \text{ if } \textstyle\sum_{j<i} p_{(j)} \ge p $$
+# $$ z_i \leftarrow z_i / T \qquad z_i \leftarrow -\infty \text{ if }
+#    z_i - m < \log \text{min\_p} \qquad z_i \leftarrow -\infty \text{ if }
+#    z_i < z_{(k)} \qquad z_i \leftarrow -\infty \text{ if }
+#    \textstyle\sum_{j:\, z_j > z_i} p_j \ge p $$
 
 # %%
 #| export engine.sampler
@@ -272,6 +285,17 @@ def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray
     )
 
 
+def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Keep tokens with z - max z >= log(min_p) (float32, as the GPU compares them),
+    -inf elsewhere; min_p = 0 keeps all.
+    """
+    out = logits.copy()
+    for row in np.flatnonzero(min_p > 0):
+        floor = np.float32(np.log(np.float64(min_p[row])))
+        out[row, logits[row] - logits[row].max() < floor] = -np.inf
+    return out
+
+
 def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
     """Keep each row's k largest logits (and ties with the k-th), -inf elsewhere; k = 0
     keeps all.
@@ -286,16 +310,19 @@ def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
 
 
 def apply_top_p(logits: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    """Keep the most likely tokens until their probability reaches p (always the first),
-    -inf elsewhere.
+    """Keep each token whose more likely tokens hold less than p of the probability
+    (the first always; a tie at the boundary whole), -inf elsewhere.
     """
     out = logits.copy()
     for row in np.flatnonzero(top_p < 1):
         order = np.argsort(-logits[row], kind="stable")  # most likely first
-        probs = np.exp(logits[row, order] - logits[row, order[0]], dtype=np.float64)
+        z = logits[row, order]
+        probs = np.exp(z - z[0], dtype=np.float64)
         probs /= probs.sum()
         mass_before = np.cumsum(probs) - probs
-        out[row, order[mass_before >= top_p[row]]] = -np.inf
+        # the mass strictly above a token: the mass before the first of its value
+        first_of_value = np.searchsorted(-z, -z, side="left")
+        out[row, order[mass_before[first_of_value] >= top_p[row]]] = -np.inf
     return out
 
 
@@ -347,6 +374,11 @@ class SamplingMetadata:
     uniform: np.ndarray
     # (batch,) int64; -1 = none, k >= 0 = the sampled token's and the top k
     num_logprobs: np.ndarray
+    min_p: np.ndarray | None = None  # (batch,) float32; 0 = off (None: all 0)
+
+    def __post_init__(self):
+        if self.min_p is None:
+            self.min_p = np.zeros(len(self.temperature), np.float32)
 
     @classmethod
     def from_params(
@@ -361,6 +393,7 @@ class SamplingMetadata:
             ),
             top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
             top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
             uniform=np.array(
                 [
                     0.0 if p.is_greedy else g.random()
@@ -388,7 +421,7 @@ class SamplerOutput:
 
 class Sampler:
     """The CPU sampler: logits (batch, vocab) and per-row settings -> token ids;
-    temperature, top-k, top-p, draw.
+    temperature, min-p, top-k, top-p, draw.
     """
 
     def __call__(self, logits: np.ndarray, metadata: SamplingMetadata) -> SamplerOutput:
@@ -402,6 +435,7 @@ class Sampler:
         rows = np.flatnonzero(metadata.temperature > 0)
         if rows.size:
             z = apply_temperature(logits[rows], metadata.temperature[rows])
+            z = apply_min_p(z, metadata.min_p[rows])
             z = apply_top_k(z, metadata.top_k[rows])
             z = apply_top_p(z, metadata.top_p[rows])
             token_ids[rows] = sample_inverse_cdf(z, metadata.uniform[rows])
@@ -449,6 +483,8 @@ settings = {  # name: (params, expected probabilities worked out by hand)
         SamplingParams(top_p=0.7),
         np.r_[base[:3], 0, 0, 0] / base[:3].sum(),
     ),
+    # p_i / p_0 = e^(z_i - 2): 0.22 for token 3, 0.14 for token 4
+    "min-p = 0.2": (SamplingParams(min_p=0.2), np.r_[base[:4], 0, 0] / base[:4].sum()),
 }
 num_samples = 20_000
 sampler, counts = Sampler(), {}
@@ -487,9 +523,10 @@ plt.show()
 # On the GPU the logits stay on the GPU; only token ids come back. The sampler takes the
 # same `SamplingMetadata` as the NumPy one, including each row's uniform number drawn on
 # the host from the request's own generator — so a seed gives the same draw on both
-# devices. A block per row: greedy rows take the argmax (a block reduction that keeps
-# the first of equal values, as `np.argmax` does). Sampled rows find their thresholds
-# without sorting: top-k is the largest value $t$ with at least $k$ logits $\ge t$,
+# devices. The first rung of the ladder is a block per row: greedy rows take the argmax
+# (a block reduction that keeps the first of equal values, as `np.argmax` does). Sampled
+# rows find their thresholds without sorting: top-k is the largest value $t$ with at
+# least $k$ logits $\ge t$,
 # top-p the largest $t$ whose kept mass $\sum_{z_i \ge t} e^{(z_i - m)/T}$ still reaches
 # $p$ of the total. Both are found by **bisection** over the 32-bit keys that order
 # float32 values like the floats themselves (flip the sign bit of positives, every bit
@@ -506,9 +543,9 @@ plt.show()
 # knows every share is written: it picks the largest of them (the smallest index on
 # ties, as before) and sets the counter back to zero for the next launch. No second
 # kernel, no host decision. How many shares depends on the batch (`greedy_shares`):
-# about 256 blocks in all, so a single row gets 64 and a batch of 256 rows one each. A
-# sampled row keeps the one-block path (its bisection reads the row up to 64 times; the
-# shares past the first return at once).
+# about 256 blocks in all, so a single row gets 64 and a batch of 256 rows one each. In
+# this first rung a sampled row keeps the one-block path (its bisection reads the row up
+# to 64 times; the shares past the first return at once) — the next rung fixes that.
 #
 # One kernel serves every row, greedy or sampled: the row's own temperature decides on
 # the GPU, so the launch is the same whatever the batch asks for. That matters in
@@ -680,7 +717,7 @@ def greedy_share(z, r, part_v, part_i, tickets, out, sv, si, flag):
 
 
 @cuda.jit
-def sample_kernel(
+def bisection_sample_kernel(
     logits, temperature, top_k, top_p, uniform, part_v, part_i, tickets, out
 ):
     """Block (row, share): a greedy row's argmax split over the shares (greedy_share); a
@@ -767,7 +804,506 @@ _ROW_ARGS = (
 )
 PTX_SIGNATURES = {
     "argmax_kernel": ["void(float32[:, ::1], int64[::1])"],
-    "sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"],
+    "bisection_sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"],
+}
+
+
+# %% [markdown]
+# ### The second rung: a radix select, spread over the shares
+#
+# The bisection costs what its passes cost: one block reads the row's 128,256 logits
+# (half a megabyte) up to 64 times, top-k and top-p each bisecting 32 bits. On an H200
+# that made a top-p step about 1.2 ms, longer than the whole decode step of Llama 3.2
+# 1B. Two changes make sampling cost about what its bytes cost:
+#
+# 1. **Spread every row over shares**, as the greedy rows already were: the blocks of a
+#    row each take a slice, and the row's last block (the ticket) combines.
+# 2. **Find each threshold in three passes, not 32**: a **radix select** over the same
+#    order keys. Cut the 32-bit key into digits of 11, 11 and 10 bits. One pass counts
+#    the row's keys by their first digit (2,048 bins); summing the bins from the top
+#    finds the bin that holds the $k$-th largest, and the count above it. The next pass
+#    counts only the keys of that bin, by their second digit; the third by their last.
+#    Three passes give the exact 32-bit key of the $k$-th largest — and most rows stop
+#    earlier, when the bin holds exactly the tokens still wanted. Top-p is the same with
+#    each bin's *mass* $\sum e^{z_i/T - m}$ in place of its count: the bin where the
+#    mass from the top first reaches $p$ of the total.
+#
+# A worked example, in NumPy, of what the kernel's passes compute: the top-50 threshold
+# of a row of Llama's size, digit by digit.
+
+# %%
+def order_keys(x: np.ndarray) -> np.ndarray:
+    """uint32 keys that order like the float32 x (as the kernel's order_key)."""
+    u = x.astype(np.float32).view(np.uint32)
+    return np.where(u >> 31, ~u, u | np.uint32(0x80000000))
+
+
+def radix_select(keys: np.ndarray, k: int) -> int:
+    """The k-th largest key, by 11-, 11- and 10-bit digits, printing each pass."""
+    prefix, left = 0, k
+    for shift, bits in ((21, 11), (10, 11), (0, 10)):
+        same = keys >> (shift + bits) == prefix >> (shift + bits)  # in the bin so far
+        digits = (keys[same] >> shift) & ((1 << bits) - 1)
+        counts = np.bincount(digits, minlength=1 << bits)
+        from_top = np.cumsum(counts[::-1])[::-1]  # keys in bins >= b
+        b = int(np.flatnonzero(from_top >= left).max())
+        above = int(from_top[b] - counts[b])
+        print(f"digit of {bits} bits: {same.sum():>6} keys, bin {b:>4} holds "
+              f"{counts[b]:>4}, {above:>2} above it, {left - above:>2} still wanted")
+        prefix, left = prefix | b << shift, left - above
+        if counts[b] == left:  # the whole bin is kept: its lowest key will do
+            break
+    return prefix
+
+
+example = (rng.standard_normal(128256) * 2).astype(np.float32)
+threshold = radix_select(order_keys(example).astype(np.int64), 50)
+kept = order_keys(example) >= threshold
+print(f"{kept.sum()} tokens kept; np.partition's 50th largest is "
+      f"{np.partition(example, -50)[-50]:.4f}, the smallest kept "
+      f"{example[kept].min():.4f}")
+assert kept.sum() == 50 and example[kept].min() == np.partition(example, -50)[-50]
+
+# %% [markdown]
+# The first digit is the sign, the exponent and two bits of mantissa, so its bins are
+# coarse — a few hundred logits in the top one here; the second narrows to one or a
+# few, and then the bin is the threshold. A tie needs no special case: equal logits have
+# equal keys, so top-k keeps every token tied with the $k$-th, and top-p every token
+# tied at its boundary, as the NumPy reference does.
+#
+# On the GPU each pass is one launch of `sample_step_kernel` over the grid rows x
+# shares: every block counts its slice into a 2,048-bin histogram in shared memory,
+# adds the non-empty bins to the row's histogram in global memory (atomics), and takes
+# a ticket; the row's last block reads the row's histogram (and sets it back to zero),
+# picks the bin, and writes the row's state — the prefix so far, what is still wanted —
+# for the next launch. Seven launches make a sample, always the same seven, so that a
+# CUDA graph can capture them:
+#
+# | step | every block of the row | the row's last block |
+# | --- | --- | --- |
+# | 0 | largest logit; top-k's first digits | greedy: its token; else $m$, a bin |
+# | 1, 2 | top-k's counts by the next digits | the next bin; at last the threshold |
+# | 3, 4, 5 | top-p's masses by digit (what top-k, min-p keep) | the same |
+# | 6 | the kept mass of its slice | the share where $u \cdot$ total falls; the token |
+#
+# A row with nothing to do at a step — greedy after step 0, no top-k, a threshold found
+# early — returns at once; the eager sampler, which knows the batch's settings on the
+# host, launches only the steps some row needs. Min-p needs no pass of its own: it is a
+# test on $z_i/T - m$, made wherever a token's fate is decided. The draw keeps chapter
+# 8b's inverse CDF in token order: each share's kept mass, a scan over the shares to
+# find the one where $u$ times the total falls, then a scan over that share's threads.
+
+# %%
+#| export kernels.sampling_radix
+import math
+
+import numpy as np
+from numba import cuda, float32, float64, int32, int64
+
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.sampling import (
+    MAX_SHARES,
+    MAX_THREADS,
+    SAMPLER_THREADS,
+    block_argmax,
+    block_total,
+    greedy_shares,
+    order_key,
+)
+
+# a key's three digits, most significant first: 11, 11 and 10 bits
+NUM_BINS = 2048
+NUM_STEPS = 7  # launches: max (+ top-k digit 0), top-k digits 1-2, top-p 0-2, draw
+# a row's state between steps (int64 columns of `state`; float32 of `fstate`)
+KEY_K, K_PREFIX, K_DONE, K_LEFT, KEY_P, P_PREFIX, P_DONE = range(7)
+MAX_X, GOAL_LEFT = 0, 1
+COUNT, MASS, DRAW = 0, 1, 2  # what a pass over a slice adds up
+
+
+@cuda.jit(device=True)
+def sample_key(x):
+    """order_key(x) as an int64, 0 for NaN: below every number, so never kept."""
+    return int64(0) if x != x else int64(order_key(x))
+
+
+@cuda.jit(device=True)
+def digit(d):
+    """(shift, bins) of digit d of a key: (21, 2048), (10, 2048), (0, 1024)."""
+    return (21, 2048) if d == 0 else (10, 2048) if d == 1 else (0, 1024)
+
+
+@cuda.jit(device=True)
+def block_scan(value, lane, sv):
+    """(sum over the lanes before `lane`, through it, over all), one lane a thread."""
+    nt = cuda.blockDim.x
+    sv[lane] = value
+    cuda.syncthreads()
+    off = 1
+    while off < nt:
+        v = sv[lane - off] if lane >= off else float32(0.0)
+        cuda.syncthreads()
+        sv[lane] += v
+        cuda.syncthreads()
+        off *= 2
+    before = sv[lane - 1] if lane > 0 else float32(0.0)
+    through, total = sv[lane], sv[nt - 1]
+    cuda.syncthreads()
+    return before, through, total
+
+
+@cuda.jit(device=True)
+def visit(v, t, m, floor, lo_key, prefix, d, mode, counts, masses):
+    """One logit v of a pass: if kept (key >= lo_key, z / T - m >= floor) and its key
+    starts with prefix's digits before d, count it (and its mass) in digit d's bin;
+    returns its mass e^(z / T - m) (0 if dropped, or counting only).
+    """
+    x = v / t
+    key = sample_key(x)
+    shift, bins = digit(d)
+    high = shift + (11 if d < 2 else 10)  # the bits above digit d
+    if key < lo_key or (key >> high) != (prefix >> high):
+        return float32(0.0)
+    if mode != COUNT and x - m < floor:  # min-p
+        return float32(0.0)
+    e = float32(0.0) if mode == COUNT else math.exp(x - m)
+    if mode != DRAW:
+        b = (key >> shift) & (bins - 1)
+        cuda.atomic.add(counts, b, 1)
+        if mode == MASS:
+            cuda.atomic.add(masses, b, e)
+    return e
+
+
+@cuda.jit(device=True)
+def slice_pass(z, lo, hi, t, m, floor, lo_key, prefix, d, mode, counts, masses):
+    """visit() over z[lo:hi], four loads in flight a thread; the block's mass."""
+    nt = cuda.blockDim.x
+    acc = float32(0.0)
+    i = lo + cuda.threadIdx.x
+    while i + 3 * nt < hi:
+        a, b, c, e = z[i], z[i + nt], z[i + 2 * nt], z[i + 3 * nt]
+        acc += visit(a, t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        acc += visit(b, t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        acc += visit(c, t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        acc += visit(e, t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        i += 4 * nt
+    while i < hi:
+        acc += visit(z[i], t, m, floor, lo_key, prefix, d, mode, counts, masses)
+        i += nt
+    return acc
+
+
+@cuda.jit(device=True)
+def last_of_row(tickets, r, flag):
+    """Every block of row r takes a ticket after its writes: True in the last one."""
+    cuda.threadfence()  # this thread's writes are visible before the ticket is taken
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        flag[0] = 1 if cuda.atomic.add(tickets, r, 1) == cuda.gridDim.y - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return False
+    cuda.threadfence()
+    return True
+
+
+@cuda.jit(device=True)
+def add_histogram(hist_count, hist_mass, r, bins, counts, masses):
+    """The block's histogram into row r's global one (its non-empty bins)."""
+    for b in range(cuda.threadIdx.x, bins, cuda.blockDim.x):
+        if counts[b]:
+            cuda.atomic.add(hist_count, (r, b), counts[b])
+            cuda.atomic.add(hist_mass, (r, b), masses[b])
+
+
+@cuda.jit(device=True)
+def pick_bin(hist_count, hist_mass, r, bins, by_mass, goal, counts, masses, sv, si):
+    """Last block: read row r's histogram (and zero it for the next step); the largest
+    bin b whose bins >= b weigh at least goal (count or mass; goal < 0: -goal times the
+    total). (b, goal less the weight of the bins above b, count in b, whether no bin
+    reached goal: then b is the lowest non-empty bin).
+    """
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    per = bins // nt  # each thread its own run of bins: the bins >= b are a suffix
+    own = float32(0.0)
+    for b in range(tid * per, (tid + 1) * per):
+        counts[b] = cuda.atomic.exch(hist_count, (r, b), 0)  # read through L2
+        masses[b] = cuda.atomic.add(hist_mass, (r, b), float32(0.0))
+        hist_mass[r, b] = 0
+        own += masses[b] if by_mass else float32(counts[b])
+    # weight of the bins above this thread's: a scan over the threads, highest first
+    above, _, total = block_scan(own, nt - 1 - tid, sv)
+    if goal < 0:
+        goal = -goal * total
+    goal = max(goal, float32(1e-38))  # rounding left nothing to find: the top bin
+    found, found_above = int64(-1), float32(0.0)
+    if above < goal:
+        for b in range((tid + 1) * per - 1, tid * per - 1, -1):
+            w = masses[b] if by_mass else float32(counts[b])
+            if found < 0 and above + w >= goal:
+                found, found_above = b, above
+            above += w
+    _, b = block_argmax(float32(found), found, sv, si)
+    if found >= 0 and found == b:
+        sv[0] = found_above
+    cuda.syncthreads()
+    found_above = sv[0]
+    cuda.syncthreads()
+    is_short = b < 0
+    if is_short:  # the histogram weighs less than goal (rounding): its lowest bin
+        low = int64(bins)
+        for j in range((tid + 1) * per - 1, tid * per - 1, -1):
+            if counts[j]:
+                low = j
+        _, b = block_argmax(float32(-low), low, sv, si)
+        b = min(b, int64(bins - 1))  # (an empty histogram: never, a row keeps its max)
+    return b, goal - found_above, counts[b], is_short
+
+
+@cuda.jit(device=True)
+def max_step(z, lo, hi, t, r, is_k, k, hist_count, hist_mass, part_v, part_i,
+             tickets, state, fstate, out, counts, masses, sv, si, flag):
+    """Step 0, block (r, share): the largest logit of the share (first index on
+    ties) and, for top-k, the histogram of its keys' first digit. The row's last block:
+    a greedy row's token; a sampled row's max and top-k's first bin.
+    """
+    tid, n, share = cuda.threadIdx.x, z.shape[0], cuda.blockIdx.y
+    is_sampled = t > 0
+    for b in range(tid, NUM_BINS, cuda.blockDim.x):
+        counts[b], masses[b] = 0, 0
+    cuda.syncthreads()
+    best, best_i = float32(-math.inf), int64(n)
+    for i in range(lo + tid, hi, cuda.blockDim.x):  # increasing i: the first of ties
+        v = z[i]
+        if v > best:
+            best, best_i = v, i
+        if is_k:
+            visit(v, t, float32(0.0), float32(0.0), 1, 0, 0, COUNT, counts, masses)
+    best, best_i = block_argmax(best, best_i, sv, si)
+    if tid == 0:
+        part_v[r, share], part_i[r, share] = best, best_i
+    if is_k:
+        add_histogram(hist_count, hist_mass, r, NUM_BINS, counts, masses)
+    if not last_of_row(tickets, r, flag):
+        return
+    v, j = float32(-math.inf), int64(n)
+    if tid < cuda.gridDim.y:  # read through L2 (atomics): other blocks wrote these
+        v = cuda.atomic.add(part_v, (r, tid), float32(0.0))
+        j = cuda.atomic.add(part_i, (r, tid), int64(0))
+    m, j = block_argmax(v, j, sv, si)
+    if is_k:
+        b, left, count, is_short = pick_bin(
+            hist_count, hist_mass, r, NUM_BINS, False, float32(k), counts, masses,
+            sv, si,
+        )
+    if tid == 0:
+        tickets[r] = 0
+        if not is_sampled:
+            out[r] = j
+            return
+        fstate[r, MAX_X] = m / t
+        state[r, KEY_K], state[r, K_DONE], state[r, P_DONE] = 1, 1, 0
+        if is_k:
+            k_left = int64(left)
+            state[r, K_PREFIX], state[r, K_LEFT] = b << 21, k_left
+            if count == k_left or is_short:
+                state[r, KEY_K] = b << 21
+            else:
+                state[r, K_DONE] = 0
+
+
+@cuda.jit(device=True)
+def select_step(z, lo, hi, t, r, d, by_mass, top_p, min_p, hist_count, hist_mass,
+                tickets, state, fstate, counts, masses, sv, si, flag):
+    """Steps 1-5, block (r, share): digit d of top-k's threshold (count) or top-p's
+    (mass), the share's histogram of the keys in the bin so far; the row's last block
+    picks the next bin.
+    """
+    tid = cuda.threadIdx.x
+    shift, bins = digit(d)
+    for b in range(tid, bins, cuda.blockDim.x):
+        counts[b], masses[b] = 0, 0
+    cuda.syncthreads()
+    if by_mass:
+        prefix = state[r, P_PREFIX] if d > 0 else int64(0)
+        m, floor = fstate[r, MAX_X], min_p_floor(min_p)
+        slice_pass(z, lo, hi, t, m, floor, state[r, KEY_K], prefix, d, MASS, counts,
+                   masses)
+        goal = fstate[r, GOAL_LEFT] if d > 0 else -top_p  # < 0: a share of the total
+    else:
+        prefix = state[r, K_PREFIX]
+        zero = float32(0.0)
+        slice_pass(z, lo, hi, t, zero, zero, 1, prefix, d, COUNT, counts, masses)
+        goal = float32(state[r, K_LEFT])
+    cuda.syncthreads()
+    add_histogram(hist_count, hist_mass, r, bins, counts, masses)
+    if not last_of_row(tickets, r, flag):
+        return
+    b, left, count, is_short = pick_bin(
+        hist_count, hist_mass, r, bins, by_mass, goal, counts, masses, sv, si
+    )
+    if tid == 0:
+        tickets[r] = 0
+        prefix |= b << shift
+        if by_mass:
+            state[r, P_PREFIX] = prefix
+            fstate[r, GOAL_LEFT] = left
+            if d == 2 or count == 1 or is_short:
+                state[r, KEY_P], state[r, P_DONE] = prefix, 1
+        else:
+            k_left = int64(left)
+            state[r, K_PREFIX], state[r, K_LEFT] = prefix, k_left
+            if d == 2 or count == k_left or is_short:
+                state[r, KEY_K], state[r, K_DONE] = prefix, 1
+
+
+@cuda.jit(device=True)
+def min_p_floor(min_p):
+    """log(min_p) as float32 (min-p keeps z / T - m >= it); -inf when min_p is 0."""
+    return float32(math.log(float64(min_p))) if min_p > 0 else float32(-math.inf)
+
+
+@cuda.jit(device=True)
+def draw_step(z, lo, hi, t, r, min_p, u, is_p, part_v, tickets, state, fstate, out,
+              counts, masses, sv, si, flag):
+    """Step 6, block (r, share): the kept mass of the share. The row's last block finds
+    the share where u times the total falls, then the token within it (inverse CDF in
+    token order).
+    """
+    tid, nt, n = cuda.threadIdx.x, cuda.blockDim.x, z.shape[0]
+    lo_key = max(state[r, KEY_K], state[r, KEY_P]) if is_p else state[r, KEY_K]
+    m, floor = fstate[r, MAX_X], min_p_floor(min_p)
+    part = slice_pass(z, lo, hi, t, m, floor, lo_key, 0, 0, DRAW, counts, masses)
+    part = block_total(part, sv)
+    if tid == 0:
+        part_v[r, cuda.blockIdx.y] = part
+    if not last_of_row(tickets, r, flag):
+        return
+    # the shares in order: which one holds u * total (or the last with any mass)
+    w = float32(0.0)
+    if tid < cuda.gridDim.y:
+        w = cuda.atomic.add(part_v, (r, tid), float32(0.0))
+    before, through, total = block_scan(w, tid, sv)
+    target = float32(u) * total
+    hit = tid if w > 0 and before <= target < through else -1
+    _, share = block_argmax(float32(hit), int64(hit), sv, si)
+    if share < 0:
+        _, share = block_argmax(float32(tid if w > 0 else -1), int64(tid), sv, si)
+    if tid == share:
+        sv[0] = target - before
+    cuda.syncthreads()
+    target = sv[0]
+    cuda.syncthreads()
+    # within the share: each thread a contiguous segment, a scan over the threads
+    size = (n + cuda.gridDim.y - 1) // cuda.gridDim.y
+    lo, hi = share * size, min(n, (share + 1) * size)
+    seg = (hi - lo + nt - 1) // nt
+    start, end = min(hi, lo + tid * seg), min(hi, lo + (tid + 1) * seg)
+    part, last = float32(0.0), int64(-1)
+    for i in range(start, end):
+        e = visit(z[i], t, m, floor, lo_key, 0, 0, DRAW, counts, masses)
+        if e > 0:
+            part, last = part + e, i
+    before, through, _ = block_scan(part, tid, sv)
+    found = int64(-1)
+    if before <= target < through:
+        run = before
+        for i in range(start, end):
+            run += visit(z[i], t, m, floor, lo_key, 0, 0, DRAW, counts, masses)
+            if run > target and found < 0:
+                found = i
+    is_found, pick = block_argmax(float32(found >= 0), found, sv, si)
+    _, last = block_argmax(float32(last), last, sv, si)  # u * total rounded up
+    if tid == 0:
+        out[r] = pick if is_found > 0 else last
+        tickets[r] = 0
+
+
+@cuda.jit
+def sample_step_kernel(step, logits, temperature, top_k, top_p, min_p, uniform,
+                       hist_count, hist_mass, part_v, part_i, tickets, state, fstate,
+                       out):
+    """Step `step` of sampling (0-6), block (row, share): 0 the max (a greedy row's
+    token); 1-2 top-k's threshold, 3-5 top-p's, a digit of the key each; 6 the draw.
+    A row with nothing to do at a step returns at once.
+    """
+    wait_for_previous_kernel()
+    sv = cuda.shared.array(MAX_THREADS, float32)
+    si = cuda.shared.array(MAX_THREADS, int64)
+    counts = cuda.shared.array(NUM_BINS, int32)
+    masses = cuda.shared.array(NUM_BINS, float32)
+    flag = cuda.shared.array(1, int32)
+    r, share = cuda.blockIdx.x, cuda.blockIdx.y
+    z, t = logits[r], temperature[r]
+    n = z.shape[0]
+    size = (n + cuda.gridDim.y - 1) // cuda.gridDim.y
+    lo, hi = min(n, share * size), min(n, (share + 1) * size)
+    is_k, is_p = t > 0 and 0 < top_k[r] < n, t > 0 and top_p[r] < 1
+    if step == 0:
+        max_step(z, lo, hi, t, r, is_k, top_k[r], hist_count, hist_mass, part_v,
+                 part_i, tickets, state, fstate, out, counts, masses, sv, si, flag)
+    elif step < 3:
+        if is_k and state[r, K_DONE] == 0:
+            select_step(z, lo, hi, t, r, step, False, top_p[r], min_p[r], hist_count,
+                        hist_mass, tickets, state, fstate, counts, masses, sv, si, flag)
+    elif step < 6:
+        if is_p and (step == 3 or state[r, P_DONE] == 0):
+            select_step(z, lo, hi, t, r, step - 3, True, top_p[r], min_p[r],
+                        hist_count, hist_mass, tickets, state, fstate, counts, masses,
+                        sv, si, flag)
+    elif t > 0:
+        draw_step(z, lo, hi, t, r, min_p[r], uniform[r], is_p, part_v, tickets, state,
+                  fstate, out, counts, masses, sv, si, flag)
+
+
+def sampler_workspace(max_rows: int) -> dict:
+    """The device arrays sample() works in, for up to max_rows rows (histograms and
+    tickets at zero: every step leaves them so).
+    """
+    return {
+        "hist_count": cuda.to_device(np.zeros((max_rows, NUM_BINS), np.int32)),
+        "hist_mass": cuda.to_device(np.zeros((max_rows, NUM_BINS), np.float32)),
+        "part_v": cuda.device_array((max_rows, MAX_SHARES), np.float32),
+        "part_i": cuda.device_array((max_rows, MAX_SHARES), np.int64),
+        "tickets": cuda.to_device(np.zeros(max_rows, np.int32)),
+        "state": cuda.device_array((max_rows, 8), np.int64),
+        "fstate": cuda.device_array((max_rows, 2), np.float32),
+    }
+
+
+def needed_steps(temperature, top_k, top_p, vocab_size: int) -> list[int]:
+    """The steps a batch needs, from its settings on the host (a graph takes all)."""
+    is_sampled = np.asarray(temperature) > 0
+    is_k = is_sampled & (np.asarray(top_k) > 0) & (np.asarray(top_k) < vocab_size)
+    is_p = is_sampled & (np.asarray(top_p) < 1)
+    steps = [0] + [1, 2] * bool(is_k.any()) + [3, 4, 5] * bool(is_p.any())
+    return steps + [6] * bool(is_sampled.any())
+
+
+def sample(logits, temperature, top_k, top_p, min_p, uniform, workspace, out,
+           stream=0, steps=range(NUM_STEPS)) -> None:
+    """Sample one token per row of logits (rows, vocab) into out, all on the GPU: the
+    fixed launches a CUDA graph captures (steps: a subset, when the host knows no row
+    needs the others).
+    """
+    rows = logits.shape[0]
+    w = workspace
+    grid = (rows, greedy_shares(rows))
+    for step in steps:
+        sample_step_kernel[grid, SAMPLER_THREADS, stream](
+            step, logits, temperature, top_k, top_p, min_p, uniform,
+            w["hist_count"], w["hist_mass"], w["part_v"], w["part_i"], w["tickets"],
+            w["state"], w["fstate"], out,
+        )
+
+
+# the types the engine launches it with (tests/ptx_check.py compiles them for sm_90)
+PTX_SIGNATURES = {
+    "sample_step_kernel": [
+        "void(int64, float32[:, ::1], float32[::1], int64[::1], float32[::1], "
+        "float32[::1], float64[::1], int32[:, ::1], float32[:, ::1], float32[:, ::1], "
+        "int64[:, ::1], int32[::1], int64[:, ::1], float32[:, ::1], int64[::1])"
+    ],
 }
 
 
@@ -777,11 +1313,11 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
-from tinyvllm_lib.kernels.sampling import (
-    MAX_SHARES,
-    SAMPLER_THREADS,
-    greedy_shares,
-    sample_kernel,
+from tinyvllm_lib.kernels.sampling_radix import (
+    NUM_STEPS,
+    needed_steps,
+    sample,
+    sampler_workspace,
 )
 from tinyvllm_lib.kernels.softmax import log_softmax
 
@@ -790,6 +1326,7 @@ SETTING_DTYPES = {
     "temperature": np.float32,
     "top_k": np.int64,
     "top_p": np.float32,
+    "min_p": np.float32,
     "uniform": np.float64,
 }
 
@@ -806,11 +1343,10 @@ class CudaSampler:
         self.ids = cuda.device_array(max_rows, np.int64)
         # the sampled ids cross into one of two pinned buffers, used in turn
         self.host_ids = [cuda.pinned_array(max_rows, np.int64) for _ in range(2)]
-        # greedy rows' shares: each share's best logit and index; a ticket counter a row
-        # (back at zero after every launch)
-        self.part_v = cuda.device_array((max_rows, MAX_SHARES), np.float32)
-        self.part_i = cuda.device_array((max_rows, MAX_SHARES), np.int64)
-        self.tickets = cuda.to_device(np.zeros(max_rows, np.int32))
+        # the shares' partial results, the rows' histograms and state, a ticket counter
+        # a row (back at zero after every step)
+        self.workspace = sampler_workspace(max_rows)
+        self.tickets = self.workspace["tickets"]
 
     def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
         n, s = len(metadata.temperature), self.stream
@@ -825,31 +1361,38 @@ class CudaSampler:
                 f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
-        rows = {  # every row's settings, greedy or not: one launch whatever is asked
+        rows = {  # every row's settings, greedy or not: the same launches for all
             name: cuda.to_device(np.ascontiguousarray(getattr(metadata, name), dtype),
                                  stream=s)
             for name, dtype in SETTING_DTYPES.items()
         }
-        self.launch(logits, s, rows)
+        self.launch(logits, s, rows, self.steps_for(metadata))
         queued = self.enqueue(logits, metadata, 0)
         s.synchronize() if s else cuda.synchronize()
         return self.finish(queued)
 
-    def launch(self, logits, stream, rows: dict) -> None:
-        """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can
-        capture): ids on the GPU. rows: the settings' device arrays (SETTING_DTYPES).
+    def steps_for(self, metadata: SamplingMetadata) -> list[int]:
+        """The steps some row of metadata needs (where the host knows the settings:
+        a graph launches them all, whatever its rows ask).
+        """
+        return needed_steps(
+            metadata.temperature, metadata.top_k, metadata.top_p, self.vocab_size
+        )
+
+    def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS)) -> None:
+        """The sampling kernels over logits' rows, on `stream` (what a CUDA graph can
+        capture: every step, whatever the rows ask): ids on the GPU. rows: the
+        settings' device arrays (SETTING_DTYPES).
         """
         n = logits.shape[0]
-        sample_kernel[(n, greedy_shares(n)), SAMPLER_THREADS, stream](
+        sample(
             logits,
-            rows["temperature"][:n],
-            rows["top_k"][:n],
-            rows["top_p"][:n],
+            *(rows[name][:n] for name in ("temperature", "top_k", "top_p", "min_p")),
             rows["uniform"][:n],
-            self.part_v,
-            self.part_i,
-            self.tickets,
+            self.workspace,
             self.ids[:n],
+            stream,
+            steps,
         )
 
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
@@ -929,6 +1472,75 @@ if can_launch():
     )
     assert picked == tied.argmax(1).tolist() == [30, 30, 30]
     assert not greedy_sampler.tickets.copy_to_host().any()
+
+# %% [markdown]
+# ### How fast is sampling?
+#
+# `bench/ch08b_sampler.py` times the sampling launches alone on the GPU, replayed from a
+# CUDA graph over logits rotated past L2, for both rungs, at 1 and 256 rows of Llama 3's
+# 128,256 logits; it records to `book/data/ch08b_sampler.json`. The floor is what the
+# row's bytes take at chapter 1's copy bandwidth: 0.5 MB a row, a tenth of a
+# microsecond for one row. At one row no kernel comes near it — each of the seven
+# launches costs a few microseconds however little it reads — so what to compare there
+# is the rungs; at 256 rows (131 MB) the passes over the rows are what count.
+
+# %% tags=["hide-input"]
+sampler_records = [r for r in load_records("ch08b_sampler") if r["name"] == "sample"]
+timed = {(r["shape"][0], r["setting"], r["kernel"]): r for r in sampler_records}
+not_yet = "(not recorded yet)"
+prose.glue(
+    "ch08b_sampler_gpu",
+    sampler_records[0]["device"]["name"] if sampler_records else "GPU " + not_yet,
+)
+for rows in (1, 256):
+    for setting, key in (("top_p_0.9", "topp"), ("greedy", "greedy")):
+        new, old = timed.get((rows, setting, "radix")), timed.get(
+            (rows, setting, "bisection")
+        )
+        for label, r in (("new", new), ("old", old)):
+            prose.glue(
+                f"ch08b_{key}_{label}_{rows}",
+                f"{r['value']:.1f} µs" if r else not_yet,
+            )
+        prose.glue(
+            f"ch08b_{key}_gain_{rows}",
+            f"{old['value'] / new['value']:.0f}×" if new and old else not_yet,
+        )
+        prose.glue(
+            f"ch08b_{key}_times_{rows}",
+            f"{new['times_bytes']:.1f}×" if new else not_yet,
+        )
+if sampler_records:
+    settings = list(dict.fromkeys(r["setting"] for r in sampler_records))
+    fig, axes = new_figure(1, 2, width=10, height=3)
+    for ax, rows in zip(axes, (1, 256)):
+        x = np.arange(len(settings))
+        for dx, kernel in ((-0.2, "bisection"), (0.2, "radix")):
+            us = [timed.get((rows, s, kernel), {}).get("value", np.nan) for s in
+                  settings]
+            ax.bar(x + dx, us, 0.4, label=kernel)
+        some = next(r for r in sampler_records if r["shape"][0] == rows)
+        ax.axhline(some["bytes_us"], color="k", lw=0.8, label="bytes at copy speed")
+        ax.set_yscale("log")
+        ax.set_xticks(x, settings, rotation=30, fontsize=7)
+        ax.set_title(f"{rows} row(s) x {some['shape'][1]:,} logits", fontsize=9)
+    axes[0].set_ylabel("µs per sample")
+    axes[0].legend(fontsize=7)
+    plt.show()
+else:
+    print("not recorded yet: run bench/ch08b_sampler.py on a GPU")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+On the {{ch08b_sampler_gpu}}, a top-p 0.9 sample of one row took
+{{ch08b_topp_old_1}} with the bisection and {{ch08b_topp_new_1}} with the radix select
+({{ch08b_topp_gain_1}}); at 256 rows {{ch08b_topp_old_256}} against
+{{ch08b_topp_new_256}} ({{ch08b_topp_gain_256}}), which is {{ch08b_topp_times_256}} the
+time the rows' bytes take at copy bandwidth: the passes that top-p needs (the max,
+two or three digits, the draw) each read the rows once more. Greedy rows pay for the
+launches they skip: {{ch08b_greedy_new_1}} at one row against {{ch08b_greedy_old_1}}
+for the first rung's single launch.
+""")
 
 # %% [markdown]
 # ## Stopping, and streaming text
@@ -1702,16 +2314,17 @@ PACKED_FIELDS = (
     ("seq_lens", np.int32, "rows"),
     ("temperature", np.float32, "rows"),
     ("top_p", np.float32, "rows"),
+    ("min_p", np.float32, "rows"),
     ("block_tables", np.int32, "table"),
 )
 # the sampler's settings among them (what CudaSampler.launch reads)
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform")
 # what a padding row holds (chapter 11 pads a step up to a graph's size): token 0 at
 # position 0, no slot, one token of context in block 0, greedy, its own id
 PADDING = {
     "token_ids": 0, "positions": 0, "slot_mapping": -1, "logits_indices": 0,
     "uniform": 0.0, "top_k": 0, "prev_rows": -1, "seq_lens": 1, "temperature": 0.0,
-    "top_p": 1.0, "block_tables": 0,
+    "top_p": 1.0, "min_p": 0.0, "block_tables": 0,
 }
 TOKEN_FIELDS = {name for name, _, count in PACKED_FIELDS if count == "tokens"}
 MAX_CACHED_LAYOUTS = 512  # views kept for this many step shapes
@@ -1825,6 +2438,7 @@ from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
+from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
@@ -2025,7 +2639,10 @@ class ModelRunner:
         self.model.compute_logits(hidden, logits, stream, self.cublas_workspace)
         if num_sampled:
             rows = {name: v[name][:num_sampled] for name in SAMPLING_FIELDS}
-            self.sampler.launch(logits[:num_sampled], stream, rows)
+            # eagerly, the steps the rows need; captured, every step
+            steps = (range(NUM_STEPS) if batch.cudagraph_size
+                     else self.sampler.steps_for(batch.sampling))
+            self.sampler.launch(logits[:num_sampled], stream, rows, steps)
         return logits
 
 
@@ -2305,8 +2922,10 @@ all — CUDA graphs, chapter 11.
 #
 # - The sampler applies temperature, top-k and top-p in vLLM's order and draws with a
 #   uniform from the request's own generator; its frequencies pass a chi-square test.
-#   The GPU sampler takes the same metadata and finds top-k and top-p thresholds by
-#   bisection over the float order, in one kernel for greedy and sampled rows alike.
+#   The GPU sampler takes the same metadata and finds top-k and top-p thresholds by a
+#   radix select over the float order — three passes of 2,048-bin histograms, each row
+#   spread over several blocks — in the same seven launches for greedy and sampled rows
+#   alike; min-p is a test on $z/T - m$, and ties at a threshold are kept whole.
 # - A request stops at every eos id, at stop tokens, stop strings and `max_tokens`, and
 #   streams text only once it is stable: no half characters, no piece of a stop string.
 # - The model runner turns "these requests, these many new tokens each" into sampled
@@ -2319,7 +2938,8 @@ all — CUDA graphs, chapter 11.
 #
 # Exported to `tinyvllm_lib`: `engine.sampling_params` (`SamplingParams`),
 # `engine.sampler` (`Sampler`, `SamplingMetadata`, `SamplerOutput`), `kernels.sampling`
-# (the GPU sampling kernels), `engine.sampler_cuda` (`CudaSampler`),
+# (the argmax and the bisection rung), `kernels.sampling_radix` (the radix select),
+# `engine.sampler_cuda` (`CudaSampler`),
 # `engine.detokenizer` (`IncrementalDetokenizer`), `engine.outputs` (`RequestOutput`,
 # `CompletionOutput`), `engine.request` (`Request`, `RequestStatus`), `kernels.gather`
 # (`gather_rows`), `engine.step_outputs` (`SchedulerOutput`, `ModelRunnerOutput`),

@@ -247,44 +247,54 @@ if can_launch():  # pinned and device buffers: a GPU or the simulator
 # them by copying the step's whole rows of logits to the host and running NumPy's
 # `log_softmax` and `argpartition` there: 128,256 floats per row for Llama 3, half a
 # megabyte, through PCIe and then through NumPy, every step. On the GPU the same
-# numbers take one more kernel, a block per row, and only k + 1 numbers per row cross:
+# numbers take one more kernel, and only k + 1 numbers per row cross:
 #
 # 1. the row's maximum and the sum of `exp(z − max)`: its log-sum-exp `L`, so that
 #    `log p(i) = z[i] − L`;
 # 2. the chosen token's `z − L`;
-# 3. k passes over the row, each finding the largest logit strictly after the last
-#    one found, in the order "larger value first, smaller index on ties" — the
-#    order chapter 8b's greedy argmax uses.
+# 3. the k largest logits, in the order "larger value first, smaller index on ties" —
+#    the order chapter 8b's greedy argmax uses.
 #
-# k passes over the row is k times the reads of one — for the top 20 of 128,256, 2.6
-# million reads per row, by one block — but nothing of the row crosses PCIe, no NumPy
-# runs on it, and all rows run at once on different multiprocessors. (How long it takes
-# on the GPU is for `bench/ch11_kernels.py` to record.) vLLM caps k at 20 by default
-# (`max_logprobs`); a request asking for more here goes the host's way.
+# The first rung, `one_block_logprobs_kernel`, gives each row one block and makes
+# k + 2 passes over it: the max, the sum, then k passes each finding the largest logit
+# strictly after the last one found — for the top 20 of 128,256, 2.8 million reads per
+# row by one multiprocessor. The second, `logprobs_kernel`, reads the row once, spread
+# over the same shares as chapter 8b's sampler. In its single pass over its slice each
+# thread keeps a running maximum with its sum of `exp(z − max)` (rescaled when the
+# maximum grows, as chapter 7's online softmax) and its own k largest in a short sorted
+# list (a new logit goes in only when it beats the list's last, which after the first
+# few is rare). Then k rounds of a block argmax over the threads' list heads give the
+# slice's k largest; the row's last block (the ticket again) combines the shares' maxima
+# and sums into `L` and picks the row's k largest among the shares' k each. vLLM caps k
+# at 20 by default (`max_logprobs`); a request asking for more here goes the host's way.
 
 # %%
 #| export kernels.logprobs
 import math
 
-from numba import cuda, float32, int64
+import numpy as np
+from numba import cuda, float32, int32, int64
 
 from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.sampling import (
+    MAX_SHARES,
     MAX_THREADS,
     SAMPLER_THREADS,
     block_argmax,
     block_total,
+    greedy_shares,
     row_argmax,
 )
 
 MAX_LOGPROBS = 20  # the most top tokens a row gets on the GPU (vLLM's max_logprobs)
+MAX_CANDIDATES = MAX_SHARES * MAX_LOGPROBS  # a row's shares' top tokens, merged
 
 
 @cuda.jit
-def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
+def one_block_logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
     """A block per row: the log-softmax of token_ids[row] and of the row's k most
-    likely tokens (larger first, smaller index on ties).
+    likely tokens (larger first, smaller index on ties), in k + 2 passes.
     """
     wait_for_previous_kernel()
     sv = cuda.shared.array(MAX_THREADS, float32)
@@ -311,18 +321,134 @@ def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
             top_ids[r, j], top_values[r, j] = last_i, last - lse
 
 
-# the types the engine launches it with (tests/ptx_check.py compiles them for sm_90)
+@cuda.jit(device=True)
+def insert_top(v, i, k, top_v, top_i, count):
+    """(v, i) into a thread's list of its count (<= k) largest, larger first (i is past
+    every index in it, so it goes after equal values); the new count.
+    """
+    if v != v or (count == k and not v > top_v[k - 1]):
+        return count
+    j = count if count < k else k - 1
+    while j > 0 and top_v[j - 1] < v:
+        top_v[j], top_i[j] = top_v[j - 1], top_i[j - 1]
+        j -= 1
+    top_v[j], top_i[j] = v, i
+    return min(count + 1, k)
+
+
+@cuda.jit
+def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values, part_m,
+                    part_s, cand_v, cand_i, tickets):
+    """Block (row, share), one pass over the share: its max, sum of exp(z - max) and k
+    largest (each thread keeps its own k, then k rounds pick the block's). The row's
+    last block merges the shares: log-sum-exp, the chosen token's and the top k's
+    log-probs (larger first, smaller index on ties).
+    """
+    wait_for_previous_kernel()
+    sv = cuda.shared.array(MAX_THREADS, float32)
+    si = cuda.shared.array(MAX_THREADS, int64)
+    mv = cuda.shared.array(MAX_CANDIDATES, float32)
+    mi = cuda.shared.array(MAX_CANDIDATES, int64)
+    flag = cuda.shared.array(1, int32)
+    top_v = cuda.local.array(MAX_LOGPROBS, float32)
+    top_i = cuda.local.array(MAX_LOGPROBS, int64)
+    r, share, num_shares = cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.y
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    z = logits[r]
+    n = z.shape[0]
+    size = (n + num_shares - 1) // num_shares
+    lo, hi = min(n, share * size), min(n, (share + 1) * size)
+    # the share, once: an online max and sum of exp, the thread's k largest
+    m, s, count = float32(-math.inf), float32(0.0), 0
+    for i in range(lo + tid, hi, nt):
+        v = z[i]
+        if v > m:
+            s, m = s * math.exp(m - v) + float32(1.0), v
+        elif v > -math.inf:
+            s += math.exp(v - m)
+        if k > 0:
+            count = insert_top(v, i, k, top_v, top_i, count)
+    block_m, _ = block_argmax(m, int64(0), sv, si)
+    s = block_total(s * math.exp(m - block_m) if m > -math.inf else float32(0), sv)
+    # the block's k largest: k rounds over the threads' lists, the winner moves on
+    head = 0
+    for j in range(k):
+        v, i = float32(-math.inf), int64(n)
+        if head < count:
+            v, i = top_v[head], top_i[head]
+        v, i = block_argmax(v, i, sv, si)
+        if head < count and top_i[head] == i:
+            head += 1
+        if tid == 0:
+            cand_v[r, share * k + j], cand_i[r, share * k + j] = v, i
+    if tid == 0:
+        part_m[r, share], part_s[r, share] = block_m, s
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        flag[0] = 1 if cuda.atomic.add(tickets, r, 1) == num_shares - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    cuda.threadfence()
+    # the row's last block: merge the shares (read through L2: others wrote them)
+    pm, ps = float32(-math.inf), float32(0.0)
+    if tid < num_shares:
+        pm = cuda.atomic.add(part_m, (r, tid), float32(0.0))
+        ps = cuda.atomic.add(part_s, (r, tid), float32(0.0))
+    row_m, _ = block_argmax(pm, int64(0), sv, si)
+    total = block_total(
+        ps * math.exp(pm - row_m) if pm > -math.inf else float32(0), sv
+    )
+    lse = row_m + math.log(total)
+    for c in range(tid, num_shares * k, nt):
+        mv[c] = cuda.atomic.add(cand_v, (r, c), float32(0.0))
+        mi[c] = cuda.atomic.add(cand_i, (r, c), int64(0))
+    cuda.syncthreads()
+    last, last_i = float32(math.inf), int64(-1)
+    for j in range(k):
+        best, best_i = float32(-math.inf), int64(n)
+        for c in range(tid, num_shares * k, nt):
+            v, i = mv[c], mi[c]
+            after = v < last or (v == last and i > last_i)
+            if i < n and after and (v > best or (v == best and i < best_i)):
+                best, best_i = v, i
+        last, last_i = block_argmax(best, best_i, sv, si)
+        if tid == 0:
+            top_ids[r, j], top_values[r, j] = last_i, last - lse
+    if tid == 0:
+        chosen[r] = z[token_ids[r]] - lse
+        tickets[r] = 0
+
+
+# the types the engine launches them with (tests/ptx_check.py compiles them for sm_90)
+_OUT_ARGS = "int64[::1], int64, float32[::1], int64[:, ::1], float32[:, ::1]"
 PTX_SIGNATURES = {
+    "one_block_logprobs_kernel": [f"void(float32[:, ::1], {_OUT_ARGS})"],
     "logprobs_kernel": [
-        "void(float32[:, ::1], int64[::1], int64, float32[::1], int64[:, ::1], "
-        "float32[:, ::1])"
+        f"void(float32[:, ::1], {_OUT_ARGS}, float32[:, ::1], float32[:, ::1], "
+        "float32[:, ::1], int64[:, ::1], int32[::1])"
     ],
 }
 
 
-def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=0):
+def logprobs_workspace(max_rows: int) -> dict:
+    """The device arrays gpu_logprobs works in, for up to max_rows rows."""
+    return {
+        "part_m": cuda.device_array((max_rows, MAX_SHARES), np.float32),
+        "part_s": cuda.device_array((max_rows, MAX_SHARES), np.float32),
+        "cand_v": cuda.device_array((max_rows, MAX_CANDIDATES), np.float32),
+        "cand_i": cuda.device_array((max_rows, MAX_CANDIDATES), np.int64),
+        "tickets": cuda.to_device(np.zeros(max_rows, np.int32)),  # back at 0 after
+    }
+
+
+def gpu_logprobs(
+    logits, token_ids, k: int, chosen, top_ids, top_values, workspace, stream=0
+):
     """chosen[r] = log p(token_ids[r]) and the top k of each row of logits (rows,
-    vocab) float32, all on the GPU; top_ids, top_values (>= rows, >= k).
+    vocab) float32, all on the GPU; top_ids, top_values (>= rows, >= k); workspace:
+    logprobs_workspace(>= rows).
     """
     rows, vocab = logits.shape
     if not all(is_device_array(a) for a in (logits, token_ids, chosen)):
@@ -333,8 +459,10 @@ def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=
             f"top_ids {tuple(top_ids.shape)}, got {k}"
         )
     if rows:
-        logprobs_kernel[rows, SAMPLER_THREADS, stream](
-            logits, token_ids, k, chosen, top_ids, top_values
+        w = workspace
+        logprobs_kernel[(rows, greedy_shares(rows)), SAMPLER_THREADS, stream](
+            logits, token_ids, k, chosen, top_ids, top_values, w["part_m"],
+            w["part_s"], w["cand_v"], w["cand_i"], w["tickets"],
         )
 
 
@@ -346,7 +474,10 @@ def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=
 from numba import cuda  # noqa: E402
 
 from tinyvllm_lib.engine.sampler import top_logprobs  # noqa: E402
-from tinyvllm_lib.kernels.logprobs import gpu_logprobs  # noqa: E402
+from tinyvllm_lib.kernels.logprobs import (  # noqa: E402
+    gpu_logprobs,
+    logprobs_workspace,
+)
 from tinyvllm_lib.kernels.softmax import log_softmax  # noqa: E402
 
 if can_launch():  # a GPU or the simulator
@@ -358,7 +489,9 @@ if can_launch():  # a GPU or the simulator
     top_i = cuda.device_array((rows, k), np.int64)
     top_v = cuda.device_array((rows, k), np.float32)
     d_logits, d_picked = cuda.to_device(logits), cuda.to_device(picked)
-    gpu_logprobs(d_logits, d_picked, k, chosen, top_i, top_v)
+    gpu_logprobs(
+        d_logits, d_picked, k, chosen, top_i, top_v, logprobs_workspace(rows)
+    )
     want = log_softmax(logits)
     want_i, want_v = top_logprobs(want, k)
     assert np.allclose(chosen.copy_to_host(), want[np.arange(rows), picked], atol=1e-5)
@@ -367,6 +500,38 @@ if can_launch():  # a GPU or the simulator
     assert top_i.copy_to_host()[1, :3].tolist() == [7, 70, 170]
     assert (top_i.copy_to_host()[[0, 2]] == want_i[[0, 2]]).all()
     print("GPU log-probs match NumPy's; row 1's top 3:", top_i.copy_to_host()[1, :3])
+
+# %% tags=["hide-input"]
+# the two rungs on the GPU: bench/ch08b_sampler.py (both rungs in one run)
+lp = {
+    (r["shape"][0], r["setting"], r["kernel"]): r
+    for r in load_records("ch08b_sampler")
+    if r["name"] == "logprobs"
+}
+for rows in (1, 256):
+    for k in (5, 20):
+        new, old = (lp.get((rows, f"logprobs_{k}", kind)) for kind in
+                    ("shares", "one_block"))
+        prose.glue(f"ch11_lp{k}_new_{rows}",
+                   f"{new['value']:.1f} µs" if new else "(not recorded yet)")
+        prose.glue(f"ch11_lp{k}_old_{rows}",
+                   f"{old['value']:.1f} µs" if old else "(not recorded yet)")
+        prose.glue(f"ch11_lp{k}_times_{rows}",
+                   f"{new['times_bytes']:.1f}×" if new else "(not recorded yet)")
+for (rows, setting, kind), r in lp.items():
+    print(f"{rows:>3} rows  {setting:<12} {kind:<10} {r['value']:9.1f} µs  "
+          f"({r['times_bytes']:.1f}x the bytes at copy bandwidth)")
+if not lp:
+    print("not recorded yet: run bench/ch08b_sampler.py on a GPU")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+The top 20 log-probs of one row took {{ch11_lp20_old_1}} with a block per row and
+{{ch11_lp20_new_1}} spread over the shares; at 256 rows {{ch11_lp20_old_256}} against
+{{ch11_lp20_new_256}}, {{ch11_lp20_times_256}} the time the rows' bytes take at copy
+bandwidth. For the top 5: {{ch11_lp5_old_1}} against {{ch11_lp5_new_1}} at one row,
+{{ch11_lp5_old_256}} against {{ch11_lp5_new_256}} at 256.
+""")
 
 # %% [markdown]
 # The runner samples with it on the GPU (the engine gives every runner on "cuda" this
@@ -383,7 +548,11 @@ from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
-from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
+from tinyvllm_lib.kernels.logprobs import (
+    MAX_LOGPROBS,
+    gpu_logprobs,
+    logprobs_workspace,
+)
 
 
 class GpuLogprobsSampler(CudaSampler):
@@ -397,6 +566,7 @@ class GpuLogprobsSampler(CudaSampler):
         self.chosen = cuda.device_array(max_rows, np.float32)
         self.top_ids = cuda.device_array((max_rows, MAX_LOGPROBS), np.int64)
         self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
+        self.logprobs_workspace = logprobs_workspace(max_rows)
         self.pinned = [
             {
                 "chosen": cuda.pinned_array(max_rows, np.float32),
@@ -413,7 +583,8 @@ class GpuLogprobsSampler(CudaSampler):
             return super().enqueue(logits, metadata, turn)
         self.ids[:n].copy_to_host(self.host_ids[turn][:n], stream=s)
         gpu_logprobs(
-            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values, s
+            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values,
+            self.logprobs_workspace, s,
         )
         self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
         if k > 0:  # whole rows: a copy of contiguous memory
@@ -2221,8 +2392,10 @@ one setting for all of them leaves that much on the table.
 # 3. `PackedInputs` copies every row of the block table each step, though a row
 #    changes by at most one entry a step. How could the graph read a table kept on the
 #    GPU instead, and what would a 256-row step save?
-# 4. `logprobs_kernel` makes k passes over the row. Write the one-pass version (each
-#    thread keeps its own top k, then the block merges them) and say where it wins.
+# 4. `logprobs_kernel` merges the threads' lists in k rounds of a block argmax, each
+#    nine steps of `syncthreads`. Do the first rounds within a warp with shuffles (and a
+#    shared-memory stand-in for the simulator); predict, then measure, the gain at one
+#    row and at 256.
 # 5. The host's share: profile `bench/ch11_host_cpu.py` at 256 rows and remove the
 #    largest cost you find without changing any output.
 # 6. `AsyncScheduler.schedule_ahead` gives up whenever a waiting request could be

@@ -89,7 +89,7 @@ print(f"the engine runs on {DEVICE}")
 # | `max_tokens` | `max_tokens` | default 16 (completions), or all that fits (chat) |
 # | `max_completion_tokens` (chat) | `max_tokens` | OpenAI's newer name |
 # | `temperature`, `top_p`, `seed`, `stop` | the same | `temperature` defaults to 1 |
-# | `top_k`, `stop_token_ids`, `ignore_eos` | the same | vLLM's extensions |
+# | `top_k`, `min_p`, `stop_token_ids`, `ignore_eos` | the same | vLLM's extensions |
 # | `logprobs: k` (completions) | `logprobs=k` | at most 20 |
 # | `logprobs`, `top_logprobs: k` (chat) | `logprobs=k` | at most 20 |
 # | `n` | `n` | only 1: one completion per request |
@@ -197,7 +197,8 @@ class GenerationFields(OpenAIModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # this and the next three: vLLM's extensions
+    top_k: int | None = None  # this and the next four: vLLM's extensions
+    min_p: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:123"
@@ -245,6 +246,7 @@ class GenerationFields(OpenAIModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
             "max_tokens": max_tokens,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,

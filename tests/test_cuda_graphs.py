@@ -220,7 +220,11 @@ def test_gpu_logprobs_match_numpy(rng, k):
     from numba import cuda
 
     from tinyvllm_lib.engine.sampler import top_logprobs
-    from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
+    from tinyvllm_lib.kernels.logprobs import (
+        MAX_LOGPROBS,
+        gpu_logprobs,
+        logprobs_workspace,
+    )
     from tinyvllm_lib.kernels.softmax import log_softmax
 
     rows, vocab = 4, 700 if not has_gpu() else 128256
@@ -231,7 +235,10 @@ def test_gpu_logprobs_match_numpy(rng, k):
     picked = rng.integers(0, vocab, rows)
     chosen = cuda.device_array(rows, np.float32)
     ids, values = cuda.device_array((rows, MAX_LOGPROBS), np.int64), cuda.device_array((rows, MAX_LOGPROBS), np.float32)
-    gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), k, chosen, ids, values)
+    workspace = logprobs_workspace(rows)
+    for _ in range(2):  # the tickets are back at zero after a launch
+        gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), k, chosen, ids, values, workspace)
+    assert not workspace["tickets"].copy_to_host().any()
     want = log_softmax(logits)
     np.testing.assert_allclose(chosen.copy_to_host(), want[np.arange(rows), picked], atol=2e-5, rtol=1e-5)
     if k:
@@ -242,7 +249,7 @@ def test_gpu_logprobs_match_numpy(rng, k):
         assert got_ids[2, : min(k, 10)].tolist() == list(range(100, 100 + min(k, 10)))
         assert got_ids[3, 0] == 5 and got_values[3, 0] == 0.0
     with pytest.raises(ValueError, match="k must be in"):
-        gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), MAX_LOGPROBS + 1, chosen, ids, values)
+        gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), MAX_LOGPROBS + 1, chosen, ids, values, workspace)
 
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")

@@ -15,19 +15,19 @@ NUM_SAMPLES = 20_000
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
 
 
-def expected_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The distribution vLLM samples from, computed one token at a time in float64: T, then top-k, then top-p."""
+def expected_probs(logits, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """The distribution vLLM samples from, computed one token at a time in float64: T, then min-p, then top-k
+    (ties with the k-th kept), then top-p (a token stays if the tokens strictly more likely hold less than p)."""
     z = np.asarray(logits, np.float64) / temperature
-    order = sorted(range(len(z)), key=lambda i: -z[i])
-    kept = order[:top_k] if top_k > 0 else order
-    weights = {i: np.exp(z[i] - z[order[0]]) for i in kept}
-    total = sum(weights.values())
-    probs, mass = np.zeros(len(z)), 0.0
-    for i in kept:  # most likely first: keep while the mass before it is below p
-        if mass >= top_p:
-            break
-        probs[i] = weights[i] / total
-        mass += weights[i] / total
+    weights = np.exp(z - z.max())
+    keep = weights >= min_p  # p_i >= min_p * p_max
+    if top_k > 0:
+        kth = np.sort(z[keep])[::-1][min(top_k, keep.sum()) - 1]
+        keep &= z >= kth
+    probs = np.where(keep, weights, 0.0) / weights[keep].sum()
+    if top_p < 1:
+        keep &= np.array([probs[z > zi].sum() < top_p for zi in z])
+    probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()
 
 
@@ -62,6 +62,7 @@ def test_defaults_are_vllms():
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, p.ignore_eos) == (1, 1.0, 1.0, -1, 16, None, False)
     assert p.stop == [] and p.stop_token_ids == [] and p.logprobs is None and p.prompt_logprobs is None
+    assert p.min_p == 0.0
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(temperature=0).is_greedy and not SamplingParams(temperature=0.1).is_greedy
 
@@ -69,6 +70,7 @@ def test_defaults_are_vllms():
 @pytest.mark.parametrize("bad", [
     {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": "hot"},
     {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": -0.2}, {"top_k": -2}, {"top_k": 2.5},
+    {"min_p": -0.1}, {"min_p": 1.5}, {"min_p": float("nan")}, {"min_p": "0.1"},
     {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": 1.5}, {"n": 2}, {"n": 0},
     {"logprobs": -1}, {"prompt_logprobs": -2}, {"seed": 1.5}, {"seed": "x"},
     {"stop": [""]}, {"stop": ["ok", 3]}, {"stop": 5}, {"stop_token_ids": [-1]}, {"stop_token_ids": ["a"]},
@@ -107,15 +109,17 @@ def test_bad_logits_shape_raises():
 # --- distributions ---
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, -1, 1.0), (0.5, -1, 1.0), (2.0, 0, 1.0),  # temperature alone
-    (1.0, 3, 1.0), (1.0, 1, 1.0), (0.7, 5, 1.0),  # top-k
-    (1.0, -1, 0.7), (1.0, -1, 0.9), (1.0, -1, 0.05),  # top-p (0.05: only the first token)
-    (0.7, 5, 0.8), (1.5, 4, 0.6), (0.8, 2, 0.9),  # all three, in vLLM's order
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, -1, 1.0, 0), (0.5, -1, 1.0, 0), (2.0, 0, 1.0, 0),  # temperature alone
+    (1.0, 3, 1.0, 0), (1.0, 1, 1.0, 0), (0.7, 5, 1.0, 0),  # top-k
+    (1.0, -1, 0.7, 0), (1.0, -1, 0.9, 0), (1.0, -1, 0.05, 0),  # top-p (0.05: only the first token)
+    (0.7, 5, 0.8, 0), (1.5, 4, 0.6, 0), (0.8, 2, 0.9, 0),  # T, top-k and top-p, in vLLM's order
+    (1.0, -1, 1.0, 0.1), (2.0, -1, 1.0, 0.3), (0.5, -1, 1.0, 0.01),  # min-p (after T: 0.5 sharpens)
+    (1.0, 2, 1.0, 0.3), (1.5, -1, 0.8, 0.2), (1.2, 6, 0.95, 0.05),  # min-p with top-k and top-p
 ])
-def test_sampling_frequencies_match_the_distribution(rng, temperature, top_k, top_p):
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    probs = expected_probs(LOGITS, temperature, top_k, top_p)
+def test_sampling_frequencies_match_the_distribution(rng, temperature, top_k, top_p, min_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = expected_probs(LOGITS, temperature, top_k, top_p, min_p)
     counts = np.bincount(draw(params, seed=int(rng.integers(2**32))), minlength=len(LOGITS))
     assert counts[probs == 0].sum() == 0, f"drew tokens {np.flatnonzero((probs == 0) & (counts > 0))} that must not appear"
     if (probs > 0).sum() == 1:
@@ -125,11 +129,28 @@ def test_sampling_frequencies_match_the_distribution(rng, temperature, top_k, to
 
 
 def test_top_p_boundary_is_the_mass_before_the_token():
-    # four equal logits: probabilities exactly 0.25, so the mass before the third token is exactly 0.5:
-    # p = 0.5 drops it, p = 0.51 keeps it
-    logits = np.zeros(4, np.float32)
-    assert len(set(draw(SamplingParams(top_p=0.5), logits, 4000))) == 2
-    assert len(set(draw(SamplingParams(top_p=0.51), logits, 4000))) == 3
+    # probabilities 0.665, 0.245, 0.090: the mass before token 1 is 0.665; p = 0.66 drops it, p = 0.67 keeps it
+    logits = np.array([1.0, 0.0, -1.0], np.float32)
+    assert set(draw(SamplingParams(top_p=0.66), logits, 4000)) == {0}
+    assert set(draw(SamplingParams(top_p=0.67), logits, 4000)) == {0, 1}
+
+
+def test_top_p_keeps_a_tie_at_its_boundary_whole():
+    # probabilities 0.534, 0.197, 0.197, 0.072: at p = 0.6 the tie (tokens 1 and 2) has 0.534 above it: both stay,
+    # whatever their positions (a sort-and-cut would keep the first and drop the second); at p = 0.5 neither
+    for logits in ([1.0, 0.0, 0.0, -1.0], [0.0, -1.0, 1.0, 0.0]):
+        z = np.array(logits, np.float32)
+        tie = set(np.flatnonzero(z == 0.0))
+        assert set(draw(SamplingParams(top_p=0.6), z, 4000)) == {int(np.argmax(z))} | tie
+        assert set(draw(SamplingParams(top_p=0.5), z, 4000)) == {int(np.argmax(z))}
+
+
+def test_min_p_is_relative_to_the_most_likely_token():
+    # p_i / p_max = e^(z_i - 2): 1, 0.61, 0.37, 0.22, 0.14, ...; min_p = 0.3 keeps tokens 0-2, and at T = 2
+    # (ratios e^((z_i - 2) / 2)) tokens 0-4 (0.37 at token 4); min_p = 1 keeps the max alone
+    assert set(draw(SamplingParams(min_p=0.3), num=4000)) == {0, 1, 2}
+    assert set(draw(SamplingParams(min_p=0.3, temperature=2.0), num=4000)) == {0, 1, 2, 3, 4}
+    assert set(draw(SamplingParams(min_p=1.0), num=1000)) == {0}
 
 
 def test_top_k_keeps_ties_with_the_kth():
@@ -255,3 +276,102 @@ def test_gpu_greedy_shares_at_llama_vocab(rng, rows):
     hits = rng.integers(0, vocab, (rows, 2))
     z[np.arange(rows), hits[:, 0]] = z[np.arange(rows), hits[:, 1]] = 6.0  # a tie, mostly across shares
     assert greedy_ids(z) == z.argmax(1).tolist()
+
+
+# --- the GPU sampler's sampled rows: radix select over float keys (simulator in CI, real shapes on a GPU) ---
+
+
+def gpu_and_numpy(z: np.ndarray, params: list, uniforms=None, every_step: bool = False):
+    """The GPU sampler's and the NumPy sampler's tokens for the same rows and the same uniforms. every_step: launch
+    all the steps, as a captured graph does, instead of those the batch needs."""
+    from numba import cuda
+
+    from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+
+    rows, vocab = z.shape
+    meta = SamplingMetadata.from_params(params, [np.random.default_rng(i) for i in range(rows)])
+    if uniforms is not None:
+        meta.uniform = np.asarray(uniforms, np.float64)
+    sampler = CudaSampler(vocab, rows)
+    if every_step:
+        from tinyvllm_lib.engine.sampler_cuda import SETTING_DTYPES
+
+        settings = {name: cuda.to_device(np.ascontiguousarray(getattr(meta, name), dtype))
+                    for name, dtype in SETTING_DTYPES.items()}
+        sampler.launch(cuda.to_device(z), 0, settings)  # every step, as a graph launches them
+        got = sampler.ids.copy_to_host()[:rows]
+    else:
+        got = sampler(z, meta).token_ids
+    ws = sampler.workspace
+    assert not ws["tickets"].copy_to_host().any() and not ws["hist_count"].copy_to_host().any()
+    assert not ws["hist_mass"].copy_to_host().any()  # every step leaves its histograms at zero
+    return got.tolist(), Sampler()(z, meta).token_ids.tolist()
+
+
+MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.8), SamplingParams(top_k=5),
+         SamplingParams(top_p=0.6), SamplingParams(min_p=0.1), SamplingParams(temperature=0.6, top_p=0.9),
+         SamplingParams(temperature=1.3, top_k=20, top_p=0.8, min_p=0.05), SamplingParams(top_k=1),
+         SamplingParams(top_k=500, top_p=0.05), SamplingParams(temperature=2.0, min_p=0.5, top_k=3)]
+
+
+@pytest.mark.parametrize("every_step", [False, True])
+def test_gpu_sampler_is_the_numpy_samplers_token_for_token(rng, every_step):
+    """Every setting in one batch (greedy rows among them): the same token as NumPy's for the same uniform."""
+    z = (rng.standard_normal((len(MIXED), 77)) * 2).astype(np.float32)
+    got, want = gpu_and_numpy(z, MIXED, every_step=every_step)
+    assert got == want
+
+
+def test_gpu_sampler_breaks_ties_as_numpy_does(rng):
+    """Thresholds inside ties: top-k's k-th value repeated (every tie kept), top-p's boundary in a tie (kept whole),
+    min-p's floor equal to tokens, equal maxima split over the shares, the draw near u = 0 and u = 1."""
+    vocab = 90
+    z = np.round(rng.standard_normal((8, vocab)), 1).astype(np.float32)  # many equal values
+    z[3, [2, 60]] = z[3].max() + 1.0  # the max twice, in different shares
+    z[4] = 0.0
+    z[4, [10, 70]] = 1.0  # top-p 0.1: the two maxima hold 0.06; the 88 zeros are one tie, kept whole
+    z[5, :] = -np.inf
+    z[5, [7, 50, 89]] = [0.0, np.log(0.5), np.log(0.5)]  # min-p 0.5: the two halves are on its floor
+    params = [SamplingParams(top_k=7), SamplingParams(top_k=30, temperature=0.7), SamplingParams(top_p=0.5),
+              SamplingParams(top_k=2, temperature=0.5), SamplingParams(top_p=0.1), SamplingParams(min_p=0.5),
+              SamplingParams(top_p=0.3, temperature=0.9), SamplingParams(top_k=4, top_p=0.9, min_p=0.2)]
+    for uniforms in (rng.random(8), np.full(8, np.nextafter(1.0, 0.0))):  # (u = 0: below)
+        got, want = gpu_and_numpy(z, params, uniforms)
+        assert got == want, f"uniforms {uniforms}"
+    # the kept sets themselves: the tokens drawn by u on a grid over [0, 1)
+    rows = [3, 4, 5]
+    grid = np.array([0.0, 0.2, 0.4, 0.6, 0.8, 0.999])
+    z_rep, params_rep = np.repeat(z[rows], len(grid), axis=0), [params[r] for r in rows for _ in grid]
+    got, want = gpu_and_numpy(z_rep, params_rep, np.tile(grid, len(rows)))
+    assert got == want
+    kept = {r: set(got[i * len(grid):(i + 1) * len(grid)]) for i, r in enumerate(rows)}
+    assert kept[3] <= {2, 60} and kept[5] == {7, 50, 89}
+    assert len(kept[4] - {10, 70}) > 1 and (z[4, sorted(kept[4])] >= 0).all()  # the tie of zeros is in
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_gpu_sampler_at_llama_vocab(rng, rows):
+    """128,256 logits a row, every setting, the shares the engine uses. Float32 sums against NumPy's float64 can move
+    a threshold or a draw that lands within rounding of a boundary: at most 1% of rows may differ."""
+    z = (rng.standard_normal((rows, 128256)) * 3).astype(np.float32)
+    params = [MIXED[i % len(MIXED)] for i in range(rows)]
+    got, want = gpu_and_numpy(z, params, rng.random(rows))
+    assert sum(g != w for g, w in zip(got, want)) <= rows // 100
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, -1, 1.0, 0.3), (1.5, -1, 0.8, 0.2),
+                                                              (0.7, 5, 0.9, 0.0), (1.2, 6, 0.95, 0.05)])
+def test_gpu_sampler_frequencies_match_the_distribution(rng, temperature, top_k, top_p, min_p):
+    from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    gen = np.random.default_rng(int(rng.integers(2**32)))
+    meta = SamplingMetadata.from_params([params] * NUM_SAMPLES, [gen] * NUM_SAMPLES)
+    got = CudaSampler(len(LOGITS), NUM_SAMPLES)(np.tile(LOGITS, (NUM_SAMPLES, 1)), meta).token_ids
+    probs = expected_probs(LOGITS, temperature, top_k, top_p, min_p)
+    counts = np.bincount(got, minlength=len(LOGITS))
+    assert counts[probs == 0].sum() == 0
+    stat, dof = chi_square(counts, probs)
+    assert stat < CHI2_CRITICAL_0_001[dof], f"chi2 = {stat:.1f} with {dof} degrees of freedom; counts {counts}"

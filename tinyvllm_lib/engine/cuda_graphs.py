@@ -27,7 +27,11 @@ from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
-from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS, gpu_logprobs
+from tinyvllm_lib.kernels.logprobs import (
+    MAX_LOGPROBS,
+    gpu_logprobs,
+    logprobs_workspace,
+)
 
 
 class GpuLogprobsSampler(CudaSampler):
@@ -41,6 +45,7 @@ class GpuLogprobsSampler(CudaSampler):
         self.chosen = cuda.device_array(max_rows, np.float32)
         self.top_ids = cuda.device_array((max_rows, MAX_LOGPROBS), np.int64)
         self.top_values = cuda.device_array((max_rows, MAX_LOGPROBS), np.float32)
+        self.logprobs_workspace = logprobs_workspace(max_rows)
         self.pinned = [
             {
                 "chosen": cuda.pinned_array(max_rows, np.float32),
@@ -57,7 +62,8 @@ class GpuLogprobsSampler(CudaSampler):
             return super().enqueue(logits, metadata, turn)
         self.ids[:n].copy_to_host(self.host_ids[turn][:n], stream=s)
         gpu_logprobs(
-            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values, s
+            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values,
+            self.logprobs_workspace, s,
         )
         self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
         if k > 0:  # whole rows: a copy of contiguous memory

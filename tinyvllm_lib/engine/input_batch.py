@@ -141,16 +141,17 @@ PACKED_FIELDS = (
     ("seq_lens", np.int32, "rows"),
     ("temperature", np.float32, "rows"),
     ("top_p", np.float32, "rows"),
+    ("min_p", np.float32, "rows"),
     ("block_tables", np.int32, "table"),
 )
 # the sampler's settings among them (what CudaSampler.launch reads)
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform")
 # what a padding row holds (chapter 11 pads a step up to a graph's size): token 0 at
 # position 0, no slot, one token of context in block 0, greedy, its own id
 PADDING = {
     "token_ids": 0, "positions": 0, "slot_mapping": -1, "logits_indices": 0,
     "uniform": 0.0, "top_k": 0, "prev_rows": -1, "seq_lens": 1, "temperature": 0.0,
-    "top_p": 1.0, "block_tables": 0,
+    "top_p": 1.0, "min_p": 0.0, "block_tables": 0,
 }
 TOKEN_FIELDS = {name for name, _, count in PACKED_FIELDS if count == "tokens"}
 MAX_CACHED_LAYOUTS = 512  # views kept for this many step shapes

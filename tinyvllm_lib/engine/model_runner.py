@@ -16,6 +16,7 @@ from tinyvllm_lib.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
+from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
@@ -216,5 +217,8 @@ class ModelRunner:
         self.model.compute_logits(hidden, logits, stream, self.cublas_workspace)
         if num_sampled:
             rows = {name: v[name][:num_sampled] for name in SAMPLING_FIELDS}
-            self.sampler.launch(logits[:num_sampled], stream, rows)
+            # eagerly, the steps the rows need; captured, every step
+            steps = (range(NUM_STEPS) if batch.cudagraph_size
+                     else self.sampler.steps_for(batch.sampling))
+            self.sampler.launch(logits[:num_sampled], stream, rows, steps)
         return logits

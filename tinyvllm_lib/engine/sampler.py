@@ -17,6 +17,17 @@ def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray
     )
 
 
+def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Keep tokens with z - max z >= log(min_p) (float32, as the GPU compares them),
+    -inf elsewhere; min_p = 0 keeps all.
+    """
+    out = logits.copy()
+    for row in np.flatnonzero(min_p > 0):
+        floor = np.float32(np.log(np.float64(min_p[row])))
+        out[row, logits[row] - logits[row].max() < floor] = -np.inf
+    return out
+
+
 def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
     """Keep each row's k largest logits (and ties with the k-th), -inf elsewhere; k = 0
     keeps all.
@@ -31,16 +42,19 @@ def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
 
 
 def apply_top_p(logits: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    """Keep the most likely tokens until their probability reaches p (always the first),
-    -inf elsewhere.
+    """Keep each token whose more likely tokens hold less than p of the probability
+    (the first always; a tie at the boundary whole), -inf elsewhere.
     """
     out = logits.copy()
     for row in np.flatnonzero(top_p < 1):
         order = np.argsort(-logits[row], kind="stable")  # most likely first
-        probs = np.exp(logits[row, order] - logits[row, order[0]], dtype=np.float64)
+        z = logits[row, order]
+        probs = np.exp(z - z[0], dtype=np.float64)
         probs /= probs.sum()
         mass_before = np.cumsum(probs) - probs
-        out[row, order[mass_before >= top_p[row]]] = -np.inf
+        # the mass strictly above a token: the mass before the first of its value
+        first_of_value = np.searchsorted(-z, -z, side="left")
+        out[row, order[mass_before[first_of_value] >= top_p[row]]] = -np.inf
     return out
 
 
@@ -85,6 +99,11 @@ class SamplingMetadata:
     uniform: np.ndarray
     # (batch,) int64; -1 = none, k >= 0 = the sampled token's and the top k
     num_logprobs: np.ndarray
+    min_p: np.ndarray | None = None  # (batch,) float32; 0 = off (None: all 0)
+
+    def __post_init__(self):
+        if self.min_p is None:
+            self.min_p = np.zeros(len(self.temperature), np.float32)
 
     @classmethod
     def from_params(
@@ -99,6 +118,7 @@ class SamplingMetadata:
             ),
             top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
             top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
             uniform=np.array(
                 [
                     0.0 if p.is_greedy else g.random()
@@ -126,7 +146,7 @@ class SamplerOutput:
 
 class Sampler:
     """The CPU sampler: logits (batch, vocab) and per-row settings -> token ids;
-    temperature, top-k, top-p, draw.
+    temperature, min-p, top-k, top-p, draw.
     """
 
     def __call__(self, logits: np.ndarray, metadata: SamplingMetadata) -> SamplerOutput:
@@ -140,6 +160,7 @@ class Sampler:
         rows = np.flatnonzero(metadata.temperature > 0)
         if rows.size:
             z = apply_temperature(logits[rows], metadata.temperature[rows])
+            z = apply_min_p(z, metadata.min_p[rows])
             z = apply_top_k(z, metadata.top_k[rows])
             z = apply_top_p(z, metadata.top_p[rows])
             token_ids[rows] = sample_inverse_cdf(z, metadata.uniform[rows])

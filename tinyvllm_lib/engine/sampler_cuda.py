@@ -6,11 +6,11 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
-from tinyvllm_lib.kernels.sampling import (
-    MAX_SHARES,
-    SAMPLER_THREADS,
-    greedy_shares,
-    sample_kernel,
+from tinyvllm_lib.kernels.sampling_radix import (
+    NUM_STEPS,
+    needed_steps,
+    sample,
+    sampler_workspace,
 )
 from tinyvllm_lib.kernels.softmax import log_softmax
 
@@ -19,6 +19,7 @@ SETTING_DTYPES = {
     "temperature": np.float32,
     "top_k": np.int64,
     "top_p": np.float32,
+    "min_p": np.float32,
     "uniform": np.float64,
 }
 
@@ -35,11 +36,10 @@ class CudaSampler:
         self.ids = cuda.device_array(max_rows, np.int64)
         # the sampled ids cross into one of two pinned buffers, used in turn
         self.host_ids = [cuda.pinned_array(max_rows, np.int64) for _ in range(2)]
-        # greedy rows' shares: each share's best logit and index; a ticket counter a row
-        # (back at zero after every launch)
-        self.part_v = cuda.device_array((max_rows, MAX_SHARES), np.float32)
-        self.part_i = cuda.device_array((max_rows, MAX_SHARES), np.int64)
-        self.tickets = cuda.to_device(np.zeros(max_rows, np.int32))
+        # the shares' partial results, the rows' histograms and state, a ticket counter
+        # a row (back at zero after every step)
+        self.workspace = sampler_workspace(max_rows)
+        self.tickets = self.workspace["tickets"]
 
     def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
         n, s = len(metadata.temperature), self.stream
@@ -54,31 +54,38 @@ class CudaSampler:
                 f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
-        rows = {  # every row's settings, greedy or not: one launch whatever is asked
+        rows = {  # every row's settings, greedy or not: the same launches for all
             name: cuda.to_device(np.ascontiguousarray(getattr(metadata, name), dtype),
                                  stream=s)
             for name, dtype in SETTING_DTYPES.items()
         }
-        self.launch(logits, s, rows)
+        self.launch(logits, s, rows, self.steps_for(metadata))
         queued = self.enqueue(logits, metadata, 0)
         s.synchronize() if s else cuda.synchronize()
         return self.finish(queued)
 
-    def launch(self, logits, stream, rows: dict) -> None:
-        """The sampling kernel over logits' rows, on `stream` (what a CUDA graph can
-        capture): ids on the GPU. rows: the settings' device arrays (SETTING_DTYPES).
+    def steps_for(self, metadata: SamplingMetadata) -> list[int]:
+        """The steps some row of metadata needs (where the host knows the settings:
+        a graph launches them all, whatever its rows ask).
+        """
+        return needed_steps(
+            metadata.temperature, metadata.top_k, metadata.top_p, self.vocab_size
+        )
+
+    def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS)) -> None:
+        """The sampling kernels over logits' rows, on `stream` (what a CUDA graph can
+        capture: every step, whatever the rows ask): ids on the GPU. rows: the
+        settings' device arrays (SETTING_DTYPES).
         """
         n = logits.shape[0]
-        sample_kernel[(n, greedy_shares(n)), SAMPLER_THREADS, stream](
+        sample(
             logits,
-            rows["temperature"][:n],
-            rows["top_k"][:n],
-            rows["top_p"][:n],
+            *(rows[name][:n] for name in ("temperature", "top_k", "top_p", "min_p")),
             rows["uniform"][:n],
-            self.part_v,
-            self.part_i,
-            self.tickets,
+            self.workspace,
             self.ids[:n],
+            stream,
+            steps,
         )
 
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:

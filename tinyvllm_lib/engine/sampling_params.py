@@ -41,6 +41,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # 1 = off
     top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # 0 = off; else keep p_i >= min_p * max p
     seed: int | None = None  # None: the LLM's generator
     stop: str | list[str] | None = None  # stop strings: the text ends before them
     stop_token_ids: list[int] | None = None
@@ -67,6 +68,8 @@ class SamplingParams:
         # as float32 (what the sampler reads) too: 1e-46 would be 0
         if not _is_number(self.top_p) or not FLOAT32_TINY <= self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         # an int64 on the GPU: 2**31 - 1 is more than any vocabulary
         if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             raise ValueError(

@@ -4,25 +4,29 @@
 # defined in chapters/11_llama.py
 import math
 
-from numba import cuda, float32, int64
+import numpy as np
+from numba import cuda, float32, int32, int64
 
 from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.sampling import (
+    MAX_SHARES,
     MAX_THREADS,
     SAMPLER_THREADS,
     block_argmax,
     block_total,
+    greedy_shares,
     row_argmax,
 )
 
 MAX_LOGPROBS = 20  # the most top tokens a row gets on the GPU (vLLM's max_logprobs)
+MAX_CANDIDATES = MAX_SHARES * MAX_LOGPROBS  # a row's shares' top tokens, merged
 
 
 @cuda.jit
-def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
+def one_block_logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
     """A block per row: the log-softmax of token_ids[row] and of the row's k most
-    likely tokens (larger first, smaller index on ties).
+    likely tokens (larger first, smaller index on ties), in k + 2 passes.
     """
     wait_for_previous_kernel()
     sv = cuda.shared.array(MAX_THREADS, float32)
@@ -49,18 +53,134 @@ def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values):
             top_ids[r, j], top_values[r, j] = last_i, last - lse
 
 
-# the types the engine launches it with (tests/ptx_check.py compiles them for sm_90)
+@cuda.jit(device=True)
+def insert_top(v, i, k, top_v, top_i, count):
+    """(v, i) into a thread's list of its count (<= k) largest, larger first (i is past
+    every index in it, so it goes after equal values); the new count.
+    """
+    if v != v or (count == k and not v > top_v[k - 1]):
+        return count
+    j = count if count < k else k - 1
+    while j > 0 and top_v[j - 1] < v:
+        top_v[j], top_i[j] = top_v[j - 1], top_i[j - 1]
+        j -= 1
+    top_v[j], top_i[j] = v, i
+    return min(count + 1, k)
+
+
+@cuda.jit
+def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values, part_m,
+                    part_s, cand_v, cand_i, tickets):
+    """Block (row, share), one pass over the share: its max, sum of exp(z - max) and k
+    largest (each thread keeps its own k, then k rounds pick the block's). The row's
+    last block merges the shares: log-sum-exp, the chosen token's and the top k's
+    log-probs (larger first, smaller index on ties).
+    """
+    wait_for_previous_kernel()
+    sv = cuda.shared.array(MAX_THREADS, float32)
+    si = cuda.shared.array(MAX_THREADS, int64)
+    mv = cuda.shared.array(MAX_CANDIDATES, float32)
+    mi = cuda.shared.array(MAX_CANDIDATES, int64)
+    flag = cuda.shared.array(1, int32)
+    top_v = cuda.local.array(MAX_LOGPROBS, float32)
+    top_i = cuda.local.array(MAX_LOGPROBS, int64)
+    r, share, num_shares = cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.y
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    z = logits[r]
+    n = z.shape[0]
+    size = (n + num_shares - 1) // num_shares
+    lo, hi = min(n, share * size), min(n, (share + 1) * size)
+    # the share, once: an online max and sum of exp, the thread's k largest
+    m, s, count = float32(-math.inf), float32(0.0), 0
+    for i in range(lo + tid, hi, nt):
+        v = z[i]
+        if v > m:
+            s, m = s * math.exp(m - v) + float32(1.0), v
+        elif v > -math.inf:
+            s += math.exp(v - m)
+        if k > 0:
+            count = insert_top(v, i, k, top_v, top_i, count)
+    block_m, _ = block_argmax(m, int64(0), sv, si)
+    s = block_total(s * math.exp(m - block_m) if m > -math.inf else float32(0), sv)
+    # the block's k largest: k rounds over the threads' lists, the winner moves on
+    head = 0
+    for j in range(k):
+        v, i = float32(-math.inf), int64(n)
+        if head < count:
+            v, i = top_v[head], top_i[head]
+        v, i = block_argmax(v, i, sv, si)
+        if head < count and top_i[head] == i:
+            head += 1
+        if tid == 0:
+            cand_v[r, share * k + j], cand_i[r, share * k + j] = v, i
+    if tid == 0:
+        part_m[r, share], part_s[r, share] = block_m, s
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        flag[0] = 1 if cuda.atomic.add(tickets, r, 1) == num_shares - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    cuda.threadfence()
+    # the row's last block: merge the shares (read through L2: others wrote them)
+    pm, ps = float32(-math.inf), float32(0.0)
+    if tid < num_shares:
+        pm = cuda.atomic.add(part_m, (r, tid), float32(0.0))
+        ps = cuda.atomic.add(part_s, (r, tid), float32(0.0))
+    row_m, _ = block_argmax(pm, int64(0), sv, si)
+    total = block_total(
+        ps * math.exp(pm - row_m) if pm > -math.inf else float32(0), sv
+    )
+    lse = row_m + math.log(total)
+    for c in range(tid, num_shares * k, nt):
+        mv[c] = cuda.atomic.add(cand_v, (r, c), float32(0.0))
+        mi[c] = cuda.atomic.add(cand_i, (r, c), int64(0))
+    cuda.syncthreads()
+    last, last_i = float32(math.inf), int64(-1)
+    for j in range(k):
+        best, best_i = float32(-math.inf), int64(n)
+        for c in range(tid, num_shares * k, nt):
+            v, i = mv[c], mi[c]
+            after = v < last or (v == last and i > last_i)
+            if i < n and after and (v > best or (v == best and i < best_i)):
+                best, best_i = v, i
+        last, last_i = block_argmax(best, best_i, sv, si)
+        if tid == 0:
+            top_ids[r, j], top_values[r, j] = last_i, last - lse
+    if tid == 0:
+        chosen[r] = z[token_ids[r]] - lse
+        tickets[r] = 0
+
+
+# the types the engine launches them with (tests/ptx_check.py compiles them for sm_90)
+_OUT_ARGS = "int64[::1], int64, float32[::1], int64[:, ::1], float32[:, ::1]"
 PTX_SIGNATURES = {
+    "one_block_logprobs_kernel": [f"void(float32[:, ::1], {_OUT_ARGS})"],
     "logprobs_kernel": [
-        "void(float32[:, ::1], int64[::1], int64, float32[::1], int64[:, ::1], "
-        "float32[:, ::1])"
+        f"void(float32[:, ::1], {_OUT_ARGS}, float32[:, ::1], float32[:, ::1], "
+        "float32[:, ::1], int64[:, ::1], int32[::1])"
     ],
 }
 
 
-def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=0):
+def logprobs_workspace(max_rows: int) -> dict:
+    """The device arrays gpu_logprobs works in, for up to max_rows rows."""
+    return {
+        "part_m": cuda.device_array((max_rows, MAX_SHARES), np.float32),
+        "part_s": cuda.device_array((max_rows, MAX_SHARES), np.float32),
+        "cand_v": cuda.device_array((max_rows, MAX_CANDIDATES), np.float32),
+        "cand_i": cuda.device_array((max_rows, MAX_CANDIDATES), np.int64),
+        "tickets": cuda.to_device(np.zeros(max_rows, np.int32)),  # back at 0 after
+    }
+
+
+def gpu_logprobs(
+    logits, token_ids, k: int, chosen, top_ids, top_values, workspace, stream=0
+):
     """chosen[r] = log p(token_ids[r]) and the top k of each row of logits (rows,
-    vocab) float32, all on the GPU; top_ids, top_values (>= rows, >= k).
+    vocab) float32, all on the GPU; top_ids, top_values (>= rows, >= k); workspace:
+    logprobs_workspace(>= rows).
     """
     rows, vocab = logits.shape
     if not all(is_device_array(a) for a in (logits, token_ids, chosen)):
@@ -71,6 +191,8 @@ def gpu_logprobs(logits, token_ids, k: int, chosen, top_ids, top_values, stream=
             f"top_ids {tuple(top_ids.shape)}, got {k}"
         )
     if rows:
-        logprobs_kernel[rows, SAMPLER_THREADS, stream](
-            logits, token_ids, k, chosen, top_ids, top_values
+        w = workspace
+        logprobs_kernel[(rows, greedy_shares(rows)), SAMPLER_THREADS, stream](
+            logits, token_ids, k, chosen, top_ids, top_values, w["part_m"],
+            w["part_s"], w["cand_v"], w["cand_i"], w["tickets"],
         )

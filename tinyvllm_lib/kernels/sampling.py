@@ -162,7 +162,7 @@ def greedy_share(z, r, part_v, part_i, tickets, out, sv, si, flag):
 
 
 @cuda.jit
-def sample_kernel(
+def bisection_sample_kernel(
     logits, temperature, top_k, top_p, uniform, part_v, part_i, tickets, out
 ):
     """Block (row, share): a greedy row's argmax split over the shares (greedy_share); a
@@ -249,5 +249,5 @@ _ROW_ARGS = (
 )
 PTX_SIGNATURES = {
     "argmax_kernel": ["void(float32[:, ::1], int64[::1])"],
-    "sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"],
+    "bisection_sample_kernel": [f"void(float32[:, ::1], {_ROW_ARGS})"],
 }

@@ -77,7 +77,8 @@ class GenerationFields(OpenAIModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # this and the next three: vLLM's extensions
+    top_k: int | None = None  # this and the next four: vLLM's extensions
+    min_p: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:123"
@@ -125,6 +126,7 @@ class GenerationFields(OpenAIModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
             "max_tokens": max_tokens,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
