@@ -1364,6 +1364,7 @@ print(repr(prompt))
 # %%
 #| export benchmark
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -1393,18 +1394,23 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def latency(
-    llm, prompt_len: int = 128, new_tokens: int = 256, repeats: int = 3, seed: int = 0
+    llm, prompt_len: int = 128, new_tokens: int = 256, repeats: int = 3, seed: int = 0,
+    params: SamplingParams | None = None,
 ) -> dict:
     """One request at a time through llm's engine, after one warm-up run: medians of
     the time to first token (ms), decode tok/s (the steps after the first token) and
-    end-to-end tok/s.
+    end-to-end tok/s. params: the requests' sampling (greedy by default); exactly
+    new_tokens are generated whatever it says.
     """
     engine, rng = llm.llm_engine, np.random.default_rng(seed)
+    params = greedy(new_tokens) if params is None else replace(
+        params, max_tokens=new_tokens, ignore_eos=True
+    )
     runs = []
     for i in range(repeats + 1):
         prompt = rng.integers(0, llm.config.vocab_size, prompt_len).tolist()
         start, first = time.perf_counter(), None
-        engine.add_request(f"latency-{i}", prompt, greedy(new_tokens))
+        engine.add_request(f"latency-{i}", prompt, params)
         while engine.has_unfinished_requests():
             outputs = engine.step()
             # a step returns once its sampled ids are on the host

