@@ -1,11 +1,16 @@
 """Chapter 01 on a GPU: copy bandwidth (the ceiling of every memory-bound kernel) and the
-widening kernel against it. Records to book/data/ch01_bf16.json.
+widening kernel against it; then the fastest ways to move and to read bytes that this GPU offers
+(the book's copy at several grid shapes, a read-only reduction, the driver's device-to-device
+copy, torch's copy where torch is installed), so that the ceiling a chapter divides by is the
+best measured rate, not the book's copy. Records to book/data/ch01_bf16.json.
 
     python bench/ch01_bf16.py
 """
 
+import time
+
 import numpy as np
-from numba import cuda
+from numba import cuda, uint64
 
 from tinyvllm_lib.kernels.bf16 import copy_u64_kernel, widen_bf16
 from tinyvllm_lib.measure import Recorder, time_launches
@@ -36,10 +41,79 @@ def main():
     sec = time_launches(lambda i, s: widen_bf16(bits, out, 256, s), num_launches=10)
     rec.add("widen_bf16", [n], "GB/s", n * 6 / sec / 1e9, ceiling=copy_gbs, us=sec * 1e6)
 
+    ceilings(rec, rng, sm_count)
     path = rec.save()
     for r in rec.records:
         print(f"{r['name']:>12} {r['shape']}: {r['value']:8.1f} {r['metric']}" + (f"  {r['ratio']:.0%} of copy" if "ratio" in r else ""))
     print(f"recorded in {path}")
+
+
+@cuda.jit
+def read_u64_kernel(src, out):
+    """Each thread sums (xor) its grid-stride share of src: every byte read once, one word
+    written per thread."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    acc = uint64(0)
+    while i < src.shape[0]:
+        acc ^= src[i]
+        i += stride
+    out[cuda.grid(1)] = acc
+
+
+def event_seconds(run, repeats: int = 10) -> float:
+    """Median seconds of run(stream), timed with CUDA events (no graph: the driver's copy
+    is not a kernel)."""
+    stream, start, end = cuda.stream(), cuda.event(), cuda.event()
+    run(stream)
+    samples = []
+    for _ in range(repeats):
+        start.record(stream)
+        run(stream)
+        end.record(stream)
+        end.synchronize()
+        samples.append(cuda.event_elapsed_time(start, end) / 1e3)
+    return float(np.median(samples))
+
+
+def ceilings(rec, rng, sm_count: int) -> None:
+    """The book's copy at several grids, a read-only reduction, the driver's copy, torch's."""
+    n = 2**27  # 1 GiB of uint64
+    src = cuda.to_device(rng.integers(0, 2**63, size=n, dtype=np.uint64))
+    dst = cuda.device_array_like(src)
+    best = {}
+    for per_sm, threads in ((4, 256), (8, 256), (16, 512), (32, 256), (32, 1024)):
+        blocks = sm_count * per_sm
+        sec = time_launches(lambda i, s: copy_u64_kernel[blocks, threads, s](src, dst), num_launches=10)
+        best["copy_grid"] = max(best.get("copy_grid", (0,)), (2 * n * 8 / sec / 1e9, blocks, threads))
+        out = cuda.device_array(blocks * threads, np.uint64)
+        sec = time_launches(lambda i, s: read_u64_kernel[blocks, threads, s](src, out), num_launches=10)
+        best["read_only"] = max(best.get("read_only", (0,)), (n * 8 / sec / 1e9, blocks, threads))
+    want = np.bitwise_xor.reduce(src.copy_to_host())
+    assert np.bitwise_xor.reduce(out.copy_to_host()) == want, "the read kernel read something else"
+    gbs, blocks, threads = best["copy_grid"]
+    rec.add("copy_best_grid", [n], "GB/s", gbs, blocks=blocks, threads=threads,
+            note="the book's uint64 copy at its best of five grids, read + write bytes")
+    gbs, blocks, threads = best["read_only"]
+    rec.add("read_only", [n], "GB/s", gbs, blocks=blocks, threads=threads,
+            note="uint64 grid-stride xor-reduction: every byte read once, nothing written but one word a thread")
+    sec = event_seconds(lambda s: dst.copy_to_device(src, stream=s))
+    rec.add("copy_driver", [n], "GB/s", 2 * n * 8 / sec / 1e9, note="cuMemcpyDtoDAsync, read + write bytes")
+    try:
+        import torch
+    except ImportError:
+        return
+    a = torch.empty(n, dtype=torch.int64, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    rec.add("copy_torch", [n], "GB/s", 2 * n * 8 / float(np.median(times)) / 1e9,
+            torch=torch.__version__, note="torch Tensor.copy_ on the device, host-timed with synchronize")
 
 
 if __name__ == "__main__":
