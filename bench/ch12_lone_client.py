@@ -1,11 +1,12 @@
 """Chapter 12: one client streaming from the server against the same engine offline, at batch 1.
 
 The same prompt (--input-len random token ids), --output-len tokens with end-of-sequence ignored, with each sampling
-setting (greedy; temperature 0.6 with top_p 0.9), first offline (the engine stepped in a loop, as chapter 11's
-`benchmark.latency`, in a process of its own so that it frees the GPU before the server starts), then through
-`python -m tinyvllm_lib serve` in a process of its own, one streamed `/v1/completions` request at a time from this
-process. Both engines have the same settings (device, max_model_len, max_num_seqs, the pool); each setting runs once
-to warm up, then --repeats times; medians. Records per setting, to book/data/ch12_lone_client.json: decode tok/s (the
+setting (greedy; temperature 0.6 with top_p 0.9), offline (the engine stepped in a loop, as chapter 11's
+`benchmark.latency`, in a process of its own) and through `python -m tinyvllm_lib serve` in another, one streamed
+`/v1/completions` request at a time from this process. Both engines have the same settings (device, max_model_len,
+max_num_seqs, and the pool serve would size for them, given as num_kv_blocks since both sit on one GPU); offline and
+HTTP take turns, one request each, so that other work on the machine slows both alike; each setting's first pair
+warms up, then --repeats pairs; medians. Records per setting, to book/data/ch12_lone_client.json: decode tok/s (the
 tokens after the first over the time after the first; for the server, from the first chunk to the last) offline and
 over HTTP (its `ceiling` the offline value, so `ratio` is the share of the engine a lone client gets), end-to-end
 tok/s, the server's gaps between chunks (median, p99, and tokens per chunk), and the CPU time per token of the
@@ -51,21 +52,18 @@ import json, sys, time
 from tinyvllm_lib import LLM, SamplingParams
 args = json.loads(sys.argv[1])
 llm = LLM(args["folder"], device=args["device"], max_model_len=args["max_model_len"],
-          max_num_seqs=args["max_num_seqs"])
-engine, out = llm.llm_engine, {}
-for name, setting in args["settings"].items():
-    runs = []
-    for i in range(args["repeats"] + 1):  # the first warms up
-        params = SamplingParams(max_tokens=args["output_len"], ignore_eos=True, **setting)
-        start, first = time.perf_counter(), None
-        engine.add_request(f"{name}-{i}", args["prompt"], params)
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            if first is None and any(o.outputs[0].token_ids for o in outputs):
-                first = time.perf_counter()
-        runs.append((first - start, time.perf_counter() - start))
-    out[name] = runs[1:]
-print("RESULT " + json.dumps(out), flush=True)
+          max_num_seqs=args["max_num_seqs"], num_kv_blocks=args["num_kv_blocks"])
+engine = llm.llm_engine
+print("READY", flush=True)
+for i, line in enumerate(sys.stdin):  # a setting's sampling parameters: one request
+    params = SamplingParams(max_tokens=args["output_len"], ignore_eos=True, **json.loads(line))
+    start, first = time.perf_counter(), None
+    engine.add_request(f"offline-{i}", args["prompt"], params)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if first is None and any(o.outputs[0].token_ids for o in outputs):
+            first = time.perf_counter()
+    print(json.dumps([first - start, time.perf_counter() - start]), flush=True)
 """
 
 
@@ -97,15 +95,28 @@ def engine_commit(engine_path: Path, given: str | None) -> str:
         return "unknown (pass --engine-commit)"
 
 
-def offline(args, env) -> dict:
-    """{setting: [(ttft s, total s), ...]} from the engine stepped in a loop, in a child process."""
-    spec = dict(folder=str(args.folder), device=args.device, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, settings=SETTINGS, repeats=args.repeats, prompt=args.prompt,
-                output_len=args.output_len)
-    done = subprocess.run([sys.executable, "-c", OFFLINE, json.dumps(spec)], env=env, cwd=args.engine_path,
-                          stdout=subprocess.PIPE, text=True, check=True)
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+class Offline:
+    """The engine alone in a process of its own, which runs one request per line it is sent."""
+
+    def __init__(self, args, env):
+        spec = dict(folder=str(args.folder), device=args.device, max_model_len=args.max_model_len,
+                    max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, prompt=args.prompt,
+                    output_len=args.output_len)
+        self.process = subprocess.Popen([sys.executable, "-c", OFFLINE, json.dumps(spec)], env=env,
+                                        cwd=args.engine_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        while (line := self.process.stdout.readline().strip()) != "READY":
+            if not line and self.process.poll() is not None:
+                raise SystemExit("the offline engine did not start")
+
+    def run(self, setting: dict) -> tuple[float, float]:
+        """(seconds to the first token, seconds in all) of one request."""
+        self.process.stdin.write(json.dumps(setting) + "\n")
+        self.process.stdin.flush()
+        return tuple(json.loads(self.process.stdout.readline()))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
 
 
 def thread_cpu_seconds(pid: int) -> dict[int, float]:
@@ -143,18 +154,27 @@ def stream_once(client: httpx.Client, url: str, body: dict, pid: int) -> dict:
             "engine_cpu_s": max(spent.values(), default=0.0)}
 
 
-def served(args, env) -> dict:
-    """{setting: [stream_once(...), ...]} from one client of the server, one request at a time."""
+def measure_both(args, env) -> tuple[dict, dict]:
+    """({setting: [(ttft, total), ...]} offline, {setting: [stream_once(...), ...]} over HTTP): both engines
+    resident, one request at a time, offline and HTTP taking turns (a busy machine slows both alike); each
+    setting's first pair warms up."""
     serve = [str(args.folder), "--device", args.device, "--max-model-len", str(args.max_model_len),
-             "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "m"]
-    out = {}
-    with ServerProcess(*serve, env=env, cwd=args.engine_path) as server, httpx.Client(timeout=600) as client:
-        for name, setting in SETTINGS.items():
-            body = {"model": "m", "prompt": args.prompt, "max_tokens": args.output_len, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}, **setting}
-            pid = server.process.pid
-            out[name] = [stream_once(client, server.url, body, pid) for _ in range(args.repeats + 1)][1:]
-    return out
+             "--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks),
+             "--served-model-name", "m"]
+    ref, http, offline = {}, {}, Offline(args, env)
+    try:
+        with ServerProcess(*serve, env=env, cwd=args.engine_path) as server, httpx.Client(timeout=600) as client:
+            for name, setting in SETTINGS.items():
+                body = {"model": "m", "prompt": args.prompt, "max_tokens": args.output_len, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}, **setting}
+                ref[name], http[name] = [], []
+                for _ in range(args.repeats + 1):
+                    ref[name].append(offline.run(setting))
+                    http[name].append(stream_once(client, server.url, body, server.process.pid))
+                ref[name], http[name] = ref[name][1:], http[name][1:]
+    finally:
+        offline.close()
+    return ref, http
 
 
 def main() -> None:
@@ -189,6 +209,9 @@ def main() -> None:
     vocab_size = ModelConfig.from_folder(args.folder).vocab_size
     args.prompt = np.random.default_rng(0).integers(0, vocab_size, args.input_len).tolist()
     engine_path = args.engine_path = args.engine_path.resolve()
+    # the pool serve sizes for these settings where memory allows (as many blocks as max_num_seqs sequences of
+    # max_model_len need), given to both engines: two of them share the GPU
+    args.num_kv_blocks = args.max_num_seqs * -(-args.max_model_len // 16)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(engine_path), os.environ.get("PYTHONPATH", "")]))
     if args.device == "cpu":  # one BLAS thread: more only spin on so small a model
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -202,10 +225,10 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"engine {commit} ({args.label}) from {engine_path}; {args.model} on {rec.device['name']}", flush=True)
     t0 = time.perf_counter()
-    ref = offline(args, env)
-    http = served(args, env)
+    ref, http = measure_both(args, env)
     shape = [1, args.input_len, args.output_len]
     extra = dict(model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                 num_kv_blocks=args.num_kv_blocks,
                  repeats=args.repeats, engine_commit=commit, label=args.label, load_average=load,
                  blas_threads=env.get("OPENBLAS_NUM_THREADS", "default"))
     for name, setting in SETTINGS.items():
