@@ -2642,8 +2642,8 @@ with `asyncio.wait_for`, which wraps the wait in a new task every token; an
 
 # %% tags=["hide-input"]
 LONE_SETTINGS = {"greedy": "greedy", "t0.6_p0.9": "temperature 0.6, top-p 0.9"}
-LONE_LABELS = {"before": "HTTP, before", "counted free blocks": "HTTP, count kept",
-               "after": "HTTP, after"}  # fmt: skip
+LONE_LABELS = {"before": "before", "counted free blocks": "count kept",
+               "after": "after"}  # fmt: skip
 lone = load_records("ch12_lone_client")
 lone_by_device = {}
 for r in lone:
@@ -2687,27 +2687,25 @@ def glue_lone(prefix: str, rs: list) -> None:
 
 
 def draw_lone(by_device: dict):
-    """Decode tokens/s, offline and over HTTP before and after, per device and
-    setting.
+    """A lone client's decode rate over HTTP as a share of the engine alone in the same
+    run, per engine, device and setting.
     """
     panels = [(d, s) for d in by_device for s in LONE_SETTINGS]
-    fig, axes = new_figure(1, len(panels), width=3 * len(panels), height=2.8)
+    fig, axes = new_figure(1, len(panels), width=3 * len(panels), height=2.4)
     axes = np.atleast_1d(axes)
+    colors = {"before": "#d62728", "counted free blocks": "#ff7f0e", "after": "#2ca02c"}
     for ax, (device, setting) in zip(axes, panels):
         runs = lone_runs(by_device[device])
-        offline = [runs[k]["offline_decode"][setting]["value"] for k in runs]
-        bars = [("offline", np.median(offline), "#7f7f7f")]
-        colors = {"before": "#d62728", "counted free blocks": "#ff7f0e",
-                  "after": "#2ca02c"}  # fmt: skip
-        for label in LONE_LABELS:
-            if label in runs:
-                value = runs[label]["http_decode"][setting]["value"]
-                bars.append((LONE_LABELS[label], value, colors[label]))
-        names, values, fill = zip(*bars)
-        ax.barh(range(len(bars)), values, color=fill)
-        ax.set_yticks(range(len(bars)), names, fontsize=7)
+        labels = [label for label in LONE_LABELS if label in runs]
+        shares = [runs[k]["http_decode"][setting]["ratio"] for k in labels]
+        ax.barh(range(len(labels)), shares, color=[colors[k] for k in labels])
+        for i, share in enumerate(shares):
+            ax.text(share + 0.02, i, f"{share:.0%}", va="center", fontsize=7)
+        ax.set_yticks(range(len(labels)), [LONE_LABELS[k] for k in labels], fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("decode tokens/s", fontsize=8)
+        ax.axvline(1.0, color="#7f7f7f", lw=0.8, ls="--")
+        ax.set_xlim(0, 1.25)
+        ax.set_xlabel("share of the engine alone (decode tokens/s)", fontsize=7)
         ax.set_title(f"{device}\n{LONE_SETTINGS[setting]}", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.spines[["top", "right"]].set_visible(False)
@@ -2728,25 +2726,28 @@ if lone_by_device:
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 if lone_cpu:
     prose.show("""
-On the {{ch12_lc_name}}, with a {{ch12_lc_model}} (a greedy NumPy step about as long as
-the GPU's), the engine alone made {{ch12_lc_after_greedy_offline}} greedy. Before the
-fix (engine {{ch12_lc_before_commit}}, {{ch12_lc_before_date}}) a lone client over HTTP
-got {{ch12_lc_before_greedy_http}}, {{ch12_lc_before_greedy_ratio}} of the engine alone
-in that run ({{ch12_lc_before_greedy_offline}}), with a median gap between chunks of
+On this book's CPU record ({{ch12_lc_name}}), with a {{ch12_lc_model}} (a greedy NumPy
+step about as long as the GPU's): before the fix (engine {{ch12_lc_before_commit}},
+{{ch12_lc_before_date}}) a lone client over HTTP got {{ch12_lc_before_greedy_http}}
+greedy, {{ch12_lc_before_greedy_ratio}} of the engine alone in the same run
+({{ch12_lc_before_greedy_offline}}), with a median gap between chunks of
 {{ch12_lc_before_greedy_gap}}; the engine's thread spent {{ch12_lc_before_greedy_eng}}
 of CPU per token, the event loop's {{ch12_lc_before_greedy_loop}}. After it (engine
-{{ch12_lc_after_commit}}, {{ch12_lc_after_date}}): {{ch12_lc_after_greedy_http}},
-{{ch12_lc_after_greedy_ratio}}, a median gap of {{ch12_lc_after_greedy_gap}} (p99
-{{ch12_lc_after_greedy_gap99}}), {{ch12_lc_after_greedy_eng}} and
-{{ch12_lc_after_greedy_loop}} of CPU per token. Sampled with temperature 0.6 and top-p
-0.9, where sorting the probabilities on the host makes the step longer, the client got
-{{ch12_lc_before_t06_p09_ratio}} of the engine before and
-{{ch12_lc_after_t06_p09_ratio}} after.
+{{ch12_lc_after_commit}}, {{ch12_lc_after_date}}): {{ch12_lc_after_greedy_http}}
+against {{ch12_lc_after_greedy_offline}}, {{ch12_lc_after_greedy_ratio}}, a median gap
+of {{ch12_lc_after_greedy_gap}} (p99 {{ch12_lc_after_greedy_gap99}}), and
+{{ch12_lc_after_greedy_eng}} and {{ch12_lc_after_greedy_loop}} of CPU per token.
+Sampled with temperature 0.6 and top-p 0.9, where sorting the probabilities on the
+host makes the step longer, the client got {{ch12_lc_before_t06_p09_ratio}} of the
+engine before and {{ch12_lc_after_t06_p09_ratio}} after.
 
-What is left on the CPU is the interpreter lock. The server's two threads take turns at
-it, and a NumPy step of so small a model holds it from start to end, so the event
-loop's work for each token — waking, the chunk's JSON, the write to the socket — is
-added to the step instead of hidden beside it.
+The figure shows the middle step too: the kept count alone did most of it. What is left
+on the CPU is the interpreter lock. The server's two threads take turns at it, and a
+NumPy step of so small a model holds it from start to end, so the event loop's work for
+each token — waking, the chunk's JSON, the write to the socket — is added to the step
+instead of hidden beside it (in the profile, the engine thread's largest cost after the
+step became the write that wakes the loop: the lock is handed over there). On two cores
+the client's own process competes with the server's two threads as well.
 """)
 else:
     prose.show("No CPU record of a lone client yet: run "
