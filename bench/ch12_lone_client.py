@@ -14,8 +14,8 @@ server's event-loop thread and of its busiest other thread, the engine's (Linux:
 commit (`git rev-parse HEAD` where the engine's folder is a checkout, else --engine-commit) and a --label; a run
 replaces the records of its device, commit and label only, so runs before a fix and after it stand side by side.
 
-    python bench/ch12_lone_client.py                # a GPU: the Llama 3.2 1B stand-in        (~4 minutes on an H200)
-    python bench/ch12_lone_client.py --device cpu   # a tiny random Llama with SmolLM2's tokenizer  (~2 minutes)
+    python bench/ch12_lone_client.py                # a GPU: the Llama 3.2 1B stand-in (two engines start)
+    python bench/ch12_lone_client.py --device cpu   # a tiny random Llama with SmolLM2's tokenizer (~40 s)
     python bench/ch12_lone_client.py --engine-path /tmp/before --engine-commit ce801d4 --label before
 
 On the CPU the model is tiny on purpose (2 layers of hidden 64, SmolLM2's vocabulary and tokenizer, one BLAS thread):
