@@ -20,18 +20,19 @@ def free_port() -> int:
 class ServerProcess:
     """A context manager: the server of `serve_args` (after `serve`), listening at .url."""
 
-    def __init__(self, *serve_args: str, startup_timeout: float = 900.0, quiet: bool = True, env=None):
+    def __init__(self, *serve_args: str, startup_timeout: float = 900.0, quiet: bool = True, env=None, cwd=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [sys.executable, "-m", "tinyvllm_lib", "serve", *serve_args, "--host", "127.0.0.1",
                         "--port", str(self.port), "--log-level", "warning"]
-        self.startup_timeout, self.quiet, self.env = startup_timeout, quiet, env
+        # cwd: `python -m` imports tinyvllm_lib from there first (another copy of the engine, say)
+        self.startup_timeout, self.quiet, self.env, self.cwd = startup_timeout, quiet, env, cwd
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
         print("server:", " ".join(self.command[1:]), flush=True)
         out = subprocess.DEVNULL if self.quiet else None
-        self.process = subprocess.Popen(self.command, stdout=out, env=self.env)
+        self.process = subprocess.Popen(self.command, stdout=out, env=self.env, cwd=self.cwd)
         deadline = time.monotonic() + self.startup_timeout
         while True:
             try:

@@ -683,8 +683,9 @@ class RequestOutputCollector:
         timeout seconds.
         """
         if self.output is None:
-            try:
-                await asyncio.wait_for(self.ready.wait(), timeout)
+            try:  # asyncio.timeout, not wait_for: no task made per token
+                async with asyncio.timeout(timeout):
+                    await self.ready.wait()
             except TimeoutError:
                 return None
         output, self.output = self.output, None
@@ -1142,14 +1143,16 @@ one that left had {{ch12_left_tokens}} tokens when it went. The three held at mo
 #   choices carries the `usage`; and the stream ends with `data: [DONE]`.
 #
 # **Abort.** A client that closes its connection must free its blocks. The handler
-# asks `await request.is_disconnected()` before each chunk (and, without `stream`,
-# before each delta it merges); while it waits for a delta it wakes every half second
-# to ask again, because a request still waiting for admission produces nothing to
-# send. Starlette also listens for the client's disconnect while it streams, and when
-# it comes first it cancels the generator: Python raises `asyncio.CancelledError` at
-# the generator's `await`. Either way the generator's `finally` clause posts an
-# `abort` — it only puts a command into the inbox, which is safe to do while being
-# cancelled — and the engine thread frees the blocks before its next step.
+# asks `await request.is_disconnected()` when it starts and then at most every half
+# second (a delta wakes it far more often than that, and asking is not free, where a
+# token may take a millisecond); while it waits for a delta it wakes every half second
+# to ask, because a request still waiting for admission produces nothing to send.
+# Starlette also listens for the client's disconnect while
+# it streams, and when it comes first it cancels the generator: Python raises
+# `asyncio.CancelledError` at the generator's `await`. Either way the generator's
+# `finally` clause posts an `abort` — it only puts a command into the inbox, which is
+# safe to do while being cancelled — and the engine thread frees the blocks before its
+# next step.
 #
 # **Errors.** FastAPI answers a body it cannot parse with its own 422 and a list of
 # problems; an OpenAI client expects a 400 with one `error` object, so the server
@@ -1281,7 +1284,7 @@ from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.entrypoints.openai.prompts import PromptProcessor
 from tinyvllm_lib.entrypoints.openai.protocol import OpenAIError
 
-POLL_SECONDS = 0.5  # how often a handler with nothing to send checks on its client
+POLL_SECONDS = 0.5  # how often a handler checks on its client
 
 
 def sse(data: dict | str) -> str:
@@ -1351,6 +1354,17 @@ class OpenAIServing:
         message = f"the request took longer than {self.request_timeout} s"
         return OpenAIError(message, 504, type="timeout_error")
 
+    @staticmethod
+    async def client_left(raw_request, checked: list[float]) -> bool:
+        """Whether the client has gone, asked at most every POLL_SECONDS (checked[0]:
+        when it was last asked): asking is not free, and a token can take a
+        millisecond.
+        """
+        if (now := time.monotonic()) - checked[0] < POLL_SECONDS:
+            return False
+        checked[0] = now
+        return await raw_request.is_disconnected()
+
     def next_wait(self, deadline: float | None) -> float:
         """How long to wait for the next delta; 504 past the deadline."""
         if deadline is None:
@@ -1401,10 +1415,10 @@ class OpenAIServing:
         self, request, raw_request, request_id, params, collector, deadline
     ):
         """The whole answer (no stream), or None if the client left first."""
-        created, final = int(time.time()), None
+        created, final, checked = int(time.time()), None, [-math.inf]
         try:
             while final is None or not final.finished:
-                if await raw_request.is_disconnected():
+                if await self.client_left(raw_request, checked):
                     return None
                 delta = await collector.get(timeout=self.next_wait(deadline))
                 if delta is not None:
@@ -1422,6 +1436,7 @@ class OpenAIServing:
     ):
         """The answer as server-sent events: chunks, the usage if asked, [DONE]."""
         created, num_generated, finished, state = int(time.time()), 0, False, {}
+        checked = [-math.inf]  # when the client was last asked whether it is there
         options = request.stream_options
         include_usage = options is not None and options.include_usage
         extra = {"usage": None} if include_usage else {}
@@ -1432,7 +1447,7 @@ class OpenAIServing:
                     self.envelope(request_id, created, chunk_object, opening, **extra)
                 )
             while not finished:
-                if await raw_request.is_disconnected():
+                if await self.client_left(raw_request, checked):
                     return
                 delta = await collector.get(timeout=self.next_wait(deadline))
                 if delta is None:
@@ -2558,6 +2573,214 @@ weights that every row shares (chapter 6), the gap should grow less.
 
 
 # %% [markdown]
+# ### One client, and the engine alone
+#
+# The plainest load of all is one client streaming one long answer. The engine then
+# runs a batch of one, and the client should see the engine's own speed: whatever the
+# server adds between two tokens is all that separates them. On a GPU that margin is
+# thin: chapter 11's batch-1 decode step of the 1B model is short, and a server that
+# spends as long again per token of its own halves what the client gets.
+#
+# `bench/ch12_lone_client.py` measures this case alone. The same prompt of 128 random
+# token ids and 256 new tokens (end-of-sequence ignored), greedy and with temperature
+# 0.6 and top-p 0.9, first **offline** — the engine stepped in a loop, as chapter 11's
+# `bench latency` does — and then from **one client** streaming `/v1/completions` from
+# `serve` in a process of its own; both engines have the same settings, serve's
+# defaults (`max_num_seqs` 256, `max_model_len` 4096). It records the decode rate of
+# each (the tokens after the first over the time after the first), the gaps between
+# chunks, and the CPU time per token of the server's two threads, each record under
+# the engine's git commit.
+#
+# The first runs were far apart, on the H200 and on a CPU alike (with a tiny model
+# whose NumPy step takes about as long as the GPU's). Where did the time go? A profile
+# of the engine thread (`cProfile` around its loop, on the CPU) answered at once: not in
+# the step, not in the event loop's hand-off, but in **`engine.stats`**, which the
+# thread reads after every step for the metrics. Its `kv_blocks_cached` was a count
+# of the free blocks that still hold a cached prefix — a Python loop over the whole
+# free list. With one client almost every block is free, and serve's pool for the 1B
+# model is as large as its `max_num_seqs` sequences of `max_model_len` tokens need:
+
+# %%
+from tinyvllm_lib.engine.block_manager import BlockManager
+
+# serve's pool for the 1B model on an H200: 256 sequences of 4096 tokens, 16 a block
+pool = BlockManager(256 * 4096 // 16)
+pass_s = min(timeit.repeat(  # the count as it was: one look at every free block
+    lambda: sum(pool.blocks[i].block_hash is not None for i in pool.free_queue),
+    number=3, repeat=3,
+)) / 3  # fmt: skip
+count_s = min(
+    timeit.repeat(lambda: pool.num_cached_free_blocks, number=10_000, repeat=3)
+) / 10_000
+prose.glue("ch12_pool_blocks", f"{pool.num_blocks:,}")
+prose.glue("ch12_pass_ms", f"{pass_s * 1e3:.1f} ms")
+prose.glue("ch12_count_us", f"{count_s * 1e6:.2f} µs")
+bs1_step = [r for r in load_records("ch11_llama") if r["name"] == "bs1_graph_replay"]
+prose.glue(
+    "ch12_bs1_step",
+    f"{bs1_step[-1]['value']:.2f} ms" if bs1_step else "(not yet measured)",
+)
+print(f"a pass over {pool.num_blocks:,} free blocks: {pass_s * 1e3:.2f} ms; "
+      f"the count kept: {count_s * 1e6:.2f} us")  # fmt: skip
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+With {{ch12_pool_blocks}} free blocks the pass takes {{ch12_pass_ms}} on this machine,
+every step — against a GPU step of {{ch12_bs1_step}} at batch 1 (chapter 11's batch-1
+graph replayed back to back). And `/metrics` does not even export that count. The fix
+belongs to the block manager, not to the server: it now keeps the count as blocks come
+and go — one more or one fewer when a freed block still holds a cached prefix, when a
+cached free block is taken back by a prefix hit or evicted for a fresh one, and zero
+when the cache is reset — and reading it takes {{ch12_count_us}}. The block manager's
+state-machine test checks the kept count against the pass after every operation.
+
+Two smaller costs were in the handler. It asked `is_disconnected()` before every
+chunk, a round through Starlette and anyio's cancel scopes each time; it now asks when
+it starts and then at most every half second (Starlette's own listener, or the failed
+write, still notices a client that leaves while tokens flow). And the collector waited
+with `asyncio.wait_for`, which wraps the wait in a new task every token; an
+`asyncio.timeout` block waits without one.
+""")
+
+# %% tags=["hide-input"]
+LONE_SETTINGS = {"greedy": "greedy", "t0.6_p0.9": "temperature 0.6, top-p 0.9"}
+LONE_LABELS = {"before": "before", "counted free blocks": "count kept",
+               "after": "after"}  # fmt: skip
+lone = load_records("ch12_lone_client")
+lone_by_device = {}
+for r in lone:
+    lone_by_device.setdefault(r["device"]["name"], []).append(r)
+
+
+def lone_runs(rs: list) -> dict:
+    """{label: {record name: {setting: record}}}, each label's latest run."""
+    out = {}
+    for r in sorted(rs, key=lambda r: r["date"]):
+        out.setdefault(r["label"], {}).setdefault(r["name"], {})[r["setting"]] = r
+    return out
+
+
+def glue_lone(prefix: str, rs: list) -> None:
+    """The numbers the paragraph below quotes for one device's runs."""
+    runs, first = lone_runs(rs), rs[0]
+    prose.glue(f"{prefix}_name", first["device"]["name"])
+    prose.glue(f"{prefix}_model", first["model"])
+    for label, key in (("before", "before"), ("after", "after")):
+        run = runs.get(label)
+        date = max(r["date"] for r in rs if r["label"] == label) if run else "-"
+        prose.glue(f"{prefix}_{key}_date", date)
+        commit = run["http_decode"]["greedy"]["engine_commit"][:7] if run else "-"
+        prose.glue(f"{prefix}_{key}_commit", f"`{commit}`")
+        for setting in LONE_SETTINGS:
+            tag = f"{prefix}_{key}_{setting.replace('.', '')}"
+            if run is None:
+                for what in ("offline", "http", "ratio", "gap", "gap99", "loop", "eng"):
+                    prose.glue(f"{tag}_{what}", "(not yet measured)")
+                continue
+            http, gap = run["http_decode"][setting], run["http_gap"][setting]
+            cpu = run["server_cpu_per_token"][setting]
+            prose.glue(f"{tag}_offline", f"{http['ceiling']:,.0f} tokens/s")
+            prose.glue(f"{tag}_http", f"{http['value']:,.0f} tokens/s")
+            prose.glue(f"{tag}_ratio", f"{http['ratio']:.0%}")
+            prose.glue(f"{tag}_gap", f"{gap['value']:.2f} ms")
+            prose.glue(f"{tag}_gap99", f"{gap['p99']:.2f} ms")
+            prose.glue(f"{tag}_loop", f"{cpu['loop_thread_ms']:.2f} ms")
+            prose.glue(f"{tag}_eng", f"{cpu['engine_thread_ms']:.2f} ms")
+
+
+def draw_lone(by_device: dict):
+    """A lone client's decode rate over HTTP as a share of the engine alone in the same
+    run, per engine, device and setting.
+    """
+    panels = [(d, s) for d in by_device for s in LONE_SETTINGS]
+    fig, axes = new_figure(1, len(panels), width=3 * len(panels), height=2.4)
+    axes = np.atleast_1d(axes)
+    colors = {"before": "#d62728", "counted free blocks": "#ff7f0e", "after": "#2ca02c"}
+    for ax, (device, setting) in zip(axes, panels):
+        runs = lone_runs(by_device[device])
+        labels = [label for label in LONE_LABELS if label in runs]
+        shares = [runs[k]["http_decode"][setting]["ratio"] for k in labels]
+        ax.barh(range(len(labels)), shares, color=[colors[k] for k in labels])
+        for i, share in enumerate(shares):
+            ax.text(share + 0.02, i, f"{share:.0%}", va="center", fontsize=7)
+        ax.set_yticks(range(len(labels)), [LONE_LABELS[k] for k in labels], fontsize=7)
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="#7f7f7f", lw=0.8, ls="--")
+        ax.set_xlim(0, 1.25)
+        ax.set_xlabel("share of the engine alone (decode tokens/s)", fontsize=7)
+        ax.set_title(f"{device}\n{LONE_SETTINGS[setting]}", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.spines[["top", "right"]].set_visible(False)
+    return fig
+
+
+lone_cpu = {
+    d: rs for d, rs in lone_by_device.items() if rs[0]["device"].get("kind") == "cpu"
+}
+lone_gpu = {d: rs for d, rs in lone_by_device.items() if d not in lone_cpu}
+for prefix, found in (("ch12_lc", lone_cpu), ("ch12_lg", lone_gpu)):
+    if found:
+        glue_lone(prefix, next(iter(found.values())))
+if lone_by_device:
+    fig = draw_lone(lone_by_device)
+    plt.show()
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if lone_cpu:
+    prose.show("""
+On this book's CPU record ({{ch12_lc_name}}), with a {{ch12_lc_model}} (a greedy NumPy
+step about as long as the GPU's): before the fix (engine {{ch12_lc_before_commit}},
+{{ch12_lc_before_date}}) a lone client over HTTP got {{ch12_lc_before_greedy_http}}
+greedy, {{ch12_lc_before_greedy_ratio}} of the engine alone in the same run
+({{ch12_lc_before_greedy_offline}}), with a median gap between chunks of
+{{ch12_lc_before_greedy_gap}}; the engine's thread spent {{ch12_lc_before_greedy_eng}}
+of CPU per token, the event loop's {{ch12_lc_before_greedy_loop}}. After it (engine
+{{ch12_lc_after_commit}}, {{ch12_lc_after_date}}): {{ch12_lc_after_greedy_http}}
+against {{ch12_lc_after_greedy_offline}}, {{ch12_lc_after_greedy_ratio}}, a median gap
+of {{ch12_lc_after_greedy_gap}} (p99 {{ch12_lc_after_greedy_gap99}}), and
+{{ch12_lc_after_greedy_eng}} and {{ch12_lc_after_greedy_loop}} of CPU per token.
+Sampled with temperature 0.6 and top-p 0.9, where sorting the probabilities on the
+host makes the step longer, the client got {{ch12_lc_before_t06_p09_ratio}} of the
+engine before and {{ch12_lc_after_t06_p09_ratio}} after.
+
+The figure shows the middle step too: the kept count alone did most of it. What is left
+on the CPU is the interpreter lock. The server's two threads take turns at it, and a
+NumPy step of so small a model holds it from start to end, so the event loop's work for
+each token — waking, the chunk's JSON, the write to the socket — is added to the step
+instead of hidden beside it (in the profile, the engine thread's largest cost after the
+step became the write that wakes the loop: the lock is handed over there). On two cores
+the client's own process competes with the server's two threads as well.
+""")
+else:
+    prose.show("No CPU record of a lone client yet: run "
+               "`python bench/ch12_lone_client.py --device cpu`.")  # fmt: skip
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if lone_gpu:
+    runs = lone_runs(next(iter(lone_gpu.values())))
+    prose.glue("ch12_lg_before_sentence", prose.fill("""
+Before it (engine {{ch12_lg_before_commit}}, {{ch12_lg_before_date}}) a lone client over
+HTTP got {{ch12_lg_before_greedy_http}} greedy ({{ch12_lg_before_greedy_ratio}} of the
+engine alone in that run, a median gap of {{ch12_lg_before_greedy_gap}}) and
+{{ch12_lg_before_t06_p09_http}} sampled ({{ch12_lg_before_t06_p09_ratio}}).
+""") if "before" in runs else "")  # fmt: skip
+    prose.show("""
+On the {{ch12_lg_name}} ({{ch12_lg_model}}), the engine alone made
+{{ch12_lg_after_greedy_offline}} greedy and {{ch12_lg_after_t06_p09_offline}} sampled.
+{{ch12_lg_before_sentence}} After the fix (engine {{ch12_lg_after_commit}},
+{{ch12_lg_after_date}}) a lone client over HTTP got {{ch12_lg_after_greedy_http}}
+greedy ({{ch12_lg_after_greedy_ratio}}, a median gap of {{ch12_lg_after_greedy_gap}},
+p99 {{ch12_lg_after_greedy_gap99}}) and {{ch12_lg_after_t06_p09_http}} sampled
+({{ch12_lg_after_t06_p09_ratio}}). Here the engine's thread waits for the GPU with the
+interpreter lock released (every CUDA call through `cuda-bindings` releases it), so the
+event loop's part of each token can run inside that wait.
+""")
+else:
+    prose.show("No GPU record of a lone client yet: on a GPU, run "
+               "`python bench/ch12_lone_client.py`.")  # fmt: skip
+
+
+# %% [markdown]
 # ## Summary
 #
 # - An OpenAI request is a JSON body whose fields are, mostly, `SamplingParams`' own;
@@ -2569,8 +2792,8 @@ weights that every row shares (chapter 6), the gap should grow less.
 #   request's delta through `loop.call_soon_threadsafe` to a collector that holds one
 #   delta and merges the next into it — backpressure without a queue.
 # - Streams are server-sent events in OpenAI's chunk format, ending with `[DONE]`; a
-#   client that leaves is noticed by `is_disconnected()` or by the cancellation of its
-#   stream, and its request is aborted and its blocks freed.
+#   client that leaves is noticed by `is_disconnected()` (asked every half second) or
+#   by the cancellation of its stream, and its request is aborted and its blocks freed.
 # - Abuse is refused early and cheaply: every string is checked to be Unicode as the
 #   body is parsed; templates and the tokenizer run on a small worker pool, off the
 #   event loop and the engine's thread; a prompt whose bytes prove it too long is
@@ -2581,6 +2804,11 @@ weights that every row shares (chapter 6), the gap should grow less.
 # - A serving benchmark sends requests at Poisson times and measures what clients
 #   feel — TTFT, ITL, TPOT, end-to-end latency, in percentiles — against the request
 #   rate.
+# - A lone client at batch 1 shows what the server adds per token, against the engine
+#   alone: find it with a profile of the engine thread, not by guessing. Here it was a
+#   count of cached free blocks made by a pass over the whole free list every step
+#   (now kept as blocks come and go), and per-token handler work that needs to happen
+#   only every half second.
 #
 # Exported to `tinyvllm_lib`: `entrypoints.openai.protocol` (the request models,
 # `OpenAIError`), `entrypoints.openai.prompts` (`PromptProcessor`, the worker pool),
@@ -2616,3 +2844,7 @@ weights that every row shares (chapter 6), the gap should grow less.
 # 7. Set `OPENBLAS_NUM_THREADS=1` and rerun `bench/ch12_stall_cpu.py`. Predict first:
 #    does the stream's median gap grow or shrink on two cores, and its largest gap
 #    while a 5 MB prompt is refused?
+# 8. Before this chapter's fix, `engine.stats` looked at every free block. Predict
+#    its cost per step for `serve --max-num-seqs 1024 --max-model-len 8192` on an
+#    idle server, then time the old pass on a `BlockManager` of that size. How many GPU
+#    steps at batch 1 is that?

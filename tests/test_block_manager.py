@@ -211,6 +211,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert {b.block_id for b in m.blocks if b.block_hash is not None} == set(
             m.cached.values()
         )
+        # the count kept as blocks come and go is the one a pass over the free list gives
+        cached_free = sum(m.blocks[i].block_hash is not None for i in m.free_queue)
+        assert m.num_cached_free_blocks == cached_free
         if not m.enable_prefix_caching:
             assert not m.cached
 

@@ -55,8 +55,9 @@ class RequestOutputCollector:
         timeout seconds.
         """
         if self.output is None:
-            try:
-                await asyncio.wait_for(self.ready.wait(), timeout)
+            try:  # asyncio.timeout, not wait_for: no task made per token
+                async with asyncio.timeout(timeout):
+                    await self.ready.wait()
             except TimeoutError:
                 return None
         output, self.output = self.output, None

@@ -60,6 +60,9 @@ class BlockManager:
         self.num_named: dict[str, int] = {}
         # request -> (hash, key) of its full blocks so far: each hashed once per request
         self.chains: dict[str, list[tuple[int, tuple]]] = {}
+        # free blocks that hold a cached prefix block, counted as they come and go
+        # (a server reads it every step: a pass over the free list costs milliseconds)
+        self._num_cached_free = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,7 +76,7 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a cached prefix block."""
-        return sum(self.blocks[i].block_hash is not None for i in self.free_queue)
+        return self._num_cached_free
 
     def _link(self, request_id: str | None, token_ids, i: int) -> tuple[int, tuple]:
         """(hash, key) of full block i of a request's tokens, hashed once and kept
@@ -133,6 +136,7 @@ class BlockManager:
         for block_id in hits:
             if self.blocks[block_id].ref_count == 0:
                 del self.free_queue[block_id]
+                self._num_cached_free -= 1
             self.blocks[block_id].ref_count += 1
         self.block_tables[request_id] = hits + [self._take() for _ in range(num_fresh)]
         self.num_named[request_id] = len(hits)
@@ -145,6 +149,7 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
+            self._num_cached_free -= 1
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
             block.block_hash = block.hash_key = None
@@ -187,6 +192,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
+                self._num_cached_free += block.block_hash is not None
         del self.num_named[request_id]
 
     def reset_prefix_cache(self) -> bool:
@@ -198,6 +204,7 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = block.hash_key = None
         self.cached.clear()
+        self._num_cached_free = 0
         return True
 
     def slot_mapping(self, request_id: str, start: int, stop: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.entrypoints.openai.prompts import PromptProcessor
 from tinyvllm_lib.entrypoints.openai.protocol import OpenAIError
 
-POLL_SECONDS = 0.5  # how often a handler with nothing to send checks on its client
+POLL_SECONDS = 0.5  # how often a handler checks on its client
 
 
 def sse(data: dict | str) -> str:
@@ -89,6 +89,17 @@ class OpenAIServing:
         message = f"the request took longer than {self.request_timeout} s"
         return OpenAIError(message, 504, type="timeout_error")
 
+    @staticmethod
+    async def client_left(raw_request, checked: list[float]) -> bool:
+        """Whether the client has gone, asked at most every POLL_SECONDS (checked[0]:
+        when it was last asked): asking is not free, and a token can take a
+        millisecond.
+        """
+        if (now := time.monotonic()) - checked[0] < POLL_SECONDS:
+            return False
+        checked[0] = now
+        return await raw_request.is_disconnected()
+
     def next_wait(self, deadline: float | None) -> float:
         """How long to wait for the next delta; 504 past the deadline."""
         if deadline is None:
@@ -139,10 +150,10 @@ class OpenAIServing:
         self, request, raw_request, request_id, params, collector, deadline
     ):
         """The whole answer (no stream), or None if the client left first."""
-        created, final = int(time.time()), None
+        created, final, checked = int(time.time()), None, [-math.inf]
         try:
             while final is None or not final.finished:
-                if await raw_request.is_disconnected():
+                if await self.client_left(raw_request, checked):
                     return None
                 delta = await collector.get(timeout=self.next_wait(deadline))
                 if delta is not None:
@@ -160,6 +171,7 @@ class OpenAIServing:
     ):
         """The answer as server-sent events: chunks, the usage if asked, [DONE]."""
         created, num_generated, finished, state = int(time.time()), 0, False, {}
+        checked = [-math.inf]  # when the client was last asked whether it is there
         options = request.stream_options
         include_usage = options is not None and options.include_usage
         extra = {"usage": None} if include_usage else {}
@@ -170,7 +182,7 @@ class OpenAIServing:
                     self.envelope(request_id, created, chunk_object, opening, **extra)
                 )
             while not finished:
-                if await raw_request.is_disconnected():
+                if await self.client_left(raw_request, checked):
                     return
                 delta = await collector.get(timeout=self.next_wait(deadline))
                 if delta is None:
