@@ -1062,14 +1062,16 @@ if "prefix_hit_first" in first:
         prose.glue(f"ch11_{k}_cold_share", f"{cold['value'] / cold['ceiling']:.0%}")
     prose.glue("ch11_start_s", f"{first['start_s']['value']:.1f} s")
     prose.glue("ch11_warm_up_s", f"{first['warm_up_s']['value']:.1f} s")
-    prose.glue("ch11_first_trials", f"{first['start_s']['trials']}")
+    trials = first["start_s"]["trials"]
+    prose.glue("ch11_first_trials",
+               "one process" if trials == 1 else f"medians of {trials} processes")
     prose.glue("ch11_first_date", first["start_s"]["date"])
     prose.show("""
 Without the warm-up, the first prefix-cache hit of a process ran at
 {{ch11_prefix_hit_cold}} ({{ch11_prefix_hit_cold_share}} of the same request warm)
 and the first request with log-probs at {{ch11_logprobs_5_cold}}
-({{ch11_logprobs_5_cold_share}}): each waited for a compile. With it (medians of
-{{ch11_first_trials}} processes, {{ch11_first_date}}), the first prefix hit runs at
+({{ch11_logprobs_5_cold_share}}): each waited for a compile. With it
+({{ch11_first_trials}}, {{ch11_first_date}}), the first prefix hit runs at
 {{ch11_prefix_hit_first}}, {{ch11_prefix_hit_share}} of the same request again
 ({{ch11_prefix_hit_again}}), and the first log-probs request at
 {{ch11_logprobs_5_first}}, {{ch11_logprobs_5_share}} of again
@@ -2029,6 +2031,113 @@ ax.invert_yaxis()
 plt.show()
 if "throughput" not in by_name:
     print("chapter 11's bar is missing: not recorded on a GPU yet")
+
+# %% [markdown]
+# ## What a user waits for
+#
+# The records above are greedy decoding on fresh prompts: the benchmark's path. Users
+# send temperature and top-p (Llama 3's own defaults are 0.6 and 0.9), ask for
+# log-probabilities, share a system prompt, and first of all wait for the first token.
+# `bench/ch11_user_path.py` measures each at batch 1 through the engine as `LLM` runs
+# it, every kind after the start-up warm-up, each against greedy in the same run; and
+# the time to first token (from `add_request` to the step that returns the token)
+# against the prompt's length. The floor drawn under it is the least a prefill can
+# cost: every weight read once at the best read rate chapter 1 measured, plus the
+# projections' FLOPs at cuBLAS's best rate at prefill shapes (chapter 6).
+
+# %% tags=["hide-input"]
+from tinyvllm_lib.models.config import ModelConfig  # noqa: E402
+from tinyvllm_lib.models.loader import llama_weight_shapes  # noqa: E402
+from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG  # noqa: E402
+
+user = load_records("ch11_user_path")
+settings = [r for r in user if r["name"] == "bs1_decode_setting"]
+ttft = sorted((r for r in user if r["name"] == "ttft"), key=lambda r: r["prompt_len"])
+
+
+def prefill_floor_ms(lengths) -> list[float] | None:
+    """Weights read once at the best read rate + 2 FLOPs a weight a token at
+    cuBLAS's best prefill rate."""
+    rates = ("read_only", "copy", "copy_torch", "copy_best_grid")
+    reads = [r["value"] for r in load_records("ch01_bf16") if r["name"] in rates]
+    gemm = [r["value"] for r in load_records("ch06_gemm")
+            if r["name"] == "prefill_cublas"]
+    if not reads or not gemm:
+        return None
+    shapes = llama_weight_shapes(ModelConfig.from_dict(LLAMA_3_2_1B_CONFIG))
+    weights = sum(int(np.prod(s)) for s in shapes.values())
+    c = LLAMA_3_2_1B_CONFIG
+    flops_per_token = 2 * (weights - c["vocab_size"] * c["hidden_size"])  # projections
+    read_s, flop_rate = 2 * weights / (max(reads) * 1e9), max(gemm) * 1e12
+    return [1e3 * (read_s + n * flops_per_token / flop_rate) for n in lengths]
+
+
+if not settings:
+    print("Not recorded yet: bench/ch11_user_path.py has not run on a GPU.")
+else:
+    fig, (bars, line) = new_figure(1, 2, width=10, height=3.4)
+    names = [r["setting"] for r in settings]
+    bars.barh(names, [r["value"] for r in settings],
+              color=["C0" if r["of_greedy"] >= 0.9 else "C1"
+                     for r in settings])
+    for i, r in enumerate(settings):
+        label = f" {r['value']:,.0f} ({r['of_greedy']:.0%})"
+        bars.text(r["value"], i, label, va="center", fontsize=7)
+    bars.set_xlabel("batch-1 decode tok/s (share of greedy)")
+    bars.set_xlim(0, 1.3 * max(r["value"] for r in settings))
+    bars.invert_yaxis()
+    lengths = [r["prompt_len"] for r in ttft]
+    line.plot(lengths, [r["value"] for r in ttft], "o-", label="this engine")
+    floor = prefill_floor_ms(lengths)
+    if floor:
+        line.plot(lengths, floor, "k--", lw=1, label="floor: weights + FLOPs")
+    line.set_xscale("log", base=2)
+    line.set_yscale("log")
+    line.set_xlabel("prompt tokens")
+    line.set_ylabel("time to first token, ms")
+    line.legend(fontsize=8)
+    plt.show()
+
+# %% tags=["remove-input"]
+if settings and ttft:
+    by_setting = {r["setting"]: r for r in settings}
+    by_len = {r["prompt_len"]: r for r in ttft}
+    floor128 = prefill_floor_ms([128])
+    prose.glue("ch11_user_greedy", f"{by_setting['greedy']['value']:,.0f} tok/s")
+    llama_defaults = by_setting["Llama defaults (t 0.6, top_p 0.9)"]
+    prose.glue("ch11_user_llama", f"{llama_defaults['of_greedy']:.0%}")
+    sampled = [r["of_greedy"] for r in settings if "logprobs" not in r["setting"]
+               and r["setting"] not in ("greedy", "prefix-cache hit")]
+    prose.glue("ch11_user_worst_sampled", f"{min(sampled):.0%}")
+    prose.glue("ch11_user_lp5", f"{by_setting['logprobs 5']['of_greedy']:.0%}")
+    prose.glue("ch11_user_lp20", f"{by_setting['logprobs 20']['of_greedy']:.0%}")
+    prose.glue("ch11_user_prefix", f"{by_setting['prefix-cache hit']['of_greedy']:.0%}")
+    prose.glue("ch11_ttft_16", f"{by_len[16]['value']:.1f} ms")
+    prose.glue("ch11_ttft_1024", f"{by_len[1024]['value']:.1f} ms")
+    prose.glue("ch11_ttft_4096", f"{by_len[4096]['value']:.0f} ms")
+    floor_text = f"{floor128[0]:.1f} ms" if floor128 else "(no floor)"
+    prose.glue("ch11_ttft_floor128", floor_text)
+    prose.glue("ch11_ttft_128", f"{by_len[128]['value']:.1f} ms")
+    prose.glue("ch11_user_date", settings[0]["date"])
+    prose.glue("ch11_user_commit", str(settings[0].get("engine_commit")))
+    prose.show("""
+On {{ch11_user_date}} (engine {{ch11_user_commit}}), greedy made {{ch11_user_greedy}}
+at batch 1, and every sampling setting kept at least {{ch11_user_worst_sampled}} of
+it — Llama's defaults {{ch11_user_llama}} — since chapter 8b's sampler finds its
+thresholds in a few passes spread over the row's blocks. Log-probabilities cost more:
+{{ch11_user_lp5}} of greedy with five and {{ch11_user_lp20}} with twenty, computed on
+the GPU after the replay, not inside it. A prompt after a cached system prompt ran at
+{{ch11_user_prefix}}.
+
+The first token is what is left. It took {{ch11_ttft_16}} for 16 prompt tokens and
+{{ch11_ttft_1024}} for 1,024 — flat, because a prefill step is launched kernel by
+kernel from Python, as every decode step was before this chapter, and the launches
+cost more than the work — and {{ch11_ttft_4096}} for 4,096, where the work takes
+over (prefill attention among it, which chapter 10 runs on SIMT cores, far below the
+tensor cores' rate). At 128 tokens the floor is {{ch11_ttft_floor128}} against the
+{{ch11_ttft_128}} measured: capturing prefill steps too, and attention on tensor
+cores, are the two things left for a user who waits for a first token.
+""")
 
 # %% [markdown]
 # ## What the host still costs
