@@ -83,8 +83,8 @@ print(where_kernels_run())
 #
 # 1. **Temperature** $T$: $p_i \propto e^{z_i / T}$. $T < 1$ sharpens, $T > 1$ flattens;
 #    $T = 0$ means **greedy**, the argmax.
-# 2. **Min-p**: keep the tokens at least `min_p` times as likely as the most likely one,
-#    $p_i \ge \text{min\_p} \cdot \max_j p_j$ ($0$ = off).
+# 2. **Min-p**: keep the tokens at least `min_p` ($p_{\min}$) times as likely as the
+#    most likely one, $p_i \ge p_{\min} \cdot \max_j p_j$ ($0$ = off).
 # 3. **Top-k**: keep the $k$ largest logits (and any tied with the $k$-th), drop the
 #    rest.
 # 4. **Top-p** (nucleus): keep the smallest set of most likely tokens whose probability
@@ -264,7 +264,7 @@ for bad in (
 # $z_i - m$, since $p_i / p_{\max} = e^{z_i - m}$):
 #
 # $$ z_i \leftarrow z_i / T \qquad z_i \leftarrow -\infty \text{ if }
-#    z_i - m < \log \text{min\_p} \qquad z_i \leftarrow -\infty \text{ if }
+#    z_i - m < \log p_{\min} \qquad z_i \leftarrow -\infty \text{ if }
 #    z_i < z_{(k)} \qquad z_i \leftarrow -\infty \text{ if }
 #    \textstyle\sum_{j:\, z_j > z_i} p_j \ge p $$
 
