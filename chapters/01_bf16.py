@@ -108,6 +108,7 @@ print(where_kernels_run())
 import re
 
 import matplotlib.pyplot as plt
+import numpy as np
 
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
@@ -202,6 +203,38 @@ def in_notebook() -> bool:
     return shell is not None and any(
         cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__
     )
+
+
+DEFAULT_NOISE = 0.05  # relative noise assumed for a measurement kept without repeats
+
+
+def verdict(
+    before,
+    after,
+    higher_is_better: bool = False,
+    noise: float | None = None,
+    words: tuple[str, str] = ("faster", "slower"),
+) -> str:
+    """'faster by N%', 'slower by N%' or 'within noise (±N%)' for a before/after pair.
+
+    before and after are each one number or the repeats of a measurement (a list; a
+    record's (min, value, max) works too): the median is compared. N is the change as
+    a share of before. The noise is `noise` when given; else the largest relative
+    spread, (max - min) / median, of the sides that have repeats; else DEFAULT_NOISE
+    (5%), since a single number carries no spread of its own. Times by default (lower
+    is better); higher_is_better for rates such as tokens/s.
+    """
+    b, a = np.atleast_1d(before).astype(float), np.atleast_1d(after).astype(float)
+    if np.median(b) == 0:
+        raise ValueError("a before of zero has no relative change")
+    if noise is None:
+        spreads = [np.ptp(x) / np.median(x) for x in (b, a) if x.size > 1]
+        noise = max(spreads) if spreads else DEFAULT_NOISE
+    change = (np.median(a) - np.median(b)) / np.median(b)
+    if abs(change) <= noise:
+        return f"within noise (±{noise:.0%})"
+    better = change > 0 if higher_is_better else change < 0
+    return f"{words[0] if better else words[1]} by {abs(change):.0%}"
 
 
 # %%
