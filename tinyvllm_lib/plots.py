@@ -45,6 +45,21 @@ def bit_layout(ax, rows: list[tuple[str, int, int, int]]):
     return ax
 
 
+def plain_log_ticks(ax, axis: str = "y") -> None:
+    """Label a log axis with plain numbers (5, 20, 0.3), not 5×10⁰: each power of ten
+    and its 2, 3 and 5 multiples, so the labels do not crowd.
+    """
+
+    def label(v, _):
+        lead = round(v / 10 ** np.floor(np.log10(v))) if v > 0 else 0
+        return f"{v:g}" if lead in (1, 2, 3, 5) else ""
+
+    plain = plt.FuncFormatter(label)
+    scale = ax.yaxis if axis == "y" else ax.xaxis
+    scale.set_major_formatter(plain)
+    scale.set_minor_formatter(plain)
+
+
 class Prose:
     """The numbers a chapter's prose quotes, and the paragraphs that quote them.
 
