@@ -168,7 +168,7 @@ for path in sorted(data.glob("*.json")):
     records = json.loads(path.read_text())
     kinds = sorted({(r["device"]["name"], r["date"]) for r in records})
     where = "; ".join(f"{device} ({date})" for device, date in kinds)
-    print(f"{path.name:<24} {len(records):>3} records: {where}")
+    print(f"{path.name:<28} {len(records):>3} records: {where}")
 
 # %% [markdown]
 # Each kernel chapter starts with a line that says where its outputs came from. The code
