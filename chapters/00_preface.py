@@ -58,10 +58,55 @@
 # chapter run today uses it too. **Status:** chapters 00–10 are written. Chapter 11 is
 # written in part: decode steps replayed from CUDA graphs, async scheduling, the Llama
 # 3.2 1B stand-in, the benchmark commands and the first fusions are there, measured on
-# an H200 against transformers; its throughput target is met, its batch-1 target not
-# yet.
-# Chapter 12 is written, its serving benchmark recorded on a CPU and on an H200. 13 is
-# not written yet.
+# an H200 against transformers (what it reached, from its records, is in the next cell's
+# output). Chapter 12 is written, its serving benchmark recorded on a CPU and on an
+# H200. 13 is not written yet.
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+import json
+from pathlib import Path
+
+from tinyvllm_lib.plots import Prose
+
+data = Path("../book/data") if Path("../book/data").exists() else Path("book/data")
+
+
+def records(name: str) -> list[dict]:
+    path = data / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+prose = Prose()
+engine = {r["name"]: r for r in records("ch11_llama")}
+greedy = [r for r in records("ch11_user_path") if r.get("setting") == "greedy"]
+if "bs1_decode" in engine and "throughput" in engine:
+    bs1, tp = engine["bs1_decode"], engine["throughput"]
+    prose.glue("pre_device", bs1["device"]["name"])
+    prose.glue("pre_bs1", f"{bs1['value']:,.0f} tok/s")
+    prose.glue("pre_bs1_share", f"{bs1['ratio']:.0%}")
+    prose.glue("pre_limit", f"{bs1['ceiling']:,.0f} tok/s")
+    prose.glue("pre_bs1_date", bs1["date"])
+    prose.glue("pre_tp", f"{tp['value']:,.0f} output tok/s")
+    prose.glue("pre_tp_requests", f"{tp.get('num_requests', 'its')}")
+    prose.glue(
+        "pre_greedy",
+        (
+            f" (greedy in chapter 11's run of each sampling setting, "
+            f"{greedy[-1]['date']}: {greedy[-1]['value']:,.0f} tok/s)"
+        )
+        if greedy
+        else "",
+    )
+    prose.show("""
+Chapter 11's records, on the {{pre_device}} ({{pre_bs1_date}}): batch-1 decode at
+{{pre_bs1}}, {{pre_bs1_share}} of the {{pre_limit}} that reading the weights once a
+token at copy bandwidth allows{{pre_greedy}}, and {{pre_tp}} on nano-vllm's workload of
+{{pre_tp_requests}} requests. Chapter 11 sets these against its targets.
+""")
+else:
+    print("chapter 11's engine records are not in this copy of the book yet")
+
+# %% [markdown]
 #
 # ## Three ways to run it
 #
@@ -111,22 +156,19 @@
 #   print says nothing about a GPU. Run a chapter on a GPU and the same cells run at
 #   real shapes.
 # - **Figures and numbers of speed** are **records**: JSON files in `book/data/`,
-#   written by the scripts in `bench/` when they run on a GPU (an NVIDIA H200 so far),
-#   one record per measurement with its device, date, package versions and the command
-#   that made it. The book plots those records and its prose quotes them; no speed in
-#   the prose is typed by hand. The records this copy of the book has, and when they
-#   were measured:
+#   written by the scripts in `bench/` when they run on a GPU (an NVIDIA H200 so far)
+#   or, for the CPU's own measurements (the NumPy backend, the server), on a CPU named
+#   in the record, one record per measurement with its device, date, package versions
+#   and the command that made it. The book plots those records and its prose quotes
+#   them; no speed in the prose is typed by hand. The records this copy of the book
+#   has, and when they were measured:
 
 # %%
-import json
-from pathlib import Path
-
-data = Path("../book/data") if Path("../book/data").exists() else Path("book/data")
 for path in sorted(data.glob("*.json")):
     records = json.loads(path.read_text())
     kinds = sorted({(r["device"]["name"], r["date"]) for r in records})
     where = "; ".join(f"{device} ({date})" for device, date in kinds)
-    print(f"{path.name:<24} {len(records):>3} records: {where}")
+    print(f"{path.name:<28} {len(records):>3} records: {where}")
 
 # %% [markdown]
 # Each kernel chapter starts with a line that says where its outputs came from. The code

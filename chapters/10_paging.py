@@ -2035,10 +2035,19 @@ for caching, name in ((True, "on"), (False, "off")):
     r = ttft.get(caching)
     prose.glue(f"ch10_ttft_{name}", f"{r['value']:.0f} ms" if r else missing)
 agree = next(iter(by_name.get("prefix_caching_agreement", [])), None)
-prose.glue("ch10_agree", f"{agree['value']} of 63" if agree else missing)
+# counts of requests, out of the record's shape: integers, shown as integers
+of_all = f" of {agree['shape'][0]}" if agree else ""
+prose.glue("ch10_agree", f"{agree['value']:.0f}{of_all}" if agree else missing)
 near = agree.get("agree_up_to_near_tie") if agree else None
-prose.glue("ch10_agree_near", f"{near} of 63" if near is not None else missing)
+prose.glue("ch10_agree_near", f"{near:.0f}{of_all}" if near is not None else missing)
 prose.glue("ch10_agree_dlogp", f"{agree['mean_abs_dlogp']:.3f}" if agree else missing)
+prose.glue("ch10_tie", f"{agree['tie']:g}" if agree else missing)
+shared = next(iter(ttft.values()), None)
+prose.glue("ch10_prefix_n", f"{shared['shape'][0]}" if shared else missing)
+prose.glue("ch10_prefix_len", f"{shared['shape'][1]:,}" if shared else missing)
+prose.glue(
+    "ch10_prefix_budget", f"{shared['max_num_batched_tokens']:,}" if shared else missing
+)
 # chapter 9's record of the same workload, made in another session
 ch09 = [
     r
@@ -2082,14 +2091,15 @@ of 64 rows, rows run at most {{ch10_contiguous_64_running}} requests at once and
 {{ch10_contiguous_64}}; blocks run {{ch10_paged_64_running}} at once
 ({{ch10_paged_64_preempt}} preemptions) and make {{ch10_paged_64}}.
 
-The first token of 63 requests sharing a 1,000-token prefix comes after
-{{ch10_ttft_off}} on average without the prefix cache and {{ch10_ttft_on}} with it. The
-outputs of the two runs are identical for {{ch10_agree}} requests and the same up to a
-near tie — where they first differ, the two best tokens were within 0.1 — for
-{{ch10_agree_near}}; the mean |Δ log p| of
-shared tokens is {{ch10_agree_dlogp}}. The two runs read different keys in bf16 from the
-cache: with it on, every request reads the shared prefix from there; with it off, 63
-prompts of about 1,040 tokens take several steps of 8,192, and a prompt continued in a
+The first token of {{ch10_prefix_n}} requests sharing a {{ch10_prefix_len}}-token
+prefix comes after {{ch10_ttft_off}} on average without the prefix cache and
+{{ch10_ttft_on}} with it. The outputs of the two runs are identical for {{ch10_agree}}
+requests and the same up to a near tie — where they first differ, the two best tokens
+were within {{ch10_tie}} — for {{ch10_agree_near}}; the mean |Δ log p| of shared tokens
+is {{ch10_agree_dlogp}}. The two runs read different keys in bf16 from the cache: with
+it on, every request reads the shared prefix from there; with it off, {{ch10_prefix_n}}
+prompts of more than {{ch10_prefix_len}} tokens take several steps of
+{{ch10_prefix_budget}}, and a prompt continued in a
 later step reads its first part back from the cache, while the rest of the keys come in
 float32 from the step's own `qkv`.
 """)

@@ -60,7 +60,7 @@ from tinyvllm_lib import benchmark
 from tinyvllm_lib.cli import command, main
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.measure import load_records
-from tinyvllm_lib.plots import Prose, new_figure
+from tinyvllm_lib.plots import Prose, new_figure, plain_log_ticks, verdict
 from tinyvllm_lib.runtime import can_launch, has_gpu, where_kernels_run
 
 rng = np.random.default_rng()
@@ -1682,19 +1682,25 @@ if all(name in by_name for name in needed):
     prose.glue("ch11_tp_eager_steps", f"{num_eager:,}")
     sync = by_name["throughput_sync"]
     prose.glue("ch11_tp_wait_sync", f"{sync.get('gpu_wait_s', float('nan')):.2f} s")
-    change = tp["value"] / sync["value"] - 1
-    prose.glue("ch11_tp_change", f"{abs(change):.1%}")
-    if change < 0:
-        overlap_verdict = """ In this run the overlap cost {{ch11_tp_change}} of
-the rate: it cut the host's waits for the GPU from {{ch11_tp_wait_sync}} to
-{{ch11_tp_wait}}, yet the run was no faster. With the GPU's part of a step the longer,
-there was little to hide; the records do not say where the difference went."""
-    elif change < 0.05:
-        overlap_verdict = """ The overlap bought {{ch11_tp_change}}: with the
-GPU's part of a step the longer, there was little to hide (without it the host waited
-{{ch11_tp_wait_sync}})."""
+    # the runs' spread is the noise (verdict's default where a record kept one run)
+    tp_verdict = verdict(
+        sync.get("runs_output_tok_s", sync["value"]),
+        tp.get("runs_output_tok_s", tp["value"]),
+        higher_is_better=True,
+    )
+    prose.glue("ch11_overlap_verdict", tp_verdict)
+    if tp_verdict.startswith("slower"):
+        overlap_verdict = """ In this run the overlap made the rate
+{{ch11_overlap_verdict}}: it cut the host's waits for the GPU from
+{{ch11_tp_wait_sync}} to {{ch11_tp_wait}}, yet the run was no faster. With the GPU's
+part of a step the longer, there was little to hide; the records do not say where the
+difference went."""
+    elif tp_verdict.startswith("within"):
+        overlap_verdict = """ With the overlap the rate is {{ch11_overlap_verdict}}
+of the run without it: with the GPU's part of a step the longer, there was little to
+hide (without it the host waited {{ch11_tp_wait_sync}})."""
     else:
-        overlap_verdict = """ The overlap bought {{ch11_tp_change}}."""
+        overlap_verdict = """ The overlap made the rate {{ch11_overlap_verdict}}."""
     prose.show(
         """
 On the {{ch11_h200}} ({{ch11_date}}), batch-1 decode runs at {{ch11_bs1}} with graphs
@@ -1747,10 +1753,15 @@ if all(name in by_name for name in ("bs1_decode", "throughput")):
     ):
         value = by_name[name]["value"]
         prose.glue(key, f"{value / target:.0%}")
+    prose.glue("ch11_target_bs1", f"{TARGET_BS1:,}")
+    prose.glue("ch11_target_tp", f"{TARGET_THROUGHPUT:,}")
+    limit = by_name["bs1_decode"]["ceiling"]
+    prose.glue("ch11_target_bs1_share", f"{TARGET_BS1 / limit:.0%}")
     prose.show("""
-Our targets for this chapter were 1,100 tok/s at batch 1 (70% of the limit, and twice
-`torch.compile`) and 20,000 output tok/s on nano-vllm's workload. Batch 1 reached
-{{ch11_bs1_verdict}} of its target, the workload {{ch11_tp_verdict}} of its. At batch 1
+Our targets for this chapter were {{ch11_target_bs1}} tok/s at batch 1
+({{ch11_target_bs1_share}} of the limit) and {{ch11_target_tp}} output tok/s on
+nano-vllm's workload. Batch 1 reached {{ch11_bs1_verdict}} of its target, the workload
+{{ch11_tp_verdict}} of its. At batch 1
 the rest of the way to the limit is in the kernels, which the next section measures
 one by one.
 """)
@@ -1763,9 +1774,10 @@ if "cache_kept" in reuse:
     prose.glue("ch11_reuse_kept", f"{kept['value']:,.0f}")
     prose.glue("ch11_reuse_share",
                f"{kept['cached_prompt_tokens'] / kept['prompt_tokens']:.1%}")
-    gain = kept["value"] / empty["value"] - 1
-    word = "faster" if gain > 0 else "slower"
-    prose.glue("ch11_reuse_gain", f"{abs(gain):.0%} {word}")
+    # one run each: verdict's default noise
+    prose.glue(
+        "ch11_reuse_gain", verdict(empty["value"], kept["value"], higher_is_better=True)
+    )
     prose.show("""
 Why each timed run starts on an empty prefix cache: run the same 256 prompts a second
 time with the cache as the first run left it ({{ch11_reuse_kept}} output tok/s against
@@ -1793,6 +1805,13 @@ engine.
 kernel_records = [
     r for r in load_records("ch11_kernels") if r["name"] == "decode_kernel"
 ]
+
+
+def share_label(x: float) -> str:
+    """A share as a label: whole percent from 10%, one decimal below, never 0%."""
+    return f"{x:.0%}" if x >= 0.1 else f"{x:.1%}" if x >= 0.001 else "<0.1%"
+
+
 if not kernel_records:
     print("Not recorded yet: bench/ch11_kernels.py has not run on a GPU.")
 else:
@@ -1805,7 +1824,7 @@ else:
             ax.text(
                 100 * r["share_of_step"],
                 i,
-                f" {r['ratio_of_copy']:.0%}",
+                f" {share_label(r['ratio_of_copy'])}",
                 va="center",
                 fontsize=7,
             )
@@ -1919,6 +1938,11 @@ if fused and 1 in before and 1 in after and ("gate_up_silu", 1) in fused:
     )
     prose.glue("ch11_attn_before_64", f"{before[64]['us']:.1f} µs")
     prose.glue("ch11_attn_after_64", f"{after[64]['value']:.1f} µs")
+    # single timings, the before from another session: verdict's default noise
+    gain = {n: 1 - after[n]["value"] / before[n]["us"] for n in (1, 64)}
+    prose.glue("ch11_attn_verdict_1", verdict(before[1]["us"], after[1]["value"]))
+    prose.glue("ch11_attn_verdict_64", verdict(before[64]["us"], after[64]["value"]))
+    prose.glue("ch11_attn_gain_64_vs_1", "less" if gain[64] < gain[1] else "more")
     rk1, rk64 = fused[("rope_kv_write", 1)], fused[("rope_kv_write", 64)]
     rk256 = fused.get(("rope_kv_write", 256), rk64)
     prose.glue("ch11_rkv_sep", f"{rk1['separate_us']:.1f} µs")
@@ -1927,9 +1951,19 @@ if fused and 1 in before and 1 in after and ("gate_up_silu", 1) in fused:
     prose.glue("ch11_rkv_saved_64", f"{rk64['saved_per_step_us']:.0f} µs")
     prose.glue("ch11_rkv_saved_256", f"{rk256['saved_per_step_us']:.0f} µs")
     prose.glue("ch11_rkv_rows_256", f"{rk256['shape'][0]}")
+    for n, rk in ((1, rk1), (64, rk64), (256, rk256)):
+        prose.glue(f"ch11_rkv_verdict_{n}", verdict(rk["separate_us"], rk["value"]))
+    largest = max((rk1, rk64, rk256), key=lambda r: r["saved_per_step_us"])
+    prose.glue(
+        "ch11_rkv_largest",
+        "the largest saving" if largest is rk256 else "not the largest saving",
+    )
     gs = fused[("gate_up_silu", 1)]
     prose.glue("ch11_gs_sep", f"{gs['separate_us']:.1f} µs")
     prose.glue("ch11_gs_fused", f"{gs['value']:.1f} µs")
+    prose.glue("ch11_gs_verdict", verdict(gs["separate_us"], gs["value"]))
+    # the paragraph below says the gated GEMV did not pay; it must not have
+    assert not prose.values["ch11_gs_verdict"].startswith("faster")
     epilogues = (
         "add_in_o_proj",
         "add_in_down_proj",
@@ -1944,33 +1978,45 @@ if fused and 1 in before and 1 in after and ("gate_up_silu", 1) in fused:
             prose.glue(f"ch11_{k}_sep", f"{r['separate_us']:.1f} µs")
             prose.glue(f"ch11_{k}_fused", f"{r['value']:.1f} µs")
             prose.glue(f"ch11_{k}_saved", f"{r['saved_per_step_us']:.0f} µs")
+            prose.glue(f"ch11_{k}_verdict", verdict(r["separate_us"], r["value"]))
     prose.show("""
 At one row the combine folded into attention took a layer's attention from
-{{ch11_attn_before_1}} to {{ch11_attn_after_1}}, {{ch11_attn_saved_1}} a step: the
-second kernel had read the splits' partials one after another, each load waiting for
-the last, and a launch of its own. At 64 rows, with two splits a sequence, it is a wash
-({{ch11_attn_before_64}} before, {{ch11_attn_after_64}} after): the combine was short
-there, and every block now pays a memory fence and an atomic add. RoPE with the KV
-write takes {{ch11_rkv_fused}} where the two kernels took {{ch11_rkv_sep}}: launches
-saved, {{ch11_rkv_saved_1}} a step at one row and {{ch11_rkv_saved_64}} at 64, but only
-{{ch11_rkv_saved_256}} at {{ch11_rkv_rows_256}}, where the kernels' own work, not their
-launches, is most of their time. The
-gated GEMV *lost*: {{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and SiLU.
-A warp per (gate, up) pair of rows means half as many warps, each with twice the loads,
-and that costs the 16,384-row GEMV more than the {{ch11_silu_1}} SiLU kernel it removes;
-the model keeps the two kernels.
+{{ch11_attn_before_1}} to {{ch11_attn_after_1}} ({{ch11_attn_verdict_1}}),
+{{ch11_attn_saved_1}} a step: the second kernel had read the splits' partials one after
+another, each load waiting for the last, and a launch of its own. At 64 rows, with two
+splits a sequence, it is {{ch11_attn_verdict_64}} ({{ch11_attn_before_64}} before,
+{{ch11_attn_after_64}} after), {{ch11_attn_gain_64_vs_1}} than at one row: the combine
+is a smaller part of the work there, and every block now pays a memory fence and an
+atomic add. (Each "before" is a single timing from an earlier session, so the verdicts
+allow for the default noise, not a measured spread.) RoPE with the KV write takes
+{{ch11_rkv_fused}} where the two kernels took {{ch11_rkv_sep}} at one row
+({{ch11_rkv_verdict_1}}), {{ch11_rkv_saved_1}} a step; at 64 rows it is
+{{ch11_rkv_verdict_64}}, {{ch11_rkv_saved_64}} a step; at {{ch11_rkv_rows_256}} it is
+{{ch11_rkv_verdict_256}}, {{ch11_rkv_saved_256}} a step, {{ch11_rkv_largest}} in µs:
+a launch is saved at every size, and the fused kernel reads k once where the pair
+wrote it and read it back, which counts for more as the rows grow. The gated GEMV did
+not pay: {{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and SiLU,
+{{ch11_gs_verdict}}. A warp per (gate, up) pair of rows means half as many warps,
+each with twice the loads, and that costs the 16,384-row GEMV at least what the
+{{ch11_silu_1}} SiLU kernel it removes saves; the model keeps the two kernels.
 """)
     if epilogues_recorded:
+        # the paragraph below says the norm inside gate-up's GEMV lost, both ways
+        for k in ("norm_in_gate_up_proj", "norm_in_gate_up_proj_block"):
+            assert prose.values[f"ch11_{k}_verdict"].startswith("slower")
         prose.show("""
 The residual add inside the projection saved {{ch11_add_in_o_proj_saved}} a step at the
 output projection ({{ch11_add_in_o_proj_fused}} for the projection and the norm, against
 {{ch11_add_in_o_proj_sep}}) and {{ch11_add_in_down_proj_saved}} at the down projection
 ({{ch11_add_in_down_proj_fused}} against {{ch11_add_in_down_proj_sep}}). The norm inside
 QKV's GEMV saved {{ch11_norm_in_qkv_proj_saved}} ({{ch11_norm_in_qkv_proj_fused}}
-against {{ch11_norm_in_qkv_proj_sep}} for the norm and the plain GEMV). Inside gate-up's
-it *lost*: {{ch11_norm_in_gate_up_proj_fused}} against {{ch11_norm_in_gate_up_proj_sep}}
-with a warp a row, and still {{ch11_norm_in_gate_up_proj_block_fused}} against
-{{ch11_norm_in_gate_up_proj_block_sep}} with blocks sharing rows. Each reader of $x$ now
+against {{ch11_norm_in_qkv_proj_sep}} for the norm and the plain GEMV,
+{{ch11_norm_in_qkv_proj_verdict}}). Inside gate-up's it lost:
+{{ch11_norm_in_gate_up_proj_fused}} against {{ch11_norm_in_gate_up_proj_sep}} with a
+warp a row ({{ch11_norm_in_gate_up_proj_verdict}}), and
+{{ch11_norm_in_gate_up_proj_block_fused}} against
+{{ch11_norm_in_gate_up_proj_block_sep}} with blocks sharing rows
+({{ch11_norm_in_gate_up_proj_block_verdict}}). Each reader of $x$ now
 reads 6 bytes a value where it read 2 (a float32 value and the norm's bf16 weight for a
 bf16 value), through the same caches that bring $W$ in. QKV's GEMV, which runs at
 {{ch11_qkv_bw}} of copy bandwidth — mostly its own start and end — has room for that,
@@ -2114,6 +2160,10 @@ if settings and ttft:
     prose.glue("ch11_user_prefix", f"{by_setting['prefix-cache hit']['of_greedy']:.0%}")
     prose.glue("ch11_ttft_16", f"{by_len[16]['value']:.1f} ms")
     prose.glue("ch11_ttft_1024", f"{by_len[1024]['value']:.1f} ms")
+    # one run each: verdict's default noise; the paragraph below calls this flat
+    flat = verdict(by_len[16]["value"], by_len[1024]["value"], words=("less", "more"))
+    assert flat.startswith("within"), flat
+    prose.glue("ch11_ttft_flat", flat)
     prose.glue("ch11_ttft_4096", f"{by_len[4096]['value']:.0f} ms")
     floor_text = f"{floor128[0]:.1f} ms" if floor128 else "(no floor)"
     prose.glue("ch11_ttft_floor128", floor_text)
@@ -2130,7 +2180,8 @@ the GPU after the replay, not inside it. A prompt after a cached system prompt r
 {{ch11_user_prefix}}.
 
 The first token is what is left. It took {{ch11_ttft_16}} for 16 prompt tokens and
-{{ch11_ttft_1024}} for 1,024 — flat, because a prefill step is launched kernel by
+{{ch11_ttft_1024}} for 1,024 — flat ({{ch11_ttft_flat}} of each other), because a
+prefill step is launched kernel by
 kernel from Python, as every decode step was before this chapter, and the launches
 cost more than the work — and {{ch11_ttft_4096}} for 4,096, where the work takes
 over (prefill attention among it, which chapter 10 runs on SIMT cores, far below the
@@ -2260,18 +2311,19 @@ else:
     for i, name in enumerate(projections):
         times = [v for (p, _), v in knob_us.items() if p == name]
         ax0.scatter([i] * len(times), times, s=8, color="0.7", zorder=2)
-        for knobs, marker, label in (
-            (old_knobs[name], "o", "chapter 6's variant before"),
-            (new_knobs[name], "*", "its variant now"),
+        for knobs, marker, color, label in (
+            (old_knobs[name], "o", "C0", "chapter 6's variant before"),
+            (new_knobs[name], "*", "C1", "its variant now"),
         ):
             ax0.scatter(
-                i, knob_us[name, knobs], marker=marker, s=60, zorder=3,
+                i, knob_us[name, knobs], marker=marker, s=60, zorder=3, color=color,
                 label=label if i == 0 else None,
             )
     ax0.set_xticks(range(len(projections)), projections)
     ax0.set_yscale("log")
     ax0.set_ylabel("µs per launch, one token")
     ax0.set_title("GEMV: every knob setting (grey)", fontsize=9)
+    plain_log_ticks(ax0)
     ax0.legend(fontsize=7)
     for rows in sorted({r["shape"][0] for r in argmax_records}):
         pts = sorted(
@@ -2286,6 +2338,8 @@ else:
     ax1.set_xlabel("blocks a row (1: one block reads the row)")
     ax1.set_ylabel("µs")
     ax1.set_title("greedy argmax over 128,256 logits", fontsize=9)
+    plain_log_ticks(ax1)
+    ax1.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))  # 8, not 2³
     ax1.legend(fontsize=7)
     plt.show()
 
@@ -2495,7 +2549,22 @@ one setting for all of them leaves that much on the table.
 #   past 75% of copy at 64 rows.
 # - On a full batch the GPU sets the pace; the graphs took the throughput far past the
 #   eager engine's, and the overlap keeps the GPU fed between steps.
-#
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+measured = ("ch11_bs1", "ch11_bs1_verdict", "ch11_tp_verdict", "ch11_overlap_verdict")
+if all(k in prose.values for k in measured):
+    prose.show("""
+**Measured** on the {{ch11_h200}} ({{ch11_date}}): batch-1 decode at {{ch11_bs1}},
+{{ch11_bs1_ratio}} of the {{ch11_limit}} limit and {{ch11_bs1_verdict}} of the
+chapter's target; nano-vllm's workload at {{ch11_tp}} output tok/s, {{ch11_tp_verdict}}
+of its target, and with the overlap against without it the rate is
+{{ch11_overlap_verdict}}. Attention at 64 rows reads at {{ch11_attn_64_bw}} of copy
+bandwidth.
+""")
+else:
+    print("chapter 11's engine records are not all there yet: run bench/ch11_llama.py")
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. A step of 9 requests replays the graph of 16. Count the rows of wasted work over

@@ -60,7 +60,7 @@ from tinyvllm_lib.cli import command
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.measure import load_records
-from tinyvllm_lib.plots import Prose, new_figure
+from tinyvllm_lib.plots import Prose, new_figure, plain_log_ticks
 from tinyvllm_lib.runtime import has_gpu
 
 # the numbers this chapter's prose quotes, filled in as they are measured
@@ -2478,6 +2478,8 @@ def glue_device(prefix: str, rs: list) -> None:
         "itl99_high": f"{itl99[-1]:,.0f} ms",
         "tput_low": f"{tput[0]:,.0f} output tokens/s",
         "tput_high": f"{tput[-1]:,.0f}",
+        # how much the median gap grew from the lowest rate to all at once
+        "itl_growth": f"{itl[-1] / itl[0]:.1f}",
     }
     for key, value in values.items():
         prose.glue(f"{prefix}_{key}", value)
@@ -2492,8 +2494,80 @@ for prefix, found in (("ch12_cpu", cpu), ("ch12_gpu", gpu)):
     else:
         for key in ("name", "date", "model", "work", "rates", "rate_low", "asked_low",
                     "ttft_low", "ttft_high", "ttft99_high", "itl_low", "itl_high",
-                    "itl99_high", "tput_low", "tput_high"):  # fmt: skip
+                    "itl99_high", "tput_low", "tput_high", "itl_growth"):  # fmt: skip
             prose.glue(f"{prefix}_{key}", missing)
+if gpu and cpu:
+    cpu_rs, gpu_rs = next(iter(cpu.values())), next(iter(gpu.values()))
+    cpu_growth = sweep(cpu_rs, "itl")[1][-1] / sweep(cpu_rs, "itl")[1][0]
+    gpu_growth = sweep(gpu_rs, "itl")[1][-1] / sweep(gpu_rs, "itl")[1][0]
+    prose.glue("ch12_cpu_clients", f"{cpu_rs[0]['num_prompts']}")
+    prose.glue("ch12_gpu_clients", f"{gpu_rs[0]['num_prompts']}")
+    prose.glue("ch12_cpu_prompt", f"{cpu_rs[0]['input_len']}")
+    prose.glue("ch12_gpu_prompt", f"{gpu_rs[0]['input_len']}")
+    # rows a step can hold with every request sent at once
+    def most_rows(r):
+        return min(r["num_prompts"], r["max_num_seqs"])
+
+    rows_times = most_rows(gpu_rs[0]) / most_rows(cpu_rs[0])
+    prose.glue("ch12_rows_times", f"{rows_times:g}")
+    prompt_times = gpu_rs[0]["input_len"] / cpu_rs[0]["input_len"]
+    prose.glue("ch12_prompt_times", f"{prompt_times:g}")
+    if gpu_growth > cpu_growth:
+        prose.glue("ch12_growth_sentence", prose.fill("""One might expect the GPU's
+gap to grow less, since its decode step is mostly a read of the weights that every row
+shares (chapter 6); it grew more. The two sweeps are not alike: the GPU's sends
+{{ch12_gpu_clients}} requests of {{ch12_gpu_prompt}} prompt tokens, the CPU's
+{{ch12_cpu_clients}} of {{ch12_cpu_prompt}}, so all at once the GPU's steps carry
+{{ch12_rows_times}} times the rows and prompts {{ch12_prompt_times}} times as long to
+prefill between decode steps. The records do not separate those causes."""))
+    else:
+        prose.glue("ch12_growth_sentence", "The GPU's gap grew less: its decode step "
+                   "is mostly a read of the weights every row shares (chapter 6).")
+else:
+    prose.glue("ch12_growth_sentence", "")
+# the sweep's worst tail of first tokens, p99 against the median, and what the record
+# can say of it: it keeps the mean, median, p90 and p99, not each request's time
+spike = None
+for rs in by_device.values():
+    for r in (r for r in rs if r["name"] == "ttft"):
+        if spike is None or r["p99"] / r["value"] > spike["p99"] / spike["value"]:
+            spike = r
+if spike is not None and spike["p99"] > 10 * spike["value"]:
+    n = spike["num_prompts"]
+    rates_in_order = sweep(by_device[spike["device"]["name"]], "ttft")[0]
+    # np.percentile interpolates at 0.99 (n - 1): every request past that index waited
+    # at least the p99
+    prose.glue("ch12_spike_at_least", f"{n - 1 - math.floor(0.99 * (n - 1))}")
+    prose.glue("ch12_spike_device", spike["device"]["name"])
+    prose.glue("ch12_spike_rate", rate_label(float(spike["request_rate"])))
+    prose.glue("ch12_spike_p99", f"{spike['p99']:,.0f} ms")
+    prose.glue("ch12_spike_median", f"{spike['value']:,.0f} ms")
+    prose.glue("ch12_spike_p90", f"{spike['p90']:,.0f} ms")
+    prose.glue("ch12_spike_mean", f"{spike['mean']:,.0f} ms")
+    prose.glue("ch12_spike_n", f"{n}")
+    excess_s = (spike["mean"] - spike["value"]) * n / 1e3
+    prose.glue("ch12_spike_excess", f"{excess_s:.1f} s")
+    prose.glue("ch12_spike_above", f"{spike['mean'] - spike['value']:,.0f} ms")
+    prose.glue("ch12_spike_times", f"{spike['p99'] / spike['value']:.0f}")
+    is_first = float(spike["request_rate"]) == rates_in_order[0]
+    prose.glue(
+        "ch12_spike_order",
+        "the sweep's first rate, run right after a one-request warm-up on the same "
+        "server" if is_first else "not the sweep's first rate",
+    )
+    prose.glue("ch12_spike_sentence", prose.fill("""On the {{ch12_spike_device}} at
+{{ch12_spike_rate}} requests/s, the p99 first token ({{ch12_spike_p99}}) is
+{{ch12_spike_times}} times the median ({{ch12_spike_median}}); the p90 is
+{{ch12_spike_p90}}. The record keeps only those summaries, not each request's time, so
+it cannot say which requests waited or why. What it does say: at least
+{{ch12_spike_at_least}} of the {{ch12_spike_n}} requests waited {{ch12_spike_p99}} or
+more, and the mean ({{ch12_spike_mean}}) exceeds the median by {{ch12_spike_above}},
+{{ch12_spike_excess}} of waiting summed over the {{ch12_spike_n}} requests. The rate is
+{{ch12_spike_order}}; whether its first requests paid for something the warm-up did
+not reach (a graph, a compile) is a guess the record cannot check, so the spike is
+unexplained."""))
+else:
+    prose.glue("ch12_spike_sentence", "")
 if gpu:
     prose.glue("ch12_gpu_sentence", prose.fill("""
 On the {{ch12_gpu_name}} ({{ch12_gpu_date}}), {{ch12_gpu_model}} served
@@ -2505,18 +2579,32 @@ and {{ch12_gpu_tput_high}} output tokens/s.
     # the engine's own decode step at a like batch (chapter 11), against the gaps seen
     replay = [r for r in load_records("ch11_llama") if r["name"] == "graph_replay"]
     _, gpu_itl = sweep(next(iter(gpu.values())), "itl")
-    if replay:
-        step = min(replay, key=lambda r: abs(r["shape"][0] - 64))
-        prose.glue("ch12_replay", f"{step['value']:.1f} ms")
-        prose.glue("ch12_replay_rows", f"{step['shape'][0]}")
-        prose.glue("ch12_itl_over", f"{gpu_itl[-1] / step['value']:.0f} times")
-        prose.glue("ch12_gpu_sentence", prose.fill("""{{ch12_gpu_sentence}} A replayed
-decode step of {{ch12_replay_rows}} rows takes {{ch12_replay}} on the same GPU
-(chapter 11), so the gap between a client's tokens is {{ch12_itl_over}} the GPU's
-part of a step. Where the rest goes is not measured yet; the candidates are the
-engine's host work per step (chapter 11 times it), and the server's: a chunk per token
-per client, encoded as JSON and written by the event loop, which shares one Python
-interpreter with the engine's thread.
+    first = next(iter(gpu.values()))[0]
+    rows = min(first["num_prompts"], first["max_num_seqs"])  # all sent at once
+    # the recorded replays on either side of the run's rows, like with like
+    below = [r for r in replay if r["shape"][0] <= rows]
+    above = [r for r in replay if r["shape"][0] >= rows]
+    if below and above:
+        lo = max(below, key=lambda r: r["shape"][0])
+        hi = min(above, key=lambda r: r["shape"][0])
+        prose.glue("ch12_run_rows", f"{rows}")
+        prose.glue("ch12_replay_lo", f"{lo['value']:.1f} ms")
+        prose.glue("ch12_replay_lo_rows", f"{lo['shape'][0]}")
+        prose.glue("ch12_replay_hi", f"{hi['value']:.1f} ms")
+        prose.glue("ch12_replay_hi_rows", f"{hi['shape'][0]}")
+        prose.glue("ch12_replay_ctx", f"{hi.get('context', 'unrecorded')}")
+        prose.glue("ch12_itl_over_lo", f"{gpu_itl[-1] / hi['value']:.0f}")
+        prose.glue("ch12_itl_over_hi", f"{gpu_itl[-1] / lo['value']:.0f}")
+        prose.glue("ch12_gpu_sentence", prose.fill("""{{ch12_gpu_sentence}} With every
+request sent at once a decode step holds up to {{ch12_run_rows}} rows; on the same GPU
+(chapter 11) a replayed decode step at {{ch12_replay_ctx}} tokens of context takes
+{{ch12_replay_lo}} at {{ch12_replay_lo_rows}} rows and {{ch12_replay_hi}} at
+{{ch12_replay_hi_rows}}, so the median gap between a client's tokens is
+{{ch12_itl_over_lo}} to {{ch12_itl_over_hi}} times the GPU's part of a decode step
+(the gap also spans the steps that prefill newcomers' prompts). Where the rest goes
+is not measured yet; the candidates are the engine's host work per step (chapter 11
+times it), and the server's: a chunk per token per client, encoded as JSON and written
+by the event loop, which shares one Python interpreter with the engine's thread.
 """))  # fmt: skip
 else:
     prose.glue("ch12_gpu_sentence", "No GPU record has been made yet: no GPU has run "
@@ -2525,28 +2613,45 @@ else:
 if by_device:
     finite = [r for rs in by_device.values() for r in sweep(rs, "ttft")[0]]
     inf_at = 2 * max((r for r in finite if not math.isinf(r)), default=1)
-    fig, axes = new_figure(1, 4, width=12, height=2.9)
+    fig, axes = new_figure(1, 4, width=12, height=3.6)
     colors = iter(["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"])
     for device, rs in by_device.items():
         color = next(colors)
+        # the device, its model and its workload: the panels share axes across devices
+        head = rs[0]
+        who = (f"{device.split(',')[0]}: {head['model']}, {head['num_prompts']} req. "
+               f"× {head['input_len']} in / {head['max_tokens']} out")  # fmt: skip
         for ax, name in zip(axes, MEASURES):
             rates, median = sweep(rs, name)
             x = [inf_at if math.isinf(r) else r for r in rates]
-            ax.plot(x, median, "o-", color=color, label=f"{device}, median")
+            ax.plot(x, median, "o-", color=color, label=f"{who}, median")
             if name != "output_throughput":
                 ax.plot(x, sweep(rs, name, "p99")[1], "s--", color=color, alpha=0.6,
-                        label=f"{device}, p99")  # fmt: skip
+                        label=f"{who}, p99")  # fmt: skip
+            else:  # the load offered: requests/s asked × output tokens a request
+                asked = [(xi, r) for xi, r in zip(x, rates) if not math.isinf(r)]
+                ax.plot([xi for xi, _ in asked],
+                        [r * head["max_tokens"] for _, r in asked], ":",
+                        color=color, label=f"{who}, offered load")  # fmt: skip
     ticks = sorted({inf_at if math.isinf(r) else r for r in finite})
     for ax, title in zip(axes, TITLES):
         ax.set_xscale("log")
         ax.set_xticks(ticks, [("inf" if t == inf_at else f"{t:g}") for t in ticks])
         ax.minorticks_off()
-        ax.set_yscale("log" if len(by_device) > 1 else "linear")
+        if len(by_device) > 1:
+            ax.set_yscale("log")
+            plain_log_ticks(ax)
         ax.set_xlabel("request rate (requests/s)", fontsize=8)
         ax.set_title(title, fontsize=9)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(which="both", labelsize=7)
         ax.spines[["top", "right"]].set_visible(False)
-    axes[0].legend(fontsize=6.5, frameon=False)
+    # one legend for the four panels, below them, so no line hides behind it
+    handles = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=2,
+               fontsize=7, frameon=False)  # fmt: skip
     plt.show()
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
@@ -2565,10 +2670,13 @@ as its token budget allows, before anyone's second token. The median gap grew to
 {{ch12_cpu_tput_high}} output tokens/s. That is the trade every server makes: more
 clients at once fill the batch, so each step makes more tokens, and each step,
 computing more rows and newcomers' prompts, takes longer for everyone in it. How much
-longer depends on the hardware: on a GPU, where a decode step is mostly a read of the
-weights that every row shares (chapter 6), the gap should grow less.
+longer depends on the hardware and the load. From the lowest rate to all at once the
+median gap grew {{ch12_cpu_itl_growth}} times on the CPU and
+{{ch12_gpu_itl_growth}} times on the GPU below. {{ch12_growth_sentence}}
 
 {{ch12_gpu_sentence}}
+
+{{ch12_spike_sentence}}
 """)
 
 
@@ -2809,7 +2917,34 @@ else:
 #   count of cached free blocks made by a pass over the whole free list every step
 #   (now kept as blocks come and go), and per-token handler work that needs to happen
 #   only every half second.
-#
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+summary = []
+if cpu:
+    summary.append("""On the {{ch12_cpu_name}}, {{ch12_cpu_model}} served
+{{ch12_cpu_work}}: from {{ch12_cpu_rate_low}} requests/s to all at once the median first
+token went from {{ch12_cpu_ttft_low}} to {{ch12_cpu_ttft_high}}, the median gap between
+tokens from {{ch12_cpu_itl_low}} to {{ch12_cpu_itl_high}}, and the server made up to
+{{ch12_cpu_tput_high}} output tokens/s.""")
+if gpu:
+    summary.append("""On the {{ch12_gpu_name}}, {{ch12_gpu_model}} served
+{{ch12_gpu_work}}: from {{ch12_gpu_rate_low}} requests/s to all at once the median first
+token went from {{ch12_gpu_ttft_low}} to {{ch12_gpu_ttft_high}}, the median gap from
+{{ch12_gpu_itl_low}} to {{ch12_gpu_itl_high}}, and the server made up to
+{{ch12_gpu_tput_high}} output tokens/s.""")
+if lone_gpu:
+    summary.append("""A lone client over HTTP got {{ch12_lg_after_greedy_ratio}} of the
+engine alone greedy and {{ch12_lg_after_t06_p09_ratio}} sampled on the {{ch12_lg_name}}
+(engine {{ch12_lg_after_commit}}).""")
+if lone_cpu:
+    summary.append("""On the CPU record it got {{ch12_lc_after_greedy_ratio}} greedy and
+{{ch12_lc_after_t06_p09_ratio}} sampled.""")
+if summary:
+    prose.show("**Measured:** " + " ".join(summary))
+else:
+    print("no serving records in this copy of the book: run bench/ch12_serving.py")
+
+# %% [markdown]
 # Exported to `tinyvllm_lib`: `entrypoints.openai.protocol` (the request models,
 # `OpenAIError`), `entrypoints.openai.prompts` (`PromptProcessor`, the worker pool),
 # `entrypoints.openai.body_limit` (`BodySizeLimit`), `entrypoints.openai.serving`,

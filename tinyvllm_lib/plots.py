@@ -5,6 +5,7 @@
 import re
 
 import matplotlib.pyplot as plt
+import numpy as np
 
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
@@ -42,6 +43,21 @@ def bit_layout(ax, rows: list[tuple[str, int, int, int]]):
     ax.axis("off")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=3, frameon=False)
     return ax
+
+
+def plain_log_ticks(ax, axis: str = "y") -> None:
+    """Label a log axis with plain numbers (5, 20, 0.3), not 5×10⁰: each power of ten
+    and its 2, 3 and 5 multiples, so the labels do not crowd.
+    """
+
+    def label(v, _):
+        lead = round(v / 10 ** np.floor(np.log10(v))) if v > 0 else 0
+        return f"{v:g}" if lead in (1, 2, 3, 5) else ""
+
+    plain = plt.FuncFormatter(label)
+    scale = ax.yaxis if axis == "y" else ax.xaxis
+    scale.set_major_formatter(plain)
+    scale.set_minor_formatter(plain)
 
 
 class Prose:
@@ -99,6 +115,38 @@ def in_notebook() -> bool:
     return shell is not None and any(
         cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__
     )
+
+
+DEFAULT_NOISE = 0.05  # relative noise assumed for a measurement kept without repeats
+
+
+def verdict(
+    before,
+    after,
+    higher_is_better: bool = False,
+    noise: float | None = None,
+    words: tuple[str, str] = ("faster", "slower"),
+) -> str:
+    """'faster by N%', 'slower by N%' or 'within noise (±N%)' for a before/after pair.
+
+    before and after are each one number or the repeats of a measurement (a list; a
+    record's (min, value, max) works too): the median is compared. N is the change as
+    a share of before. The noise is `noise` when given; else the largest relative
+    spread, (max - min) / median, of the sides that have repeats; else DEFAULT_NOISE
+    (5%), since a single number carries no spread of its own. Times by default (lower
+    is better); higher_is_better for rates such as tokens/s.
+    """
+    b, a = np.atleast_1d(before).astype(float), np.atleast_1d(after).astype(float)
+    if np.median(b) == 0:
+        raise ValueError("a before of zero has no relative change")
+    if noise is None:
+        spreads = [np.ptp(x) / np.median(x) for x in (b, a) if x.size > 1]
+        noise = max(spreads) if spreads else DEFAULT_NOISE
+    change = (np.median(a) - np.median(b)) / np.median(b)
+    if abs(change) <= noise:
+        return f"within noise (±{noise:.0%})"
+    better = change > 0 if higher_is_better else change < 0
+    return f"{words[0] if better else words[1]} by {abs(change):.0%}"
 
 
 # defined in chapters/06_gemm.py
