@@ -2138,7 +2138,9 @@ else:
     if floor:
         line.plot(lengths, floor, "k--", lw=1, label="floor: weights + FLOPs")
     line.set_xscale("log", base=2)
+    line.set_xticks(lengths, [f"{n:,}" for n in lengths], fontsize=7)
     line.set_yscale("log")
+    plain_log_ticks(line)
     line.set_xlabel("prompt tokens")
     line.set_ylabel("time to first token, ms")
     line.legend(fontsize=8)
