@@ -41,21 +41,9 @@ TTFT_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def prefix_hit(llm, repeats: int = 3) -> float:
-    """Decode tok/s of greedy requests that share a cached 200-token system prompt (median)."""
-    engine, rng = llm.llm_engine, np.random.default_rng(5)
-    vocab = llm.config.vocab_size
-    system = rng.integers(0, vocab, SYSTEM).tolist()
-    llm.generate([system + [1]], SamplingParams(max_tokens=1), use_tqdm=False)  # cached now
-    speeds = []
-    for i in range(repeats + 1):
-        engine.add_request(f"prefix-{i}", system + rng.integers(0, vocab, PROMPT).tolist(), benchmark.greedy(NEW))
-        first = None
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            if first is None and any(o.outputs[0].token_ids for o in outs):
-                first = time.perf_counter()
-        speeds.append((NEW - 1) / (time.perf_counter() - first))
-    return float(np.median(speeds[1:]))
+    """Decode tok/s of greedy requests that share a 200-token system prompt, cached by the warm-up run."""
+    system = np.random.default_rng(5).integers(0, llm.config.vocab_size, SYSTEM).tolist()
+    return benchmark.latency(llm, PROMPT, NEW, repeats=repeats, seed=5, prefix=system)["decode_tok_s"]
 
 
 def main() -> None:

@@ -29,7 +29,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,6 @@ import tinyvllm_lib.measure as measure
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"greedy": {"temperature": 0.0}, "t0.6_p0.9": {"temperature": 0.6, "top_p": 0.9, "seed": 0}}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 OFFLINE = """
 import json, sys, time
@@ -68,17 +66,11 @@ for i, line in enumerate(sys.stdin):  # a setting's sampling parameters: one req
 
 
 def tiny_model(folder: Path) -> Path:
-    """A 2-layer random Llama of hidden 64 with SmolLM2's vocabulary and tokenizer (tests/serving_tools.py's)."""
-    from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
-    from tinyvllm_lib.models.smollm2 import resolve_model
-
-    smol = resolve_model("smollm2")
-    config = tiny_llama_config(vocab_size=49152, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
-    make_random_llama(folder, config, seed=3)
-    for name in TOKENIZER_FILES:
-        if (smol / name).is_file():
-            shutil.copy(smol / name, folder / name)
-    return folder
+    """A 2-layer random Llama of hidden 64 with SmolLM2's vocabulary and tokenizer: tests/serving_tools.py's."""
+    spec = importlib.util.spec_from_file_location("serving_tools", ROOT / "tests" / "serving_tools.py")
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    return tools.tiny_chat_model(folder, max_position_embeddings=4096)
 
 
 def engine_commit(engine_path: Path, given: str | None) -> str:

@@ -1398,7 +1398,8 @@ class CudaSampler:
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
         """Queue the copy of metadata's rows' ids (the first rows of logits) to pinned
         buffer `turn`; nothing waits unless log-probs are asked for, which this sampler
-        computes on the host from a copy of the rows. What finish needs.
+        computes on the host from a copy of the rows. What finish needs: (turn, rows,
+        the host's log-probs or None, the GPU's k: -1 here, chapter 11 fills it).
         """
         n, s = len(metadata.temperature), self.stream
         if n:
@@ -1410,11 +1411,11 @@ class CudaSampler:
             host = [logprobs[np.arange(n), self.host_ids[turn][:n]]]
             if k > 0:
                 host += top_logprobs(logprobs, k)
-        return turn, n, host
+        return turn, n, host, -1
 
     def finish(self, queued: tuple) -> SamplerOutput:
         """The samples of an enqueue whose copies are done (the caller waited)."""
-        turn, n, host = queued
+        turn, n, host, _ = queued
         out = SamplerOutput(self.host_ids[turn][:n].copy())
         if host is not None:
             out.logprobs = host[0]
@@ -2261,10 +2262,11 @@ class InputBatch:
         starts = metadata.query_start_loc
         # a request whose tokens are all computed after this step is due its next
         # token: its last new token's logits (a chunk inside a prompt has none)
-        due = ahead or num_computed + num_new >= np.fromiter(
+        due = num_computed + num_new >= np.fromiter(
             (r.num_tokens for r in requests), np.int64, len(requests)
         )
-        due = np.broadcast_to(due, (len(requests),))
+        if ahead:  # every row planned ahead is a decode row due its next token
+            due[:] = True
         logits_indices = [starts[1:][due].astype(np.int64) - 1]
         prompt_rows, row = {}, int(due.sum())
         for i, r in enumerate(requests):
@@ -2288,13 +2290,13 @@ class InputBatch:
 
     def device_metadata(self) -> AttentionMetadata:
         """The attention metadata over the packed device views."""
-        v, n = self.device, self.device["seq_lens"].shape[0]
+        v = self.device  # the layout holds exactly the (padded) step's rows
         return replace(
             self.metadata,
             query_start_loc=v["query_start_loc"],
             seq_lens=v["seq_lens"],
             slot_mapping=v["slot_mapping"],
-            block_tables=v["block_tables"][:n],
+            block_tables=v["block_tables"],
         )
 
 

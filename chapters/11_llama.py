@@ -590,11 +590,11 @@ class GpuLogprobsSampler(CudaSampler):
         if k > 0:  # whole rows: a copy of contiguous memory
             self.top_ids[:n].copy_to_host(host["top_ids"][:n], stream=s)
             self.top_values[:n].copy_to_host(host["top_values"][:n], stream=s)
-        return turn, n, k
+        return turn, n, None, k
 
     def finish(self, queued: tuple) -> SamplerOutput:
-        turn, n, k = queued
-        if not isinstance(k, int):  # the host's log-probs, or none
+        turn, n, _, k = queued
+        if k < 0:  # the host's log-probs, or none
             return super().finish(queued)
         out, host = SamplerOutput(self.host_ids[turn][:n].copy()), self.pinned[turn]
         out.logprobs = host["chosen"][:n].copy()
@@ -1397,12 +1397,13 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def latency(
     llm, prompt_len: int = 128, new_tokens: int = 256, repeats: int = 3, seed: int = 0,
-    params: SamplingParams | None = None,
+    params: SamplingParams | None = None, prefix: list[int] | None = None,
 ) -> dict:
     """One request at a time through llm's engine, after one warm-up run: medians of
     the time to first token (ms), decode tok/s (the steps after the first token) and
     end-to-end tok/s. params: the requests' sampling (greedy by default); exactly
-    new_tokens are generated whatever it says.
+    new_tokens are generated whatever it says. prefix: token ids every prompt starts
+    with (a shared system prompt: the warm-up run caches it, the timed runs hit it).
     """
     engine, rng = llm.llm_engine, np.random.default_rng(seed)
     params = greedy(new_tokens) if params is None else replace(
@@ -1411,6 +1412,7 @@ def latency(
     runs = []
     for i in range(repeats + 1):
         prompt = rng.integers(0, llm.config.vocab_size, prompt_len).tolist()
+        prompt = (prefix or []) + prompt
         start, first = time.perf_counter(), None
         engine.add_request(f"latency-{i}", prompt, params)
         while engine.has_unfinished_requests():
@@ -2157,6 +2159,9 @@ if settings and ttft:
     sampled = [r["of_greedy"] for r in settings if "logprobs" not in r["setting"]
                and r["setting"] not in ("greedy", "prefix-cache hit")]
     prose.glue("ch11_user_worst_sampled", f"{min(sampled):.0%}")
+    lp_shares = [by_setting[f"logprobs {k}"]["of_greedy"] for k in (5, 20)]
+    # the prose says log-probs cost more than any sampling setting: the data must agree
+    assert max(lp_shares) < min(sampled), (lp_shares, sampled)
     prose.glue("ch11_user_lp5", f"{by_setting['logprobs 5']['of_greedy']:.0%}")
     prose.glue("ch11_user_lp20", f"{by_setting['logprobs 20']['of_greedy']:.0%}")
     prose.glue("ch11_user_prefix", f"{by_setting['prefix-cache hit']['of_greedy']:.0%}")
@@ -2183,13 +2188,13 @@ the GPU after the replay, not inside it. A prompt after a cached system prompt r
 
 The first token is what is left. It took {{ch11_ttft_16}} for 16 prompt tokens and
 {{ch11_ttft_1024}} for 1,024 — flat ({{ch11_ttft_flat}} of each other), because a
-prefill step is launched kernel by
-kernel from Python, as every decode step was before this chapter, and the launches
-cost more than the work — and {{ch11_ttft_4096}} for 4,096, where the work takes
-over (prefill attention among it, which chapter 10 runs on SIMT cores, far below the
-tensor cores' rate). At 128 tokens the floor is {{ch11_ttft_floor128}} against the
-{{ch11_ttft_128}} measured: capturing prefill steps too, and attention on tensor
-cores, are the two things left for a user who waits for a first token.
+prefill step is launched kernel by kernel from Python, as every decode step was before
+this chapter, and the launches cost more than the work — and {{ch11_ttft_4096}} for
+4,096, where the work takes over (prefill attention among it, which chapter 10 runs
+on SIMT cores, far below the tensor cores' rate). At 128 tokens the floor is
+{{ch11_ttft_floor128}} against the {{ch11_ttft_128}} measured: capturing prefill steps
+too, and attention on tensor cores, are the two things left for a user who waits for
+a first token.
 """)
 
 # %% [markdown]
@@ -2371,7 +2376,7 @@ launch, and the four projections together {{ch11_knobs_saved}} a step (16 layers
 block alone took {{ch11_argmax_one_block}} to find a row's largest logit (the sweep
 reads the logits from memory, not from L2); split {{ch11_argmax_splits}} ways,
 {{ch11_argmax_split}}. With many rows the blocks multiply, rows times shares, and the
-sampler's own blocks (512 threads, for the sampled rows' bisection) are few to an SM:
+sampler's own blocks (512 threads) are few to an SM:
 it keeps to about 256 blocks in all, fewer shares as rows grow, one from 256 rows. In
 the decode step the sampler kernel is now {{ch11_sample_1}} at one row
 ({{ch11_sample_share}} of the step), against {{ch11_sample_floor}} for its half
@@ -2590,6 +2595,6 @@ else:
 #    cost in each design?
 # 7. The greedy sampler keeps to about 256 blocks (`greedy_shares`), a rule drawn from
 #    two measurements, not a sweep of its own kernel: sweep it at 1 to 256 rows. A
-#    sampled row still runs in one block, and its bisection reads the row 64 times:
-#    split those passes over blocks too. What must the blocks share after each pass,
-#    and what does a pass then cost?
+#    captured step launches all seven of chapter 8b's radix-select steps even when
+#    every row is greedy: what would a second set of graphs for all-greedy batches
+#    save per step, and what would it cost in capture time and memory?

@@ -17,10 +17,12 @@ from tinyvllm_lib.models.smollm2 import resolve_model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def tiny_chat_model(folder: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's vocabulary (49,152), tokenizer and chat template."""
+def tiny_chat_model(folder: Path, max_position_embeddings: int = 2048) -> Path:
+    """A 2-layer random Llama with SmolLM2's vocabulary (49,152), tokenizer and chat template (bench/ch12_lone_client.py
+    serves it too)."""
     smol = resolve_model("smollm2")
-    config = tiny_llama_config(vocab_size=49152, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    config = tiny_llama_config(vocab_size=49152, max_position_embeddings=max_position_embeddings, bos_token_id=1,
+                               eos_token_id=2)
     make_random_llama(folder, config, seed=3)
     for name in TOKENIZER_FILES:
         if (smol / name).is_file():

@@ -34,12 +34,13 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def latency(
     llm, prompt_len: int = 128, new_tokens: int = 256, repeats: int = 3, seed: int = 0,
-    params: SamplingParams | None = None,
+    params: SamplingParams | None = None, prefix: list[int] | None = None,
 ) -> dict:
     """One request at a time through llm's engine, after one warm-up run: medians of
     the time to first token (ms), decode tok/s (the steps after the first token) and
     end-to-end tok/s. params: the requests' sampling (greedy by default); exactly
-    new_tokens are generated whatever it says.
+    new_tokens are generated whatever it says. prefix: token ids every prompt starts
+    with (a shared system prompt: the warm-up run caches it, the timed runs hit it).
     """
     engine, rng = llm.llm_engine, np.random.default_rng(seed)
     params = greedy(new_tokens) if params is None else replace(
@@ -48,6 +49,7 @@ def latency(
     runs = []
     for i in range(repeats + 1):
         prompt = rng.integers(0, llm.config.vocab_size, prompt_len).tolist()
+        prompt = (prefix or []) + prompt
         start, first = time.perf_counter(), None
         engine.add_request(f"latency-{i}", prompt, params)
         while engine.has_unfinished_requests():

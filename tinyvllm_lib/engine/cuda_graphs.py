@@ -69,11 +69,11 @@ class GpuLogprobsSampler(CudaSampler):
         if k > 0:  # whole rows: a copy of contiguous memory
             self.top_ids[:n].copy_to_host(host["top_ids"][:n], stream=s)
             self.top_values[:n].copy_to_host(host["top_values"][:n], stream=s)
-        return turn, n, k
+        return turn, n, None, k
 
     def finish(self, queued: tuple) -> SamplerOutput:
-        turn, n, k = queued
-        if not isinstance(k, int):  # the host's log-probs, or none
+        turn, n, _, k = queued
+        if k < 0:  # the host's log-probs, or none
             return super().finish(queued)
         out, host = SamplerOutput(self.host_ids[turn][:n].copy()), self.pinned[turn]
         out.logprobs = host["chosen"][:n].copy()

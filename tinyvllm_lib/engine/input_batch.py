@@ -88,10 +88,11 @@ class InputBatch:
         starts = metadata.query_start_loc
         # a request whose tokens are all computed after this step is due its next
         # token: its last new token's logits (a chunk inside a prompt has none)
-        due = ahead or num_computed + num_new >= np.fromiter(
+        due = num_computed + num_new >= np.fromiter(
             (r.num_tokens for r in requests), np.int64, len(requests)
         )
-        due = np.broadcast_to(due, (len(requests),))
+        if ahead:  # every row planned ahead is a decode row due its next token
+            due[:] = True
         logits_indices = [starts[1:][due].astype(np.int64) - 1]
         prompt_rows, row = {}, int(due.sum())
         for i, r in enumerate(requests):
@@ -115,13 +116,13 @@ class InputBatch:
 
     def device_metadata(self) -> AttentionMetadata:
         """The attention metadata over the packed device views."""
-        v, n = self.device, self.device["seq_lens"].shape[0]
+        v = self.device  # the layout holds exactly the (padded) step's rows
         return replace(
             self.metadata,
             query_start_loc=v["query_start_loc"],
             seq_lens=v["seq_lens"],
             slot_mapping=v["slot_mapping"],
-            block_tables=v["block_tables"][:n],
+            block_tables=v["block_tables"],
         )
 
 

@@ -91,7 +91,8 @@ class CudaSampler:
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
         """Queue the copy of metadata's rows' ids (the first rows of logits) to pinned
         buffer `turn`; nothing waits unless log-probs are asked for, which this sampler
-        computes on the host from a copy of the rows. What finish needs.
+        computes on the host from a copy of the rows. What finish needs: (turn, rows,
+        the host's log-probs or None, the GPU's k: -1 here, chapter 11 fills it).
         """
         n, s = len(metadata.temperature), self.stream
         if n:
@@ -103,11 +104,11 @@ class CudaSampler:
             host = [logprobs[np.arange(n), self.host_ids[turn][:n]]]
             if k > 0:
                 host += top_logprobs(logprobs, k)
-        return turn, n, host
+        return turn, n, host, -1
 
     def finish(self, queued: tuple) -> SamplerOutput:
         """The samples of an enqueue whose copies are done (the caller waited)."""
-        turn, n, host = queued
+        turn, n, host, _ = queued
         out = SamplerOutput(self.host_ids[turn][:n].copy())
         if host is not None:
             out.logprobs = host[0]
