@@ -1450,10 +1450,10 @@ assert apply_penalties(tiny, [([3], [0, 0, 1])], 2 * one, 0 * one, 0 * one)[
 # the GPU and are updated there. The sampler owns a **slot table**: `counts`, an int32
 # `(slots, vocab)` array of each request's output counts, and `in_prompt`, a byte per
 # token that marks its prompt. There are `max_num_seqs` slots — no more requests can
-# run at once — so the memory is bounded: 5 bytes a token of the vocabulary a slot, 0.6
-# MB for Llama 3's 128,256 tokens, 164 MB at 256 sequences. Each row of a step carries
-# one more packed field, `penalty_slot` (−1: no penalties), next to its three settings.
-# Two small kernels run inside the step, so a CUDA graph captures them:
+# run at once — so the memory is bounded: 5 bytes per vocabulary entry per slot (the
+# cell below counts it for Llama 3). Each row of a step carries one more packed field,
+# `penalty_slot` (−1: no penalties), next to its three settings. Two small kernels run
+# inside the step, so a CUDA graph captures them:
 #
 # - `apply_penalties_kernel`, before sampling: a block per (row, share) walks the row's
 #   slot and changes, in place, the logits of the tokens seen — a row without a slot
@@ -1476,6 +1476,14 @@ assert apply_penalties(tiny, [([3], [0, 0, 1])], 2 * one, 0 * one, 0 * one)[
 # One difference from vLLM: the log-probabilities a request asks for are those of the
 # logits after its penalties (vLLM returns the raw logits' by default), since the
 # kernel changes the logits in place rather than keep a second copy of every row.
+
+# %%
+llama3_vocab, max_num_seqs = 128_256, 256
+slot_bytes = llama3_vocab * (np.dtype(np.int32).itemsize + np.dtype(np.uint8).itemsize)
+print(
+    f"one slot: {slot_bytes / 2**20:.2f} MiB; {max_num_seqs} slots (max_num_seqs): "
+    f"{max_num_seqs * slot_bytes / 2**20:.0f} MiB"
+)
 
 # %%
 #| export kernels.penalties
