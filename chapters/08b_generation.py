@@ -1440,9 +1440,8 @@ for r, f, p in ((2.0, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, 0.5), (2.0, 0.5, 0.
     z = apply_penalties(tiny, [([3], [0, 0, 1])], r * one, f * one, p * one)
     print(f"r = {r}, f = {f}, p = {p}: {z[0].tolist()}")
 # by hand: r = 2 halves 2 and 1.5 (in the output) and doubles -1 (in the prompt)
-assert apply_penalties(tiny, [([3], [0, 0, 1])], 2 * one, 0 * one, 0 * one)[
-    0
-].tolist() == [1.0, 0.75, 1.0, -2.0]
+by_hand = apply_penalties(tiny, [([3], [0, 0, 1])], 2 * one, 0 * one, 0 * one)
+assert by_hand[0].tolist() == [1.0, 0.75, 1.0, -2.0]
 
 # %% [markdown]
 # On the GPU the host cannot hand the sampler those lists: with chapter 11's overlap the
@@ -1457,7 +1456,7 @@ assert apply_penalties(tiny, [([3], [0, 0, 1])], 2 * one, 0 * one, 0 * one)[
 #
 # - `apply_penalties_kernel`, before sampling: a block per (row, share) walks the row's
 #   slot and changes, in place, the logits of the tokens seen — a row without a slot
-#   returns at once, so greedy and plain rows cost one read of their slot number;
+#   returns at once, so rows without penalties cost one read of their slot number;
 # - `count_sampled_kernel`, after sampling: one thread a row adds the sampled id to its
 #   slot's counts — on the device, so a step launched ahead counts the token its host
 #   has not seen yet.
@@ -1466,7 +1465,8 @@ assert apply_penalties(tiny, [([3], [0, 0, 1])], 2 * one, 0 * one, 0 * one)[
 # request with penalties that runs without a slot gets a free one, rebuilt from the
 # tokens the host holds: its prompt marks and its output counts, one copy each (a step
 # planned ahead never needs a new slot: its requests ran the step before). A slot is
-# freed when its request is no longer running — finished, aborted or **preempted**. A
+# freed, by the next step that hands slots out, once its request is no longer running
+# — finished, aborted or **preempted**. A
 # preempted request recomputes its prompt and output when it is admitted again, in a
 # step the host planned with every token known, so its counts are rebuilt then from
 # its tokens rather than kept while it waits. The ahead step launched for a request
