@@ -104,7 +104,8 @@ def main() -> None:
         top_i, top_v = cuda.device_array((rows, 20), np.int64), cuda.device_array((rows, 20), np.float32)
         lws = logprobs_workspace(rows)
         for k in (5, 20):
-            new = timed(lambda z, s: gpu_logprobs(z, ids, k, chosen, top_i, top_v, lws, s), 256)
+            ks = cuda.to_device(np.full(rows, k, np.int64))  # each row's k, as a captured step reads it
+            new = timed(lambda z, s: gpu_logprobs(z, ids, ks, chosen, top_i, top_v, lws, s), 256)
             old = timed(lambda z, s: one_block_logprobs_kernel[rows, SAMPLER_THREADS, s](z, ids, k, chosen, top_i,
                                                                                           top_v), 8)
             for kernel, us in (("shares", new), ("one_block", old)):

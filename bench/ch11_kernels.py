@@ -62,7 +62,8 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
     logits.copy_to_device(rng.standard_normal(logits.shape).astype(np.float32))
     r = {name: cuda.to_device(np.full(rows, value, SETTING_DTYPES[name]))  # greedy rows
          for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
-                              ("uniform", 0.5))}
+                             ("uniform", 0.5), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                             ("presence_penalty", 0.0), ("penalty_slot", -1), ("num_logprobs", -1))}
     lin = lambda name, wname, out, add=False: (lambda i, s: linear(  # noqa: E731
         x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws, accumulate=add))
     # the projections after a norm: the norm inside the GEMV (where rmsnorm_linear puts it), or a norm kernel

@@ -23,10 +23,10 @@
 #
 # In this chapter you will learn:
 #
-# - **sampling** as vLLM does it: temperature, then top-k, then top-p, then a draw from
-#   the request's own random generator — checked as a distribution with a chi-square
-#   test — and the same on the GPU, as a radix select whose launches never depend on
-#   the settings;
+# - **sampling** as vLLM does it: the penalties, temperature, then top-k, then top-p,
+#   then a draw from the request's own random generator — checked as a distribution
+#   with a chi-square test — and the same on the GPU, as a radix select whose launches
+#   never depend on the settings, with each request's token counts kept on the GPU;
 # - when to **stop** (end-of-sequence ids, stop strings, stop tokens, a length limit)
 #   and how to **stream** text when a character spans several tokens;
 # - the **model runner**: one object for both devices that turns "these requests, these
@@ -95,7 +95,10 @@ print(where_kernels_run())
 # 5. **Sample** from the renormalised rest.
 #
 # This is the order of vLLM's (v1) sampler, which applies min-p with the logits
-# processors that keep the argmax, before top-k and top-p.
+# processors that keep the argmax, before top-k and top-p. Before all of them come the
+# **penalties** against repeating the prompt or the answer so far; they need each
+# request's tokens, and wait for the section on the GPU below, where those tokens are
+# not on the host.
 #
 # The parameters live in `SamplingParams`, with vLLM's names and defaults, checked when
 # it is made:
@@ -143,6 +146,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     top_k: int = -1  # -1 or 0 = off
     min_p: float = 0.0  # 0 = off; else keep p_i >= min_p * max p
+    presence_penalty: float = 0.0  # 0 = off; minus this if in the output so far
+    frequency_penalty: float = 0.0  # 0 = off; minus this times its output count
+    repetition_penalty: float = 1.0  # 1 = off; in the prompt or output: z / r, z * r
     seed: int | None = None  # None: the LLM's generator
     stop: str | list[str] | None = None  # stop strings: the text ends before them
     stop_token_ids: list[int] | None = None
@@ -176,6 +182,16 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be -1 or 0 (off) or a positive integer below 2**31, got "
                 f"{self.top_k!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+        # float32 on the GPU: 1e-46 would be 0
+        r = self.repetition_penalty
+        if not _is_number(r) or not FLOAT32_TINY <= r < 3.4e38:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}"
             )
         if self.max_tokens is not None and (
             not _is_int(self.max_tokens) or self.max_tokens < 1
@@ -229,6 +245,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties is on (they need the row's counts)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
 
 # %%
 from tinyvllm_lib.engine.sampling_params import SamplingParams
@@ -276,6 +301,34 @@ import numpy as np
 
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.kernels.softmax import log_softmax
+
+
+def apply_penalties(
+    logits: np.ndarray,
+    tokens: list,
+    repetition: np.ndarray,
+    frequency: np.ndarray,
+    presence: np.ndarray,
+) -> np.ndarray:
+    """vLLM's penalties, in its order, on each row whose tokens[row] is (prompt ids,
+    output ids) (None: left alone): a token in either is divided by r where its logit
+    is positive, multiplied by r elsewhere; then minus f times its output count, minus
+    p if it is in the output.
+    """
+    out = logits.copy()
+    vocab = logits.shape[1]
+    for row, pair in enumerate(tokens):
+        if pair is None:
+            continue
+        prompt, output = (np.asarray(ids, np.int64) for ids in pair)
+        counts = np.bincount(output, minlength=vocab).astype(np.float32)
+        in_output = (counts > 0).astype(np.float32)
+        is_seen = counts > 0
+        is_seen[prompt] = True
+        z, r = out[row], repetition[row]
+        z = np.where(is_seen, np.where(z > 0, z / r, z * r), z)
+        out[row] = z - frequency[row] * counts - presence[row] * in_output
+    return out
 
 
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
@@ -375,18 +428,46 @@ class SamplingMetadata:
     # (batch,) int64; -1 = none, k >= 0 = the sampled token's and the top k
     num_logprobs: np.ndarray
     min_p: np.ndarray | None = None  # (batch,) float32; 0 = off (None: all 0)
+    # (batch,) float32 each (None: all off): 1 = off, then 0 = off, 0 = off
+    repetition_penalty: np.ndarray | None = None
+    frequency_penalty: np.ndarray | None = None
+    presence_penalty: np.ndarray | None = None
+    # the NumPy sampler's counts: per row, (prompt ids, output ids) where it has
+    # penalties, else None (the request's own lists, not copies); None: no row has
+    penalty_tokens: list | None = None
+    # (batch,) int32: the GPU's count slot of each row (-1: none), set by the runner
+    penalty_slot: np.ndarray | None = None
 
     def __post_init__(self):
-        if self.min_p is None:
-            self.min_p = np.zeros(len(self.temperature), np.float32)
+        n = len(self.temperature)
+        for name, off in (("min_p", 0), ("repetition_penalty", 1),
+                          ("frequency_penalty", 0), ("presence_penalty", 0)):
+            if getattr(self, name) is None:
+                setattr(self, name, np.full(n, off, np.float32))
+        if self.penalty_slot is None:
+            self.penalty_slot = np.full(n, -1, np.int32)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether some row has a penalty on."""
+        return bool(
+            (self.repetition_penalty != 1).any()
+            or self.frequency_penalty.any()
+            or self.presence_penalty.any()
+        )
 
     @classmethod
     def from_params(
-        cls, params: list[SamplingParams], generators: list[np.random.Generator]
+        cls,
+        params: list[SamplingParams],
+        generators: list[np.random.Generator],
+        tokens: list | None = None,
     ) -> "SamplingMetadata":
         """One row per request; each sampled row draws its uniform from its own
-        generator (greedy rows draw none).
+        generator (greedy rows draw none). tokens: per row (prompt ids, output ids),
+        kept for the rows with penalties.
         """
+        penalized = [p.has_penalties for p in params]
         return cls(
             temperature=np.array(
                 [0.0 if p.is_greedy else p.temperature for p in params], np.float32
@@ -403,6 +484,18 @@ class SamplingMetadata:
             ),
             num_logprobs=np.array(
                 [-1 if p.logprobs is None else p.logprobs for p in params], np.int64
+            ),
+            repetition_penalty=np.array(
+                [p.repetition_penalty for p in params], np.float32
+            ),
+            frequency_penalty=np.array(
+                [p.frequency_penalty for p in params], np.float32
+            ),
+            presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+            penalty_tokens=(
+                [t if is_on else None for t, is_on in zip(tokens, penalized)]
+                if tokens is not None and any(penalized)
+                else None
             ),
         )
 
@@ -421,7 +514,7 @@ class SamplerOutput:
 
 class Sampler:
     """The CPU sampler: logits (batch, vocab) and per-row settings -> token ids;
-    temperature, min-p, top-k, top-p, draw.
+    penalties, temperature, min-p, top-k, top-p, draw.
     """
 
     def __call__(self, logits: np.ndarray, metadata: SamplingMetadata) -> SamplerOutput:
@@ -430,6 +523,12 @@ class Sampler:
             raise ValueError(
                 "logits must be (batch, vocab) with one row per sequence, got "
                 f"{logits.shape}"
+            )
+        if metadata.penalty_tokens is not None:  # greedy rows too
+            m = metadata
+            logits = apply_penalties(
+                logits, m.penalty_tokens, m.repetition_penalty, m.frequency_penalty,
+                m.presence_penalty,
             )
         token_ids = np.argmax(logits, axis=1)  # greedy rows keep this
         rows = np.flatnonzero(metadata.temperature > 0)
@@ -442,7 +541,8 @@ class Sampler:
         out = SamplerOutput(token_ids)
         k = int(metadata.num_logprobs.max(initial=-1))
         if k >= 0:
-            logprobs = log_softmax(logits)  # raw: before temperature, top-k and top-p
+            # before temperature, top-k and top-p (after the penalties)
+            logprobs = log_softmax(logits)
             out.logprobs = logprobs[np.arange(len(token_ids)), token_ids]
             if k > 0:
                 out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
@@ -1307,12 +1407,234 @@ PTX_SIGNATURES = {
 }
 
 
+# %% [markdown]
+# ### Penalties: counts that live on the GPU
+#
+# Three more settings push the model away from (or towards) what it has already said.
+# vLLM applies them to the raw logits, before temperature and everything after it, in
+# this order, to every row that asks — greedy rows too:
+#
+# 1. **Repetition** $r$ (vLLM's extension; $1$ = off, $r > 0$): a token that appears in
+#    the prompt *or* the output so far has its logit divided by $r$ if it is positive,
+#    multiplied by $r$ if not — so $r > 1$ always makes it less likely.
+# 2. **Frequency** $f$ (OpenAI's; $0$ = off, in $[-2, 2]$): minus $f$ times how many
+#    times the token is in the output.
+# 3. **Presence** $p$ (OpenAI's; $0$ = off, in $[-2, 2]$): minus $p$ once if the token
+#    is in the output at all.
+#
+# $$ z_i \leftarrow \begin{cases} z_i / r & z_i > 0 \\ z_i \cdot r & z_i \le 0
+#    \end{cases} \text{ if } i \in \text{prompt} \cup \text{output}, \qquad
+#    z_i \leftarrow z_i - f \cdot c_i - p \cdot [c_i > 0] $$
+#
+# with $c_i$ the count of token $i$ in the output. `apply_penalties` above is the NumPy
+# reference, and `SamplingMetadata.from_params` keeps, for the rows that ask, the
+# request's own prompt and output lists (not copies) for it. A tiny worked example:
+# logits $2, 1.5, 1, -1$, the prompt holds token 3, the output so far is $0, 0, 1$:
+
+# %%
+from tinyvllm_lib.engine.sampler import apply_penalties
+
+tiny = np.array([[2.0, 1.5, 1.0, -1.0]], np.float32)
+one = np.ones(1, np.float32)
+for r, f, p in ((2.0, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, 0.5), (2.0, 0.5, 0.5)):
+    z = apply_penalties(tiny, [([3], [0, 0, 1])], r * one, f * one, p * one)
+    print(f"r = {r}, f = {f}, p = {p}: {z[0].tolist()}")
+# by hand: r = 2 halves 2 and 1.5 (in the output) and doubles -1 (in the prompt)
+by_hand = apply_penalties(tiny, [([3], [0, 0, 1])], 2 * one, 0 * one, 0 * one)
+assert by_hand[0].tolist() == [1.0, 0.75, 1.0, -2.0]
+
+# %% [markdown]
+# On the GPU the host cannot hand the sampler those lists: with chapter 11's overlap the
+# next step is launched before the host has seen the last token. So the counts live on
+# the GPU and are updated there. The sampler owns a **slot table**: `counts`, an int32
+# `(slots, vocab)` array of each request's output counts, and `in_prompt`, a byte per
+# token that marks its prompt. There are `max_num_seqs` slots — no more requests can
+# run at once — so the memory is bounded: 5 bytes per vocabulary entry per slot (the
+# cell below counts it for Llama 3). Each row of a step carries one more packed field,
+# `penalty_slot` (−1: no penalties), next to its three settings. Two small kernels run
+# inside the step, so a CUDA graph captures them:
+#
+# - `apply_penalties_kernel`, before sampling: a block per (row, share) walks the row's
+#   slot and changes, in place, the logits of the tokens seen — a row without a slot
+#   returns at once, so rows without penalties cost one read of their slot number;
+# - `count_sampled_kernel`, after sampling: one thread a row adds the sampled id to its
+#   slot's counts — on the device, so a step launched ahead counts the token its host
+#   has not seen yet.
+#
+# The host only hands slots out (`PenaltySlots`, the runner's sampler holds it). A
+# request with penalties that runs without a slot gets a free one, rebuilt from the
+# tokens the host holds: its prompt marks and its output counts, one copy each (a step
+# planned ahead never needs a new slot: its requests ran the step before). A slot is
+# freed, by the next step that hands slots out, once its request is no longer running
+# — finished, aborted or **preempted**. A
+# preempted request recomputes its prompt and output when it is admitted again, in a
+# step the host planned with every token known, so its counts are rebuilt then from
+# its tokens rather than kept while it waits. The ahead step launched for a request
+# that has just finished may count one more token into its slot; the next owner
+# rewrites the whole slot, on the same stream, after that write.
+#
+# One difference from vLLM: the log-probabilities a request asks for are those of the
+# logits after its penalties (vLLM returns the raw logits' by default), since the
+# kernel changes the logits in place rather than keep a second copy of every row.
+
+# %%
+llama3_vocab, max_num_seqs = 128_256, 256
+slot_bytes = llama3_vocab * (np.dtype(np.int32).itemsize + np.dtype(np.uint8).itemsize)
+print(
+    f"one slot: {slot_bytes / 2**20:.2f} MiB; {max_num_seqs} slots (max_num_seqs): "
+    f"{max_num_seqs * slot_bytes / 2**20:.0f} MiB"
+)
+
+# %%
+#| export kernels.penalties
+import numpy as np
+from numba import config, cuda, float32
+
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
+PENALTY_THREADS = 32 if config.ENABLE_CUDASIM else 256
+PENALTY_SHARES = 2 if config.ENABLE_CUDASIM else 16  # blocks a row
+COUNT_THREADS = 128
+
+
+@cuda.jit
+def apply_penalties_kernel(logits, slot, repetition, frequency, presence, counts,
+                           in_prompt):
+    """Block (row, share): vLLM's penalties on the row's logits, in place, from its
+    slot's output counts and prompt marks; a row whose slot is -1 returns at once.
+    """
+    wait_for_previous_kernel()
+    r = cuda.blockIdx.x
+    s = slot[r]
+    if s < 0:
+        return
+    r_pen, f, p = repetition[r], frequency[r], presence[r]
+    n = logits.shape[1]
+    stride = cuda.blockDim.x * cuda.gridDim.y
+    for i in range(cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, n, stride):
+        c = counts[s, i]
+        if c == 0 and in_prompt[s, i] == 0:  # never seen: untouched
+            continue
+        z = logits[r, i]
+        z = z / r_pen if z > 0 else z * r_pen  # repetition: prompt or output
+        if c > 0:  # frequency, then presence: output only
+            z = z - f * float32(c)
+            z = z - p
+        logits[r, i] = z
+
+
+@cuda.jit
+def count_sampled_kernel(ids, slot, counts):
+    """counts[slot[r], ids[r]] += 1 for each row r with a slot (no two rows share
+    one): the step's sampled token, counted on the GPU.
+    """
+    wait_for_previous_kernel()
+    r = cuda.grid(1)
+    if r < ids.shape[0] and slot[r] >= 0 and 0 <= ids[r] < counts.shape[1]:
+        counts[slot[r], ids[r]] += 1
+
+
+def apply_penalties_gpu(logits, slot, repetition, frequency, presence, counts,
+                        in_prompt, stream=0) -> None:
+    """The penalties on logits (rows, vocab) in place; slot (rows,) int32, -1 = none."""
+    rows = logits.shape[0]
+    apply_penalties_kernel[(rows, PENALTY_SHARES), PENALTY_THREADS, stream](
+        logits, slot, repetition, frequency, presence, counts, in_prompt
+    )
+
+
+def count_sampled(ids, slot, counts, stream=0) -> None:
+    """Add each row's sampled id to its slot's counts (rows with slot -1: nothing)."""
+    rows = ids.shape[0]
+    count_sampled_kernel[cdiv(rows, COUNT_THREADS), COUNT_THREADS, stream](
+        ids, slot, counts
+    )
+
+
+PTX_SIGNATURES = {
+    "apply_penalties_kernel": [
+        "void(float32[:, ::1], int32[::1], float32[::1], float32[::1], float32[::1], "
+        "int32[:, ::1], uint8[:, ::1])"
+    ],
+    "count_sampled_kernel": ["void(int64[::1], int32[::1], int32[:, ::1])"],
+}
+
+
+# %%
+#| export engine.penalty_slots
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.engine.request import RequestStatus
+
+
+class PenaltySlots:
+    """The GPU's state for the penalties: per slot, a request's output counts
+    (`counts`, int32) and its prompt marks (`in_prompt`, uint8), (num_slots, vocab)
+    each; the host only decides which request holds which slot.
+    """
+
+    def __init__(self, vocab_size: int, num_slots: int):
+        self.vocab_size = vocab_size
+        self.counts = cuda.to_device(np.zeros((num_slots, vocab_size), np.int32))
+        self.in_prompt = cuda.to_device(np.zeros((num_slots, vocab_size), np.uint8))
+        self.owners: list = [None] * num_slots  # slot -> the request holding it
+        self.slot_of: dict = {}  # request -> its slot
+
+    def release_stale(self) -> None:
+        """Free the slots of requests no longer running: finished, aborted or
+        preempted (a preempted one gets a slot rebuilt when it runs again).
+        """
+        for request, slot in list(self.slot_of.items()):
+            if request.status is not RequestStatus.RUNNING:
+                del self.slot_of[request]
+                self.owners[slot] = None
+
+    def fill(self, slot: int, prompt_ids, output_ids, stream=0) -> None:
+        """Rewrite a slot from tokens the host holds (the whole row: whatever the last
+        owner left is gone).
+        """
+        v = self.vocab_size
+        output = np.asarray(output_ids, np.int64)
+        counts = np.bincount(output, minlength=v).astype(np.int32)
+        marks = np.zeros(v, np.uint8)
+        marks[np.asarray(prompt_ids, np.int64)] = 1
+        self.counts[slot].copy_to_device(counts, stream=stream)
+        self.in_prompt[slot].copy_to_device(marks, stream=stream)
+
+    def slots_for(self, requests: list, is_ahead: bool, stream=0) -> np.ndarray:
+        """Each row's slot, int32 (-1: its request has no penalties); a request
+        without one gets a free slot, filled from its tokens.
+        """
+        self.release_stale()
+        out = np.full(len(requests), -1, np.int32)
+        for i, request in enumerate(requests):
+            if not request.params.has_penalties:
+                continue
+            slot = self.slot_of.get(request)
+            if slot is None:
+                if is_ahead:  # its last token is not on the host yet
+                    raise RuntimeError(
+                        f"request {request.request_id!r} has no penalty slot in a "
+                        "step planned ahead"
+                    )
+                slot = self.owners.index(None)  # as many slots as rows: one is free
+                self.owners[slot], self.slot_of[request] = request, slot
+                self.fill(slot, request.prompt_token_ids, request.output_token_ids,
+                          stream)
+            out[i] = slot
+        return out
+
+
 # %%
 #| export engine.sampler_cuda
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.engine.penalty_slots import PenaltySlots
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
+from tinyvllm_lib.kernels.penalties import apply_penalties_gpu, count_sampled
 from tinyvllm_lib.kernels.sampling_radix import (
     NUM_STEPS,
     needed_steps,
@@ -1328,6 +1650,11 @@ SETTING_DTYPES = {
     "top_p": np.float32,
     "min_p": np.float32,
     "uniform": np.float64,
+    "repetition_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "presence_penalty": np.float32,
+    "penalty_slot": np.int32,
+    "num_logprobs": np.int64,  # -1: none (chapter 11 computes them on the GPU)
 }
 
 
@@ -1347,6 +1674,8 @@ class CudaSampler:
         # a row (back at zero after every step)
         self.workspace = sampler_workspace(max_rows)
         self.tickets = self.workspace["tickets"]
+        # the penalties' counts: a slot per row, on the GPU
+        self.penalties = PenaltySlots(vocab_size, max_rows)
 
     def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
         n, s = len(metadata.temperature), self.stream
@@ -1361,12 +1690,21 @@ class CudaSampler:
                 f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
+        settings = {name: getattr(metadata, name) for name in SETTING_DTYPES}
+        tokens = metadata.penalty_tokens
+        if tokens is not None:  # slot i for row i, filled from the host's lists
+            settings["penalty_slot"] = np.array(
+                [-1 if t is None else i for i, t in enumerate(tokens)], np.int32
+            )
+            for i, t in enumerate(tokens):
+                if t is not None:
+                    self.penalties.fill(i, *t, stream=s)
         rows = {  # every row's settings, greedy or not: the same launches for all
-            name: cuda.to_device(np.ascontiguousarray(getattr(metadata, name), dtype),
-                                 stream=s)
+            name: cuda.to_device(np.ascontiguousarray(settings[name], dtype), stream=s)
             for name, dtype in SETTING_DTYPES.items()
         }
-        self.launch(logits, s, rows, self.steps_for(metadata))
+        self.launch(logits, s, rows, self.steps_for(metadata), tokens is not None,
+                    bool(metadata.num_logprobs.max(initial=-1) >= 0))
         queued = self.enqueue(logits, metadata, 0)
         s.synchronize() if s else cuda.synchronize()
         return self.finish(queued)
@@ -1379,12 +1717,23 @@ class CudaSampler:
             metadata.temperature, metadata.top_k, metadata.top_p, self.vocab_size
         )
 
-    def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS)) -> None:
+    def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS),
+               penalize: bool = True, logprobs: bool = True) -> None:
         """The sampling kernels over logits' rows, on `stream` (what a CUDA graph can
         capture: every step, whatever the rows ask): ids on the GPU. rows: the
-        settings' device arrays (SETTING_DTYPES).
+        settings' device arrays (SETTING_DTYPES). penalize: the penalties first (in
+        place) and the sampled ids counted after (False: the host knows no row has a
+        slot). logprobs: whether a row may ask for log-probs; this sampler takes them
+        on the host in enqueue, chapter 11's launches their kernel here.
         """
-        n = logits.shape[0]
+        n, slot = logits.shape[0], rows["penalty_slot"][: logits.shape[0]]
+        if penalize:
+            apply_penalties_gpu(
+                logits, slot,
+                *(rows[name][:n] for name in ("repetition_penalty",
+                                              "frequency_penalty", "presence_penalty")),
+                self.penalties.counts, self.penalties.in_prompt, stream,
+            )
         sample(
             logits,
             *(rows[name][:n] for name in ("temperature", "top_k", "top_p", "min_p")),
@@ -1394,6 +1743,8 @@ class CudaSampler:
             stream,
             steps,
         )
+        if penalize:
+            count_sampled(self.ids[:n], slot, self.penalties.counts, stream)
 
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
         """Queue the copy of metadata's rows' ids (the first rows of logits) to pinned
@@ -1452,6 +1803,35 @@ if can_launch():
     on_cpu, on_gpu = draw(Sampler()), draw(CudaSampler(200, 4))
     print(f"NumPy sampler: {on_cpu}, GPU sampler: {on_gpu}")
     assert on_cpu == on_gpu and on_cpu[0] == check_logits[0].argmax()
+
+# %% [markdown]
+# The penalties on both devices: the same rows, the prompt and output lists on the host
+# for NumPy, slots filled from them for the GPU. A greedy row whose favourite token is
+# a repeat changes its mind on both, and after the step the slot counts the token just
+# drawn.
+
+# %%
+if can_launch():
+    repeats = [(list(range(5)), [7, 7, 3]), (list(range(5)), [7, 7, 3]), None]
+    penalty_params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=1.0),
+        SamplingParams(temperature=0.8, presence_penalty=1.0, seed=4),
+        SamplingParams(temperature=0),
+    ]
+    seen_logits = (rng.standard_normal((3, 200)) * 2).astype(np.float32)
+    seen_logits[:, 7] = seen_logits.max() + 0.5  # every row's favourite: token 7
+
+    def draw_penalized(sampler) -> list[int]:
+        gens = [np.random.default_rng(p.seed) for p in penalty_params]
+        meta = SamplingMetadata.from_params(penalty_params, gens, repeats)
+        return sampler(seen_logits, meta).token_ids.tolist()
+
+    penalty_sampler = CudaSampler(200, 3)
+    on_cpu, on_gpu = draw_penalized(Sampler()), draw_penalized(penalty_sampler)
+    print(f"NumPy sampler: {on_cpu}, GPU sampler: {on_gpu} (7 is the repeat)")
+    assert on_cpu == on_gpu and on_cpu[0] != 7 and on_cpu[2] == 7
+    slot_counts = penalty_sampler.penalties.counts.copy_to_host()[0]
+    assert slot_counts[7] == 2 + (on_gpu[0] == 7) and slot_counts[on_gpu[0]] >= 1
 
 # %% [markdown]
 # Greedy rows are split into shares, so the combine must keep `np.argmax`'s rule: the
@@ -2211,6 +2591,7 @@ class InputBatch:
     device: dict | None = None  # field name -> device view, once packed
     cudagraph_size: int | None = None  # rows of the graph it replays (chapter 11)
     turn: int = 0  # which of the two host buffers holds it
+    sampled_requests: list | None = None  # the requests of sampling's rows, in order
 
     @property
     def num_tokens(self) -> int:
@@ -2282,11 +2663,12 @@ class InputBatch:
                 row += int(num_new[i])
         sampled = [r for r, d in zip(requests, due) if d]
         sampling = SamplingMetadata.from_params(
-            [r.params for r in sampled], [r.generator for r in sampled]
+            [r.params for r in sampled], [r.generator for r in sampled],
+            [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
         return cls(len(requests), token_ids, positions, metadata,
                    np.concatenate(logits_indices), prompt_rows, sampling,
-                   step.prev_rows)
+                   step.prev_rows, sampled_requests=sampled)
 
     def device_metadata(self) -> AttentionMetadata:
         """The attention metadata over the packed device views."""
@@ -2312,21 +2694,31 @@ PACKED_FIELDS = (
     ("uniform", np.float64, "rows"),
     ("top_k", np.int64, "rows"),
     ("prev_rows", np.int64, "rows"),
+    ("num_logprobs", np.int64, "rows"),
     ("query_start_loc", np.int32, "starts"),
     ("seq_lens", np.int32, "rows"),
     ("temperature", np.float32, "rows"),
     ("top_p", np.float32, "rows"),
     ("min_p", np.float32, "rows"),
+    ("repetition_penalty", np.float32, "rows"),
+    ("frequency_penalty", np.float32, "rows"),
+    ("presence_penalty", np.float32, "rows"),
+    ("penalty_slot", np.int32, "rows"),
     ("block_tables", np.int32, "table"),
 )
 # the sampler's settings among them (what CudaSampler.launch reads)
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform",
+                   "repetition_penalty", "frequency_penalty", "presence_penalty",
+                   "penalty_slot", "num_logprobs")
 # what a padding row holds (chapter 11 pads a step up to a graph's size): token 0 at
-# position 0, no slot, one token of context in block 0, greedy, its own id
+# position 0, no slot, one token of context in block 0, greedy, no penalties, no
+# log-probs
 PADDING = {
     "token_ids": 0, "positions": 0, "slot_mapping": -1, "logits_indices": 0,
     "uniform": 0.0, "top_k": 0, "prev_rows": -1, "seq_lens": 1, "temperature": 0.0,
-    "top_p": 1.0, "min_p": 0.0, "block_tables": 0,
+    "top_p": 1.0, "min_p": 0.0, "block_tables": 0, "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "penalty_slot": -1,
+    "num_logprobs": -1,
 }
 TOKEN_FIELDS = {name for name, _, count in PACKED_FIELDS if count == "tokens"}
 MAX_CACHED_LAYOUTS = 512  # views kept for this many step shapes
@@ -2586,6 +2978,10 @@ class ModelRunner:
         """
         self._check(step)
         batch = InputBatch.from_step(step, self.block_size)
+        if batch.sampling.has_penalties:  # the rows' count slots on the GPU
+            batch.sampling.penalty_slot = self.sampler.penalties.slots_for(
+                batch.sampled_requests, batch.prev_rows is not None, self.stream
+            )
         # the one place that decides whether a step replays a graph
         size = None if self.graphs is None else self.graphs.size_for(batch)
         if size is None and batch.prev_rows is not None:
@@ -2644,7 +3040,11 @@ class ModelRunner:
             # eagerly, the steps the rows need; captured, every step
             steps = (range(NUM_STEPS) if batch.cudagraph_size
                      else self.sampler.steps_for(batch.sampling))
-            self.sampler.launch(logits[:num_sampled], stream, rows, steps)
+            graph = bool(batch.cudagraph_size)  # a graph serves every row's settings
+            penalize = graph or batch.sampling.has_penalties
+            logprobs = graph or bool(batch.sampling.num_logprobs.max(initial=-1) >= 0)
+            self.sampler.launch(logits[:num_sampled], stream, rows, steps, penalize,
+                                logprobs)
         return logits
 
 
@@ -2928,6 +3328,13 @@ all — CUDA graphs, chapter 11.
 #   radix select over the float order — three passes of 2,048-bin histograms, each row
 #   spread over several blocks — in the same seven launches for greedy and sampled rows
 #   alike; min-p is a test on $z/T - m$, and ties at a threshold are kept whole.
+# - The repetition, frequency and presence penalties come first, on the raw logits.
+#   On the GPU each request with penalties holds a slot of token counts and prompt
+#   marks (`max_num_seqs` slots, 5 bytes a vocabulary entry each): a kernel applies
+#   them before sampling and another counts the sampled token after, inside the step,
+#   so a step launched ahead of the host counts right; the host hands slots out,
+#   rebuilds one from a request's tokens when it runs without one, and frees it when
+#   the request finishes, is aborted or is preempted.
 # - A request stops at every eos id, at stop tokens, stop strings and `max_tokens`, and
 #   streams text only once it is stable: no half characters, no piece of a stop string.
 # - The model runner turns "these requests, these many new tokens each" into sampled
@@ -2941,7 +3348,8 @@ all — CUDA graphs, chapter 11.
 # Exported to `tinyvllm_lib`: `engine.sampling_params` (`SamplingParams`),
 # `engine.sampler` (`Sampler`, `SamplingMetadata`, `SamplerOutput`), `kernels.sampling`
 # (the argmax and the bisection rung), `kernels.sampling_radix` (the radix select),
-# `engine.sampler_cuda` (`CudaSampler`),
+# `kernels.penalties` (the penalties' two kernels), `engine.penalty_slots`
+# (`PenaltySlots`), `engine.sampler_cuda` (`CudaSampler`),
 # `engine.detokenizer` (`IncrementalDetokenizer`), `engine.outputs` (`RequestOutput`,
 # `CompletionOutput`), `engine.request` (`Request`, `RequestStatus`), `kernels.gather`
 # (`gather_rows`), `engine.step_outputs` (`SchedulerOutput`, `ModelRunnerOutput`),
@@ -2963,6 +3371,10 @@ all — CUDA graphs, chapter 11.
 # 4. The runner gathers the head's rows. For a batch of 64 prompts of 500 tokens on
 #    Llama 3.2 1B, how many FLOPs and bytes does gathering save against running the head
 #    on every row?
-# 5. Run the CPU's `ModelRunner` with `kv_cache_dtype="bfloat16"` in its `EngineConfig`
+# 5. The penalty slots keep an int32 count per vocabulary entry. How many bytes would a
+#    uint16 count, or a sparse list of the tokens a request has seen, take for a
+#    request of 2,000 tokens on Llama 3's vocabulary? What would the kernel that
+#    applies them then read?
+# 6. Run the CPU's `ModelRunner` with `kv_cache_dtype="bfloat16"` in its `EngineConfig`
 #    and compare the answer's log-probabilities with the float32 cache's. How large is
 #    the difference, and do greedy tokens still agree?

@@ -337,14 +337,19 @@ def insert_top(v, i, k, top_v, top_i, count):
 
 
 @cuda.jit
-def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values, part_m,
-                    part_s, cand_v, cand_i, tickets):
+def logprobs_kernel(logits, token_ids, num_logprobs, chosen, top_ids, top_values,
+                    part_m, part_s, cand_v, cand_i, tickets):
     """Block (row, share), one pass over the share: its max, sum of exp(z - max) and k
     largest (each thread keeps its own k, then k rounds pick the block's). The row's
     last block merges the shares: log-sum-exp, the chosen token's and the top k's
-    log-probs (larger first, smaller index on ties).
+    log-probs (larger first, smaller index on ties). k = num_logprobs[row], at most
+    MAX_LOGPROBS; a row with k < 0 asked for none, and its blocks leave at once.
     """
     wait_for_previous_kernel()
+    r = cuda.blockIdx.x
+    k = min(num_logprobs[r], MAX_LOGPROBS, logits.shape[1])
+    if k < 0:
+        return
     sv = cuda.shared.array(MAX_THREADS, float32)
     si = cuda.shared.array(MAX_THREADS, int64)
     mv = cuda.shared.array(MAX_CANDIDATES, float32)
@@ -352,7 +357,7 @@ def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values, part_m,
     flag = cuda.shared.array(1, int32)
     top_v = cuda.local.array(MAX_LOGPROBS, float32)
     top_i = cuda.local.array(MAX_LOGPROBS, int64)
-    r, share, num_shares = cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.y
+    share, num_shares = cuda.blockIdx.y, cuda.gridDim.y
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     z = logits[r]
     n = z.shape[0]
@@ -422,12 +427,14 @@ def logprobs_kernel(logits, token_ids, k, chosen, top_ids, top_values, part_m,
 
 
 # the types the engine launches them with (tests/ptx_check.py compiles them for sm_90)
-_OUT_ARGS = "int64[::1], int64, float32[::1], int64[:, ::1], float32[:, ::1]"
+_OUT_ARGS = "float32[::1], int64[:, ::1], float32[:, ::1]"
 PTX_SIGNATURES = {
-    "one_block_logprobs_kernel": [f"void(float32[:, ::1], {_OUT_ARGS})"],
+    "one_block_logprobs_kernel": [
+        f"void(float32[:, ::1], int64[::1], int64, {_OUT_ARGS})"
+    ],
     "logprobs_kernel": [
-        f"void(float32[:, ::1], {_OUT_ARGS}, float32[:, ::1], float32[:, ::1], "
-        "float32[:, ::1], int64[:, ::1], int32[::1])"
+        f"void(float32[:, ::1], int64[::1], int64[::1], {_OUT_ARGS}, float32[:, ::1], "
+        "float32[:, ::1], float32[:, ::1], int64[:, ::1], int32[::1])"
     ],
 }
 
@@ -444,24 +451,36 @@ def logprobs_workspace(max_rows: int) -> dict:
 
 
 def gpu_logprobs(
-    logits, token_ids, k: int, chosen, top_ids, top_values, workspace, stream=0
+    logits, token_ids, num_logprobs, chosen, top_ids, top_values, workspace, stream=0
 ):
     """chosen[r] = log p(token_ids[r]) and the top k of each row of logits (rows,
-    vocab) float32, all on the GPU; top_ids, top_values (>= rows, >= k); workspace:
+    vocab) float32, all on the GPU. num_logprobs: k for every row (an int), or each
+    row's own (an int64 device array: -1 none, at most MAX_LOGPROBS taken, what a
+    captured step reads); top_ids, top_values (>= rows, >= k); workspace:
     logprobs_workspace(>= rows).
     """
     rows, vocab = logits.shape
     if not all(is_device_array(a) for a in (logits, token_ids, chosen)):
         raise TypeError("gpu_logprobs: every array must be on the GPU")
-    if not 0 <= k <= min(MAX_LOGPROBS, vocab) or top_ids.shape[1] < k:
-        raise ValueError(
-            f"gpu_logprobs: k must be in [0, {min(MAX_LOGPROBS, vocab)}] and fit "
-            f"top_ids {tuple(top_ids.shape)}, got {k}"
-        )
+    if is_device_array(num_logprobs):
+        if num_logprobs.shape[0] < rows or top_ids.shape[1] < min(MAX_LOGPROBS, vocab):
+            raise ValueError(
+                f"gpu_logprobs: per-row k needs {rows} rows of k and top_ids of "
+                f"{min(MAX_LOGPROBS, vocab)} columns, got {num_logprobs.shape[0]} "
+                f"and {tuple(top_ids.shape)}"
+            )
+    else:
+        k = num_logprobs
+        if not 0 <= k <= min(MAX_LOGPROBS, vocab) or top_ids.shape[1] < k:
+            raise ValueError(
+                f"gpu_logprobs: k must be in [0, {min(MAX_LOGPROBS, vocab)}] and fit "
+                f"top_ids {tuple(top_ids.shape)}, got {k}"
+            )
+        num_logprobs = cuda.to_device(np.full(rows, k, np.int64), stream=stream)
     if rows:
         w = workspace
         logprobs_kernel[(rows, greedy_shares(rows)), SAMPLER_THREADS, stream](
-            logits, token_ids, k, chosen, top_ids, top_values, w["part_m"],
+            logits, token_ids, num_logprobs, chosen, top_ids, top_values, w["part_m"],
             w["part_s"], w["cand_v"], w["cand_i"], w["tickets"],
         )
 
@@ -553,6 +572,7 @@ from tinyvllm_lib.kernels.logprobs import (
     gpu_logprobs,
     logprobs_workspace,
 )
+from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
 
 
 class GpuLogprobsSampler(CudaSampler):
@@ -576,16 +596,27 @@ class GpuLogprobsSampler(CudaSampler):
             for _ in range(2)
         ]
 
+    def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS),
+               penalize: bool = True, logprobs: bool = True) -> None:
+        """CudaSampler's kernels, then (logprobs: some row may ask) the log-probs of
+        the sampled ids and of each row's top rows["num_logprobs"], on `stream`: what a
+        captured step runs too, so log-probs cost no launch from Python.
+        """
+        super().launch(logits, stream, rows, steps, penalize)
+        if logprobs:
+            n = logits.shape[0]
+            gpu_logprobs(
+                logits, self.ids[:n], rows["num_logprobs"][:n], self.chosen,
+                self.top_ids, self.top_values, self.logprobs_workspace, stream,
+            )
+
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
         n, s, host = len(metadata.temperature), self.stream, self.pinned[turn]
         k = int(metadata.num_logprobs.max(initial=-1))
         if n == 0 or not 0 <= k <= MAX_LOGPROBS:
             return super().enqueue(logits, metadata, turn)
+        # launch() has queued the log-probs: only the asked-for numbers cross
         self.ids[:n].copy_to_host(self.host_ids[turn][:n], stream=s)
-        gpu_logprobs(
-            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values,
-            self.logprobs_workspace, s,
-        )
         self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
         if k > 0:  # whole rows: a copy of contiguous memory
             self.top_ids[:n].copy_to_host(host["top_ids"][:n], stream=s)
@@ -944,7 +975,9 @@ from tinyvllm_lib.kernels.checks import cdiv
 # the kinds of request a step can hold, as SamplingParams
 WARM_UP_PARAMS = {
     "greedy": {},
-    "sampled": {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 1},
+    # with penalties: their kernels too
+    "sampled": {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 1,
+                "presence_penalty": 0.5, "repetition_penalty": 1.1},
     "logprobs": {"logprobs": 5, "prompt_logprobs": 1},
     "top logprobs": {"logprobs": 20},
 }

@@ -90,13 +90,15 @@ print(f"the engine runs on {DEVICE}")
 # | `max_completion_tokens` (chat) | `max_tokens` | OpenAI's newer name |
 # | `temperature`, `top_p`, `seed`, `stop` | the same | `temperature` defaults to 1 |
 # | `top_k`, `min_p`, `stop_token_ids`, `ignore_eos` | the same | vLLM's extensions |
+# | `presence_penalty`, `frequency_penalty` | the same | in [-2, 2], default 0 |
+# | `repetition_penalty` | the same | vLLM's extension, > 0, default 1 |
 # | `logprobs: k` (completions) | `logprobs=k` | at most 20 |
 # | `logprobs`, `top_logprobs: k` (chat) | `logprobs=k` | at most 20 |
 # | `n` | `n` | only 1: one completion per request |
 # | `stream`, `stream_options` | — | how the answer is sent |
 #
 # A server must also refuse what it cannot do, rather than quietly do something else:
-# `presence_penalty`, `logit_bias`, `echo`, tools, or several prompts in one request
+# `logit_bias`, `echo`, tools, or several prompts in one request
 # get a 400 naming the field. Everything else a client may send (`user`, `metadata`)
 # is ignored, as vLLM ignores it.
 #
@@ -209,11 +211,10 @@ class GenerationFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict | None = None
     # field -> the values this server accepts for it (the defaults)
     ACCEPTED: ClassVar[dict] = {
-        "presence_penalty": (None, 0),
-        "frequency_penalty": (None, 0),
         "logit_bias": (None, {}),
     }
 
@@ -247,6 +248,11 @@ class GenerationFields(OpenAIModel):
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": -1 if self.top_k is None else self.top_k,
             "min_p": 0.0 if self.min_p is None else self.min_p,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": (
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
             "max_tokens": max_tokens,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
@@ -1945,7 +1951,7 @@ bad_requests = {
     "temperature < 0": ("/v1/completions", good | {"temperature": -0.5}),
     "top_p = 1.5": ("/v1/completions", good | {"top_p": 1.5}),
     "prompt too long": ("/v1/completions", good | {"prompt": [42] * 600}),
-    "presence_penalty": ("/v1/completions", good | {"presence_penalty": 1.0}),
+    "presence_penalty = 3": ("/v1/completions", good | {"presence_penalty": 3.0}),
     "no such route": ("/v1/embeddings", good),
     "a lone surrogate": ("/v1/completions", b'{"prompt": "x \\ud800 y"}'),
     "a 5 MB prompt": ("/v1/completions", good | {"prompt": "hello " * 800_000}),

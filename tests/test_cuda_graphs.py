@@ -281,3 +281,43 @@ def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, 
         assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
     # decode 1 launched, decode 2 (the second request alone) launched ahead of it; the pool empty again
     assert ahead == [False, True] and engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+def test_penalized_requests_through_graphs_and_overlap_give_the_cpu_engines_tokens(small_folder, monkeypatch):
+    """The penalties' counts on the device: two greedy requests with penalties decode through replayed graphs, a step
+    launched ahead penalizing the token its host has not seen yet (counted by the step before, on the GPU); the tokens
+    are the NumPy engine's, which the penalties changed, and the finished requests' slots are free again."""
+    monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
+    rng = np.random.default_rng(3)  # fixed prompts
+    prompts = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
+    # negative penalties: a random model rarely repeats on its own, so ask it to
+    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1, repetition_penalty=0.3,
+                             frequency_penalty=-2.0),
+              SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1, presence_penalty=-2.0,
+                             repetition_penalty=1.5)]
+    cpu = LLM(small_folder, device="cpu", max_model_len=64)
+    want = [o.outputs[0] for o in cpu.generate(prompts, params, use_tqdm=False)]
+    plain = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in params]
+    unpenalized = [o.outputs[0].token_ids for o in cpu.generate(prompts, plain, use_tqdm=False)]
+    assert [w.token_ids for w in want] != unpenalized
+    llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
+    engine, ahead = llm.llm_engine, []
+    assert engine.async_scheduling and engine.model_runner.graphs is not None
+    launch = engine.model_runner.execute_async
+
+    def counted(step):
+        out = launch(step)
+        if out.cudagraph_size is not None:
+            ahead.append(step.prev_rows is not None)
+        return out
+
+    engine.model_runner.execute_async = counted
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for w, g in zip(want, got):
+        same, _ = agrees(w.token_ids, w.logprobs, g.token_ids, tie=0.02)
+        assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
+    assert True in ahead  # some step ran ahead of its tokens
+    slots = engine.model_runner.sampler.penalties
+    slots.release_stale()
+    assert slots.slot_of == {} and slots.owners == [None, None]

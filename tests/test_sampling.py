@@ -63,6 +63,8 @@ def test_defaults_are_vllms():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, p.ignore_eos) == (1, 1.0, 1.0, -1, 16, None, False)
     assert p.stop == [] and p.stop_token_ids == [] and p.logprobs is None and p.prompt_logprobs is None
     assert p.min_p == 0.0
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0) and not p.has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties and SamplingParams(presence_penalty=-0.5).has_penalties
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(temperature=0).is_greedy and not SamplingParams(temperature=0.1).is_greedy
 
@@ -75,6 +77,9 @@ def test_defaults_are_vllms():
     {"logprobs": -1}, {"prompt_logprobs": -2}, {"seed": 1.5}, {"seed": "x"},
     {"stop": [""]}, {"stop": ["ok", 3]}, {"stop": 5}, {"stop_token_ids": [-1]}, {"stop_token_ids": ["a"]},
     {"ignore_eos": "yes"},
+    {"presence_penalty": 2.5}, {"presence_penalty": float("nan")}, {"frequency_penalty": -2.1},
+    {"frequency_penalty": "1"}, {"repetition_penalty": 0.0}, {"repetition_penalty": -1.0},
+    {"repetition_penalty": float("inf")}, {"repetition_penalty": 1e-46},
 ])
 def test_bad_sampling_params_raise(bad):
     with pytest.raises(ValueError) as err:
@@ -174,6 +179,106 @@ def test_masked_tokens_never_drawn_even_at_u_close_to_one():
     meta = SamplingMetadata(np.ones(1, np.float32), np.zeros(1, np.int64), np.ones(1, np.float32),
                             np.array([np.nextafter(1.0, 0.0)]), np.full(1, -1, np.int64))
     assert Sampler()(logits, meta).token_ids[0] == 1
+
+
+# --- penalties: vLLM's presence, frequency and repetition penalties, before temperature ---
+
+PROMPT_IDS, OUTPUT_IDS = [3, 6], [0, 0, 1, 6, 7]  # token 0 twice in the output; 6 in both; 3 only in the prompt
+
+
+def penalized(logits, prompt, output, repetition=1.0, frequency=0.0, presence=0.0) -> np.ndarray:
+    """vLLM's definitions, one token at a time in float64: a token in the prompt or the output has its logit divided
+    by r if positive, multiplied by r if not; then minus f times its count in the output, minus p if it is there."""
+    z = np.array(logits, np.float64)
+    for t in range(len(z)):
+        count = output.count(t)
+        if count or t in prompt:
+            z[t] = z[t] / repetition if z[t] > 0 else z[t] * repetition
+        z[t] -= frequency * count + presence * (count > 0)
+    return z
+
+
+def draw_penalized(params: SamplingParams, logits=LOGITS, num: int = NUM_SAMPLES, seed: int = 0) -> np.ndarray:
+    gen = np.random.default_rng(seed)
+    batch = np.tile(np.asarray(logits, np.float32), (num, 1))
+    meta = SamplingMetadata.from_params([params] * num, [gen] * num, [(PROMPT_IDS, OUTPUT_IDS)] * num)
+    return Sampler()(batch, meta).token_ids
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, repetition, frequency, presence", [
+    (1.0, -1, 1.0, 1.0, 0.8, 0.0), (1.0, -1, 1.0, 1.0, 0.0, 1.5), (1.0, -1, 1.0, 1.8, 0.0, 0.0),  # each alone
+    (1.0, -1, 1.0, 1.0, -0.7, -1.2),  # negative: encourages repeats
+    (1.0, -1, 1.0, 0.6, 0.0, 0.0),  # r < 1: encourages repeats too
+    (0.7, -1, 1.0, 1.3, 0.5, 0.4), (1.5, 4, 0.9, 2.0, 1.0, 0.3),  # all three, with T, top-k, top-p
+])
+def test_penalized_frequencies_match_vllms_distribution(rng, temperature, top_k, top_p, repetition, frequency,
+                                                         presence):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition,
+                            frequency_penalty=frequency, presence_penalty=presence)
+    z = penalized(LOGITS, PROMPT_IDS, OUTPUT_IDS, repetition, frequency, presence)
+    probs = expected_probs(z, temperature, top_k, top_p)
+    assert not np.allclose(probs, expected_probs(LOGITS, temperature, top_k, top_p), atol=0.01)  # it moves
+    counts = np.bincount(draw_penalized(params, seed=int(rng.integers(2**32))), minlength=len(LOGITS))
+    assert counts[probs == 0].sum() == 0
+    stat, dof = chi_square(counts, probs)
+    assert stat < CHI2_CRITICAL_0_001[dof], f"chi2 = {stat:.1f} with {dof} degrees of freedom; counts {counts}, expected {probs}"
+
+
+def test_a_penalty_changes_the_distribution_as_vllm_defines_it():
+    """Worked by hand on LOGITS = 2, 1.5, 1, 0.5, 0, -0.5, -1, -3 with prompt {3, 6} and output 0, 0, 1, 6, 7.
+    Frequency 0.5: token 0 (twice) 2 -> 1, token 1 1.5 -> 1, 6 and 7 down 0.5, 3 (prompt only) untouched.
+    Presence 0.5: 0 and 1 both down 0.5 (a count, not how many times). Repetition 2: 2 -> 1, 1.5 -> 0.75,
+    0.5 -> 0.25 (prompt), -1 -> -2 and -3 -> -6 (negative: multiplied, so still pushed down). All three: 0 ends
+    at -0.5 and greedy picks token 2, never in the output."""
+    out = OUTPUT_IDS
+    want = {
+        (1.0, 0.5, 0.0): [1.0, 1.0, 1.0, 0.5, 0.0, -0.5, -1.5, -3.5],
+        (1.0, 0.0, 0.5): [1.5, 1.0, 1.0, 0.5, 0.0, -0.5, -1.5, -3.5],
+        (2.0, 0.0, 0.0): [1.0, 0.75, 1.0, 0.25, 0.0, -0.5, -2.0, -6.0],
+        (2.0, 0.5, 0.5): [-0.5, -0.25, 1.0, 0.25, 0.0, -0.5, -3.0, -7.0],
+    }
+    for (r, f, p), logits in want.items():
+        np.testing.assert_array_equal(penalized(LOGITS, PROMPT_IDS, out, r, f, p), logits)
+        meta = SamplingMetadata.from_params([SamplingParams(temperature=0, repetition_penalty=r, frequency_penalty=f,
+                                                            presence_penalty=p, logprobs=7)],
+                                            [np.random.default_rng(0)], [(PROMPT_IDS, out)])
+        got = Sampler()(LOGITS[None], meta)
+        # greedy rows are penalized too: the argmax of the penalized logits (the first of ties)
+        assert got.token_ids[0] == int(np.argmax(logits))
+        # and the log-probs are those of the penalized logits
+        np.testing.assert_allclose(got.top_logprobs[0], np.sort(log_softmax(np.float32(logits)[None])[0])[::-1][:7],
+                                   atol=1e-6)
+
+
+def test_penalties_touch_only_their_rows_and_cost_nothing_when_off():
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, frequency_penalty=2.0),
+              SamplingParams(temperature=0, repetition_penalty=1.0)]
+    tokens = [([0], [0, 0]), ([0], [0, 0]), ([0], [0, 0])]
+    meta = SamplingMetadata.from_params(params, [np.random.default_rng(0)] * 3, tokens)
+    assert meta.penalty_tokens[0] is None and meta.penalty_tokens[2] is None and meta.has_penalties
+    assert Sampler()(np.tile(LOGITS, (3, 1)), meta).token_ids.tolist() == [0, 1, 0]
+    plain = SamplingMetadata.from_params(params[:1], [np.random.default_rng(0)], tokens[:1])
+    assert plain.penalty_tokens is None and not plain.has_penalties  # no row asks: nothing kept
+
+
+def test_the_server_maps_the_penalties_onto_sampling_params():
+    from tinyvllm_lib.entrypoints.openai.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        OpenAIError,
+    )
+
+    body = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2}
+    request = CompletionRequest(**body)
+    request.check_supported()
+    p = request.sampling_params(16, None, "logprobs")
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+    p = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]).sampling_params(16, None, "top_logprobs")
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    for name, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
+        with pytest.raises(OpenAIError) as err:
+            CompletionRequest(prompt="x", **{name: value}).sampling_params(16, None, "logprobs")
+        assert err.value.param == name
 
 
 # --- seeds ---
@@ -375,3 +480,116 @@ def test_gpu_sampler_frequencies_match_the_distribution(rng, temperature, top_k,
     assert counts[probs == 0].sum() == 0
     stat, dof = chi_square(counts, probs)
     assert stat < CHI2_CRITICAL_0_001[dof], f"chi2 = {stat:.1f} with {dof} degrees of freedom; counts {counts}"
+
+
+# --- the GPU's penalties: counts in device slots (simulator in CI, real shapes on a GPU) ---
+
+PENALIZED = [SamplingParams(temperature=0, repetition_penalty=1.5), SamplingParams(frequency_penalty=1.0),
+             SamplingParams(presence_penalty=-0.8, temperature=0.7), SamplingParams(temperature=0),
+             SamplingParams(repetition_penalty=0.7, frequency_penalty=0.3, presence_penalty=0.5, top_k=5),
+             SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=2.0)]
+
+
+def penalized_batch(rng, vocab: int):
+    z = (rng.standard_normal((len(PENALIZED), vocab)) * 2).astype(np.float32)
+    tokens = [(rng.integers(0, vocab, 6).tolist(), rng.integers(0, vocab, 9).tolist()) for _ in PENALIZED]
+    for row, (_, output) in enumerate(tokens):
+        z[row, output[0]] = z[row].max() + 0.3  # the favourite is a repeat: greedy rows change their minds
+    meta = SamplingMetadata.from_params(PENALIZED, [np.random.default_rng(i) for i in range(len(PENALIZED))], tokens)
+    return z, meta, tokens
+
+
+def test_gpu_penalties_are_the_numpy_references(rng):
+    """apply_penalties_gpu against apply_penalties on the same slots (float32 either way: equal to 1e-6), and the
+    whole GPU sampler's tokens against the NumPy sampler's, greedy rows among them; then each penalized row's slot
+    holds its output counts plus the token just sampled, and the rows without penalties touched no slot."""
+    from numba import cuda
+
+    from tinyvllm_lib.engine.sampler import apply_penalties
+    from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+    from tinyvllm_lib.kernels.penalties import apply_penalties_gpu
+
+    vocab = 77
+    z, meta, tokens = penalized_batch(rng, vocab)
+    sampler = CudaSampler(vocab, len(PENALIZED) + 1)
+    slot = np.array([-1 if t is None else i for i, t in enumerate(meta.penalty_tokens)], np.int32)
+    assert slot.tolist() == [0, 1, 2, -1, 4, 5]
+    for i in np.flatnonzero(slot >= 0):
+        sampler.penalties.fill(int(i), *tokens[i])
+    d = cuda.to_device(z)
+    apply_penalties_gpu(d, cuda.to_device(slot), *(cuda.to_device(getattr(meta, n)) for n in
+                        ("repetition_penalty", "frequency_penalty", "presence_penalty")),
+                        sampler.penalties.counts, sampler.penalties.in_prompt)
+    want = apply_penalties(z, meta.penalty_tokens, meta.repetition_penalty, meta.frequency_penalty,
+                           meta.presence_penalty)
+    np.testing.assert_allclose(d.copy_to_host(), want, rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(want, z)
+
+    got, ref = sampler(z, meta).token_ids, Sampler()(z, meta).token_ids
+    assert got.tolist() == ref.tolist()
+    plain = SamplingMetadata.from_params(PENALIZED, [np.random.default_rng(i) for i in range(len(PENALIZED))])
+    unpenalized = Sampler()(z, plain).token_ids
+    assert got[5] != unpenalized[5]  # the repeat lost its place
+    counts = sampler.penalties.counts.copy_to_host()
+    for i in np.flatnonzero(slot >= 0):
+        np.testing.assert_array_equal(counts[i], np.bincount(tokens[i][1] + [int(got[i])], minlength=vocab))
+    assert not counts[3].any() and not counts[6].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature, top_k, top_p, repetition, frequency, presence", [
+    (1.0, -1, 1.0, 1.8, 0.0, 0.0), (1.0, -1, 1.0, 1.0, -0.7, -1.2), (1.5, 4, 0.9, 2.0, 1.0, 0.3)])
+def test_gpu_penalized_frequencies_match_vllms_distribution(rng, temperature, top_k, top_p, repetition, frequency,
+                                                             presence):
+    from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition,
+                            frequency_penalty=frequency, presence_penalty=presence)
+    gen = np.random.default_rng(int(rng.integers(2**32)))
+    meta = SamplingMetadata.from_params([params] * NUM_SAMPLES, [gen] * NUM_SAMPLES,
+                                        [(PROMPT_IDS, OUTPUT_IDS)] * NUM_SAMPLES)
+    got = CudaSampler(len(LOGITS), NUM_SAMPLES)(np.tile(LOGITS, (NUM_SAMPLES, 1)), meta).token_ids
+    probs = expected_probs(penalized(LOGITS, PROMPT_IDS, OUTPUT_IDS, repetition, frequency, presence), temperature,
+                           top_k, top_p)
+    counts = np.bincount(got, minlength=len(LOGITS))
+    assert counts[probs == 0].sum() == 0
+    stat, dof = chi_square(counts, probs)
+    assert stat < CHI2_CRITICAL_0_001[dof], f"chi2 = {stat:.1f} with {dof} degrees of freedom; counts {counts}"
+
+
+def test_penalty_slots_are_freed_when_a_request_stops_running_and_rebuilt_from_its_tokens():
+    """A slot a request with penalties, none for one without; a finished or preempted request's slot is freed at the
+    next step, and a preempted one that runs again gets a slot rebuilt from the tokens the host holds (what the device
+    counted for it meanwhile is gone); a step planned ahead never hands out a slot (the host lacks a token)."""
+    from tinyvllm_lib.engine.penalty_slots import PenaltySlots
+    from tinyvllm_lib.engine.request import Request, RequestStatus
+
+    def request(name, prompt, params):
+        r = Request(name, None, prompt, params, max_tokens=10, eos_token_ids=[])
+        r.status = RequestStatus.RUNNING
+        return r
+
+    vocab = 12
+    slots = PenaltySlots(vocab, 2)
+    a = request("a", [1, 2, 2], SamplingParams(frequency_penalty=1.0))
+    b = request("b", [3], SamplingParams())
+    c = request("c", [4], SamplingParams(repetition_penalty=1.2))
+    a.output_token_ids = [5, 5, 7]
+    assert slots.slots_for([a, b], False).tolist() == [0, -1]
+    counts, marks = slots.counts.copy_to_host(), slots.in_prompt.copy_to_host()
+    np.testing.assert_array_equal(counts[0], np.bincount([5, 5, 7], minlength=vocab))
+    assert np.flatnonzero(marks[0]).tolist() == [1, 2]
+    with pytest.raises(RuntimeError, match="ahead"):
+        slots.slots_for([a, c], True)
+    assert slots.slots_for([a, c], False).tolist() == [0, 1]  # both slots in use
+    slots.counts[0].copy_to_device(np.full(vocab, 9, np.int32))  # what the device counted since
+    a.status = RequestStatus.WAITING  # preempted: its slot goes at the next step
+    c.status = RequestStatus.FINISHED
+    d = request("d", [6], SamplingParams(presence_penalty=0.5))
+    assert slots.slots_for([d], False).tolist() == [0] and slots.slot_of == {d: 0}
+    np.testing.assert_array_equal(slots.counts.copy_to_host()[0], 0)  # d's own: nothing yet
+    a.status = RequestStatus.RUNNING  # admitted again: rebuilt from its tokens, not the 9s
+    a.output_token_ids.append(3)
+    assert slots.slots_for([d, a], False).tolist() == [0, 1]
+    np.testing.assert_array_equal(slots.counts.copy_to_host()[1], np.bincount([5, 5, 7, 3], minlength=vocab))
+    assert np.flatnonzero(slots.in_prompt.copy_to_host()[1]).tolist() == [1, 2]

@@ -63,7 +63,9 @@ SHARED = {
     "n": field(st.integers(0, 3)),
     "stream": field(st.booleans()),
     "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": field(st.booleans())})),
-    "presence_penalty": field(st.sampled_from([0, 0.5])),
+    "presence_penalty": field(st.sampled_from([0, 0.5, -2, 2.5])),
+    "frequency_penalty": field(st.sampled_from([0, 1.0, -3])),
+    "repetition_penalty": field(st.sampled_from([1, 1.3, 0, -1])),
     "logit_bias": field(st.dictionaries(text, st.integers(-100, 100), max_size=2)),
     "user": field(text),
 }

@@ -105,7 +105,7 @@ def overloads() -> dict[int, tuple[str, int]]:
 def test_gpu_nothing_compiles_after_start(small_folder, eager, rng):
     """After LLM(...) returns, one request of every kind compiles nothing: a shared-prefix hit, a prompt
     longer than one step's budget, log-probs 5 and 20, prompt log-probs, temperature, top-k, top-p, seeded,
-    and a mixed step (a prompt arriving while another decodes)."""
+    penalties, and a mixed step (a prompt arriving while another decodes)."""
     llm = LLM(small_folder, device="cuda", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
               enforce_eager=eager)
     before = overloads()
@@ -122,6 +122,8 @@ def test_gpu_nothing_compiles_after_start(small_folder, eager, rng):
         "top-k": ([19, 20], SamplingParams(max_tokens=4, temperature=1.0, top_k=5)),
         "top-p": ([21, 22], SamplingParams(max_tokens=4, temperature=1.0, top_p=0.8)),
         "seeded": ([23], SamplingParams(max_tokens=4, temperature=1.0, seed=11)),
+        "penalties": ([24, 25], SamplingParams(max_tokens=4, temperature=0, frequency_penalty=0.5,
+                                               repetition_penalty=1.2)),
     }
     for name, (prompt, params) in kinds.items():  # one at a time: each kind on its own
         llm.generate([prompt], params, use_tqdm=False)

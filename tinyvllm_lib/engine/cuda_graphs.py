@@ -32,6 +32,7 @@ from tinyvllm_lib.kernels.logprobs import (
     gpu_logprobs,
     logprobs_workspace,
 )
+from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
 
 
 class GpuLogprobsSampler(CudaSampler):
@@ -55,16 +56,27 @@ class GpuLogprobsSampler(CudaSampler):
             for _ in range(2)
         ]
 
+    def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS),
+               penalize: bool = True, logprobs: bool = True) -> None:
+        """CudaSampler's kernels, then (logprobs: some row may ask) the log-probs of
+        the sampled ids and of each row's top rows["num_logprobs"], on `stream`: what a
+        captured step runs too, so log-probs cost no launch from Python.
+        """
+        super().launch(logits, stream, rows, steps, penalize)
+        if logprobs:
+            n = logits.shape[0]
+            gpu_logprobs(
+                logits, self.ids[:n], rows["num_logprobs"][:n], self.chosen,
+                self.top_ids, self.top_values, self.logprobs_workspace, stream,
+            )
+
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
         n, s, host = len(metadata.temperature), self.stream, self.pinned[turn]
         k = int(metadata.num_logprobs.max(initial=-1))
         if n == 0 or not 0 <= k <= MAX_LOGPROBS:
             return super().enqueue(logits, metadata, turn)
+        # launch() has queued the log-probs: only the asked-for numbers cross
         self.ids[:n].copy_to_host(self.host_ids[turn][:n], stream=s)
-        gpu_logprobs(
-            logits[:n], self.ids[:n], k, self.chosen, self.top_ids, self.top_values,
-            self.logprobs_workspace, s,
-        )
         self.chosen[:n].copy_to_host(host["chosen"][:n], stream=s)
         if k > 0:  # whole rows: a copy of contiguous memory
             self.top_ids[:n].copy_to_host(host["top_ids"][:n], stream=s)

@@ -37,6 +37,7 @@ class InputBatch:
     device: dict | None = None  # field name -> device view, once packed
     cudagraph_size: int | None = None  # rows of the graph it replays (chapter 11)
     turn: int = 0  # which of the two host buffers holds it
+    sampled_requests: list | None = None  # the requests of sampling's rows, in order
 
     @property
     def num_tokens(self) -> int:
@@ -108,11 +109,12 @@ class InputBatch:
                 row += int(num_new[i])
         sampled = [r for r, d in zip(requests, due) if d]
         sampling = SamplingMetadata.from_params(
-            [r.params for r in sampled], [r.generator for r in sampled]
+            [r.params for r in sampled], [r.generator for r in sampled],
+            [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
         return cls(len(requests), token_ids, positions, metadata,
                    np.concatenate(logits_indices), prompt_rows, sampling,
-                   step.prev_rows)
+                   step.prev_rows, sampled_requests=sampled)
 
     def device_metadata(self) -> AttentionMetadata:
         """The attention metadata over the packed device views."""
@@ -138,21 +140,31 @@ PACKED_FIELDS = (
     ("uniform", np.float64, "rows"),
     ("top_k", np.int64, "rows"),
     ("prev_rows", np.int64, "rows"),
+    ("num_logprobs", np.int64, "rows"),
     ("query_start_loc", np.int32, "starts"),
     ("seq_lens", np.int32, "rows"),
     ("temperature", np.float32, "rows"),
     ("top_p", np.float32, "rows"),
     ("min_p", np.float32, "rows"),
+    ("repetition_penalty", np.float32, "rows"),
+    ("frequency_penalty", np.float32, "rows"),
+    ("presence_penalty", np.float32, "rows"),
+    ("penalty_slot", np.int32, "rows"),
     ("block_tables", np.int32, "table"),
 )
 # the sampler's settings among them (what CudaSampler.launch reads)
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform",
+                   "repetition_penalty", "frequency_penalty", "presence_penalty",
+                   "penalty_slot", "num_logprobs")
 # what a padding row holds (chapter 11 pads a step up to a graph's size): token 0 at
-# position 0, no slot, one token of context in block 0, greedy, its own id
+# position 0, no slot, one token of context in block 0, greedy, no penalties, no
+# log-probs
 PADDING = {
     "token_ids": 0, "positions": 0, "slot_mapping": -1, "logits_indices": 0,
     "uniform": 0.0, "top_k": 0, "prev_rows": -1, "seq_lens": 1, "temperature": 0.0,
-    "top_p": 1.0, "min_p": 0.0, "block_tables": 0,
+    "top_p": 1.0, "min_p": 0.0, "block_tables": 0, "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "penalty_slot": -1,
+    "num_logprobs": -1,
 }
 TOKEN_FIELDS = {name for name, _, count in PACKED_FIELDS if count == "tokens"}
 MAX_CACHED_LAYOUTS = 512  # views kept for this many step shapes

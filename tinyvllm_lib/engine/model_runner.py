@@ -162,6 +162,10 @@ class ModelRunner:
         """
         self._check(step)
         batch = InputBatch.from_step(step, self.block_size)
+        if batch.sampling.has_penalties:  # the rows' count slots on the GPU
+            batch.sampling.penalty_slot = self.sampler.penalties.slots_for(
+                batch.sampled_requests, batch.prev_rows is not None, self.stream
+            )
         # the one place that decides whether a step replays a graph
         size = None if self.graphs is None else self.graphs.size_for(batch)
         if size is None and batch.prev_rows is not None:
@@ -220,5 +224,9 @@ class ModelRunner:
             # eagerly, the steps the rows need; captured, every step
             steps = (range(NUM_STEPS) if batch.cudagraph_size
                      else self.sampler.steps_for(batch.sampling))
-            self.sampler.launch(logits[:num_sampled], stream, rows, steps)
+            graph = bool(batch.cudagraph_size)  # a graph serves every row's settings
+            penalize = graph or batch.sampling.has_penalties
+            logprobs = graph or bool(batch.sampling.num_logprobs.max(initial=-1) >= 0)
+            self.sampler.launch(logits[:num_sampled], stream, rows, steps, penalize,
+                                logprobs)
         return logits

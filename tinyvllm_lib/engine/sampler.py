@@ -10,6 +10,34 @@ from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.kernels.softmax import log_softmax
 
 
+def apply_penalties(
+    logits: np.ndarray,
+    tokens: list,
+    repetition: np.ndarray,
+    frequency: np.ndarray,
+    presence: np.ndarray,
+) -> np.ndarray:
+    """vLLM's penalties, in its order, on each row whose tokens[row] is (prompt ids,
+    output ids) (None: left alone): a token in either is divided by r where its logit
+    is positive, multiplied by r elsewhere; then minus f times its output count, minus
+    p if it is in the output.
+    """
+    out = logits.copy()
+    vocab = logits.shape[1]
+    for row, pair in enumerate(tokens):
+        if pair is None:
+            continue
+        prompt, output = (np.asarray(ids, np.int64) for ids in pair)
+        counts = np.bincount(output, minlength=vocab).astype(np.float32)
+        in_output = (counts > 0).astype(np.float32)
+        is_seen = counts > 0
+        is_seen[prompt] = True
+        z, r = out[row], repetition[row]
+        z = np.where(is_seen, np.where(z > 0, z / r, z * r), z)
+        out[row] = z - frequency[row] * counts - presence[row] * in_output
+    return out
+
+
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     """z / T per row (rows with T = 0 are greedy and left alone)."""
     return (
@@ -100,18 +128,46 @@ class SamplingMetadata:
     # (batch,) int64; -1 = none, k >= 0 = the sampled token's and the top k
     num_logprobs: np.ndarray
     min_p: np.ndarray | None = None  # (batch,) float32; 0 = off (None: all 0)
+    # (batch,) float32 each (None: all off): 1 = off, then 0 = off, 0 = off
+    repetition_penalty: np.ndarray | None = None
+    frequency_penalty: np.ndarray | None = None
+    presence_penalty: np.ndarray | None = None
+    # the NumPy sampler's counts: per row, (prompt ids, output ids) where it has
+    # penalties, else None (the request's own lists, not copies); None: no row has
+    penalty_tokens: list | None = None
+    # (batch,) int32: the GPU's count slot of each row (-1: none), set by the runner
+    penalty_slot: np.ndarray | None = None
 
     def __post_init__(self):
-        if self.min_p is None:
-            self.min_p = np.zeros(len(self.temperature), np.float32)
+        n = len(self.temperature)
+        for name, off in (("min_p", 0), ("repetition_penalty", 1),
+                          ("frequency_penalty", 0), ("presence_penalty", 0)):
+            if getattr(self, name) is None:
+                setattr(self, name, np.full(n, off, np.float32))
+        if self.penalty_slot is None:
+            self.penalty_slot = np.full(n, -1, np.int32)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether some row has a penalty on."""
+        return bool(
+            (self.repetition_penalty != 1).any()
+            or self.frequency_penalty.any()
+            or self.presence_penalty.any()
+        )
 
     @classmethod
     def from_params(
-        cls, params: list[SamplingParams], generators: list[np.random.Generator]
+        cls,
+        params: list[SamplingParams],
+        generators: list[np.random.Generator],
+        tokens: list | None = None,
     ) -> "SamplingMetadata":
         """One row per request; each sampled row draws its uniform from its own
-        generator (greedy rows draw none).
+        generator (greedy rows draw none). tokens: per row (prompt ids, output ids),
+        kept for the rows with penalties.
         """
+        penalized = [p.has_penalties for p in params]
         return cls(
             temperature=np.array(
                 [0.0 if p.is_greedy else p.temperature for p in params], np.float32
@@ -128,6 +184,18 @@ class SamplingMetadata:
             ),
             num_logprobs=np.array(
                 [-1 if p.logprobs is None else p.logprobs for p in params], np.int64
+            ),
+            repetition_penalty=np.array(
+                [p.repetition_penalty for p in params], np.float32
+            ),
+            frequency_penalty=np.array(
+                [p.frequency_penalty for p in params], np.float32
+            ),
+            presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+            penalty_tokens=(
+                [t if is_on else None for t, is_on in zip(tokens, penalized)]
+                if tokens is not None and any(penalized)
+                else None
             ),
         )
 
@@ -146,7 +214,7 @@ class SamplerOutput:
 
 class Sampler:
     """The CPU sampler: logits (batch, vocab) and per-row settings -> token ids;
-    temperature, min-p, top-k, top-p, draw.
+    penalties, temperature, min-p, top-k, top-p, draw.
     """
 
     def __call__(self, logits: np.ndarray, metadata: SamplingMetadata) -> SamplerOutput:
@@ -155,6 +223,12 @@ class Sampler:
             raise ValueError(
                 "logits must be (batch, vocab) with one row per sequence, got "
                 f"{logits.shape}"
+            )
+        if metadata.penalty_tokens is not None:  # greedy rows too
+            m = metadata
+            logits = apply_penalties(
+                logits, m.penalty_tokens, m.repetition_penalty, m.frequency_penalty,
+                m.presence_penalty,
             )
         token_ids = np.argmax(logits, axis=1)  # greedy rows keep this
         rows = np.flatnonzero(metadata.temperature > 0)
@@ -167,7 +241,8 @@ class Sampler:
         out = SamplerOutput(token_ids)
         k = int(metadata.num_logprobs.max(initial=-1))
         if k >= 0:
-            logprobs = log_softmax(logits)  # raw: before temperature, top-k and top-p
+            # before temperature, top-k and top-p (after the penalties)
+            logprobs = log_softmax(logits)
             out.logprobs = logprobs[np.arange(len(token_ids)), token_ids]
             if k > 0:
                 out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)

@@ -5,7 +5,9 @@
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.engine.penalty_slots import PenaltySlots
 from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
+from tinyvllm_lib.kernels.penalties import apply_penalties_gpu, count_sampled
 from tinyvllm_lib.kernels.sampling_radix import (
     NUM_STEPS,
     needed_steps,
@@ -21,6 +23,11 @@ SETTING_DTYPES = {
     "top_p": np.float32,
     "min_p": np.float32,
     "uniform": np.float64,
+    "repetition_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "presence_penalty": np.float32,
+    "penalty_slot": np.int32,
+    "num_logprobs": np.int64,  # -1: none (chapter 11 computes them on the GPU)
 }
 
 
@@ -40,6 +47,8 @@ class CudaSampler:
         # a row (back at zero after every step)
         self.workspace = sampler_workspace(max_rows)
         self.tickets = self.workspace["tickets"]
+        # the penalties' counts: a slot per row, on the GPU
+        self.penalties = PenaltySlots(vocab_size, max_rows)
 
     def __call__(self, logits, metadata: SamplingMetadata) -> SamplerOutput:
         n, s = len(metadata.temperature), self.stream
@@ -54,12 +63,21 @@ class CudaSampler:
                 f"logits must be float32 ({n}, {self.vocab_size}) with n <= "
                 f"{self.max_rows}, got {logits.dtype} {tuple(logits.shape)}"
             )
+        settings = {name: getattr(metadata, name) for name in SETTING_DTYPES}
+        tokens = metadata.penalty_tokens
+        if tokens is not None:  # slot i for row i, filled from the host's lists
+            settings["penalty_slot"] = np.array(
+                [-1 if t is None else i for i, t in enumerate(tokens)], np.int32
+            )
+            for i, t in enumerate(tokens):
+                if t is not None:
+                    self.penalties.fill(i, *t, stream=s)
         rows = {  # every row's settings, greedy or not: the same launches for all
-            name: cuda.to_device(np.ascontiguousarray(getattr(metadata, name), dtype),
-                                 stream=s)
+            name: cuda.to_device(np.ascontiguousarray(settings[name], dtype), stream=s)
             for name, dtype in SETTING_DTYPES.items()
         }
-        self.launch(logits, s, rows, self.steps_for(metadata))
+        self.launch(logits, s, rows, self.steps_for(metadata), tokens is not None,
+                    bool(metadata.num_logprobs.max(initial=-1) >= 0))
         queued = self.enqueue(logits, metadata, 0)
         s.synchronize() if s else cuda.synchronize()
         return self.finish(queued)
@@ -72,12 +90,23 @@ class CudaSampler:
             metadata.temperature, metadata.top_k, metadata.top_p, self.vocab_size
         )
 
-    def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS)) -> None:
+    def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS),
+               penalize: bool = True, logprobs: bool = True) -> None:
         """The sampling kernels over logits' rows, on `stream` (what a CUDA graph can
         capture: every step, whatever the rows ask): ids on the GPU. rows: the
-        settings' device arrays (SETTING_DTYPES).
+        settings' device arrays (SETTING_DTYPES). penalize: the penalties first (in
+        place) and the sampled ids counted after (False: the host knows no row has a
+        slot). logprobs: whether a row may ask for log-probs; this sampler takes them
+        on the host in enqueue, chapter 11's launches their kernel here.
         """
-        n = logits.shape[0]
+        n, slot = logits.shape[0], rows["penalty_slot"][: logits.shape[0]]
+        if penalize:
+            apply_penalties_gpu(
+                logits, slot,
+                *(rows[name][:n] for name in ("repetition_penalty",
+                                              "frequency_penalty", "presence_penalty")),
+                self.penalties.counts, self.penalties.in_prompt, stream,
+            )
         sample(
             logits,
             *(rows[name][:n] for name in ("temperature", "top_k", "top_p", "min_p")),
@@ -87,6 +116,8 @@ class CudaSampler:
             stream,
             steps,
         )
+        if penalize:
+            count_sampled(self.ids[:n], slot, self.penalties.counts, stream)
 
     def enqueue(self, logits, metadata: SamplingMetadata, turn: int) -> tuple:
         """Queue the copy of metadata's rows' ids (the first rows of logits) to pinned

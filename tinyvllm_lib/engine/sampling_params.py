@@ -42,6 +42,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     top_k: int = -1  # -1 or 0 = off
     min_p: float = 0.0  # 0 = off; else keep p_i >= min_p * max p
+    presence_penalty: float = 0.0  # 0 = off; minus this if in the output so far
+    frequency_penalty: float = 0.0  # 0 = off; minus this times its output count
+    repetition_penalty: float = 1.0  # 1 = off; in the prompt or output: z / r, z * r
     seed: int | None = None  # None: the LLM's generator
     stop: str | list[str] | None = None  # stop strings: the text ends before them
     stop_token_ids: list[int] | None = None
@@ -75,6 +78,16 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be -1 or 0 (off) or a positive integer below 2**31, got "
                 f"{self.top_k!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+        # float32 on the GPU: 1e-46 would be 0
+        r = self.repetition_penalty
+        if not _is_number(r) or not FLOAT32_TINY <= r < 3.4e38:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}"
             )
         if self.max_tokens is not None and (
             not _is_int(self.max_tokens) or self.max_tokens < 1
@@ -127,3 +140,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties is on (they need the row's counts)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )

@@ -13,7 +13,9 @@ from tinyvllm_lib.kernels.checks import cdiv
 # the kinds of request a step can hold, as SamplingParams
 WARM_UP_PARAMS = {
     "greedy": {},
-    "sampled": {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 1},
+    # with penalties: their kernels too
+    "sampled": {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 1,
+                "presence_penalty": 0.5, "repetition_penalty": 1.1},
     "logprobs": {"logprobs": 5, "prompt_logprobs": 1},
     "top logprobs": {"logprobs": 20},
 }

@@ -111,6 +111,7 @@ from numba import cuda, float32
 from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.gemv import INLINE
 
 FLASH_BLOCK_Q = 64  # queries per block: one thread each
 # K/V elements per thread loaded before any is stored to shared memory (x2: K and V)
@@ -124,12 +125,50 @@ def flash_block_k(head_dim: int) -> int:
     return max(8, min(64, 4096 // head_dim))
 
 
+def make_online_softmax_tile(head_dim: int, block_k: int):
+    """The online softmax's step over one staged tile, as a device function for
+    `head_dim` and `block_k` (inlined, so q, s and acc stay in registers): a query's
+    scores against the tile's first num_visible keys into s, acc and ell rescaled to
+    the new running max, the tile's values added in; returns (m, ell). Chapter 10's
+    paged prefill kernel runs the same step.
+    """
+    D, BK = head_dim, block_k
+
+    @cuda.jit(device=True, **INLINE)
+    def online_softmax_tile(q, k_tile, v_tile, num_visible, s, acc, m, ell):
+        tile_max = float32(-math.inf)
+        for r in range(num_visible):
+            # two chains of FMAs: more in flight
+            x0, x1 = float32(0.0), float32(0.0)
+            for d in range(0, D, 2):
+                x0 += q[d] * k_tile[r, d]
+                x1 += q[d + 1] * k_tile[r, d + 1]
+            s[r] = x0 + x1
+            tile_max = max(tile_max, s[r])
+        m_new = max(m, tile_max)
+        # rescales what was summed so far; 0 on the first tile
+        alpha = math.exp(m - m_new)
+        ell *= alpha
+        for d in range(D):
+            acc[d] *= alpha
+        for r in range(num_visible):
+            p = math.exp(s[r] - m_new)
+            ell += p
+            for d in range(D):
+                acc[d] += p * v_tile[r, d]
+        return m_new, ell
+
+    online_softmax_tile.block_k = BK
+    return online_softmax_tile
+
+
 def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
     """Causal GQA attention, a block per (query tile, head), K/V tiles in shared memory,
     online softmax.
     """
     D, BQ, BK, STAGE = head_dim, block_q, block_k, FLASH_STAGE
     KV = 2 * STAGE  # compile-time constants, as array sizes must be
+    tile_step = make_online_softmax_tile(D, BK)
 
     @cuda.jit
     def kernel(qkv, query_start_loc, num_heads, num_kv_heads, scale, out):
@@ -180,27 +219,7 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
             if is_query and k_start <= i:
                 # causal: keys k_start .. i; later rows are never read
                 num_visible = min(BK, i - k_start + 1)
-                tile_max = float32(-math.inf)
-                for r in range(num_visible):
-                    # two chains of FMAs: more in flight
-                    x0, x1 = float32(0.0), float32(0.0)
-                    for d in range(0, D, 2):
-                        x0 += q[d] * k_tile[r, d]
-                        x1 += q[d + 1] * k_tile[r, d + 1]
-                    s[r] = x0 + x1
-                    tile_max = max(tile_max, s[r])
-                m_new = max(m, tile_max)
-                # rescales what was summed so far; 0 on the first tile
-                alpha = math.exp(m - m_new)
-                ell *= alpha
-                for d in range(D):
-                    acc[d] *= alpha
-                for r in range(num_visible):
-                    p = math.exp(s[r] - m_new)
-                    ell += p
-                    for d in range(D):
-                        acc[d] += p * v_tile[r, d]
-                m = m_new
+                m, ell = tile_step(q, k_tile, v_tile, num_visible, s, acc, m, ell)
         if is_query:
             inv_ell = float32(1.0) / ell
             for d in range(D):

@@ -15,6 +15,7 @@ from tinyvllm_lib.kernels.attention import (
     check_qkv,
     check_query_start_loc,
     flash_block_k,
+    make_online_softmax_tile,
 )
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.kernels.checks import cdiv
@@ -72,6 +73,7 @@ def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
     (query head, query tile, sequence), K/V tiles staged through the block table.
     """
     D, BQ, BK, STAGE = head_dim, block_q, block_k, PAGED_STAGE
+    tile_step = make_online_softmax_tile(D, BK)
     WPR = D // 4  # 8-byte words in one key's row of one KV head
     TILE_WORDS = BK * WPR
 
@@ -158,27 +160,8 @@ def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
             if is_query and k_start <= pos:
                 # causal: keys k_start .. pos; later rows are never read
                 num_visible = min(BK, pos - k_start + 1)
-                tile_max = float32(-math.inf)
-                for r in range(num_visible):
-                    # two chains of FMAs: more in flight
-                    x0, x1 = float32(0.0), float32(0.0)
-                    for c in range(0, D, 2):
-                        x0 += q[c] * k_tile[r, c]
-                        x1 += q[c + 1] * k_tile[r, c + 1]
-                    s[r] = x0 + x1
-                    tile_max = max(tile_max, s[r])
-                m_new = max(m, tile_max)
-                # rescales what was summed so far; 0 on the first tile
-                alpha = math.exp(m - m_new)
-                ell *= alpha
-                for c in range(D):
-                    acc[c] *= alpha
-                for r in range(num_visible):
-                    p = math.exp(s[r] - m_new)
-                    ell += p
-                    for c in range(D):
-                        acc[c] += p * v_tile[r, c]
-                m = m_new
+                # chapter 7's step (the columns' order is the tiles' own)
+                m, ell = tile_step(q, k_tile, v_tile, num_visible, s, acc, m, ell)
         if is_query:
             inv_ell = float32(1.0) / ell
             for w in range(WPR):

@@ -89,11 +89,10 @@ class GenerationFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict | None = None
     # field -> the values this server accepts for it (the defaults)
     ACCEPTED: ClassVar[dict] = {
-        "presence_penalty": (None, 0),
-        "frequency_penalty": (None, 0),
         "logit_bias": (None, {}),
     }
 
@@ -127,6 +126,11 @@ class GenerationFields(OpenAIModel):
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": -1 if self.top_k is None else self.top_k,
             "min_p": 0.0 if self.min_p is None else self.min_p,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": (
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
             "max_tokens": max_tokens,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
