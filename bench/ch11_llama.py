@@ -178,7 +178,13 @@ def engine_part(rec: Recorder, folder, extra: dict) -> None:
         print(f"throughput {tag}: {t['output_tok_s']:.0f} output tok/s ({t['seconds']:.1f} s, {t['num_steps']} steps; "
               f"runs {[round(x) for x in t['runs_output_tok_s']]})", flush=True)
         save_part(rec, "engine")
-        if suffix == "":
+        if suffix == "":  # nano-vllm's bench.py as it runs: ids below 10,000, temperature 0.6
+            t = benchmark.throughput(llm, repeats=3, temperature=0.6, max_token_id=10_000)
+            rec.add("throughput_sampled", [256], "tok/s", t["output_tok_s"], part="engine", mode=tag,
+                    max_num_seqs=MAX_NUM_SEQS, **t, **extra)
+            print(f"throughput_sampled {tag}: {t['output_tok_s']:.0f} output tok/s "
+                  f"(runs {[round(x) for x in t['runs_output_tok_s']]})", flush=True)
+            save_part(rec, "engine")
             runner = llm.llm_engine.model_runner
             for rows in (64, 256):
                 ms = graph_kernel_ms(runner, rows, 512, replays=20)

@@ -1,6 +1,6 @@
 """Chapter 11 under compute-sanitizer: a few graph-captured decode steps of the Llama 3.2 1B stand-in at
-its real shapes (prefill eager, then decode graphs of 1, 2 and 4 rows), with greedy, seeded top-k/top-p
-and log-probability rows, so every kernel of a captured step and the GPU log-prob kernel run, and
+its real shapes (prefill eager, then decode graphs of 1, 2 and 4 rows), with greedy, seeded top-k/top-p,
+min-p with penalties and log-probability rows, so every kernel of a captured step and the GPU log-prob kernel run, and
 contexts long enough that decode attention's last split combines the others.
 
     compute-sanitizer --tool memcheck python3 bench/ch11_sanitize.py [--wheel TOKENIZER_WHEEL]
@@ -37,7 +37,8 @@ def main() -> None:
         SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=args.max_tokens - 2, ignore_eos=True),
         SamplingParams(temperature=1.0, seed=2, max_tokens=args.max_tokens + 2, logprobs=20, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
+        SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3,
+                       frequency_penalty=0.2, seed=3, max_tokens=args.max_tokens, ignore_eos=True),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for o in outs:

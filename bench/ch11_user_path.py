@@ -34,6 +34,8 @@ SETTINGS = {
     "min_p 0.05": SamplingParams(temperature=1.0, min_p=0.05),
     "Llama defaults (t 0.6, top_p 0.9)": SamplingParams(temperature=0.6, top_p=0.9),
     "seeded (t 0.8)": SamplingParams(temperature=0.8, seed=1),
+    "repetition_penalty 1.1": SamplingParams(temperature=0.0, repetition_penalty=1.1),
+    "presence + frequency 0.5": SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
     "logprobs 5": SamplingParams(temperature=0.0, logprobs=5),
     "logprobs 20": SamplingParams(temperature=0.0, logprobs=20),
 }

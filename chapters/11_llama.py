@@ -1476,22 +1476,26 @@ def throughput(
     use_tqdm: bool = False,
     repeats: int = 1,
     before_run=None,
+    temperature: float = 0.0,
+    max_token_id: int | None = None,
 ) -> dict:
     """nano-vllm's workload through llm.generate: output tok/s from the first request
     added to the last token, the median of `repeats` runs, each on an empty prefix
     cache. First a warm-up on other prompts of the same kind, past one step's token
     budget (chunked prompts, mixed steps), so every path the run takes has run once.
-    before_run(): called before each timed run.
+    before_run(): called before each timed run. temperature: 0 greedy, else sampled
+    (nano-vllm's bench.py: 0.6); max_token_id: prompt ids below it (its bench.py:
+    10,000), else the whole vocabulary.
     """
-    prompts, output_lens = nano_vllm_workload(
-        num_requests, min_len, max_len, seed, llm.config.vocab_size
-    )
+    ids = max_token_id or llm.config.vocab_size
+    prompts, output_lens = nano_vllm_workload(num_requests, min_len, max_len, seed, ids)
     engine = llm.llm_engine
-    warm, _ = nano_vllm_workload(num_requests, min_len, max_len, seed + 1,
-                                 llm.config.vocab_size)
+    warm, _ = nano_vllm_workload(num_requests, min_len, max_len, seed + 1, ids)
     past_budget = int(np.searchsorted(np.cumsum([len(p) for p in warm]),
                                       engine.max_num_batched_tokens)) + 2
-    llm.generate(warm[:past_budget], greedy(8), use_tqdm=False)
+    llm.generate(warm[:past_budget],
+                 SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
     runs = []
     for _ in range(repeats):
         engine.reset_prefix_cache()
@@ -1499,9 +1503,11 @@ def throughput(
             before_run()
         steps = engine.stats.num_steps
         start = time.perf_counter()
-        outputs = llm.generate(
-            prompts, [greedy(n) for n in output_lens], use_tqdm=use_tqdm
-        )
+        params = [
+            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
+            for n in output_lens
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         seconds = time.perf_counter() - start
         num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
         if num_output != sum(output_lens):
@@ -1518,6 +1524,8 @@ def throughput(
         "num_steps": num_steps,
         "runs_output_tok_s": [num_output / s for s, _ in runs],
         "warm_up_requests": past_budget,
+        "temperature": temperature,
+        "max_token_id": ids,
         "num_requests": num_requests,
         "output_tokens": num_output,
         "prompt_tokens": num_prompt,
