@@ -48,19 +48,23 @@
 # | 08b | generating text | sampling, stopping, streaming, the model runner |
 # | 09 | batching | continuous batching, the scheduler, the engine loop, `LLM` |
 # | 10 | paging | PagedAttention, preemption, chunked prefill, prefix caching |
-# | 11 | Llama 3.2 1B | CUDA graphs, overlap, the stand-in, the benchmark — *in part* |
+# | 11 | Llama 3.2 1B | CUDA graphs, overlap, sampling inside the graph, the benchmark |
 # | 12 | serving | an OpenAI-compatible server: streaming, abort, metrics, a benchmark |
 # | 13 | tensor parallelism | one model on several GPUs — *not written yet* |
+# | 14 | tensor cores | flash-attention prefill on `mma.sync` — *not written yet* |
+# | 15 | 8-bit weights | int8 and FP8 for decoding — *not written yet* |
+# | A | the Llama 3.2 1B stand-in | the real tokenizer, random weights of its shapes |
 #
 # A chapter imports only what earlier chapters exported, so you can read it front to
 # back. Now and then a chapter rewrites a class an earlier one wrote — chapter 10 gives
 # the engine a pool of blocks — and the package keeps the newer one, so an earlier
-# chapter run today uses it too. **Status:** chapters 00–10 are written. Chapter 11 is
-# written in part: decode steps replayed from CUDA graphs, async scheduling, the Llama
-# 3.2 1B stand-in, the benchmark commands and the first fusions are there, measured on
-# an H200 against transformers (what it reached, from its records, is in the next cell's
-# output). Chapter 12 is written, its serving benchmark recorded on a CPU and on an
-# H200. 13 is not written yet.
+# chapter run today uses it too. **Status:** chapters 00–12 and Appendix A are written.
+# Chapter 11 replays decode steps from CUDA graphs, with sampling, penalties and
+# log-probs inside them, overlaps the host with the GPU and measures the engine on an
+# H200 against transformers (what it reached, from its records, is in the next cell's
+# output); prefill steps are still launched from Python, which its first-token numbers
+# show. Chapter 12's serving benchmark is recorded on a CPU and on an H200. Chapters
+# 13–15 are not written yet.
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 import json

@@ -406,6 +406,16 @@ def top_logprobs(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+def logprobs_of(logits: np.ndarray, token_ids, k: int) -> tuple:
+    """Each row's log-prob of token_ids[row] and (k > 0) its k most likely tokens:
+    (chosen (rows,), top ids (rows, k) or None, top log-probs (rows, k) or None). What a
+    sampled row's `logprobs` and a prompt's `prompt_logprobs` both ask for.
+    """
+    logprobs = log_softmax(np.asarray(logits, np.float32))
+    chosen = logprobs[np.arange(len(logprobs)), np.asarray(token_ids)]
+    return (chosen, *top_logprobs(logprobs, k)) if k > 0 else (chosen, None, None)
+
+
 # %% [markdown]
 # Then the sampler: the metadata (one row per sequence), the output, and the NumPy
 # implementation. Log-probabilities, when asked for, are those of the model's raw logits
@@ -540,13 +550,17 @@ class Sampler:
             token_ids[rows] = sample_inverse_cdf(z, metadata.uniform[rows])
         out = SamplerOutput(token_ids)
         k = int(metadata.num_logprobs.max(initial=-1))
-        if k >= 0:
-            # before temperature, top-k and top-p (after the penalties)
-            logprobs = log_softmax(logits)
-            out.logprobs = logprobs[np.arange(len(token_ids)), token_ids]
-            if k > 0:
-                out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
+        if k >= 0:  # before temperature, top-k and top-p (after the penalties)
+            out.logprobs, out.top_ids, out.top_logprobs = logprobs_of(
+                logits, token_ids, k
+            )
         return out
+
+    def prompt_logprobs(self, logits, targets, k: int) -> tuple:
+        """A prompt chunk's log-probs: row t's of targets[t] (the prompt's next token)
+        and its top k, as logprobs_of gives them.
+        """
+        return logprobs_of(logits, targets, k)
 
 
 # %% [markdown]
@@ -1633,7 +1647,7 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.penalty_slots import PenaltySlots
-from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
+from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, logprobs_of
 from tinyvllm_lib.kernels.penalties import apply_penalties_gpu, count_sampled
 from tinyvllm_lib.kernels.sampling_radix import (
     NUM_STEPS,
@@ -1641,7 +1655,6 @@ from tinyvllm_lib.kernels.sampling_radix import (
     sample,
     sampler_workspace,
 )
-from tinyvllm_lib.kernels.softmax import log_softmax
 
 # each row's settings, as the kernel reads them
 SETTING_DTYPES = {
@@ -1758,10 +1771,9 @@ class CudaSampler:
         k, host = int(metadata.num_logprobs.max(initial=-1)), None
         if n and k >= 0:  # log-probs of the raw logits: the rows cross, then NumPy
             s.synchronize() if s else cuda.synchronize()
-            logprobs = log_softmax(logits[:n].copy_to_host(stream=s))
-            host = [logprobs[np.arange(n), self.host_ids[turn][:n]]]
-            if k > 0:
-                host += top_logprobs(logprobs, k)
+            host = logprobs_of(
+                logits[:n].copy_to_host(stream=s), self.host_ids[turn][:n], k
+            )
         return turn, n, host, -1
 
     def finish(self, queued: tuple) -> SamplerOutput:
@@ -1769,10 +1781,14 @@ class CudaSampler:
         turn, n, host, _ = queued
         out = SamplerOutput(self.host_ids[turn][:n].copy())
         if host is not None:
-            out.logprobs = host[0]
-            if len(host) > 1:
-                out.top_ids, out.top_logprobs = host[1], host[2]
+            out.logprobs, out.top_ids, out.top_logprobs = host
         return out
+
+    def prompt_logprobs(self, logits, targets, k: int) -> tuple:
+        """A prompt chunk's log-probs (Sampler.prompt_logprobs's) from its rows of
+        logits on the GPU: the rows cross to the host, then NumPy.
+        """
+        return logprobs_of(logits.copy_to_host(stream=self.stream), targets, k)
 
 
 # %% [markdown]
@@ -2098,9 +2114,7 @@ import numpy as np
 
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
-from tinyvllm_lib.engine.sampler import top_logprobs
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
-from tinyvllm_lib.kernels.softmax import log_softmax
 
 
 class RequestStatus(enum.Enum):
@@ -2268,21 +2282,19 @@ class Request:
         delta, self.num_streamed = self.text[self.num_streamed : end], end
         return delta
 
-    def set_prompt_logprobs(self, logits: np.ndarray) -> None:
-        """From the logits of every prompt position: each prompt token's log-prob (and
-        the top k) given the ones before.
+    def set_prompt_logprobs(self, chosen, top_ids=None, top_values=None) -> None:
+        """From the prompt's positions in order (row t predicts token t + 1; rows past
+        the prompt's last token but one are ignored): each prompt token's log-prob
+        given the ones before, and the top k (the sampler's logprobs_of, or the GPU's).
         """
         ids, k = self.prompt_token_ids, self.params.prompt_logprobs
-        # row t predicts token t + 1
-        logprobs = log_softmax(np.asarray(logits[:-1], np.float32))
-        top = top_logprobs(logprobs, k) if k > 0 else None
         self.prompt_logprobs = [None]
         for t, token in enumerate(ids[1:]):
-            step = {token: float(logprobs[t, token])}
-            if top is not None:
+            step = {token: float(chosen[t])}
+            if k > 0:
                 step.update(
                     (int(i), float(v))
-                    for i, v in zip(*(a[t] for a in top))
+                    for i, v in zip(top_ids[t][:k], top_values[t][:k])
                     if int(i) not in step
                 )
             self.prompt_logprobs.append(step)
@@ -2329,7 +2341,9 @@ class Request:
 #    The head is the largest matrix of a small model (SmolLM2: 28 of its 135 M weights)
 #    and a prompt can have thousands of rows, so they are gathered first (on the GPU by
 #    a small kernel, since a batch's last rows are not next to each other);
-# 4. **the sampler**.
+# 4. **the sampler**: a token for each request that is due one, and for a prompt's rows
+#    the log-prob of each next prompt token and its top k (`prompt_logprobs`, the same
+#    `logprobs_of` a sampled row's `logprobs` use).
 #
 # The device picks the classes — `LlamaNumpy`, `KVCache`, `CachedAttention` and
 # `Sampler` on the CPU; `LlamaCuda`, `CudaKVCache`, `PagedAttention` and `CudaSampler`
@@ -2526,14 +2540,15 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """What a step produced: one sampled token per request, and the prompt logits some
-    asked for.
+    """What a step produced: one sampled token per request, and the prompt log-probs
+    some asked for.
     """
 
     # one row per request whose next token was due, in the batch's order
     sampled: SamplerOutput
-    # per request: logits (num_prompt_tokens, vocab) of its prompt rows, else None
-    prompt_logits: list
+    # per request: its prompt rows' log-probs (chosen, top ids, top log-probs; the
+    # sampler's prompt_logprobs), else None
+    prompt_logprobs: list
 
 
 # %% [markdown]
@@ -2584,6 +2599,9 @@ class InputBatch:
     # request whose next token is due, then the prompt rows some asked for
     logits_indices: np.ndarray
     prompt_rows: dict[int, slice]  # request index -> its rows of the logits
+    # request index -> (the prompt token each of its prompt rows predicts, 0 past the
+    # prompt where rows are dropped; the top k it asked for)
+    prompt_targets: dict[int, tuple[np.ndarray, int]]
     sampling: SamplingMetadata  # one row per request whose next token is due
     # (num_reqs,) int64 or None: chapter 11's overlap: row i's token is the one the
     # step before sampled in its row prev_rows[i] (on the GPU, never on the host)
@@ -2649,7 +2667,7 @@ class InputBatch:
         if ahead:  # every row planned ahead is a decode row due its next token
             due[:] = True
         logits_indices = [starts[1:][due].astype(np.int64) - 1]
-        prompt_rows, row = {}, int(due.sum())
+        prompt_rows, prompt_targets, row = {}, {}, int(due.sum())
         for i, r in enumerate(requests):
             # its prefill, or a chunk of it (chapter 10): every prompt row
             if (
@@ -2659,16 +2677,21 @@ class InputBatch:
             ):
                 rows = np.arange(starts[i], starts[i + 1], dtype=np.int64)
                 logits_indices.append(rows)
-                prompt_rows[i] = slice(row, row + int(num_new[i]))
-                row += int(num_new[i])
+                c, n = int(num_computed[i]), int(num_new[i])
+                prompt_rows[i] = slice(row, row + n)
+                targets = np.zeros(n, np.int64)
+                following = r.prompt_token_ids[c + 1 : c + n + 1]
+                targets[: len(following)] = following
+                prompt_targets[i] = targets, r.params.prompt_logprobs
+                row += n
         sampled = [r for r, d in zip(requests, due) if d]
         sampling = SamplingMetadata.from_params(
             [r.params for r in sampled], [r.generator for r in sampled],
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
         return cls(len(requests), token_ids, positions, metadata,
-                   np.concatenate(logits_indices), prompt_rows, sampling,
-                   step.prev_rows, sampled_requests=sampled)
+                   np.concatenate(logits_indices), prompt_rows, prompt_targets,
+                   sampling, step.prev_rows, sampled_requests=sampled)
 
     def device_metadata(self) -> AttentionMetadata:
         """The attention metadata over the packed device views."""
@@ -2847,12 +2870,14 @@ class AsyncModelRunnerOutput:
     sampler: CudaSampler
     queued: tuple  # what sampler.finish needs
     event: object  # recorded after the copies to the host
-    prompt_logits: list  # per request: its prompt rows' logits (host), else None
+    prompt_logprobs: list  # per request: its prompt rows' log-probs (host), else None
     cudagraph_size: int | None  # the graph it replayed (chapter 11), else None
 
     def get_output(self) -> ModelRunnerOutput:
         self.event.synchronize()
-        return ModelRunnerOutput(self.sampler.finish(self.queued), self.prompt_logits)
+        return ModelRunnerOutput(
+            self.sampler.finish(self.queued), self.prompt_logprobs
+        )
 
 
 class ModelRunner:
@@ -2966,10 +2991,7 @@ class ModelRunner:
             if batch.num_sampled
             else SamplerOutput(np.empty(0, np.int64))
         )
-        prompt_logits = [None] * batch.num_reqs  # only where asked for
-        for i, rows in batch.prompt_rows.items():
-            prompt_logits[i] = logits[rows]
-        return ModelRunnerOutput(sampled, prompt_logits)
+        return ModelRunnerOutput(sampled, self._prompt_logprobs(batch, logits))
 
     def execute_async(self, step: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch one step on the GPU and return without waiting for it: pack its
@@ -2995,13 +3017,21 @@ class ModelRunner:
             self.graphs.replay(size)
             logits = self.logits[:size]
         queued = self.sampler.enqueue(logits, batch.sampling, turn)
-        prompt_logits = [None] * batch.num_reqs  # copied to the host only when asked
-        for i, rows in batch.prompt_rows.items():
-            prompt_logits[i] = logits[rows].copy_to_host(stream=self.stream)
+        prompt = self._prompt_logprobs(batch, logits)  # only where asked for
         self.events[turn].record(self.stream)
         return AsyncModelRunnerOutput(
-            self.sampler, queued, self.events[turn], prompt_logits, size
+            self.sampler, queued, self.events[turn], prompt, size
         )
+
+    def _prompt_logprobs(self, batch: InputBatch, logits) -> list:
+        """Per request, the log-probs of its prompt rows where it asked for them (the
+        sampler's prompt_logprobs, on the logits' device), else None.
+        """
+        out = [None] * batch.num_reqs
+        for i, rows in batch.prompt_rows.items():
+            targets, k = batch.prompt_targets[i]
+            out[i] = self.sampler.prompt_logprobs(logits[rows], targets, k)
+        return out
 
     def run(self, batch: InputBatch, stream):
         """The step's kernels only, on `stream`, reading the batch's device views (what
@@ -3084,8 +3114,8 @@ def generate_one(
             )
             out = runner.execute(step)
             request.num_computed_tokens += num_new
-            if out.prompt_logits[0] is not None:
-                request.set_prompt_logprobs(out.prompt_logits[0])
+            if out.prompt_logprobs[0] is not None:
+                request.set_prompt_logprobs(*out.prompt_logprobs[0])
             s = out.sampled
             request.append_token(
                 s.token_ids[0],

@@ -599,8 +599,8 @@ class PagedScheduler:
         self.running: list[Request] = []  # in the order they were admitted
         self.num_preemptions = 0
         self.admitted: set[str] = set()  # unfinished requests admitted at least once
-        # request id -> the logits of its prompt chunks so far (prompt_logprobs)
-        self.prompt_logits: dict[str, list[np.ndarray]] = {}
+        # request id -> the log-probs of its prompt chunks so far (prompt_logprobs)
+        self.prompt_chunks: dict[str, list[tuple]] = {}
 
     def add_request(self, request: Request) -> None:
         bm = self.block_manager
@@ -623,7 +623,7 @@ class PagedScheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request.request_id)
-        self.prompt_logits.pop(request.request_id, None)
+        self.prompt_chunks.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -731,7 +731,7 @@ class PagedScheduler:
             self.block_manager.cache_blocks(
                 request.request_id, RequestTokens(request), request.num_computed_tokens
             )
-            self._collect_prompt_logits(request, result.prompt_logits[i])
+            self._collect_prompt_logprobs(request, result.prompt_logprobs[i])
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
             request.append_token(
@@ -747,18 +747,20 @@ class PagedScheduler:
                 self._release(request)
         return progressed
 
-    def _collect_prompt_logits(self, request: Request, logits) -> None:
-        """Gather a prompt's logits chunk by chunk, and set its prompt_logprobs once the
-        whole prompt is computed (the first time: a recomputation repeats them).
+    def _collect_prompt_logprobs(self, request: Request, chunk) -> None:
+        """Gather a prompt's log-probs chunk by chunk, and set its prompt_logprobs once
+        the whole prompt is computed (the first time: a recomputation repeats them).
         """
-        if logits is None or request.prompt_logprobs is not None:
+        if chunk is None or request.prompt_logprobs is not None:
             return
-        chunks = self.prompt_logits.setdefault(request.request_id, [])
-        chunks.append(logits)
+        chunks = self.prompt_chunks.setdefault(request.request_id, [])
+        chunks.append(chunk)
         if request.num_computed_tokens >= request.num_prompt_tokens:
-            del self.prompt_logits[request.request_id]
+            del self.prompt_chunks[request.request_id]
+            # (chosen, top ids, top log-probs), each over the chunks in order
             request.set_prompt_logprobs(
-                np.concatenate(chunks)[: request.num_prompt_tokens]
+                *(None if parts[0] is None else np.concatenate(parts)
+                  for parts in zip(*chunks))
             )
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -784,7 +786,7 @@ class PagedScheduler:
         self.admitted.discard(request.request_id)
         self.block_manager.free(request.request_id)
         self.block_manager.forget(request.request_id)
-        self.prompt_logits.pop(request.request_id, None)
+        self.prompt_chunks.pop(request.request_id, None)
 
 
 # %% [markdown]

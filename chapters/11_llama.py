@@ -567,7 +567,9 @@ bandwidth. For the top 5: {{ch11_lp5_old_1}} against {{ch11_lp5_new_1}} at one r
 # The host receives ids and the asked-for numbers only: `enqueue` queues the copies
 # into one of two pinned host buffers and returns at once; `finish` reads the buffer
 # once the stream has passed the copies. More than `MAX_LOGPROBS` goes chapter 8b's
-# way, through the host.
+# way, through the host. A prompt's log-probs (`prompt_logprobs`) take the same kernel
+# in an eager step, `max_rows` rows a launch, each row's token the prompt's next one:
+# a 1,000-token prompt sends back k + 1 numbers a row, not its half-gigabyte of logits.
 
 # %%
 #| export engine.cuda_graphs
@@ -632,6 +634,28 @@ class GpuLogprobsSampler(CudaSampler):
             self.top_values[:n].copy_to_host(host["top_values"][:n], stream=s)
         return turn, n, None, k
 
+    def prompt_logprobs(self, logits, targets, k: int) -> tuple:
+        """A prompt chunk's log-probs on the GPU (k up to MAX_LOGPROBS, else the host's
+        way), max_rows rows a launch over the sampled rows' workspace (the same stream
+        runs them one after the other): only the asked-for numbers cross.
+        """
+        if not 0 <= k <= MAX_LOGPROBS:
+            return super().prompt_logprobs(logits, targets, k)
+        n, s = logits.shape[0], self.stream
+        chosen = cuda.device_array(n, np.float32, stream=s)
+        ids = cuda.device_array((n, MAX_LOGPROBS), np.int64, stream=s)
+        values = cuda.device_array((n, MAX_LOGPROBS), np.float32, stream=s)
+        targets = cuda.to_device(np.ascontiguousarray(targets, np.int64), stream=s)
+        ks = cuda.to_device(np.full(self.max_rows, k, np.int64), stream=s)
+        for a in range(0, n, self.max_rows):
+            b = min(n, a + self.max_rows)
+            gpu_logprobs(logits[a:b], targets[a:b], ks, chosen[a:b], ids[a:b],
+                         values[a:b], self.logprobs_workspace, s)
+        if k == 0:
+            return chosen.copy_to_host(stream=s), None, None
+        return (chosen.copy_to_host(stream=s), ids.copy_to_host(stream=s)[:, :k],
+                values.copy_to_host(stream=s)[:, :k])
+
     def finish(self, queued: tuple) -> SamplerOutput:
         turn, n, _, k = queued
         if k < 0:  # the host's log-probs, or none
@@ -692,7 +716,7 @@ def draw_step_flow():
          "next_ids, layers, head, sampler", 1),
         (1.0, 1, "sampler.enqueue\nids (+ log-probs) -> pinned host", 1),
         (1.0, 0, "AsyncModelRunnerOutput\n.get_output() waits", 1),
-        (0.0, 1, "ModelRunnerOutput\nsampled ids, prompt logits", 2),
+        (0.0, 1, "ModelRunnerOutput\nsampled ids, prompt log-probs", 2),
         (0.0, 0, "Scheduler.postprocess\n-> RequestOutput", 0),
     ]
     fig, ax = new_figure(height=5.2, width=8.5)
@@ -788,7 +812,7 @@ def padding_batch(rows: int, block_size: int) -> InputBatch:
         np.full(rows, -1, np.int64),
     )
     return InputBatch(rows, np.zeros(rows, np.int64), positions, metadata,
-                      np.arange(rows, dtype=np.int64), {}, sampling)
+                      np.arange(rows, dtype=np.int64), {}, {}, sampling)
 
 
 class CudaGraphs:

@@ -23,6 +23,7 @@ from tinyvllm_lib.engine.request import Request
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.decode_splits import split_rows
+from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.runtime import can_launch, has_gpu
 
@@ -250,6 +251,30 @@ def test_gpu_logprobs_match_numpy(rng, k):
         assert got_ids[3, 0] == 5 and got_values[3, 0] == 0.0
     with pytest.raises(ValueError, match="k must be in"):
         gpu_logprobs(cuda.to_device(logits), cuda.to_device(picked), MAX_LOGPROBS + 1, chosen, ids, values, workspace)
+
+
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+@pytest.mark.parametrize("k", [0, 3, MAX_LOGPROBS + 1])
+def test_gpu_prompt_logprobs_are_the_hosts(rng, k):
+    """A prompt chunk's log-probs on the GPU (GpuLogprobsSampler: the logprobs kernel, max_rows rows a launch) are
+    the host's (CudaSampler: the rows copied, then NumPy), over more rows than one launch takes; past MAX_LOGPROBS
+    the GPU sampler goes the host's way."""
+    from numba import cuda
+
+    from tinyvllm_lib.engine.sampler_cuda import CudaSampler
+
+    rows, vocab, max_rows = 11, 300 if not has_gpu() else 128256, 4
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    targets = rng.integers(0, vocab, rows)
+    d_logits = cuda.to_device(logits)
+    want = CudaSampler(vocab, max_rows).prompt_logprobs(d_logits, targets, k)
+    got = GpuLogprobsSampler(vocab, max_rows).prompt_logprobs(d_logits, targets, k)
+    np.testing.assert_allclose(got[0], want[0], atol=2e-5, rtol=1e-5)
+    if k == 0:
+        assert got[1] is None and want[1] is None
+    else:
+        assert got[1].shape == (rows, k) and (got[1] == want[1]).all()
+        np.testing.assert_allclose(got[2], want[2], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")

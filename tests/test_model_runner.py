@@ -38,19 +38,19 @@ def new_request(rid: str, prompt, **params) -> Request:
 
 def run_steps(runner: ModelRunner, alloc: ContiguousAllocator, prompts: list[list[int]], num_decodes: int, **params):
     """Prefill the prompts in one step, then decode them together: per request its tokens and each step's
-    {token: log-prob} (chosen + top 5), and the prompt logits."""
+    {token: log-prob} (chosen + top 5), and the prompt log-probs (the runner's output for the first step)."""
     requests = [new_request(str(i), p, **params) for i, p in enumerate(prompts)]
     tables = alloc.block_tables([alloc.allocate() for _ in requests])
-    prompt_logits = None
+    prompt_logprobs = None
     for step_index in range(num_decodes + 1):
         num_new = [r.num_tokens - r.num_computed_tokens for r in requests]
         out = runner.execute(SchedulerOutput(requests, num_new, len(requests) if step_index == 0 else 0, tables))
-        prompt_logits = prompt_logits or out.prompt_logits
+        prompt_logprobs = prompt_logprobs or out.prompt_logprobs
         for i, r in enumerate(requests):
             r.num_computed_tokens += num_new[i]
             s = out.sampled
             r.append_token(s.token_ids[i], s.logprobs[i], s.top_ids[i], s.top_logprobs[i])
-    return requests, prompt_logits
+    return requests, prompt_logprobs
 
 
 def compare_runners(folder, prompts, num_decodes, max_model_len=32, **params):
@@ -78,8 +78,9 @@ def test_cuda_runner_matches_cpu(tiny_folder, monkeypatch):
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     prompts, steps = ([[5, 17, 33], [9, 2]], 1) if not has_gpu() else ([[5, 17, 33, 60, 8, 41], [9, 2], [1]], 4)
     ref_prompt, our_prompt = compare_runners(tiny_folder, prompts, steps, prompt_logprobs=0)
-    for a, b in zip(ref_prompt, our_prompt):  # the prompt rows gathered for the head (prompt_logprobs)
-        assert a.shape == b.shape and np.abs(a - b).max() < 0.1
+    for a, b in zip(ref_prompt, our_prompt):  # the prompt rows gathered for the head (prompt_logprobs=0)
+        assert a[1] is None and b[1] is None  # no top tokens asked for
+        assert a[0].shape == b[0].shape and np.abs(a[0] - b[0]).max() < 0.1
 
 
 def test_input_batch_from_a_step():
@@ -93,6 +94,10 @@ def test_input_batch_from_a_step():
     np.testing.assert_array_equal(inputs.metadata.slot_mapping, [0, 1, 2, 2 * 32 + 2])
     np.testing.assert_array_equal(inputs.logits_indices, [2, 3, 0, 1, 2])  # last rows first, then a's prompt rows
     assert inputs.prompt_rows == {0: slice(2, 5)}
+    # each prompt row predicts the prompt's next token (the last row, past the prompt: 0, dropped later)
+    targets, k = inputs.prompt_targets[0]
+    np.testing.assert_array_equal(targets, [5, 6, 0])
+    assert k == 1 and list(inputs.prompt_targets) == [0]
     assert inputs.num_sampled == 2 and not inputs.is_uniform_decode
     # planned ahead (chapter 11): one position further, its id left to the GPU
     ahead = InputBatch.from_step(SchedulerOutput([second], [1], 0, alloc.block_tables([2]), np.array([0])), 16)

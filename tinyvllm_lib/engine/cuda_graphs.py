@@ -83,6 +83,28 @@ class GpuLogprobsSampler(CudaSampler):
             self.top_values[:n].copy_to_host(host["top_values"][:n], stream=s)
         return turn, n, None, k
 
+    def prompt_logprobs(self, logits, targets, k: int) -> tuple:
+        """A prompt chunk's log-probs on the GPU (k up to MAX_LOGPROBS, else the host's
+        way), max_rows rows a launch over the sampled rows' workspace (the same stream
+        runs them one after the other): only the asked-for numbers cross.
+        """
+        if not 0 <= k <= MAX_LOGPROBS:
+            return super().prompt_logprobs(logits, targets, k)
+        n, s = logits.shape[0], self.stream
+        chosen = cuda.device_array(n, np.float32, stream=s)
+        ids = cuda.device_array((n, MAX_LOGPROBS), np.int64, stream=s)
+        values = cuda.device_array((n, MAX_LOGPROBS), np.float32, stream=s)
+        targets = cuda.to_device(np.ascontiguousarray(targets, np.int64), stream=s)
+        ks = cuda.to_device(np.full(self.max_rows, k, np.int64), stream=s)
+        for a in range(0, n, self.max_rows):
+            b = min(n, a + self.max_rows)
+            gpu_logprobs(logits[a:b], targets[a:b], ks, chosen[a:b], ids[a:b],
+                         values[a:b], self.logprobs_workspace, s)
+        if k == 0:
+            return chosen.copy_to_host(stream=s), None, None
+        return (chosen.copy_to_host(stream=s), ids.copy_to_host(stream=s)[:, :k],
+                values.copy_to_host(stream=s)[:, :k])
+
     def finish(self, queued: tuple) -> SamplerOutput:
         turn, n, _, k = queued
         if k < 0:  # the host's log-probs, or none
@@ -121,7 +143,7 @@ def padding_batch(rows: int, block_size: int) -> InputBatch:
         np.full(rows, -1, np.int64),
     )
     return InputBatch(rows, np.zeros(rows, np.int64), positions, metadata,
-                      np.arange(rows, dtype=np.int64), {}, sampling)
+                      np.arange(rows, dtype=np.int64), {}, {}, sampling)
 
 
 class CudaGraphs:

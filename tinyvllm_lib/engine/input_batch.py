@@ -30,6 +30,9 @@ class InputBatch:
     # request whose next token is due, then the prompt rows some asked for
     logits_indices: np.ndarray
     prompt_rows: dict[int, slice]  # request index -> its rows of the logits
+    # request index -> (the prompt token each of its prompt rows predicts, 0 past the
+    # prompt where rows are dropped; the top k it asked for)
+    prompt_targets: dict[int, tuple[np.ndarray, int]]
     sampling: SamplingMetadata  # one row per request whose next token is due
     # (num_reqs,) int64 or None: chapter 11's overlap: row i's token is the one the
     # step before sampled in its row prev_rows[i] (on the GPU, never on the host)
@@ -95,7 +98,7 @@ class InputBatch:
         if ahead:  # every row planned ahead is a decode row due its next token
             due[:] = True
         logits_indices = [starts[1:][due].astype(np.int64) - 1]
-        prompt_rows, row = {}, int(due.sum())
+        prompt_rows, prompt_targets, row = {}, {}, int(due.sum())
         for i, r in enumerate(requests):
             # its prefill, or a chunk of it (chapter 10): every prompt row
             if (
@@ -105,16 +108,21 @@ class InputBatch:
             ):
                 rows = np.arange(starts[i], starts[i + 1], dtype=np.int64)
                 logits_indices.append(rows)
-                prompt_rows[i] = slice(row, row + int(num_new[i]))
-                row += int(num_new[i])
+                c, n = int(num_computed[i]), int(num_new[i])
+                prompt_rows[i] = slice(row, row + n)
+                targets = np.zeros(n, np.int64)
+                following = r.prompt_token_ids[c + 1 : c + n + 1]
+                targets[: len(following)] = following
+                prompt_targets[i] = targets, r.params.prompt_logprobs
+                row += n
         sampled = [r for r, d in zip(requests, due) if d]
         sampling = SamplingMetadata.from_params(
             [r.params for r in sampled], [r.generator for r in sampled],
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
         return cls(len(requests), token_ids, positions, metadata,
-                   np.concatenate(logits_indices), prompt_rows, sampling,
-                   step.prev_rows, sampled_requests=sampled)
+                   np.concatenate(logits_indices), prompt_rows, prompt_targets,
+                   sampling, step.prev_rows, sampled_requests=sampled)
 
     def device_metadata(self) -> AttentionMetadata:
         """The attention metadata over the packed device views."""

@@ -31,12 +31,14 @@ class AsyncModelRunnerOutput:
     sampler: CudaSampler
     queued: tuple  # what sampler.finish needs
     event: object  # recorded after the copies to the host
-    prompt_logits: list  # per request: its prompt rows' logits (host), else None
+    prompt_logprobs: list  # per request: its prompt rows' log-probs (host), else None
     cudagraph_size: int | None  # the graph it replayed (chapter 11), else None
 
     def get_output(self) -> ModelRunnerOutput:
         self.event.synchronize()
-        return ModelRunnerOutput(self.sampler.finish(self.queued), self.prompt_logits)
+        return ModelRunnerOutput(
+            self.sampler.finish(self.queued), self.prompt_logprobs
+        )
 
 
 class ModelRunner:
@@ -150,10 +152,7 @@ class ModelRunner:
             if batch.num_sampled
             else SamplerOutput(np.empty(0, np.int64))
         )
-        prompt_logits = [None] * batch.num_reqs  # only where asked for
-        for i, rows in batch.prompt_rows.items():
-            prompt_logits[i] = logits[rows]
-        return ModelRunnerOutput(sampled, prompt_logits)
+        return ModelRunnerOutput(sampled, self._prompt_logprobs(batch, logits))
 
     def execute_async(self, step: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch one step on the GPU and return without waiting for it: pack its
@@ -179,13 +178,21 @@ class ModelRunner:
             self.graphs.replay(size)
             logits = self.logits[:size]
         queued = self.sampler.enqueue(logits, batch.sampling, turn)
-        prompt_logits = [None] * batch.num_reqs  # copied to the host only when asked
-        for i, rows in batch.prompt_rows.items():
-            prompt_logits[i] = logits[rows].copy_to_host(stream=self.stream)
+        prompt = self._prompt_logprobs(batch, logits)  # only where asked for
         self.events[turn].record(self.stream)
         return AsyncModelRunnerOutput(
-            self.sampler, queued, self.events[turn], prompt_logits, size
+            self.sampler, queued, self.events[turn], prompt, size
         )
+
+    def _prompt_logprobs(self, batch: InputBatch, logits) -> list:
+        """Per request, the log-probs of its prompt rows where it asked for them (the
+        sampler's prompt_logprobs, on the logits' device), else None.
+        """
+        out = [None] * batch.num_reqs
+        for i, rows in batch.prompt_rows.items():
+            targets, k = batch.prompt_targets[i]
+            out[i] = self.sampler.prompt_logprobs(logits[rows], targets, k)
+        return out
 
     def run(self, batch: InputBatch, stream):
         """The step's kernels only, on `stream`, reading the batch's device views (what

@@ -8,9 +8,7 @@ import numpy as np
 
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
-from tinyvllm_lib.engine.sampler import top_logprobs
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
-from tinyvllm_lib.kernels.softmax import log_softmax
 
 
 class RequestStatus(enum.Enum):
@@ -178,21 +176,19 @@ class Request:
         delta, self.num_streamed = self.text[self.num_streamed : end], end
         return delta
 
-    def set_prompt_logprobs(self, logits: np.ndarray) -> None:
-        """From the logits of every prompt position: each prompt token's log-prob (and
-        the top k) given the ones before.
+    def set_prompt_logprobs(self, chosen, top_ids=None, top_values=None) -> None:
+        """From the prompt's positions in order (row t predicts token t + 1; rows past
+        the prompt's last token but one are ignored): each prompt token's log-prob
+        given the ones before, and the top k (the sampler's logprobs_of, or the GPU's).
         """
         ids, k = self.prompt_token_ids, self.params.prompt_logprobs
-        # row t predicts token t + 1
-        logprobs = log_softmax(np.asarray(logits[:-1], np.float32))
-        top = top_logprobs(logprobs, k) if k > 0 else None
         self.prompt_logprobs = [None]
         for t, token in enumerate(ids[1:]):
-            step = {token: float(logprobs[t, token])}
-            if top is not None:
+            step = {token: float(chosen[t])}
+            if k > 0:
                 step.update(
                     (int(i), float(v))
-                    for i, v in zip(*(a[t] for a in top))
+                    for i, v in zip(top_ids[t][:k], top_values[t][:k])
                     if int(i) not in step
                 )
             self.prompt_logprobs.append(step)

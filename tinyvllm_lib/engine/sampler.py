@@ -113,6 +113,16 @@ def top_logprobs(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+def logprobs_of(logits: np.ndarray, token_ids, k: int) -> tuple:
+    """Each row's log-prob of token_ids[row] and (k > 0) its k most likely tokens:
+    (chosen (rows,), top ids (rows, k) or None, top log-probs (rows, k) or None). What a
+    sampled row's `logprobs` and a prompt's `prompt_logprobs` both ask for.
+    """
+    logprobs = log_softmax(np.asarray(logits, np.float32))
+    chosen = logprobs[np.arange(len(logprobs)), np.asarray(token_ids)]
+    return (chosen, *top_logprobs(logprobs, k)) if k > 0 else (chosen, None, None)
+
+
 # defined in chapters/08b_generation.py
 @dataclass
 class SamplingMetadata:
@@ -240,10 +250,14 @@ class Sampler:
             token_ids[rows] = sample_inverse_cdf(z, metadata.uniform[rows])
         out = SamplerOutput(token_ids)
         k = int(metadata.num_logprobs.max(initial=-1))
-        if k >= 0:
-            # before temperature, top-k and top-p (after the penalties)
-            logprobs = log_softmax(logits)
-            out.logprobs = logprobs[np.arange(len(token_ids)), token_ids]
-            if k > 0:
-                out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
+        if k >= 0:  # before temperature, top-k and top-p (after the penalties)
+            out.logprobs, out.top_ids, out.top_logprobs = logprobs_of(
+                logits, token_ids, k
+            )
         return out
+
+    def prompt_logprobs(self, logits, targets, k: int) -> tuple:
+        """A prompt chunk's log-probs: row t's of targets[t] (the prompt's next token)
+        and its top k, as logprobs_of gives them.
+        """
+        return logprobs_of(logits, targets, k)

@@ -6,7 +6,7 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.penalty_slots import PenaltySlots
-from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, top_logprobs
+from tinyvllm_lib.engine.sampler import SamplerOutput, SamplingMetadata, logprobs_of
 from tinyvllm_lib.kernels.penalties import apply_penalties_gpu, count_sampled
 from tinyvllm_lib.kernels.sampling_radix import (
     NUM_STEPS,
@@ -14,7 +14,6 @@ from tinyvllm_lib.kernels.sampling_radix import (
     sample,
     sampler_workspace,
 )
-from tinyvllm_lib.kernels.softmax import log_softmax
 
 # each row's settings, as the kernel reads them
 SETTING_DTYPES = {
@@ -131,10 +130,9 @@ class CudaSampler:
         k, host = int(metadata.num_logprobs.max(initial=-1)), None
         if n and k >= 0:  # log-probs of the raw logits: the rows cross, then NumPy
             s.synchronize() if s else cuda.synchronize()
-            logprobs = log_softmax(logits[:n].copy_to_host(stream=s))
-            host = [logprobs[np.arange(n), self.host_ids[turn][:n]]]
-            if k > 0:
-                host += top_logprobs(logprobs, k)
+            host = logprobs_of(
+                logits[:n].copy_to_host(stream=s), self.host_ids[turn][:n], k
+            )
         return turn, n, host, -1
 
     def finish(self, queued: tuple) -> SamplerOutput:
@@ -142,7 +140,11 @@ class CudaSampler:
         turn, n, host, _ = queued
         out = SamplerOutput(self.host_ids[turn][:n].copy())
         if host is not None:
-            out.logprobs = host[0]
-            if len(host) > 1:
-                out.top_ids, out.top_logprobs = host[1], host[2]
+            out.logprobs, out.top_ids, out.top_logprobs = host
         return out
+
+    def prompt_logprobs(self, logits, targets, k: int) -> tuple:
+        """A prompt chunk's log-probs (Sampler.prompt_logprobs's) from its rows of
+        logits on the GPU: the rows cross to the host, then NumPy.
+        """
+        return logprobs_of(logits.copy_to_host(stream=self.stream), targets, k)

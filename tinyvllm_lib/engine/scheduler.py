@@ -102,8 +102,8 @@ class Scheduler:
         s = result.sampled
         for i, (request, num_new) in enumerate(zip(step.requests, step.num_new_tokens)):
             request.num_computed_tokens += num_new
-            if result.prompt_logits[i] is not None:
-                request.set_prompt_logprobs(result.prompt_logits[i])
+            if result.prompt_logprobs[i] is not None:
+                request.set_prompt_logprobs(*result.prompt_logprobs[i])
             request.append_token(
                 s.token_ids[i],
                 *(

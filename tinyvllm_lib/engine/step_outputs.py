@@ -34,11 +34,12 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """What a step produced: one sampled token per request, and the prompt logits some
-    asked for.
+    """What a step produced: one sampled token per request, and the prompt log-probs
+    some asked for.
     """
 
     # one row per request whose next token was due, in the batch's order
     sampled: SamplerOutput
-    # per request: logits (num_prompt_tokens, vocab) of its prompt rows, else None
-    prompt_logits: list
+    # per request: its prompt rows' log-probs (chosen, top ids, top log-probs; the
+    # sampler's prompt_logprobs), else None
+    prompt_logprobs: list
