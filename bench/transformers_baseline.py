@@ -161,6 +161,29 @@ def bs1_decode(
     }
 
 
+@torch.inference_mode()
+def ttft(folder, lengths, repeats=3, seed=0, device="cuda"):
+    """Time to first token at each prompt length, eager (bf16, sdpa): generate one token, the time from the call
+    to the first logits (FirstTokenClock), median of `repeats` after one warm-up run at that length."""
+    model = load(folder, device)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n in lengths:
+        ids = torch.tensor(rng.integers(0, model.config.vocab_size, n)[None], device=device)
+        mask = torch.ones_like(ids)
+        times = []
+        for i in range(repeats + 1):
+            clock = FirstTokenClock(device)
+            sync(device)
+            t0 = time.perf_counter()
+            generate(model, "eager", {}, ids, mask, 1, logits_processor=[clock])
+            if i:  # the first run warms this length up
+                times.append(clock.t - t0)
+        out[n] = {"ttft_ms": 1e3 * statistics.median(times), "ttft_ms_runs": [1e3 * t for t in times]}
+    del model
+    return out
+
+
 def run_batch(model, mode, caches, prompts, max_new, device):
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)

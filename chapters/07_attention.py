@@ -933,26 +933,48 @@ def make_flash_attention_kernel(head_dim: int, block_q: int, block_k: int):
     return kernel
 
 
-flash_attention_d64_kernel = make_flash_attention_kernel(
-    64, FLASH_BLOCK_Q, flash_block_k(64)
-)
-flash_attention_d128_kernel = make_flash_attention_kernel(
-    128, FLASH_BLOCK_Q, flash_block_k(128)
-)
-_FLASH_KERNELS = {
-    (64, FLASH_BLOCK_Q, flash_block_k(64)): flash_attention_d64_kernel,
-    (128, FLASH_BLOCK_Q, flash_block_k(128)): flash_attention_d128_kernel,
-}
+def kernels_by_size(make):
+    """kernel_for(head_dim, block_q=FLASH_BLOCK_Q, block_k=None): the kernel `make`
+    builds for these compile-time sizes, built on first use and kept (chapter 10's
+    paged prefill kernels are kept the same way).
+    """
+    kernels = {}
+
+    def kernel_for(
+        head_dim: int, block_q: int = FLASH_BLOCK_Q, block_k: int | None = None
+    ):
+        key = (head_dim, block_q, block_k or flash_block_k(head_dim))
+        if key not in kernels:
+            kernels[key] = make(*key)
+        return kernels[key]
+
+    return kernel_for
 
 
-def flash_attention_kernel_for(
-    head_dim: int, block_q: int = FLASH_BLOCK_Q, block_k: int | None = None
-):
-    """The fused kernel for these compile-time sizes, built on first use."""
-    key = (head_dim, block_q, block_k or flash_block_k(head_dim))
-    if key not in _FLASH_KERNELS:
-        _FLASH_KERNELS[key] = make_flash_attention_kernel(*key)
-    return _FLASH_KERNELS[key]
+def check_tiles(name: str, head_dim: int, block_q: int, block_k: int | None,
+                multiple: int = 2) -> int:
+    """block_k (flash_block_k's where None) once head_dim is a multiple of `multiple`,
+    1 <= block_q <= 1024 and the K/V tiles fit 48 KiB of shared memory; else a
+    ValueError naming `name`.
+    """
+    block_k = block_k or flash_block_k(head_dim)
+    if (
+        head_dim % multiple
+        or not 1 <= block_q <= 1024
+        or block_k < 1
+        or 2 * block_k * head_dim * 4 > 48 * 1024
+    ):
+        raise ValueError(
+            f"{name}: need head_dim a multiple of {multiple}, 1 <= block_q <= 1024 "
+            "and K/V tiles within 48 KiB; "
+            f"got head_dim {head_dim}, block_q {block_q}, block_k {block_k}"
+        )
+    return block_k
+
+
+flash_attention_kernel_for = kernels_by_size(make_flash_attention_kernel)
+flash_attention_d64_kernel = flash_attention_kernel_for(64)
+flash_attention_d128_kernel = flash_attention_kernel_for(128)
 
 
 def check_query_start_loc(
@@ -1018,18 +1040,7 @@ def flash_attention(
     num_seqs = check_query_start_loc(
         "flash_attention", query_start_loc, max_query_len, num_tokens
     )
-    block_k = block_k or flash_block_k(head_dim)
-    if (
-        head_dim % 2
-        or not 1 <= block_q <= 1024
-        or block_k < 1
-        or 2 * block_k * head_dim * 4 > 48 * 1024
-    ):
-        raise ValueError(
-            "flash_attention: need an even head_dim, 1 <= block_q <= 1024 and K/V "
-            "tiles within 48 KiB; "
-            f"got head_dim {head_dim}, block_q {block_q}, block_k {block_k}"
-        )
+    block_k = check_tiles("flash_attention", head_dim, block_q, block_k)
     if num_tokens == 0 or max_query_len == 0:
         return out
     kernel = flash_attention_kernel_for(head_dim, block_q, block_k)

@@ -1501,7 +1501,6 @@ print(
 
 # %%
 #| export kernels.penalties
-import numpy as np
 from numba import config, cuda, float32
 
 from tinyvllm_lib.kernels.checks import cdiv

@@ -1998,6 +1998,8 @@ from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG  # noqa: E402
 user = load_records("ch11_user_path")
 settings = [r for r in user if r["name"] == "bs1_decode_setting"]
 ttft = sorted((r for r in user if r["name"] == "ttft"), key=lambda r: r["prompt_len"])
+hf_ttft = sorted((r for r in user if r["name"] == "transformers_ttft"),
+                 key=lambda r: r["prompt_len"])
 
 
 def prefill_floor_ms(lengths) -> list[float] | None:
@@ -2033,6 +2035,9 @@ else:
     bars.invert_yaxis()
     lengths = [r["prompt_len"] for r in ttft]
     line.plot(lengths, [r["value"] for r in ttft], "o-", label="this engine")
+    if hf_ttft:
+        line.plot([r["prompt_len"] for r in hf_ttft], [r["value"] for r in hf_ttft],
+                  "s-", color="C2", label="transformers (bf16, sdpa)")
     floor = prefill_floor_ms(lengths)
     if floor:
         line.plot(lengths, floor, "k--", lw=1, label="floor: weights + FLOPs")
@@ -2075,6 +2080,14 @@ if settings and ttft:
     prose.glue("ch11_ttft_128", f"{by_len[128]['value']:.1f} ms")
     prose.glue("ch11_user_date", settings[0]["date"])
     prose.glue("ch11_user_commit", str(settings[0].get("engine_commit")))
+    hf_len = {r["prompt_len"]: r for r in hf_ttft}
+    hf_text = ""
+    if 128 in hf_len and 4096 in hf_len:
+        prose.glue("ch11_hf_ttft_128", f"{hf_len[128]['value']:.1f} ms")
+        prose.glue("ch11_hf_ttft_4096", f"{hf_len[4096]['value']:.0f} ms")
+        hf_text = """ Transformers (eager, bf16, sdpa), timed
+in the same run on the same prompts, takes {{ch11_hf_ttft_128}} at 128 tokens and
+{{ch11_hf_ttft_4096}} at 4,096."""
     prose.show("""
 On {{ch11_user_date}} (engine {{ch11_user_commit}}), greedy made {{ch11_user_greedy}}
 at batch 1, and every sampling setting kept at least {{ch11_user_worst_sampled}} of
@@ -2095,8 +2108,7 @@ the work — and {{ch11_ttft_4096}} for
 on SIMT cores, far below the tensor cores' rate). At 128 tokens the floor is
 {{ch11_ttft_floor128}} against the {{ch11_ttft_128}} measured: capturing prefill steps
 too, and attention on tensor cores, are the two things left for a user who waits for
-a first token.
-""")
+a first token.""" + hf_text + "\n")
 
 # %% [markdown]
 # ## What the host still costs

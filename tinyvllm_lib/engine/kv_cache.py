@@ -6,7 +6,6 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.models.config import ModelConfig
 
 # how each is stored: bf16 as its bits

@@ -14,7 +14,8 @@ from tinyvllm_lib.kernels.attention import (
     check_out,
     check_qkv,
     check_query_start_loc,
-    flash_block_k,
+    check_tiles,
+    kernels_by_size,
     make_online_softmax_tile,
 )
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
@@ -174,26 +175,10 @@ def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
     return kernel
 
 
-paged_prefill_d64_kernel = make_paged_prefill_kernel(
-    64, FLASH_BLOCK_Q, flash_block_k(64)
-)
-paged_prefill_d128_kernel = make_paged_prefill_kernel(
-    128, FLASH_BLOCK_Q, flash_block_k(128)
-)
-_PAGED_PREFILL_KERNELS = {
-    (64, FLASH_BLOCK_Q, flash_block_k(64)): paged_prefill_d64_kernel,
-    (128, FLASH_BLOCK_Q, flash_block_k(128)): paged_prefill_d128_kernel,
-}
-
-
-def paged_prefill_kernel_for(
-    head_dim: int, block_q: int = FLASH_BLOCK_Q, block_k: int | None = None
-):
-    """The paged prefill kernel for these compile-time sizes, built on first use."""
-    key = (head_dim, block_q, block_k or flash_block_k(head_dim))
-    if key not in _PAGED_PREFILL_KERNELS:
-        _PAGED_PREFILL_KERNELS[key] = make_paged_prefill_kernel(*key)
-    return _PAGED_PREFILL_KERNELS[key]
+# built on first use for other sizes, as chapter 7's flash kernels
+paged_prefill_kernel_for = kernels_by_size(make_paged_prefill_kernel)
+paged_prefill_d64_kernel = paged_prefill_kernel_for(64)
+paged_prefill_d128_kernel = paged_prefill_kernel_for(128)
 
 
 # defined in chapters/10_paging.py
@@ -229,18 +214,8 @@ def paged_prefill_attention(
     num_tokens = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
     check_out(name, out, (num_tokens, num_heads * head_dim))
     num_seqs = check_query_start_loc(name, query_start_loc, max_query_len, num_tokens)
-    block_k = block_k or flash_block_k(head_dim)
-    if (
-        head_dim % 4
-        or not 1 <= block_q <= 1024
-        or block_k < 1
-        or 2 * block_k * head_dim * 4 > 48 * 1024
-    ):
-        raise ValueError(
-            f"{name}: need head_dim a multiple of 4 (8-byte words of bf16), "
-            "1 <= block_q <= 1024 and K/V tiles within 48 KiB; got head_dim "
-            f"{head_dim}, block_q {block_q}, block_k {block_k}"
-        )
+    # head_dim a multiple of 4: 8-byte words of bf16
+    block_k = check_tiles(name, head_dim, block_q, block_k, multiple=4)
     k64, v64 = check_paged_context(
         name,
         k_cache,

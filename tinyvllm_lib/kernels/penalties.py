@@ -2,7 +2,6 @@
 # chapter and re-export.
 
 # defined in chapters/08b_generation.py
-import numpy as np
 from numba import config, cuda, float32
 
 from tinyvllm_lib.kernels.checks import cdiv
