@@ -1,6 +1,6 @@
 """Chapter 04 on a GPU: the RMSNorm ladder at a 2,048-token prefill, the fused residual add + norm
 (rung 5 and the wide rung 6) with float32 and bf16 outputs, and decode sizes (1-256 rows), against
-the copy bandwidth recorded by bench/ch01_bf16.py. Each record also notes the kernel's registers per
+the bandwidth ceiling recorded by bench/ch01_bf16.py. Each record also notes the kernel's registers per
 thread, its block size and how many of its blocks fit on a multiprocessor. Records to
 book/data/ch04_rmsnorm.json.
 
@@ -33,8 +33,8 @@ from tinyvllm_lib.kernels.rmsnorm_kernels import (
 )
 from tinyvllm_lib.measure import (
     Recorder,
+    bandwidth_ceiling,
     device_info,
-    load_records,
     num_rotations,
     time_launches,
 )
@@ -47,21 +47,20 @@ else:
     HIDDEN, PREFILL, DECODE, MAX_SETS, REPEATS = 2048, 2048, [1, 8, 64, 256], 64, 10  # Llama 3.2 1B's hidden_size
 
 
-def copy_ceiling() -> float:
-    """The copy bandwidth recorded for this GPU by bench/ch01_bf16.py; measured here if there is none."""
+def ceiling_for_this_gpu() -> tuple[float, str]:
+    """(GB/s, name): the bandwidth ceiling recorded for this GPU by bench/ch01_bf16.py
+    (measure.bandwidth_ceiling); the book's copy measured here if there is none."""
     name = device_info()["name"]
-    for r in load_records("ch01_bf16"):
-        if r["name"] == "copy" and r["device"]["name"] == name:
-            return r["value"]
-    if is_simulator():
-        return float("nan")
+    gbs, ceiling_name = bandwidth_ceiling(name)
+    if ceiling_name or is_simulator():
+        return gbs, ceiling_name
     n = 2**27  # 1 GiB of uint64 words
     src = cuda.to_device(np.arange(n, dtype=np.uint64))
     dst = cuda.device_array_like(src)
     blocks = cuda.get_current_device().MULTIPROCESSOR_COUNT * 8
     sec = time_launches(lambda i, s: copy_u64_kernel[blocks, 256, s](src, dst), num_launches=10)
-    print(f"no copy record for {name}: measured {2 * n * 8 / sec / 1e9:.0f} GB/s here")
-    return 2 * n * 8 / sec / 1e9
+    print(f"no ceiling recorded for {name}: measured the copy, {2 * n * 8 / sec / 1e9:.0f} GB/s, here")
+    return 2 * n * 8 / sec / 1e9, "copy measured here"
 
 
 def num_launches(num_sets: int) -> int:
@@ -93,7 +92,7 @@ def kernel_facts(kernel, out_dtype, is_wide: bool, threads: int) -> dict:
         return {"threads": threads}
 
 
-def bench_rmsnorm(rec, rng, variant: str, num_rows: int, out_dtype, ceiling: float, name: str):
+def bench_rmsnorm(rec, rng, variant: str, num_rows: int, out_dtype, ceiling: tuple[float, str], name: str):
     """Time rmsnorm(variant) on fresh rows; bytes = read x, write out, the weight once."""
     out_itemsize = np.dtype(out_dtype).itemsize
     nbytes = num_rows * HIDDEN * (4 + out_itemsize) + HIDDEN * 2
@@ -109,10 +108,10 @@ def bench_rmsnorm(rec, rng, variant: str, num_rows: int, out_dtype, ceiling: flo
     sec = time_launches(lambda i, s: rmsnorm(xs[i % num_sets], weight, EPS, outs[i % num_sets], s, variant), num_launches(num_sets), REPEATS)
     threads = wide_block_threads(HIDDEN) if is_wide else 128 if variant == "thread_per_row" else block_threads(HIDDEN)
     facts = kernel_facts(RMSNORM_VARIANTS[variant], out_dtype, is_wide, threads)
-    rec.add(name, [num_rows, HIDDEN], "GB/s", nbytes / sec / 1e9, ceiling=ceiling, us=sec * 1e6, bytes=nbytes, buffer_sets=num_sets, **facts)
+    rec.add(name, [num_rows, HIDDEN], "GB/s", nbytes / sec / 1e9, ceiling=ceiling[0], ceiling_name=ceiling[1], us=sec * 1e6, bytes=nbytes, buffer_sets=num_sets, **facts)
 
 
-def bench_fused(rec, rng, variant: str, num_rows: int, out_dtype, ceiling: float, name: str):
+def bench_fused(rec, rng, variant: str, num_rows: int, out_dtype, ceiling: tuple[float, str], name: str):
     """Time fused_add_rmsnorm(variant); bytes = read residual and delta, write residual and out, the weight once."""
     out_itemsize = np.dtype(out_dtype).itemsize
     nbytes = num_rows * HIDDEN * (4 + 4 + 4 + out_itemsize) + HIDDEN * 2
@@ -136,7 +135,7 @@ def bench_fused(rec, rng, variant: str, num_rows: int, out_dtype, ceiling: float
     sec = time_launches(launch, num_launches(num_sets), REPEATS)  # the residuals grow by delta per call: harmless
     kernel = fused_add_rmsnorm_wide_kernel if is_wide else fused_add_rmsnorm_kernel
     facts = kernel_facts(kernel, out_dtype, is_wide, wide_block_threads(HIDDEN) if is_wide else block_threads(HIDDEN))
-    rec.add(name, [num_rows, HIDDEN], "GB/s", nbytes / sec / 1e9, ceiling=ceiling, us=sec * 1e6, bytes=nbytes, buffer_sets=num_sets, **facts)
+    rec.add(name, [num_rows, HIDDEN], "GB/s", nbytes / sec / 1e9, ceiling=ceiling[0], ceiling_name=ceiling[1], us=sec * 1e6, bytes=nbytes, buffer_sets=num_sets, **facts)
 
 
 def main():
@@ -144,7 +143,7 @@ def main():
         raise SystemExit("bench/ch04_rmsnorm.py needs a CUDA GPU (or NUMBA_ENABLE_CUDASIM=1 for a dry run)")
     rng = np.random.default_rng()
     rec = Recorder("ch04_rmsnorm")
-    ceiling = copy_ceiling()
+    ceiling = ceiling_for_this_gpu()  # (GB/s, name)
 
     for variant in RMSNORM_VARIANTS:  # the ladder, float32 out
         bench_rmsnorm(rec, rng, variant, PREFILL, np.float32, ceiling, f"rmsnorm_{variant}")
@@ -156,7 +155,7 @@ def main():
         bench_fused(rec, rng, "wide", num_rows, np.float32, ceiling, "fused_add_rmsnorm_wide_f32")
     bench_fused(rec, rng, "registers", PREFILL, np.float32, ceiling, "fused_add_rmsnorm_f32")
 
-    print(f"{'kernel':>28} {'rows x hidden':>14} {'GB/s':>8} {'of copy':>8} {'µs':>9} {'threads':>8} {'regs':>5} {'rows/SM':>8}")
+    print(f"{'kernel':>28} {'rows x hidden':>14} {'GB/s':>8} {'of ceil':>8} {'µs':>9} {'threads':>8} {'regs':>5} {'rows/SM':>8}")
     for r in rec.records:
         print(f"{r['name']:>28} {'x'.join(map(str, r['shape'])):>14} {r['value']:8.1f} {r['ratio']:8.0%} {r['us']:9.2f}"
               f" {r['threads']:>8} {r.get('registers', '-'):>5} {r.get('blocks_per_sm', '-'):>8}")

@@ -1,5 +1,5 @@
 """Chapter 05 on a GPU: the RoPE ladder on Llama 3.2 1B's fused QKV buffer at a 2,048-token
-prefill, and the final kernel at decode sizes (1-256 tokens), against the copy bandwidth recorded
+prefill, and the final kernel at decode sizes (1-256 tokens), against the bandwidth ceiling recorded
 by bench/ch01_bf16.py. Records to book/data/ch05_rope.json.
 
     python bench/ch05_rope.py
@@ -14,8 +14,8 @@ from tinyvllm_lib.kernels.bf16 import copy_u64_kernel
 from tinyvllm_lib.kernels.rope import ROPE_VARIANTS, rope_qkv, rope_qkv_ref, rope_table
 from tinyvllm_lib.measure import (
     Recorder,
+    bandwidth_ceiling,
     device_info,
-    load_records,
     num_rotations,
     time_launches,
 )
@@ -31,21 +31,20 @@ else:  # Llama 3.2 1B: 32 query heads, 8 KV heads of 64; rope_theta 500,000; 131
 WIDTH = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 
 
-def copy_ceiling() -> float:
-    """The copy bandwidth recorded for this GPU by bench/ch01_bf16.py; measured here if there is none."""
+def ceiling_for_this_gpu() -> tuple[float, str]:
+    """(GB/s, name): the bandwidth ceiling recorded for this GPU by bench/ch01_bf16.py
+    (measure.bandwidth_ceiling); the book's copy measured here if there is none."""
     name = device_info()["name"]
-    for r in load_records("ch01_bf16"):
-        if r["name"] == "copy" and r["device"]["name"] == name:
-            return r["value"]
-    if is_simulator():
-        return float("nan")
+    gbs, ceiling_name = bandwidth_ceiling(name)
+    if ceiling_name or is_simulator():
+        return gbs, ceiling_name
     n = 2**27  # 1 GiB of uint64 words
     src = cuda.to_device(np.arange(n, dtype=np.uint64))
     dst = cuda.device_array_like(src)
     blocks = cuda.get_current_device().MULTIPROCESSOR_COUNT * 8
     sec = time_launches(lambda i, s: copy_u64_kernel[blocks, 256, s](src, dst), num_launches=10)
-    print(f"no copy record for {name}: measured {2 * n * 8 / sec / 1e9:.0f} GB/s here")
-    return 2 * n * 8 / sec / 1e9
+    print(f"no ceiling recorded for {name}: measured the copy, {2 * n * 8 / sec / 1e9:.0f} GB/s, here")
+    return 2 * n * 8 / sec / 1e9, "copy measured here"
 
 
 def compulsory_bytes(num_tokens: int, uses_table: bool) -> int:
@@ -54,7 +53,7 @@ def compulsory_bytes(num_tokens: int, uses_table: bool) -> int:
     return qk + num_tokens * 4 + (num_tokens * HEAD_DIM * 4 if uses_table else 0)
 
 
-def bench(rec, rng, table, d_table, variant: str, num_tokens: int, is_prefill: bool, ceiling: float):
+def bench(rec, rng, table, d_table, variant: str, num_tokens: int, is_prefill: bool, ceiling: tuple[float, str]):
     nbytes = compulsory_bytes(num_tokens, variant != "on_the_fly")
     num_sets = min(num_rotations(nbytes), MAX_SETS)
     qkvs, positions = [], []
@@ -74,7 +73,7 @@ def bench(rec, rng, table, d_table, variant: str, num_tokens: int, is_prefill: b
     num_launches = num_sets if is_simulator() else max(2 * num_sets, 20)
     sec = time_launches(lambda i, s: rope_qkv(qkvs[i % num_sets], positions[i % num_sets], d_table, HEADS, KV_HEADS, s, variant),
                         num_launches, REPEATS)
-    rec.add(f"rope_{variant}", [num_tokens, HEADS, KV_HEADS, HEAD_DIM], "GB/s", nbytes / sec / 1e9, ceiling=ceiling,
+    rec.add(f"rope_{variant}", [num_tokens, HEADS, KV_HEADS, HEAD_DIM], "GB/s", nbytes / sec / 1e9, ceiling=ceiling[0], ceiling_name=ceiling[1],
             us=sec * 1e6, bytes=nbytes, buffer_sets=num_sets, table_bytes_counted=variant != "on_the_fly")
 
 
@@ -83,7 +82,7 @@ def main():
         raise SystemExit("bench/ch05_rope.py needs a CUDA GPU (or NUMBA_ENABLE_CUDASIM=1 for a dry run)")
     rng = np.random.default_rng()
     rec = Recorder("ch05_rope")
-    ceiling = copy_ceiling()
+    ceiling = ceiling_for_this_gpu()  # (GB/s, name)
     table = rope_table(HEAD_DIM, 500000.0, NUM_POSITIONS, SCALING)
     d_table = table.to_device()
 
@@ -92,7 +91,7 @@ def main():
     for num_tokens in DECODE:
         bench(rec, rng, table, d_table, "heads_per_thread", num_tokens, False, ceiling)
 
-    print(f"{'kernel':>22} {'tokens':>7} {'GB/s':>8} {'of copy':>8} {'µs':>9}")
+    print(f"{'kernel':>22} {'tokens':>7} {'GB/s':>8} {'of ceil':>8} {'µs':>9}")
     for r in rec.records:
         print(f"{r['name']:>22} {r['shape'][0]:>7} {r['value']:8.1f} {r['ratio']:8.0%} {r['us']:9.2f}")
     if is_simulator():

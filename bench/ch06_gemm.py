@@ -33,7 +33,12 @@ from tinyvllm_lib.kernels.gemm import (
 )
 from tinyvllm_lib.kernels.gemv import GEMV_VARIANTS, gemv
 from tinyvllm_lib.layers.linear import LINEAR_GEMV_MAX_TOKENS, gemv_wins_up_to, linear
-from tinyvllm_lib.measure import Recorder, load_records, num_rotations, time_launches
+from tinyvllm_lib.measure import (
+    Recorder,
+    bandwidth_ceiling,
+    num_rotations,
+    time_launches,
+)
 from tinyvllm_lib.runtime import has_gpu
 
 NUM_LAYERS = 16
@@ -112,12 +117,12 @@ def summary(samples: list[float]) -> dict:
 def main():
     if not has_gpu():
         raise SystemExit("bench/ch06_gemm.py needs a CUDA GPU")
-    copy = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
-    if not copy:
-        raise SystemExit("no copy bandwidth recorded: run bench/ch01_bf16.py first")
-    copy_gbs = copy[-1]["value"]
-    rng = np.random.default_rng()
     rec = Recorder("ch06_gemm")
+    # chapter 1's bandwidth ceiling on this GPU: the best of its copy and read rates
+    ceiling_gbs, ceiling_name = bandwidth_ceiling(rec.device["name"])
+    if not ceiling_name:
+        raise SystemExit(f"no bandwidth ceiling recorded for {rec.device['name']}: run bench/ch01_bf16.py first")
+    rng = np.random.default_rng()
     t_start = time.perf_counter()
 
     # Weights: distinct buffers for every layer (2.5 GB in all), so nothing is served from L2.
@@ -141,7 +146,7 @@ def main():
         return dict(us=sec * 1e6, flops=flops, bytes=nbytes, tflops=flops / sec / 1e12)
 
     # 1. Each decoding shape alone, one token vector, both GEMV variants alternated: bytes over time
-    #    against copy. A single LM head (525 MB) is already far past L2.
+    #    against the ceiling. A single LM head (525 MB) is already far past L2.
     for name, (N, K) in shapes.items():
         ws, x, out = weights[name], xs[K][:1], outs[name][:1]
         for variant in GEMV_VARIANTS:
@@ -151,8 +156,8 @@ def main():
                  for variant in GEMV_VARIANTS}
         for variant, samples in time_interleaved(paths, len(ws)).items():
             t = summary(samples)
-            rec.add(f"gemv_{variant}", [1, N, K], "GB/s", gemm_bytes(1, N, K) / t["sec"] / 1e9, ceiling=copy_gbs,
-                    layer=name, **extras(1, N, K, t["sec"]), us_min=t["us_min"], us_max=t["us_max"], rounds=t["rounds"])
+            rec.add(f"gemv_{variant}", [1, N, K], "GB/s", gemm_bytes(1, N, K) / t["sec"] / 1e9, ceiling=ceiling_gbs,
+                    ceiling_name=ceiling_name, layer=name, **extras(1, N, K, t["sec"]), us_min=t["us_min"], us_max=t["us_max"], rounds=t["rounds"])
 
     # 2. One whole decoding step: 16 layers x 4 projections + the LM head, 1 to 16 token vectors;
     #    the GEMV ("auto", as linear uses it, and each variant) and cuBLAS, alternated.
@@ -175,8 +180,8 @@ def main():
         for path, samples in time_interleaved(paths, len(launches), rounds=DECODE_ROUNDS).items():
             t = summary(samples)
             total = t["sec"] * len(launches)
-            rec.add(f"decode_step_{path}", [M], "GB/s", weight_bytes / total / 1e9, ceiling=copy_gbs,
-                    us=total * 1e6, flops=flops, bytes=nbytes, tflops=flops / total / 1e12,
+            rec.add(f"decode_step_{path}", [M], "GB/s", weight_bytes / total / 1e9, ceiling=ceiling_gbs,
+                    ceiling_name=ceiling_name, us=total * 1e6, flops=flops, bytes=nbytes, tflops=flops / total / 1e12,
                     us_min=t["us_min"] * len(launches), us_max=t["us_max"] * len(launches), rounds=t["rounds"],
                     note="weight bytes of 16 layers + LM head over the summed kernel time")
 

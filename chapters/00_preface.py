@@ -70,6 +70,7 @@
 import json
 from pathlib import Path
 
+from tinyvllm_lib.measure import bandwidth_ceiling, ceiling_phrase
 from tinyvllm_lib.plots import Prose
 
 data = Path("../book/data") if Path("../book/data").exists() else Path("book/data")
@@ -83,12 +84,18 @@ def records(name: str) -> list[dict]:
 prose = Prose()
 engine = {r["name"]: r for r in records("ch11_llama")}
 greedy = [r for r in records("ch11_user_path") if r.get("setting") == "greedy"]
-if "bs1_decode" in engine and "throughput" in engine:
+if "bs1_decode" in engine and "throughput" in engine and "weight_bytes" in engine.get(
+    "bs1_decode", {}
+):
     bs1, tp = engine["bs1_decode"], engine["throughput"]
     prose.glue("pre_device", bs1["device"]["name"])
     prose.glue("pre_bs1", f"{bs1['value']:,.0f} tok/s")
-    prose.glue("pre_bs1_share", f"{bs1['ratio']:.0%}")
-    prose.glue("pre_limit", f"{bs1['ceiling']:,.0f} tok/s")
+    # the batch-1 limit B / W, from chapter 1's bandwidth ceiling B, computed now
+    ceiling_gbs, ceiling_name = bandwidth_ceiling(bs1["device"]["name"])
+    limit = ceiling_gbs * 1e9 / bs1["weight_bytes"]
+    prose.glue("pre_bs1_share", f"{bs1['value'] / limit:.0%}")
+    prose.glue("pre_limit", f"{limit:,.0f} tok/s")
+    prose.glue("pre_ceiling", ceiling_phrase(ceiling_gbs, ceiling_name))
     prose.glue("pre_bs1_date", bs1["date"])
     prose.glue("pre_tp", f"{tp['value']:,.0f} output tok/s")
     prose.glue("pre_tp_requests", f"{tp.get('num_requests', 'its')}")
@@ -104,7 +111,7 @@ if "bs1_decode" in engine and "throughput" in engine:
     prose.show("""
 Chapter 11's records, on the {{pre_device}} ({{pre_bs1_date}}): batch-1 decode at
 {{pre_bs1}}, {{pre_bs1_share}} of the {{pre_limit}} that reading the weights once a
-token at copy bandwidth allows{{pre_greedy}}, and {{pre_tp}} on nano-vllm's workload of
+token at {{pre_ceiling}} allows{{pre_greedy}}, and {{pre_tp}} on nano-vllm's workload of
 {{pre_tp_requests}} requests. Chapter 11 sets these against its targets.
 """)
 else:
@@ -207,8 +214,9 @@ print(f"numba {numba.__version__}; running on {where}")
 #   buffer that the caller owns, so that a whole decoding step can later be captured in
 #   a CUDA graph.
 # - **Measurements** count compulsory bytes and FLOPs first, predict, then measure the
-#   kernel's own time and report it as a fraction of a measured ceiling (copy bandwidth
-#   for memory-bound kernels, cuBLAS for matrix products). Numbers in the prose come
+#   kernel's own time and report it as a fraction of a measured ceiling (for
+#   memory-bound kernels the fastest rate at which chapter 1 saw the GPU copy or read
+#   bytes, for matrix products cuBLAS). Numbers in the prose come
 #   from the recorded data, never typed by hand.
 # - **Exported cells** start with `#| export`; the module they go to is named once per
 #   chapter by `#| default_exp`. `book/export.py` writes them into `tinyvllm_lib/`, and

@@ -720,8 +720,9 @@ for bad_src, bad_out in [
 # **Count first.** Widening reads 2 bytes and writes 4 per element and does no
 # arithmetic to speak of, so it is *memory-bound*: its floor is the bytes it must move
 # over the memory bandwidth. The ceiling to compare with is not the datasheet's 4.8 TB/s
-# but what a plain copy achieves on the same GPU, so we measure that too. A kernel at
-# 80% of copy bandwidth has little left to gain; one at 20% is doing something wrong.
+# but the fastest rate at which this GPU measurably moves or reads bytes, so we measure
+# that too: a copy, and a kernel that only reads. A kernel at 80% of that ceiling has
+# little left to gain; one at 20% is doing something wrong.
 #
 # **Then time the kernel itself.** Three traps:
 #
@@ -1043,10 +1044,56 @@ def load_records(chapter: str, data_dir: Path = DATA_DIR) -> list[dict]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def records_table(records: list[dict], time_key: str | None = None) -> str:
+# Chapter 1's records of the rates at which a GPU moves or reads bytes, and what each is
+CEILING_RECORDS = {
+    "read_only": "chapter 1's read-only rate",
+    "copy_torch": "torch's device-to-device copy",
+    "copy_best_grid": "the book's copy at its best grid",
+    "copy": "the book's copy kernel",
+    "copy_driver": "the driver's device-to-device copy",
+}
+
+
+def bandwidth_ceiling(
+    device_name: str | None = None, data_dir: Path = DATA_DIR
+) -> tuple[float, str]:
+    """The memory-bandwidth ceiling of a GPU in GB/s, and the chapter 1 record it
+    comes from: the best of the read and copy rates recorded on `device_name` (by
+    default the GPU of chapter 1's latest record); (nan, "") when none is recorded.
+
+    The best measured rate, not the book's copy kernel: a ceiling is the fastest way
+    this GPU moves or reads bytes, and a kernel that only reads (a GEMV) can beat a
+    copy, which also writes. A "limit" that a kernel exceeds is no limit.
+    """
+    records = [
+        r
+        for r in load_records("ch01_bf16", data_dir)
+        if r["name"] in CEILING_RECORDS and r["metric"] == "GB/s"
+    ]
+    if device_name is None and records:
+        device_name = records[-1]["device"]["name"]
+    rates = [r for r in records if r["device"]["name"] == device_name]
+    if not rates:
+        return float("nan"), ""
+    best = max(rates, key=lambda r: r["value"])
+    return best["value"], best["name"]
+
+
+def ceiling_phrase(gb_s: float, name: str) -> str:
+    """How prose names a ceiling: "the 4,163 GB/s ceiling (chapter 1's read-only
+    rate)"."""
+    if not name:
+        return "the bandwidth ceiling (not yet measured)"
+    return f"the {gb_s:,.0f} GB/s ceiling ({CEILING_RECORDS[name]})"
+
+
+def records_table(
+    records: list[dict], time_key: str | None = None, ceiling: float | None = None
+) -> str:
     """Recorded measurements as a compact table of at most 88 columns: for each record
     its name, shape, value, share of the ceiling and (time_key) a time; a header line
-    for each device and date."""
+    for each device and date. With `ceiling` (GB/s), a GB/s record's share is of it,
+    not of the ceiling stored with the record."""
     lines, last = [], None
     for r in records:
         where = (r["device"]["name"], r["date"])
@@ -1054,7 +1101,11 @@ def records_table(records: list[dict], time_key: str | None = None) -> str:
             lines.append(f"{where[0]}, recorded {where[1]}:")
             last = where
         shape = "x".join(str(s) for s in r["shape"])
-        ratio = f"{r['ratio']:6.1%}" if "ratio" in r else ""
+        share = r.get("ratio")
+        is_rate = r["metric"] == "GB/s" and share is not None
+        if ceiling is not None and np.isfinite(ceiling) and is_rate:
+            share = r["value"] / ceiling
+        ratio = f"{share:6.1%}" if share is not None else ""
         time = f"{r[time_key]:9.2f} {time_key}" if time_key and time_key in r else ""
         value = f"{r['value']:10.2f} {r['metric']:<6}"
         name = r["name"][:28]
@@ -1064,9 +1115,16 @@ def records_table(records: list[dict], time_key: str | None = None) -> str:
 
 
 # %% [markdown]
-# The ceiling: a copy kernel that moves 8 bytes per thread per step (wide loads matter:
-# the same copy with 4-byte words is about a quarter slower on an H200), over a buffer
-# far larger than L2. Bytes moved count both the read and the write.
+# A first candidate for the ceiling: a copy kernel that moves 8 bytes per thread per
+# step (wide loads matter: the same copy with 4-byte words is about a quarter slower on
+# an H200), over a buffer far larger than L2. Bytes moved count both the read and the
+# write. The script below also times this copy at other grid shapes, the copies of the
+# CUDA driver and of PyTorch, and a kernel that only reads (an xor of every word), since
+# a kernel that reads weights and writes little (chapter 6's GEMV) is held back by the
+# reads alone. The **ceiling** is the best of these rates: `bandwidth_ceiling` returns
+# it, with the name of its record, and every later chapter divides by it and says which
+# it was. The book's copy is not the ceiling if something else moves bytes faster; a
+# "limit" that a kernel beats is no limit.
 
 
 # %%
@@ -1091,7 +1149,13 @@ PTX_SIGNATURES["copy_u64_kernel"] = ["void(uint64[::1], uint64[::1])"]
 # numbers, and none is typed by hand. On a GPU you can run it from here:
 
 # %% tags=["hide-input"]
-from tinyvllm_lib.measure import load_records, records_table
+from tinyvllm_lib.measure import (
+    CEILING_RECORDS,
+    bandwidth_ceiling,
+    ceiling_phrase,
+    load_records,
+    records_table,
+)
 
 if has_gpu():
     import runpy
@@ -1106,38 +1170,63 @@ if has_gpu():
 
 records = load_records("ch01_bf16")
 print(f"{len(records)} recorded measurements")
-print(records_table(records))
+print(records_table(records, ceiling=bandwidth_ceiling()[0]))
 
 # %% tags=["hide-input"]
-by_name = {r["name"]: r for r in records}
-copy_gbs = by_name["copy"]["value"] if "copy" in by_name else float("nan")
-widen = by_name.get("widen_bf16")
-prose.glue(
-    "ch01_copy",
-    f"{copy_gbs / 1e3:.2f} TB/s" if "copy" in by_name else "(not yet measured)",
-)
-prose.glue("ch01_widen", f"{widen['ratio']:.0%}" if widen else "(not yet measured)")
-prose.glue("ch01_device", records[0]["device"]["name"] if records else "no GPU yet")
+device = records[-1]["device"]["name"] if records else None
+ceiling_gbs, ceiling_name = bandwidth_ceiling(device)
+rates = {
+    r["name"]: r["value"]
+    for r in records
+    if r["name"] in CEILING_RECORDS and r["device"]["name"] == device
+}
+widen = next((r for r in records if r["name"] == "widen_bf16"), None)
+not_yet = "(not yet measured)"
 
-if records:
-    fig, ax = new_figure(width=6, height=2.5)
-    names = [r["name"] for r in records if r["metric"] == "GB/s"]
-    values = [r["value"] for r in records if r["metric"] == "GB/s"]
-    ax.barh(names, values, color="#1f77b4")
-    ax.axvline(copy_gbs, color="k", ls="--", lw=1, label="copy ceiling")
-    ax.set_xlabel("GB/s (bytes read + written)")
-    ax.set_title(f"measured on {records[0]['device']['name']}")
-    ax.legend()
+
+def gb_s(name: str) -> str:
+    return f"{rates[name]:,.0f} GB/s" if name in rates else not_yet
+
+
+for name in CEILING_RECORDS:
+    prose.glue(f"ch01_{name}", gb_s(name))
+prose.glue("ch01_device", device or "no GPU yet")
+prose.glue("ch01_ceiling", ceiling_phrase(ceiling_gbs, ceiling_name))
+prose.glue(
+    "ch01_widen",
+    f"{widen['value'] / ceiling_gbs:.0%}" if widen and ceiling_name else not_yet,
+)
+
+if rates:
+    fig, ax = new_figure(width=7.5, height=2.5)
+    bars = sorted(rates.items(), key=lambda item: item[1])
+    bars += [("widen_bf16", widen["value"])] if widen else []
+    shown, values = zip(*bars)
+    colors = ["#ff7f0e" if n == "widen_bf16" else "#1f77b4" for n in shown]
+    ax.barh(shown, values, color=colors)
+    ax.axvline(ceiling_gbs, color="k", ls="--", lw=1, label=f"ceiling: {ceiling_name}")
+    ax.set_xlabel("GB/s (bytes read + written; read_only: bytes read)")
+    ax.set_title(f"measured on {device}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     plt.show()
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show(r"""
-On the {{ch01_device}}, a plain copy moves {{ch01_copy}}, and the widening kernel
-reaches {{ch01_widen}} of that. Why not all of it? Each thread makes one 2-byte load and
-one 4-byte store: the memory system moves data in 32-byte sectors, and keeping it busy
-takes many bytes in flight per thread, not many tiny requests. The copy kernel moves 8
-bytes per request. Later kernels read weights 8 or 16 bytes at a time (chapter 06's
-GEMV) for exactly this reason — exercise 5 asks you to try it here.
+On the {{ch01_device}}, the book's copy kernel moves {{ch01_copy}} (bytes read plus
+written; {{ch01_copy_best_grid}} at its best of five grid shapes), the driver's
+device-to-device copy {{ch01_copy_driver}} and PyTorch's {{ch01_copy_torch}}; a kernel
+that only reads gets through {{ch01_read_only}}. The best of them is the ceiling:
+from here on "% of the ceiling" means a share of {{ch01_ceiling}}.
+""")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show(r"""
+The widening kernel reaches {{ch01_widen}} of {{ch01_ceiling}}. Why not all of it?
+Each thread makes one 2-byte load and one 4-byte store: the memory system moves data
+in 32-byte sectors, and keeping it busy takes many bytes in flight per thread, not
+many tiny requests. The copy kernel moves 8 bytes per request. Later kernels read
+weights 8 or 16 bytes at a time (chapter 06's GEMV) for exactly this reason —
+exercise 5 asks you to try it here.
 """)
 
 # %% [markdown]
@@ -1154,7 +1243,8 @@ GEMV) for exactly this reason — exercise 5 asks you to try it here.
 #   GPU and in the simulator.
 #
 # - To time a kernel: count its compulsory bytes, capture many launches in a CUDA graph,
-#   rotate buffers past the L2 cache, and compare with a measured copy ceiling.
+#   rotate buffers past the L2 cache, and compare with a measured ceiling: the best
+#   of the rates at which the GPU copies or reads bytes (`bandwidth_ceiling`).
 # - Every kernel starts with `wait_for_previous_kernel()`, so that a graph may launch it
 #   before the kernel it depends on has finished (Hopper's programmatic edges).
 #
@@ -1163,7 +1253,8 @@ GEMV) for exactly this reason — exercise 5 asks you to try it here.
 # `copy_u64_kernel`), `kernels.dependent_launch` (`wait_for_previous_kernel`),
 # `runtime` (`is_simulator`, `has_gpu`, `can_launch`), `cuda_graph` (`CudaGraph`, with
 # programmatic edges between the library's kernels), `measure` (`time_launches`,
-# `Recorder`, `load_records`) and `plots` (the book's plotting helpers).
+# `Recorder`, `load_records`, `bandwidth_ceiling`, `ceiling_phrase`) and `plots` (the
+# book's plotting helpers).
 #
 # ## Exercises
 #
@@ -1174,9 +1265,9 @@ GEMV) for exactly this reason — exercise 5 asks you to try it here.
 #    fp16? Which of the three could hold its activations without overflow, and why?
 # 3. Remove `uint32(...)` around the shift's right operand in `bf16_to_f32`, compile the
 #    kernel with `cuda.compile_ptx` and find the 64-bit shift (`shl.b64`) in the PTX.
-# 4. The widening kernel reads 2 bytes and writes 4 per element. At the copy bandwidth
+# 4. The widening kernel reads 2 bytes and writes 4 per element. At the ceiling
 #    measured above, how long should widening Llama 3.2 1B's weights take? Time it on a
 #    GPU.
 # 5. Write a kernel in which each thread loads one `uint64` (four bf16 values) and
-#    writes four float32s. Predict its fraction of copy bandwidth, then add it to
+#    writes four float32s. Predict its fraction of the ceiling, then add it to
 #    `bench/ch01_bf16.py` and measure.

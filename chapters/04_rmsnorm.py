@@ -50,7 +50,12 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.measure import load_records, records_table
+from tinyvllm_lib.measure import (
+    bandwidth_ceiling,
+    ceiling_phrase,
+    load_records,
+    records_table,
+)
 from tinyvllm_lib.plots import Prose, new_figure
 from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator, where_kernels_run
 
@@ -689,7 +694,7 @@ PTX_SIGNATURES = {
 # Rung 5 moves every byte in the smallest piece it can: a thread loads one 4-byte float
 # at a time and, with a bf16 output, stores one 2-byte value at a time. Chapter 1 saw
 # what that costs: its copy kernel is slower with 4-byte words than with 8-byte ones,
-# and its widening kernel, with 2-byte loads, falls far short of the copy. Keeping
+# and its widening kernel, with 2-byte loads, falls far short of the ceiling. Keeping
 # memory busy takes many bytes in flight, not many tiny requests. So rung 6 moves the
 # row in 8-byte **words**, each holding a *pair* of neighbouring elements:
 #
@@ -1351,15 +1356,14 @@ for args in [
 #
 # RMSNorm does about 4 floating-point operations per element and moves 8 to 16 bytes, so
 # it is memory-bound by a factor of a hundred: its floor is the compulsory bytes over
-# the copy bandwidth measured in chapter 1. For the fused kernel per element: read the
-# residual and $\delta$ (4 + 4 bytes), write the residual (4) and $y$ (4 in float32, 2
-# in bf16); the bf16 weight row (4 KB) is read by every block but comes from the cache,
-# so it counts once.
+# the bandwidth ceiling measured in chapter 1. For the fused kernel per element: read
+# the residual and $\delta$ (4 + 4 bytes), write the residual (4) and $y$ (4 in float32,
+# 2 in bf16); the bf16 weight row (4 KB) is read by every block but comes from the
+# cache, so it counts once.
 
 # %% tags=["hide-input"]
 hidden, prefill_tokens = 2048, 2048  # Llama 3.2 1B: hidden_size; a long prompt
-copy_records = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
-copy_gbs = copy_records[0]["value"] if copy_records else float("nan")
+ceiling_gbs, ceiling_name = bandwidth_ceiling()  # chapter 1's best rate
 
 
 def fused_bytes(num_rows: int, hidden: int, out_itemsize: int) -> int:
@@ -1375,36 +1379,35 @@ for out_name, itemsize in [("float32", 4), ("bf16", 2)]:
         f"fused add + norm, {prefill_tokens}x{hidden}, {out_name} out: "
         f"{nbytes / 2**20:.1f} MiB"
         + (
-            f" -> at least {nbytes / copy_gbs / 1e3:.1f} µs at the copy bandwidth"
-            if copy_records
+            f" -> at least {nbytes / ceiling_gbs / 1e3:.1f} µs at the ceiling"
+            if ceiling_name
             else ""
         )
     )
-predicted_us = fused_bytes(prefill_tokens, hidden, 2) / copy_gbs / 1e3
+predicted_us = fused_bytes(prefill_tokens, hidden, 2) / ceiling_gbs / 1e3
 prose.glue(
     "ch04_predicted_us",
-    f"{predicted_us:.1f} µs" if copy_records else "(not yet measured)",
+    f"{predicted_us:.1f} µs" if ceiling_name else "(not yet measured)",
 )
-prose.glue(
-    "ch04_copy", f"{copy_gbs / 1e3:.2f} TB/s" if copy_records else "(not yet measured)"
-)
+prose.glue("ch04_ceiling", ceiling_phrase(ceiling_gbs, ceiling_name))
 # a decode step: one row per sequence, 1 to 256 sequences
 decode_bytes = [fused_bytes(rows, hidden, 2) for rows in (1, 256)]
 prose.glue("ch04_decode_bytes", f"{decode_bytes[0] / 1e3:.0f} KB to "
            f"{decode_bytes[1] / 1e6:.1f} MB")
 prose.glue(
-    "ch04_decode_copy_time",
-    f"{decode_bytes[0] / copy_gbs:.0f} ns to {decode_bytes[1] / copy_gbs / 1e3:.1f} µs"
-    if copy_records
+    "ch04_decode_ceiling_time",
+    f"{decode_bytes[0] / ceiling_gbs:.0f} ns to "
+    f"{decode_bytes[1] / ceiling_gbs / 1e3:.1f} µs"
+    if ceiling_name
     else "(not yet measured)",
 )
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show(r"""
-At chapter 1's copy bandwidth of {{ch04_copy}}, the fused kernel with a bf16 output
-cannot take less than {{ch04_predicted_us}} for a 2,048-token prefill. A decode step
-normalises one row per sequence: 1 to 256 rows, {{ch04_decode_bytes}}, which the copy
-bandwidth would move in {{ch04_decode_copy_time}}: no more than a few round trips to
+At {{ch04_ceiling}}, the fused kernel with a bf16 output cannot take less than
+{{ch04_predicted_us}} for a 2,048-token prefill. A decode step normalises one row per
+sequence: 1 to 256 rows, {{ch04_decode_bytes}}, which would move at the ceiling in
+{{ch04_decode_ceiling_time}}: no more than a few round trips to
 memory, each several hundred nanoseconds. Those kernels are bounded by latency instead —
 launching a block, the round trips of a load, the barriers of a reduction — so for them
 we report microseconds, not a fraction of bandwidth.
@@ -1430,7 +1433,9 @@ if has_gpu():
 
 records = load_records("ch04_rmsnorm")
 print(f"{len(records)} recorded measurements")
-print(records_table(records, time_key="us"))
+device_name = records[0]["device"]["name"] if records else None
+ceiling_gbs, ceiling_name = bandwidth_ceiling(device_name)
+print(records_table(records, time_key="us", ceiling=ceiling_gbs))
 
 
 # %% tags=["hide-input"]
@@ -1441,7 +1446,10 @@ def find(name: str, num_rows: int) -> dict | None:
 
 
 def glue_ratio(key: str, record: dict | None) -> None:
-    prose.glue(key, f"{record['ratio']:.0%}" if record else "(not yet measured)")
+    """A record's rate as a share of the ceiling, computed now (not its stored
+    ratio)."""
+    share = record and ceiling_name and f"{record['value'] / ceiling_gbs:.0%}"
+    prose.glue(key, share or "(not yet measured)")
 
 
 def glue_us(key: str, record: dict | None) -> None:
@@ -1467,6 +1475,7 @@ decode_1 = find("fused_add_rmsnorm_wide_bf16", 1) or find("fused_add_rmsnorm_bf1
 prose.glue(
     "ch04_device", records[0]["device"]["name"] if records else "GPU (not yet measured)"
 )
+prose.glue("ch04_ceiling", ceiling_phrase(ceiling_gbs, ceiling_name))
 glue_ratio("ch04_naive", naive)
 glue_ratio("ch04_fused_bf16", fused_bf16)
 glue_ratio("ch04_fused_f32", fused_f32)
@@ -1489,7 +1498,9 @@ if records:
         [r["value"] for r in ladder],
         color="#1f77b4",
     )
-    ax_bw.axvline(ladder[0]["ceiling"], color="k", ls="--", lw=1, label="copy")
+    ax_bw.axvline(
+        ceiling_gbs, color="k", ls="--", lw=1, label=f"ceiling: {ceiling_name}"
+    )
     ax_bw.set_xlabel("GB/s (compulsory bytes)")
     ax_bw.set_title(f"{prefill_tokens} rows of {hidden}")
     ax_bw.legend()
@@ -1511,14 +1522,14 @@ if records:
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show(r"""
-On the {{ch04_device}}, one thread per row reaches {{ch04_naive}} of the copy bandwidth:
+On the {{ch04_device}}, one thread per row reaches {{ch04_naive}} of {{ch04_ceiling}}:
 too few threads, each reading memory 4 bytes at a time from addresses that no neighbour
 shares. A block per row with coalesced loads is the big step; the shuffles remove
 barriers, and holding the row in registers removes the second read. Rung 5, the fused
-kernel, moves its compulsory bytes at {{ch04_fused_bf16}} of the copy bandwidth with a
+kernel, moves its compulsory bytes at {{ch04_fused_bf16}} of the ceiling with a
 bf16 output ({{ch04_fused_f32}} with float32), {{ch04_fused_us}} for 2,048 tokens.
 
-Rung 6 moves the same bytes at {{ch04_wide_bf16}} of the copy bandwidth
+Rung 6 moves the same bytes at {{ch04_wide_bf16}} of the ceiling
 ({{ch04_wide_f32}} with float32), {{ch04_wide_us}}. Its threads no longer wait for one
 element before they ask for the next: their loads go out in a few large batches, each
 load carrying 8 bytes; and with {{ch04_wide_registers}} registers per thread in blocks

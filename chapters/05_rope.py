@@ -50,7 +50,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 from numba import cuda
 
-from tinyvllm_lib.measure import load_records, records_table
+from tinyvllm_lib.measure import (
+    bandwidth_ceiling,
+    ceiling_phrase,
+    load_records,
+    records_table,
+)
 from tinyvllm_lib.plots import Prose, new_figure
 from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator, where_kernels_run
 
@@ -996,8 +1001,7 @@ def rope_bytes(
     )
 
 
-copy_records = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
-copy_gbs = copy_records[0]["value"] if copy_records else float("nan")
+ceiling_gbs, ceiling_name = bandwidth_ceiling()  # chapter 1's best rate
 prefill_tokens = 2048
 nbytes = rope_bytes(prefill_tokens, 32, 8, 64)
 table_share = prefill_tokens * 64 * 4 / nbytes
@@ -1009,16 +1013,14 @@ prose.glue("ch05_mib", f"{nbytes / 2**20:.1f} MiB")
 prose.glue("ch05_table_share", f"{table_share:.1%}")
 prose.glue(
     "ch05_predicted_us",
-    f"{nbytes / copy_gbs / 1e3:.1f} µs" if copy_records else "(not yet measured)",
+    f"{nbytes / ceiling_gbs / 1e3:.1f} µs" if ceiling_name else "(not yet measured)",
 )
-prose.glue(
-    "ch05_copy", f"{copy_gbs / 1e3:.2f} TB/s" if copy_records else "(not yet measured)"
-)
+prose.glue("ch05_ceiling", ceiling_phrase(ceiling_gbs, ceiling_name))
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show(r"""
 A 2,048-token prefill of Llama 3.2 1B moves {{ch05_mib}} ({{ch05_table_share}} of it
-table rows), which at the copy bandwidth of {{ch05_copy}} takes at least
+table rows), which at {{ch05_ceiling}} takes at least
 {{ch05_predicted_us}}. `bench/ch05_rope.py` measures the three rungs there and the last
 at decode sizes (1 to 256 tokens), each verified against `rope_qkv_ref` before it is
 timed, in CUDA graphs over buffers that do not fit in L2, and records to
@@ -1036,7 +1038,9 @@ if has_gpu():
 
 records = load_records("ch05_rope")
 print(f"{len(records)} recorded measurements")
-print(records_table(records, time_key="us"))
+device_name = records[0]["device"]["name"] if records else None
+ceiling_gbs, ceiling_name = bandwidth_ceiling(device_name)
+print(records_table(records, time_key="us", ceiling=ceiling_gbs))
 
 
 # %% tags=["hide-input"]
@@ -1059,7 +1063,9 @@ for key, rec in [
     ("ch05_table", by_table),
     ("ch05_fly", on_the_fly),
 ]:
-    prose.glue(key, f"{rec['ratio']:.0%}" if rec else "(not yet measured)")
+    # the share of the ceiling, computed now rather than the ratio stored with rec
+    share = rec and ceiling_name and f"{rec['value'] / ceiling_gbs:.0%}"
+    prose.glue(key, share or "(not yet measured)")
 prose.glue("ch05_best_us", f"{best['us']:.1f} µs" if best else "(not yet measured)")
 prose.glue(
     "ch05_decode_us", f"{decode_1['us']:.1f} µs" if decode_1 else "(not yet measured)"
@@ -1071,7 +1077,9 @@ if records:
     ax_bw.barh(
         [r["name"] for r in ladder], [r["value"] for r in ladder], color="#1f77b4"
     )
-    ax_bw.axvline(ladder[0]["ceiling"], color="k", ls="--", lw=1, label="copy")
+    ax_bw.axvline(
+        ceiling_gbs, color="k", ls="--", lw=1, label=f"ceiling: {ceiling_name}"
+    )
     ax_bw.set_xlabel("GB/s (compulsory bytes)")
     ax_bw.set_title(f"{prefill_tokens} tokens, 32 + 8 heads of 64")
     ax_bw.legend()
@@ -1089,8 +1097,8 @@ if records:
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show(r"""
-On the {{ch05_device}}, computing the angles on the fly reaches {{ch05_fly}} of the copy
-bandwidth, the table {{ch05_table}}, and several heads per thread {{ch05_best}}
+On the {{ch05_device}}, computing the angles on the fly reaches {{ch05_fly}} of
+{{ch05_ceiling}}, the table {{ch05_table}}, and several heads per thread {{ch05_best}}
 ({{ch05_best_us}} for 2,048 tokens). Every rung reads Q and K in full 128-byte lines, so
 the differences are in what each thread does per byte: the sine and cosine, the index
 arithmetic, and how many loads it keeps in flight. A decode step with one token rotates
@@ -1135,7 +1143,7 @@ instead of launching it alone.
 # 4. Add `fastmath=True` to `rope_on_the_fly_kernel`, run it on a GPU at positions up to
 #    131,072 and plot its error against the table's by position. Then measure its speed.
 # 5. How many bytes does RoPE move per decode step of Llama 3.2 1B (16 layers) with 64
-#    sequences? How long should that take at the copy bandwidth, and how long does the
+#    sequences? How long should that take at the ceiling, and how long does the
 #    benchmark say 64 tokens take per layer?
 # 6. Change `HEADS_PER_THREAD` to 1, 2, 8 and 40. Predict the trend, then measure it
 #    with the benchmark script.

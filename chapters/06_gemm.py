@@ -45,7 +45,13 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
-from tinyvllm_lib.measure import load_records, records_table
+from tinyvllm_lib.measure import (
+    CEILING_RECORDS,
+    bandwidth_ceiling,
+    ceiling_phrase,
+    load_records,
+    records_table,
+)
 from tinyvllm_lib.plots import Prose, new_figure
 from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator, where_kernels_run
 
@@ -96,9 +102,9 @@ def gemm_bytes(M: int, N: int, K: int) -> int:
 # %% [markdown]
 # Here are the shapes of Llama 3.2 1B (q, k and v fused into one matrix, gate and up
 # into another — a fused layer reads its input once and launches once), and what one
-# step of the whole model costs against the ceilings of an H200: the copy bandwidth that
-# chapter 01 measured, the datasheet's 67 TFLOP/s of float32 FMA on CUDA cores, and 989
-# TFLOP/s of dense bf16 on tensor cores.
+# step of the whole model costs against the ceilings of an H200: the bandwidth ceiling
+# that chapter 01 measured (the best of its copy and read rates), the datasheet's 67
+# TFLOP/s of float32 FMA on CUDA cores, and 989 TFLOP/s of dense bf16 on tensor cores.
 
 # %% tags=["hide-input"]
 LLAMA_1B = {
@@ -128,14 +134,11 @@ def projection_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 
 # H200 SXM datasheet: CUDA-core FMA; dense bf16 tensor cores
 FP32_PEAK_TFLOPS, BF16_PEAK_TFLOPS = 67.0, 989.0
-copy_records = [r for r in load_records("ch01_bf16") if r["name"] == "copy"]
-# measured; else the datasheet's 4.8 TB/s
-COPY_GBS = copy_records[-1]["value"] if copy_records else 4800.0
-COPY_SOURCE = (
-    f"measured copy, {copy_records[-1]['device']['name']}"
-    if copy_records
-    else "datasheet"
-)
+# chapter 1's best measured rate; else the datasheet's 4.8 TB/s
+CEILING_GBS, CEILING_NAME = bandwidth_ceiling()
+CEILING_SOURCE = CEILING_RECORDS.get(CEILING_NAME, "datasheet")
+if not CEILING_NAME:
+    CEILING_GBS = 4800.0
 
 shapes = projection_shapes(LLAMA_1B)
 lm_head = (LLAMA_1B["vocab_size"], LLAMA_1B["hidden_size"])
@@ -154,12 +157,12 @@ decode_bytes = (
     num_layers * sum(2 * N * K for N, K in shapes.values())
     + 2 * lm_head[0] * lm_head[1]
 )
-decode_seconds = decode_bytes / (COPY_GBS * 1e9)
+decode_seconds = decode_bytes / (CEILING_GBS * 1e9)
 prefill_flops = num_layers * sum(gemm_flops(2048, N, K) for N, K in shapes.values())
-ridge_fp32 = FP32_PEAK_TFLOPS * 1e12 / (COPY_GBS * 1e9)
+ridge_fp32 = FP32_PEAK_TFLOPS * 1e12 / (CEILING_GBS * 1e9)
 print(
     f"one decode step reads {decode_bytes / 1e9:.2f} GB of weights: at "
-    f"{COPY_GBS / 1e3:.2f} TB/s ({COPY_SOURCE}) "
+    f"{CEILING_GBS / 1e3:.2f} TB/s ({CEILING_SOURCE}) "
     f"that is {decode_seconds * 1e6:.0f} us, at most {1 / decode_seconds:.0f} "
     "tokens/s for one sequence"
 )
@@ -170,8 +173,10 @@ print(
     "peak"
 )
 prose.glue("ch06_decode_gb", f"{decode_bytes / 1e9:.2f} GB")
+prose.glue("ch06_ceiling", ceiling_phrase(CEILING_GBS, CEILING_NAME))
+prose.glue("ch06_ceiling_tbs", f"{CEILING_GBS / 1e3:.2f} TB/s")
 prose.glue("ch06_decode_pred_us", f"{decode_seconds * 1e6:.0f} µs")
-prose.glue("ch06_decode_pred_tok", f"{1 / decode_seconds:.0f}")
+prose.glue("ch06_decode_pred_tok", f"{1 / decode_seconds:,.0f}")
 prose.glue("ch06_ridge_fp32", f"{ridge_fp32:.0f}")
 prose.glue(
     "ch06_prefill_pred_ms", f"{prefill_flops / (BF16_PEAK_TFLOPS * 1e12) * 1e3:.2f} ms"
@@ -183,9 +188,10 @@ prose.glue("ch06_peak_ratio", f"{BF16_PEAK_TFLOPS / FP32_PEAK_TFLOPS:.0f}")
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show(r"""
 Two regimes, two different kernels. **Decoding** one token reads {{ch06_decode_gb}} of
-weights and does one FLOP per byte: at the copy bandwidth the weights alone take
-{{ch06_decode_pred_us}} per token, so no more than {{ch06_decode_pred_tok}} tokens per
-second for a single sequence, whatever the arithmetic does. The arithmetic is far from
+weights and does one FLOP per byte. At {{ch06_ceiling}} the weights alone take
+{{ch06_decode_gb}} ÷ {{ch06_ceiling_tbs}} = {{ch06_decode_pred_us}} per token, so a
+single sequence decodes no more than {{ch06_decode_pred_tok}} tokens per second,
+whatever the arithmetic does. The arithmetic is far from
 any limit: the CUDA cores run out only at an intensity of about {{ch06_ridge_fp32}}
 FLOPs per byte (the *ridge point*), that is, about as many tokens decoded together.
 **Prefill** is the opposite: hundreds of FLOPs per byte, so it is the compute peak that
@@ -1481,8 +1487,8 @@ from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 LINEAR_GEMV_MAX_TOKENS = 1
 # Up to how many rows of w (exclusive) rmsnorm_linear puts the norm inside the GEMV.
 # Measured on the H200 at one token (chapter 11, bench/ch11_kernels.py): inside QKV's
-# GEMV (3,072 rows, a short kernel that runs at half of copy bandwidth) it saved a
-# microsecond and more a layer; inside gate-up's (16,384 rows, at copy bandwidth) it
+# GEMV (3,072 rows, a short kernel that runs at half the bandwidth ceiling) it saved a
+# microsecond and more a layer; inside gate-up's (16,384 rows, near the ceiling) it
 # lost, a warp a row and with blocks sharing rows alike.
 NORM_IN_GEMV_MAX_ROWS = 16384
 
@@ -1607,8 +1613,8 @@ if can_launch():
 #
 # - **one whole decoding step**: the GEMVs of all 16 layers — each with its own weights,
 #   as in the model — and the LM head, for 1 to 16 token vectors, as bytes of weights
-#   over summed time against the copy bandwidth: the GEMV (`"auto"`, and each variant)
-#   against cuBLAS; and each shape alone, one token, for both GEMV variants;
+#   over summed time against the bandwidth ceiling: the GEMV (`"auto"`, and each
+#   variant) against cuBLAS; and each shape alone, one token, for both GEMV variants;
 # - **prefill**, 2048 tokens through each projection: `linear` (its cuBLAS path) against
 #   the same cuBLAS call made directly, and against the 989 TFLOP/s bf16 peak;
 # - **the ladder** on the 2048 × 2048 × 2048 `o` projection, and rung 3 on every
@@ -1681,7 +1687,11 @@ shown = [
     for r in records
     if not r["name"].startswith("decode_step") or r["shape"][0] in (1, 2, 4, 8, 16)
 ]
-print(records_table(shown, time_key="us"))
+# shares of GB/s records against the ceiling of this device, computed now
+CEILING_GBS, CEILING_NAME = bandwidth_ceiling(
+    records[0]["device"]["name"] if records else None
+)
+print(records_table(shown, time_key="us", ceiling=CEILING_GBS))
 
 # %% tags=["hide-input"]
 from tinyvllm_lib.plots import roofline
@@ -1706,8 +1716,16 @@ def first(name: str, **match) -> dict | None:
 NOT_YET = "(not yet measured)"
 
 
+def share(r: dict) -> float:
+    """A record's share of its ceiling: a GB/s rate's of the bandwidth ceiling,
+    computed now (not the ratio stored with it); a FLOP rate's of its stored peak."""
+    return r["value"] / CEILING_GBS if r["metric"] == "GB/s" else r["ratio"]
+
+
 def pct(r: dict | None, key: str = "ratio") -> str:
-    return f"{r[key]:.0%}" if r and key in r else NOT_YET
+    if not r or key not in r:
+        return NOT_YET
+    return f"{share(r) if key == 'ratio' else r[key]:.0%}"
 
 
 def tflops(r: dict | None) -> str:
@@ -1747,7 +1765,7 @@ if records:
     fig, ax = new_figure(width=8, height=4.5)
     roofline(
         ax,
-        COPY_GBS,
+        CEILING_GBS,
         {"bf16 tensor cores": BF16_PEAK_TFLOPS, "fp32 CUDA cores": FP32_PEAK_TFLOPS},
     )
     styles = {
@@ -1764,7 +1782,7 @@ if records:
         if pts:
             ax.scatter(*zip(*pts), marker=marker, color=color, label=label, zorder=3)
     ax.set_title(
-        f"measured on {records[0]['device']['name']}; memory roof = copy bandwidth"
+        f"measured on {records[0]['device']['name']}; memory roof = {CEILING_NAME}"
     )
     ax.legend(fontsize=8, loc="upper left")
     plt.show()
@@ -1773,7 +1791,7 @@ if records:
 # ### The GEMV, one token, shape by shape
 #
 # Each projection alone, with both variants. The bytes are the weights (and the tiny $x$
-# and $y$); the ceiling is chapter 01's copy bandwidth.
+# and $y$); the ceiling is chapter 01's best measured rate.
 
 # %% tags=["hide-input"]
 gemv_rows = []
@@ -1790,7 +1808,7 @@ for layer, (N, K) in [*shapes.items(), ("lm_head", lm_head)]:
         gemv_rows.append((layer, N, K, warp, block, faster, auto))
         print(
             f"{layer:>8} {f'{N} x {K}':>14} {2 * N * K / 1e6:6.1f} "
-            f"{warp['ratio']:7.1%} {block['ratio']:7.1%}  {faster:>6}  {auto}"
+            f"{share(warp):7.1%} {share(block):7.1%}  {faster:>6}  {auto}"
         )
 agree = sum(faster == auto for *_, faster, auto in gemv_rows)
 prose.glue(
@@ -1803,11 +1821,19 @@ for layer in ("o", "down", "lm_head"):
     row = next((r for r in gemv_rows if r[0] == layer), None)
     prose.glue(f"ch06_{layer}_warp", pct(row[3]) if row else NOT_YET)
     prose.glue(f"ch06_{layer}_block", pct(row[4]) if row else NOT_YET)
+lm_row = next((r for r in gemv_rows if r[0] == "lm_head"), None)
+prose.glue(
+    "ch06_lm_head_note",
+    " (past 100%: chapter 1's read-only kernel is no perfect reader either, and the "
+    "ceiling is only the best rate measured so far)"
+    if lm_row and share(lm_row[3]) > 1
+    else "",
+)
 o_row = next((r for r in gemv_rows if r[0] == "o"), None)
 prose.glue("ch06_o_block_us", micros(o_row[4]) if o_row else NOT_YET)
 prose.glue(
     "ch06_o_ideal_us",
-    f"{2 * o_row[1] * o_row[2] / (COPY_GBS * 1e3):.1f} µs" if o_row else NOT_YET,
+    f"{2 * o_row[1] * o_row[2] / (CEILING_GBS * 1e3):.1f} µs" if o_row else NOT_YET,
 )
 
 # time = fixed cost + bytes / bandwidth, fitted to the block variant over five shapes
@@ -1828,22 +1854,21 @@ else:
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show(r"""
 The block-split variant earns its keep on the short matrices: on the 2048 × 2048 `o`
-projection it reads at {{ch06_o_block}} of the copy bandwidth where a warp per row gets
+projection it reads at {{ch06_o_block}} of {{ch06_ceiling}} where a warp per row gets
 {{ch06_o_warp}}, and on the 2048 × 8192 `down` projection, whose 2048 rows are long and
 few, {{ch06_down_block}} against {{ch06_down_warp}}: a warp per row makes 2048 warps,
 some 16 per SM, too few loads in flight to cover the memory's latency; split over
 blocks, the same rows keep every SM busy. On the tall matrices it is the other way round
-— the LM head reaches {{ch06_lm_head_warp}} with a warp per row (about the copy
-bandwidth, which a kernel that only reads can even exceed: a copy also writes) against
-{{ch06_lm_head_block}} — and the `"auto"` rule, a warp per row from 16,384 rows on,
-picks the faster variant on {{ch06_auto_agrees}} shapes.
+— the LM head reaches {{ch06_lm_head_warp}} with a warp per row against
+{{ch06_lm_head_block}}{{ch06_lm_head_note}} — and the `"auto"` rule, a warp per row from
+16,384 rows on, picks the faster variant on {{ch06_auto_agrees}} shapes.
 
 Why does even the block variant read `o` so much more slowly than the LM head? Not for
 its loads: a straight line through the five shapes, time = fixed cost + bytes ÷
 bandwidth, fits them with a bandwidth of {{ch06_gemv_fit_tbs}} and a fixed cost of about
 {{ch06_gemv_fixed_us}} per kernel — the time to fill the GPU with blocks, wait for the
 first bytes, and drain the last ones. The 8 MB of `o` would take {{ch06_o_ideal_us}} at
-the copy bandwidth; the kernel takes {{ch06_o_block_us}}. A small matrix cannot hide
+the ceiling; the kernel takes {{ch06_o_block_us}}. A small matrix cannot hide
 that cost; fusing small projections (q, k and v are already one matrix) or running more
 work per launch can.
 """)
@@ -1915,10 +1940,10 @@ prose.glue(
 )
 prose.glue(
     "ch06_cublas_step_pct",
-    span([100 * r["ratio"] for r in by_name.get("decode_step_cublas", [])], ".0f", "%"),
+    span([100 * share(r) for r in by_name.get("decode_step_cublas", [])], ".0f", "%"),
 )
 
-# the FLOP rate a 16-token step would need to run at the copy bandwidth
+# the FLOP rate a 16-token step would need to run at the bandwidth ceiling
 step_weight_bytes = (
     num_layers * sum(2 * N * K for N, K in shapes.values())
     + 2 * lm_head[0] * lm_head[1]
@@ -1926,7 +1951,7 @@ step_weight_bytes = (
 step16_flops = num_layers * sum(
     gemm_flops(16, N, K) for N, K in shapes.values()
 ) + gemm_flops(16, *lm_head)
-need_tflops = step16_flops / (step_weight_bytes / (COPY_GBS * 1e9)) / 1e12
+need_tflops = step16_flops / (step_weight_bytes / (CEILING_GBS * 1e9)) / 1e12
 prose.glue("ch06_step16_need_tflops", f"{need_tflops:.0f} TFLOP/s")
 prose.glue("ch06_step16_need_pct", f"{need_tflops / FP32_PEAK_TFLOPS:.0%}")
 
@@ -1936,11 +1961,11 @@ if counts:
         ms = sorted(step_us[name])
         ax.plot(ms, [step_us[name][m] for m in ms], style, label=label)
     ax.axhline(
-        step_weight_bytes / (COPY_GBS * 1e3),
+        step_weight_bytes / (CEILING_GBS * 1e3),
         color="k",
         lw=1,
         ls="--",
-        label="weights at copy bandwidth",
+        label=f"weights at the ceiling ({CEILING_NAME})",
     )
     ax.axvline(
         LINEAR_GEMV_MAX_TOKENS + 0.5, color="grey", lw=1, label="linear: GEMV | cuBLAS"
@@ -1955,18 +1980,18 @@ if counts:
 prose.show(r"""
 For one token vector, one whole decoding step of GEMVs — 64 projections and the LM head
 — takes {{ch06_step1_us}} on the {{ch06_device}}, reading its weights at
-{{ch06_step_ratio}} of the copy bandwidth; the same step through cuBLAS takes
+{{ch06_step_ratio}} of {{ch06_ceiling}}; the same step through cuBLAS takes
 {{ch06_step1_cublas_us}}. With two token vectors the GEMV takes {{ch06_step2_us}} and
 cuBLAS {{ch06_step2_cublas_us}}; at 8 and 16 the GEMV takes {{ch06_step8_us}} and
-{{ch06_step16_us}} ({{ch06_step16_ratio}} of the copy bandwidth), while cuBLAS stays
-within {{ch06_cublas_step_range}} ({{ch06_cublas_step_pct}} of the copy bandwidth) for
+{{ch06_step16_us}} ({{ch06_step16_ratio}} of the ceiling), while cuBLAS stays within
+{{ch06_cublas_step_range}} ({{ch06_cublas_step_pct}} of the ceiling) for
 every count from 1 to 16. In this data the GEMV wins for {{ch06_gemv_wins_upto}}, and
 that is where `linear` switches: the GEMV for up to {{ch06_linear_gemv_max}}, cuBLAS
 above.
 
 Why does the GEMV lose ground with every token while cuBLAS does not? It is no longer
 only reading. Every weight is multiplied by every token vector on the CUDA cores: a
-16-token step at the copy bandwidth needs {{ch06_step16_need_tflops}} of float32 FMAs,
+16-token step at the ceiling needs {{ch06_step16_need_tflops}} of float32 FMAs,
 {{ch06_step16_need_pct}} of their peak, before counting the instructions that unpack
 bf16, load $x$ and add up the partial sums. And the block variant, which wins for one
 token by splitting each row over 256 threads, leaves each thread only a few products per
@@ -2071,7 +2096,7 @@ shared memory is read 4 bytes at a time rather than 16.
 # - The GEMV reads bf16 weights 8 bytes per lane, coalesced along the row, several loads
 #   in flight, with float32 accumulation and shuffle reductions — split over a block
 #   when the matrix is small, so that the whole GPU keeps loads in flight. One token's
-#   decoding step is then a read of all the weights at close to copy bandwidth. Its
+#   decoding step is then a read of all the weights close to the bandwidth ceiling. Its
 #   accumulators must stay in registers: every index into them known at compile time (at
 #   most 8 tokens per pass, 32 accumulators), or the PTX shows `.local` and the kernel
 #   crawls.
@@ -2099,7 +2124,7 @@ shared memory is read 4 bytes at a time rather than 16.
 # 3. In rung 3, replace `uint64(...)` in the inner loop's indices by plain integers,
 #    compile to PTX and count the `selp` (select) instructions. What do they compute?
 # 4. How many bytes does one GEMV of the LM head read, and how long must it take at the
-#    copy bandwidth? Compare with the per-shape record in `book/data/ch06_gemm.json`.
+#    bandwidth ceiling? Compare with the per-shape record in `book/data/ch06_gemm.json`.
 # 5. With 16 token vectors, how many FLOPs per byte does a decoding step do? Where is
 #    that on the roofline, and what limits the GEMV there? Find the token count at which
 #    cuBLAS overtakes it in the recorded data (`gemv_wins_up_to`); then make the GEMV

@@ -2003,7 +2003,8 @@ decode step from a CUDA graph instead of launching it.
 #    happens to the average time to the first token, and to the longest wait?
 # 3. Predict the output tokens per second of 256 requests from the recorded kernel time
 #    of a decode step at 256 rows if Python's launches cost nothing. How far is that
-#    from the limit one request could reach at the copy bandwidth (chapter 8's count)?
+#    from the limit one request could reach at the bandwidth ceiling (chapter 8's
+#    $B / W$)?
 # 4. Change the scheduler to put prefills and decodes in the same step. Which chapter-11
 #    graphs would that break, and what would it buy in time to first token?
 # 5. In `LLM.generate`, the progress bar counts prompt tokens only once a request

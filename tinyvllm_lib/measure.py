@@ -160,10 +160,56 @@ def load_records(chapter: str, data_dir: Path = DATA_DIR) -> list[dict]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def records_table(records: list[dict], time_key: str | None = None) -> str:
+# Chapter 1's records of the rates at which a GPU moves or reads bytes, and what each is
+CEILING_RECORDS = {
+    "read_only": "chapter 1's read-only rate",
+    "copy_torch": "torch's device-to-device copy",
+    "copy_best_grid": "the book's copy at its best grid",
+    "copy": "the book's copy kernel",
+    "copy_driver": "the driver's device-to-device copy",
+}
+
+
+def bandwidth_ceiling(
+    device_name: str | None = None, data_dir: Path = DATA_DIR
+) -> tuple[float, str]:
+    """The memory-bandwidth ceiling of a GPU in GB/s, and the chapter 1 record it
+    comes from: the best of the read and copy rates recorded on `device_name` (by
+    default the GPU of chapter 1's latest record); (nan, "") when none is recorded.
+
+    The best measured rate, not the book's copy kernel: a ceiling is the fastest way
+    this GPU moves or reads bytes, and a kernel that only reads (a GEMV) can beat a
+    copy, which also writes. A "limit" that a kernel exceeds is no limit.
+    """
+    records = [
+        r
+        for r in load_records("ch01_bf16", data_dir)
+        if r["name"] in CEILING_RECORDS and r["metric"] == "GB/s"
+    ]
+    if device_name is None and records:
+        device_name = records[-1]["device"]["name"]
+    rates = [r for r in records if r["device"]["name"] == device_name]
+    if not rates:
+        return float("nan"), ""
+    best = max(rates, key=lambda r: r["value"])
+    return best["value"], best["name"]
+
+
+def ceiling_phrase(gb_s: float, name: str) -> str:
+    """How prose names a ceiling: "the 4,163 GB/s ceiling (chapter 1's read-only
+    rate)"."""
+    if not name:
+        return "the bandwidth ceiling (not yet measured)"
+    return f"the {gb_s:,.0f} GB/s ceiling ({CEILING_RECORDS[name]})"
+
+
+def records_table(
+    records: list[dict], time_key: str | None = None, ceiling: float | None = None
+) -> str:
     """Recorded measurements as a compact table of at most 88 columns: for each record
     its name, shape, value, share of the ceiling and (time_key) a time; a header line
-    for each device and date."""
+    for each device and date. With `ceiling` (GB/s), a GB/s record's share is of it,
+    not of the ceiling stored with the record."""
     lines, last = [], None
     for r in records:
         where = (r["device"]["name"], r["date"])
@@ -171,7 +217,11 @@ def records_table(records: list[dict], time_key: str | None = None) -> str:
             lines.append(f"{where[0]}, recorded {where[1]}:")
             last = where
         shape = "x".join(str(s) for s in r["shape"])
-        ratio = f"{r['ratio']:6.1%}" if "ratio" in r else ""
+        share = r.get("ratio")
+        is_rate = r["metric"] == "GB/s" and share is not None
+        if ceiling is not None and np.isfinite(ceiling) and is_rate:
+            share = r["value"] / ceiling
+        ratio = f"{share:6.1%}" if share is not None else ""
         time = f"{r[time_key]:9.2f} {time_key}" if time_key and time_key in r else ""
         value = f"{r['value']:10.2f} {r['metric']:<6}"
         name = r["name"][:28]

@@ -17,8 +17,8 @@ from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 LINEAR_GEMV_MAX_TOKENS = 1
 # Up to how many rows of w (exclusive) rmsnorm_linear puts the norm inside the GEMV.
 # Measured on the H200 at one token (chapter 11, bench/ch11_kernels.py): inside QKV's
-# GEMV (3,072 rows, a short kernel that runs at half of copy bandwidth) it saved a
-# microsecond and more a layer; inside gate-up's (16,384 rows, at copy bandwidth) it
+# GEMV (3,072 rows, a short kernel that runs at half the bandwidth ceiling) it saved a
+# microsecond and more a layer; inside gate-up's (16,384 rows, near the ceiling) it
 # lost, a warp a row and with blocks sharing rows alike.
 NORM_IN_GEMV_MAX_ROWS = 16384
 
