@@ -2794,15 +2794,21 @@ against."""))
     prose.glue(f"{prefix}_share", f"{served['value'] / off['value']:.0%}")
     prose.glue(f"{prefix}_off_us", f"{float(np.median(off_us)):,.1f} µs")
     prose.glue(f"{prefix}_served_us", f"{served_us:,.1f} µs")
-    prose.glue(f"{prefix}_verdict", verdict(off_us, served_us, words=("less", "more")))
+    more = verdict(off_us, served_us, words=("less", "more"))
+    prose.glue(f"{prefix}_verdict", more)
+    prose.glue(f"{prefix}_diff", f"{served_us - float(np.median(off_us)):,.1f} µs")
+    prose.glue(f"{prefix}_cost", prose.fill(f"""the server's cost here is
+{{{{{prefix}_diff}}}} of wall time a token""") if more.startswith("more") else
+               "the server cost nothing the noise can show")  # fmt: skip
     prose.glue(f"{prefix}_core", f"{off['value'] * seconds_per_chunk:.0%}")
     cost_sentences.append(prose.fill(f"""On the {{{{{prefix}_name}}}}
 ({{{{{prefix}_engine}}}}), the engine alone made {{{{{prefix}_offline}}}} through
 `LLM.generate`, and the server, with the same prompts sent all at once, made
-{{{{{prefix}_served}}}}: {{{{{prefix}_share}}}} of the engine's rate. Per token the
-server took {{{{{prefix}_served_us}}}} against the engine's {{{{{prefix}_off_us}}}},
-{{{{{prefix}_verdict}}}}. At the engine's rate, one chunk a token would take
-{{{{{prefix}_core}}}} of one core of this machine for `json.dumps` alone."""))
+{{{{{prefix}_served}}}}: {{{{{prefix}_share}}}} of the engine's rate. In wall time per
+output token, {{{{{prefix}_served_us}}}} against {{{{{prefix}_off_us}}}}, that is
+{{{{{prefix}_verdict}}}}: {{{{{prefix}_cost}}}}. At the engine's rate, one chunk a
+token would take {{{{{prefix}_core}}}} of one core of this machine for `json.dumps`
+alone."""))
 if not cost_sentences:
     cost_sentences.append("No serving record yet: run `bench/ch12_serving.py`.")
 prose.glue("ch12_cost_sentences", "\n\n".join(cost_sentences))
