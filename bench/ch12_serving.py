@@ -14,9 +14,9 @@ the record `offline_throughput`, the server's ceiling. Every record names the en
 --no-async-scheduling). Records to book/data/ch12_serving.json under the GPU's name, or the CPU's.
 
     ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch12_serving.py [--wheel W]
-        # a GPU: the Llama 3.2 1B stand-in, 128 prompts of 512 in / 128 out, rates 4 8 16 32 inf (~3 min on an H200)
+        # a GPU: the Llama 3.2 1B stand-in, 128 prompts of 512 in / 128 out, rates 4 8 16 32 inf (an estimated 3-4 min on an H200)
     python bench/ch12_serving.py --device cpu
-        # SmolLM2 on the NumPy backend: 32 prompts of 64 in / 32 out, rates 1 2 4 8 inf (~6 min on 2 cores)
+        # SmolLM2 on the NumPy backend: 32 prompts of 64 in / 32 out, rates 1 2 4 8 inf (some 6 min on 2 cores)
 """
 
 import argparse

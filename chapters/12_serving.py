@@ -2738,7 +2738,7 @@ anyone's second token. The median gap was then {{ch12_cpu_itl_high}} (p99
 # `bench/ch12_serving.py` measures that rate in the same run as the sweep, on the same
 # machine: after the
 # server stops, it builds an `LLM` with the server's engine settings and times
-# `LLM.generate` on the all-at-once rate's prompts (the median of three runs, each on an
+# `LLM.generate` on the all-at-once rate's prompts (the median of a few runs, each on an
 # empty prefix cache). The server's rate all at once against it is what the server
 # costs.
 
