@@ -2454,7 +2454,7 @@ MODEL_NAMES = {
 SWEEP_KEYS = ("name", "date", "load", "model", "work", "engine", "rates", "rate_low",
               "asked_low", "ttft_low", "ttft_high", "ttft99_high", "itl_low",
               "itl_high", "itl99_high", "tput_low", "tput_high", "itl_growth",
-              "itl_change", "tput_change")  # fmt: skip
+              "itl_change", "tput_change", "prompts_note")  # fmt: skip
 
 
 def sweep(rs, name, key="value"):
@@ -2509,6 +2509,11 @@ def glue_device(prefix: str, rs: list) -> None:
         "tput_change": verdict(
             tput[0], tput[-1], higher_is_better=True, words=("higher", "lower")
         ),
+        # records without `prompts` come from a benchmark that reused one prompt set
+        "prompts_note": "" if "prompts" in first else "This sweep's rates shared one "
+        "set of prompts, so from the second rate on a prompt could be found in the "
+        "prefix cache, which shortens its first token; the benchmark now draws fresh "
+        "prompts for every rate.",
     }
     for key, value in values.items():
         prose.glue(f"{prefix}_{key}", value)
@@ -2620,6 +2625,7 @@ served {{ch12_gpu_work}} at {{ch12_gpu_rates}} requests per second: at
 {{ch12_gpu_rate_low}} per second a median first token after {{ch12_gpu_ttft_low}} and a
 median gap of {{ch12_gpu_itl_low}}; all at once, {{ch12_gpu_ttft_high}} and
 {{ch12_gpu_itl_high}}, and {{ch12_gpu_tput_high}} output tokens/s.
+{{ch12_gpu_prompts_note}}
 """))  # fmt: skip
     # the engine's own decode step (chapter 11) against the gaps seen: the smallest
     # recorded replay with at least the run's rows bounds the GPU's part of a step
@@ -2720,6 +2726,7 @@ computes the prompts first, in as few steps as its token budget allows, before
 anyone's second token. The median gap was then {{ch12_cpu_itl_high}} (p99
 {{ch12_cpu_itl99_high}}), {{ch12_cpu_itl_change}}, and the server made
 {{ch12_cpu_tput_high}} output tokens/s, {{ch12_cpu_tput_change}}.
+{{ch12_cpu_prompts_note}}
 {{ch12_trade_sentence}} {{ch12_growth_sentence}}
 
 {{ch12_gpu_sentence}}
