@@ -60,7 +60,7 @@ from tinyvllm_lib.cli import command
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.measure import load_records
-from tinyvllm_lib.plots import Prose, new_figure, plain_log_ticks
+from tinyvllm_lib.plots import Prose, new_figure, plain_log_ticks, verdict
 from tinyvllm_lib.runtime import has_gpu
 
 # the numbers this chapter's prose quotes, filled in as they are measured
@@ -121,8 +121,12 @@ print(f"the engine runs on {DEVICE}")
 # checks it as the body is parsed, and a message's parts must be objects whose `text`
 # is a string: what fails is a 400 naming the field (`messages.0.content.0.text`),
 # before any tokenizer sees it.
+#
+# The request models follow, folded (open the cell to read them): `Text`, the fields
+# both endpoints share with their `sampling_params()`, `CompletionRequest`,
+# `ChatCompletionRequest`, and `OpenAIError`, whose `body()` is the error object above.
 
-# %%
+# %% tags=["hide-input"]
 #| export entrypoints.openai.protocol
 from typing import Annotated, ClassVar
 
@@ -521,9 +525,11 @@ plt.show()
 # each step it calls `record(stats, iteration)` on each, with chapter 10's
 # `EngineStats` and an `IterationStats` of that step — the times to first token of
 # requests that got their first token, the gaps of those that got another, the
-# requests that finished.
+# requests that finished. The folded cell below holds `IterationStats` and
+# `PrometheusStatLogger`, which turns both into the gauges, counters and histograms of
+# `/metrics`.
 
-# %%
+# %% tags=["hide-input"]
 #| export engine.metrics
 from dataclasses import dataclass, field
 
@@ -632,9 +638,11 @@ class PrometheusStatLogger:
 # the caller stops iterating early; `abort` may be called from anywhere, for a request
 # in any state. Everything below the line `# --- the engine thread ---` runs on the
 # engine's thread only. If a step raises (a bug), the requests in flight get the
-# error and the loop goes on serving new ones.
+# error and the loop goes on serving new ones. The cell is folded: its heart is
+# `_step`, which steps the engine and hands every request's delta to the loop in one
+# `call_soon_threadsafe`.
 
-# %%
+# %% tags=["hide-input"]
 #| export engine.async_llm_engine
 import asyncio
 import logging
@@ -945,9 +953,9 @@ class AsyncLLMEngine:
 # thread). The server itself runs the same way, in the background:
 # `ServerThread` starts [uvicorn](https://www.uvicorn.org/), the HTTP server vLLM uses,
 # on `127.0.0.1` and a port the system picks, and stops it again; `serve_http` is the
-# blocking version the `serve` command uses.
+# blocking version the `serve` command uses. All three are in the folded cell below.
 
-# %%
+# %% tags=["hide-input"]
 #| export entrypoints.launcher
 import asyncio
 import concurrent.futures
@@ -1185,8 +1193,11 @@ one that left had {{ch12_left_tokens}} tokens when it went. The three held at mo
 # least $\lceil B / L \rceil$ tokens, and if that is already `max_model_len` the
 # answer is a 400 with no tokenizer call. Whatever the template or the tokenizer
 # raises on a request's text is the request's fault: a 400 too.
+#
+# `PromptProcessor`, folded below, does both: it checks the byte bound, then renders
+# and encodes on its pool, and gives the handler token ids or a 400.
 
-# %%
+# %% tags=["hide-input"]
 #| export entrypoints.openai.prompts
 import asyncio
 import math
@@ -1268,10 +1279,12 @@ class PromptProcessor:
 
 
 # %% [markdown]
-# The two endpoints share the rest: handing a request to the engine, waiting for its
-# deltas, streaming them.
+# The two endpoints share the rest, in the folded base class `OpenAIServing` below:
+# `submit` hands a request to the engine and turns a refusal into a 400, `respond`
+# merges the deltas into one JSON answer, and `stream` writes them as server-sent
+# events (`sse` makes one), asking every half second whether the client is still there.
 
-# %%
+# %% tags=["hide-input"]
 #| export entrypoints.openai.serving
 import asyncio
 import json
@@ -1498,9 +1511,10 @@ class OpenAIServing:
 # completion's choice carries `text`, and OpenAI's older log-prob shape of parallel
 # lists. A log-prob's token is its text (`" Paris"`), or with vLLM's
 # `return_tokens_as_token_ids` its id (`"token_id:7042"`), which is what the tests use
-# to compare the server's tokens with `LLM.generate`'s.
+# to compare the server's tokens with `LLM.generate`'s. The chat endpoint first,
+# folded: it renders the messages, then builds each choice.
 
-# %%
+# %% tags=["hide-input"]
 #| export entrypoints.openai.serving_chat
 from tinyvllm_lib.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from tinyvllm_lib.entrypoints.openai.serving import OpenAIServing, finite
@@ -1568,7 +1582,11 @@ class OpenAIServingChat(OpenAIServing):
         return entry(token_id, step[token_id]) | {"top_logprobs": top}
 
 
-# %%
+# %% [markdown]
+# Then the completion endpoint, folded too: its prompt is text or token ids, and its
+# choice carries `text` and the older log-prob lists.
+
+# %% tags=["hide-input"]
 #| export entrypoints.openai.serving_completion
 from tinyvllm_lib.entrypoints.openai.protocol import CompletionRequest, OpenAIError
 from tinyvllm_lib.entrypoints.openai.serving import OpenAIServing, finite
@@ -1709,9 +1727,10 @@ class BodySizeLimit:
 # And the application: the routes, the error handlers, and a *lifespan* that starts the
 # engine thread when the server starts and stops it when the server stops. The
 # Prometheus registry is the server's own (not `prometheus_client`'s global one), so
-# that two servers in one process — the tests start several — count apart.
+# that two servers in one process — the tests start several — count apart. The last
+# folded cell of the server: `build_app` and its `answer` handler.
 
-# %%
+# %% tags=["hide-input"]
 #| export
 import logging
 import time
@@ -2126,12 +2145,33 @@ if stall_runs("refusal") and stall_runs("refusal", "1"):
     figures["stall_step"] = f"{median_gap(refusals):.0f} ms"
     figures["stall_step_1"] = f"{median_gap(single):.0f} ms"
     figures["stall_cpu"] = refusals[0]["device"]["name"]
+    # the largest gap during a refusal against the control's, and BLAS on one thread
+    figures["stall_gap_verdict"] = verdict(
+        slowest(controls, "stream_gap_ratio"), slowest(refusals, "stream_gap_ratio"),
+        words=("smaller", "larger"),
+    )
+    # each run's median gap, so that their spread is the noise
+    figures["stall_step_verdict"] = verdict(
+        [r["median_gap_ms"] for r in refusals if "median_gap_ms" in r],
+        [r["median_gap_ms"] for r in single if "median_gap_ms" in r],
+        words=("shorter", "longer"),
+    )
+    figures["stall_gap_1_verdict"] = verdict(
+        slowest(refusals, "stream_gap_ratio"), slowest(single, "stream_gap_ratio"),
+        words=("smaller", "larger"),
+    )
+    figures["stall_cpus_sentence"] = (
+        "That cost is the CPU's more than the server's: "
+        if figures["stall_gap_1_verdict"].startswith("smaller") else ""
+    )
 if soak:
     figures["soak_requests"] = f"{soak[-1]['value']:,.0f}"
     figures["soak_minutes"] = f"{soak[-1]['seconds'] / 60:.0f} minutes"
     figures["soak_rss"] = f"{soak[-1]['rss_growth_mb']:+.1f} MB"
 names = ["stall_health", "stall_gap", "stall_control", "stall_gap_1", "stall_step"]
 names += ["stall_step_1", "stall_cpu", "soak_requests", "soak_minutes", "soak_rss"]
+names += ["stall_gap_verdict", "stall_step_verdict", "stall_gap_1_verdict"]
+names += ["stall_cpus_sentence"]
 for name in names:
     prose.glue(f"ch12_{name}", figures.get(name, "(not measured)"))
 
@@ -2145,13 +2185,14 @@ else:
     prose.show("""
 On the {{ch12_stall_cpu}}, `/health` answered within {{ch12_stall_health}} while a 5 MB
 prompt was refused (before the tokenizer moved off the engine's thread and let go of
-the GIL, it waited seconds). The running stream did feel the refusal: its largest gap
-meanwhile was {{ch12_stall_gap}} its median, where the same stream with nothing refused
-reached {{ch12_stall_control}}. That cost is the CPU's more than the server's: with
-NumPy's BLAS on one thread instead of two, every step is slower (a median gap of
-{{ch12_stall_step_1}} against {{ch12_stall_step}}), but the largest gap during a refusal
-was {{ch12_stall_gap_1}} its median. On two cores, a step split over two BLAS threads is
-what any third busy thread upsets — the server reading a body, or the client sending it.
+the GIL, it waited seconds). The running stream's largest gap meanwhile was
+{{ch12_stall_gap}} its median, where the same stream with nothing refused reached
+{{ch12_stall_control}}: {{ch12_stall_gap_verdict}}. {{ch12_stall_cpus_sentence}}with
+NumPy's BLAS on one thread instead of two, a step's median gap was {{ch12_stall_step_1}}
+against {{ch12_stall_step}} ({{ch12_stall_step_verdict}} over the runs' spread), and the
+largest gap during a refusal was {{ch12_stall_gap_1}} its median,
+{{ch12_stall_gap_1_verdict}}. On two cores, a step split over two BLAS threads is what
+any third busy thread upsets — the server reading a body, or the client sending it.
 The soak sent {{ch12_soak_requests}} requests in {{ch12_soak_minutes}}: every good
 answer was the same request's alone, none got a 5xx, the gauges came back to zero with
 no KV block held, and the resident memory changed by {{ch12_soak_rss}} after the first
@@ -2159,49 +2200,6 @@ minute.
 """)
 
 
-
-# %% [markdown]
-# ## What the server costs
-#
-# Count before measuring. Per token, the engine thread makes one delta per request, and
-# the event loop turns it into one chunk: a `json.dumps` of the envelope, a few hundred
-# bytes, written to a socket. How long does making one chunk take here, and what share
-# of one core would it be at the rate chapter 10 measured the engine producing tokens
-# on the GPU?
-
-# %%
-from tinyvllm_lib.entrypoints.openai.serving import sse
-
-sample = chunks[2]
-seconds_per_chunk = (
-    min(timeit.repeat(lambda: sse(sample), number=2000, repeat=5)) / 2000
-)
-paged = [
-    r
-    for r in load_records("ch10_paging")
-    if r["name"] == "output_throughput" and r.get("scheme") == "paged"
-]
-best = max(paged, key=lambda r: r["value"]) if paged else None
-prose.glue("ch12_chunk_us", f"{seconds_per_chunk * 1e6:.1f} µs")
-if best:
-    prose.glue("ch12_gpu_tok_s", f"{best['value']:,.0f} tokens/s")
-    prose.glue("ch12_gpu_name", best["device"]["name"])
-    prose.glue("ch12_core_share", f"{best['value'] * seconds_per_chunk:.0%}")
-else:
-    for key in ("ch12_gpu_tok_s", "ch12_gpu_name", "ch12_core_share"):
-        prose.glue(key, "(not yet measured)")
-print(f"one chunk: {seconds_per_chunk * 1e6:.1f} us to serialise")
-
-# %% tags=["remove-input"] jupyter={"source_hidden": true}
-prose.show("""
-Serialising one chunk takes {{ch12_chunk_us}} on this machine. Chapter 10's engine made
-{{ch12_gpu_tok_s}} on the {{ch12_gpu_name}}; one chunk per token at that rate would take
-{{ch12_core_share}} of one core for `json.dumps` alone — before the HTTP framing, the
-socket writes and the pydantic parsing of the requests. This is why vLLM moved its
-server to a process of its own, apart from the engine's: in one Python process the
-event loop and the engine thread take turns at one interpreter lock, and at a high
-token rate the server's share is not small.
-""")
 
 # %% [markdown]
 # ## A serving benchmark
@@ -2237,8 +2235,12 @@ token rate the server's share is not small.
 # median is good but whose p99 is poor serves one client in a hundred badly. The
 # workload is vLLM's *random* dataset: prompts of random token ids of one length, and
 # `max_tokens` with `ignore_eos`, so that every request does the same work.
+#
+# The client is folded below: `poisson_arrival_times`, `random_prompts`,
+# `send_completion` (one streamed request, timed by the chunks that carry text),
+# `run_at_rate` (every prompt sent at its time) and `summarize` (vLLM's report).
 
-# %%
+# %% tags=["hide-input"]
 #| export benchmark_serving
 """A serving benchmark in the manner of vLLM's benchmark_serving: Poisson arrivals,
 streamed completions, TTFT / TPOT / ITL / end-to-end latency percentiles.
@@ -2427,9 +2429,14 @@ server.stop()
 #
 # `bench/ch12_serving.py` runs the benchmark properly: the server in a process of its
 # own (`python -m tinyvllm_lib serve`), the client in another, a sweep of request rates,
-# and a record per rate and measure in `book/data/ch12_serving.json`. On a machine with
-# no GPU it serves SmolLM2 with the NumPy backend; on a GPU, the Llama 3.2 1B stand-in.
-# The figure shows every device recorded so far, the paragraph under it says which.
+# and a record per rate and measure in `book/data/ch12_serving.json`, each naming the
+# engine's commit and mode. Before the first rate it warms the server up with a few
+# requests of the workload's own shape, run to their end, and each rate gets fresh
+# prompts, so that no rate finds another's in the prefix cache. On a machine with no
+# GPU it serves SmolLM2 with the NumPy backend; on a GPU, the Llama 3.2 1B stand-in.
+# The figure has one row per device recorded so far, its workload in the row's title;
+# the throughput panel draws the load the clients offered (request rate × output
+# tokens a request) beside what the server made.
 
 # %% tags=["hide-input"]
 records = load_records("ch12_serving")
@@ -2437,29 +2444,40 @@ by_device = {}
 for r in records:
     by_device.setdefault(r["device"]["name"], []).append(r)
 MEASURES = ["ttft", "itl", "e2el", "output_throughput"]
-TITLES = ["time to first token (ms)", "inter-token latency (ms)",
-          "end-to-end latency (ms)", "output tokens/s"]  # fmt: skip
+YLABELS = ["time to first token (ms)", "inter-token latency (ms)",
+           "end-to-end latency (ms)", "output tokens/s"]  # fmt: skip
+MODEL_NAMES = {
+    "smollm2": "SmolLM2-135M-Instruct",
+    "llama-3.2-1b-standin": "Llama 3.2 1B stand-in (random weights)",
+}
+# what the paragraph below quotes of each device's sweep
+SWEEP_KEYS = ("name", "date", "load", "model", "work", "engine", "rates", "rate_low",
+              "asked_low", "ttft_low", "ttft_high", "ttft99_high", "itl_low",
+              "itl_high", "itl99_high", "tput_low", "tput_high", "itl_growth",
+              "itl_change", "tput_change", "prompts_note")  # fmt: skip
 
 
 def sweep(rs, name, key="value"):
     """(rates, values) of one measure over a device's recorded rates, in order."""
-    rows = sorted(
-        (r for r in rs if r["name"] == name),
-        key=lambda r: math.inf if r["request_rate"] == "inf" else r["request_rate"],
-    )
-    rates = [
-        math.inf if r["request_rate"] == "inf" else r["request_rate"] for r in rows
-    ]
-    return rates, [r[key] for r in rows]
+    rows = sorted((r for r in rs if r["name"] == name),
+                  key=lambda r: float(r["request_rate"]))  # fmt: skip
+    return [float(r["request_rate"]) for r in rows], [r[key] for r in rows]
 
 
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+def engine_of(r: dict) -> str:
+    """The engine's commit and mode as a record names them (older records do not)."""
+    if r.get("engine_commit") is None and r.get("mode") is None:
+        return "engine commit and mode not recorded"
+    return f"engine `{r.get('engine_commit') or 'unknown'}`, {r.get('mode', '')}"
+
+
 def glue_device(prefix: str, rs: list) -> None:
     """The numbers the paragraph below quotes for one device's sweep."""
-    first = rs[0]
+    first = next(r for r in rs if r["name"] == "ttft")
     rates, ttft = sweep(rs, "ttft")
     _, ttft99 = sweep(rs, "ttft", "p99")
     _, itl = sweep(rs, "itl")
@@ -2470,22 +2488,32 @@ def glue_device(prefix: str, rs: list) -> None:
         "date": first["date"],
         # other work on the machine when the sweep began (its cores are few)
         "load": f"{first.get('load_average', float('nan')):.1f}",
-        "model": first["model"],
+        "model": MODEL_NAMES.get(first["model"], first["model"]),
         "work": f"{first['num_prompts']} requests of {first['input_len']} prompt "
         f"tokens and {first['max_tokens']} output tokens",
+        "engine": engine_of(first),
         "rates": ", ".join(map(rate_label, rates)),
         "rate_low": rate_label(rates[0]),
         "asked_low": f"{rates[0] * first['max_tokens']:,.0f}",
         "ttft_low": f"{ttft[0]:,.0f} ms",
         "ttft_high": f"{ttft[-1]:,.0f} ms",
         "ttft99_high": f"{ttft99[-1]:,.0f} ms",
-        "itl_low": f"{itl[0]:,.0f} ms",
-        "itl_high": f"{itl[-1]:,.0f} ms",
+        "itl_low": f"{itl[0]:,.1f} ms",
+        "itl_high": f"{itl[-1]:,.1f} ms",
         "itl99_high": f"{itl99[-1]:,.0f} ms",
         "tput_low": f"{tput[0]:,.0f} output tokens/s",
         "tput_high": f"{tput[-1]:,.0f}",
-        # how much the median gap grew from the lowest rate to all at once
+        # the median gap all at once over the median gap at the lowest rate
         "itl_growth": f"{itl[-1] / itl[0]:.1f}",
+        "itl_change": verdict(itl[0], itl[-1], words=("shorter", "longer")),
+        "tput_change": verdict(
+            tput[0], tput[-1], higher_is_better=True, words=("higher", "lower")
+        ),
+        # records without `prompts` come from a benchmark that reused one prompt set
+        "prompts_note": "" if "prompts" in first else "This sweep's rates shared one "
+        "set of prompts, so from the second rate on a prompt could be found in the "
+        "prefix cache, which shortens its first token; the benchmark now draws fresh "
+        "prompts for every rate.",
     }
     for key, value in values.items():
         prose.glue(f"{prefix}_{key}", value)
@@ -2498,37 +2526,45 @@ for prefix, found in (("ch12_cpu", cpu), ("ch12_gpu", gpu)):
     if found:
         glue_device(prefix, next(iter(found.values())))
     else:
-        for key in ("name", "date", "model", "work", "rates", "rate_low", "asked_low",
-                    "ttft_low", "ttft_high", "ttft99_high", "itl_low", "itl_high",
-                    "itl99_high", "tput_low", "tput_high", "itl_growth"):  # fmt: skip
+        for key in SWEEP_KEYS:
             prose.glue(f"{prefix}_{key}", missing)
+if cpu:
+    # the trade, where the CPU's sweep shows it: more tokens a step, each step longer
+    more = prose.values["ch12_cpu_tput_change"].startswith("higher")
+    longer = prose.values["ch12_cpu_itl_change"].startswith("longer")
+    prose.glue("ch12_trade_sentence", "That is the trade every server makes: more "
+               "clients at once fill the batch, so each step makes more tokens, and "
+               "each step, computing more rows and newcomers' prompts, takes longer "
+               "for everyone in it." if more and longer else "")  # fmt: skip
+else:
+    prose.glue("ch12_trade_sentence", "")
 if gpu and cpu:
     cpu_rs, gpu_rs = next(iter(cpu.values())), next(iter(gpu.values()))
     cpu_growth = sweep(cpu_rs, "itl")[1][-1] / sweep(cpu_rs, "itl")[1][0]
     gpu_growth = sweep(gpu_rs, "itl")[1][-1] / sweep(gpu_rs, "itl")[1][0]
+    growth = verdict(cpu_growth, gpu_growth, words=("smaller", "larger"))
+    prose.glue("ch12_growth_verdict", growth)
     prose.glue("ch12_cpu_clients", f"{cpu_rs[0]['num_prompts']}")
     prose.glue("ch12_gpu_clients", f"{gpu_rs[0]['num_prompts']}")
     prose.glue("ch12_cpu_prompt", f"{cpu_rs[0]['input_len']}")
     prose.glue("ch12_gpu_prompt", f"{gpu_rs[0]['input_len']}")
-    # rows a step can hold with every request sent at once
-    def most_rows(r):
+
+    def most_rows(r):  # rows a step can hold with every request sent at once
         return min(r["num_prompts"], r["max_num_seqs"])
 
     rows_times = most_rows(gpu_rs[0]) / most_rows(cpu_rs[0])
     prose.glue("ch12_rows_times", f"{rows_times:g}")
     prompt_times = gpu_rs[0]["input_len"] / cpu_rs[0]["input_len"]
     prose.glue("ch12_prompt_times", f"{prompt_times:g}")
-    if gpu_growth > cpu_growth:
-        prose.glue("ch12_growth_sentence", prose.fill("""One might expect the GPU's
-gap to grow less, since its decode step is mostly a read of the weights that every row
-shares (chapter 6); it grew more. The two sweeps are not alike: the GPU's sends
-{{ch12_gpu_clients}} requests of {{ch12_gpu_prompt}} prompt tokens, the CPU's
-{{ch12_cpu_clients}} of {{ch12_cpu_prompt}}, so all at once the GPU's steps carry
-{{ch12_rows_times}} times the rows and prompts {{ch12_prompt_times}} times as long to
-prefill between decode steps. The records do not separate those causes."""))
-    else:
-        prose.glue("ch12_growth_sentence", "The GPU's gap grew less: its decode step "
-                   "is mostly a read of the weights every row shares (chapter 6).")
+    prose.glue("ch12_growth_sentence", prose.fill("""From the lowest rate to all at
+once the median gap went from {{ch12_cpu_itl_low}} to {{ch12_cpu_itl_high}} on the CPU
+({{ch12_cpu_itl_growth}}×) and from {{ch12_gpu_itl_low}} to {{ch12_gpu_itl_high}} on the
+GPU ({{ch12_gpu_itl_growth}}×): the GPU's growth is {{ch12_growth_verdict}} than the
+CPU's. The two sweeps are not alike: the GPU's sends {{ch12_gpu_clients}} requests of
+{{ch12_gpu_prompt}} prompt tokens, the CPU's {{ch12_cpu_clients}} of
+{{ch12_cpu_prompt}}, so all at once the GPU's steps carry {{ch12_rows_times}} times the
+rows and prompts {{ch12_prompt_times}} times as long to prefill between decode steps.
+The records do not separate those causes."""))
 else:
     prose.glue("ch12_growth_sentence", "")
 # the sweep's worst tail of first tokens, p99 against the median, and what the record
@@ -2551,138 +2587,250 @@ if spike is not None and spike["p99"] > 10 * spike["value"]:
     prose.glue("ch12_spike_p90", f"{spike['p90']:,.0f} ms")
     prose.glue("ch12_spike_mean", f"{spike['mean']:,.0f} ms")
     prose.glue("ch12_spike_n", f"{n}")
-    excess_s = (spike["mean"] - spike["value"]) * n / 1e3
-    prose.glue("ch12_spike_excess", f"{excess_s:.1f} s")
-    prose.glue("ch12_spike_above", f"{spike['mean'] - spike['value']:,.0f} ms")
     prose.glue("ch12_spike_times", f"{spike['p99'] / spike['value']:.0f}")
     is_first = float(spike["request_rate"]) == rates_in_order[0]
-    prose.glue(
-        "ch12_spike_order",
-        "the sweep's first rate, run right after a one-request warm-up on the same "
-        "server" if is_first else "not the sweep's first rate",
-    )
+    if "warmup_requests" not in spike:
+        # recorded before bench/ch12_serving.py warmed the server with the workload
+        prose.glue("ch12_spike_order", "This rate was the sweep's first, so its tail "
+                   "may hold first-use costs that such a warm-up would have paid (the "
+                   "first prompts of this length, the first batches of these sizes)."
+                   if is_first else "This rate was not the sweep's first, so "
+                   "first-use costs alone would not explain it.")  # fmt: skip
+        prose.glue("ch12_spike_why", prose.fill("""This sweep was measured before the
+benchmark warmed the server up with requests of the workload's own shape (its records
+carry no `warmup_requests`): besides the engine's start-up warm-up, the server had
+answered one request of two tokens before the first rate. {{ch12_spike_order}} The
+record keeps no request's own time, so it cannot tell; a run of today's
+`bench/ch12_serving.py`, which warms the server up first, can."""))
+    else:
+        prose.glue("ch12_spike_warm_n", f"{spike['warmup_requests']}")
+        prose.glue("ch12_spike_warm_p99", f"{spike['warmup_p99_ttft_ms']:,.0f} ms")
+        prose.glue("ch12_spike_why", prose.fill(f"""The sweep began after a warm-up of
+{{{{ch12_spike_warm_n}}}} requests of the workload's own shape, finished before the
+first rate (their own p99 first token: {{{{ch12_spike_warm_p99}}}}), and this rate is
+{"" if is_first else "not "}the sweep's first; so the tail is not the server's first
+use, and the record, which keeps no request's own time, cannot say more of it."""))
     prose.glue("ch12_spike_sentence", prose.fill("""On the {{ch12_spike_device}} at
 {{ch12_spike_rate}} requests/s, the p99 first token ({{ch12_spike_p99}}) is
 {{ch12_spike_times}} times the median ({{ch12_spike_median}}); the p90 is
-{{ch12_spike_p90}}. The record keeps only those summaries, not each request's time, so
-it cannot say which requests waited or why. What it does say: at least
-{{ch12_spike_at_least}} of the {{ch12_spike_n}} requests waited {{ch12_spike_p99}} or
-more, and the mean ({{ch12_spike_mean}}) exceeds the median by {{ch12_spike_above}},
-{{ch12_spike_excess}} of waiting summed over the {{ch12_spike_n}} requests. The rate is
-{{ch12_spike_order}}; whether its first requests paid for something the warm-up did
-not reach (a graph, a compile) is a guess the record cannot check, so the spike is
-unexplained."""))
+{{ch12_spike_p90}} and the mean {{ch12_spike_mean}}. At least {{ch12_spike_at_least}}
+of the {{ch12_spike_n}} requests waited {{ch12_spike_p99}} or more.
+{{ch12_spike_why}}"""))
 else:
     prose.glue("ch12_spike_sentence", "")
 if gpu:
     prose.glue("ch12_gpu_sentence", prose.fill("""
-On the {{ch12_gpu_name}} ({{ch12_gpu_date}}), {{ch12_gpu_model}} served
-{{ch12_gpu_work}} at {{ch12_gpu_rates}} requests per second: at {{ch12_gpu_rate_low}}
-per second a median first token after {{ch12_gpu_ttft_low}} and a median gap of
-{{ch12_gpu_itl_low}}; all at once, {{ch12_gpu_ttft_high}} and {{ch12_gpu_itl_high}},
-and {{ch12_gpu_tput_high}} output tokens/s.
+On the {{ch12_gpu_name}} ({{ch12_gpu_date}}, {{ch12_gpu_engine}}), {{ch12_gpu_model}}
+served {{ch12_gpu_work}} at {{ch12_gpu_rates}} requests per second: at
+{{ch12_gpu_rate_low}} per second a median first token after {{ch12_gpu_ttft_low}} and a
+median gap of {{ch12_gpu_itl_low}}; all at once, {{ch12_gpu_ttft_high}} and
+{{ch12_gpu_itl_high}}, and {{ch12_gpu_tput_high}} output tokens/s.
+{{ch12_gpu_prompts_note}}
 """))  # fmt: skip
-    # the engine's own decode step at a like batch (chapter 11), against the gaps seen
+    # the engine's own decode step (chapter 11) against the gaps seen: the smallest
+    # recorded replay with at least the run's rows bounds the GPU's part of a step
     replay = [r for r in load_records("ch11_llama") if r["name"] == "graph_replay"]
     _, gpu_itl = sweep(next(iter(gpu.values())), "itl")
     first = next(iter(gpu.values()))[0]
     rows = min(first["num_prompts"], first["max_num_seqs"])  # all sent at once
-    # the recorded replays on either side of the run's rows, like with like
-    below = [r for r in replay if r["shape"][0] <= rows]
     above = [r for r in replay if r["shape"][0] >= rows]
-    if below and above:
-        lo = max(below, key=lambda r: r["shape"][0])
+    if above:
         hi = min(above, key=lambda r: r["shape"][0])
         prose.glue("ch12_run_rows", f"{rows}")
-        prose.glue("ch12_replay_lo", f"{lo['value']:.1f} ms")
-        prose.glue("ch12_replay_lo_rows", f"{lo['shape'][0]}")
         prose.glue("ch12_replay_hi", f"{hi['value']:.1f} ms")
         prose.glue("ch12_replay_hi_rows", f"{hi['shape'][0]}")
         prose.glue("ch12_replay_ctx", f"{hi.get('context', 'unrecorded')}")
-        prose.glue("ch12_itl_over_lo", f"{gpu_itl[-1] / hi['value']:.0f}")
-        prose.glue("ch12_itl_over_hi", f"{gpu_itl[-1] / lo['value']:.0f}")
+        prose.glue("ch12_itl_over_hi", f"{gpu_itl[-1] / hi['value']:.0f}")
+        prose.glue("ch12_replay_bound", "" if hi["shape"][0] == rows else
+                   f" (more rows than the run's {rows}: a bound on its step)")
         prose.glue("ch12_gpu_sentence", prose.fill("""{{ch12_gpu_sentence}} With every
 request sent at once a decode step holds up to {{ch12_run_rows}} rows; on the same GPU
 (chapter 11) a replayed decode step at {{ch12_replay_ctx}} tokens of context takes
-{{ch12_replay_lo}} at {{ch12_replay_lo_rows}} rows and {{ch12_replay_hi}} at
-{{ch12_replay_hi_rows}}, so the median gap between a client's tokens is
-{{ch12_itl_over_lo}} to {{ch12_itl_over_hi}} times the GPU's part of a decode step
-(the gap also spans the steps that prefill newcomers' prompts). Where the rest goes
-is not measured yet; the candidates are the engine's host work per step (chapter 11
-times it), and the server's: a chunk per token per client, encoded as JSON and written
-by the event loop, which shares one Python interpreter with the engine's thread.
+{{ch12_replay_hi}} at {{ch12_replay_hi_rows}} rows{{ch12_replay_bound}}, so the median
+gap between a client's tokens is at least {{ch12_itl_over_hi}} times the GPU's part of
+a decode step (the gap also spans the steps that prefill newcomers' prompts). The rest
+is the engine's host work per step (chapter 11 times it) and the server's; the next
+section weighs the server's part against the engine alone, in the same run.
 """))  # fmt: skip
 else:
     prose.glue("ch12_gpu_sentence", "No GPU record has been made yet: no GPU has run "
                "`bench/ch12_serving.py` for this copy of the book.")  # fmt: skip
 
 if by_device:
-    finite = [r for rs in by_device.values() for r in sweep(rs, "ttft")[0]]
-    inf_at = 2 * max((r for r in finite if not math.isinf(r)), default=1)
-    fig, axes = new_figure(1, 4, width=12, height=3.6)
-    colors = iter(["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"])
-    for device, rs in by_device.items():
-        color = next(colors)
-        # the device, its model and its workload: the panels share axes across devices
-        head = rs[0]
-        who = (f"{device.split(',')[0]}: {head['model']}, {head['num_prompts']} req. "
-               f"× {head['input_len']} in / {head['max_tokens']} out")  # fmt: skip
-        for ax, name in zip(axes, MEASURES):
-            rates, median = sweep(rs, name)
-            x = [inf_at if math.isinf(r) else r for r in rates]
-            ax.plot(x, median, "o-", color=color, label=f"{who}, median")
+    # one row of panels per device, its workload in the row's title
+    fig = plt.figure(figsize=(12, 3.1 * len(by_device) + 0.3), layout="constrained")
+    rows = np.atleast_1d(fig.subfigures(len(by_device), 1))
+    axes = np.array([sf.subplots(1, 4) for sf in rows])
+    for subfig, row, (device, rs) in zip(rows, axes, by_device.items()):
+        head = next(r for r in rs if r["name"] == "ttft")
+        rates = sweep(rs, "ttft")[0]
+        finite_rates = [r for r in rates if not math.isinf(r)]
+        inf_at = 2 * max(finite_rates, default=1)  # where "all at once" is drawn
+
+        def xs(rr):
+            return [inf_at if math.isinf(r) else r for r in rr]
+
+        for ax, name, ylabel in zip(row, MEASURES, YLABELS):
+            rr, median = sweep(rs, name)
+            ax.plot(xs(rr), median, "o-", color="#1f77b4", label="median")
             if name != "output_throughput":
-                ax.plot(x, sweep(rs, name, "p99")[1], "s--", color=color, alpha=0.6,
-                        label=f"{who}, p99")  # fmt: skip
-            else:  # the load offered: requests/s asked × output tokens a request
-                asked = [(xi, r) for xi, r in zip(x, rates) if not math.isinf(r)]
-                ax.plot([xi for xi, _ in asked],
-                        [r * head["max_tokens"] for _, r in asked], ":",
-                        color=color, label=f"{who}, offered load")  # fmt: skip
-    ticks = sorted({inf_at if math.isinf(r) else r for r in finite})
-    for ax, title in zip(axes, TITLES):
-        ax.set_xscale("log")
-        ax.set_xticks(ticks, [("inf" if t == inf_at else f"{t:g}") for t in ticks])
-        ax.minorticks_off()
-        if len(by_device) > 1:
-            ax.set_yscale("log")
-            plain_log_ticks(ax)
-        ax.set_xlabel("request rate (requests/s)", fontsize=8)
-        ax.set_title(title, fontsize=9)
-        ax.tick_params(which="both", labelsize=7)
-        ax.spines[["top", "right"]].set_visible(False)
-    # one legend for the four panels, below them, so no line hides behind it
+                ax.plot(xs(rr), sweep(rs, name, "p99")[1], "s--", color="#ff7f0e",
+                        alpha=0.8, label="p99")  # fmt: skip
+            else:  # the load offered: requests/s × output tokens a request
+                ax.plot(finite_rates, [r * head["max_tokens"] for r in finite_rates],
+                        ":", color="#7f7f7f",
+                        label="offered load (rate × output tokens)")  # fmt: skip
+                offline = [r for r in rs if r["name"] == "offline_throughput"]
+                if offline:
+                    ax.axhline(offline[-1]["value"], color="#2ca02c", ls="-.", lw=1,
+                               label="engine alone, same run")  # fmt: skip
+            ax.set_xscale("log")
+            ax.set_xticks(xs(rates), [rate_label(r) for r in rates])
+            ax.minorticks_off()
+            values = median + (sweep(rs, name, "p99")[1] if name != "output_throughput"
+                               else [])  # fmt: skip
+            if max(values) > 5 * min(values):  # a log scale where the range is wide
+                ax.set_yscale("log")
+                plain_log_ticks(ax)
+            ax.set_xlabel("request rate (requests/s)", fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.tick_params(which="both", labelsize=7)
+            ax.spines[["top", "right"]].set_visible(False)
+        when = "" if "warmup_requests" in head else "; before the workload's warm-up"
+        subfig.suptitle(
+            f"{device}: {MODEL_NAMES.get(head['model'], head['model'])}, "
+            f"{head['num_prompts']} prompts of {head['input_len']} tokens in, "
+            f"{head['max_tokens']} out ({head['date']}{when})",
+            fontsize=9,
+        )
+    # one legend for every panel, outside them, so no line hides behind it
     handles = {}
-    for ax in axes:
+    for ax in axes.flat:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
-    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=2,
-               fontsize=7, frameon=False)  # fmt: skip
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=4,
+               fontsize=8, frameon=False)  # fmt: skip
     plt.show()
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show("""
-The CPU's record ({{ch12_cpu_name}}, {{ch12_cpu_date}}, load average
-{{ch12_cpu_load}} when it began): {{ch12_cpu_model}} served
-{{ch12_cpu_work}} at request rates of {{ch12_cpu_rates}} per second. At
-a rate of {{ch12_cpu_rate_low}} per second the median first token came after
-{{ch12_cpu_ttft_low}} and the median gap between tokens was {{ch12_cpu_itl_low}}, and
-the server made {{ch12_cpu_tput_low}}, against the {{ch12_cpu_asked_low}} output
-tokens/s the clients asked for (the last answers end after the last arrival). With
-every request sent at once, the median first token waited {{ch12_cpu_ttft_high}} (p99
-{{ch12_cpu_ttft99_high}}): the scheduler computes the prompts first, in as few steps
-as its token budget allows, before anyone's second token. The median gap grew to
-{{ch12_cpu_itl_high}} (p99 {{ch12_cpu_itl99_high}}), and the server made
-{{ch12_cpu_tput_high}} output tokens/s. That is the trade every server makes: more
-clients at once fill the batch, so each step makes more tokens, and each step,
-computing more rows and newcomers' prompts, takes longer for everyone in it. How much
-longer depends on the hardware and the load. From the lowest rate to all at once the
-median gap grew {{ch12_cpu_itl_growth}} times on the CPU and
-{{ch12_gpu_itl_growth}} times on the GPU below. {{ch12_growth_sentence}}
+The CPU's record ({{ch12_cpu_name}}, {{ch12_cpu_date}}, load average {{ch12_cpu_load}}
+when it began; {{ch12_cpu_engine}}): {{ch12_cpu_model}} served {{ch12_cpu_work}} at
+request rates of {{ch12_cpu_rates}} per second. At a rate of {{ch12_cpu_rate_low}} per
+second the median first token came after {{ch12_cpu_ttft_low}} and the median gap
+between tokens was {{ch12_cpu_itl_low}}, and the server made {{ch12_cpu_tput_low}},
+against the {{ch12_cpu_asked_low}} output tokens/s the clients asked for (the last
+answers end after the last arrival). With every request sent at once, the median first
+token waited {{ch12_cpu_ttft_high}} (p99 {{ch12_cpu_ttft99_high}}): the scheduler
+computes the prompts first, in as few steps as its token budget allows, before
+anyone's second token. The median gap was then {{ch12_cpu_itl_high}} (p99
+{{ch12_cpu_itl99_high}}), {{ch12_cpu_itl_change}}, and the server made
+{{ch12_cpu_tput_high}} output tokens/s, {{ch12_cpu_tput_change}}.
+{{ch12_cpu_prompts_note}}
+{{ch12_trade_sentence}} {{ch12_growth_sentence}}
 
 {{ch12_gpu_sentence}}
 
 {{ch12_spike_sentence}}
+""")
+
+
+# %% [markdown]
+# ### What the server costs
+#
+# Count before measuring. Per token, the engine thread makes one delta per request, and
+# the event loop turns it into one chunk: a `json.dumps` of the envelope, a few hundred
+# bytes, written to a socket. How long does making one chunk take here, and what share
+# of one core would it be at the rate the engine alone makes tokens?
+# `bench/ch12_serving.py` measures that rate in the same run as the sweep, on the same
+# machine: after the
+# server stops, it builds an `LLM` with the server's engine settings and times
+# `LLM.generate` on the all-at-once rate's prompts (the median of a few runs, each on an
+# empty prefix cache). The server's rate all at once against it is what the server
+# costs.
+
+# %%
+from tinyvllm_lib.entrypoints.openai.serving import sse
+
+sample = chunks[2]
+seconds_per_chunk = (
+    min(timeit.repeat(lambda: sse(sample), number=2000, repeat=5)) / 2000
+)
+prose.glue("ch12_chunk_us", f"{seconds_per_chunk * 1e6:.1f} µs")
+print(f"one chunk: {seconds_per_chunk * 1e6:.1f} us to serialise")
+
+
+def same_run_pair(rs: list):
+    """(offline record, served record at the offline prompts' rate) of one run, or
+    None where the run measured no offline throughput.
+    """
+    offline = [r for r in rs if r["name"] == "offline_throughput"]
+    if not offline:
+        return None
+    off = offline[-1]
+    served = [
+        r
+        for r in rs
+        if r["name"] == "output_throughput"
+        and float(r["request_rate"]) == float(off["prompts_of_rate"])
+        and (r["command"], r["date"]) == (off["command"], off["date"])
+    ]
+    return (off, served[-1]) if served else None
+
+
+cost_sentences = []
+for prefix, found in (("ch12_gcost", gpu), ("ch12_ccost", cpu)):
+    if not found:
+        continue
+    rs = next(iter(found.values()))
+    pair = same_run_pair(rs)
+    prose.glue(f"{prefix}_name", rs[0]["device"]["name"])
+    if pair is None:
+        cost_sentences.append(prose.fill(f"""On the {{{{{prefix}_name}}}} the figure is
+not recorded yet: its sweep predates the offline run that `bench/ch12_serving.py` now
+makes beside it, so there is no same-run rate of the engine alone to weigh the server
+against."""))
+        continue
+    off, served = pair
+    off_us = [1e6 / x for x in off.get("runs", [off["value"]])]  # per token, each run
+    served_us = 1e6 / served["value"]
+    prose.glue(f"{prefix}_engine", engine_of(off))
+    prose.glue(f"{prefix}_rate", rate_label(float(off["prompts_of_rate"])))
+    prose.glue(f"{prefix}_offline", f"{off['value']:,.0f} tokens/s")
+    prose.glue(f"{prefix}_served", f"{served['value']:,.0f} tokens/s")
+    prose.glue(f"{prefix}_share", f"{served['value'] / off['value']:.0%}")
+    prose.glue(f"{prefix}_off_us", f"{float(np.median(off_us)):,.1f} µs")
+    prose.glue(f"{prefix}_served_us", f"{served_us:,.1f} µs")
+    more = verdict(off_us, served_us, words=("less", "more"))
+    prose.glue(f"{prefix}_verdict", more)
+    prose.glue(f"{prefix}_diff", f"{served_us - float(np.median(off_us)):,.1f} µs")
+    prose.glue(f"{prefix}_cost", prose.fill(f"""the server's cost here is
+{{{{{prefix}_diff}}}} of wall time a token""") if more.startswith("more") else
+               "the server cost nothing the noise can show")  # fmt: skip
+    prose.glue(f"{prefix}_core", f"{off['value'] * seconds_per_chunk:.0%}")
+    cost_sentences.append(prose.fill(f"""On the {{{{{prefix}_name}}}}
+({{{{{prefix}_engine}}}}), the engine alone made {{{{{prefix}_offline}}}} through
+`LLM.generate`, and the server, with the same prompts sent all at once, made
+{{{{{prefix}_served}}}}: {{{{{prefix}_share}}}} of the engine's rate. In wall time per
+output token, {{{{{prefix}_served_us}}}} against {{{{{prefix}_off_us}}}}, that is
+{{{{{prefix}_verdict}}}}: {{{{{prefix}_cost}}}}. At the engine's rate, one chunk a
+token would take {{{{{prefix}_core}}}} of one core of this machine for `json.dumps`
+alone."""))
+if not cost_sentences:
+    cost_sentences.append("No serving record yet: run `bench/ch12_serving.py`.")
+prose.glue("ch12_cost_sentences", "\n\n".join(cost_sentences))
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+Serialising one chunk takes {{ch12_chunk_us}} on this machine.
+
+{{ch12_cost_sentences}}
+
+The chunk is not all of it: there are the HTTP framing, the socket writes and the
+pydantic parsing of the requests too. This is why vLLM moved its server to a process of
+its own, apart from the engine's: in one Python process the event loop and the engine
+thread take turns at one interpreter lock, and the server's work grows with the token
+rate.
 """)
 
 
@@ -2705,14 +2853,15 @@ median gap grew {{ch12_cpu_itl_growth}} times on the CPU and
 # chunks, and the CPU time per token of the server's two threads, each record under
 # the engine's git commit.
 #
-# The first runs were far apart, on the H200 and on a CPU alike (with a tiny model
-# whose NumPy step takes about as long as the GPU's). Where did the time go? A profile
-# of the engine thread (`cProfile` around its loop, on the CPU) answered at once: not in
-# the step, not in the event loop's hand-off, but in **`engine.stats`**, which the
-# thread reads after every step for the metrics. Its `kv_blocks_cached` was a count
-# of the free blocks that still hold a cached prefix — a Python loop over the whole
-# free list. With one client almost every block is free, and serve's pool for the 1B
-# model is as large as its `max_num_seqs` sequences of `max_model_len` tokens need:
+# The first runs were far apart (the CPU's, with a tiny model whose NumPy step takes
+# about as long as the GPU's, are recorded below; the H200's first run was not kept).
+# Where did the time go? A profile of the engine thread (`cProfile` around its loop, on
+# the CPU) answered at once: not in the step, not in the event loop's hand-off, but in
+# **`engine.stats`**, which the thread reads after every step for the metrics. Its
+# `kv_blocks_cached` was a count of the free blocks that still hold a cached prefix — a
+# Python loop over the whole free list. With one client almost every block is free,
+# and serve's pool for the 1B model is as large as its `max_num_seqs` sequences of
+# `max_model_len` tokens need:
 
 # %%
 from tinyvllm_lib.engine.block_manager import BlockManager
@@ -2800,6 +2949,9 @@ def glue_lone(prefix: str, rs: list) -> None:
             prose.glue(f"{tag}_gap99", f"{gap['p99']:.2f} ms")
             prose.glue(f"{tag}_loop", f"{cpu['loop_thread_ms']:.2f} ms")
             prose.glue(f"{tag}_eng", f"{cpu['engine_thread_ms']:.2f} ms")
+    count = runs.get("counted free blocks")
+    prose.glue(f"{prefix}_count_greedy_ratio", "(not measured)" if count is None
+               else f"{count['http_decode']['greedy']['ratio']:.0%}")  # fmt: skip
 
 
 def draw_lone(by_device: dict):
@@ -2857,7 +3009,8 @@ Sampled with temperature 0.6 and top-p 0.9, where sorting the probabilities on t
 host makes the step longer, the client got {{ch12_lc_before_t06_p09_ratio}} of the
 engine before and {{ch12_lc_after_t06_p09_ratio}} after.
 
-The figure shows the middle step too: the kept count alone did most of it. What is left
+The figure shows the middle step too: the kept count alone took the greedy share to
+{{ch12_lc_count_greedy_ratio}}. What is left
 on the CPU is the interpreter lock. The server's two threads take turns at it, and a
 NumPy step of so small a model holds it from start to end, so the event loop's work for
 each token — waking, the chunk's JSON, the write to the socket — is added to the step
@@ -2930,13 +3083,13 @@ if cpu:
     summary.append("""On the {{ch12_cpu_name}}, {{ch12_cpu_model}} served
 {{ch12_cpu_work}}: from {{ch12_cpu_rate_low}} requests/s to all at once the median first
 token went from {{ch12_cpu_ttft_low}} to {{ch12_cpu_ttft_high}}, the median gap between
-tokens from {{ch12_cpu_itl_low}} to {{ch12_cpu_itl_high}}, and the server made up to
-{{ch12_cpu_tput_high}} output tokens/s.""")
+tokens from {{ch12_cpu_itl_low}} to {{ch12_cpu_itl_high}}, and all at once the server
+made {{ch12_cpu_tput_high}} output tokens/s.""")
 if gpu:
     summary.append("""On the {{ch12_gpu_name}}, {{ch12_gpu_model}} served
 {{ch12_gpu_work}}: from {{ch12_gpu_rate_low}} requests/s to all at once the median first
 token went from {{ch12_gpu_ttft_low}} to {{ch12_gpu_ttft_high}}, the median gap from
-{{ch12_gpu_itl_low}} to {{ch12_gpu_itl_high}}, and the server made up to
+{{ch12_gpu_itl_low}} to {{ch12_gpu_itl_high}}, and all at once the server made
 {{ch12_gpu_tput_high}} output tokens/s.""")
 if lone_gpu:
     summary.append("""A lone client over HTTP got {{ch12_lg_after_greedy_ratio}} of the
@@ -2945,6 +3098,14 @@ engine alone greedy and {{ch12_lg_after_t06_p09_ratio}} sampled on the {{ch12_lg
 if lone_cpu:
     summary.append("""On the CPU record it got {{ch12_lc_after_greedy_ratio}} greedy and
 {{ch12_lc_after_t06_p09_ratio}} sampled.""")
+for prefix, found in (("ch12_gcost", gpu), ("ch12_ccost", cpu)):
+    if found and f"{prefix}_share" in prose.values:
+        summary.append(f"""With every request sent at once, the server made
+{{{{{prefix}_share}}}} of the {{{{{prefix}_offline}}}} that the engine alone made on the
+same prompts in the same run on the {{{{{prefix}_name}}}}.""")
+    elif found:
+        summary.append(f"""What the server costs against the engine alone in the same
+run is not recorded yet on the {{{{{prefix}_name}}}}.""")
 if summary:
     prose.show("**Measured:** " + " ".join(summary))
 else:
