@@ -59,13 +59,17 @@ import numpy as np
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.cli import command, main
 from tinyvllm_lib.engine.llm import LLM
-from tinyvllm_lib.measure import load_records
+from tinyvllm_lib.measure import bandwidth_ceiling, ceiling_phrase, load_records
 from tinyvllm_lib.plots import Prose, new_figure, plain_log_ticks, verdict
 from tinyvllm_lib.runtime import can_launch, has_gpu, where_kernels_run
 
 rng = np.random.default_rng()
 # the numbers this chapter's prose quotes, filled in as they are measured
 prose = Prose()
+# the bandwidth ceiling every "% of" in this chapter is of: chapter 1's best measured
+# rate on its GPU (bandwidth_ceiling)
+CEILING_GB_S, CEILING_NAME = bandwidth_ceiling()
+prose.glue("ch11_ceiling", ceiling_phrase(CEILING_GB_S, CEILING_NAME))
 print(where_kernels_run())
 
 # %% tags=["remove-input"]
@@ -528,6 +532,13 @@ if can_launch():  # a GPU or the simulator
 
 # %% tags=["hide-input"]
 # the two rungs on the GPU: bench/ch08b_sampler.py (both rungs in one run)
+
+
+def bytes_us(r: dict) -> float:
+    """The µs a record's bytes take at the bandwidth ceiling."""
+    return r["bytes"] / (CEILING_GB_S * 1e9) * 1e6
+
+
 lp = {
     (r["shape"][0], r["setting"], r["kernel"]): r
     for r in load_records("ch08b_sampler")
@@ -542,10 +553,11 @@ for rows in (1, 256):
         prose.glue(f"ch11_lp{k}_old_{rows}",
                    f"{old['value']:.1f} µs" if old else "(not recorded yet)")
         prose.glue(f"ch11_lp{k}_times_{rows}",
-                   f"{new['times_bytes']:.1f}×" if new else "(not recorded yet)")
+                   f"{new['value'] / bytes_us(new):.1f}×" if new
+                   else "(not recorded yet)")
 for (rows, setting, kind), r in lp.items():
     print(f"{rows:>3} rows  {setting:<12} {kind:<10} {r['value']:9.1f} µs  "
-          f"({r['times_bytes']:.1f}x the bytes at copy bandwidth)")
+          f"({r['value'] / bytes_us(r):.1f}x the bytes at the ceiling)")
 if not lp:
     print("not recorded yet: run bench/ch08b_sampler.py on a GPU")
 
@@ -553,9 +565,9 @@ if not lp:
 prose.show(r"""
 The top 20 log-probs of one row took {{ch11_lp20_old_1}} with a block per row and
 {{ch11_lp20_new_1}} spread over the shares; at 256 rows {{ch11_lp20_old_256}} against
-{{ch11_lp20_new_256}}, {{ch11_lp20_times_256}} the time the rows' bytes take at copy
-bandwidth. For the top 5: {{ch11_lp5_old_1}} against {{ch11_lp5_new_1}} at one row,
-{{ch11_lp5_old_256}} against {{ch11_lp5_new_256}} at 256.
+{{ch11_lp20_new_256}}, {{ch11_lp20_times_256}} the time the rows' bytes take at
+{{ch11_ceiling}}. For the top 5: {{ch11_lp5_old_1}} against {{ch11_lp5_new_1}} at one
+row, {{ch11_lp5_old_256}} against {{ch11_lp5_new_256}} at 256.
 """)
 
 # %% [markdown]
@@ -1484,13 +1496,23 @@ assert load["output_tokens"] == sum(benchmark.nano_vllm_workload(8, 4, 24)[1])
 # (`async_scheduling=False`), and eagerly — and transformers on the same folder and GPU
 # kind: eager, and with a static KV cache and `torch.compile(mode="reduce-overhead")`,
 # which captures CUDA graphs of its own. The parts run in separate device calls (each
-# record gives its date and command). Batch 1's ceiling is the weights' bytes over
-# chapter 1's measured copy bandwidth: a decode step cannot be faster than reading
-# every weight once. The records are in `book/data/ch11_llama.json`.
+# record gives its date and command). Batch 1's limit is the bandwidth ceiling — chapter
+# 1's best measured rate of moving or reading bytes on this GPU — over the weights'
+# bytes: a decode step cannot be faster than reading every weight once (the equation,
+# with its numbers, is under the figure). The records are in
+# `book/data/ch11_llama.json`.
 
 # %% tags=["hide-input"]
 records = load_records("ch11_llama")
 by_name = {r["name"]: r for r in records}
+
+
+def batch1_limit(r: dict) -> float:
+    """tok/s: the bandwidth ceiling over the bytes a decode step reads (the record's
+    weight_bytes: every weight once, the tied head once)."""
+    return CEILING_GB_S * 1e9 / r["weight_bytes"]
+
+
 bars = [
     ("this engine, eager", "bs1_decode_eager"),
     ("this engine, graphs, no overlap", "bs1_decode_sync"),
@@ -1509,7 +1531,7 @@ else:
     ax.barh([label for label, _ in present], [r["value"] for _, r in present])
     for i, (_, r) in enumerate(present):
         ax.text(r["value"], i, f" {r['value']:,.0f}", va="center", fontsize=8)
-    ceiling = present[0][1].get("ceiling")
+    ceiling = batch1_limit(present[0][1]) if "weight_bytes" in present[0][1] else None
     if ceiling:
         ax.axvline(ceiling, color="k", ls="--", lw=1)
         ax.text(ceiling, -0.6, " bandwidth limit", va="bottom", ha="right", fontsize=8)
@@ -1533,8 +1555,11 @@ if all(name in by_name for name in needed):
     prose.glue("ch11_h200", bs1["device"]["name"])
     prose.glue("ch11_date", bs1["date"])
     prose.glue("ch11_bs1", f"{bs1['value']:,.0f} tok/s")
-    prose.glue("ch11_limit", f"{bs1['ceiling']:,.0f} tok/s")
-    prose.glue("ch11_bs1_ratio", f"{bs1['value'] / bs1['ceiling']:.0%}")
+    limit = batch1_limit(bs1)
+    prose.glue("ch11_limit", f"{limit:,.0f} tok/s")
+    prose.glue("ch11_limit_eq", f"{CEILING_GB_S:,.0f} GB/s ÷ "
+               f"{bs1['weight_bytes'] / 1e9:.2f} GB = {limit:,.0f} tok/s")
+    prose.glue("ch11_bs1_ratio", f"{bs1['value'] / limit:.0%}")
     prose.glue("ch11_bs1_sync", f"{by_name['bs1_decode_sync']['value']:,.0f}")
     prose.glue("ch11_bs1_eager", f"{by_name['bs1_decode_eager']['value']:,.0f}")
     replay = by_name["bs1_graph_replay"]
@@ -1601,7 +1626,8 @@ hide (without it the host waited {{ch11_tp_wait_sync}})."""
     prose.show(
         """
 On the {{ch11_h200}} ({{ch11_date}}), batch-1 decode runs at {{ch11_bs1}} with graphs
-and the overlap: {{ch11_bs1_ratio}} of the {{ch11_limit}} limit, """
+and the overlap: {{ch11_bs1_ratio}} of the limit ({{ch11_limit_eq}}: the ceiling over
+the bytes of the weights), """
         + (compare[0] if compare else "")
         + """. Without the overlap the same graphs give {{ch11_bs1_sync}} tok/s, and
 launched from Python {{ch11_bs1_eager}}. The batch-1 graph ({{ch11_nodes}} nodes)
@@ -1654,7 +1680,7 @@ if all(name in by_name for name in ("bs1_decode", "throughput")):
         prose.glue(key, f"{value / target:.0%}")
     prose.glue("ch11_target_bs1", f"{TARGET_BS1:,}")
     prose.glue("ch11_target_tp", f"{TARGET_THROUGHPUT:,}")
-    limit = by_name["bs1_decode"]["ceiling"]
+    limit = batch1_limit(by_name["bs1_decode"])
     prose.glue("ch11_target_bs1_share", f"{TARGET_BS1 / limit:.0%}")
     prose.show("""
 Our targets for this chapter were {{ch11_target_bs1}} tok/s at batch 1
@@ -1693,7 +1719,8 @@ engine.
 # 1,024 tokens of context each, replayed from a captured graph with the 16 layers'
 # weights and caches rotated so that none is served from L2; it counts the bytes each
 # must move (weights, cache, activations) and divides. The bars are each kernel's share
-# of the step (summed over its 16 layers); the label is its own share of copy bandwidth.
+# of the step (summed over its 16 layers); the label is its own share of the bandwidth
+# ceiling (chapter 1's best measured rate).
 # The kernels are the model's as it launches them after the next section's changes:
 # RoPE and the KV write are one kernel, attention combines its splits itself, the
 # residual adds are inside the output and down projections, and at one row the first
@@ -1723,7 +1750,7 @@ else:
             ax.text(
                 100 * r["share_of_step"],
                 i,
-                f" {share_label(r['ratio_of_copy'])}",
+                f" {share_label(r['gb_s'] / CEILING_GB_S)}",
                 va="center",
                 fontsize=7,
             )
@@ -1744,20 +1771,20 @@ if kernel_records:
         f"{sum(k1[k]['share_of_step'] for k in small if k in k1):.0%}",
     )
     prose.glue("ch11_attn_1", f"{k1['attention']['share_of_step']:.0%}")
-    prose.glue("ch11_attn_1_bw", f"{k1['attention']['ratio_of_copy']:.0%}")
-    prose.glue("ch11_attn_64_bw", f"{k64['attention']['ratio_of_copy']:.1%}")
-    prose.glue("ch11_qkv_bw", f"{k1['qkv_proj']['ratio_of_copy']:.0%}")
-    prose.glue("ch11_o_bw", f"{k1['o_proj']['ratio_of_copy']:.0%}")
-    prose.glue("ch11_gate_bw", f"{k1['gate_up_proj']['ratio_of_copy']:.0%}")
+    prose.glue("ch11_attn_1_bw", f"{k1['attention']['gb_s'] / CEILING_GB_S:.0%}")
+    prose.glue("ch11_attn_64_bw", f"{k64['attention']['gb_s'] / CEILING_GB_S:.1%}")
+    prose.glue("ch11_qkv_bw", f"{k1['qkv_proj']['gb_s'] / CEILING_GB_S:.0%}")
+    prose.glue("ch11_o_bw", f"{k1['o_proj']['gb_s'] / CEILING_GB_S:.0%}")
+    prose.glue("ch11_gate_bw", f"{k1['gate_up_proj']['gb_s'] / CEILING_GB_S:.0%}")
     prose.show("""
-At one row the big projections are near their ceiling (gate-up at {{ch11_gate_bw}} of
-copy bandwidth) and the small ones are not (QKV at {{ch11_qkv_bw}}, the output
+At one row the big projections are near {{ch11_ceiling}} (gate-up at
+{{ch11_gate_bw}} of it) and the small ones are not (QKV at {{ch11_qkv_bw}}, the output
 projection at {{ch11_o_bw}}: 8 to 12 MB each is too little to fill the GPU). Attention
-over 1,024 tokens is {{ch11_attn_1}} of the step at {{ch11_attn_1_bw}} of copy — one
+over 1,024 tokens is {{ch11_attn_1}} of the step at {{ch11_attn_1_bw}} of it — one
 sequence's keys and values are 2 MB a layer, too little to keep the memory busy for the
 few microseconds the kernel's chain of dependent loads takes — and the small kernels
 (RoPE with the KV write, the norms, SiLU) are {{ch11_small_1}} together. At 64
-rows attention reads at {{ch11_attn_64_bw}} of copy; our target is 75%.
+rows attention reads at {{ch11_attn_64_bw}} of the ceiling; our target is 75%.
 """)
 
 # %% [markdown]
@@ -1918,8 +1945,8 @@ warp a row ({{ch11_norm_in_gate_up_proj_verdict}}), and
 ({{ch11_norm_in_gate_up_proj_block_verdict}}). Each reader of $x$ now
 reads 6 bytes a value where it read 2 (a float32 value and the norm's bf16 weight for a
 bf16 value), through the same caches that bring $W$ in. QKV's GEMV, which runs at
-{{ch11_qkv_bw}} of copy bandwidth — mostly its own start and end — has room for that,
-and a launch fewer is worth more; gate-up's streams $W$ at {{ch11_gate_bw}} of copy, and
+{{ch11_qkv_bw}} of the bandwidth ceiling — mostly its own start and end — has room for
+that, and a launch fewer is worth more; gate-up's streams $W$ at {{ch11_gate_bw}}, and
 the extra traffic slows it, whether a warp reads $x$ for each row or a block for every
 four. The model puts the norm only inside the shorter projections (chapter 6's
 `NORM_IN_GEMV_MAX_ROWS`).
@@ -2005,17 +2032,15 @@ hf_ttft = sorted((r for r in user if r["name"] == "transformers_ttft"),
 def prefill_floor_ms(lengths) -> list[float] | None:
     """Weights read once at the best read rate + 2 FLOPs a weight a token at
     cuBLAS's best prefill rate."""
-    rates = ("read_only", "copy", "copy_torch", "copy_best_grid")
-    reads = [r["value"] for r in load_records("ch01_bf16") if r["name"] in rates]
     gemm = [r["value"] for r in load_records("ch06_gemm")
             if r["name"] == "prefill_cublas"]
-    if not reads or not gemm:
+    if not gemm or not CEILING_GB_S > 0:
         return None
     shapes = llama_weight_shapes(ModelConfig.from_dict(LLAMA_3_2_1B_CONFIG))
     weights = sum(int(np.prod(s)) for s in shapes.values())
     c = LLAMA_3_2_1B_CONFIG
     flops_per_token = 2 * (weights - c["vocab_size"] * c["hidden_size"])  # projections
-    read_s, flop_rate = 2 * weights / (max(reads) * 1e9), max(gemm) * 1e12
+    read_s, flop_rate = 2 * weights / (CEILING_GB_S * 1e9), max(gemm) * 1e12
     return [1e3 * (read_s + n * flops_per_token / flop_rate) for n in lengths]
 
 
@@ -2253,7 +2278,7 @@ if kernel_records and knob_records and argmax_records:
     sample_1 = k1["sample"]
     prose.glue("ch11_sample_1", f"{sample_1['value']:.1f} µs")
     prose.glue("ch11_sample_share", f"{sample_1['share_of_step']:.0%}")
-    floor_us = sample_1["bytes"] / (sample_1["copy_gb_s"] * 1e9) * 1e6
+    floor_us = bytes_us(sample_1)
     prose.glue("ch11_sample_floor", f"{floor_us:.2f} µs")
     one_row = {
         r["num_splits"]: r["value"] for r in argmax_records if r["shape"][0] == 1
@@ -2278,7 +2303,7 @@ sampler's own blocks (512 threads) are few to an SM:
 it keeps to about 256 blocks in all, fewer shares as rows grow, one from 256 rows. In
 the decode step the sampler kernel is now {{ch11_sample_1}} at one row
 ({{ch11_sample_share}} of the step), against {{ch11_sample_floor}} for its half
-megabyte at copy bandwidth: the rest is the chain of a load, a fence, an atomic and the
+megabyte at the ceiling: the rest is the chain of a load, a fence, an atomic and the
 last block's combine.
 """)
 
@@ -2411,8 +2436,8 @@ one setting for all of them leaves that much on the table.
 
 
 # %% [markdown]
-# Decode attention at 64 rows reached our target of 75% of copy bandwidth (the table
-# above) once chapter 8's knobs were swept again after the combine moved into the
+# Decode attention at 64 rows reached our target of 75% of the bandwidth ceiling (the
+# table above) once chapter 8's knobs were swept again after the combine moved into the
 # kernel, with one knob more: each step loads the next step's keys and values while it
 # works on its own. With loads always in flight, 2 rows a lane are enough and leave the
 # registers for 4 warps a block, and a 1,024-token context fits in one block: 64 × 8
@@ -2427,9 +2452,9 @@ one setting for all of them leaves that much on the table.
 # weights' bytes set is:
 #
 # - **the small projections**: QKV and the output projection move 8 to 12 MB a layer
-#   at a far smaller share of copy bandwidth than gate-up, because a kernel that short
-#   is mostly its own start and end (the knob sweep below moved them, but not far); the
-#   residual adds and QKV's norm are inside them now, and what remains is one
+#   at a far smaller share of the bandwidth ceiling than gate-up, because a kernel that
+#   short is mostly its own start and end (the knob sweep above moved them, but not
+#   far); the residual adds and QKV's norm are inside them now, and what remains is one
 #   persistent kernel for a whole layer, as the hand-written megakernels do;
 # - **attention over one sequence**: a chain of dependent loads (the block table, then
 #   the keys, step after step) a few microseconds long for 2 MB; chapter 8's prefetch
@@ -2492,7 +2517,7 @@ cores (chapter 14), are what is left for a user who waits for a first token.
 #   wait. Batch 1's attention takes a whole short context in one block of 8 warps.
 # - Keep loads in flight while the arithmetic runs: decode attention loads its next
 #   step's keys while it works on this one's, which (with a grid of one wave) took it
-#   past 75% of copy at 64 rows.
+#   past 75% of the bandwidth ceiling at 64 rows.
 # - On a full batch the GPU sets the pace; the graphs took the throughput far past the
 #   eager engine's, and the overlap keeps the GPU fed between steps.
 
@@ -2504,8 +2529,8 @@ if all(k in prose.values for k in measured):
 {{ch11_bs1_ratio}} of the {{ch11_limit}} limit and {{ch11_bs1_verdict}} of the
 chapter's target; nano-vllm's workload at {{ch11_tp}} output tok/s, {{ch11_tp_verdict}}
 of its target, and with the overlap against without it the rate is
-{{ch11_overlap_verdict}}. Attention at 64 rows reads at {{ch11_attn_64_bw}} of copy
-bandwidth."""
+{{ch11_overlap_verdict}}. Attention at 64 rows reads at {{ch11_attn_64_bw}} of
+{{ch11_ceiling}}."""
                + ("""
 What a user sends, at batch 1: every sampling setting at least
 {{ch11_user_worst_sampled}} of greedy, log-probs {{ch11_user_lp5}} (five) and
