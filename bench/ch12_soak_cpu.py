@@ -56,7 +56,7 @@ BAD = [  # (path, body: dict, or bytes sent as they are, the status it must get)
     ("/v1/completions", COMPLETE | {"n": 2}, 400),
     ("/v1/completions", COMPLETE | {"prompt": [42] * (MAX_MODEL_LEN + 1)}, 400),
     ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "hi " * 2000}]}, 400),
-    ("/v1/completions", COMPLETE | {"presence_penalty": 1.0}, 400),
+    ("/v1/completions", COMPLETE | {"presence_penalty": 3.0}, 400),  # OpenAI's range is [-2, 2]
     ("/v1/completions", COMPLETE | {"stream": True, "temperature": -1}, 400),
     ("/v1/embeddings", COMPLETE, 404),
 ]
