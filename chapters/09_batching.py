@@ -65,7 +65,7 @@ from tinyvllm_lib.models.random_llama import (
     tiny_llama_config,
 )
 from tinyvllm_lib.models.smollm2 import resolve_model
-from tinyvllm_lib.plots import Prose, new_figure, verdict
+from tinyvllm_lib.plots import Prose, new_figure, plain_log_ticks, verdict
 from tinyvllm_lib.runtime import has_gpu, is_simulator, where_kernels_run
 from tinyvllm_lib.tokenizer import Tokenizer
 
@@ -1915,6 +1915,7 @@ if gpu_runs or cpu:
         color=["#9ecae1" if "one" in b[0] else "#1f77b4" for b in bars],
     )
     ax1.set_xscale("log")
+    plain_log_ticks(ax1, "x")
     ax1.set_xlabel("output tokens/s")
     ax1.tick_params(labelsize=8)
     ax1.set_title("Llama 3.2 1B shapes on the GPU; SmolLM2 on the CPU", fontsize=9)

@@ -1853,6 +1853,7 @@ else:
         ax.text(max(a, b), i, f" {a - b:+.1f} µs", va="center", fontsize=7)
     ax.set_yticks(y, [p[0] for p in pairs], fontsize=8)
     ax.set_xscale("log")
+    plain_log_ticks(ax, "x")
     ax.set_xlabel("µs per layer (log scale)")
     ax.legend(fontsize=7, loc="lower right")
     ax.invert_yaxis()
@@ -2005,6 +2006,7 @@ ax.barh([label for label, _ in steps], [r["value"] for _, r in steps], color="C2
 for i, (_, r) in enumerate(steps):
     ax.text(r["value"], i, f" {r['value']:,.0f}", va="center", fontsize=8)
 ax.set_xscale("log")
+plain_log_ticks(ax, "x")
 ax.set_xlabel("output tok/s, nano-vllm's workload (log scale)")
 ax.invert_yaxis()
 plt.show()
