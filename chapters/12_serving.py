@@ -2749,7 +2749,7 @@ anyone's second token. The median gap was then {{ch12_cpu_itl_high}} (p99
 # empty prefix cache). The server's rate all at once against it is what the server
 # costs.
 
-# %%
+# %% tags=["hide-input"]
 from tinyvllm_lib.entrypoints.openai.serving import sse
 
 sample = chunks[2]
