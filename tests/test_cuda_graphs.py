@@ -277,6 +277,23 @@ def test_gpu_prompt_logprobs_are_the_hosts(rng, k):
         np.testing.assert_allclose(got[2], want[2], atol=2e-5, rtol=1e-5)
 
 
+def generate_counting_replays(llm, prompts, params) -> tuple[list, list[bool]]:
+    """llm.generate's first completions, and for each replayed step whether it was planned ahead of its tokens
+    (engine with graphs and the overlap)."""
+    engine, ahead = llm.llm_engine, []
+    assert engine.async_scheduling and engine.model_runner.graphs is not None
+    launch = engine.model_runner.execute_async
+
+    def counted(step):
+        out = launch(step)
+        if out.cudagraph_size is not None:
+            ahead.append(step.prev_rows is not None)
+        return out
+
+    engine.model_runner.execute_async = counted
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)], ahead
+
+
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
 def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, monkeypatch, rng):
     """The whole engine in the simulator: two requests decode through replayed graphs, the second step launched
@@ -289,18 +306,8 @@ def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, 
               SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1)]
     want = [o.outputs[0] for o in LLM(small_folder, device="cpu", max_model_len=64).generate(prompts, params, use_tqdm=False)]
     llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
-    engine, ahead = llm.llm_engine, []
-    assert engine.async_scheduling and engine.model_runner.graphs is not None
-    launch = engine.model_runner.execute_async
-
-    def counted(step):  # the replayed steps: ahead or not
-        out = launch(step)
-        if out.cudagraph_size is not None:
-            ahead.append(step.prev_rows is not None)
-        return out
-
-    engine.model_runner.execute_async = counted
-    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.llm_engine
+    got, ahead = generate_counting_replays(llm, prompts, params)
     for w, g in zip(want, got):
         same, _ = agrees(w.token_ids, w.logprobs, g.token_ids, tie=0.02)
         assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
@@ -327,18 +334,8 @@ def test_penalized_requests_through_graphs_and_overlap_give_the_cpu_engines_toke
     unpenalized = [o.outputs[0].token_ids for o in cpu.generate(prompts, plain, use_tqdm=False)]
     assert [w.token_ids for w in want] != unpenalized
     llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
-    engine, ahead = llm.llm_engine, []
-    assert engine.async_scheduling and engine.model_runner.graphs is not None
-    launch = engine.model_runner.execute_async
-
-    def counted(step):
-        out = launch(step)
-        if out.cudagraph_size is not None:
-            ahead.append(step.prev_rows is not None)
-        return out
-
-    engine.model_runner.execute_async = counted
-    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.llm_engine
+    got, ahead = generate_counting_replays(llm, prompts, params)
     for w, g in zip(want, got):
         same, _ = agrees(w.token_ids, w.logprobs, g.token_ids, tie=0.02)
         assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
