@@ -2581,16 +2581,32 @@ class ModelRunnerOutput:
 # %%
 #| export engine.input_batch
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplingMetadata
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
+from tinyvllm_lib.kernels.attention import FLASH_BLOCK_Q
+from tinyvllm_lib.kernels.paged_attention import prefill_tiles, tile_capacity
 from tinyvllm_lib.layers.attention_metadata import (
     AttentionMetadata,
     build_attention_metadata,
 )
+
+
+class StepShape(NamedTuple):
+    """The shape a step is padded to when it replays a CUDA graph (chapter 11):
+    `tokens` token rows of `rows` requests, the head and the sampler on `sampled` rows;
+    `prefill`: its attention is the prefill kernel's (a step with prompt tokens), else
+    decode attention's.
+    """
+
+    tokens: int
+    rows: int
+    sampled: int
+    prefill: bool = False
 
 
 @dataclass
@@ -2616,13 +2632,19 @@ class InputBatch:
     # step before sampled in its row prev_rows[i] (on the GPU, never on the host)
     prev_rows: np.ndarray | None = None
     device: dict | None = None  # field name -> device view, once packed
-    cudagraph_size: int | None = None  # rows of the graph it replays (chapter 11)
+    cudagraph_shape: StepShape | None = None  # the graph it replays (chapter 11)
     turn: int = 0  # which of the two host buffers holds it
     sampled_requests: list | None = None  # the requests of sampling's rows, in order
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cudagraph_size(self) -> int | None:
+        """The rows of the decode graph it replays (chapter 11), else None."""
+        shape = self.cudagraph_shape
+        return None if shape is None or shape.prefill else shape.rows
 
     @property
     def num_sampled(self) -> int:
@@ -2716,7 +2738,8 @@ class InputBatch:
 
 # the packed fields in their order: (name, dtype, count) with count per step of T
 # tokens and R requests: "tokens" T, "rows" R, "starts" R + 1, "table" R x max_blocks,
-# "logits" T + R (a prompt's rows for its log-probs, and its last row again to sample).
+# "logits" T + R (a prompt's rows for its log-probs, and its last row again to sample),
+# "tiles" the prefill kernel's tile schedule (chapter 10: ceil(T / 64) + R entries).
 # The 8-byte fields first, so that every field is aligned.
 PACKED_FIELDS = (
     ("token_ids", np.int64, "tokens"),
@@ -2736,6 +2759,7 @@ PACKED_FIELDS = (
     ("frequency_penalty", np.float32, "rows"),
     ("presence_penalty", np.float32, "rows"),
     ("penalty_slot", np.int32, "rows"),
+    ("tiles", np.int32, "tiles"),
     ("block_tables", np.int32, "table"),
 )
 # the sampler's settings among them (what CudaSampler.launch reads)
@@ -2753,6 +2777,8 @@ PADDING = {
     "num_logprobs": -1,
 }
 TOKEN_FIELDS = {name for name, _, count in PACKED_FIELDS if count == "tokens"}
+# padded from the step's last sampled row, not its last request
+SAMPLED_FIELDS = {"logits_indices", *SAMPLING_FIELDS}
 MAX_CACHED_LAYOUTS = 512  # views kept for this many step shapes
 
 
@@ -2774,7 +2800,8 @@ class PackedInputs:
 
     def _fields(self, tokens: int, rows: int):
         counts = {"tokens": tokens, "rows": rows, "starts": rows + 1,
-                  "table": rows * self.max_blocks, "logits": tokens + rows}
+                  "table": rows * self.max_blocks, "logits": tokens + rows,
+                  "tiles": tile_capacity(tokens, rows, FLASH_BLOCK_Q)}
         at = 0
         for name, dtype, count in PACKED_FIELDS:
             yield name, dtype, at, counts[count]
@@ -2810,12 +2837,15 @@ class PackedInputs:
             self._layouts[key] = (*views, (self.device[:n], self.hosts[turn][:n]))
         return self._layouts[key]
 
-    def pack(self, batch: InputBatch, turn: int, pad_to: int | None = None) -> None:
+    def pack(self, batch: InputBatch, turn: int,
+             pad_to: StepShape | int | None = None) -> None:
         """Write batch into host buffer `turn` and give it its device views (`device`);
-        pad_to: a decode step padded to that many rows (chapter 11's graphs).
+        pad_to: the shape of the graph it replays (chapter 11), an int a decode step
+        padded to that many rows.
         """
         n, r, s = batch.num_tokens, batch.num_reqs, batch.num_sampled
-        tokens, rows = (n, r) if pad_to is None else (pad_to, pad_to)
+        shape = StepShape(pad_to, pad_to, pad_to) if isinstance(pad_to, int) else pad_to
+        tokens, rows = (n, r) if shape is None else shape[:2]
         host, device, _ = self.layout(tokens, rows, turn)
         m = batch.metadata
         host["token_ids"][:n], host["positions"][:n] = batch.token_ids, batch.positions
@@ -2827,16 +2857,21 @@ class PackedInputs:
         for name in SAMPLING_FIELDS:
             host[name][:s] = getattr(batch.sampling, name)
         host["prev_rows"][:r] = -1 if batch.prev_rows is None else batch.prev_rows
-        if rows > r or tokens > n:  # padding rows, one token each
+        if m.num_prefills:  # chapter 10's tile schedule, over every sequence
+            prefill_tiles(m.query_start_loc, m.seq_lens, FLASH_BLOCK_Q, host["tiles"])
+        if shape is not None:  # padding rows, one token each, greedy
             for name, value in PADDING.items():
-                host[name][n if name in TOKEN_FIELDS else r :] = value
-            host["query_start_loc"][r + 1 :] = np.arange(n + 1, n + 1 + rows - r)
-        batch.device, batch.cudagraph_size, batch.turn = device, pad_to, turn
+                first = s if name in SAMPLED_FIELDS else r
+                host[name][n if name in TOKEN_FIELDS else first :] = value
+            host["query_start_loc"][r + 1 :] = np.minimum(
+                np.arange(n + 1, n + 1 + rows - r), tokens
+            )
+        batch.device, batch.cudagraph_shape, batch.turn = device, shape, turn
 
     def copy(self, batch: InputBatch, stream) -> None:
         """Queue the copy of a packed batch's bytes to the device, on `stream`."""
-        rows = batch.cudagraph_size or batch.num_reqs
-        tokens = batch.cudagraph_size or batch.num_tokens
+        shape = batch.cudagraph_shape
+        tokens, rows = shape[:2] if shape else (batch.num_tokens, batch.num_reqs)
         to, source = self.layout(tokens, rows, batch.turn)[2]
         to.copy_to_device(source, stream=stream)
 
@@ -2880,7 +2915,7 @@ class AsyncModelRunnerOutput:
     queued: tuple  # what sampler.finish needs
     event: object  # recorded after the copies to the host
     prompt_logprobs: list  # per request: its prompt rows' log-probs (host), else None
-    cudagraph_size: int | None  # the graph it replayed (chapter 11), else None
+    cudagraph_size: int | None  # the decode graph it replayed (chapter 11), else None
 
     def get_output(self) -> ModelRunnerOutput:
         self.event.synchronize()
@@ -3014,22 +3049,22 @@ class ModelRunner:
                 batch.sampled_requests, batch.prev_rows is not None, self.stream
             )
         # the one place that decides whether a step replays a graph
-        size = None if self.graphs is None else self.graphs.size_for(batch)
-        if size is None and batch.prev_rows is not None:
+        shape = None if self.graphs is None else self.graphs.shape_for(batch)
+        if shape is None and batch.prev_rows is not None:
             raise RuntimeError("a step planned ahead of its tokens must replay a graph")
         turn, self.turn = self.turn, 1 - self.turn
-        self.packed.pack(batch, turn, pad_to=size)
+        self.packed.pack(batch, turn, pad_to=shape)
         self.packed.copy(batch, self.stream)
-        if size is None:
+        if shape is None:
             logits = self.run(batch, self.stream)
         else:
-            self.graphs.replay(size)
-            logits = self.logits[:size]
+            self.graphs.replay(shape)
+            logits = self.logits[: shape.sampled]
         queued = self.sampler.enqueue(logits, batch.sampling, turn)
         prompt = self._prompt_logprobs(batch, logits)  # only where asked for
         self.events[turn].record(self.stream)
         return AsyncModelRunnerOutput(
-            self.sampler, queued, self.events[turn], prompt, size
+            self.sampler, queued, self.events[turn], prompt, batch.cudagraph_size
         )
 
     def _prompt_logprobs(self, batch: InputBatch, logits) -> list:
@@ -3046,15 +3081,15 @@ class ModelRunner:
         """The step's kernels only, on `stream`, reading the batch's device views (what
         a CUDA graph can capture): layers, head rows, head, sampler; the logits.
         """
-        v, c = batch.device, self.config
+        v, c, shape = batch.device, self.config, batch.cudagraph_shape
         n = v["token_ids"].shape[0]  # a padded step's rows too
-        num_logits = batch.cudagraph_size or batch.num_logits
-        num_sampled = batch.cudagraph_size or batch.num_sampled
+        num_logits = batch.num_logits if shape is None else shape.sampled
+        num_sampled = batch.num_sampled if shape is None else shape.sampled
         b = {name: buf[:n] for name, buf in self.activations.items()}
         b["ids"], b["positions"] = v["token_ids"], v["positions"]
         attention = PagedAttention(
             c, self.kv_cache, batch.device_metadata(), self.workspace,
-            self.max_model_len,
+            self.max_model_len, tiles=v["tiles"],
         )
         self.model.run(b, attention, stream, self.cublas_workspace)
         if num_logits == 0:  # a chunk that ends inside its prompt: no logits needed
@@ -3077,9 +3112,9 @@ class ModelRunner:
         if num_sampled:
             rows = {name: v[name][:num_sampled] for name in SAMPLING_FIELDS}
             # eagerly, the steps the rows need; captured, every step
-            steps = (range(NUM_STEPS) if batch.cudagraph_size
+            graph = shape is not None  # a graph serves every row's settings
+            steps = (range(NUM_STEPS) if graph
                      else self.sampler.steps_for(batch.sampling))
-            graph = bool(batch.cudagraph_size)  # a graph serves every row's settings
             penalize = graph or batch.sampling.has_penalties
             logprobs = graph or bool(batch.sampling.num_logprobs.max(initial=-1) >= 0)
             self.sampler.launch(logits[:num_sampled], stream, rows, steps, penalize,

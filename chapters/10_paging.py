@@ -979,6 +979,72 @@ def paged_prefill_attention_ref(
 # dot product does not care about the order of its terms. A row past the context's last
 # key reloads that key instead of reading a slot nobody wrote, and no query reads it.
 
+# %% [markdown]
+# Which block runs which query tile is not the grid's to say. Chapter 7's grid was a
+# block per (query head, query tile, sequence) sized by the longest sequence, so every
+# shorter sequence left blocks with nothing to do, and it had to be sized from host
+# integers (the longest sequence, how many there are) at every launch. Here the host
+# writes a *tile schedule* instead: one entry per (sequence, query tile) of the batch,
+# its sequence in the high bits and its tile in the low ones, ordered with the tiles
+# that visit the most keys first (a long context's last tile starts before anything
+# short, across the whole batch, not only within a sequence), and padded with -1 to a
+# capacity that depends only on the step's token and sequence counts: a sequence of $n$
+# new tokens has $\lceil n / 64 \rceil$ tiles, so $T$ tokens of $R$ sequences never need
+# more than $\lceil T / 64 \rceil + R$. The grid is (query heads, capacity); a block
+# whose entry is -1 returns at once. That is what lets chapter 11 capture a prefill step
+# in a CUDA graph: the grid no longer changes with the batch, only the schedule's bytes
+# do.
+
+# %%
+#| export kernels.paged_attention
+TILE_SHIFT = 16  # a schedule entry: sequence << TILE_SHIFT | query tile
+TILE_MASK = (1 << TILE_SHIFT) - 1
+
+
+def tile_capacity(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The most schedule entries T tokens of R sequences can need."""
+    return cdiv(num_tokens, block_q) + num_seqs
+
+
+def prefill_tiles(query_start_loc, seq_lens, block_q: int, out=None) -> np.ndarray:
+    """The paged prefill kernel's tile schedule (int32): an entry per (sequence, query
+    tile), sequence << TILE_SHIFT | tile, those with the most keys to visit first; -1
+    fills the rest of `out` (default: exactly the entries).
+    """
+    starts = np.asarray(query_start_loc, np.int64)
+    num_new = np.diff(starts)
+    cached = np.asarray(seq_lens, np.int64)[: len(num_new)] - num_new
+    counts = -(-num_new // block_q)  # tiles per sequence
+    seq = np.repeat(np.arange(len(num_new)), counts)
+    tile = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
+    keys = cached[seq] + np.minimum(num_new[seq], (tile + 1) * block_q)
+    order = np.argsort(-keys, kind="stable")
+    if len(num_new) > TILE_MASK or counts.max(initial=0) > TILE_MASK + 1:
+        raise ValueError(f"a tile schedule holds up to {TILE_MASK} sequences "
+                         f"of up to {TILE_MASK + 1} tiles")
+    out = np.empty(len(seq), np.int32) if out is None else out
+    if len(out) < len(seq):
+        raise ValueError(f"the schedule needs {len(seq)} entries, out holds {len(out)}")
+    out[: len(seq)] = (seq[order] << TILE_SHIFT) | tile[order]
+    out[len(seq) :] = -1
+    return out
+
+
+def host_array(a) -> np.ndarray:
+    """A NumPy copy of a device array (it waits for the copy), or `a` itself."""
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+
+# %% [markdown]
+# Three sequences — 3 new tokens, 97 new after 20 cached, one decode row after 39 —
+# give four entries, the second sequence's last tile (117 keys) first:
+
+# %%
+schedule = prefill_tiles([0, 3, 100, 101], [3, 117, 40], block_q=64)
+print([(int(e) >> TILE_SHIFT, int(e) & TILE_MASK) for e in schedule])
+assert schedule.tolist() == [1 << TILE_SHIFT | 1, 1 << TILE_SHIFT, 2 << TILE_SHIFT, 0]
+
 # %%
 #| export kernels.paged_attention
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
@@ -990,7 +1056,7 @@ PAGED_STAGE = 4
 
 def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
     """Causal GQA attention of new tokens over a paged bf16 KV cache: a block per
-    (query head, query tile, sequence), K/V tiles staged through the block table.
+    (query head, entry of the tile schedule), K/V tiles staged through the block table.
     """
     D, BQ, BK, STAGE = head_dim, block_q, block_k, PAGED_STAGE
     tile_step = make_online_softmax_tile(D, BK)
@@ -1006,21 +1072,21 @@ def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
         block_shift,
         seq_lens,
         query_start_loc,
+        tiles,
         num_heads,
         num_kv_heads,
         scale,
         out,
     ):
         wait_for_previous_kernel()
-        # query head, row of the tile, sequence
-        h, t, seq = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockIdx.z
+        # query head, row of the tile; the schedule says which sequence and tile
+        h, t, tile = cuda.blockIdx.x, cuda.threadIdx.x, tiles[cuda.blockIdx.y]
+        if tile < 0:  # an idle entry of a schedule padded to its capacity
+            return
+        seq, q_tile = tile >> TILE_SHIFT, tile & TILE_MASK
         start = query_start_loc[seq]  # the sequence's first new row in qkv
         num_new = query_start_loc[seq + 1] - start
         num_cached = seq_lens[seq] - num_new
-        # the longest (last) tiles first
-        q_tile = (num_new + BQ - 1) // BQ - 1 - cuda.blockIdx.y
-        if q_tile < 0:
-            return
         i = q_tile * BQ + t  # this thread's query, counted from the first new token
         is_query = i < num_new
         pos = num_cached + i  # its position: it sees keys 0..pos
@@ -1103,8 +1169,9 @@ paged_prefill_d128_kernel = paged_prefill_kernel_for(128)
 # %% [markdown]
 # The launch checks its arguments as the other kernels do — the paged context's (the
 # caches, block tables, lengths and block size) with chapter 8's `check_paged_context`,
-# the one check decode attention makes too — and the whole grid is chapter 7's: a
-# block per (query head, query tile, sequence), the longest tiles first.
+# the one check decode attention makes too — and builds the tile schedule from the
+# lengths when it is not given one (a copy to the host, so it waits: an engine packs
+# the schedule with the step's other inputs instead).
 
 
 # %%
@@ -1125,6 +1192,7 @@ def paged_prefill_attention(
     stream=0,
     block_q: int = FLASH_BLOCK_Q,
     block_k: int | None = None,
+    tiles=None,
 ):
     """Causal GQA attention of each sequence's new tokens over its whole context in a
     paged bf16 KV cache.
@@ -1135,7 +1203,9 @@ def paged_prefill_attention(
     sequence s is at slot block_tables[s, p // block_size] * block_size + p %
     block_size, block_size a power of two. Every key and value is read from the cache:
     write_kv_cache must have stored the new tokens' first. out (T, H D): float32, or
-    bf16 bits (uint16).
+    bf16 bits (uint16). tiles: prefill_tiles(...) of these sequences at this block_q,
+    on the GPU (an engine packs it with the step's inputs); None: built here from the
+    lengths copied to the host, which waits for the stream.
     """
     name = "paged_prefill_attention"
     num_tokens = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
@@ -1157,9 +1227,14 @@ def paged_prefill_attention(
     )
     if num_tokens == 0 or max_query_len == 0:
         return out
+    if tiles is None:  # the schedule from the host's copy of the lengths (it waits)
+        tiles = cuda.to_device(
+            prefill_tiles(host_array(query_start_loc), host_array(seq_lens), block_q),
+            stream=stream,
+        )
     kernel = paged_prefill_kernel_for(head_dim, block_q, block_k)
-    # x fastest: every head's longest tile first
-    grid = (num_heads, cdiv(max_query_len, block_q), num_seqs)
+    # x fastest: every head's entries in the schedule's order
+    grid = (num_heads, tiles.shape[0])
     kernel[grid, block_q, stream](
         qkv,
         k64,
@@ -1168,6 +1243,7 @@ def paged_prefill_attention(
         np.uint32(int(block_size).bit_length() - 1),
         seq_lens,
         query_start_loc,
+        tiles,
         num_heads,
         num_kv_heads,
         np.float32(1 / math.sqrt(head_dim)),
@@ -1177,10 +1253,10 @@ def paged_prefill_attention(
 
 
 # qkv, k and v caches as 8-byte words, block_tables, block_shift, seq_lens,
-# query_start_loc, num_heads, num_kv_heads, scale
+# query_start_loc, tiles, num_heads, num_kv_heads, scale
 _PAGED_ARGS = (
     "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
-    "int32[::1], int64, int64, float32"
+    "int32[::1], int32[::1], int64, int64, float32"
 )
 PTX_SIGNATURES = {
     name: [f"void({_PAGED_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
@@ -1259,12 +1335,15 @@ if can_launch():  # the kernel against the reference (NaN outside every context)
 # starts later: its queries must see the keys of every token before them. Since the
 # step's new keys and values are written into the cache first, everything such a prefill
 # attends over is in the cache, and `paged_prefill_attention` reads it all through the
-# block table. A step whose prefills all start at 0 keeps the flash kernel, which reads
-# its keys straight from `qkv`.
+# block table. It does so for every prefill, even one from position 0: it reads bf16
+# keys where the flash kernel reads float32 ones from `qkv`, half the bytes, and it
+# ran faster than the flash kernel on the H200 (the measurements below). A step with a
+# prefill also runs its one-token decodes through the same kernel, one tile each, so
+# that the step is one launch over one schedule — what chapter 11 captures; a step of
+# decodes only keeps decode attention, which splits long contexts across blocks.
 
 # %%
 #| export layers.attention
-from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import (
     DEFAULT_DECODE_CONFIG,
@@ -1281,12 +1360,12 @@ class PagedAttention:
 
     Called as attention(layer, qkv, out, stream, rope): rotates q and k by rope =
     (table, positions) as it stores the new tokens' K/V at their slots (rope None: they
-    are rotated already); the prefills (the first metadata.num_prefills sequences)
-    attend with flash_attention when all start at position 0, else over the cache with
-    paged_prefill_attention; the decode rows over their contexts with decode_attention.
-    metadata's arrays are on the GPU; workspace comes from decode_workspace;
-    max_context_len bounds every context, so decode attention's grid does not change
-    while they grow.
+    are rotated already). A step with a prefill (metadata.num_prefills > 0) runs every
+    sequence, its one-token decodes too, through paged_prefill_attention over `tiles`
+    (its tile schedule on the GPU; None: built from the lengths); a decode-only step
+    runs decode_attention. metadata's arrays are on the GPU; workspace comes from
+    decode_workspace; max_context_len bounds every context, so decode attention's grid
+    does not change while they grow.
     """
 
     def __init__(
@@ -1297,6 +1376,7 @@ class PagedAttention:
         workspace=None,
         max_context_len: int | None = None,
         decode_config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+        tiles=None,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
@@ -1305,62 +1385,30 @@ class PagedAttention:
         )
         self.cache, self.metadata, self.workspace = cache, metadata, workspace
         self.max_context_len, self.decode_config = max_context_len, decode_config
-        m = metadata
-        # views, once per step
-        self.prefill_starts = m.query_start_loc[: m.num_prefills + 1]
-        self.prefill_tables, self.prefill_lens = (
-            m.block_tables[: m.num_prefills],
-            m.seq_lens[: m.num_prefills],
-        )
-        self.decode_tables, self.decode_lens = (
-            m.block_tables[m.num_prefills :],
-            m.seq_lens[m.num_prefills :],
-        )
+        self.tiles = tiles
 
     def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         cache_new_kv(qkv, rope, H, KVH, m.slot_mapping, k_cache, v_cache, stream)
-        split = m.num_prefill_tokens
-        if m.num_prefills and m.max_prefill_context_len:
+        if m.num_prefills:  # one tile schedule over every sequence of the step
             paged_prefill_attention(
-                qkv[:split],
-                k_cache,
-                v_cache,
-                self.prefill_tables,
-                self.prefill_lens,
-                self.prefill_starts,
-                m.max_query_len,
-                m.block_size,
-                H,
-                KVH,
-                D,
-                out[:split],
-                stream=stream,
+                qkv, k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                m.max_query_len, m.block_size, H, KVH, D, out, stream=stream,
+                tiles=self.tiles,
             )
-        elif m.num_prefills:
-            flash_attention(
-                qkv[:split],
-                self.prefill_starts,
-                m.max_query_len,
-                H,
-                KVH,
-                D,
-                out[:split],
-                stream=stream,
-            )
-        if m.num_decodes:
+        elif m.num_decodes:
             decode_attention(
-                qkv[split:],
+                qkv,
                 self.cache.k_words[layer],
                 self.cache.v_words[layer],
-                self.decode_tables,
+                m.block_tables,
                 m.block_size,
-                self.decode_lens,
+                m.seq_lens,
                 H,
                 KVH,
                 D,
-                out[split:],
+                out,
                 stream=stream,
                 workspace=self.workspace,
                 max_context_len=self.max_context_len,

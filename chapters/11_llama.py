@@ -162,15 +162,23 @@ plt.show()
 # KV write skips: it reads memory that exists and writes none that matters. Its logits
 # and its sample are computed and ignored.
 #
-# Prefills are not captured: their token counts vary too much for buckets to pay, and a
-# prefill's kernels are large enough that launching them costs little in proportion. A
-# step with any prefill in it runs eagerly, as before, as does one larger than the
-# largest graph.
+# Prefills are captured too, in buckets of token counts: chapter 10's prefill kernel
+# reads which tiles to run from a schedule in the step's inputs, so a prefill's grid
+# depends only on how many tokens and requests the step has room for. A prefill or mixed
+# step of T tokens is padded to the next power of two from 16 (up to 4,096 tokens), with
+# room for min(T, max_num_seqs) requests, and the head and the sampler run on 1, 4, 16,
+# 64, … of its rows — the next bucket up from the rows due a token. Padding tokens have
+# slot −1 and no tile in the schedule, so they write nothing and attend to nothing. A
+# step larger than the largest bucket, or one that asks for its prompt's
+# log-probabilities (its rows of logits are many), runs eagerly: its kernels are large
+# enough that launching them from Python costs little in proportion.
 
 
 # %%
 #| export
 import numpy as np
+
+from tinyvllm_lib.engine.input_batch import StepShape
 
 
 def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -189,12 +197,50 @@ def graph_size_for(num_seqs: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+PREFILL_GRAPH_MAX_TOKENS = 4096  # a longer prefill step runs eagerly
+
+
+def prefill_graph_shapes(
+    max_num_batched_tokens: int, max_num_seqs: int,
+    max_tokens: int = PREFILL_GRAPH_MAX_TOKENS,
+) -> list[StepShape]:
+    """The prefill and mixed steps a graph is captured for: 16, 32, 64, ... tokens up to
+    min(max_tokens, max_num_batched_tokens), each with room for min(tokens,
+    max_num_seqs) requests, the head and the sampler on 1, 4, 16, ... of them (and
+    all); sorted, so the first that holds a step is the smallest.
+    """
+    top = min(max_num_batched_tokens, max_tokens)
+    shapes = []
+    for tokens in sorted({*(t for t in (2**k for k in range(4, 31)) if t < top), top}):
+        rows = min(tokens, max_num_seqs)
+        for sampled in sorted({*(4**k for k in range(16) if 4**k < rows), rows}):
+            shapes.append(StepShape(tokens, rows, sampled, prefill=True))
+    return shapes
+
+
+def prefill_shape_for(tokens: int, rows: int, sampled: int,
+                      shapes: list[StepShape]) -> StepShape | None:
+    """The smallest prefill shape that holds a step; None if none does."""
+    for shape in shapes:
+        if tokens <= shape.tokens and rows <= shape.rows and sampled <= shape.sampled:
+            return shape
+    return None
+
+
 # %%
 sizes = cuda_graph_sizes(256)
 print(f"{len(sizes)} graphs for max_num_seqs=256:", sizes[:6], "...", sizes[-2:])
 print("5 requests replay the graph of", graph_size_for(5, sizes))
 assert graph_size_for(5, sizes) == 8 and graph_size_for(256, sizes) == 256
 assert graph_size_for(257, sizes) is None and cuda_graph_sizes(6) == [1, 2, 4, 6]
+shapes = prefill_graph_shapes(8192, 256)
+print(f"{len(shapes)} prefill graphs for max_num_batched_tokens=8192: token buckets",
+      sorted({s.tokens for s in shapes}))
+# a 100-token prompt alone: 128 tokens, the head on 1 row; three prompts and 40 decodes
+# in 700 tokens, 43 rows due a token: 1,024 tokens, the head on 64 rows
+assert prefill_shape_for(100, 1, 1, shapes) == StepShape(128, 128, 1, True)
+assert prefill_shape_for(700, 43, 43, shapes) == StepShape(1024, 256, 64, True)
+assert prefill_shape_for(5000, 1, 1, shapes) is None
 
 # %% [markdown]
 # ## One copy per step, padded
@@ -691,13 +737,14 @@ class GpuLogprobsSampler(CudaSampler):
 # and the runner's buffers. Capturing first runs the function once, which compiles and
 # loads every kernel it launches.
 #
-# `size_for` is the one place that decides whether a step replays: a batch whose every
-# request has one new token and is due its next one, with no prompt rows to keep
-# (`is_uniform_decode`), and a size that holds it. The runner's `execute_async` asks it,
-# packs the batch padded to that size, queues the one copy, and replays instead of
-# running; the sampler's log-probabilities and the copies back are queued after, as for
-# any step. Nothing else changes: the scheduler and the cache do not know whether a step
-# was replayed. `LLM(..., enforce_eager=True)` (vLLM's name) makes no graphs.
+# `shape_for` is the one place that decides whether a step replays: a batch whose every
+# request has one new token and is due its next one (`is_uniform_decode`) and a size
+# that holds it, or a step with prompt tokens, no prompt rows to keep, and a prefill
+# shape that holds it. The runner's `execute_async` asks it, packs the batch padded to
+# that shape, queues the one copy, and replays instead of running; the sampler's
+# log-probabilities and the copies back are queued after, as for any step. Nothing else
+# changes: the scheduler and the cache do not know whether a step was replayed.
+# `LLM(..., enforce_eager=True)` (vLLM's name) makes no graphs.
 #
 # In numba's simulator, where this book's CI runs, a "replay" calls the function again:
 # the padding and the packed inputs are tested there, the capture only on a GPU.
@@ -724,7 +771,7 @@ def draw_step_flow():
          "logits rows, sampling", 1),
         (1.0, 3, "PackedInputs.pack + copy\none pinned buffer -> one copy\n"
          "(padded to a graph's size)", 1),
-        (1.0, 2, "CudaGraphs.size_for(batch)?\nreplay its graph : run(batch)\n"
+        (1.0, 2, "CudaGraphs.shape_for(batch)?\nreplay its graph : run(batch)\n"
          "next_ids, layers, head, sampler", 1),
         (1.0, 1, "sampler.enqueue\nids (+ log-probs) -> pinned host", 1),
         (1.0, 0, "AsyncModelRunnerOutput\n.get_output() waits", 1),
@@ -804,18 +851,19 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
-from tinyvllm_lib.engine.input_batch import InputBatch
+from tinyvllm_lib.engine.input_batch import InputBatch, StepShape
 from tinyvllm_lib.kernels.next_ids import next_ids
 from tinyvllm_lib.layers.attention_metadata import build_attention_metadata
 
 
-def padding_batch(rows: int, block_size: int) -> InputBatch:
+def padding_batch(rows: int, block_size: int, num_prefills: int = 0) -> InputBatch:
     """A decode batch of `rows` padding rows: token 0 at position 0 of a one-token
-    context in block 0, slot -1 (the KV write skips it), greedy.
+    context in block 0, slot -1 (the KV write skips it), greedy; the first
+    num_prefills of them one-token prefills (a prefill graph's attention).
     """
     ones = np.ones(rows, np.int32)
     positions, metadata = build_attention_metadata(
-        ones, ones, np.zeros((rows, 1), np.int32), block_size, 0
+        ones, ones, np.zeros((rows, 1), np.int32), block_size, num_prefills
     )
     metadata = replace(metadata, slot_mapping=np.full(rows, -1, np.int64))
     sampling = SamplingMetadata(
@@ -828,48 +876,69 @@ def padding_batch(rows: int, block_size: int) -> InputBatch:
 
 
 class CudaGraphs:
-    """A runner's decode steps as CUDA graphs: one per size of
-    cuda_graph_sizes(max_num_seqs), captured over its buffers and KV cache; size_for
-    decides which steps replay one.
+    """A runner's steps as CUDA graphs, captured over its buffers and KV cache: a decode
+    graph per size of cuda_graph_sizes(max_num_seqs) (`graphs`, by rows), a prefill
+    graph per shape of prefill_graph_shapes (`prefill_graphs`, by shape; prefill=False:
+    none); shape_for decides which steps replay one.
     """
 
-    def __init__(self, runner, progress: bool = True):
+    def __init__(self, runner, progress: bool = True, prefill: bool = True):
         if runner.device != "cuda" or runner.kv_cache is None:
             raise ValueError("CUDA graphs need a runner on 'cuda' with its KV cache")
         self.runner, self.sizes = runner, cuda_graph_sizes(runner.max_num_seqs)
+        self.prefill_shapes = (
+            prefill_graph_shapes(runner.max_num_batched_tokens, runner.max_num_seqs)
+            if prefill else []
+        )
         self.graphs: dict[int, CudaGraph] = {}
-        bar = tqdm(self.sizes, desc="Capturing CUDA graphs", unit="graph",
+        self.prefill_graphs: dict[StepShape, CudaGraph] = {}
+        shapes = [StepShape(n, n, n) for n in self.sizes] + self.prefill_shapes
+        bar = tqdm(shapes, desc="Capturing CUDA graphs", unit="graph",
                    disable=not progress)
         # no memory may be freed while a stream is being captured
         with cuda.defer_cleanup():
-            for rows in bar:  # each size's layout, filled with harmless rows
-                batch = padding_batch(rows, runner.block_size)
-                runner.packed.pack(batch, turn=0, pad_to=rows)
+            for shape in bar:  # each shape's layout, filled with harmless rows
+                batch = (padding_batch(1, runner.block_size, num_prefills=1)
+                         if shape.prefill else padding_batch(shape.rows,
+                                                             runner.block_size))
+                runner.packed.pack(batch, turn=0, pad_to=shape)
                 runner.packed.copy(batch, runner.stream)
-                self.graphs[rows] = CudaGraph(self.step_function(batch), runner.stream)
+                graph = CudaGraph(self.step_function(batch), runner.stream)
+                if shape.prefill:
+                    self.prefill_graphs[shape] = graph
+                else:
+                    self.graphs[shape.rows] = graph
             runner.stream.synchronize()
 
     def step_function(self, batch: InputBatch):
-        """What a graph captures: a padded decode step on the batch's device views."""
+        """What a graph captures: a padded step on the batch's device views."""
         runner, v = self.runner, batch.device
+        ahead = not batch.cudagraph_shape.prefill  # only decode steps plan ahead
 
         def launch(stream):
-            # rows planned ahead take the last step's samples (the others keep theirs)
-            next_ids(v["prev_rows"], runner.sampler.ids, v["token_ids"], stream)
+            if ahead:  # rows planned ahead take the last step's samples
+                next_ids(v["prev_rows"], runner.sampler.ids, v["token_ids"], stream)
             runner.run(batch, stream)
 
         return launch
 
-    def size_for(self, batch: InputBatch) -> int | None:
-        """The graph a batch replays: a uniform decode step that a size holds; else
-        None (it runs eagerly).
+    def shape_for(self, batch: InputBatch) -> StepShape | None:
+        """The graph a batch replays: a uniform decode step that a size holds, or a
+        prefill or mixed step that a prefill shape holds (with no prompt rows to keep);
+        else None (it runs eagerly).
         """
-        if not batch.is_uniform_decode:
+        if batch.is_uniform_decode:
+            size = graph_size_for(batch.num_reqs, self.sizes)
+            return None if size is None else StepShape(size, size, size)
+        if not batch.metadata.num_prefills or batch.num_logits != batch.num_sampled:
             return None
-        return graph_size_for(batch.num_reqs, self.sizes)
+        return prefill_shape_for(batch.num_tokens, batch.num_reqs, batch.num_sampled,
+                                 self.prefill_shapes)
 
-    def replay(self, rows: int) -> None:
-        self.graphs[rows].replay()
+    def replay(self, shape: StepShape) -> None:
+        graph = (self.prefill_graphs[shape] if shape.prefill
+                 else self.graphs[shape.rows])
+        graph.replay()
 
 
 # %% [markdown]
@@ -2502,9 +2571,10 @@ cores (chapter 14), are what is left for a user who waits for a first token.
 #   chapter 8b made every buffer once and chapter 8 made attention's grid depend only on
 #   the batch size and a fixed bound; cuBLAS gets a fixed workspace.
 # - One graph per batch size, vLLM's buckets; a step pads up to the next size with rows
-#   that read real memory and write no slot. Prefills run eagerly.
+#   that read real memory and write no slot; prefill and mixed steps pad to buckets of
+#   tokens, their attention one tile schedule.
 # - The graphs are a part the runner holds (`CudaGraphs`), captured over chapter 8b's
-#   `run` and its one packed `InputBatch`; `size_for` is the one place that decides
+#   `run` and its one packed `InputBatch`; `shape_for` is the one place that decides
 #   whether a step replays, and the same batch, padded, is what a replay reads;
 #   sampling runs inside the graph from per-row settings, and log-probabilities are
 #   computed on the GPU: only ids and the asked-for numbers reach the host.

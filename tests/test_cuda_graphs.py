@@ -14,9 +14,11 @@ from tinyvllm_lib.engine.cuda_graphs import (
     GpuLogprobsSampler,
     cuda_graph_sizes,
     graph_size_for,
+    prefill_graph_shapes,
+    prefill_shape_for,
 )
 from tinyvllm_lib.engine.engine_config import EngineConfig
-from tinyvllm_lib.engine.input_batch import InputBatch, PackedInputs
+from tinyvllm_lib.engine.input_batch import InputBatch, PackedInputs, StepShape
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.model_runner import ModelRunner
 from tinyvllm_lib.engine.request import Request
@@ -169,6 +171,71 @@ def test_graph_runner_decodes_like_the_eager_one_and_padding_writes_nothing(smal
         assert ei[0] == gi[0] and np.abs(ev[0] - gv[0]).max() < 1e-2  # row 0 asked for them
 
 
+def test_prefill_shapes_are_buckets_that_hold_every_step():
+    """Every prefill or mixed step up to the largest bucket finds the smallest shape that holds its tokens, rows
+    and sampled rows; a larger one finds none (it runs eagerly)."""
+    shapes = prefill_graph_shapes(8192, 48)
+    assert [s for s in shapes if s.tokens == 16] == [StepShape(16, 16, n, True) for n in (1, 4, 16)]
+    assert {s.rows for s in shapes if s.tokens >= 64} == {48}
+    for tokens, rows, sampled in [(1, 1, 1), (17, 3, 2), (100, 48, 5), (4096, 48, 48), (2000, 20, 0)]:
+        shape = prefill_shape_for(tokens, rows, sampled, shapes)
+        assert shape.tokens >= tokens and shape.rows >= rows and shape.sampled >= sampled
+        smaller = [s for s in shapes if s.tokens >= tokens and s.rows >= rows and s.sampled >= sampled]
+        assert shape == min(smaller, key=lambda s: (s.tokens, s.sampled))
+    assert prefill_shape_for(4097, 1, 1, shapes) is None
+    assert max(s.tokens for s in prefill_graph_shapes(100, 8)) == 100  # the step budget is the last bucket
+
+
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+def test_a_mixed_step_replays_a_prefill_graph_like_the_eager_runner(small_folder, monkeypatch):
+    """A step with a prompt from position 0 that ends mid-prompt (no token due), a prompt's last chunk after 6
+    cached tokens, and a decode row: 13 tokens of 3 requests, 2 due a token, replay the prefill graph of 16
+    tokens with the head on 4 rows. Greedy and seeded rows give the eager runner's tokens and log-probs, and the
+    step writes the new tokens' slots with the eager runner's values and no other slot."""
+    monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (10, 11, 20)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4, logprobs=0),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=4, logprobs=0),
+              SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)]
+    tables = np.array([[1, 0, 0, 0], [2, 0, 0, 0], [3, 4, 0, 0]], np.int32)
+    computed, new = [0, 6, 19], [7, 5, 1]
+    results = []
+    for with_graphs in (False, True):
+        config = EngineConfig(device="cuda", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+        runner = ModelRunner(small_folder, config, 128, sampler=GpuLogprobsSampler)
+        replays = []
+        if with_graphs:
+            runner.graphs = CudaGraphs(runner, progress=False)
+            assert sorted(runner.graphs.prefill_graphs) == [StepShape(t, 4, n, True) for t in (16, 32) for n in (1, 4)]
+            graph = runner.graphs.prefill_graphs[StepShape(16, 4, 4, True)]
+            graph.replay = lambda g=graph, f=graph.replay: (replays.append(g), f())[1]
+        cache_rng = np.random.default_rng(1)  # the same cache contents for both runners
+        for layer in runner.kv_cache.k + runner.kv_cache.v:
+            layer.copy_to_device(cache_rng.standard_normal(layer.shape).astype(ml_dtypes.bfloat16).view(np.uint16))
+        requests = []
+        for i, (prompt, sp, c) in enumerate(zip(prompts, params, computed)):
+            r = new_request(f"r{i}", prompt if i < 2 else prompt[:-1], sp)
+            if i == 2:
+                r.output_token_ids.append(prompt[-1])  # its last token is new: a decode row
+            r.num_computed_tokens = c
+            requests.append(r)
+        step = SchedulerOutput(requests, new, 2, tables)
+        before = [a.copy_to_host() for a in runner.kv_cache.k + runner.kv_cache.v]
+        out = runner.execute(step)
+        after = [a.copy_to_host() for a in runner.kv_cache.k + runner.kv_cache.v]
+        slots = {int(16 * tables[i, p // 16] + p % 16) for i in range(3) for p in range(computed[i], computed[i] + new[i])}
+        for b, a in zip(before, after):
+            changed = np.nonzero(np.any(b.reshape(len(b), -1) != a.reshape(len(a), -1), axis=1))[0]
+            assert set(changed.tolist()) <= slots  # no slot but the new tokens' own
+        assert len(replays) == with_graphs
+        results.append((out.sampled.token_ids.tolist(), out.sampled.logprobs, after))
+    (eager_ids, eager_lp, eager_cache), (graph_ids, graph_lp, graph_cache) = results
+    assert len(eager_ids) == 2 and graph_ids == eager_ids
+    assert np.abs(graph_lp - eager_lp).max() < 1e-5
+    assert all(np.array_equal(e, g) for e, g in zip(eager_cache, graph_cache))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_gpu_graphs_give_the_eager_tokens(folder, model, rng, monkeypatch):
@@ -302,8 +369,8 @@ def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, 
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     prompts = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
     # the second request (row 1) outlives the first: its ahead step feeds row 1's sample into row 0
-    params = [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=1),
-              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1)]
+    params = [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)]
     want = [o.outputs[0] for o in LLM(small_folder, device="cpu", max_model_len=64).generate(prompts, params, use_tqdm=False)]
     llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
     engine = llm.llm_engine

@@ -4,6 +4,8 @@
 # defined in chapters/11_llama.py
 import numpy as np
 
+from tinyvllm_lib.engine.input_batch import StepShape
+
 
 def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
     """The batch sizes a decode graph is captured for, as vLLM's: 1, 2, 4, then every
@@ -19,6 +21,36 @@ def graph_size_for(num_seqs: int, sizes: list[int]) -> int | None:
     """The smallest captured size that holds num_seqs rows; None if none does."""
     i = int(np.searchsorted(sizes, num_seqs))
     return sizes[i] if i < len(sizes) else None
+
+
+PREFILL_GRAPH_MAX_TOKENS = 4096  # a longer prefill step runs eagerly
+
+
+def prefill_graph_shapes(
+    max_num_batched_tokens: int, max_num_seqs: int,
+    max_tokens: int = PREFILL_GRAPH_MAX_TOKENS,
+) -> list[StepShape]:
+    """The prefill and mixed steps a graph is captured for: 16, 32, 64, ... tokens up to
+    min(max_tokens, max_num_batched_tokens), each with room for min(tokens,
+    max_num_seqs) requests, the head and the sampler on 1, 4, 16, ... of them (and
+    all); sorted, so the first that holds a step is the smallest.
+    """
+    top = min(max_num_batched_tokens, max_tokens)
+    shapes = []
+    for tokens in sorted({*(t for t in (2**k for k in range(4, 31)) if t < top), top}):
+        rows = min(tokens, max_num_seqs)
+        for sampled in sorted({*(4**k for k in range(16) if 4**k < rows), rows}):
+            shapes.append(StepShape(tokens, rows, sampled, prefill=True))
+    return shapes
+
+
+def prefill_shape_for(tokens: int, rows: int, sampled: int,
+                      shapes: list[StepShape]) -> StepShape | None:
+    """The smallest prefill shape that holds a step; None if none does."""
+    for shape in shapes:
+        if tokens <= shape.tokens and rows <= shape.rows and sampled <= shape.sampled:
+            return shape
+    return None
 
 
 # defined in chapters/11_llama.py
@@ -123,18 +155,19 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from tinyvllm_lib.cuda_graph import CudaGraph
-from tinyvllm_lib.engine.input_batch import InputBatch
+from tinyvllm_lib.engine.input_batch import InputBatch, StepShape
 from tinyvllm_lib.kernels.next_ids import next_ids
 from tinyvllm_lib.layers.attention_metadata import build_attention_metadata
 
 
-def padding_batch(rows: int, block_size: int) -> InputBatch:
+def padding_batch(rows: int, block_size: int, num_prefills: int = 0) -> InputBatch:
     """A decode batch of `rows` padding rows: token 0 at position 0 of a one-token
-    context in block 0, slot -1 (the KV write skips it), greedy.
+    context in block 0, slot -1 (the KV write skips it), greedy; the first
+    num_prefills of them one-token prefills (a prefill graph's attention).
     """
     ones = np.ones(rows, np.int32)
     positions, metadata = build_attention_metadata(
-        ones, ones, np.zeros((rows, 1), np.int32), block_size, 0
+        ones, ones, np.zeros((rows, 1), np.int32), block_size, num_prefills
     )
     metadata = replace(metadata, slot_mapping=np.full(rows, -1, np.int64))
     sampling = SamplingMetadata(
@@ -147,45 +180,66 @@ def padding_batch(rows: int, block_size: int) -> InputBatch:
 
 
 class CudaGraphs:
-    """A runner's decode steps as CUDA graphs: one per size of
-    cuda_graph_sizes(max_num_seqs), captured over its buffers and KV cache; size_for
-    decides which steps replay one.
+    """A runner's steps as CUDA graphs, captured over its buffers and KV cache: a decode
+    graph per size of cuda_graph_sizes(max_num_seqs) (`graphs`, by rows), a prefill
+    graph per shape of prefill_graph_shapes (`prefill_graphs`, by shape; prefill=False:
+    none); shape_for decides which steps replay one.
     """
 
-    def __init__(self, runner, progress: bool = True):
+    def __init__(self, runner, progress: bool = True, prefill: bool = True):
         if runner.device != "cuda" or runner.kv_cache is None:
             raise ValueError("CUDA graphs need a runner on 'cuda' with its KV cache")
         self.runner, self.sizes = runner, cuda_graph_sizes(runner.max_num_seqs)
+        self.prefill_shapes = (
+            prefill_graph_shapes(runner.max_num_batched_tokens, runner.max_num_seqs)
+            if prefill else []
+        )
         self.graphs: dict[int, CudaGraph] = {}
-        bar = tqdm(self.sizes, desc="Capturing CUDA graphs", unit="graph",
+        self.prefill_graphs: dict[StepShape, CudaGraph] = {}
+        shapes = [StepShape(n, n, n) for n in self.sizes] + self.prefill_shapes
+        bar = tqdm(shapes, desc="Capturing CUDA graphs", unit="graph",
                    disable=not progress)
         # no memory may be freed while a stream is being captured
         with cuda.defer_cleanup():
-            for rows in bar:  # each size's layout, filled with harmless rows
-                batch = padding_batch(rows, runner.block_size)
-                runner.packed.pack(batch, turn=0, pad_to=rows)
+            for shape in bar:  # each shape's layout, filled with harmless rows
+                batch = (padding_batch(1, runner.block_size, num_prefills=1)
+                         if shape.prefill else padding_batch(shape.rows,
+                                                             runner.block_size))
+                runner.packed.pack(batch, turn=0, pad_to=shape)
                 runner.packed.copy(batch, runner.stream)
-                self.graphs[rows] = CudaGraph(self.step_function(batch), runner.stream)
+                graph = CudaGraph(self.step_function(batch), runner.stream)
+                if shape.prefill:
+                    self.prefill_graphs[shape] = graph
+                else:
+                    self.graphs[shape.rows] = graph
             runner.stream.synchronize()
 
     def step_function(self, batch: InputBatch):
-        """What a graph captures: a padded decode step on the batch's device views."""
+        """What a graph captures: a padded step on the batch's device views."""
         runner, v = self.runner, batch.device
+        ahead = not batch.cudagraph_shape.prefill  # only decode steps plan ahead
 
         def launch(stream):
-            # rows planned ahead take the last step's samples (the others keep theirs)
-            next_ids(v["prev_rows"], runner.sampler.ids, v["token_ids"], stream)
+            if ahead:  # rows planned ahead take the last step's samples
+                next_ids(v["prev_rows"], runner.sampler.ids, v["token_ids"], stream)
             runner.run(batch, stream)
 
         return launch
 
-    def size_for(self, batch: InputBatch) -> int | None:
-        """The graph a batch replays: a uniform decode step that a size holds; else
-        None (it runs eagerly).
+    def shape_for(self, batch: InputBatch) -> StepShape | None:
+        """The graph a batch replays: a uniform decode step that a size holds, or a
+        prefill or mixed step that a prefill shape holds (with no prompt rows to keep);
+        else None (it runs eagerly).
         """
-        if not batch.is_uniform_decode:
+        if batch.is_uniform_decode:
+            size = graph_size_for(batch.num_reqs, self.sizes)
+            return None if size is None else StepShape(size, size, size)
+        if not batch.metadata.num_prefills or batch.num_logits != batch.num_sampled:
             return None
-        return graph_size_for(batch.num_reqs, self.sizes)
+        return prefill_shape_for(batch.num_tokens, batch.num_reqs, batch.num_sampled,
+                                 self.prefill_shapes)
 
-    def replay(self, rows: int) -> None:
-        self.graphs[rows].replay()
+    def replay(self, shape: StepShape) -> None:
+        graph = (self.prefill_graphs[shape] if shape.prefill
+                 else self.graphs[shape.rows])
+        graph.replay()

@@ -3,16 +3,32 @@
 
 # defined in chapters/08b_generation.py
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.sampler import SamplingMetadata
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
+from tinyvllm_lib.kernels.attention import FLASH_BLOCK_Q
+from tinyvllm_lib.kernels.paged_attention import prefill_tiles, tile_capacity
 from tinyvllm_lib.layers.attention_metadata import (
     AttentionMetadata,
     build_attention_metadata,
 )
+
+
+class StepShape(NamedTuple):
+    """The shape a step is padded to when it replays a CUDA graph (chapter 11):
+    `tokens` token rows of `rows` requests, the head and the sampler on `sampled` rows;
+    `prefill`: its attention is the prefill kernel's (a step with prompt tokens), else
+    decode attention's.
+    """
+
+    tokens: int
+    rows: int
+    sampled: int
+    prefill: bool = False
 
 
 @dataclass
@@ -38,13 +54,19 @@ class InputBatch:
     # step before sampled in its row prev_rows[i] (on the GPU, never on the host)
     prev_rows: np.ndarray | None = None
     device: dict | None = None  # field name -> device view, once packed
-    cudagraph_size: int | None = None  # rows of the graph it replays (chapter 11)
+    cudagraph_shape: StepShape | None = None  # the graph it replays (chapter 11)
     turn: int = 0  # which of the two host buffers holds it
     sampled_requests: list | None = None  # the requests of sampling's rows, in order
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cudagraph_size(self) -> int | None:
+        """The rows of the decode graph it replays (chapter 11), else None."""
+        shape = self.cudagraph_shape
+        return None if shape is None or shape.prefill else shape.rows
 
     @property
     def num_sampled(self) -> int:
@@ -138,7 +160,8 @@ class InputBatch:
 
 # the packed fields in their order: (name, dtype, count) with count per step of T
 # tokens and R requests: "tokens" T, "rows" R, "starts" R + 1, "table" R x max_blocks,
-# "logits" T + R (a prompt's rows for its log-probs, and its last row again to sample).
+# "logits" T + R (a prompt's rows for its log-probs, and its last row again to sample),
+# "tiles" the prefill kernel's tile schedule (chapter 10: ceil(T / 64) + R entries).
 # The 8-byte fields first, so that every field is aligned.
 PACKED_FIELDS = (
     ("token_ids", np.int64, "tokens"),
@@ -158,6 +181,7 @@ PACKED_FIELDS = (
     ("frequency_penalty", np.float32, "rows"),
     ("presence_penalty", np.float32, "rows"),
     ("penalty_slot", np.int32, "rows"),
+    ("tiles", np.int32, "tiles"),
     ("block_tables", np.int32, "table"),
 )
 # the sampler's settings among them (what CudaSampler.launch reads)
@@ -175,6 +199,8 @@ PADDING = {
     "num_logprobs": -1,
 }
 TOKEN_FIELDS = {name for name, _, count in PACKED_FIELDS if count == "tokens"}
+# padded from the step's last sampled row, not its last request
+SAMPLED_FIELDS = {"logits_indices", *SAMPLING_FIELDS}
 MAX_CACHED_LAYOUTS = 512  # views kept for this many step shapes
 
 
@@ -196,7 +222,8 @@ class PackedInputs:
 
     def _fields(self, tokens: int, rows: int):
         counts = {"tokens": tokens, "rows": rows, "starts": rows + 1,
-                  "table": rows * self.max_blocks, "logits": tokens + rows}
+                  "table": rows * self.max_blocks, "logits": tokens + rows,
+                  "tiles": tile_capacity(tokens, rows, FLASH_BLOCK_Q)}
         at = 0
         for name, dtype, count in PACKED_FIELDS:
             yield name, dtype, at, counts[count]
@@ -232,12 +259,15 @@ class PackedInputs:
             self._layouts[key] = (*views, (self.device[:n], self.hosts[turn][:n]))
         return self._layouts[key]
 
-    def pack(self, batch: InputBatch, turn: int, pad_to: int | None = None) -> None:
+    def pack(self, batch: InputBatch, turn: int,
+             pad_to: StepShape | int | None = None) -> None:
         """Write batch into host buffer `turn` and give it its device views (`device`);
-        pad_to: a decode step padded to that many rows (chapter 11's graphs).
+        pad_to: the shape of the graph it replays (chapter 11), an int a decode step
+        padded to that many rows.
         """
         n, r, s = batch.num_tokens, batch.num_reqs, batch.num_sampled
-        tokens, rows = (n, r) if pad_to is None else (pad_to, pad_to)
+        shape = StepShape(pad_to, pad_to, pad_to) if isinstance(pad_to, int) else pad_to
+        tokens, rows = (n, r) if shape is None else shape[:2]
         host, device, _ = self.layout(tokens, rows, turn)
         m = batch.metadata
         host["token_ids"][:n], host["positions"][:n] = batch.token_ids, batch.positions
@@ -249,15 +279,20 @@ class PackedInputs:
         for name in SAMPLING_FIELDS:
             host[name][:s] = getattr(batch.sampling, name)
         host["prev_rows"][:r] = -1 if batch.prev_rows is None else batch.prev_rows
-        if rows > r or tokens > n:  # padding rows, one token each
+        if m.num_prefills:  # chapter 10's tile schedule, over every sequence
+            prefill_tiles(m.query_start_loc, m.seq_lens, FLASH_BLOCK_Q, host["tiles"])
+        if shape is not None:  # padding rows, one token each, greedy
             for name, value in PADDING.items():
-                host[name][n if name in TOKEN_FIELDS else r :] = value
-            host["query_start_loc"][r + 1 :] = np.arange(n + 1, n + 1 + rows - r)
-        batch.device, batch.cudagraph_size, batch.turn = device, pad_to, turn
+                first = s if name in SAMPLED_FIELDS else r
+                host[name][n if name in TOKEN_FIELDS else first :] = value
+            host["query_start_loc"][r + 1 :] = np.minimum(
+                np.arange(n + 1, n + 1 + rows - r), tokens
+            )
+        batch.device, batch.cudagraph_shape, batch.turn = device, shape, turn
 
     def copy(self, batch: InputBatch, stream) -> None:
         """Queue the copy of a packed batch's bytes to the device, on `stream`."""
-        rows = batch.cudagraph_size or batch.num_reqs
-        tokens = batch.cudagraph_size or batch.num_tokens
+        shape = batch.cudagraph_shape
+        tokens, rows = shape[:2] if shape else (batch.num_tokens, batch.num_reqs)
         to, source = self.layout(tokens, rows, batch.turn)[2]
         to.copy_to_device(source, stream=stream)

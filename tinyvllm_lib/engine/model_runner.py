@@ -32,7 +32,7 @@ class AsyncModelRunnerOutput:
     queued: tuple  # what sampler.finish needs
     event: object  # recorded after the copies to the host
     prompt_logprobs: list  # per request: its prompt rows' log-probs (host), else None
-    cudagraph_size: int | None  # the graph it replayed (chapter 11), else None
+    cudagraph_size: int | None  # the decode graph it replayed (chapter 11), else None
 
     def get_output(self) -> ModelRunnerOutput:
         self.event.synchronize()
@@ -166,22 +166,22 @@ class ModelRunner:
                 batch.sampled_requests, batch.prev_rows is not None, self.stream
             )
         # the one place that decides whether a step replays a graph
-        size = None if self.graphs is None else self.graphs.size_for(batch)
-        if size is None and batch.prev_rows is not None:
+        shape = None if self.graphs is None else self.graphs.shape_for(batch)
+        if shape is None and batch.prev_rows is not None:
             raise RuntimeError("a step planned ahead of its tokens must replay a graph")
         turn, self.turn = self.turn, 1 - self.turn
-        self.packed.pack(batch, turn, pad_to=size)
+        self.packed.pack(batch, turn, pad_to=shape)
         self.packed.copy(batch, self.stream)
-        if size is None:
+        if shape is None:
             logits = self.run(batch, self.stream)
         else:
-            self.graphs.replay(size)
-            logits = self.logits[:size]
+            self.graphs.replay(shape)
+            logits = self.logits[: shape.sampled]
         queued = self.sampler.enqueue(logits, batch.sampling, turn)
         prompt = self._prompt_logprobs(batch, logits)  # only where asked for
         self.events[turn].record(self.stream)
         return AsyncModelRunnerOutput(
-            self.sampler, queued, self.events[turn], prompt, size
+            self.sampler, queued, self.events[turn], prompt, batch.cudagraph_size
         )
 
     def _prompt_logprobs(self, batch: InputBatch, logits) -> list:
@@ -198,15 +198,15 @@ class ModelRunner:
         """The step's kernels only, on `stream`, reading the batch's device views (what
         a CUDA graph can capture): layers, head rows, head, sampler; the logits.
         """
-        v, c = batch.device, self.config
+        v, c, shape = batch.device, self.config, batch.cudagraph_shape
         n = v["token_ids"].shape[0]  # a padded step's rows too
-        num_logits = batch.cudagraph_size or batch.num_logits
-        num_sampled = batch.cudagraph_size or batch.num_sampled
+        num_logits = batch.num_logits if shape is None else shape.sampled
+        num_sampled = batch.num_sampled if shape is None else shape.sampled
         b = {name: buf[:n] for name, buf in self.activations.items()}
         b["ids"], b["positions"] = v["token_ids"], v["positions"]
         attention = PagedAttention(
             c, self.kv_cache, batch.device_metadata(), self.workspace,
-            self.max_model_len,
+            self.max_model_len, tiles=v["tiles"],
         )
         self.model.run(b, attention, stream, self.cublas_workspace)
         if num_logits == 0:  # a chunk that ends inside its prompt: no logits needed
@@ -229,9 +229,9 @@ class ModelRunner:
         if num_sampled:
             rows = {name: v[name][:num_sampled] for name in SAMPLING_FIELDS}
             # eagerly, the steps the rows need; captured, every step
-            steps = (range(NUM_STEPS) if batch.cudagraph_size
+            graph = shape is not None  # a graph serves every row's settings
+            steps = (range(NUM_STEPS) if graph
                      else self.sampler.steps_for(batch.sampling))
-            graph = bool(batch.cudagraph_size)  # a graph serves every row's settings
             penalize = graph or batch.sampling.has_penalties
             logprobs = graph or bool(batch.sampling.num_logprobs.max(initial=-1) >= 0)
             self.sampler.launch(logits[:num_sampled], stream, rows, steps, penalize,

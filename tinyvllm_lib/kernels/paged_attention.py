@@ -62,6 +62,45 @@ def paged_prefill_attention_ref(
 
 
 # defined in chapters/10_paging.py
+TILE_SHIFT = 16  # a schedule entry: sequence << TILE_SHIFT | query tile
+TILE_MASK = (1 << TILE_SHIFT) - 1
+
+
+def tile_capacity(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The most schedule entries T tokens of R sequences can need."""
+    return cdiv(num_tokens, block_q) + num_seqs
+
+
+def prefill_tiles(query_start_loc, seq_lens, block_q: int, out=None) -> np.ndarray:
+    """The paged prefill kernel's tile schedule (int32): an entry per (sequence, query
+    tile), sequence << TILE_SHIFT | tile, those with the most keys to visit first; -1
+    fills the rest of `out` (default: exactly the entries).
+    """
+    starts = np.asarray(query_start_loc, np.int64)
+    num_new = np.diff(starts)
+    cached = np.asarray(seq_lens, np.int64)[: len(num_new)] - num_new
+    counts = -(-num_new // block_q)  # tiles per sequence
+    seq = np.repeat(np.arange(len(num_new)), counts)
+    tile = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
+    keys = cached[seq] + np.minimum(num_new[seq], (tile + 1) * block_q)
+    order = np.argsort(-keys, kind="stable")
+    if len(num_new) > TILE_MASK or counts.max(initial=0) > TILE_MASK + 1:
+        raise ValueError(f"a tile schedule holds up to {TILE_MASK} sequences "
+                         f"of up to {TILE_MASK + 1} tiles")
+    out = np.empty(len(seq), np.int32) if out is None else out
+    if len(out) < len(seq):
+        raise ValueError(f"the schedule needs {len(seq)} entries, out holds {len(out)}")
+    out[: len(seq)] = (seq[order] << TILE_SHIFT) | tile[order]
+    out[len(seq) :] = -1
+    return out
+
+
+def host_array(a) -> np.ndarray:
+    """A NumPy copy of a device array (it waits for the copy), or `a` itself."""
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+# defined in chapters/10_paging.py
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
 # 8-byte words (4 bf16 values) of K and of V per thread loaded before any is stored:
@@ -71,7 +110,7 @@ PAGED_STAGE = 4
 
 def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
     """Causal GQA attention of new tokens over a paged bf16 KV cache: a block per
-    (query head, query tile, sequence), K/V tiles staged through the block table.
+    (query head, entry of the tile schedule), K/V tiles staged through the block table.
     """
     D, BQ, BK, STAGE = head_dim, block_q, block_k, PAGED_STAGE
     tile_step = make_online_softmax_tile(D, BK)
@@ -87,21 +126,21 @@ def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
         block_shift,
         seq_lens,
         query_start_loc,
+        tiles,
         num_heads,
         num_kv_heads,
         scale,
         out,
     ):
         wait_for_previous_kernel()
-        # query head, row of the tile, sequence
-        h, t, seq = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockIdx.z
+        # query head, row of the tile; the schedule says which sequence and tile
+        h, t, tile = cuda.blockIdx.x, cuda.threadIdx.x, tiles[cuda.blockIdx.y]
+        if tile < 0:  # an idle entry of a schedule padded to its capacity
+            return
+        seq, q_tile = tile >> TILE_SHIFT, tile & TILE_MASK
         start = query_start_loc[seq]  # the sequence's first new row in qkv
         num_new = query_start_loc[seq + 1] - start
         num_cached = seq_lens[seq] - num_new
-        # the longest (last) tiles first
-        q_tile = (num_new + BQ - 1) // BQ - 1 - cuda.blockIdx.y
-        if q_tile < 0:
-            return
         i = q_tile * BQ + t  # this thread's query, counted from the first new token
         is_query = i < num_new
         pos = num_cached + i  # its position: it sees keys 0..pos
@@ -198,6 +237,7 @@ def paged_prefill_attention(
     stream=0,
     block_q: int = FLASH_BLOCK_Q,
     block_k: int | None = None,
+    tiles=None,
 ):
     """Causal GQA attention of each sequence's new tokens over its whole context in a
     paged bf16 KV cache.
@@ -208,7 +248,9 @@ def paged_prefill_attention(
     sequence s is at slot block_tables[s, p // block_size] * block_size + p %
     block_size, block_size a power of two. Every key and value is read from the cache:
     write_kv_cache must have stored the new tokens' first. out (T, H D): float32, or
-    bf16 bits (uint16).
+    bf16 bits (uint16). tiles: prefill_tiles(...) of these sequences at this block_q,
+    on the GPU (an engine packs it with the step's inputs); None: built here from the
+    lengths copied to the host, which waits for the stream.
     """
     name = "paged_prefill_attention"
     num_tokens = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
@@ -230,9 +272,14 @@ def paged_prefill_attention(
     )
     if num_tokens == 0 or max_query_len == 0:
         return out
+    if tiles is None:  # the schedule from the host's copy of the lengths (it waits)
+        tiles = cuda.to_device(
+            prefill_tiles(host_array(query_start_loc), host_array(seq_lens), block_q),
+            stream=stream,
+        )
     kernel = paged_prefill_kernel_for(head_dim, block_q, block_k)
-    # x fastest: every head's longest tile first
-    grid = (num_heads, cdiv(max_query_len, block_q), num_seqs)
+    # x fastest: every head's entries in the schedule's order
+    grid = (num_heads, tiles.shape[0])
     kernel[grid, block_q, stream](
         qkv,
         k64,
@@ -241,6 +288,7 @@ def paged_prefill_attention(
         np.uint32(int(block_size).bit_length() - 1),
         seq_lens,
         query_start_loc,
+        tiles,
         num_heads,
         num_kv_heads,
         np.float32(1 / math.sqrt(head_dim)),
@@ -250,10 +298,10 @@ def paged_prefill_attention(
 
 
 # qkv, k and v caches as 8-byte words, block_tables, block_shift, seq_lens,
-# query_start_loc, num_heads, num_kv_heads, scale
+# query_start_loc, tiles, num_heads, num_kv_heads, scale
 _PAGED_ARGS = (
     "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
-    "int32[::1], int64, int64, float32"
+    "int32[::1], int32[::1], int64, int64, float32"
 )
 PTX_SIGNATURES = {
     name: [f"void({_PAGED_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]

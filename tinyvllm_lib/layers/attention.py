@@ -146,7 +146,6 @@ class CachedAttention:
 
 
 # defined in chapters/10_paging.py
-from tinyvllm_lib.kernels.attention import flash_attention
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import (
     DEFAULT_DECODE_CONFIG,
@@ -163,12 +162,12 @@ class PagedAttention:
 
     Called as attention(layer, qkv, out, stream, rope): rotates q and k by rope =
     (table, positions) as it stores the new tokens' K/V at their slots (rope None: they
-    are rotated already); the prefills (the first metadata.num_prefills sequences)
-    attend with flash_attention when all start at position 0, else over the cache with
-    paged_prefill_attention; the decode rows over their contexts with decode_attention.
-    metadata's arrays are on the GPU; workspace comes from decode_workspace;
-    max_context_len bounds every context, so decode attention's grid does not change
-    while they grow.
+    are rotated already). A step with a prefill (metadata.num_prefills > 0) runs every
+    sequence, its one-token decodes too, through paged_prefill_attention over `tiles`
+    (its tile schedule on the GPU; None: built from the lengths); a decode-only step
+    runs decode_attention. metadata's arrays are on the GPU; workspace comes from
+    decode_workspace; max_context_len bounds every context, so decode attention's grid
+    does not change while they grow.
     """
 
     def __init__(
@@ -179,6 +178,7 @@ class PagedAttention:
         workspace=None,
         max_context_len: int | None = None,
         decode_config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+        tiles=None,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
@@ -187,62 +187,30 @@ class PagedAttention:
         )
         self.cache, self.metadata, self.workspace = cache, metadata, workspace
         self.max_context_len, self.decode_config = max_context_len, decode_config
-        m = metadata
-        # views, once per step
-        self.prefill_starts = m.query_start_loc[: m.num_prefills + 1]
-        self.prefill_tables, self.prefill_lens = (
-            m.block_tables[: m.num_prefills],
-            m.seq_lens[: m.num_prefills],
-        )
-        self.decode_tables, self.decode_lens = (
-            m.block_tables[m.num_prefills :],
-            m.seq_lens[m.num_prefills :],
-        )
+        self.tiles = tiles
 
     def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         cache_new_kv(qkv, rope, H, KVH, m.slot_mapping, k_cache, v_cache, stream)
-        split = m.num_prefill_tokens
-        if m.num_prefills and m.max_prefill_context_len:
+        if m.num_prefills:  # one tile schedule over every sequence of the step
             paged_prefill_attention(
-                qkv[:split],
-                k_cache,
-                v_cache,
-                self.prefill_tables,
-                self.prefill_lens,
-                self.prefill_starts,
-                m.max_query_len,
-                m.block_size,
-                H,
-                KVH,
-                D,
-                out[:split],
-                stream=stream,
+                qkv, k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                m.max_query_len, m.block_size, H, KVH, D, out, stream=stream,
+                tiles=self.tiles,
             )
-        elif m.num_prefills:
-            flash_attention(
-                qkv[:split],
-                self.prefill_starts,
-                m.max_query_len,
-                H,
-                KVH,
-                D,
-                out[:split],
-                stream=stream,
-            )
-        if m.num_decodes:
+        elif m.num_decodes:
             decode_attention(
-                qkv[split:],
+                qkv,
                 self.cache.k_words[layer],
                 self.cache.v_words[layer],
-                self.decode_tables,
+                m.block_tables,
                 m.block_size,
-                self.decode_lens,
+                m.seq_lens,
                 H,
                 KVH,
                 D,
-                out[split:],
+                out,
                 stream=stream,
                 workspace=self.workspace,
                 max_context_len=self.max_context_len,
