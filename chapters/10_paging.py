@@ -1078,11 +1078,11 @@ def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
         scale,
         out,
     ):
-        wait_for_previous_kernel()
         # query head, row of the tile; the schedule says which sequence and tile
         h, t, tile = cuda.blockIdx.x, cuda.threadIdx.x, tiles[cuda.blockIdx.y]
-        if tile < 0:  # an idle entry of a schedule padded to its capacity
-            return
+        if tile < 0:  # an idle entry of a schedule padded to its capacity: it leaves
+            return  # before waiting (the schedule comes from the host, not a kernel)
+        wait_for_previous_kernel()
         seq, q_tile = tile >> TILE_SHIFT, tile & TILE_MASK
         start = query_start_loc[seq]  # the sequence's first new row in qkv
         num_new = query_start_loc[seq + 1] - start
@@ -1157,6 +1157,7 @@ def make_paged_prefill_kernel(head_dim: int, block_q: int, block_k: int):
                     )
 
     kernel.block_q, kernel.block_k, kernel.head_dim = BQ, BK, D
+    kernel.reads_before_wait = True  # its schedule entry; it writes only after
     return kernel
 
 
