@@ -2244,36 +2244,36 @@ class Request:
             self.finish_reason = "stop"
         elif token_id in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token_id
+        is_finished = self.finish_reason is not None
         if self.detokenizer is not None and (
-            not self.is_finished or self.params.include_stop_str_in_output
+            not is_finished or self.params.include_stop_str_in_output
         ):
-            if self.defer_text:
+            if self.defer_text:  # no stop strings either: the text waits for the end
                 self.detokenizer.push(token_id)
-                new_text = ""
             else:
                 new_text = self.detokenizer.add(token_id)
-            self.text += new_text
-            found = (
-                find_stop_string(self.text, len(new_text), self.params.stop)
-                if not self.is_finished
-                else None
-            )
-            if found is not None:
-                stop, index = found
-                self.text = self.text[
-                    : index + len(stop)
-                    if self.params.include_stop_str_in_output
-                    else index
-                ]
-                self.finish_reason, self.stop_reason = "stop", stop
-                self.status = RequestStatus.FINISHED
-                return
-        if not self.is_finished and len(self.output_token_ids) >= self.max_tokens:
-            self.finish_reason = "length"
-        if self.is_finished and self.detokenizer is not None:
-            # a character left incomplete at the end: its U+FFFD
-            self.text += self.detokenizer.flush()
-        if self.is_finished:
+                self.text += new_text
+                found = (
+                    find_stop_string(self.text, len(new_text), self.params.stop)
+                    if not is_finished and self.params.stop
+                    else None
+                )
+                if found is not None:
+                    stop, index = found
+                    self.text = self.text[
+                        : index + len(stop)
+                        if self.params.include_stop_str_in_output
+                        else index
+                    ]
+                    self.finish_reason, self.stop_reason = "stop", stop
+                    self.status = RequestStatus.FINISHED
+                    return
+        if not is_finished and len(self.output_token_ids) >= self.max_tokens:
+            self.finish_reason, is_finished = "length", True
+        if is_finished:
+            if self.detokenizer is not None:
+                # a character left incomplete at the end: its U+FFFD
+                self.text += self.detokenizer.flush()
             self.status = RequestStatus.FINISHED
 
     def stream_delta(self) -> str:

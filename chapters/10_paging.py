@@ -361,6 +361,8 @@ class BlockManager:
         """
         table = self.block_tables[request_id]
         num_more = cdiv(num_tokens, self.block_size) - len(table)
+        if num_more <= 0:  # most calls: a decode step inside its last block
+            return True
         if num_more > len(self.free_queue):
             return False
         table.extend(self._take() for _ in range(num_more))
@@ -370,9 +372,12 @@ class BlockManager:
         """Name the request's blocks that are now full and computed (its first
         num_computed tokens of token_ids), so that later requests can find them.
         """
-        if not self.enable_prefix_caching:
+        num_full = num_computed // self.block_size
+        # O(1) when no block has filled since the last call: a decode step fills one
+        # only every block_size-th token
+        if not self.enable_prefix_caching or num_full <= self.num_named[request_id]:
             return
-        table, num_full = self.block_tables[request_id], num_computed // self.block_size
+        table = self.block_tables[request_id]
         for i in range(self.num_named[request_id], num_full):
             block_hash, key = self._link(request_id, token_ids, i)
             block = self.blocks[table[i]]
@@ -380,7 +385,7 @@ class BlockManager:
             if block_hash not in self.cached:
                 self.cached[block_hash] = table[i]
                 block.block_hash, block.hash_key = block_hash, key
-        self.num_named[request_id] = max(self.num_named[request_id], num_full)
+        self.num_named[request_id] = num_full
 
     def free(self, request_id: str) -> None:
         """Drop the request's blocks; those no one else holds join the free list, last
@@ -719,8 +724,15 @@ class PagedScheduler:
         a token.
         """
         s, progressed, j = result.sampled, [], 0  # j: the sampled row
-        # Python ints once for the whole step, not a NumPy scalar per row
+        # Python numbers once for the whole step, not NumPy scalars per row
         token_ids = np.asarray(s.token_ids).tolist()
+        logprobs, top_ids, top_logprobs = (
+            None if a is None else np.asarray(a).tolist()
+            for a in (s.logprobs, s.top_ids, s.top_logprobs)
+        )
+        block_size, prompt_logprobs = (
+            self.block_manager.block_size, result.prompt_logprobs
+        )
         for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
             if request.is_finished:
                 # finished or aborted while the step ran (chapter 11's overlap): its
@@ -728,19 +740,23 @@ class PagedScheduler:
                 j += request.num_computed_tokens + n >= request.num_tokens
                 continue
             request.num_computed_tokens += n
-            self.block_manager.cache_blocks(
-                request.request_id, RequestTokens(request), request.num_computed_tokens
-            )
-            self._collect_prompt_logprobs(request, result.prompt_logprobs[i])
+            if request.num_computed_tokens % block_size < n:  # it filled a block
+                self.block_manager.cache_blocks(
+                    request.request_id, RequestTokens(request),
+                    request.num_computed_tokens,
+                )
+            if prompt_logprobs[i] is not None:
+                self._collect_prompt_logprobs(request, prompt_logprobs[i])
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
-            request.append_token(
-                token_ids[j],
-                *(
-                    None if a is None else a[j]
-                    for a in (s.logprobs, s.top_ids, s.top_logprobs)
-                ),
-            )
+            if logprobs is None:
+                request.append_token(token_ids[j])
+            else:
+                request.append_token(
+                    token_ids[j], logprobs[j], *(
+                        None if a is None else a[j] for a in (top_ids, top_logprobs)
+                    ),
+                )
             j += 1
             progressed.append(request)
             if request.is_finished:

@@ -173,8 +173,15 @@ class PagedScheduler:
         a token.
         """
         s, progressed, j = result.sampled, [], 0  # j: the sampled row
-        # Python ints once for the whole step, not a NumPy scalar per row
+        # Python numbers once for the whole step, not NumPy scalars per row
         token_ids = np.asarray(s.token_ids).tolist()
+        logprobs, top_ids, top_logprobs = (
+            None if a is None else np.asarray(a).tolist()
+            for a in (s.logprobs, s.top_ids, s.top_logprobs)
+        )
+        block_size, prompt_logprobs = (
+            self.block_manager.block_size, result.prompt_logprobs
+        )
         for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
             if request.is_finished:
                 # finished or aborted while the step ran (chapter 11's overlap): its
@@ -182,19 +189,23 @@ class PagedScheduler:
                 j += request.num_computed_tokens + n >= request.num_tokens
                 continue
             request.num_computed_tokens += n
-            self.block_manager.cache_blocks(
-                request.request_id, RequestTokens(request), request.num_computed_tokens
-            )
-            self._collect_prompt_logprobs(request, result.prompt_logprobs[i])
+            if request.num_computed_tokens % block_size < n:  # it filled a block
+                self.block_manager.cache_blocks(
+                    request.request_id, RequestTokens(request),
+                    request.num_computed_tokens,
+                )
+            if prompt_logprobs[i] is not None:
+                self._collect_prompt_logprobs(request, prompt_logprobs[i])
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
-            request.append_token(
-                token_ids[j],
-                *(
-                    None if a is None else a[j]
-                    for a in (s.logprobs, s.top_ids, s.top_logprobs)
-                ),
-            )
+            if logprobs is None:
+                request.append_token(token_ids[j])
+            else:
+                request.append_token(
+                    token_ids[j], logprobs[j], *(
+                        None if a is None else a[j] for a in (top_ids, top_logprobs)
+                    ),
+                )
             j += 1
             progressed.append(request)
             if request.is_finished:
