@@ -702,19 +702,22 @@ class PagedScheduler:
         planned.sort(key=lambda p: is_decode(*p))  # stable: admission order within each
         num_prefills = sum(not is_decode(r, n) for r, n in planned)
         requests = [r for r, _ in planned]
+        tables, num_blocks = self.block_tables(requests)
         return SchedulerOutput(
-            requests, [n for _, n in planned], num_prefills, self.block_tables(requests)
+            requests, [n for _, n in planned], num_prefills, tables,
+            num_blocks=num_blocks,
         )
 
-    def block_tables(self, requests: list[Request]) -> np.ndarray:
+    def block_tables(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """(len(requests), max_blocks) int32: each request's row of the block table,
-        zeros past its blocks.
+        zeros past its blocks; and how many blocks each row holds.
         """
         tables = np.zeros((len(requests), self.max_blocks), np.int32)
+        num_blocks = np.zeros(len(requests), np.int64)
         for row, request in enumerate(requests):
             table = self.block_manager.block_tables[request.request_id]
-            tables[row, : len(table)] = table
-        return tables
+            tables[row, : len(table)], num_blocks[row] = table, len(table)
+        return tables, num_blocks
 
     def postprocess(
         self, step: SchedulerOutput, result: ModelRunnerOutput
