@@ -146,9 +146,11 @@ def run(folder: Path, params: SamplingParams, prefix_caching: bool, rows: int, s
     e._postprocess = phases.wrap(e._postprocess, "engine_output")
     step = phases.wrap(e.step, "step")
     metadata = input_batch_module.SamplingMetadata
-    from_step, from_params = InputBatch.__dict__["from_step"], metadata.__dict__["from_params"]
+    from_step = InputBatch.__dict__["from_step"]
+    builders = {name: metadata.__dict__[name] for name in ("from_params", "from_settings") if name in metadata.__dict__}
     InputBatch.from_step = classmethod(phases.wrap(from_step.__func__, "from_step"))
-    metadata.from_params = classmethod(phases.wrap(from_params.__func__, "sampling"))
+    for name, builder in builders.items():  # the sampling metadata, however from_step makes it
+        setattr(metadata, name, classmethod(phases.wrap(builder.__func__, "sampling")))
     try:
         rng = np.random.default_rng(1)
         for i in range(rows):
@@ -163,7 +165,8 @@ def run(folder: Path, params: SamplingParams, prefix_caching: bool, rows: int, s
             samples.append(phases.now)
     finally:
         InputBatch.from_step = from_step
-        metadata.from_params = from_params
+        for name, builder in builders.items():
+            setattr(metadata, name, builder)
     assert len(s.running) == rows
     return {p: 1e6 * float(np.median([x[p] for x in samples])) for p in PHASES}
 

@@ -477,37 +477,74 @@ class SamplingMetadata:
         generator (greedy rows draw none). tokens: per row (prompt ids, output ids),
         kept for the rows with penalties.
         """
-        penalized = [p.has_penalties for p in params]
+        rows = b"".join(settings_row(p) for p in params)
+        return cls.from_settings(rows, generators, tokens)
+
+    @classmethod
+    def from_settings(
+        cls,
+        rows: bytes,
+        generators: list[np.random.Generator],
+        tokens: list | None = None,
+    ) -> "SamplingMetadata":
+        """from_params from the rows' settings_row bytes, one after another (a request
+        makes its row once, not once a step): one array for the batch, then a column
+        per field.
+        """
+        table = np.frombuffer(rows, SETTINGS_DTYPE)
+        temperature = table["temperature"]
+        uniform = np.zeros(len(table))
+        drawing = np.flatnonzero(temperature > 0).tolist()  # greedy rows draw none
+        pick = [generators[i] for i in drawing]
+        if pick and all(g is pick[0] for g in pick):
+            # one generator (the engine's, for requests without a seed): one call,
+            # the numbers the rows would draw one by one
+            uniform[drawing] = pick[0].random(len(pick))
+        else:
+            uniform[drawing] = [g.random() for g in pick]
+        penalized = (
+            (table["repetition_penalty"] != 1)
+            | (table["frequency_penalty"] != 0)
+            | (table["presence_penalty"] != 0)
+        )
+        floats = {
+            name: table[name].astype(np.float32)
+            for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                         "frequency_penalty", "presence_penalty")
+        }
         return cls(
-            temperature=np.array(
-                [0.0 if p.is_greedy else p.temperature for p in params], np.float32
-            ),
-            top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
-            top_p=np.array([p.top_p for p in params], np.float32),
-            min_p=np.array([p.min_p for p in params], np.float32),
-            uniform=np.array(
-                [
-                    0.0 if p.is_greedy else g.random()
-                    for p, g in zip(params, generators)
-                ],
-                np.float64,
-            ),
-            num_logprobs=np.array(
-                [-1 if p.logprobs is None else p.logprobs for p in params], np.int64
-            ),
-            repetition_penalty=np.array(
-                [p.repetition_penalty for p in params], np.float32
-            ),
-            frequency_penalty=np.array(
-                [p.frequency_penalty for p in params], np.float32
-            ),
-            presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+            **floats,
+            top_k=np.ascontiguousarray(table["top_k"]),
+            uniform=uniform,
+            num_logprobs=np.ascontiguousarray(table["num_logprobs"]),
             penalty_tokens=(
-                [t if is_on else None for t, is_on in zip(tokens, penalized)]
-                if tokens is not None and any(penalized)
+                [t if is_on else None for t, is_on in zip(tokens, penalized.tolist())]
+                if tokens is not None and penalized.any()
                 else None
             ),
         )
+
+
+# a request's sampling settings as SamplingMetadata's row holds them
+SETTINGS_DTYPE = np.dtype([
+    ("temperature", np.float64), ("top_k", np.int64), ("top_p", np.float64),
+    ("min_p", np.float64), ("num_logprobs", np.int64),
+    ("repetition_penalty", np.float64), ("frequency_penalty", np.float64),
+    ("presence_penalty", np.float64),
+])
+
+
+def settings_row(p: SamplingParams) -> bytes:
+    """p as the bytes of a row of SETTINGS_DTYPE: temperature 0 when greedy, top_k 0
+    when off, num_logprobs -1 when none. A step joins its rows' bytes: one buffer, not
+    a conversion per row and field.
+    """
+    row = (
+        0.0 if p.is_greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p,
+        -1 if p.logprobs is None else p.logprobs, p.repetition_penalty,
+        p.frequency_penalty, p.presence_penalty,
+    )
+    return np.array(row, SETTINGS_DTYPE).tobytes()
 
 
 @dataclass
@@ -2123,6 +2160,7 @@ import numpy as np
 
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
+from tinyvllm_lib.engine.sampler import settings_row
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -2161,6 +2199,8 @@ class Request:
         self.eos_token_ids = (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         )
+        # its row of a step's SamplingMetadata, made once
+        self.sampling_settings = settings_row(params)
         self.detokenizer = (
             None
             if tokenizer is None
@@ -2651,10 +2691,11 @@ class InputBatch:
         """
         requests, ahead = step.requests, step.prev_rows is not None
         num_new = np.asarray(step.num_new_tokens, np.int32)
-        # a step planned ahead (chapter 11) starts one past what the host has computed
         num_computed = np.fromiter(
-            (r.num_computed_tokens + ahead for r in requests), np.int32, len(requests)
+            (r.num_computed_tokens for r in requests), np.int32, len(requests)
         )
+        if ahead:  # a step planned ahead (chapter 11) starts one past the host's
+            num_computed += 1
         positions, metadata = build_attention_metadata(
             num_new, num_computed + num_new, step.block_tables, block_size,
             step.num_prefills,
@@ -2674,14 +2715,15 @@ class InputBatch:
         starts = metadata.query_start_loc
         # a request whose tokens are all computed after this step is due its next
         # token: its last new token's logits (a chunk inside a prompt has none)
-        due = num_computed + num_new >= np.fromiter(
-            (r.num_tokens for r in requests), np.int64, len(requests)
-        )
         if ahead:  # every row planned ahead is a decode row due its next token
-            due[:] = True
+            due = np.ones(len(requests), bool)
+        else:
+            due = num_computed + num_new >= np.fromiter(
+                (r.num_tokens for r in requests), np.int64, len(requests)
+            )
         logits_indices = [starts[1:][due].astype(np.int64) - 1]
         prompt_rows, prompt_targets, row = {}, {}, int(due.sum())
-        for i, r in enumerate(requests):
+        for i, r in enumerate([] if ahead else requests):  # ahead: no prompt rows
             # its prefill, or a chunk of it (chapter 10): every prompt row
             if (
                 r.params.prompt_logprobs is not None
@@ -2697,9 +2739,14 @@ class InputBatch:
                 targets[: len(following)] = following
                 prompt_targets[i] = targets, r.params.prompt_logprobs
                 row += n
-        sampled = [r for r, d in zip(requests, due) if d]
-        sampling = SamplingMetadata.from_params(
-            [r.params for r in sampled], [r.generator for r in sampled],
+        sampled = (
+            list(requests) if due.all()
+            else [r for r, d in zip(requests, due) if d]
+        )
+        # each request's settings row was made once, with the request
+        sampling = SamplingMetadata.from_settings(
+            b"".join([r.sampling_settings for r in sampled]),
+            [r.generator for r in sampled],
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
         return cls(len(requests), token_ids, positions, metadata,

@@ -8,6 +8,7 @@ import numpy as np
 
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
+from tinyvllm_lib.engine.sampler import settings_row
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -46,6 +47,8 @@ class Request:
         self.eos_token_ids = (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         )
+        # its row of a step's SamplingMetadata, made once
+        self.sampling_settings = settings_row(params)
         self.detokenizer = (
             None
             if tokenizer is None
