@@ -2271,13 +2271,9 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.logprobs is not None:
             step = {token_id: float(logprob)}  # the chosen token first, then the top k
-            if self.params.logprobs > 0:
-                k = self.params.logprobs
-                step.update(
-                    (int(i), float(v))
-                    for i, v in zip(top_ids[:k], top_values[:k])
-                    if int(i) not in step
-                )
+            k, keep_first = self.params.logprobs, step.setdefault
+            for i, v in zip(top_ids[:k], top_values[:k]) if k > 0 else ():
+                keep_first(int(i), float(v))
             self.logprobs.append(step)
             self.cumulative_logprob += float(logprob)
         if token_id in self.eos_token_ids:
@@ -2691,9 +2687,7 @@ class InputBatch:
         """
         requests, ahead = step.requests, step.prev_rows is not None
         num_new = np.asarray(step.num_new_tokens, np.int32)
-        num_computed = np.fromiter(
-            (r.num_computed_tokens for r in requests), np.int32, len(requests)
-        )
+        num_computed = np.array([r.num_computed_tokens for r in requests], np.int32)
         if ahead:  # a step planned ahead (chapter 11) starts one past the host's
             num_computed += 1
         positions, metadata = build_attention_metadata(

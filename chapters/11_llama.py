@@ -964,19 +964,18 @@ class AsyncScheduler(PagedScheduler):
             return None  # admit it first
         if len(self.running) != len(prev.requests):
             return None  # a running request that prev left out: schedule in full
-        # (tokens generated, max_tokens, tokens computed) of each row, in one pass
-        state = np.array(
-            [
-                (len(r.output_token_ids), r.max_tokens, r.num_computed_tokens)
-                for r in prev.requests
-            ],
-            np.int64,
-        )
+        generated = np.array([len(r.output_token_ids) for r in prev.requests])
         # prev's token is the last of a request that reaches max_tokens with it
-        rows = np.flatnonzero(state[:, 0] + 1 < state[:, 1])
+        rows = np.flatnonzero(
+            generated + 1 < np.array([r.max_tokens for r in prev.requests])
+        )
         if not rows.size:
             return None
-        requests = [prev.requests[i] for i in rows.tolist()]
+        requests = (
+            list(prev.requests) if rows.size == len(prev.requests)
+            else [prev.requests[i] for i in rows.tolist()]
+        )
+        computed = np.array([r.num_computed_tokens for r in requests], np.int64)
         if prev.num_blocks is None:  # not known: every row from the block manager
             tables = np.zeros((len(rows), self.max_blocks), np.int32)
             num_blocks = np.zeros(len(rows), np.int64)
@@ -985,7 +984,7 @@ class AsyncScheduler(PagedScheduler):
             tables, num_blocks = prev.block_tables[rows], prev.num_blocks[rows]
         # a slot for the position one past prev's: only a row whose blocks are all
         # taken needs more (one row in block_size), and its row is written again
-        need = -(-(state[rows, 2] + 2) // self.block_manager.block_size)
+        need = -(-(computed + 2) // self.block_manager.block_size)
         for row in np.flatnonzero(need > num_blocks).tolist():
             r = requests[row]
             if not self.block_manager.append_slots(

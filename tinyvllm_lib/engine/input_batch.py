@@ -69,9 +69,7 @@ class InputBatch:
         """
         requests, ahead = step.requests, step.prev_rows is not None
         num_new = np.asarray(step.num_new_tokens, np.int32)
-        num_computed = np.fromiter(
-            (r.num_computed_tokens for r in requests), np.int32, len(requests)
-        )
+        num_computed = np.array([r.num_computed_tokens for r in requests], np.int32)
         if ahead:  # a step planned ahead (chapter 11) starts one past the host's
             num_computed += 1
         positions, metadata = build_attention_metadata(

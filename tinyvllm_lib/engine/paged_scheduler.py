@@ -199,7 +199,9 @@ class PagedScheduler:
                 )
             if prompt_logprobs[i] is not None:
                 self._collect_prompt_logprobs(request, prompt_logprobs[i])
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < (
+                len(request.prompt_token_ids) + len(request.output_token_ids)
+            ):
                 continue  # a chunk of its prompt: no token yet
             if logprobs is None:
                 request.append_token(token_ids[j])

@@ -119,13 +119,9 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.logprobs is not None:
             step = {token_id: float(logprob)}  # the chosen token first, then the top k
-            if self.params.logprobs > 0:
-                k = self.params.logprobs
-                step.update(
-                    (int(i), float(v))
-                    for i, v in zip(top_ids[:k], top_values[:k])
-                    if int(i) not in step
-                )
+            k, keep_first = self.params.logprobs, step.setdefault
+            for i, v in zip(top_ids[:k], top_values[:k]) if k > 0 else ():
+                keep_first(int(i), float(v))
             self.logprobs.append(step)
             self.cumulative_logprob += float(logprob)
         if token_id in self.eos_token_ids:
