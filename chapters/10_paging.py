@@ -737,22 +737,19 @@ class PagedScheduler:
             self.block_manager.block_size, result.prompt_logprobs
         )
         for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
-            if request.is_finished:
+            if request.finish_reason is not None:
                 # finished or aborted while the step ran (chapter 11's overlap): its
                 # row's token, if it had one, is dropped
                 j += request.num_computed_tokens + n >= request.num_tokens
                 continue
-            request.num_computed_tokens += n
-            if request.num_computed_tokens % block_size < n:  # it filled a block
+            computed = request.num_computed_tokens = request.num_computed_tokens + n
+            if computed % block_size < n:  # it filled a block
                 self.block_manager.cache_blocks(
-                    request.request_id, RequestTokens(request),
-                    request.num_computed_tokens,
+                    request.request_id, RequestTokens(request), computed
                 )
             if prompt_logprobs[i] is not None:
                 self._collect_prompt_logprobs(request, prompt_logprobs[i])
-            if request.num_computed_tokens < (
-                len(request.prompt_token_ids) + len(request.output_token_ids)
-            ):
+            if computed < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
             if logprobs is None:
                 request.append_token(token_ids[j])
@@ -764,7 +761,7 @@ class PagedScheduler:
                 )
             j += 1
             progressed.append(request)
-            if request.is_finished:
+            if request.finish_reason is not None:
                 self._release(request)
         return progressed
 
