@@ -23,6 +23,10 @@ caching. The tokenizer is the embedded SmolLM2's (the model is a 2-layer random 
 runs). Prints the median µs per step and per row of each phase; records to book/data/host_step.json.
 
     NUMBA_ENABLE_CUDASIM=1 python bench/host_step.py [--steps 256] [--rows 256] [--label L]   (~1 minute)
+
+A run under another --label keeps this CPU's records of the others: the book compares the engine before its
+host-side work (label "before": ENGINE_COMMIT=a9447f4, PYTHONPATH a checkout of it, TINYVLLM_DATA this
+repository's book/data) with the engine now (label "now").
 """
 
 import argparse
@@ -181,7 +185,7 @@ def main() -> None:
     folder = model_folder()
     measure.device_info = _ch08.cpu_device_info
     rec = measure.Recorder("host_step")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    commit = os.environ.get("ENGINE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip() or None
     print(f"{args.rows} rows, median CPU µs per decode step over {args.steps} steps (per row in brackets)")
     print(f"{'setting':>26} " + " ".join(f"{p:>17}" for p in PHASES))
@@ -193,6 +197,9 @@ def main() -> None:
                 load_average=os.getloadavg()[0])  # other jobs on the machine slow even CPU time
     shutil.rmtree(folder, ignore_errors=True)
     if not args.no_save:
+        # this device's records of other labels stay (a run before a change, and after it)
+        rec.records += [r for r in measure.load_records("host_step")
+                        if r["device"].get("name") == rec.device.get("name") and r.get("label") != args.label]
         print("saved", rec.save())
 
 
