@@ -2266,18 +2266,19 @@ if ("before", "greedy") in host_phases and ("now", "greedy") in host_phases:
         if label == "now" and s != "greedy" and ("before", s) in host_phases
     ))
     prose.glue("host_step_ratio", f"{was['step'] / is_now['step']:.1f}")
-    prose.glue("host_step_cpu", next(
-        r["device"]["name"] for r in load_records("host_step")
-    ))
+    host_cpu = load_records("host_step")[0]["device"]
+    prose.glue("host_step_cpu", f"{host_cpu.get('cores', '?')}-core "
+               f"{host_cpu.get('cpu', host_cpu['name'])}")
     prose.show(
         """
 {{host_phase_table}}
 
-On this project's CPU ({{host_step_cpu}}) the host's side of a greedy 256-row step
-is {{host_step_ratio}} times shorter than before. The other settings, the whole step
-before and now: {{host_step_others}}. What is left is mostly a Python loop over the
-rows in each phase: a request appends its token, a step reads each row's counts. A
-stream still decodes each token twice and copies each request's output every step.
+On this project's {{host_step_cpu}} CPU the host's side of a greedy 256-row step is
+{{host_step_ratio}} times shorter than before ("step" is the whole of `LLMEngine.step`).
+The other settings, the whole step before and now: {{host_step_others}}. What is left
+is mostly a Python loop over the rows in each phase: a request appends its token, a
+step reads each row's counts. A stream still decodes each token twice and copies each
+request's output every step.
 """
     )
 
