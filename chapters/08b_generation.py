@@ -419,7 +419,11 @@ def logprobs_of(logits: np.ndarray, token_ids, k: int) -> tuple:
 # %% [markdown]
 # Then the sampler: the metadata (one row per sequence), the output, and the NumPy
 # implementation. Log-probabilities, when asked for, are those of the model's raw logits
-# — before temperature, top-k and top-p — as vLLM returns them by default.
+# — before temperature, top-k and top-p — as vLLM returns them by default. A request's
+# settings do not change while it runs, so each request makes its row once
+# (`settings_row`: the bytes of one row of a structured array); a step joins its rows'
+# bytes into one buffer and reads each field as a column (`from_settings`), instead of
+# a Python list per field and row every step (chapter 11 measures what that saved).
 
 
 # %%
@@ -477,37 +481,74 @@ class SamplingMetadata:
         generator (greedy rows draw none). tokens: per row (prompt ids, output ids),
         kept for the rows with penalties.
         """
-        penalized = [p.has_penalties for p in params]
+        rows = b"".join(settings_row(p) for p in params)
+        return cls.from_settings(rows, generators, tokens)
+
+    @classmethod
+    def from_settings(
+        cls,
+        rows: bytes,
+        generators: list[np.random.Generator],
+        tokens: list | None = None,
+    ) -> "SamplingMetadata":
+        """from_params from the rows' settings_row bytes, one after another (a request
+        makes its row once, not once a step): one array for the batch, then a column
+        per field.
+        """
+        table = np.frombuffer(rows, SETTINGS_DTYPE)
+        temperature = table["temperature"]
+        uniform = np.zeros(len(table))
+        drawing = np.flatnonzero(temperature > 0).tolist()  # greedy rows draw none
+        pick = [generators[i] for i in drawing]
+        if pick and all(g is pick[0] for g in pick):
+            # one generator (the engine's, for requests without a seed): one call,
+            # the numbers the rows would draw one by one
+            uniform[drawing] = pick[0].random(len(pick))
+        else:
+            uniform[drawing] = [g.random() for g in pick]
+        penalized = (
+            (table["repetition_penalty"] != 1)
+            | (table["frequency_penalty"] != 0)
+            | (table["presence_penalty"] != 0)
+        )
+        floats = {
+            name: table[name].astype(np.float32)
+            for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                         "frequency_penalty", "presence_penalty")
+        }
         return cls(
-            temperature=np.array(
-                [0.0 if p.is_greedy else p.temperature for p in params], np.float32
-            ),
-            top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
-            top_p=np.array([p.top_p for p in params], np.float32),
-            min_p=np.array([p.min_p for p in params], np.float32),
-            uniform=np.array(
-                [
-                    0.0 if p.is_greedy else g.random()
-                    for p, g in zip(params, generators)
-                ],
-                np.float64,
-            ),
-            num_logprobs=np.array(
-                [-1 if p.logprobs is None else p.logprobs for p in params], np.int64
-            ),
-            repetition_penalty=np.array(
-                [p.repetition_penalty for p in params], np.float32
-            ),
-            frequency_penalty=np.array(
-                [p.frequency_penalty for p in params], np.float32
-            ),
-            presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+            **floats,
+            top_k=np.ascontiguousarray(table["top_k"]),
+            uniform=uniform,
+            num_logprobs=np.ascontiguousarray(table["num_logprobs"]),
             penalty_tokens=(
-                [t if is_on else None for t, is_on in zip(tokens, penalized)]
-                if tokens is not None and any(penalized)
+                [t if is_on else None for t, is_on in zip(tokens, penalized.tolist())]
+                if tokens is not None and penalized.any()
                 else None
             ),
         )
+
+
+# a request's sampling settings as SamplingMetadata's row holds them
+SETTINGS_DTYPE = np.dtype([
+    ("temperature", np.float64), ("top_k", np.int64), ("top_p", np.float64),
+    ("min_p", np.float64), ("num_logprobs", np.int64),
+    ("repetition_penalty", np.float64), ("frequency_penalty", np.float64),
+    ("presence_penalty", np.float64),
+])
+
+
+def settings_row(p: SamplingParams) -> bytes:
+    """p as the bytes of a row of SETTINGS_DTYPE: temperature 0 when greedy, top_k 0
+    when off, num_logprobs -1 when none. A step joins its rows' bytes: one buffer, not
+    a conversion per row and field.
+    """
+    row = (
+        0.0 if p.is_greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p,
+        -1 if p.logprobs is None else p.logprobs, p.repetition_penalty,
+        p.frequency_penalty, p.presence_penalty,
+    )
+    return np.array(row, SETTINGS_DTYPE).tobytes()
 
 
 @dataclass
@@ -2123,6 +2164,7 @@ import numpy as np
 
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
+from tinyvllm_lib.engine.sampler import settings_row
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -2161,6 +2203,8 @@ class Request:
         self.eos_token_ids = (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         )
+        # its row of a step's SamplingMetadata, made once
+        self.sampling_settings = settings_row(params)
         self.detokenizer = (
             None
             if tokenizer is None
@@ -2231,49 +2275,45 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.logprobs is not None:
             step = {token_id: float(logprob)}  # the chosen token first, then the top k
-            if self.params.logprobs > 0:
-                k = self.params.logprobs
-                step.update(
-                    (int(i), float(v))
-                    for i, v in zip(top_ids[:k], top_values[:k])
-                    if int(i) not in step
-                )
+            k, keep_first = self.params.logprobs, step.setdefault
+            for i, v in zip(top_ids[:k], top_values[:k]) if k > 0 else ():
+                keep_first(int(i), float(v))
             self.logprobs.append(step)
             self.cumulative_logprob += float(logprob)
         if token_id in self.eos_token_ids:
             self.finish_reason = "stop"
         elif token_id in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token_id
+        is_finished = self.finish_reason is not None
         if self.detokenizer is not None and (
-            not self.is_finished or self.params.include_stop_str_in_output
+            not is_finished or self.params.include_stop_str_in_output
         ):
-            if self.defer_text:
+            if self.defer_text:  # no stop strings either: the text waits for the end
                 self.detokenizer.push(token_id)
-                new_text = ""
             else:
                 new_text = self.detokenizer.add(token_id)
-            self.text += new_text
-            found = (
-                find_stop_string(self.text, len(new_text), self.params.stop)
-                if not self.is_finished
-                else None
-            )
-            if found is not None:
-                stop, index = found
-                self.text = self.text[
-                    : index + len(stop)
-                    if self.params.include_stop_str_in_output
-                    else index
-                ]
-                self.finish_reason, self.stop_reason = "stop", stop
-                self.status = RequestStatus.FINISHED
-                return
-        if not self.is_finished and len(self.output_token_ids) >= self.max_tokens:
-            self.finish_reason = "length"
-        if self.is_finished and self.detokenizer is not None:
-            # a character left incomplete at the end: its U+FFFD
-            self.text += self.detokenizer.flush()
-        if self.is_finished:
+                self.text += new_text
+                found = (
+                    find_stop_string(self.text, len(new_text), self.params.stop)
+                    if not is_finished and self.params.stop
+                    else None
+                )
+                if found is not None:
+                    stop, index = found
+                    self.text = self.text[
+                        : index + len(stop)
+                        if self.params.include_stop_str_in_output
+                        else index
+                    ]
+                    self.finish_reason, self.stop_reason = "stop", stop
+                    self.status = RequestStatus.FINISHED
+                    return
+        if not is_finished and len(self.output_token_ids) >= self.max_tokens:
+            self.finish_reason, is_finished = "length", True
+        if is_finished:
+            if self.detokenizer is not None:
+                # a character left incomplete at the end: its U+FFFD
+                self.text += self.detokenizer.flush()
             self.status = RequestStatus.FINISHED
 
     def stream_delta(self) -> str:
@@ -2541,6 +2581,10 @@ class SchedulerOutput:
     # chapter 11: a step planned before the last one's tokens reach the host; row i's
     # token is the one the last step sampled in its row prev_rows[i]
     prev_rows: np.ndarray | None = None
+    # (len(requests),) int: how many blocks each row of block_tables holds (chapter
+    # 11's step planned ahead copies the rows and rewrites only those that grew);
+    # None: not known
+    num_blocks: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -2669,10 +2713,9 @@ class InputBatch:
         """
         requests, ahead = step.requests, step.prev_rows is not None
         num_new = np.asarray(step.num_new_tokens, np.int32)
-        # a step planned ahead (chapter 11) starts one past what the host has computed
-        num_computed = np.fromiter(
-            (r.num_computed_tokens + ahead for r in requests), np.int32, len(requests)
-        )
+        num_computed = np.array([r.num_computed_tokens for r in requests], np.int32)
+        if ahead:  # a step planned ahead (chapter 11) starts one past the host's
+            num_computed += 1
         positions, metadata = build_attention_metadata(
             num_new, num_computed + num_new, step.block_tables, block_size,
             step.num_prefills,
@@ -2692,14 +2735,15 @@ class InputBatch:
         starts = metadata.query_start_loc
         # a request whose tokens are all computed after this step is due its next
         # token: its last new token's logits (a chunk inside a prompt has none)
-        due = num_computed + num_new >= np.fromiter(
-            (r.num_tokens for r in requests), np.int64, len(requests)
-        )
         if ahead:  # every row planned ahead is a decode row due its next token
-            due[:] = True
+            due = np.ones(len(requests), bool)
+        else:
+            due = num_computed + num_new >= np.fromiter(
+                (r.num_tokens for r in requests), np.int64, len(requests)
+            )
         logits_indices = [starts[1:][due].astype(np.int64) - 1]
         prompt_rows, prompt_targets, row = {}, {}, int(due.sum())
-        for i, r in enumerate(requests):
+        for i, r in enumerate([] if ahead else requests):  # ahead: no prompt rows
             # its prefill, or a chunk of it (chapter 10): every prompt row
             if (
                 r.params.prompt_logprobs is not None
@@ -2715,9 +2759,14 @@ class InputBatch:
                 targets[: len(following)] = following
                 prompt_targets[i] = targets, r.params.prompt_logprobs
                 row += n
-        sampled = [r for r, d in zip(requests, due) if d]
-        sampling = SamplingMetadata.from_params(
-            [r.params for r in sampled], [r.generator for r in sampled],
+        sampled = (
+            list(requests) if due.all()
+            else [r for r, d in zip(requests, due) if d]
+        )
+        # each request's settings row was made once, with the request
+        sampling = SamplingMetadata.from_settings(
+            b"".join([r.sampling_settings for r in sampled]),
+            [r.generator for r in sampled],
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
         return cls(len(requests), token_ids, positions, metadata,

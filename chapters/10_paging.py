@@ -361,6 +361,8 @@ class BlockManager:
         """
         table = self.block_tables[request_id]
         num_more = cdiv(num_tokens, self.block_size) - len(table)
+        if num_more <= 0:  # most calls: a decode step inside its last block
+            return True
         if num_more > len(self.free_queue):
             return False
         table.extend(self._take() for _ in range(num_more))
@@ -370,9 +372,12 @@ class BlockManager:
         """Name the request's blocks that are now full and computed (its first
         num_computed tokens of token_ids), so that later requests can find them.
         """
-        if not self.enable_prefix_caching:
+        num_full = num_computed // self.block_size
+        # O(1) when no block has filled since the last call: a decode step fills one
+        # only every block_size-th token
+        if not self.enable_prefix_caching or num_full <= self.num_named[request_id]:
             return
-        table, num_full = self.block_tables[request_id], num_computed // self.block_size
+        table = self.block_tables[request_id]
         for i in range(self.num_named[request_id], num_full):
             block_hash, key = self._link(request_id, token_ids, i)
             block = self.blocks[table[i]]
@@ -380,7 +385,7 @@ class BlockManager:
             if block_hash not in self.cached:
                 self.cached[block_hash] = table[i]
                 block.block_hash, block.hash_key = block_hash, key
-        self.num_named[request_id] = max(self.num_named[request_id], num_full)
+        self.num_named[request_id] = num_full
 
     def free(self, request_id: str) -> None:
         """Drop the request's blocks; those no one else holds join the free list, last
@@ -697,19 +702,22 @@ class PagedScheduler:
         planned.sort(key=lambda p: is_decode(*p))  # stable: admission order within each
         num_prefills = sum(not is_decode(r, n) for r, n in planned)
         requests = [r for r, _ in planned]
+        tables, num_blocks = self.block_tables(requests)
         return SchedulerOutput(
-            requests, [n for _, n in planned], num_prefills, self.block_tables(requests)
+            requests, [n for _, n in planned], num_prefills, tables,
+            num_blocks=num_blocks,
         )
 
-    def block_tables(self, requests: list[Request]) -> np.ndarray:
+    def block_tables(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """(len(requests), max_blocks) int32: each request's row of the block table,
-        zeros past its blocks.
+        zeros past its blocks; and how many blocks each row holds.
         """
         tables = np.zeros((len(requests), self.max_blocks), np.int32)
+        num_blocks = np.zeros(len(requests), np.int64)
         for row, request in enumerate(requests):
             table = self.block_manager.block_tables[request.request_id]
-            tables[row, : len(table)] = table
-        return tables
+            tables[row, : len(table)], num_blocks[row] = table, len(table)
+        return tables, num_blocks
 
     def postprocess(
         self, step: SchedulerOutput, result: ModelRunnerOutput
@@ -719,31 +727,41 @@ class PagedScheduler:
         a token.
         """
         s, progressed, j = result.sampled, [], 0  # j: the sampled row
-        # Python ints once for the whole step, not a NumPy scalar per row
+        # Python numbers once for the whole step, not NumPy scalars per row
         token_ids = np.asarray(s.token_ids).tolist()
+        logprobs, top_ids, top_logprobs = (
+            None if a is None else np.asarray(a).tolist()
+            for a in (s.logprobs, s.top_ids, s.top_logprobs)
+        )
+        block_size, prompt_logprobs = (
+            self.block_manager.block_size, result.prompt_logprobs
+        )
         for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
-            if request.is_finished:
+            if request.finish_reason is not None:
                 # finished or aborted while the step ran (chapter 11's overlap): its
                 # row's token, if it had one, is dropped
                 j += request.num_computed_tokens + n >= request.num_tokens
                 continue
-            request.num_computed_tokens += n
-            self.block_manager.cache_blocks(
-                request.request_id, RequestTokens(request), request.num_computed_tokens
-            )
-            self._collect_prompt_logprobs(request, result.prompt_logprobs[i])
-            if request.num_computed_tokens < request.num_tokens:
+            computed = request.num_computed_tokens = request.num_computed_tokens + n
+            if computed % block_size < n:  # it filled a block
+                self.block_manager.cache_blocks(
+                    request.request_id, RequestTokens(request), computed
+                )
+            if prompt_logprobs[i] is not None:
+                self._collect_prompt_logprobs(request, prompt_logprobs[i])
+            if computed < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
-            request.append_token(
-                token_ids[j],
-                *(
-                    None if a is None else a[j]
-                    for a in (s.logprobs, s.top_ids, s.top_logprobs)
-                ),
-            )
+            if logprobs is None:
+                request.append_token(token_ids[j])
+            else:
+                request.append_token(
+                    token_ids[j], logprobs[j], *(
+                        None if a is None else a[j] for a in (top_ids, top_logprobs)
+                    ),
+                )
             j += 1
             progressed.append(request)
-            if request.is_finished:
+            if request.finish_reason is not None:
                 self._release(request)
         return progressed
 
@@ -1785,13 +1803,17 @@ class LLMEngine:
         self._postprocess(step, pending.get_output(), outputs, done)
 
     def _postprocess(self, step, result, outputs: list, done: list) -> None:
-        for request in self.scheduler.postprocess(step, result):
-            self._count_token(request)
-            final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
-            if request.is_finished or not final_only:
+        progressed = self.scheduler.postprocess(step, result)
+        self._stats.num_generated_tokens += len(progressed)  # a token each
+        final_only = RequestOutputKind.FINAL_ONLY
+        for request in progressed:
+            if len(request.output_token_ids) == 1:  # its first: its prompt is done
+                self._count_prompt(request)
+            if request.finish_reason is not None:
                 outputs.append(request.output())
-            if request.is_finished:
                 done.append(request)
+            elif request.params.output_kind is not final_only:
+                outputs.append(request.output())
 
     def _count_schedule(self) -> None:
         s = self._stats
@@ -1801,12 +1823,10 @@ class LLMEngine:
             s.max_kv_blocks_used, self.block_manager.num_used_blocks
         )
 
-    def _count_token(self, request: Request) -> None:
+    def _count_prompt(self, request: Request) -> None:
         s = self._stats
-        s.num_generated_tokens += 1
-        if len(request.output_token_ids) == 1:  # its first: its prompt is done
-            s.num_prompt_tokens += request.num_prompt_tokens
-            s.num_cached_prompt_tokens += request.num_cached_tokens
+        s.num_prompt_tokens += request.num_prompt_tokens
+        s.num_cached_prompt_tokens += request.num_cached_tokens
 
 
 # %% [markdown]

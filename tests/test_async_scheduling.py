@@ -53,6 +53,12 @@ class StandInRunner:
 
     def execute_async(self, step):
         prev_rows = step.prev_rows
+        # every step's block tables as a fresh read of the block manager's gives them, ahead ones too (which copy
+        # the last step's rows and rewrite only those that grew)
+        for row, r in enumerate(step.requests):
+            table = self.block_manager.block_tables[r.request_id]
+            assert step.block_tables[row, : len(table)].tolist() == table, r.request_id
+            assert not step.block_tables[row, len(table) :].any() and step.num_blocks[row] == len(table)
         # in flight: at most the step before, which an ahead step follows
         assert len([p for p in self.in_flight if not p.collected]) <= (0 if prev_rows is None else 1)
         if step.num_prefills or step.num_tokens != len(step.requests):
@@ -79,6 +85,7 @@ class StandInRunner:
 def engine(folder, async_scheduling: bool, max_num_seqs: int = 4) -> tuple[LLMEngine, StandInRunner]:
     e = LLMEngine(folder, "cpu", max_model_len=256, max_num_seqs=max_num_seqs, num_kv_blocks=64)
     runner = StandInRunner()
+    runner.block_manager = e.block_manager
     e.model_runner = runner
     if async_scheduling:  # what LLMEngine does with the graph runner
         e.async_scheduling = True

@@ -84,6 +84,41 @@ def test_eviction_is_least_recently_freed_and_tail_first():
     assert manager.num_cached_tokens([1, 2, 3, 4, 5]) == 2
 
 
+class Untouchable:
+    """A token sequence that fails when read: cache_blocks must not read it when no block has filled."""
+
+    def __len__(self):
+        raise AssertionError("read the tokens")
+
+    def __getitem__(self, s):
+        raise AssertionError("read the tokens")
+
+
+def test_cache_blocks_names_each_block_the_step_it_fills_and_reads_nothing_between():
+    block_size = 4
+    manager, later = BlockManager(32, block_size), BlockManager(32, block_size)
+    tokens = list(range(5))  # a prompt of 5: its first block full after the prefill
+    manager.allocate("a", tokens, 5)
+    manager.cache_blocks("a", tokens, 5)
+    for _ in range(30):  # decode steps, one token each
+        manager.cache_blocks("a", Untouchable(), len(tokens))  # nothing new: O(1)
+        tokens.append(len(tokens))
+        manager.append_slots("a", len(tokens))
+        num_full = len(tokens) // block_size
+        if len(tokens) % block_size:
+            manager.cache_blocks("a", Untouchable(), len(tokens))
+        else:  # this token filled a block: it is named now, found by any later request
+            manager.cache_blocks("a", tokens, len(tokens))
+        assert manager.num_named["a"] == num_full
+        assert manager.num_cached_tokens(tokens + [-1]) == num_full * block_size
+    # the same as naming everything at once at the end
+    later.allocate("a", tokens, len(tokens))
+    later.cache_blocks("a", tokens, len(tokens))
+    assert {h: manager.block_tables["a"].index(b) for h, b in manager.cached.items()} == {
+        h: later.block_tables["a"].index(b) for h, b in later.cached.items()
+    }
+
+
 def test_a_short_pool_changes_nothing():
     manager = BlockManager(3, block_size=4)
     assert manager.allocate("a", list(range(9)), 9) == 0  # 3 blocks

@@ -296,6 +296,23 @@ def test_logprobs_and_prompt_logprobs(tiny):
         assert max(step, key=step.get) == token  # greedy picks the most likely
 
 
+def test_a_steps_logprobs_keep_the_chosen_tokens_value_and_the_first_of_repeated_ids():
+    """append_token's log-prob dict: the chosen token first with its own log-prob (not the top list's), then
+    the top k in order, an id met again keeping its first value; NumPy scalars (the sampler's rows) or Python
+    numbers (the scheduler's lists) alike."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    top_ids, top_values = [7, 3, 7, 9, 11], [-0.25, -1.5, -2.0, -3.0, -4.0]
+    want = {7: -0.5, 3: -1.5}  # 7 is chosen; k = 3 reads [7, 3, 7]: the repeat of 7 keeps the chosen value
+    for cast in (list, lambda x: np.asarray(x, np.float32 if isinstance(x[0], float) else np.int64)):
+        request = Request("0", None, [1, 2], params, 8, eos_token_ids=[])
+        request.append_token(7, -0.5, cast(top_ids), cast(top_values))
+        request.append_token(9, -0.75, cast([9, 3, 4]), cast([-0.125, -1.0, -2.0]))
+        assert request.logprobs == [want, {9: -0.75, 3: -1.0, 4: -2.0}]
+        assert list(request.logprobs[0]) == [7, 3] and list(request.logprobs[1]) == [9, 3, 4]
+        assert all(type(i) is int and type(v) is float for step in request.logprobs for i, v in step.items())
+        assert request.cumulative_logprob == -1.25
+
+
 def test_many_prompts_and_params(tiny):
     prompts = [[5, 6, 7], {"prompt_token_ids": [8, 9]}, np.array([3, 4])]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 3)]

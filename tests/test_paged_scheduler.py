@@ -309,6 +309,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert {h: i for i, b in enumerate(bm.blocks) if (h := b.block_hash) is not None} == bm.cached
         assert set(bm.block_tables) == {r.request_id for r in self.scheduler.running}
         assert set(bm.chains) <= {r.request_id for r in self.requests if not r.is_finished}
+        if bm.enable_prefix_caching:  # every block a step filled was named that step
+            for r in self.scheduler.running:
+                assert bm.num_named[r.request_id] == r.num_computed_tokens // bm.block_size
 
     def teardown(self):
         if not hasattr(self, "bm"):

@@ -310,6 +310,63 @@ def test_each_row_uses_its_own_generator():
 # --- log-probabilities ---
 
 
+def metadata_one_field_at_a_time(params, generators, tokens):
+    """SamplingMetadata as it was built before each request kept its settings row: a list per field over the
+    params, each sampled row drawing from its own generator in row order."""
+    penalized = [p.has_penalties for p in params]
+    return SamplingMetadata(
+        temperature=np.array([0.0 if p.is_greedy else p.temperature for p in params], np.float32),
+        top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
+        top_p=np.array([p.top_p for p in params], np.float32),
+        min_p=np.array([p.min_p for p in params], np.float32),
+        uniform=np.array([0.0 if p.is_greedy else g.random() for p, g in zip(params, generators)], np.float64),
+        num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64),
+        repetition_penalty=np.array([p.repetition_penalty for p in params], np.float32),
+        frequency_penalty=np.array([p.frequency_penalty for p in params], np.float32),
+        presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+        penalty_tokens=[t if on else None for t, on in zip(tokens, penalized)] if any(penalized) else None,
+    )
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_metadata_from_each_requests_settings_row_is_a_fresh_build(rng, shared):
+    """The step's SamplingMetadata is made from the settings row each Request made once (settings_row's bytes,
+    joined): field for field, draw for draw, it is what a build from the params gives, whether the rows share
+    one generator (drawn in one call) or have their own."""
+    from tinyvllm_lib.engine.request import Request
+
+    for _ in range(20):
+        rows = int(rng.integers(0, 40))
+        params = [SamplingParams(temperature=float(rng.choice([0.0, 1e-6, 1e-5, 0.6, 1.0, 1.7])),
+                                 top_k=int(rng.choice([-1, 0, 1, 50, 2**31 - 1])), top_p=float(rng.choice([1.0, 0.9, 0.1])),
+                                 min_p=float(rng.choice([0.0, 0.05])), logprobs=rng.choice([None, 0, 5, 20]),
+                                 repetition_penalty=float(rng.choice([1.0, 1.1])),
+                                 frequency_penalty=float(rng.choice([0.0, 0.0, -0.5])),
+                                 presence_penalty=float(rng.choice([0.0, 0.0, 2.0])), max_tokens=4)
+                  for _ in range(rows)]
+        seed = int(rng.integers(2**32))
+
+        def generators():  # the engine's one generator for every row, or one per row
+            one = np.random.default_rng(seed)
+            return [one if shared else np.random.default_rng(seed + i) for i in range(rows)]
+
+        gens, ref_gens = generators(), generators()
+        requests = [Request(str(i), None, [1, 2], p, 4, [], generator=g) for i, (p, g) in enumerate(zip(params, gens))]
+        tokens = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
+        got = SamplingMetadata.from_settings(b"".join(r.sampling_settings for r in requests), gens, tokens)
+        want = metadata_one_field_at_a_time(params, ref_gens, tokens)
+        again = SamplingMetadata.from_params(params, generators(), tokens)
+        for name in ("temperature", "top_k", "top_p", "min_p", "num_logprobs", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty", "penalty_slot"):
+            for built in (got, again):
+                assert getattr(built, name).dtype == getattr(want, name).dtype, name
+                np.testing.assert_array_equal(getattr(built, name), getattr(want, name), err_msg=name)
+        np.testing.assert_array_equal(got.uniform, want.uniform)
+        assert got.penalty_tokens == want.penalty_tokens
+        # the generators are where the one-by-one draws left them
+        assert [g.random() for g in gens[:3]] == [g.random() for g in ref_gens[:3]]
+
+
 def test_logprobs_are_the_raw_distributions(rng):
     logits = (rng.standard_normal((4, 300)) * 3).astype(np.float32)
     params = [SamplingParams(temperature=0.5, top_k=10, logprobs=5), SamplingParams(temperature=0, logprobs=0),

@@ -25,24 +25,36 @@ class AsyncScheduler(PagedScheduler):
             return None  # admit it first
         if len(self.running) != len(prev.requests):
             return None  # a running request that prev left out: schedule in full
+        generated = np.array([len(r.output_token_ids) for r in prev.requests])
         # prev's token is the last of a request that reaches max_tokens with it
-        rows = [
-            i
-            for i, r in enumerate(prev.requests)
-            if len(r.output_token_ids) + 1 < r.max_tokens
-        ]
-        requests = [prev.requests[i] for i in rows]
-        for r in requests:  # a slot for the position one past prev's
+        rows = np.flatnonzero(
+            generated + 1 < np.array([r.max_tokens for r in prev.requests])
+        )
+        if not rows.size:
+            return None
+        requests = (
+            list(prev.requests) if rows.size == len(prev.requests)
+            else [prev.requests[i] for i in rows.tolist()]
+        )
+        computed = np.array([r.num_computed_tokens for r in requests], np.int64)
+        if prev.num_blocks is None:  # not known: every row from the block manager
+            tables = np.zeros((len(rows), self.max_blocks), np.int32)
+            num_blocks = np.zeros(len(rows), np.int64)
+        else:  # prev's rows, copied: no table has changed since prev was planned
+            # (only a full schedule admits, preempts or frees)
+            tables, num_blocks = prev.block_tables[rows], prev.num_blocks[rows]
+        # a slot for the position one past prev's: only a row whose blocks are all
+        # taken needs more (one row in block_size), and its row is written again
+        need = -(-(computed + 2) // self.block_manager.block_size)
+        for row in np.flatnonzero(need > num_blocks).tolist():
+            r = requests[row]
             if not self.block_manager.append_slots(
                 r.request_id, r.num_computed_tokens + 2
             ):
                 return None
-        if not requests:
-            return None
+            table = self.block_manager.block_tables[r.request_id]
+            tables[row, : len(table)], num_blocks[row] = table, len(table)
         return SchedulerOutput(
-            requests,
-            [1] * len(requests),
-            0,
-            self.block_tables(requests),
-            prev_rows=np.asarray(rows, np.int64),
+            requests, [1] * len(requests), 0, tables, prev_rows=rows.astype(np.int64),
+            num_blocks=num_blocks,
         )

@@ -162,6 +162,8 @@ class BlockManager:
         """
         table = self.block_tables[request_id]
         num_more = cdiv(num_tokens, self.block_size) - len(table)
+        if num_more <= 0:  # most calls: a decode step inside its last block
+            return True
         if num_more > len(self.free_queue):
             return False
         table.extend(self._take() for _ in range(num_more))
@@ -171,9 +173,12 @@ class BlockManager:
         """Name the request's blocks that are now full and computed (its first
         num_computed tokens of token_ids), so that later requests can find them.
         """
-        if not self.enable_prefix_caching:
+        num_full = num_computed // self.block_size
+        # O(1) when no block has filled since the last call: a decode step fills one
+        # only every block_size-th token
+        if not self.enable_prefix_caching or num_full <= self.num_named[request_id]:
             return
-        table, num_full = self.block_tables[request_id], num_computed // self.block_size
+        table = self.block_tables[request_id]
         for i in range(self.num_named[request_id], num_full):
             block_hash, key = self._link(request_id, token_ids, i)
             block = self.blocks[table[i]]
@@ -181,7 +186,7 @@ class BlockManager:
             if block_hash not in self.cached:
                 self.cached[block_hash] = table[i]
                 block.block_hash, block.hash_key = block_hash, key
-        self.num_named[request_id] = max(self.num_named[request_id], num_full)
+        self.num_named[request_id] = num_full
 
     def free(self, request_id: str) -> None:
         """Drop the request's blocks; those no one else holds join the free list, last

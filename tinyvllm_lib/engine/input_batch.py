@@ -91,10 +91,9 @@ class InputBatch:
         """
         requests, ahead = step.requests, step.prev_rows is not None
         num_new = np.asarray(step.num_new_tokens, np.int32)
-        # a step planned ahead (chapter 11) starts one past what the host has computed
-        num_computed = np.fromiter(
-            (r.num_computed_tokens + ahead for r in requests), np.int32, len(requests)
-        )
+        num_computed = np.array([r.num_computed_tokens for r in requests], np.int32)
+        if ahead:  # a step planned ahead (chapter 11) starts one past the host's
+            num_computed += 1
         positions, metadata = build_attention_metadata(
             num_new, num_computed + num_new, step.block_tables, block_size,
             step.num_prefills,
@@ -114,14 +113,15 @@ class InputBatch:
         starts = metadata.query_start_loc
         # a request whose tokens are all computed after this step is due its next
         # token: its last new token's logits (a chunk inside a prompt has none)
-        due = num_computed + num_new >= np.fromiter(
-            (r.num_tokens for r in requests), np.int64, len(requests)
-        )
         if ahead:  # every row planned ahead is a decode row due its next token
-            due[:] = True
+            due = np.ones(len(requests), bool)
+        else:
+            due = num_computed + num_new >= np.fromiter(
+                (r.num_tokens for r in requests), np.int64, len(requests)
+            )
         logits_indices = [starts[1:][due].astype(np.int64) - 1]
         prompt_rows, prompt_targets, row = {}, {}, int(due.sum())
-        for i, r in enumerate(requests):
+        for i, r in enumerate([] if ahead else requests):  # ahead: no prompt rows
             # its prefill, or a chunk of it (chapter 10): every prompt row
             if (
                 r.params.prompt_logprobs is not None
@@ -137,9 +137,14 @@ class InputBatch:
                 targets[: len(following)] = following
                 prompt_targets[i] = targets, r.params.prompt_logprobs
                 row += n
-        sampled = [r for r, d in zip(requests, due) if d]
-        sampling = SamplingMetadata.from_params(
-            [r.params for r in sampled], [r.generator for r in sampled],
+        sampled = (
+            list(requests) if due.all()
+            else [r for r, d in zip(requests, due) if d]
+        )
+        # each request's settings row was made once, with the request
+        sampling = SamplingMetadata.from_settings(
+            b"".join([r.sampling_settings for r in sampled]),
+            [r.generator for r in sampled],
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
         return cls(len(requests), token_ids, positions, metadata,

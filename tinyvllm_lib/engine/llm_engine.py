@@ -315,13 +315,17 @@ class LLMEngine:
         self._postprocess(step, pending.get_output(), outputs, done)
 
     def _postprocess(self, step, result, outputs: list, done: list) -> None:
-        for request in self.scheduler.postprocess(step, result):
-            self._count_token(request)
-            final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
-            if request.is_finished or not final_only:
+        progressed = self.scheduler.postprocess(step, result)
+        self._stats.num_generated_tokens += len(progressed)  # a token each
+        final_only = RequestOutputKind.FINAL_ONLY
+        for request in progressed:
+            if len(request.output_token_ids) == 1:  # its first: its prompt is done
+                self._count_prompt(request)
+            if request.finish_reason is not None:
                 outputs.append(request.output())
-            if request.is_finished:
                 done.append(request)
+            elif request.params.output_kind is not final_only:
+                outputs.append(request.output())
 
     def _count_schedule(self) -> None:
         s = self._stats
@@ -331,9 +335,7 @@ class LLMEngine:
             s.max_kv_blocks_used, self.block_manager.num_used_blocks
         )
 
-    def _count_token(self, request: Request) -> None:
+    def _count_prompt(self, request: Request) -> None:
         s = self._stats
-        s.num_generated_tokens += 1
-        if len(request.output_token_ids) == 1:  # its first: its prompt is done
-            s.num_prompt_tokens += request.num_prompt_tokens
-            s.num_cached_prompt_tokens += request.num_cached_tokens
+        s.num_prompt_tokens += request.num_prompt_tokens
+        s.num_cached_prompt_tokens += request.num_cached_tokens

@@ -151,19 +151,22 @@ class PagedScheduler:
         planned.sort(key=lambda p: is_decode(*p))  # stable: admission order within each
         num_prefills = sum(not is_decode(r, n) for r, n in planned)
         requests = [r for r, _ in planned]
+        tables, num_blocks = self.block_tables(requests)
         return SchedulerOutput(
-            requests, [n for _, n in planned], num_prefills, self.block_tables(requests)
+            requests, [n for _, n in planned], num_prefills, tables,
+            num_blocks=num_blocks,
         )
 
-    def block_tables(self, requests: list[Request]) -> np.ndarray:
+    def block_tables(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """(len(requests), max_blocks) int32: each request's row of the block table,
-        zeros past its blocks.
+        zeros past its blocks; and how many blocks each row holds.
         """
         tables = np.zeros((len(requests), self.max_blocks), np.int32)
+        num_blocks = np.zeros(len(requests), np.int64)
         for row, request in enumerate(requests):
             table = self.block_manager.block_tables[request.request_id]
-            tables[row, : len(table)] = table
-        return tables
+            tables[row, : len(table)], num_blocks[row] = table, len(table)
+        return tables, num_blocks
 
     def postprocess(
         self, step: SchedulerOutput, result: ModelRunnerOutput
@@ -173,31 +176,41 @@ class PagedScheduler:
         a token.
         """
         s, progressed, j = result.sampled, [], 0  # j: the sampled row
-        # Python ints once for the whole step, not a NumPy scalar per row
+        # Python numbers once for the whole step, not NumPy scalars per row
         token_ids = np.asarray(s.token_ids).tolist()
+        logprobs, top_ids, top_logprobs = (
+            None if a is None else np.asarray(a).tolist()
+            for a in (s.logprobs, s.top_ids, s.top_logprobs)
+        )
+        block_size, prompt_logprobs = (
+            self.block_manager.block_size, result.prompt_logprobs
+        )
         for i, (request, n) in enumerate(zip(step.requests, step.num_new_tokens)):
-            if request.is_finished:
+            if request.finish_reason is not None:
                 # finished or aborted while the step ran (chapter 11's overlap): its
                 # row's token, if it had one, is dropped
                 j += request.num_computed_tokens + n >= request.num_tokens
                 continue
-            request.num_computed_tokens += n
-            self.block_manager.cache_blocks(
-                request.request_id, RequestTokens(request), request.num_computed_tokens
-            )
-            self._collect_prompt_logprobs(request, result.prompt_logprobs[i])
-            if request.num_computed_tokens < request.num_tokens:
+            computed = request.num_computed_tokens = request.num_computed_tokens + n
+            if computed % block_size < n:  # it filled a block
+                self.block_manager.cache_blocks(
+                    request.request_id, RequestTokens(request), computed
+                )
+            if prompt_logprobs[i] is not None:
+                self._collect_prompt_logprobs(request, prompt_logprobs[i])
+            if computed < request.num_tokens:
                 continue  # a chunk of its prompt: no token yet
-            request.append_token(
-                token_ids[j],
-                *(
-                    None if a is None else a[j]
-                    for a in (s.logprobs, s.top_ids, s.top_logprobs)
-                ),
-            )
+            if logprobs is None:
+                request.append_token(token_ids[j])
+            else:
+                request.append_token(
+                    token_ids[j], logprobs[j], *(
+                        None if a is None else a[j] for a in (top_ids, top_logprobs)
+                    ),
+                )
             j += 1
             progressed.append(request)
-            if request.is_finished:
+            if request.finish_reason is not None:
                 self._release(request)
         return progressed
 

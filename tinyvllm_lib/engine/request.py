@@ -8,6 +8,7 @@ import numpy as np
 
 from tinyvllm_lib.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyvllm_lib.engine.outputs import CompletionOutput, RequestOutput
+from tinyvllm_lib.engine.sampler import settings_row
 from tinyvllm_lib.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -46,6 +47,8 @@ class Request:
         self.eos_token_ids = (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         )
+        # its row of a step's SamplingMetadata, made once
+        self.sampling_settings = settings_row(params)
         self.detokenizer = (
             None
             if tokenizer is None
@@ -116,49 +119,45 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.logprobs is not None:
             step = {token_id: float(logprob)}  # the chosen token first, then the top k
-            if self.params.logprobs > 0:
-                k = self.params.logprobs
-                step.update(
-                    (int(i), float(v))
-                    for i, v in zip(top_ids[:k], top_values[:k])
-                    if int(i) not in step
-                )
+            k, keep_first = self.params.logprobs, step.setdefault
+            for i, v in zip(top_ids[:k], top_values[:k]) if k > 0 else ():
+                keep_first(int(i), float(v))
             self.logprobs.append(step)
             self.cumulative_logprob += float(logprob)
         if token_id in self.eos_token_ids:
             self.finish_reason = "stop"
         elif token_id in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token_id
+        is_finished = self.finish_reason is not None
         if self.detokenizer is not None and (
-            not self.is_finished or self.params.include_stop_str_in_output
+            not is_finished or self.params.include_stop_str_in_output
         ):
-            if self.defer_text:
+            if self.defer_text:  # no stop strings either: the text waits for the end
                 self.detokenizer.push(token_id)
-                new_text = ""
             else:
                 new_text = self.detokenizer.add(token_id)
-            self.text += new_text
-            found = (
-                find_stop_string(self.text, len(new_text), self.params.stop)
-                if not self.is_finished
-                else None
-            )
-            if found is not None:
-                stop, index = found
-                self.text = self.text[
-                    : index + len(stop)
-                    if self.params.include_stop_str_in_output
-                    else index
-                ]
-                self.finish_reason, self.stop_reason = "stop", stop
-                self.status = RequestStatus.FINISHED
-                return
-        if not self.is_finished and len(self.output_token_ids) >= self.max_tokens:
-            self.finish_reason = "length"
-        if self.is_finished and self.detokenizer is not None:
-            # a character left incomplete at the end: its U+FFFD
-            self.text += self.detokenizer.flush()
-        if self.is_finished:
+                self.text += new_text
+                found = (
+                    find_stop_string(self.text, len(new_text), self.params.stop)
+                    if not is_finished and self.params.stop
+                    else None
+                )
+                if found is not None:
+                    stop, index = found
+                    self.text = self.text[
+                        : index + len(stop)
+                        if self.params.include_stop_str_in_output
+                        else index
+                    ]
+                    self.finish_reason, self.stop_reason = "stop", stop
+                    self.status = RequestStatus.FINISHED
+                    return
+        if not is_finished and len(self.output_token_ids) >= self.max_tokens:
+            self.finish_reason, is_finished = "length", True
+        if is_finished:
+            if self.detokenizer is not None:
+                # a character left incomplete at the end: its U+FFFD
+                self.text += self.detokenizer.flush()
             self.status = RequestStatus.FINISHED
 
     def stream_delta(self) -> str:

@@ -177,37 +177,74 @@ class SamplingMetadata:
         generator (greedy rows draw none). tokens: per row (prompt ids, output ids),
         kept for the rows with penalties.
         """
-        penalized = [p.has_penalties for p in params]
+        rows = b"".join(settings_row(p) for p in params)
+        return cls.from_settings(rows, generators, tokens)
+
+    @classmethod
+    def from_settings(
+        cls,
+        rows: bytes,
+        generators: list[np.random.Generator],
+        tokens: list | None = None,
+    ) -> "SamplingMetadata":
+        """from_params from the rows' settings_row bytes, one after another (a request
+        makes its row once, not once a step): one array for the batch, then a column
+        per field.
+        """
+        table = np.frombuffer(rows, SETTINGS_DTYPE)
+        temperature = table["temperature"]
+        uniform = np.zeros(len(table))
+        drawing = np.flatnonzero(temperature > 0).tolist()  # greedy rows draw none
+        pick = [generators[i] for i in drawing]
+        if pick and all(g is pick[0] for g in pick):
+            # one generator (the engine's, for requests without a seed): one call,
+            # the numbers the rows would draw one by one
+            uniform[drawing] = pick[0].random(len(pick))
+        else:
+            uniform[drawing] = [g.random() for g in pick]
+        penalized = (
+            (table["repetition_penalty"] != 1)
+            | (table["frequency_penalty"] != 0)
+            | (table["presence_penalty"] != 0)
+        )
+        floats = {
+            name: table[name].astype(np.float32)
+            for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                         "frequency_penalty", "presence_penalty")
+        }
         return cls(
-            temperature=np.array(
-                [0.0 if p.is_greedy else p.temperature for p in params], np.float32
-            ),
-            top_k=np.array([max(p.top_k, 0) for p in params], np.int64),
-            top_p=np.array([p.top_p for p in params], np.float32),
-            min_p=np.array([p.min_p for p in params], np.float32),
-            uniform=np.array(
-                [
-                    0.0 if p.is_greedy else g.random()
-                    for p, g in zip(params, generators)
-                ],
-                np.float64,
-            ),
-            num_logprobs=np.array(
-                [-1 if p.logprobs is None else p.logprobs for p in params], np.int64
-            ),
-            repetition_penalty=np.array(
-                [p.repetition_penalty for p in params], np.float32
-            ),
-            frequency_penalty=np.array(
-                [p.frequency_penalty for p in params], np.float32
-            ),
-            presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+            **floats,
+            top_k=np.ascontiguousarray(table["top_k"]),
+            uniform=uniform,
+            num_logprobs=np.ascontiguousarray(table["num_logprobs"]),
             penalty_tokens=(
-                [t if is_on else None for t, is_on in zip(tokens, penalized)]
-                if tokens is not None and any(penalized)
+                [t if is_on else None for t, is_on in zip(tokens, penalized.tolist())]
+                if tokens is not None and penalized.any()
                 else None
             ),
         )
+
+
+# a request's sampling settings as SamplingMetadata's row holds them
+SETTINGS_DTYPE = np.dtype([
+    ("temperature", np.float64), ("top_k", np.int64), ("top_p", np.float64),
+    ("min_p", np.float64), ("num_logprobs", np.int64),
+    ("repetition_penalty", np.float64), ("frequency_penalty", np.float64),
+    ("presence_penalty", np.float64),
+])
+
+
+def settings_row(p: SamplingParams) -> bytes:
+    """p as the bytes of a row of SETTINGS_DTYPE: temperature 0 when greedy, top_k 0
+    when off, num_logprobs -1 when none. A step joins its rows' bytes: one buffer, not
+    a conversion per row and field.
+    """
+    row = (
+        0.0 if p.is_greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p,
+        -1 if p.logprobs is None else p.logprobs, p.repetition_penalty,
+        p.frequency_penalty, p.presence_penalty,
+    )
+    return np.array(row, SETTINGS_DTYPE).tobytes()
 
 
 @dataclass

@@ -26,6 +26,10 @@ class SchedulerOutput:
     # chapter 11: a step planned before the last one's tokens reach the host; row i's
     # token is the one the last step sampled in its row prev_rows[i]
     prev_rows: np.ndarray | None = None
+    # (len(requests),) int: how many blocks each row of block_tables holds (chapter
+    # 11's step planned ahead copies the rows and rewrites only those that grew);
+    # None: not known
+    num_blocks: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
