@@ -374,11 +374,11 @@ def stop_ranks(comm, processes: list, politely: bool) -> None:
     if politely and comm is not None and all(p.is_alive() for p in processes):
         with contextlib.suppress(Exception):
             comm.broadcast(None)
-    for p in processes:
+    for p in processes:  # after a failure a rank gets a second, not five
         p.join(JOIN_SECONDS if politely else 0.1)
         if p.is_alive():
             p.terminate()
-            p.join(JOIN_SECONDS)
+            p.join(JOIN_SECONDS if politely else 1.0)
         if p.is_alive():
             p.kill()
             p.join()
