@@ -15,7 +15,11 @@ import pytest
 from compare import agrees, shared_logprob_gaps
 
 from tinyvllm_lib import LLM, SamplingParams
-from tinyvllm_lib.distributed.sharding import shard_config, shard_llama_weights, vocab_shard
+from tinyvllm_lib.distributed.sharding import (
+    shard_config,
+    shard_llama_weights,
+    vocab_shard,
+)
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
