@@ -2079,6 +2079,7 @@ to {{ch07_look_word}}: the head has found what the question is about.
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.distributed.communicator import Communicator
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
@@ -2086,7 +2087,6 @@ from tinyvllm_lib.kernels.rope import check_positions, rope_table_from_config
 from tinyvllm_lib.layers.attention import FlashAttention
 from tinyvllm_lib.layers.linear import linear, rmsnorm_linear
 from tinyvllm_lib.models.config import ModelConfig
-from tinyvllm_lib.distributed.communicator import Communicator
 from tinyvllm_lib.models.llama_numpy import fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
 
