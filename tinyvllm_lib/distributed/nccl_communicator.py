@@ -23,7 +23,9 @@ class NcclCommunicator(Communicator):
     def __init__(self, host: Communicator):
         import cupy
         from cupy.cuda import nccl
+        from numba import cuda
 
+        cupy.cuda.Device(cuda.get_current_device().id).use()  # numba's GPU, CuPy's too
         self.nccl, self.cupy, self.host = nccl, cupy, host
         self.rank, self.world_size = host.rank, host.world_size
         unique_id = host.broadcast(nccl.get_unique_id() if host.rank == 0 else None)
