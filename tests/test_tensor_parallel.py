@@ -87,7 +87,11 @@ def test_shards_put_back_together_are_the_model(folder):
 @pytest.mark.parametrize("n", [2, 4])
 def test_random_llama_on_n_ranks_gives_one_ranks_tokens(folder, n):
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(40, 59)), [3]]
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    # rank 0 samples with the penalties; the other ranks are sent the batch without them
+    penalized = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True,
+                               repetition_penalty=1.3, presence_penalty=0.5)
+    params = [greedy, greedy, greedy, penalized]
     ref = generate(folder, 1, prompts, params, max_num_seqs=4)
     out = generate(folder, n, prompts, params, max_num_seqs=4)
     assert_same_completions(ref, out)

@@ -212,9 +212,15 @@ class MultiprocExecutor:
         """The step's batch, made once here, broadcast, and run by every rank."""
         self.driver._check(step)
         batch = InputBatch.from_step(step, self.driver.block_size)
-        # the other ranks need the arrays, not the requests behind them
+        # the other ranks' samples are thrown away: they need the arrays, not the
+        # requests behind them, nor the penalties' token counts
+        no_penalties = replace(
+            batch.sampling, repetition_penalty=None, frequency_penalty=None,
+            presence_penalty=None, penalty_tokens=None, penalty_slot=None,
+        )
         return self._broadcast_and_run(
-            "execute_batch", batch, replace(batch, sampled_requests=None)
+            "execute_batch", batch,
+            replace(batch, sampled_requests=None, sampling=no_penalties),
         )
 
     def shutdown(self) -> None:
