@@ -172,3 +172,41 @@ def test_cuda_runner_on_two_ranks_equals_one_in_the_simulator(tmp_path, monkeypa
     ref = generate(folder, 1, [[5, 6, 7]], params, "cuda", **engine)
     out = generate(folder, 2, [[5, 6, 7]], params, "cuda", **engine)
     assert_same_completions(ref, out)
+
+
+class FirstAllReduce(Exception):
+    """Raised by Recording at the model's first all-reduce: what it was handed."""
+
+
+class Recording:
+    """A communicator of one rank among two that records its first all-reduce's input and stops the pass there."""
+
+    def __init__(self, rank):
+        self.rank, self.world_size = rank, 2
+
+    def all_reduce(self, x, stream=0):
+        raise FirstAllReduce(x.copy_to_host())
+
+
+@pytest.mark.skipif(not is_simulator(), reason="the simulator's test of the GPU model")
+def test_cuda_model_adds_the_residual_on_rank_0_only(tmp_path):
+    """o_proj accumulates into the residual on rank 0 and overwrites it elsewhere: the buffers the first all-reduce
+    sums differ by exactly the embedding rows, so the sum holds the residual once."""
+    from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
+    from tinyvllm_lib.models.llama_cuda import LlamaCuda
+
+    config = tiny_llama_config(vocab_size=40, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    folder = make_random_llama(tmp_path, config, seed=3)
+    full = ModelConfig.from_folder(folder)
+    weights = shard_llama_weights(load_weights(folder, full, progress=False), full, 0, 2, split_embedding=False)
+    ids = [5, 17, 33]
+    sent = {}
+    for rank in (0, 1):  # the same shard on both: only what the rank adds differs
+        with pytest.raises(FirstAllReduce) as stop:
+            LlamaCuda(shard_config(full, 2), weights, comm=Recording(rank)).forward(ids)
+        sent[rank] = stop.value.args[0]
+    embedding = bf16_bits_to_f32(weights["model.embed_tokens.weight"][ids])
+    # rank 0: fl(embedding + partial), in float32 as the GEMV's epilogue adds; rank 1: the partial alone
+    np.testing.assert_array_equal(sent[0], embedding.astype(np.float32) + sent[1])
+    assert np.abs(sent[1]).max() > 0  # rank 1 sent its partial o_proj, not zeros
