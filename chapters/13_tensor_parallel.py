@@ -439,10 +439,10 @@ def launched_by_torchrun() -> tuple[int, int, int] | None:
 # the norm that reads it, with no synchronisation on the host. And NCCL calls on a
 # stream can be captured in a CUDA graph, which is what [chapter 11](11_llama.py)'s
 # decode steps are: a captured step would hold its collectives like any other
-# kernel. (`torch.distributed`'s NCCL backend would want torch tensors on its own
-# streams, and a second CUDA runtime in the process.) The class below is kept small
-# because it cannot be run here: it has no GPU to run on. **The two-GPU issue (37)
-# runs it**; this chapter's tests run the gloo one.
+# kernel. (`torch.distributed`'s NCCL backend would need the CUDA build of PyTorch, a
+# large dependency the GPU path does not otherwise have, and torch tensors.) The class
+# below is kept small because it cannot be run here: it has no GPU to run on. **The
+# two-GPU issue (37) runs it**; this chapter's tests run the gloo one.
 
 # %%
 #| export distributed.nccl_communicator
@@ -547,8 +547,9 @@ class NcclCommunicator(Communicator):
 # the same slots, each holding only that rank's KV heads. Each step it builds chapter
 # 8b's `InputBatch` once — token ids, positions, attention metadata, the sampling rows —
 # and **broadcasts** it; then every rank runs it on its shard, and the ranks meet in the
-# model's all-reduces. The sampler runs on the gathered logits, the same on every rank;
-# only rank 0's tokens go back to the scheduler.
+# model's all-reduces. Every rank then runs the sampler on the same gathered logits —
+# one code path for all ranks — but only rank 0's tokens go back to the scheduler; the
+# others are thrown away (so they are sent the batch without the penalties' counts).
 #
 # The other ranks are started the way PyTorch programs start them: on one machine with
 # `torch.multiprocessing` and the `spawn` start method (a fresh interpreter, no forked
