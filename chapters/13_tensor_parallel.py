@@ -562,10 +562,11 @@ class NcclCommunicator(Communicator):
 #
 # Failure is part of the design. A collective that waits longer than
 # `distributed_timeout` (60 s by default) raises; a rank whose process has died is
-# noticed before the next step is sent; either way rank 0 stops every other rank
-# (politely when it can, with `terminate` and then `kill` when it cannot), leaves the
-# process group, and `generate` raises an error that says so. The processes are
-# daemons, and a finalizer stops them when the engine is dropped or Python exits.
+# noticed before the next step is sent; either way rank 0 kills every other rank (a
+# rank that does not answer may not answer a `terminate` either), leaves the process
+# group, and `generate` raises an error that says so. At a normal end the ranks are
+# told to stop and given time to. The processes are daemons, and a finalizer stops
+# them when the engine is dropped or Python exits.
 
 # %%
 #| export distributed.executor
@@ -671,20 +672,22 @@ def environment(values: dict):
 
 
 def stop_ranks(comm, processes: list, politely: bool) -> None:
-    """Tell the ranks to stop (politely: a None step), wait, terminate what is left,
-    leave the process group.
+    """Stop the other ranks and leave the process group. Politely: a None step, then
+    time to finish, then terminate what is left; after a failure: kill at once (a rank
+    that does not answer may not answer a terminate either).
     """
     if politely and comm is not None and all(p.is_alive() for p in processes):
         with contextlib.suppress(Exception):
             comm.broadcast(None)
-    for p in processes:  # after a failure a rank gets a second, not five
-        p.join(JOIN_SECONDS if politely else 0.1)
-        if p.is_alive():
-            p.terminate()
-            p.join(JOIN_SECONDS if politely else 1.0)
+    for p in processes:
+        if politely:
+            p.join(JOIN_SECONDS)
+            if p.is_alive():
+                p.terminate()
+                p.join(JOIN_SECONDS)
         if p.is_alive():
             p.kill()
-            p.join()
+        p.join()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -141,7 +141,7 @@ def test_a_rank_that_dies_ends_generate_with_an_error(folder, how):
     seconds = time.perf_counter() - t0
     print(f"rank 1 {how}: generate raised after {seconds:.2f} s (timeout {TIMEOUT} s)")
     assert len(steps) == 3
-    assert seconds < TIMEOUT + 2.0  # the timeout, and a second to terminate a silent rank
+    assert seconds < TIMEOUT + 0.5  # at most the collective's timeout, and a kill
     assert not any(psutil.pid_exists(pid) for pid in pids)
     llm.llm_engine.shutdown()  # a second stop does nothing
 

@@ -104,20 +104,22 @@ def environment(values: dict):
 
 
 def stop_ranks(comm, processes: list, politely: bool) -> None:
-    """Tell the ranks to stop (politely: a None step), wait, terminate what is left,
-    leave the process group.
+    """Stop the other ranks and leave the process group. Politely: a None step, then
+    time to finish, then terminate what is left; after a failure: kill at once (a rank
+    that does not answer may not answer a terminate either).
     """
     if politely and comm is not None and all(p.is_alive() for p in processes):
         with contextlib.suppress(Exception):
             comm.broadcast(None)
-    for p in processes:  # after a failure a rank gets a second, not five
-        p.join(JOIN_SECONDS if politely else 0.1)
-        if p.is_alive():
-            p.terminate()
-            p.join(JOIN_SECONDS if politely else 1.0)
+    for p in processes:
+        if politely:
+            p.join(JOIN_SECONDS)
+            if p.is_alive():
+                p.terminate()
+                p.join(JOIN_SECONDS)
         if p.is_alive():
             p.kill()
-            p.join()
+        p.join()
     if dist.is_initialized():
         dist.destroy_process_group()
 
