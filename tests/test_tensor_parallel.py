@@ -210,3 +210,32 @@ def test_cuda_model_adds_the_residual_on_rank_0_only(tmp_path):
     # rank 0: fl(embedding + partial), in float32 as the GEMV's epilogue adds; rank 1: the partial alone
     np.testing.assert_array_equal(sent[0], embedding.astype(np.float32) + sent[1])
     assert np.abs(sent[1]).max() > 0  # rank 1 sent its partial o_proj, not zeros
+
+
+def test_torchrun_starts_the_ranks_instead(folder, tmp_path):
+    """Under torchrun (RANK, WORLD_SIZE set) the same LLM call starts no process: rank 0 drives, rank 1 serves its
+    steps and ends."""
+    import socket
+
+    script = tmp_path / "generate.py"
+    script.write_text(
+        "import os\n"
+        "from tinyvllm_lib import LLM, SamplingParams\n"
+        f"llm = LLM({str(folder)!r}, 'cpu', max_num_seqs=2, tensor_parallel_size=2, distributed_timeout=30)\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)\n"
+        "print('tokens', out[0].outputs[0].token_ids, flush=True)\n"
+        "llm.llm_engine.shutdown()\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(script)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    print(run.stdout, run.stderr[-500:])
+    assert run.returncode == 0
+    lines = [line for line in run.stdout.splitlines() if line.startswith("tokens")]
+    one = generate(folder, 1, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))
+    assert lines == [f"tokens {one[0].outputs[0].token_ids}"]  # rank 0 only: rank 1 never returned from LLM()
