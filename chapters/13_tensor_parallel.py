@@ -991,6 +991,10 @@ issue runs the command below and checks these two bars.
 #     --device cuda --tensor-parallel-size 2
 # ```
 #
+# A script that makes its `LLM` with `tensor_parallel_size=2` runs unchanged under
+# `torchrun --nproc-per-node 2 script.py` (the tests run it so on CPUs), and with
+# torchrun's `--nnodes` and rendezvous flags across machines.
+#
 # It has not been run for this chapter: no machine with two GPUs was at hand. The NCCL
 # communicator, the GPU ranks' device selection and the speed are what that run tests.
 # Under tensor parallelism the engine runs its steps eagerly for now: capturing a step
