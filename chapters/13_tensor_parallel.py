@@ -992,8 +992,9 @@ issue runs the command below and checks these two bars.
 # ```
 #
 # A script that makes its `LLM` with `tensor_parallel_size=2` runs unchanged under
-# `torchrun --nproc-per-node 2 script.py` (the tests run it so on CPUs), and with
-# torchrun's `--nnodes` and rendezvous flags across machines.
+# `torchrun --nproc-per-node 2 script.py` (the tests run it so on CPUs); across
+# machines, with torchrun's `--nnodes` and rendezvous flags, it is meant to run the
+# same way, but that has not been tried.
 #
 # It has not been run for this chapter: no machine with two GPUs was at hand. The NCCL
 # communicator, the GPU ranks' device selection and the speed are what that run tests.
