@@ -1597,8 +1597,44 @@ class FlashAttention:
         )
 
 
+# %% [markdown]
+# One more part is handed to the model: a **communicator**. Chapter 13 splits the model
+# over several GPUs, each running this same layer loop on its share of the heads, and
+# there the ranks sum their partial results (`all_reduce`) and put their slices of the
+# logits side by side (`all_gather`). On one GPU there is one rank, and the
+# communicator below does nothing: its collectives hand their input back. The model
+# calls them all the same, so there is one layer loop, whatever the number of GPUs.
+
+# %%
+#| export distributed.communicator
+class Communicator:
+    """The collectives the model's ranks share (vLLM's names); this one is a single
+    rank's, where each gives its input back. Chapter 13 has the real ones.
+    """
+
+    rank, world_size = 0, 1
+
+    def all_reduce(self, x, stream=0):
+        """x summed over the ranks, in place; returns x."""
+        return x
+
+    def all_gather(self, x, out=None, stream=0):
+        """The ranks' x (rows, cols) side by side: (rows, world_size * cols), cut to
+        out's width where out is given (a device array) and written there.
+        """
+        if out is None:
+            return x
+        out.copy_to_device(x[:, : out.shape[1]], stream=stream)
+        return out
+
+    def broadcast(self, obj=None):
+        """Rank 0's obj, on every rank."""
+        return obj
+
+
 # %%
 #| export models.llama_numpy
+from tinyvllm_lib.distributed.communicator import Communicator
 from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed_reference
@@ -1622,13 +1658,19 @@ class LlamaNumpy:
         config: ModelConfig,
         weights: dict[str, np.ndarray],
         bf16_activations: bool = False,
+        comm: Communicator | None = None,
     ):
-        self.config = config
+        """comm: the ranks this model's shard of weights is one of (chapter 13); None:
+        one rank, all the weights.
+        """
+        self.config, self.comm = config, comm or Communicator()
         # round the inputs of linear layers to bf16, as the kernels do
         self.bf16_activations = bf16_activations
         fused = fuse_llama_weights(weights, config)
-        # bf16 bits: a row is widened when it is looked up
+        # bf16 bits: a row is widened when it is looked up; this rank's rows of the
+        # vocabulary (all of them on one rank)
         self.embed_tokens = fused.pop("embed_tokens")
+        self.vocab_start = self.comm.rank * len(self.embed_tokens)
         # bf16 bits
         self.norms = {
             n: fused.pop(n)
@@ -1664,7 +1706,7 @@ class LlamaNumpy:
         positions = check_positions(positions, len(ids))
         attention = CausalAttention(c) if attention is None else attention
         eps = c.rms_norm_eps
-        x = embed_reference(ids, self.embed_tokens)  # (T, hidden): the residual stream
+        x = self.embed(ids)  # (T, hidden): the residual stream
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             # (T, (H + 2 KVH) D)
@@ -1674,19 +1716,32 @@ class LlamaNumpy:
             qkv = rope_qkv_ref(
                 qkv, positions, self.rope, c.num_attention_heads, c.num_key_value_heads
             )
-            # (T, H D) -> (T, hidden)
-            x = x + self.linear(attention(i, qkv), p + "o_proj")
+            # (T, H D) -> (T, hidden), summed over the ranks' heads
+            x = x + self.comm.all_reduce(self.linear(attention(i, qkv), p + "o_proj"))
             gate_up = self.linear(
                 rmsnorm_ref(x, self.norms[p + "post_attention_layernorm"], eps),
                 p + "gate_up_proj",
             )
             # (T, 2 I) -> (T, I) -> (T, hidden)
-            x = x + self.linear(silu_mul_ref(gate_up), p + "down_proj")
+            down = self.linear(silu_mul_ref(gate_up), p + "down_proj")
+            x = x + self.comm.all_reduce(down)
         return rmsnorm_ref(x, self.norms["norm"], eps)
 
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """The embedding rows of ids (T, hidden), float32: each rank looks up the ids
+        in its rows of the vocabulary, zero elsewhere, and the ranks sum.
+        """
+        local = ids - self.vocab_start
+        is_mine = (local >= 0) & (local < len(self.embed_tokens))
+        x = embed_reference(np.where(is_mine, local, 0), self.embed_tokens)
+        return self.comm.all_reduce(x * is_mine[:, None])
+
     def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
-        """The LM head: (rows, hidden) -> logits (rows, vocab_size), float32."""
-        return self.linear(hidden, "lm_head")
+        """The LM head: (rows, hidden) -> logits (rows, vocab_size), float32 (the
+        ranks' columns side by side, the vocabulary's padding cut).
+        """
+        logits = self.comm.all_gather(self.linear(hidden, "lm_head"))
+        return logits[:, : self.config.vocab_size]
 
     def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
         """Logits (T, vocab_size), float32: the layer loop, then the head on every
@@ -2024,6 +2079,7 @@ to {{ch07_look_word}}: the head has found what the question is about.
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.distributed.communicator import Communicator
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
@@ -2040,8 +2096,15 @@ class LlamaCuda:
     stream, bf16 linear inputs.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
-        self.config = config
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, np.ndarray],
+        comm: Communicator | None = None,
+    ):
+        """comm: the ranks this model's shard of weights is one of (chapter 13); None:
+        one rank, all the weights.
+        """
+        self.config, self.comm = config, comm or Communicator()
+        self._logits_part = None  # chapter 13: this rank's columns of the logits
         fused = fuse_llama_weights(weights, config)
         self.weights = {
             name: cuda.to_device(np.ascontiguousarray(bits))
@@ -2105,6 +2168,7 @@ class LlamaCuda:
         """
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         on = {"stream": stream, "workspace": workspace}  # every linear layer's
+        is_first = self.comm.rank == 0
         embed(b["ids"], w["embed_tokens"], b["residual"], stream=stream)
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
@@ -2113,19 +2177,33 @@ class LlamaCuda:
             rmsnorm_linear(b["residual"], *norm_qkv, b["normed"], **on)
             # the attention layer rotates q and k (with its cache write, if it has one)
             attention(i, b["qkv"], b["attn"], stream, rope=(self.rope, b["positions"]))
-            # x += attn · Woᵀ: the residual add is the projection's epilogue
-            linear(b["attn"], w[p + "o_proj"], b["residual"], accumulate=True, **on)
+            # x += attn · Woᵀ: the residual add is the projection's epilogue; with
+            # several ranks (chapter 13) rank 0 adds, the others write their part, and
+            # the sum over ranks adds the residual once
+            linear(b["attn"], w[p + "o_proj"], b["residual"], accumulate=is_first, **on)
+            self.comm.all_reduce(b["residual"], stream)
             norm_up = (w[p + "post_attention_layernorm"], eps, w[p + "gate_up_proj"])
             rmsnorm_linear(b["residual"], *norm_up, b["gate_up"], b["normed"], **on)
             silu_mul(b["gate_up"], b["act"], stream=stream)
-            linear(b["act"], w[p + "down_proj"], b["residual"], accumulate=True, **on)
+            linear(b["act"], w[p + "down_proj"], b["residual"], accumulate=is_first,
+                   **on)
+            self.comm.all_reduce(b["residual"], stream)
         rmsnorm(b["residual"], w["norm"], eps, b["normed"], stream=stream)
 
     def compute_logits(self, hidden, out, stream=0, workspace=None) -> None:
         """The LM head: hidden (rows, hidden) bf16 bits on the GPU -> out (rows,
-        vocab_size) float32.
+        vocab_size) float32. With several ranks (chapter 13) each computes its columns,
+        and the ranks gather them.
         """
-        linear(hidden, self.weights["lm_head"], out, stream=stream, workspace=workspace)
+        head, on = self.weights["lm_head"], {"stream": stream, "workspace": workspace}
+        if self.comm.world_size == 1:
+            linear(hidden, head, out, **on)
+            return
+        rows = hidden.shape[0]
+        if self._logits_part is None or len(self._logits_part) < rows:
+            self._logits_part = cuda.device_array((rows, len(head)), np.float32)
+        linear(hidden, head, self._logits_part[:rows], **on)
+        self.comm.all_gather(self._logits_part[:rows], out, stream)
 
     def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
         """Logits (T, vocab_size), float32 on the host; one sequence by default,

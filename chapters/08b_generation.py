@@ -2509,6 +2509,10 @@ class EngineConfig:
     # chapter 11: CUDA graphs, and a step launched before the last is post-processed
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: wherever the runner can
+    # chapter 13: one process per rank, each with a shard of the model; a rank that
+    # does not answer a collective within distributed_timeout seconds ends the engine
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = 60.0
 
     def __post_init__(self):
         if self.device not in ("auto", *DEVICES):
@@ -2517,7 +2521,7 @@ class EngineConfig:
                 f"{self.device!r}"
             )
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens",
-                     "num_kv_blocks", "kv_cache_memory_bytes"):
+                     "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -2546,6 +2550,12 @@ class EngineConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        timeout = self.distributed_timeout
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(
+                f"distributed_timeout must be a positive number of seconds, got "
+                f"{timeout!r}"
+            )
 
 
 # %% [markdown]
@@ -2983,11 +2993,13 @@ class ModelRunner:
 
     def __init__(
         self, folder, config: EngineConfig, num_kv_slots: int | None = None,
-        sampler=None,
+        sampler=None, model=None,
     ):
         """config: its device resolved ("cpu" or "cuda") and its max_model_len and
         max_num_batched_tokens set (the engine completes them). sampler: on "cuda",
-        the class of sampler (CudaSampler's signature; default CudaSampler).
+        the class of sampler (CudaSampler's signature; default CudaSampler). model:
+        the device's model, made already (chapter 13's shard of one); None: the
+        folder's.
         """
         device, kv_cache_dtype = config.device, config.kv_cache_dtype
         if device not in DEVICES:
@@ -3005,7 +3017,7 @@ class ModelRunner:
         self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
-            self.model = LlamaNumpy.from_folder(folder)
+            self.model = model or LlamaNumpy.from_folder(folder)
             self.kv_cache_dtype = (
                 "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
             )
@@ -3016,7 +3028,7 @@ class ModelRunner:
                     "device='cuda' keeps its KV cache in bfloat16, got "
                     f"kv_cache_dtype={kv_cache_dtype!r}"
                 )
-            self.model = LlamaCuda.from_folder(folder)
+            self.model = model or LlamaCuda.from_folder(folder)
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
             self.sampler = (sampler or CudaSampler)(
@@ -3075,7 +3087,12 @@ class ModelRunner:
         if self.device == "cuda":
             return self.execute_async(step).get_output()
         self._check(step)
-        batch = InputBatch.from_step(step, self.block_size)
+        return self.execute_batch(InputBatch.from_step(step, self.block_size))
+
+    def execute_batch(self, batch: InputBatch) -> ModelRunnerOutput:
+        """Run one step's InputBatch (what chapter 13's ranks are sent)."""
+        if self.device == "cuda":
+            return self.execute_batch_async(batch).get_output()
         attention = CachedAttention(self.config, self.kv_cache, batch.metadata)
         hidden = self.model.hidden_states(batch.token_ids, batch.positions, attention)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -3092,7 +3109,12 @@ class ModelRunner:
         samples' copies back.
         """
         self._check(step)
-        batch = InputBatch.from_step(step, self.block_size)
+        return self.execute_batch_async(InputBatch.from_step(step, self.block_size))
+
+    def execute_batch_async(self, batch: InputBatch) -> AsyncModelRunnerOutput:
+        """Launch one step's InputBatch on the GPU (what chapter 13's ranks are
+        sent).
+        """
         if batch.sampling.has_penalties:  # the rows' count slots on the GPU
             batch.sampling.penalty_slot = self.sampler.penalties.slots_for(
                 batch.sampled_requests, batch.prev_rows is not None, self.stream

@@ -1610,6 +1610,8 @@ def _engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> No
         action="store_true",
         help="graphs, but the host and the GPU take turns (chapter 11's overlap off)",
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="processes the model is split over (chapter 13)")
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1653,6 +1655,7 @@ def _load_llm(args: argparse.Namespace, model: str):
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

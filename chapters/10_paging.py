@@ -1574,13 +1574,21 @@ class LLMEngine:
             c.max_num_batched_tokens,
         )
         block_size = c.block_size
-        graphs = self.device == "cuda" and not c.enforce_eager
+        # (chapter 13's ranks run eagerly: graphs across ranks are left to the two-GPU
+        # run)
+        is_parallel = c.tensor_parallel_size > 1
+        graphs = self.device == "cuda" and not c.enforce_eager and not is_parallel
         sampler = None
         if self.device == "cuda":
             # chapter 11: log-probs computed on the GPU
             from tinyvllm_lib.engine.cuda_graphs import GpuLogprobsSampler as sampler
         # the weights and every step buffer first; the KV cache takes what is left
-        self.model_runner = ModelRunner(self.folder, c, sampler=sampler)
+        if is_parallel:  # chapter 13: rank 0's runner, and a process per other rank
+            from tinyvllm_lib.distributed.executor import MultiprocExecutor
+
+            self.model_runner = MultiprocExecutor(self.folder, c, sampler=sampler)
+        else:
+            self.model_runner = ModelRunner(self.folder, c, sampler=sampler)
         num_blocks = self._num_kv_blocks(
             c.num_kv_blocks,
             c.gpu_memory_utilization,
@@ -1594,7 +1602,7 @@ class LLMEngine:
             from tinyvllm_lib.engine.cuda_graphs import CudaGraphs
 
             self.model_runner.graphs = CudaGraphs(self.model_runner)
-        if self.device == "cuda" and has_gpu():
+        if self.device == "cuda" and has_gpu() and not is_parallel:
             # chapter 11: every kernel a request can reach is compiled now, not under
             # the first request that reaches it
             from tinyvllm_lib.engine.warm_up import warm_up_model
@@ -1762,6 +1770,12 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def shutdown(self) -> None:
+        """Stop the processes of chapter 13's other ranks (nothing on one rank)."""
+        stop = getattr(self.model_runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, postprocess: the RequestOutput of every request that

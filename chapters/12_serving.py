@@ -2049,6 +2049,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="graphs, no overlap"
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="processes the model is split over (chapter 13)")
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
     parser.add_argument(
         "--max-body-bytes", type=int, help="a larger body gets 413 (default: 8 MiB)"
@@ -2083,6 +2085,7 @@ def serve(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks,
             enforce_eager=args.enforce_eager,
             async_scheduling=False if args.no_async_scheduling else None,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None

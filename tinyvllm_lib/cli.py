@@ -145,6 +145,8 @@ def _engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> No
         action="store_true",
         help="graphs, but the host and the GPU take turns (chapter 11's overlap off)",
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="processes the model is split over (chapter 13)")
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +190,7 @@ def _load_llm(args: argparse.Namespace, model: str):
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -435,6 +438,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="graphs, no overlap"
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="processes the model is split over (chapter 13)")
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
     parser.add_argument(
         "--max-body-bytes", type=int, help="a larger body gets 413 (default: 8 MiB)"
@@ -469,6 +474,7 @@ def serve(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks,
             enforce_eager=args.enforce_eager,
             async_scheduling=False if args.no_async_scheduling else None,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None

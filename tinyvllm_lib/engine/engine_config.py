@@ -34,6 +34,10 @@ class EngineConfig:
     # chapter 11: CUDA graphs, and a step launched before the last is post-processed
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: wherever the runner can
+    # chapter 13: one process per rank, each with a shard of the model; a rank that
+    # does not answer a collective within distributed_timeout seconds ends the engine
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = 60.0
 
     def __post_init__(self):
         if self.device not in ("auto", *DEVICES):
@@ -42,7 +46,7 @@ class EngineConfig:
                 f"{self.device!r}"
             )
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens",
-                     "num_kv_blocks", "kv_cache_memory_bytes"):
+                     "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -71,3 +75,9 @@ class EngineConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        timeout = self.distributed_timeout
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(
+                f"distributed_timeout must be a positive number of seconds, got "
+                f"{timeout!r}"
+            )

@@ -51,11 +51,13 @@ class ModelRunner:
 
     def __init__(
         self, folder, config: EngineConfig, num_kv_slots: int | None = None,
-        sampler=None,
+        sampler=None, model=None,
     ):
         """config: its device resolved ("cpu" or "cuda") and its max_model_len and
         max_num_batched_tokens set (the engine completes them). sampler: on "cuda",
-        the class of sampler (CudaSampler's signature; default CudaSampler).
+        the class of sampler (CudaSampler's signature; default CudaSampler). model:
+        the device's model, made already (chapter 13's shard of one); None: the
+        folder's.
         """
         device, kv_cache_dtype = config.device, config.kv_cache_dtype
         if device not in DEVICES:
@@ -73,7 +75,7 @@ class ModelRunner:
         self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
-            self.model = LlamaNumpy.from_folder(folder)
+            self.model = model or LlamaNumpy.from_folder(folder)
             self.kv_cache_dtype = (
                 "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
             )
@@ -84,7 +86,7 @@ class ModelRunner:
                     "device='cuda' keeps its KV cache in bfloat16, got "
                     f"kv_cache_dtype={kv_cache_dtype!r}"
                 )
-            self.model = LlamaCuda.from_folder(folder)
+            self.model = model or LlamaCuda.from_folder(folder)
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
             self.sampler = (sampler or CudaSampler)(
@@ -143,7 +145,12 @@ class ModelRunner:
         if self.device == "cuda":
             return self.execute_async(step).get_output()
         self._check(step)
-        batch = InputBatch.from_step(step, self.block_size)
+        return self.execute_batch(InputBatch.from_step(step, self.block_size))
+
+    def execute_batch(self, batch: InputBatch) -> ModelRunnerOutput:
+        """Run one step's InputBatch (what chapter 13's ranks are sent)."""
+        if self.device == "cuda":
+            return self.execute_batch_async(batch).get_output()
         attention = CachedAttention(self.config, self.kv_cache, batch.metadata)
         hidden = self.model.hidden_states(batch.token_ids, batch.positions, attention)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -160,7 +167,12 @@ class ModelRunner:
         samples' copies back.
         """
         self._check(step)
-        batch = InputBatch.from_step(step, self.block_size)
+        return self.execute_batch_async(InputBatch.from_step(step, self.block_size))
+
+    def execute_batch_async(self, batch: InputBatch) -> AsyncModelRunnerOutput:
+        """Launch one step's InputBatch on the GPU (what chapter 13's ranks are
+        sent).
+        """
         if batch.sampling.has_penalties:  # the rows' count slots on the GPU
             batch.sampling.penalty_slot = self.sampler.penalties.slots_for(
                 batch.sampled_requests, batch.prev_rows is not None, self.stream

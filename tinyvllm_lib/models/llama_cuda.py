@@ -5,6 +5,7 @@
 import numpy as np
 from numba import cuda
 
+from tinyvllm_lib.distributed.communicator import Communicator
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
@@ -21,8 +22,15 @@ class LlamaCuda:
     stream, bf16 linear inputs.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
-        self.config = config
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, np.ndarray],
+        comm: Communicator | None = None,
+    ):
+        """comm: the ranks this model's shard of weights is one of (chapter 13); None:
+        one rank, all the weights.
+        """
+        self.config, self.comm = config, comm or Communicator()
+        self._logits_part = None  # chapter 13: this rank's columns of the logits
         fused = fuse_llama_weights(weights, config)
         self.weights = {
             name: cuda.to_device(np.ascontiguousarray(bits))
@@ -86,6 +94,7 @@ class LlamaCuda:
         """
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         on = {"stream": stream, "workspace": workspace}  # every linear layer's
+        is_first = self.comm.rank == 0
         embed(b["ids"], w["embed_tokens"], b["residual"], stream=stream)
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
@@ -94,19 +103,33 @@ class LlamaCuda:
             rmsnorm_linear(b["residual"], *norm_qkv, b["normed"], **on)
             # the attention layer rotates q and k (with its cache write, if it has one)
             attention(i, b["qkv"], b["attn"], stream, rope=(self.rope, b["positions"]))
-            # x += attn · Woᵀ: the residual add is the projection's epilogue
-            linear(b["attn"], w[p + "o_proj"], b["residual"], accumulate=True, **on)
+            # x += attn · Woᵀ: the residual add is the projection's epilogue; with
+            # several ranks (chapter 13) rank 0 adds, the others write their part, and
+            # the sum over ranks adds the residual once
+            linear(b["attn"], w[p + "o_proj"], b["residual"], accumulate=is_first, **on)
+            self.comm.all_reduce(b["residual"], stream)
             norm_up = (w[p + "post_attention_layernorm"], eps, w[p + "gate_up_proj"])
             rmsnorm_linear(b["residual"], *norm_up, b["gate_up"], b["normed"], **on)
             silu_mul(b["gate_up"], b["act"], stream=stream)
-            linear(b["act"], w[p + "down_proj"], b["residual"], accumulate=True, **on)
+            linear(b["act"], w[p + "down_proj"], b["residual"], accumulate=is_first,
+                   **on)
+            self.comm.all_reduce(b["residual"], stream)
         rmsnorm(b["residual"], w["norm"], eps, b["normed"], stream=stream)
 
     def compute_logits(self, hidden, out, stream=0, workspace=None) -> None:
         """The LM head: hidden (rows, hidden) bf16 bits on the GPU -> out (rows,
-        vocab_size) float32.
+        vocab_size) float32. With several ranks (chapter 13) each computes its columns,
+        and the ranks gather them.
         """
-        linear(hidden, self.weights["lm_head"], out, stream=stream, workspace=workspace)
+        head, on = self.weights["lm_head"], {"stream": stream, "workspace": workspace}
+        if self.comm.world_size == 1:
+            linear(hidden, head, out, **on)
+            return
+        rows = hidden.shape[0]
+        if self._logits_part is None or len(self._logits_part) < rows:
+            self._logits_part = cuda.device_array((rows, len(head)), np.float32)
+        linear(hidden, head, self._logits_part[:rows], **on)
+        self.comm.all_gather(self._logits_part[:rows], out, stream)
 
     def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
         """Logits (T, vocab_size), float32 on the host; one sequence by default,

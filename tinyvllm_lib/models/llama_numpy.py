@@ -41,6 +41,7 @@ def fuse_llama_weights(
 
 
 # defined in chapters/07_attention.py
+from tinyvllm_lib.distributed.communicator import Communicator
 from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed_reference
@@ -64,13 +65,19 @@ class LlamaNumpy:
         config: ModelConfig,
         weights: dict[str, np.ndarray],
         bf16_activations: bool = False,
+        comm: Communicator | None = None,
     ):
-        self.config = config
+        """comm: the ranks this model's shard of weights is one of (chapter 13); None:
+        one rank, all the weights.
+        """
+        self.config, self.comm = config, comm or Communicator()
         # round the inputs of linear layers to bf16, as the kernels do
         self.bf16_activations = bf16_activations
         fused = fuse_llama_weights(weights, config)
-        # bf16 bits: a row is widened when it is looked up
+        # bf16 bits: a row is widened when it is looked up; this rank's rows of the
+        # vocabulary (all of them on one rank)
         self.embed_tokens = fused.pop("embed_tokens")
+        self.vocab_start = self.comm.rank * len(self.embed_tokens)
         # bf16 bits
         self.norms = {
             n: fused.pop(n)
@@ -106,7 +113,7 @@ class LlamaNumpy:
         positions = check_positions(positions, len(ids))
         attention = CausalAttention(c) if attention is None else attention
         eps = c.rms_norm_eps
-        x = embed_reference(ids, self.embed_tokens)  # (T, hidden): the residual stream
+        x = self.embed(ids)  # (T, hidden): the residual stream
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             # (T, (H + 2 KVH) D)
@@ -116,19 +123,32 @@ class LlamaNumpy:
             qkv = rope_qkv_ref(
                 qkv, positions, self.rope, c.num_attention_heads, c.num_key_value_heads
             )
-            # (T, H D) -> (T, hidden)
-            x = x + self.linear(attention(i, qkv), p + "o_proj")
+            # (T, H D) -> (T, hidden), summed over the ranks' heads
+            x = x + self.comm.all_reduce(self.linear(attention(i, qkv), p + "o_proj"))
             gate_up = self.linear(
                 rmsnorm_ref(x, self.norms[p + "post_attention_layernorm"], eps),
                 p + "gate_up_proj",
             )
             # (T, 2 I) -> (T, I) -> (T, hidden)
-            x = x + self.linear(silu_mul_ref(gate_up), p + "down_proj")
+            down = self.linear(silu_mul_ref(gate_up), p + "down_proj")
+            x = x + self.comm.all_reduce(down)
         return rmsnorm_ref(x, self.norms["norm"], eps)
 
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """The embedding rows of ids (T, hidden), float32: each rank looks up the ids
+        in its rows of the vocabulary, zero elsewhere, and the ranks sum.
+        """
+        local = ids - self.vocab_start
+        is_mine = (local >= 0) & (local < len(self.embed_tokens))
+        x = embed_reference(np.where(is_mine, local, 0), self.embed_tokens)
+        return self.comm.all_reduce(x * is_mine[:, None])
+
     def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
-        """The LM head: (rows, hidden) -> logits (rows, vocab_size), float32."""
-        return self.linear(hidden, "lm_head")
+        """The LM head: (rows, hidden) -> logits (rows, vocab_size), float32 (the
+        ranks' columns side by side, the vocabulary's padding cut).
+        """
+        logits = self.comm.all_gather(self.linear(hidden, "lm_head"))
+        return logits[:, : self.config.vocab_size]
 
     def forward(self, token_ids, positions=None, attention=None) -> np.ndarray:
         """Logits (T, vocab_size), float32: the layer loop, then the head on every
