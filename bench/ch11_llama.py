@@ -98,7 +98,7 @@ def time_waits(llm) -> list:
 
     def timed(step):
         out = launch(step)
-        if out.cudagraph_size is not None:
+        if out.cudagraph_shape is not None:  # any replayed graph, decode or prefill
             get = out.get_output
 
             def get_output():

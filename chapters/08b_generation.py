@@ -2975,6 +2975,7 @@ class AsyncModelRunnerOutput:
     event: object  # recorded after the copies to the host
     prompt_logprobs: list  # per request: its prompt rows' log-probs (host), else None
     cudagraph_size: int | None  # the decode graph it replayed (chapter 11), else None
+    cudagraph_shape: object = None  # the graph it replayed: a StepShape, else None
 
     def get_output(self) -> ModelRunnerOutput:
         self.event.synchronize()
@@ -3135,7 +3136,7 @@ class ModelRunner:
         prompt = self._prompt_logprobs(batch, logits)  # only where asked for
         self.events[turn].record(self.stream)
         return AsyncModelRunnerOutput(
-            self.sampler, queued, self.events[turn], prompt, batch.cudagraph_size
+            self.sampler, queued, self.events[turn], prompt, batch.cudagraph_size, shape
         )
 
     def _prompt_logprobs(self, batch: InputBatch, logits) -> list:

@@ -218,7 +218,8 @@ only *which* requests share a step.
 #   attention objects already take prefills and decodes in one batch — and vLLM does it
 #   with chunked prefill. We keep them apart on purpose: a pure decode step has the same
 #   shape every time (one token per running request), which is what chapter 11 captures
-#   as a CUDA graph, per batch size; prefills run eagerly. The price is that running
+#   as a CUDA graph, per batch size (chapter 11 later captures prefills too, in buckets
+#   of tokens). The price is that running
 #   requests wait while a prefill step runs — the stall chapter 10's chunked prefill
 #   removes.
 # - **Postprocessing**: after the runner, each request gets its sampled token (chapter

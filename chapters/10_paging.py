@@ -1037,8 +1037,9 @@ def prefill_tiles(query_start_loc, seq_lens, block_q: int, out=None) -> np.ndarr
     tile = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
     keys = cached[seq] + np.minimum(num_new[seq], (tile + 1) * block_q)
     order = np.argsort(-keys, kind="stable")
-    if len(num_new) > TILE_MASK or counts.max(initial=0) > TILE_MASK + 1:
-        raise ValueError(f"a tile schedule holds up to {TILE_MASK} sequences "
+    max_seqs = 2 ** (31 - TILE_SHIFT) - 1  # seq << TILE_SHIFT stays a positive int32
+    if len(num_new) > max_seqs or counts.max(initial=0) > TILE_MASK + 1:
+        raise ValueError(f"a tile schedule holds up to {max_seqs} sequences "
                          f"of up to {TILE_MASK + 1} tiles")
     out = np.empty(len(seq), np.int32) if out is None else out
     if len(out) < len(seq):
@@ -1355,8 +1356,8 @@ if can_launch():  # the kernel against the reference (NaN outside every context)
 # step's new keys and values are written into the cache first, everything such a prefill
 # attends over is in the cache, and `paged_prefill_attention` reads it all through the
 # block table. It does so for every prefill, even one from position 0: it reads bf16
-# keys where the flash kernel reads float32 ones from `qkv`, half the bytes, and it
-# ran faster than the flash kernel on the H200 (the measurements below). A step with a
+# keys where the flash kernel reads float32 ones from `qkv`, half the bytes (the
+# measurements at the end of this chapter put the two side by side). A step with a
 # prefill also runs its one-token decodes through the same kernel, one tile each, so
 # that the step is one launch over one schedule — what chapter 11 captures; a step of
 # decodes only keeps decode attention, which splits long contexts across blocks.
@@ -2139,12 +2140,12 @@ prefix comes after {{ch10_ttft_off}} on average without the prefix cache and
 {{ch10_ttft_on}} with it. The outputs of the two runs are identical for {{ch10_agree}}
 requests and the same up to a near tie — where they first differ, the two best tokens
 were within {{ch10_tie}} — for {{ch10_agree_near}}; the mean |Δ log p| of shared tokens
-is {{ch10_agree_dlogp}}. The two runs read different keys in bf16 from the cache: with
-it on, every request reads the shared prefix from there; with it off, {{ch10_prefix_n}}
+is {{ch10_agree_dlogp}}. The two runs cut the work into different steps: with it on,
+every request reads the shared prefix from the cache; with it off, {{ch10_prefix_n}}
 prompts of more than {{ch10_prefix_len}} tokens take several steps of
-{{ch10_prefix_budget}}, and a prompt continued in a
-later step reads its first part back from the cache, while the rest of the keys come in
-float32 from the step's own `qkv`.
+{{ch10_prefix_budget}}, and steps of other shapes sum their float32 products in another
+order (and, when these records were made, a prompt's own keys came in float32 from the
+step's `qkv`, where every prefill now reads them in bf16 from the cache).
 """)
 
 # %% [markdown]

@@ -165,8 +165,9 @@ plt.show()
 # Prefills are captured too, in buckets of token counts: chapter 10's prefill kernel
 # reads which tiles to run from a schedule in the step's inputs, so a prefill's grid
 # depends only on how many tokens and requests the step has room for. A prefill or mixed
-# step of T tokens is padded to the next power of two from 16 (up to 4,096 tokens), with
-# room for min(T, max_num_seqs) requests, and the head and the sampler run on 1, 4, 16,
+# step is padded to the next bucket of tokens — powers of two from 16, up to 4,096 or
+# the step budget — with room for min(bucket, max_num_seqs) requests, and the head and
+# the sampler run on 1, 4, 16,
 # 64, … of its rows — the next bucket up from the rows due a token. Padding tokens have
 # slot −1 and no tile in the schedule, so they write nothing and attend to nothing. A
 # step larger than the largest bucket, or one that asks for its prompt's
@@ -247,7 +248,7 @@ assert prefill_shape_for(5000, 1, 1, shapes) is None
 # kernel but attention captured, attention launched between the pieces)? With a
 # schedule, attention's launch no longer depends on the batch, so nothing is left to
 # launch from Python: a step is one replay, where piecewise graphs would still launch
-# attention once a layer, sixteen launches from Python per step. What it costs is
+# attention from Python once a layer, every step. What it costs is
 # start-up time and a little memory, one graph per shape; `bench/ch11_capture.py`
 # measures both:
 
@@ -2226,18 +2227,23 @@ if settings and ttft:
     if 128 in hf_len and 4096 in hf_len:
         prose.glue("ch11_hf_ttft_128", f"{hf_len[128]['value']:.1f} ms")
         prose.glue("ch11_hf_ttft_4096", f"{hf_len[4096]['value']:.0f} ms")
-        # the lengths, from the shortest, at which this engine's first token came first
-        ahead = []
-        for n in sorted(set(by_len) & set(hf_len)):
-            if by_len[n]["value"] >= hf_len[n]["value"]:
-                break
-            ahead.append(n)
-        prose.glue("ch11_ttft_ahead",
-                   f"{max(ahead):,} tokens" if ahead else "no length")
+        # per length, this engine against transformers' runs, beyond their noise
+        common = sorted(set(by_len) & set(hf_len))
+        said = {n: verdict(hf_len[n].get("runs", hf_len[n]["value"]),
+                           by_len[n]["value"]).split()[0] for n in common}
+        sooner = [n for n in common if said[n] == "faster"]
+        later = [n for n in common if said[n] == "slower"]
         hf_text = """ Transformers (eager, bf16, sdpa), timed
 in the same run on the same prompts, takes {{ch11_hf_ttft_128}} at 128 tokens and
-{{ch11_hf_ttft_4096}} at 4,096: this engine's first token comes sooner up to
-{{ch11_ttft_ahead}}, and later past it, where attention is the prefill's time."""
+{{ch11_hf_ttft_4096}} at 4,096."""
+        # "sooner up to A, later from B on" only where the records split that way
+        if (sooner and later and sooner == common[: len(sooner)]
+                and later == common[len(common) - len(later):]):
+            prose.glue("ch11_ttft_sooner", f"{max(sooner):,}")
+            prose.glue("ch11_ttft_later", f"{min(later):,}")
+            hf_text += """ This engine's first token comes sooner
+up to {{ch11_ttft_sooner}} prompt tokens and later from {{ch11_ttft_later}} on, where
+attention takes most of a prefill's time."""
     prose.show("""
 On {{ch11_user_date}} (engine {{ch11_user_commit}}), greedy made {{ch11_user_greedy}}
 at batch 1, and every sampling setting kept at least {{ch11_user_worst_sampled}} of
@@ -2253,10 +2259,11 @@ The first token replays a prefill graph, so it costs what its work costs: it too
 {{ch11_ttft_16}} for 16 prompt tokens, {{ch11_ttft_128}} for 128 (the floor is
 {{ch11_ttft_floor128}}), {{ch11_ttft_1024}} for 1,024 (floor {{ch11_ttft_floor1024}})
 and {{ch11_ttft_4096}} for 4,096; launched kernel by kernel from Python, a step would
-first pay tens of microseconds for each of its hundreds of launches. What separates it
-from the floor now is attention, which chapter 10 runs on SIMT cores, far
-below the tensor cores' rate: it is quadratic in the prompt, and its share grows with
-it.""" + hf_text + "\n")
+first pay about {{ch11_per_launch}} for each of its kernels. At short prompts what
+separates it from the floor is the step's fixed costs (the host's side, the head and
+the sampler, kernels too small to fill the GPU); as the prompt grows, attention, which
+chapter 10 runs on SIMT cores far below the tensor cores' rate and whose work is
+quadratic in the prompt.""" + hf_text + "\n")
 
 # %% [markdown]
 # ## What the host still costs

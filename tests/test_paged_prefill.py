@@ -11,8 +11,12 @@ from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.kv_cache_write import write_kv_cache_ref
 from tinyvllm_lib.kernels.paged_attention import (
+    TILE_MASK,
+    TILE_SHIFT,
     paged_prefill_attention,
     paged_prefill_attention_ref,
+    prefill_tiles,
+    tile_capacity,
 )
 from tinyvllm_lib.measure import max_rel_error
 from tinyvllm_lib.runtime import can_launch
@@ -140,6 +144,51 @@ def test_paged_prefill_default_tiles(rng):
     H, KVH, D, bs = 2, 1, 16, 16
     case = make_case(rng, [(70, 3), (0, 2)], H, KVH, D, bs)
     assert np.abs(run(case, bs, H, KVH, D) - ref(case, bs, H, KVH, D)).max() < 1e-5
+
+
+def test_the_tile_schedule_holds_every_tile_once_most_keys_first(rng):
+    """Random batches (zero-token sequences among them): every (sequence, query tile) exactly once, ordered by the
+    keys its queries visit, within tile_capacity; -1 past them; too many sequences is an error, not a wrap."""
+    for _ in range(200):
+        block_q = int(rng.choice([4, 16, 64]))
+        num_new = rng.integers(0, 3 * block_q, int(rng.integers(1, 20)))
+        cached = rng.integers(0, 200, len(num_new))
+        starts = np.concatenate([[0], np.cumsum(num_new)])
+        capacity = tile_capacity(int(starts[-1]), len(num_new), block_q)
+        out = prefill_tiles(starts, cached + num_new, block_q, np.zeros(capacity, np.int32))
+        entries = out[out >= 0]
+        assert (out[len(entries):] == -1).all()
+        pairs = [(int(e) >> TILE_SHIFT, int(e) & TILE_MASK) for e in entries]
+        want = {(s, t) for s, n in enumerate(num_new) for t in range(cdiv(int(n), block_q))}
+        assert sorted(pairs) == sorted(want) and len(pairs) == len(want)
+        keys = [cached[s] + min(num_new[s], (t + 1) * block_q) for s, t in pairs]
+        assert keys == sorted(keys, reverse=True)
+    with pytest.raises(ValueError, match="sequences"):
+        prefill_tiles(np.arange(2**15 + 1), np.ones(2**15, np.int32), 64)
+
+
+def test_a_padded_schedule_and_padded_rows_change_nothing(rng):
+    """A captured step's view: the schedule padded with -1 to the capacity of more tokens and rows than the batch
+    has, the padding rows' lengths and tables left as the packer leaves them, and qkv with extra padding tokens: the
+    real rows equal the reference and no padding row's output is written (it stays NaN)."""
+    H, KVH, D, bs, block_q = 4, 2, 16, 4, 8
+    seqs = [(0, 7), (5, 1), (10, 9), (3, 4)]
+    qkv, k_cache, v_cache, tables, seq_lens, starts = make_case(rng, seqs, H, KVH, D, bs)
+    want = ref((qkv, k_cache, v_cache, tables, seq_lens, starts), bs, H, KVH, D)
+    n, r, tokens, rows = len(qkv), len(seqs), len(qkv) + 11, len(seqs) + 3
+    pad_qkv = np.concatenate([qkv, rng.standard_normal((tokens - n, qkv.shape[1])).astype(np.float32)])
+    pad_starts = np.concatenate([starts, np.minimum(np.arange(n + 1, n + 1 + rows - r), tokens)]).astype(np.int32)
+    pad_lens = np.concatenate([seq_lens, np.ones(rows - r, np.int32)])
+    pad_tables = np.concatenate([tables, np.zeros((rows - r, tables.shape[1]), np.int32)])
+    tiles = prefill_tiles(starts, seq_lens, block_q, np.zeros(tile_capacity(tokens, rows, block_q), np.int32))
+    assert (tiles == -1).sum() > 0
+    out = cuda.to_device(np.full((tokens, H * D), np.nan, np.float32))
+    args = (pad_qkv, k_cache, v_cache, pad_tables, pad_lens, pad_starts)
+    paged_prefill_attention(*map(cuda.to_device, args), 9, bs, H, KVH, D, out, block_q=block_q, block_k=4,
+                            tiles=cuda.to_device(tiles))
+    got = out.copy_to_host()
+    assert np.abs(got[:n] - want).max() < 1e-5
+    assert np.isnan(got[n:]).all()
 
 
 def test_paged_prefill_bf16_out(rng):

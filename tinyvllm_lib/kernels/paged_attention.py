@@ -84,8 +84,9 @@ def prefill_tiles(query_start_loc, seq_lens, block_q: int, out=None) -> np.ndarr
     tile = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
     keys = cached[seq] + np.minimum(num_new[seq], (tile + 1) * block_q)
     order = np.argsort(-keys, kind="stable")
-    if len(num_new) > TILE_MASK or counts.max(initial=0) > TILE_MASK + 1:
-        raise ValueError(f"a tile schedule holds up to {TILE_MASK} sequences "
+    max_seqs = 2 ** (31 - TILE_SHIFT) - 1  # seq << TILE_SHIFT stays a positive int32
+    if len(num_new) > max_seqs or counts.max(initial=0) > TILE_MASK + 1:
+        raise ValueError(f"a tile schedule holds up to {max_seqs} sequences "
                          f"of up to {TILE_MASK + 1} tiles")
     out = np.empty(len(seq), np.int32) if out is None else out
     if len(out) < len(seq):
