@@ -1731,6 +1731,8 @@ class LlamaNumpy:
         """The embedding rows of ids (T, hidden), float32: each rank looks up the ids
         in its rows of the vocabulary, zero elsewhere, and the ranks sum.
         """
+        if self.comm.world_size == 1:  # the whole table: no split to undo
+            return embed_reference(ids, self.embed_tokens)
         local = ids - self.vocab_start
         is_mine = (local >= 0) & (local < len(self.embed_tokens))
         x = embed_reference(np.where(is_mine, local, 0), self.embed_tokens)

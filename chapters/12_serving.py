@@ -802,6 +802,7 @@ class AsyncLLMEngine:
             self._stopped = True
             self.inbox.put(("stop", None, ()))
         self.thread.join(timeout)
+        self.engine.shutdown()  # chapter 13's other ranks, if any
 
     # --- the engine thread ---
 

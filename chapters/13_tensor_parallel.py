@@ -431,18 +431,18 @@ def launched_by_torchrun() -> tuple[int, int, int] | None:
 
 # %% [markdown]
 # **On GPUs: NCCL**, through CuPy's bindings, `cupy.cuda.nccl`. Three reasons for that
-# choice. It is no extra dependency: CuPy is on the GPU machines the book runs on
-# (numba's own device arrays are what the kernels use, and CuPy is imported only here,
-# lazily). It takes raw device pointers and a raw stream handle, so it works on
-# numba's device arrays as they are, with no conversion, and on the **kernels' own
-# stream**: the all-reduce is queued behind the `o_proj` GEMM that feeds it and ahead of
-# the norm that reads it, with no synchronisation on the host. And NCCL calls on a
-# stream can be captured in a CUDA graph, which is what [chapter 11](11_llama.py)'s
-# decode steps are: a captured step would hold its collectives like any other
-# kernel. (`torch.distributed`'s NCCL backend would need the CUDA build of PyTorch, a
-# large dependency the GPU path does not otherwise have, and torch tensors.) The class
-# below is kept small because it cannot be run here: it has no GPU to run on. **The
-# two-GPU issue (37) runs it**; this chapter's tests run the gloo one.
+# choice. It adds no package to the book's GPU machines, which have CuPy (elsewhere:
+# `cupy-cuda13x`; numba's own device arrays are what the kernels use, and CuPy is
+# imported only here, lazily). It takes raw device pointers and a raw stream handle, so
+# it works on numba's device arrays as they are, with no conversion, and on the
+# **kernels' own stream**: the all-reduce is queued behind the `o_proj` GEMM that feeds
+# it and ahead of the norm that reads it, with no synchronisation on the host. And NCCL
+# calls on a stream can be captured in a CUDA graph, which is what [chapter
+# 11](11_llama.py)'s decode steps are: a captured step would hold its collectives like
+# any other kernel. (`torch.distributed`'s NCCL backend would need the CUDA build of
+# PyTorch, a large dependency the GPU path does not otherwise have, and torch tensors.)
+# The class below is kept small because it cannot be run here: it has no GPU to run on.
+# **The two-GPU issue (37) runs it**; this chapter's tests run the gloo one.
 
 # %%
 #| export distributed.nccl_communicator
@@ -558,10 +558,15 @@ class NcclCommunicator(Communicator):
 # `LOCAL_RANK`, the same code reads them and starts nothing; ranks other than 0 then
 # serve rank 0's steps and end. What a rank runs is `run_worker` below, importable from
 # the package (spawn imports it in the new process). On CPUs each rank does its math on
-# one thread, set in its environment before it imports NumPy, so N ranks use N cores.
+# one thread, set in its environment before it imports NumPy (rank 0, the process that
+# was already running, keeps its own threads). Spawn starts a fresh interpreter that
+# imports the script that made the engine: a script must make it under
+# `if __name__ == "__main__":`, or the new process fails while it starts.
 #
 # Failure is part of the design. A collective that waits longer than
-# `distributed_timeout` (60 s by default) raises; a rank whose process has died is
+# `distributed_timeout` (60 s by default) raises — gloo's do; NCCL's have no timeout
+# of their own, and the two-GPU issue must add one (poll the step's event against the
+# deadline, then abort the communicator); a rank whose process has died is
 # noticed before the next step is sent; either way rank 0 kills every other rank (a
 # rank that does not answer may not answer a `terminate` either), leaves the process
 # group, and `generate` raises an error that says so. At a normal end the ranks are
@@ -767,12 +772,17 @@ class MultiprocExecutor:
             others = argument if for_others is None else for_others
             self.comm.broadcast((method, others))
             return getattr(self.driver, method)(argument)
-        except Exception as error:
+        except BaseException as error:
+            # the ranks may be inside this step's collectives: none may run another
             self.failed = True
             self.shutdown()
+            if not isinstance(error, Exception):  # KeyboardInterrupt: as itself
+                raise
             raise RuntimeError(
-                f"tensor parallelism: a collective failed ({error}); a rank stopped "
-                "or did not answer within distributed_timeout, and the engine stops"
+                "tensor parallelism: a collective failed, or rank 0's own step raised "
+                f"({type(error).__name__}: {error}); a rank that stopped or did not "
+                "answer within distributed_timeout fails a collective; the ranks are "
+                "stopped"
             ) from error
 
     def init_kv_cache(self, num_slots: int) -> None:
@@ -835,12 +845,12 @@ prose.glue("ch13_gap", f"{max(gaps):.1e}")
 prose.glue("ch13_up_2", f"{runs[2][1]:.1f} s")
 prose.glue("ch13_gen_1", f"{runs[1][2]:.2f} s")
 prose.glue("ch13_gen_2", f"{runs[2][2]:.2f} s")
-prose.glue("ch13_cpu_verdict", (
-    "At this size a layer's matrices take less time than an all-reduce, a round trip "
-    "between processes, so splitting them loses; the same holds, at another scale, "
-    "for GPUs, as the next section counts." if runs[2][2] > runs[1][2] else
-    "Here the split paid for its all-reduces; the next section counts when it does "
-    "on GPUs."))
+lost = ("At this size the all-reduces, round trips between processes, cost more "
+        "than halving each layer's matrices saves, so splitting them loses; the same "
+        "holds for GPUs at batch 1, as the next section counts.")
+paid = ("Here the split paid for its all-reduces; the next section counts when it "
+        "does on GPUs.")
+prose.glue("ch13_cpu_verdict", lost if runs[2][2] > runs[1][2] else paid)
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show("""
@@ -906,7 +916,12 @@ only there do the bytes start to count.
 # split it into the weights' read at the ceiling, which halves on two GPUs, and the rest
 # (launches, the sampler, the host), which does not; at batch 256 assume the whole GPU
 # part halves except that same fixed rest. Add a step's all-reduces, and the logits'
-# all-gather, at the assumed latency and bandwidth:
+# all-gather, at the assumed latency and bandwidth. Three more **assumptions**, each of
+# which this engine does not meet yet: that every rank replays its steps from CUDA
+# graphs, as one GPU does (at tensor_parallel_size > 1 the steps run eagerly today, so
+# the two-GPU run will first measure launches); that broadcasting a step's batch from
+# rank 0 costs nothing (it is pickled and sent over gloo every step); and that the
+# sampler, which every rank runs on the whole gathered logits, halves with the rest.
 
 # %%
 def predict_tok_s(step_s: float, split_s: float, batch: int, latency_s: float) -> float:
@@ -999,8 +1014,9 @@ issue runs the command below and checks these two bars.
 # It has not been run for this chapter: no machine with two GPUs was at hand. The NCCL
 # communicator, the GPU ranks' device selection and the speed are what that run tests.
 # Under tensor parallelism the engine runs its steps eagerly for now: capturing a step
-# with its collectives in a CUDA graph on every rank, which the NCCL communicator was
-# written to allow, is left to the same issue.
+# with its collectives in a CUDA graph on every rank is left to the same issue (the
+# all-reduce queues on the kernels' stream as a capture needs; the all-gather still
+# allocates its staging buffer and a reshaped copy, which a capture cannot hold).
 #
 # ## Summary
 #
@@ -1010,8 +1026,9 @@ issue runs the command below and checks these two bars.
 #   the MLP's width.
 # - The model gets a communicator and a shard; its one layer loop is unchanged. On one
 #   rank the communicator does nothing.
-# - Rank 0 schedules and broadcasts each step's batch; every rank runs it; collectives
-#   time out, and a lost rank stops the engine with an error and no process left.
+# - Rank 0 schedules and broadcasts each step's batch; every rank runs it; gloo's
+#   collectives time out, and a lost rank stops the engine with an error and no process
+#   left.
 # - At batch 1 an all-reduce of a few KiB costs its latency, not its bytes: for a small
 #   model two GPUs are predicted slower than one, and faster only where steps are long.
 #

@@ -199,12 +199,17 @@ class MultiprocExecutor:
             others = argument if for_others is None else for_others
             self.comm.broadcast((method, others))
             return getattr(self.driver, method)(argument)
-        except Exception as error:
+        except BaseException as error:
+            # the ranks may be inside this step's collectives: none may run another
             self.failed = True
             self.shutdown()
+            if not isinstance(error, Exception):  # KeyboardInterrupt: as itself
+                raise
             raise RuntimeError(
-                f"tensor parallelism: a collective failed ({error}); a rank stopped "
-                "or did not answer within distributed_timeout, and the engine stops"
+                "tensor parallelism: a collective failed, or rank 0's own step raised "
+                f"({type(error).__name__}: {error}); a rank that stopped or did not "
+                "answer within distributed_timeout fails a collective; the ranks are "
+                "stopped"
             ) from error
 
     def init_kv_cache(self, num_slots: int) -> None:
