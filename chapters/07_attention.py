@@ -1670,6 +1670,11 @@ class LlamaNumpy:
         # bf16 bits: a row is widened when it is looked up; this rank's rows of the
         # vocabulary (all of them on one rank)
         self.embed_tokens = fused.pop("embed_tokens")
+        if self.comm.world_size > 1 and len(self.embed_tokens) >= config.vocab_size:
+            raise ValueError(
+                "with several ranks LlamaNumpy takes this rank's rows of the embedding "
+                "(chapter 13's shard_llama_weights), got the whole table"
+            )
         self.vocab_start = self.comm.rank * len(self.embed_tokens)
         # bf16 bits
         self.norms = {

@@ -163,10 +163,12 @@ def draw_splits(config: ModelConfig, n: int):
          + [("up", 1, r) for r in range(n)], f"output: {inter // n} each of gate, up"),
         ("down_proj columns", [("", 1, r) for r in range(n)],
          f"input ({inter // n} each), then all-reduce"),
-        ("embed / lm_head rows", [("", 1, r) for r in range(n)],
-         f"vocabulary, {-(-c.vocab_size // n):,} each; gather"),
+        ("lm_head rows", [("", 1, r) for r in range(n)],
+         f"vocabulary, {-(-c.vocab_size // n):,} each; all-gather"),
+        ("embed rows (NumPy)", [("", 1, r) for r in range(n)],
+         "the same rows; zero elsewhere, all-reduce"),
     ]
-    fig, ax = new_figure(width=8.8, height=3.0)
+    fig, ax = new_figure(width=8.8, height=3.4)
     for y, (name, parts, how) in enumerate(reversed(bars)):
         total, at = sum(size for _, size, _ in parts), 0.0
         for label, size, rank in parts:
