@@ -2950,7 +2950,12 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.engine.engine_config import DEVICES, EngineConfig
-from tinyvllm_lib.engine.input_batch import SAMPLING_FIELDS, InputBatch, PackedInputs
+from tinyvllm_lib.engine.input_batch import (
+    SAMPLING_FIELDS,
+    InputBatch,
+    PackedInputs,
+    StepShape,
+)
 from tinyvllm_lib.engine.kv_cache import CudaKVCache, KVCache
 from tinyvllm_lib.engine.sampler import Sampler, SamplerOutput
 from tinyvllm_lib.engine.sampler_cuda import CudaSampler
@@ -2974,8 +2979,13 @@ class AsyncModelRunnerOutput:
     queued: tuple  # what sampler.finish needs
     event: object  # recorded after the copies to the host
     prompt_logprobs: list  # per request: its prompt rows' log-probs (host), else None
-    cudagraph_size: int | None  # the decode graph it replayed (chapter 11), else None
-    cudagraph_shape: object = None  # the graph it replayed: a StepShape, else None
+    cudagraph_shape: StepShape | None  # the graph it replayed (chapter 11), else None
+
+    @property
+    def cudagraph_size(self) -> int | None:
+        """The rows of the decode graph it replayed, else None."""
+        shape = self.cudagraph_shape
+        return None if shape is None or shape.prefill else shape.rows
 
     def get_output(self) -> ModelRunnerOutput:
         self.event.synchronize()
@@ -3090,6 +3100,9 @@ class ModelRunner:
         self._check(step)
         return self.execute_batch(InputBatch.from_step(step, self.block_size))
 
+    def shutdown(self) -> None:
+        """Nothing to stop: one process (chapter 13's executor stops its ranks)."""
+
     def execute_batch(self, batch: InputBatch) -> ModelRunnerOutput:
         """Run one step's InputBatch (what chapter 13's ranks are sent)."""
         if self.device == "cuda":
@@ -3136,7 +3149,7 @@ class ModelRunner:
         prompt = self._prompt_logprobs(batch, logits)  # only where asked for
         self.events[turn].record(self.stream)
         return AsyncModelRunnerOutput(
-            self.sampler, queued, self.events[turn], prompt, batch.cudagraph_size, shape
+            self.sampler, queued, self.events[turn], prompt, shape
         )
 
     def _prompt_logprobs(self, batch: InputBatch, logits) -> list:

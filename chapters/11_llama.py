@@ -167,12 +167,11 @@ plt.show()
 # depends only on how many tokens and requests the step has room for. A prefill or mixed
 # step is padded to the next bucket of tokens — powers of two from 16, up to 4,096 or
 # the step budget — with room for min(bucket, max_num_seqs) requests, and the head and
-# the sampler run on 1, 4, 16,
-# 64, … of its rows — the next bucket up from the rows due a token. Padding tokens have
-# slot −1 and no tile in the schedule, so they write nothing and attend to nothing. A
-# step larger than the largest bucket, or one that asks for its prompt's
-# log-probabilities (its rows of logits are many), runs eagerly: its kernels are large
-# enough that launching them from Python costs little in proportion.
+# the sampler run on 1, 4, 16, 64, … of its rows — the next bucket up from the rows due
+# a token. Padding tokens have slot −1 and no tile in the schedule, so they write
+# nothing and attend to nothing. A step larger than the largest bucket, or one that asks
+# for its prompt's log-probabilities (its rows of logits are many), runs eagerly: its
+# kernels are large enough that launching them from Python costs little in proportion.
 
 
 # %%
@@ -248,9 +247,8 @@ assert prefill_shape_for(5000, 1, 1, shapes) is None
 # kernel but attention captured, attention launched between the pieces)? With a
 # schedule, attention's launch no longer depends on the batch, so nothing is left to
 # launch from Python: a step is one replay, where piecewise graphs would still launch
-# attention from Python once a layer, every step. What it costs is
-# start-up time and a little memory, one graph per shape; `bench/ch11_capture.py`
-# measures both:
+# attention from Python once a layer, every step. What it costs is start-up time and a
+# little memory, one graph per shape; `bench/ch11_capture.py` measures both:
 
 # %% tags=["remove-input"]
 capture = {r["what"]: r for r in load_records("ch11_capture") if r["name"] == "capture"}
@@ -260,10 +258,12 @@ if len(capture) == 2:
                f"{alone['value']:.1f} s and {alone['memory_mib']:.0f} MiB")
     prose.glue("ch11_capture_both", f"{both['graphs']} graphs took "
                f"{both['value']:.1f} s and {both['memory_mib']:.0f} MiB")
+    prose.glue("ch11_capture_added", f"{both['value'] - alone['value']:.1f} s and "
+               f"{both['memory_mib'] - alone['memory_mib']:.0f} MiB")
     prose.show("""
 On the {{ch11_gpu}}, with every kernel already compiled, the {{ch11_capture_decode}} of
-device memory to capture; with the prefill graphs, {{ch11_capture_both}}: seconds
-once, at start-up, for a first token without launches from Python.
+device memory to capture; with the prefill graphs, {{ch11_capture_both}}. The prefill
+graphs add {{ch11_capture_added}}, once, at start-up.
 """)
 else:
     print("Not recorded yet: bench/ch11_capture.py has not run on a GPU.")
@@ -2242,8 +2242,8 @@ in the same run on the same prompts, takes {{ch11_hf_ttft_128}} at 128 tokens an
             prose.glue("ch11_ttft_sooner", f"{max(sooner):,}")
             prose.glue("ch11_ttft_later", f"{min(later):,}")
             hf_text += """ This engine's first token comes sooner
-up to {{ch11_ttft_sooner}} prompt tokens and later from {{ch11_ttft_later}} on, where
-attention takes most of a prefill's time."""
+up to {{ch11_ttft_sooner}} prompt tokens and later from {{ch11_ttft_later}} on, as
+attention's work, quadratic in the prompt, grows."""
     prose.show("""
 On {{ch11_user_date}} (engine {{ch11_user_commit}}), greedy made {{ch11_user_greedy}}
 at batch 1, and every sampling setting kept at least {{ch11_user_worst_sampled}} of

@@ -285,9 +285,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the processes of chapter 13's other ranks (nothing on one rank)."""
-        stop = getattr(self.model_runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.model_runner.shutdown()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, postprocess: the RequestOutput of every request that

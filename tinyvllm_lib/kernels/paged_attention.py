@@ -19,7 +19,7 @@ from tinyvllm_lib.kernels.attention import (
     make_online_softmax_tile,
 )
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
-from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.checks import cdiv, is_device_array
 from tinyvllm_lib.kernels.paged_cache import bf16_lane, cache_word, check_paged_context
 
 
@@ -98,7 +98,7 @@ def prefill_tiles(query_start_loc, seq_lens, block_q: int, out=None) -> np.ndarr
 
 def host_array(a) -> np.ndarray:
     """A NumPy copy of a device array (it waits for the copy), or `a` itself."""
-    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+    return a.copy_to_host() if is_device_array(a) else np.asarray(a)
 
 
 # defined in chapters/10_paging.py
