@@ -2513,6 +2513,9 @@ class EngineConfig:
     # does not answer a collective within distributed_timeout seconds ends the engine
     tensor_parallel_size: int = 1
     distributed_timeout: float = 60.0
+    # chapter 15: "int8" or "fp8" weights, quantized from the bf16 folder as they are
+    # loaded; None: bf16
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.device not in ("auto", *DEVICES):
@@ -2556,6 +2559,10 @@ class EngineConfig:
                 f"distributed_timeout must be a positive number of seconds, got "
                 f"{timeout!r}"
             )
+        if self.quantization is not None:  # chapter 15's formats
+            from tinyvllm_lib.quantization.formats import check_quantization
+
+            check_quantization(self.quantization)
 
 
 # %% [markdown]
@@ -3026,6 +3033,11 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
+        if model is None and config.quantization is not None:
+            # chapter 15: 8-bit weights, quantized as the folder's are loaded
+            from tinyvllm_lib.models.llama_quantized import load_quantized_model
+
+            model = load_quantized_model(folder, device, config.quantization)
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = model or LlamaNumpy.from_folder(folder)

@@ -620,9 +620,15 @@ def make_rank_runner(folder, config: EngineConfig, comm, sampler=None) -> ModelR
         load_weights(folder, full, progress=False), full, comm.rank, comm.world_size,
         split_embedding=config.device == "cpu",  # the GPU looks rows up whole
     )
-    model = (LlamaNumpy if config.device == "cpu" else LlamaCuda)(
-        shard_config(full, comm.world_size), weights, comm=comm
-    )
+    if config.quantization is not None:  # chapter 15: each rank quantizes its shard
+        from tinyvllm_lib.models.llama_quantized import quantized_model
+
+        model = quantized_model(config.device, shard_config(full, comm.world_size),
+                                weights, config.quantization, comm=comm)
+    else:
+        model = (LlamaNumpy if config.device == "cpu" else LlamaCuda)(
+            shard_config(full, comm.world_size), weights, comm=comm
+        )
     return ModelRunner(folder, config, sampler=sampler, model=model)
 
 

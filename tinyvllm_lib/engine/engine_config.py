@@ -38,6 +38,9 @@ class EngineConfig:
     # does not answer a collective within distributed_timeout seconds ends the engine
     tensor_parallel_size: int = 1
     distributed_timeout: float = 60.0
+    # chapter 15: "int8" or "fp8" weights, quantized from the bf16 folder as they are
+    # loaded; None: bf16
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.device not in ("auto", *DEVICES):
@@ -81,3 +84,7 @@ class EngineConfig:
                 f"distributed_timeout must be a positive number of seconds, got "
                 f"{timeout!r}"
             )
+        if self.quantization is not None:  # chapter 15's formats
+            from tinyvllm_lib.quantization.formats import check_quantization
+
+            check_quantization(self.quantization)

@@ -84,6 +84,11 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
+        if model is None and config.quantization is not None:
+            # chapter 15: 8-bit weights, quantized as the folder's are loaded
+            from tinyvllm_lib.models.llama_quantized import load_quantized_model
+
+            model = load_quantized_model(folder, device, config.quantization)
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = model or LlamaNumpy.from_folder(folder)

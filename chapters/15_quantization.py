@@ -1,0 +1,720 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 15. Past the bf16 limit: 8-bit weights
+#
+# At batch 1 a decode step reads every weight once. [Chapter 11](11_llama.py) made the
+# engine's step cost about that, and [chapter 13](13_tensor_parallel.py) counted what
+# it would take to split those bytes over two GPUs. There is a cheaper way to read
+# fewer bytes: store each weight in **8 bits** instead of bf16's 16, and widen it in
+# registers as it arrives, exactly as every kernel since [chapter 1](01_bf16.py) widens
+# bf16. This chapter adds vLLM's switch for it, `LLM(model, quantization="int8")` or
+# `"fp8"`: the weights are quantized as they are loaded from the bf16 folder, and the
+# decode GEMVs of [chapter 6](06_gemm.py) and chapter 11 read half the bytes.
+#
+# In this chapter you will learn:
+#
+# - **two 8-bit formats**: symmetric int8 with one scale per output row, and FP8
+#   e4m3 — its bits drawn as chapter 1 drew bf16's: range, precision, the one NaN and
+#   no infinities — with round to nearest even and saturation, tested against every one
+#   of the 256 codes;
+# - the **error each makes on real weights**, SmolLM2's, layer by layer, and what
+#   SmolLM2's own 4-bit past means for that comparison;
+# - what 8 bits do to a **model's predictions**: perplexity on this book's prose and
+#   the tokens of 20 chat answers, measured on the CPU;
+# - **GEMVs that read 8-bit weights** and their scales, with chapter 11's residual-add
+#   and norm fusions kept, and what halving the bytes predicts for a decode step.
+
+# %%
+#| default_exp quantization.formats
+
+# %%
+import math
+import time
+
+import matplotlib.pyplot as plt
+import ml_dtypes
+import numpy as np
+
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
+from tinyvllm_lib.measure import bandwidth_ceiling, ceiling_phrase, load_records
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.llama_standin import standin_config
+from tinyvllm_lib.models.loader import llama_weight_shapes, load_weights
+from tinyvllm_lib.models.smollm2 import resolve_model
+from tinyvllm_lib.plots import Prose, bit_layout, new_figure
+from tinyvllm_lib.runtime import where_kernels_run
+
+prose = Prose()  # the numbers this chapter's prose quotes, filled in as they are made
+rng = np.random.default_rng()
+print(where_kernels_run())
+
+# %% [markdown]
+# ## The bf16 limit
+#
+# Count first. Llama 3.2 1B has 1.24 billion weights; in bf16 a decode step at batch 1
+# reads all of them, and no engine reads faster than the GPU's memory. Chapter 1
+# measured that rate on the H200; chapter 11 measured this engine's step.
+
+# %%
+llama_1b = ModelConfig.from_dict(standin_config())
+shapes = llama_weight_shapes(llama_1b)  # the tied embedding is also the LM head
+num_weights = sum(math.prod(s) for s in shapes.values())
+bf16_bytes = 2 * num_weights
+GB_S, CEILING_NAME = bandwidth_ceiling()  # chapter 1's best measured read rate
+bs1 = {r["name"]: r for r in load_records("ch11_llama")}.get("bs1_decode")
+measured_tok_s = bs1["value"] if bs1 else float("nan")
+bf16_limit = GB_S * 1e9 / bf16_bytes
+print(f"{num_weights / 1e9:.3f} G weights, {bf16_bytes / 1e9:.2f} GB in bf16; at "
+      f"{GB_S:,.0f} GB/s a step takes at least {bf16_bytes / GB_S / 1e6:.3f} ms: "
+      f"{bf16_limit:,.0f} tok/s at most; chapter 11 measured {measured_tok_s:,.0f}")
+prose.glue("ch15_bf16_gb", f"{bf16_bytes / 1e9:.2f} GB")
+prose.glue("ch15_ceiling", ceiling_phrase(GB_S, CEILING_NAME))
+prose.glue("ch15_bf16_limit", f"{bf16_limit:,.0f} tok/s")
+prose.glue("ch15_ch11_tok_s", f"{measured_tok_s:,.0f} tok/s")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+In bf16 the weights are {{ch15_bf16_gb}}. At {{ch15_ceiling}} a step cannot take less
+than those bytes take to read: no bf16 engine on this GPU decodes one request faster
+than {{ch15_bf16_limit}}, and chapter 11's engine does {{ch15_ch11_tok_s}}. Launches,
+attention and the sampler take the rest of its step, but the weights are most of it,
+and no kernel tuning reads them faster. Reading fewer bytes is the one way past this
+line — at batch 1 what is left is to make each weight smaller.
+""")
+
+# %% [markdown]
+# ## int8: an integer and a scale
+#
+# The simplest 8-bit weight is an integer code $q \in [-127, 127]$ and a float scale
+# $s$ that the code is multiplied by. One scale per **output row** $n$ of $W$ (shape
+# (out, in), as the project stores every weight) is chosen so that the row's largest
+# magnitude lands on 127 — *absmax* scaling — and each weight is rounded to the nearest
+# code:
+#
+# $$ s_n = \frac{\max_k |W_{nk}|}{127}, \qquad
+#    q_{nk} = \operatorname{clip}\!\left(\operatorname{round}\!\left(
+#    \frac{W_{nk}}{s_n}\right), -127, 127\right), \qquad \hat W_{nk} = s_n\, q_{nk}. $$
+#
+# It is *symmetric* (zero is code 0, no offset) and leaves code −128 unused, so $q$ and
+# $-q$ are both codes. Why per row: a GEMV computes each output $y_n = \sum_k x_k
+# W_{nk}$ from one row, so the row's scale comes out of the sum, $y_n = s_n \sum_k x_k
+# q_{nk}$ — one multiply per output, not per weight. A scale for the whole matrix would
+# let one large weight coarsen every row; scales for blocks inside a row (as the Q4_1
+# blocks of [chapter 2b](02b_smollm2.py) have, one per 32 weights) are finer still, at
+# the price of a scale to load inside the sum.
+#
+# ## FP8 e4m3: a float in one byte
+#
+# An int8 code's steps are all the same size, $s_n$; a small weight in a row with one
+# large one gets few distinct codes. A float spends bits on an exponent instead, so its
+# steps grow with the value and every magnitude gets the same *relative* precision.
+# Hopper's FP8 type **e4m3** has 1 sign, 4 exponent and 3 mantissa bits — the OCP
+# "e4m3fn" variant every framework calls `float8_e4m3fn`. It follows chapter 1's
+# formula with bias 7, with two changes that buy range: there are **no infinities**,
+# and of the patterns with all exponent bits set only one is NaN, S.1111.111; the other
+# seven are ordinary numbers. The largest is S.1111.110 $= 2^8 \cdot 1.75 = 448$.
+
+# %%
+FP8_FORMATS = [("bf16", 1, 8, 7), ("fp8 e5m2", 1, 5, 2), ("fp8 e4m3", 1, 4, 3),
+               ("int8", 1, 0, 7)]
+fig, ax = new_figure(width=9, height=2.4)
+bit_layout(ax, FP8_FORMATS)
+ax.set_title("bf16, the two FP8 formats, and int8 (its sign and 7 bits of two's "
+             "complement)")
+plt.show()
+
+# %% [markdown]
+# Its sibling **e5m2** keeps bf16's trick of more exponent and less mantissa (range to
+# 57,344, two mantissa bits) and is used for gradients; weights, which need precision
+# more than range, use e4m3. Decoding is chapter 1's formula; here it is for all 256
+# patterns at once, checked against `ml_dtypes` (the reference chapter 1 used for
+# bf16), whose `float8_e4m3fn` is the same format:
+
+# %%
+#| export
+import numpy as np
+
+INT8_MAX = 127  # symmetric int8: codes -127..127 (-128 is never made)
+FP8_E4M3_MAX = 448.0  # S.1111.110 = 2^8 * 1.75; S.1111.111 is NaN
+FP8_E4M3_BIAS = 7
+QUANTIZATIONS = ("int8", "fp8")  # the quantization= names this engine takes (vLLM's)
+
+
+def fp8_e4m3_decode(bits: np.ndarray) -> np.ndarray:
+    """FP8 e4m3fn bit patterns (uint8) -> float32: bias 7, subnormals below 2^-6,
+    NaN = S.1111.111, no infinities.
+    """
+    bits = np.asarray(bits)
+    if bits.dtype != np.uint8:
+        raise TypeError(f"fp8 bits must be uint8, got {bits.dtype}")
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent = ((bits >> 3) & 0xF).astype(np.int32)
+    mantissa = (bits & 0x7).astype(np.float64)
+    value = np.where(
+        exponent == 0,
+        mantissa / 8 * 2.0 ** (1 - FP8_E4M3_BIAS),  # subnormal: no implicit 1
+        (1 + mantissa / 8) * 2.0 ** (exponent - FP8_E4M3_BIAS),
+    )
+    is_nan = (bits & 0x7F) == 0x7F
+    return np.where(is_nan, np.nan, sign * value).astype(np.float32)
+
+
+# %%
+all_fp8 = np.arange(256, dtype=np.uint16).astype(np.uint8)
+fp8_values = fp8_e4m3_decode(all_fp8)
+reference = all_fp8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+assert np.array_equal(fp8_values, reference, equal_nan=True), "decode != ml_dtypes"
+finite = fp8_values[np.isfinite(fp8_values)]
+positive = finite[finite > 0]
+print(f"all 256 codes agree with ml_dtypes; {np.isnan(fp8_values).sum()} NaNs "
+      f"(0x7F, 0xFF), {np.unique(finite).size} distinct finite values")
+print(f"largest {positive.max():g}, smallest normal 2^-6 = {2.0**-6:g}, smallest "
+      f"subnormal 2^-9 = {positive.min():g}")
+print("1.0 and its neighbours:", fp8_values[[0x37, 0x38, 0x39]])
+prose.glue("ch15_fp8_distinct", int(np.unique(finite).size))
+prose.glue("ch15_fp8_step_at_1", f"{fp8_values[0x39] - fp8_values[0x38]:g}")
+
+# %% [markdown]
+# ## Range and precision: where each format spends its bits
+#
+# Chapter 1 drew each format's relative spacing, ulp(x)/x, over the range it covers.
+# Here are the 8-bit formats beside bf16. e4m3's curve is short — from $2^{-9}$ to 448,
+# about 18 binades — and high: 3 mantissa bits mean a step of $2^{-3}$, 12.5%, of the
+# value at the bottom of each binade. int8 with a scale is a different shape: its step
+# is the same everywhere, $s_n$, so relative to the value it is fine near the row's
+# largest weight and coarse near zero. Drawn for a row whose largest weight is 1 (a
+# scale of 1/127, and for FP8 1/448):
+
+# %%
+def relative_step(x: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The gap between neighbouring representable values around each x, over x."""
+    grid = np.unique(values[np.isfinite(values) & (values > 0)])
+    i = np.clip(np.searchsorted(grid, x), 1, grid.size - 1)
+    return (grid[i] - grid[i - 1]) / x
+
+
+x = np.geomspace(1e-4, 1.0, 2000)
+int8_grid = np.arange(1, 128) / 127  # int8 codes times the row's scale
+fp8_grid = fp8_values / FP8_E4M3_MAX  # e4m3 codes times the row's scale
+bf16_grid = bf16_bits_to_f32(np.arange(0x3800, 0x3F81, dtype=np.uint16))
+fig, ax = new_figure(width=8, height=3.2)
+for name, grid in (("bf16", bf16_grid), ("fp8 e4m3, scale 1/448", fp8_grid),
+                   ("int8, scale 1/127", int8_grid)):
+    ax.plot(x, relative_step(x, grid), label=name)
+ax.set_xscale("log")
+ax.set_yscale("log")
+ax.set_xlabel("|weight| / the row's largest |weight|")
+ax.set_ylabel("step / value")
+ax.set_title("relative precision inside one row, after scaling")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# Above about a quarter of the row's largest weight int8 is finer than e4m3 (its step
+# is 1/127 of the largest weight; e4m3's 1/16 of the value's binade at the top);
+# below it e4m3 is finer, and the gap grows as the weights get smaller. Which matters
+# more depends on how the weights in a row are spread, which is why the next sections
+# measure both on real weights.
+#
+# ## float32 → e4m3: rounding and saturation
+#
+# Encoding follows chapter 1's rounding of float32 to bf16, with 20 bits to drop
+# instead of 16. On the float32 bits $u$ of $|x|$, with $\ell = (u \gg 20) \,\&\, 1$
+# the last bit kept,
+#
+# $$ \text{top} = (u + \texttt{0x7FFFF} + \ell) \gg 20 $$
+#
+# is $|x|$ rounded to 3 mantissa bits, ties to even, with its float32 exponent (bias
+# 127) above them; subtracting $(127 - 7) \ll 3$ moves it to e4m3's bias. Two ranges
+# need more:
+#
+# - **below $2^{-6}$** e4m3's subnormals have a fixed step of $2^{-9}$, so the code is
+#   simply $\operatorname{round}(|x| \cdot 2^9)$, ties to even (`np.rint`) — exact in
+#   float32, since multiplying by a power of two drops no bits;
+# - **above 448** there is no infinity to round to. The encoder **saturates**: any
+#   larger value, infinity included, becomes ±448, as the GPU's conversion
+#   instruction does (`cvt.rn.satfinite`). A NaN stays NaN, S.1111.111.
+#
+# `ml_dtypes` and PyTorch round the same way within the range, but turn a value past
+# 464 (the halfway point between 448 and the 480 that S.1111.111 would be) into NaN.
+# Our quantizer never reaches that range — its scale puts each row's largest weight on
+# 448 — but a format's encoder should say what it does everywhere.
+
+# %%
+#| export
+def fp8_e4m3_encode(x: np.ndarray) -> np.ndarray:
+    """float32 -> FP8 e4m3fn bits (uint8): round to nearest, ties to even; past ±448
+    (infinities too) saturate to ±448; NaN -> S.1111.111 with its sign.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    sign = ((u >> 24) & 0x80).astype(np.uint8)
+    magnitude = u & np.uint32(0x7FFFFFFF)
+    # normal: keep 3 of float32's 23 mantissa bits, rounding as chapter 1 did, then
+    # move the exponent from float32's bias (127) to e4m3's (7)
+    last_kept = (magnitude >> 20) & 1
+    top = ((magnitude + np.uint32(0x7FFFF) + last_kept) >> 20).astype(np.int32)
+    normal = np.minimum(top - ((127 - FP8_E4M3_BIAS) << 3), 0x7E)  # 0x7E: 448
+    # subnormal (below 2^-6): steps of 2^-9, counted with ties to even
+    absx = np.abs(x)
+    with np.errstate(invalid="ignore"):
+        is_subnormal = absx < np.float32(2.0**-6)
+        steps = np.rint(np.where(is_subnormal, absx, 0) * np.float32(2**9))
+    code = np.where(is_subnormal, steps.astype(np.int32), normal)
+    code = np.where(magnitude > 0x7F800000, 0x7F, code)  # NaN
+    return code.astype(np.uint8) | sign
+
+
+# %% [markdown]
+# The tests, as chapter 1's: every code must come back as itself; every *tie* — the
+# midpoint of two neighbouring values — must go to the even code; and millions of
+# random float32 bit patterns within ±448 must match `ml_dtypes`, and PyTorch's
+# `float8_e4m3fn` where PyTorch is installed. Beyond ±448 ours saturates where they make
+# NaN.
+
+# %%
+is_number = ~np.isnan(fp8_values)
+assert np.array_equal(fp8_e4m3_encode(fp8_values)[is_number], all_fp8[is_number])
+nans = np.array([np.nan, -np.nan], np.float32)
+assert fp8_e4m3_encode(nans).tolist() == [0x7F, 0xFF]  # NaN keeps its sign
+positive_codes = np.arange(0x00, 0x7F, dtype=np.uint8)  # 0 .. 448, ascending
+ups = fp8_e4m3_decode(positive_codes).astype(np.float64)
+ties = ((ups[:-1] + ups[1:]) / 2).astype(np.float32)  # exact in float32
+ties = np.concatenate([ties, -ties])
+with np.errstate(invalid="ignore", over="ignore"):
+    words = rng.integers(0, 2**32, size=3_000_000, dtype=np.uint32).view(np.float32)
+    in_range = words[np.abs(words) <= FP8_E4M3_MAX]
+    x = np.concatenate([ties, in_range])
+    t0 = time.perf_counter()
+    ours = fp8_e4m3_encode(x)
+    seconds = time.perf_counter() - t0
+    theirs = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    past = words[np.isfinite(words) & (np.abs(words) > FP8_E4M3_MAX)]
+    saturated = fp8_e4m3_decode(fp8_e4m3_encode(past))
+num_mismatch = int((ours != theirs).sum())
+print(f"{ties.size} ties and {in_range.size:,} random values in range: "
+      f"{num_mismatch} mismatches with ml_dtypes ({seconds * 1e3:.0f} ms)")
+assert num_mismatch == 0
+assert np.array_equal(saturated, np.sign(past) * FP8_E4M3_MAX)
+try:
+    import torch
+
+    torch_bits = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8)
+    torch_mismatch = int((torch_bits.numpy() != ours).sum())
+    print(f"PyTorch {torch.__version__}: {torch_mismatch} mismatches")
+    assert torch_mismatch == 0
+except ImportError:
+    print("PyTorch is not installed: checked against ml_dtypes only")
+
+# %% [markdown]
+# ## One scale per row, for both formats
+#
+# FP8 needs a scale too: a weight of 0.01 would use only the bottom of e4m3's range
+# and its subnormals. The same absmax rule puts each row's largest magnitude on the
+# format's largest value, 448, so a row uses the top binades, where the relative step
+# is smallest: $s_n = \max_k |W_{nk}| / 448$, codes $= \operatorname{e4m3}(W_{nk} /
+# s_n)$, $\hat W_{nk} = s_n \cdot \operatorname{decode}(\text{code})$.
+#
+# The quantized weight is the codes, still (out, in) and row-major — one byte a weight,
+# int8 for "int8" and e4m3's bits as uint8 for "fp8" — and a float32 scale a row: the
+# 2,048 rows of one of Llama 3.2 1B's square matrices add 8 KiB of scales to its 4 MiB
+# of codes. A weight with a NaN or an infinity has no finite scale; it is refused.
+
+# %%
+#| export
+from dataclasses import dataclass
+
+# each format's largest code
+CODE_MAX = {"int8": float(INT8_MAX), "fp8": FP8_E4M3_MAX}
+QUANTIZE_CHUNK = 1 << 22  # weights quantized at a time (bounds the temporaries)
+
+
+def check_quantization(method) -> str | None:
+    """method as given: None (bf16), "int8" or "fp8"; anything else is a ValueError."""
+    if method is not None and method not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be None (bf16 weights) or one of "
+            f"{', '.join(map(repr, QUANTIZATIONS))}, got {method!r}"
+        )
+    return method
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """An (out, in) weight in 8 bits: codes (int8, or e4m3 bits as uint8), row-major
+    as the bf16 weight was, and one float32 scale per output row.
+    """
+
+    method: str
+    codes: np.ndarray  # (out, in) int8 ("int8") or uint8 ("fp8")
+    scales: np.ndarray  # (out,) float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """The weights the codes stand for, (out, in) float32: scale times value."""
+        values = (
+            self.codes.astype(np.float32)
+            if self.method == "int8"
+            else fp8_e4m3_decode(self.codes)
+        )
+        return values * self.scales[:, None]
+
+
+def quantize(w: np.ndarray, method: str) -> QuantizedTensor:
+    """An (out, in) float weight in 8 bits: s_n = max_k |w_nk| / the largest code,
+    codes = round(w / s_n) (int8: clipped to ±127; fp8: e4m3, ties to even).
+    """
+    check_quantization(method)
+    if method is None or np.ndim(w) != 2:
+        raise ValueError(f"quantize takes an (out, in) weight and 'int8' or 'fp8', "
+                         f"got shape {np.shape(w)} and {method!r}")
+    w = np.asarray(w, dtype=np.float32)
+    absmax = np.max(np.abs(w), axis=1)
+    if not np.all(np.isfinite(absmax)):
+        row = int(np.flatnonzero(~np.isfinite(absmax))[0])
+        raise ValueError(f"row {row} holds NaN or infinity: no scale can represent it")
+    scales = (absmax / CODE_MAX[method]).astype(np.float32)
+    divide = np.where(scales > 0, scales, 1)[:, None]  # an all-zero row: codes 0
+    codes = np.empty(w.shape, np.int8 if method == "int8" else np.uint8)
+    rows = max(1, QUANTIZE_CHUNK // max(1, w.shape[1]))
+    for start in range(0, len(w), rows):  # a few million weights at a time
+        part = w[start : start + rows] / divide[start : start + rows]
+        codes[start : start + rows] = (
+            np.clip(np.rint(part), -INT8_MAX, INT8_MAX)
+            if method == "int8"
+            else fp8_e4m3_encode(part)
+        )
+    return QuantizedTensor(method, codes, scales)
+
+
+# %% [markdown]
+# On random rows the worst error of each format is what its grid predicts: at most
+# half an int8 step, $s_n / 2$, anywhere in the row; for FP8 at most half a step of
+# the binade the weight falls in, $2^{-4}$ of the weight, and half a subnormal step,
+# $2^{-10} s_n$, below $2^{-6} s_n$ — each plus float32's own rounding of the division
+# and of the product ($2^{-22}$ of the weight at most).
+
+# %%
+w = rng.standard_normal((5, 3000)).astype(np.float32)
+for method in ("int8", "fp8"):
+    q = quantize(w, method)
+    error = np.abs(q.dequantize() - w)
+    largest = q.scales[:, None] * CODE_MAX[method]  # each row's largest |weight|
+    print(f"{method}: codes {q.codes.dtype} {q.shape}, {q.nbytes:,} bytes "
+          f"(bf16: {w.size * 2:,}); largest error {np.max(error / largest):.4f} of "
+          f"the row's largest weight")
+q8 = quantize(w, "int8")
+float32_rounding = 2.0**-22 * np.abs(w)
+assert np.all(np.abs(q8.dequantize() - w) <= q8.scales[:, None] / 2 + float32_rounding)
+qf = quantize(w, "fp8")
+scale = np.broadcast_to(qf.scales[:, None], w.shape)
+tiny = np.abs(w) < 2.0**-6 * scale  # e4m3's subnormals: a fixed step
+bound = np.where(tiny, 2.0**-10 * scale, 2.0**-4 * np.abs(w)) + float32_rounding
+assert np.all(np.abs(qf.dequantize() - w) <= bound)
+
+# %% [markdown]
+# ## The error on real weights
+#
+# Random rows say what the grids do; a model's rows say what matters. Here are
+# SmolLM2's — every matrix of its 30 layers, quantized both ways. The measure is the
+# relative error of a matrix, $\lVert \hat W - W \rVert_F / \lVert W \rVert_F$: for a
+# GEMV with inputs that do not favour any weight, the relative size of the error its
+# outputs get.
+
+# %%
+folder = resolve_model("smollm2")
+smollm2 = ModelConfig.from_folder(folder)
+smol_weights = load_weights(folder, smollm2, progress=False)
+KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def relative_error(w: np.ndarray, method: str) -> float:
+    """||dequantize(quantize(w)) - w|| / ||w||, Frobenius norms."""
+    return float(np.linalg.norm(quantize(w, method).dequantize() - w)
+                 / np.linalg.norm(w))
+
+
+t0 = time.perf_counter()
+errors = {  # method -> (layer, kind) -> relative error
+    method: np.array([[relative_error(bf16_bits_to_f32(smol_weights[
+        f"model.layers.{i}.{'self_attn' if k[0] in 'qkvo' else 'mlp'}.{k}.weight"]),
+        method) for k in KINDS] for i in range(smollm2.num_hidden_layers)])
+    for method in ("int8", "fp8")
+}
+embedding = bf16_bits_to_f32(smol_weights["model.embed_tokens.weight"])
+head_errors = {m: relative_error(embedding, m) for m in ("int8", "fp8")}
+print(f"{2 * 7 * smollm2.num_hidden_layers + 2} matrices quantized and measured in "
+      f"{time.perf_counter() - t0:.1f} s")
+
+fig, axes = new_figure(1, 2, width=9, height=3.4, sharey=True)
+for ax, method in zip(axes, ("int8", "fp8")):
+    for j, kind in enumerate(KINDS):
+        ax.plot(100 * errors[method][:, j], label=kind, lw=1.2)
+    ax.axhline(100 * head_errors[method], color="k", ls=":", lw=1,
+               label="embedding = LM head")
+    ax.set_title(f"{method}: one scale per row")
+    ax.set_xlabel("layer")
+axes[0].set_ylabel("relative error of the matrix (%)")
+axes[1].legend(fontsize=7, ncol=2)
+plt.show()
+for method in ("int8", "fp8"):
+    prose.glue(f"ch15_err_{method}", f"{100 * np.median(errors[method]):.2f}%")
+    prose.glue(f"ch15_err_max_{method}", f"{100 * np.max(errors[method]):.2f}%")
+    prose.glue(f"ch15_err_head_{method}", f"{100 * head_errors[method]:.2f}%")
+ratio = np.median(errors["fp8"] / errors["int8"])
+prose.glue("ch15_err_ratio", f"{max(ratio, 1 / ratio):.1f}")
+prose.glue("ch15_err_winner", "int8's error is the smaller" if ratio > 1
+           else "FP8's error is the smaller")
+
+# %% [markdown]
+# Why one format wins depends on the row, and a line of algebra says how. Rounding
+# to a grid makes an error spread evenly over half a step either way, whose RMS is the
+# step over $\sqrt{12}$. int8's step is $s_n = \max|W_n| / 127$ for every weight, so
+# its relative error is $\frac{1}{127\sqrt{12}} \cdot \max|W_n| / \mathrm{rms}(W_n)$:
+# it grows with how far a row's largest weight stands above its typical one. FP8's
+# step is a fixed share of each weight, so its relative error hardly depends on the
+# row at all. The two are equal where $\max / \mathrm{rms}$ reaches FP8's relative
+# error times $127\sqrt{12}$:
+
+# %%
+peakiness = np.array([np.median(np.max(np.abs(w), axis=1) / np.sqrt(np.mean(w * w, 1)))
+                      for w in (bf16_bits_to_f32(smol_weights[name]) for name in
+                                smol_weights if name.endswith("proj.weight"))])
+crossover = np.median(errors["fp8"]) * 127 * np.sqrt(12)
+print(f"a row's largest |weight| over its RMS: median {np.median(peakiness):.1f} "
+      f"(matrices range {peakiness.min():.1f} to {peakiness.max():.1f}); FP8 would win "
+      f"above {crossover:.1f}")
+prose.glue("ch15_peak", f"{np.median(peakiness):.1f}")
+prose.glue("ch15_crossover", f"{crossover:.0f}")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+int8 moves a typical matrix by {{ch15_err_int8}} of its size (the median over the
+210; at most {{ch15_err_max_int8}}), FP8 by {{ch15_err_fp8}} (at most
+{{ch15_err_max_fp8}}): on these weights {{ch15_err_winner}}, by a factor of
+{{ch15_err_ratio}}. The embedding, which is also the LM head, would move by
+{{ch15_err_head_int8}} in int8 and {{ch15_err_head_fp8}} in FP8. The algebra says
+why: SmolLM2's rows have a largest weight about {{ch15_peak}} times their RMS, and FP8
+would need rows with outliers near {{ch15_crossover}} times the RMS to win. Models
+whose weights have such outliers exist (they are why FP8 and finer-grained scales are
+popular for larger models); these rows have none.
+""")
+
+# %% [markdown]
+# One fact about these weights colours every number in this chapter. The SmolLM2 this
+# book embeds is **not** the model as it was trained: [chapter 2b](02b_smollm2.py)
+# dequantized it from a GGUF file of **Q4_1 blocks** — every 32 consecutive weights of
+# a row stored as 16 levels $d\,q + m$, each block with its own $d$ and $m$ — and
+# stored the result in bf16. So every row is made of a few hundred distinct values at
+# most:
+
+# %%
+q_rows = bf16_bits_to_f32(smol_weights["model.layers.0.self_attn.q_proj.weight"])
+distinct = np.array([np.unique(row).size for row in q_rows])
+blocks_per_row = q_rows.shape[1] // 32
+print(f"layer 0's q_proj: rows of {q_rows.shape[1]} weights, {blocks_per_row} Q4_1 "
+      f"blocks of 16 levels: at most {16 * blocks_per_row} distinct values a row; "
+      f"the median row has {int(np.median(distinct))}")
+prose.glue("ch15_distinct", int(np.median(distinct)))
+prose.glue("ch15_distinct_max", 16 * blocks_per_row)
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+A median row of {{ch15_distinct}} distinct values (at most {{ch15_distinct_max}}) is
+already a coarse grid, and an 8-bit grid of 255 levels per row laid over it cannot
+keep all of them: it rounds a 4-bit model once more. Three things follow for the
+comparisons below. The reference, "bf16", is this 4-bit-derived model, so they measure
+how much 8 bits change *it*, not how far 8 bits would move the original SmolLM2. Its
+weights are lumpier than trained weights are, so the error 8 bits add here is a
+sample of one kind of row, not a law. And a model that already lost some precision
+may be more, or less, sensitive to losing more — which only a measurement of its
+predictions settles. For a model stored in bf16 from the start, published results are
+the check: an FP8 Llama 3.2 1B Instruct scores within 1% of bf16 on standard
+benchmarks. The Llama 3.2 1B stand-in this book measures speed with has random
+weights, whose predictions mean nothing.
+""")
+
+# %% [markdown]
+# ## Quantizing as the model loads
+#
+# vLLM's switch is an argument of the engine, `LLM(model, quantization=...)`, and so is
+# this engine's: `quantization="int8"` or `"fp8"` (None, the default, keeps bf16)
+# quantizes the bf16 folder's weights as they are loaded, so any model folder the
+# engine reads can run in 8 bits, with no converted checkpoint to make or store. A
+# value it does not know is a `ValueError` when the engine is made.
+#
+# Which weights: the four matrices of every layer — chapter 7's fused `qkv_proj`,
+# `o_proj`, the fused `gate_up_proj`, `down_proj` — which are most of the bytes. The
+# norms' weights are a few KiB and stay bf16. The **tied embedding and LM head** are
+# the one real choice. The embedding is a lookup — a step reads one row per token — so
+# storing it in 8 bits would save memory but no time. The LM head, the same matrix, is
+# read whole every step: for Llama 3.2 1B it is 128,256 rows of 2,048, a fifth of the
+# model. Quantizing it saves those bytes at batch 1, at the price of a second copy of
+# the table (8-bit for the head beside the bf16 embedding) and of the error that
+# rounding every logit's weights makes. This engine **keeps the head in bf16** for now
+# (`QUANTIZE_LM_HEAD`), as vLLM's FP8 checkpoints do (they leave `lm_head`
+# unquantized); the accuracy study below measures the other choice too, and the GPU
+# issue's benchmark is where its speed gets measured. Here is what each choice predicts
+# for the batch-1 limit of Llama 3.2 1B:
+
+# %%
+#| export models.llama_quantized
+import math
+
+import numpy as np
+
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.llama_numpy import LlamaNumpy
+from tinyvllm_lib.models.loader import load_weights
+from tinyvllm_lib.quantization.formats import check_quantization, quantize
+
+# the fused matrices of every layer that are stored in 8 bits (chapter 7's names)
+QUANTIZED_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding) stays bf16, as in
+# vLLM's FP8 checkpoints; chapter 15 counts and measures the other choice
+QUANTIZE_LM_HEAD = False
+
+
+def is_quantized(name: str, lm_head: bool = QUANTIZE_LM_HEAD) -> bool:
+    """Whether the fused weight `name` ("layers.3.qkv_proj", "lm_head") is 8-bit."""
+    return name.rsplit(".", 1)[-1] in QUANTIZED_MATRICES or (
+        lm_head and name == "lm_head"
+    )
+
+
+def decode_weight_bytes(
+    config: ModelConfig, quantization: str | None, lm_head: bool = QUANTIZE_LM_HEAD
+) -> int:
+    """The bytes of weights a decode step at batch 1 reads: every layer's matrices
+    (8-bit codes and a float32 scale a row, or bf16), the norms, the LM head whole, and
+    one row of the embedding where the head is not that same bf16 table.
+    """
+    check_quantization(quantization)
+    c, bf16 = config, 2
+    in_8_bits = quantization is not None
+    H, V = c.hidden_size, c.vocab_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = {  # (rows, columns) of each fused matrix
+        "qkv_proj": (q + 2 * kv, H), "o_proj": (H, q),
+        "gate_up_proj": (2 * c.intermediate_size, H),
+        "down_proj": (H, c.intermediate_size),
+    }
+    per_layer = sum(rows * (cols + 4) if in_8_bits else bf16 * rows * cols
+                    for rows, cols in layer.values()) + 2 * bf16 * H  # and 2 norms
+    head_8_bit = in_8_bits and lm_head
+    head = V * (H + 4) if head_8_bit else bf16 * V * H
+    embed_row = bf16 * H if head_8_bit or not c.tie_word_embeddings else 0
+    return c.num_hidden_layers * per_layer + bf16 * H + head + embed_row
+
+
+class QuantizedLlamaNumpy(LlamaNumpy):
+    """Chapter 7's NumPy model on 8-bit weights: each matrix quantized as it is loaded
+    (a rank's shard: its own rows' scales), then kept as the float32 values its codes
+    stand for, scale times value, for NumPy's float32 matrix products.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
+                 quantization: str, quantize_lm_head: bool = QUANTIZE_LM_HEAD,
+                 **kwargs):
+        if check_quantization(quantization) is None:
+            raise ValueError("QuantizedLlamaNumpy needs quantization 'int8' or 'fp8'")
+        super().__init__(config, weights, **kwargs)
+        self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
+        for name, matrix in self.matrices.items():  # float32, widened from bf16
+            if is_quantized(name, quantize_lm_head):
+                self.matrices[name] = quantize(matrix, quantization).dequantize()
+
+
+def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
+                    comm=None):
+    """The device's model on 8-bit weights ("cpu": NumPy; "cuda": the kernels)."""
+    if device == "cpu":
+        return QuantizedLlamaNumpy(config, weights, quantization, comm=comm)
+    from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
+
+    return QuantizedLlamaCuda(config, weights, quantization, comm=comm)
+
+
+def load_quantized_model(folder, device: str, quantization: str):
+    """A Hugging Face Llama folder's model with its matrices quantized as they load."""
+    check_quantization(quantization)
+    config = ModelConfig.from_folder(folder)
+    return quantized_model(device, config, load_weights(folder, config, progress=False),
+                           quantization)
+
+
+# %%
+choices = {"bf16": (None, False), "8-bit, head bf16": ("int8", False),
+           "8-bit, head 8-bit": ("int8", True)}
+limits = {}
+for label, (method, head) in choices.items():
+    nbytes = decode_weight_bytes(llama_1b, method, head)
+    limits[label] = GB_S * 1e9 / nbytes
+    print(f"{label:>18}: {nbytes / 1e9:.3f} GB a step, at most {limits[label]:,.0f} "
+          f"tok/s at batch 1")
+    key = label.replace(",", "").replace(" ", "_").replace("-", "")
+    prose.glue(f"ch15_gb_{key}", f"{nbytes / 1e9:.2f} GB")
+    prose.glue(f"ch15_limit_{key}", f"{limits[label]:,.0f} tok/s")
+assert decode_weight_bytes(llama_1b, None) == bf16_bytes  # chapter 11's count
+prose.glue("ch15_share_of_limit", f"{measured_tok_s / bf16_limit:.0%}")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+With its matrices in 8 bits and the head in bf16, Llama 3.2 1B's step reads
+{{ch15_gb_8bit_head_bf16}} instead of {{ch15_gb_bf16}}: at the same ceiling, at most
+{{ch15_limit_8bit_head_bf16}} at batch 1, against bf16's {{ch15_limit_bf16}}. With the
+head in 8 bits too, {{ch15_gb_8bit_head_8bit}} and at most
+{{ch15_limit_8bit_head_8bit}}. (FP8's bytes are int8's: one a weight, a float32 scale
+a row.) These are limits, what reading the bytes alone would take; chapter 11's
+engine reached {{ch15_share_of_limit}} of its bf16 limit, and the rest of its step
+(attention, launches, the sampler) does not shrink with the weights.
+""")
+
+# %% [markdown]
+# **The NumPy backend** runs the same quantized model on the CPU. It could multiply
+# the int8 codes and apply each row's scale after the sum, as the GPU kernels below do;
+# it does not, because NumPy has no matrix product of int8 by float32 that is faster
+# than its float32 one (BLAS's), and the two compute the same sums up to float32's
+# rounding: $\sum_k x_k (s_n q_{nk})$ against $s_n \sum_k x_k q_{nk}$. So
+# `QuantizedLlamaNumpy` quantizes each matrix as it loads and keeps the float32 values
+# the codes stand for, $s_n q_{nk}$: the CPU model has exactly the 8-bit model's
+# weights, and chapter 7's speed. It is the reference the kernels are tested against,
+# and what the accuracy study below runs.
+#
+# Here is SmolLM2 answering one question three ways on the CPU:
+
+# %%
+question = [{"role": "user", "content": "What is the capital of France?"}]
+greedy = SamplingParams(temperature=0.0, max_tokens=24)
+answers = {}
+for method in (None, "int8", "fp8"):
+    t0 = time.perf_counter()
+    llm = LLM("smollm2", device="cpu", max_model_len=256, max_num_seqs=1,
+              quantization=method)
+    up = time.perf_counter() - t0
+    answers[method] = llm.chat(question, greedy, use_tqdm=False)[0].outputs[0]
+    print(f"{method or 'bf16':>5} (up in {up:.1f} s): {answers[method].text!r}")
+try:
+    LLM("smollm2", device="cpu", quantization="int4")
+except ValueError as error:
+    print("int4:", error)

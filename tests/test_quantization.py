@@ -1,0 +1,144 @@
+"""Chapter 15: the 8-bit formats (int8 with row scales, FP8 e4m3fn) against exhaustive decodes, ml_dtypes and
+PyTorch; the quantized models and the API's quantization= argument."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tinyvllm_lib.quantization.formats import (
+    FP8_E4M3_MAX,
+    check_quantization,
+    fp8_e4m3_decode,
+    fp8_e4m3_encode,
+    quantize,
+)
+
+ALL_FP8 = np.arange(256, dtype=np.uint16).astype(np.uint8)
+
+
+def fp8_by_hand(code: int) -> float:
+    """One e4m3fn code from its definition: S EEEE MMM, bias 7, S.1111.111 NaN."""
+    s, e, m = code >> 7, (code >> 3) & 15, code & 7
+    if e == 15 and m == 7:
+        return float("nan")
+    value = m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -value if s else value
+
+
+def test_decode_every_code():
+    ours = fp8_e4m3_decode(ALL_FP8)
+    by_hand = np.array([fp8_by_hand(c) for c in range(256)], np.float32)
+    assert np.array_equal(ours, by_hand, equal_nan=True)
+    assert np.array_equal(ours, ALL_FP8.view(ml_dtypes.float8_e4m3fn).astype(np.float32), equal_nan=True)
+    assert np.nanmax(ours) == FP8_E4M3_MAX and np.isnan(ours).sum() == 2 and not np.isinf(ours).any()
+
+
+def test_every_code_encodes_to_itself():
+    values = fp8_e4m3_decode(ALL_FP8)
+    ok = ~np.isnan(values)
+    assert np.array_equal(fp8_e4m3_encode(values)[ok], ALL_FP8[ok])
+
+
+def random_in_range(rng, n):
+    words = rng.integers(0, 2**32, size=n, dtype=np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        return words[np.abs(words) <= FP8_E4M3_MAX]
+
+
+def ties_and_near_ties():
+    values = fp8_e4m3_decode(np.arange(0x7F, dtype=np.uint8)).astype(np.float64)  # 0 .. 448, ascending
+    mid = ((values[:-1] + values[1:]) / 2).astype(np.float32)
+    bits = mid.view(np.uint32)
+    near = np.concatenate([bits - 1, bits + 1]).view(np.float32)  # just below and above each halfway point
+    x = np.concatenate([mid, near])
+    return np.concatenate([x, -x])
+
+
+def test_encode_matches_ml_dtypes(rng):
+    x = np.concatenate([ties_and_near_ties(), random_in_range(rng, 2_000_000)])
+    ours, theirs = fp8_e4m3_encode(x), x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    bad = np.flatnonzero(ours != theirs)
+    assert bad.size == 0, f"{bad.size} mismatches, e.g. {x[bad[:5]]}"
+
+
+def test_encode_matches_torch(rng):
+    torch = pytest.importorskip("torch")
+    x = np.concatenate([ties_and_near_ties(), random_in_range(rng, 1_000_000)])
+    theirs = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.array_equal(fp8_e4m3_encode(x), theirs)
+
+
+@pytest.mark.parametrize(
+    "x, code",
+    [
+        (1.0, 0x38),
+        (448.0, 0x7E),
+        (464.0, 0x7E),  # halfway to the NaN pattern's 480: ties to even, 448
+        (1e9, 0x7E),  # saturates (ml_dtypes and torch make NaN here)
+        (np.inf, 0x7E),
+        (-np.inf, 0xFE),
+        (np.nan, 0x7F),
+        (-np.nan, 0xFF),
+        (2.0**-9, 0x01),  # smallest subnormal
+        (2.0**-10, 0x00),  # halfway to zero: ties to even
+        (3 * 2.0**-10, 0x02),  # halfway between subnormals 1 and 2: to even, 2
+        (-0.0, 0x80),
+        (1.0625, 0x38),  # 1 + 2^-4: halfway between 1 and 1.125, to even
+        (1.1875, 0x3A),  # 1 + 3 * 2^-4: halfway between 1.125 and 1.25, to even
+    ],
+)
+def test_known_encodings(x, code):
+    assert fp8_e4m3_encode(np.array([x], np.float32))[0] == code
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantize_rows(rng, method):
+    w = (rng.standard_normal((37, 131)) * rng.uniform(0.01, 3, (37, 1))).astype(np.float32)
+    w[3] = 0.0  # an all-zero row: scale 0, codes 0
+    q = quantize(w, method)
+    assert q.codes.shape == w.shape and q.scales.shape == (37,) and q.scales.dtype == np.float32
+    assert q.codes.dtype == (np.int8 if method == "int8" else np.uint8)
+    assert q.codes.flags.c_contiguous and q.nbytes == w.size + 4 * 37
+    top = np.max(np.abs(w), axis=1)
+    assert np.allclose(q.scales, top / (127 if method == "int8" else 448), rtol=1e-6)
+    back = q.dequantize()
+    assert np.array_equal(back[3], np.zeros(131, np.float32))
+    # every row's largest magnitude is a code's value: the largest code, exactly up to the scale's rounding
+    assert np.allclose(np.max(np.abs(back), axis=1), top, rtol=1e-6)
+    rounding = 2.0**-22 * np.abs(w)  # float32's rounding of the division and of the product
+    if method == "int8":
+        assert q.codes.min() >= -127
+        assert np.all(np.abs(back - w) <= q.scales[:, None] / 2 + rounding)
+        # round to nearest: the code is the nearest integer to w / s
+        nonzero = q.scales > 0
+        ratio = w[nonzero] / q.scales[nonzero, None]
+        assert np.all(np.abs(q.codes[nonzero] - ratio) <= 0.5 + 1e-4)
+    else:
+        scale = np.broadcast_to(q.scales[:, None], w.shape)
+        tiny = np.abs(w) < 2.0**-6 * scale
+        bound = np.where(tiny, 2.0**-10 * scale, 2.0**-4 * np.abs(w)) + rounding
+        assert np.all(np.abs(back - w) <= bound)
+        assert not np.isnan(fp8_e4m3_decode(q.codes)).any()
+
+
+def test_fp8_rows_match_ml_dtypes(rng):
+    """A row quantized to FP8 is ml_dtypes' e4m3 of w / s (the scale keeps every value in range)."""
+    w = rng.standard_normal((9, 200)).astype(np.float32)
+    q = quantize(w, "fp8")
+    theirs = (w / q.scales[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert np.array_equal(q.codes, theirs)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_row_with_nan_or_inf_is_refused(rng, bad):
+    w = rng.standard_normal((4, 16)).astype(np.float32)
+    w[2, 5] = bad
+    with pytest.raises(ValueError, match="row 2 holds NaN or infinity"):
+        quantize(w, "int8")
+
+
+@pytest.mark.parametrize("bad", ["int4", "INT8", "fp16", "", 8])
+def test_bad_quantization_names(bad):
+    with pytest.raises(ValueError, match="quantization must be None"):
+        check_quantization(bad)
+    assert check_quantization(None) is None and check_quantization("fp8") == "fp8"
