@@ -1567,13 +1567,26 @@ else:
 # `python -m tinyvllm_lib generate "What is the capital of France?" --chat`.
 
 # %% tags=["hide-input"]
-#| export cli
+#| export cli_args
+"""The engine's and the sampler's command-line flags, shared by the commands that
+make an engine (generate, chat, verify; serve and bench have their own lists).
+"""
 import argparse
-import sys
-import time
 
 
-def _engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> None:
+def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    """--quantization: chapter 15's 8-bit weights (default: bf16)."""
+    from tinyvllm_lib.quantization.formats import QUANTIZATIONS
+
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS,
+        help="store the weights in 8 bits, quantized as they load (chapter 15); "
+        "default: bf16",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> None:
+    """The flags that make the engine: the model, its device and its limits."""
     if model:
         parser.add_argument(
             "--model",
@@ -1613,9 +1626,10 @@ def _engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> No
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="processes the model is split over (chapter 13)")
+    add_quantization_argument(parser)
 
 
-def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=256, help="at most this many new tokens"
     )
@@ -1631,7 +1645,8 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
 
 
-def _sampling_params(args: argparse.Namespace):
+def sampling_params_from(args: argparse.Namespace):
+    """The SamplingParams the sampling flags ask for."""
     from tinyvllm_lib.engine.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -1645,7 +1660,8 @@ def _sampling_params(args: argparse.Namespace):
     )
 
 
-def _load_llm(args: argparse.Namespace, model: str):
+def load_llm(args: argparse.Namespace, model: str):
+    """The LLM the engine flags ask for, on `model` (a name or a folder)."""
     from tinyvllm_lib.engine.llm import LLM
 
     return LLM(
@@ -1657,7 +1673,22 @@ def _load_llm(args: argparse.Namespace, model: str):
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
+
+
+# %% tags=["hide-input"]
+#| export cli
+import argparse
+import sys
+import time
+
+from tinyvllm_lib.cli_args import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    load_llm,
+    sampling_params_from,
+)
 
 
 def _print_piece(index: int, text: str) -> None:
@@ -1672,8 +1703,8 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="wrap the prompt in the model's chat template, as a user message",
     )
     parser.add_argument("--system", help="a system message (with --chat)")
-    _engine_arguments(parser)
-    _sampling_arguments(parser)
+    add_engine_arguments(parser)
+    add_sampling_arguments(parser)
 
 
 @command(
@@ -1683,8 +1714,8 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
 )
 def generate(args: argparse.Namespace) -> int:
     try:
-        llm = _load_llm(args, args.model)
-        params = _sampling_params(args)
+        llm = load_llm(args, args.model)
+        params = sampling_params_from(args)
         t0 = time.perf_counter()
         if args.chat:
             messages = (
@@ -1715,8 +1746,8 @@ def _chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--system", help="a system message that starts the conversation"
     )
-    _engine_arguments(parser)
-    _sampling_arguments(parser)
+    add_engine_arguments(parser)
+    add_sampling_arguments(parser)
 
 
 @command(
@@ -1726,8 +1757,8 @@ def _chat_arguments(parser: argparse.ArgumentParser) -> None:
 )
 def chat(args: argparse.Namespace) -> int:
     try:
-        llm = _load_llm(args, args.model)
-        params = _sampling_params(args)
+        llm = load_llm(args, args.model)
+        params = sampling_params_from(args)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     start = [{"role": "system", "content": args.system}] if args.system else []
@@ -1772,7 +1803,7 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
         default=1e-3,
         help="largest allowed |log p - log p_hf|",
     )
-    _engine_arguments(parser, model=False)
+    add_engine_arguments(parser, model=False)
 
 
 @command(
@@ -1792,7 +1823,7 @@ def verify(args: argparse.Namespace) -> int:
             "error: verify needs transformers and torch: pip install -e '.[test]'"
         ) from None
     try:
-        llm = _load_llm(args, args.folder)
+        llm = load_llm(args, args.folder)
         prompt = default_prompt(llm)
         print(
             f"{llm.folder} on {llm.device}: {len(prompt)} prompt tokens, "

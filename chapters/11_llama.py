@@ -1509,6 +1509,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tinyvllm_lib.cli_args import add_quantization_argument
+
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", choices=("latency", "throughput"))
@@ -1531,6 +1533,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=256, help="throughput's")
     parser.add_argument("--repeats", type=int, default=3, help="latency's runs")
     parser.add_argument("--json", type=Path, help="also write the result here")
+    add_quantization_argument(parser)  # chapter 15
 
 
 @command(
@@ -1551,6 +1554,7 @@ def bench(args: argparse.Namespace) -> int:
             max_num_seqs=seqs,
             enforce_eager=args.enforce_eager,
             async_scheduling=False if args.no_async_scheduling else None,
+            quantization=args.quantization,
         )
         if args.kind == "latency":
             result = benchmark.latency(

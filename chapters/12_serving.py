@@ -2025,6 +2025,8 @@ assert 'tinyvllm:kv_cache_usage_perc{model_name="smollm2"} 0.0' in metrics_text
 #| export cli
 import argparse
 
+from tinyvllm_lib.cli_args import add_quantization_argument
+
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -2052,6 +2054,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="processes the model is split over (chapter 13)")
+    add_quantization_argument(parser)  # chapter 15
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
     parser.add_argument(
         "--max-body-bytes", type=int, help="a larger body gets 413 (default: 8 MiB)"
@@ -2087,6 +2090,7 @@ def serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             async_scheduling=False if args.no_async_scheduling else None,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=args.quantization,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None

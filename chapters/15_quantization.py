@@ -718,3 +718,126 @@ try:
     LLM("smollm2", device="cpu", quantization="int4")
 except ValueError as error:
     print("int4:", error)
+
+# %% [markdown]
+# ## What 8 bits do to the predictions
+#
+# A matrix's error is a means; the model's predictions are the end. Two measurements,
+# both **teacher-forced** — each model is fed the same tokens and asked, at every
+# position, how likely each next token is — so that one early difference does not send
+# the rest of a comparison down another path:
+#
+# - **the book's own prose**: the markdown of chapter 1, its first 2,048 tokens, so
+#   nothing is downloaded. Perplexity is $\exp$ of the mean $-\log p$ of each actual
+#   next token; beside it the mean $|\Delta \log p|$ of those tokens against bf16;
+# - **20 chat questions**: bf16's greedy answer to each (32 tokens at most), fed
+#   through each 8-bit model. At each position of an answer, does the 8-bit model's top
+#   token equal bf16's? Where it does not, how close were bf16's two best — its
+#   **top-two margin**, $\log p_1 - \log p_2$? A flip where bf16 itself hesitated
+#   (a small margin) is a coin that landed the other way; a flip where bf16 was sure
+#   is damage.
+#
+# The targets this chapter set itself: perplexity within 1% of bf16's for int8 and 2%
+# for FP8, and no flip where bf16's margin exceeds 0.5. These take a few minutes of
+# NumPy on a CPU, too long for every build of the book, so a script measures them and
+# records the result in `book/data/ch15_accuracy.json`, which this page reads:
+#
+# ```bash
+# python bench/ch15_accuracy_cpu.py      # about 3 minutes on 2 cores
+# ```
+#
+# It runs the NumPy models above: the same `QuantizedLlamaNumpy` the engine loads for
+# `quantization=`, each format with the LM head in bf16 (the engine's choice) and in
+# 8 bits (the other one).
+
+# %%
+accuracy = load_records("ch15_accuracy")
+LABELS = ["int8", "fp8", "int8, head 8-bit", "fp8, head 8-bit"]
+TARGETS = {"int8": 0.01, "fp8": 0.02}  # perplexity: at most this much above bf16's
+text_runs = {r.get("label", "bf16"): r for r in accuracy if r["name"] == "text_perplexity"}
+chat_runs = {r["label"]: r for r in accuracy if r["name"] == "chat_flips"}
+margins = next((r for r in accuracy if r["name"] == "chat_margins"), None)
+if not accuracy:
+    print("not yet recorded: run python bench/ch15_accuracy_cpu.py")
+    prose.glue("ch15_accuracy_where", "not yet recorded")
+else:
+    where = accuracy[0]
+    prose.glue("ch15_accuracy_where", f"recorded on {where['device']['name']}, "
+               f"{where['date']}")
+    ref = text_runs["bf16"]
+    print(f"bf16: perplexity {ref['value']:.3f} over {ref['shape'][0]:,} tokens of "
+          f"{ref['source']}")
+    prose.glue("ch15_ppl_bf16", f"{ref['value']:.3f}")
+    prose.glue("ch15_text_tokens", f"{ref['shape'][0]:,}")
+    prose.glue("ch15_num_positions", f"{margins['value']:,.0f}")
+    for label in LABELS:
+        t, c = text_runs[label], chat_runs[label]
+        method = label.split(",")[0]
+        change = t["ratio_to_bf16"] - 1
+        is_met = change <= TARGETS[method]
+        sure_flips = [f for f in c["flips"] if f["bf16_margin"] > 0.5]
+        print(f"{label:>17}: perplexity {t['value']:.3f} ({change:+.2%}; target "
+              f"{TARGETS[method]:.0%}: {'met' if is_met else 'missed'}), mean |Δ log p| "
+              f"{t['mean_abs_dlogp']:.3f}; chat: {c['value']:.0f} of "
+              f"{c['shape'][1]} top tokens differ, {len(sure_flips)} where bf16's "
+              f"margin > 0.5 (largest {c['largest_flip_margin']:.2f})")
+        key = label.replace(", head 8-bit", "_head")
+        prose.glue(f"ch15_ppl_{key}", f"{t['value']:.3f} ({change:+.2%})")
+        prose.glue(f"ch15_ppl_verdict_{key}", "within" if is_met else "outside")
+        prose.glue(f"ch15_dlogp_{key}", f"{t['mean_abs_dlogp']:.3f}")
+        prose.glue(f"ch15_flips_{key}", f"{c['value']:.0f}")
+        prose.glue(f"ch15_sure_flips_{key}", len(sure_flips))
+        prose.glue(f"ch15_worst_flip_{key}", f"{c['largest_flip_margin']:.2f}")
+
+# %% tags=["hide-input"]
+if accuracy:
+    fig, (ax_ppl, ax_flip) = new_figure(1, 2, width=9.5, height=3.4,
+                                        gridspec_kw={"width_ratios": [1, 1.6]})
+    changes = [100 * (text_runs[label]["ratio_to_bf16"] - 1) for label in LABELS]
+    colors = ["#1f77b4", "#ff7f0e", "#aec7e8", "#ffbb78"]
+    ax_ppl.bar(range(4), changes, color=colors)
+    for x, label in enumerate(LABELS):
+        target = 100 * TARGETS[label.split(",")[0]]
+        ax_ppl.plot([x - 0.4, x + 0.4], [target, target], "k--", lw=1)
+    ax_ppl.set_xticks(range(4), [label.replace(", ", ",\n") for label in LABELS],
+                      fontsize=8)
+    ax_ppl.set_ylabel("perplexity against bf16 (%)")
+    ax_ppl.set_title("the book's prose (dashes: targets)", fontsize=9)
+    ax_ppl.axhline(0, color="k", lw=0.5)
+    every = np.concatenate([np.array(m) for m in margins["margins"]])
+    for y, label in enumerate(LABELS):
+        ax_flip.scatter(np.maximum(every, 1e-3), np.full(every.size, y), s=4,
+                        color="#d0d0d0", zorder=1)
+        flipped = [max(f["bf16_margin"], 1e-3) for f in chat_runs[label]["flips"]]
+        ax_flip.scatter(flipped, np.full(len(flipped), y), s=18, color=colors[y],
+                        edgecolor="k", lw=0.4, zorder=2)
+    ax_flip.axvline(0.5, color="k", ls="--", lw=1)
+    ax_flip.set_xscale("log")
+    ax_flip.set_yticks(range(4), LABELS, fontsize=8)
+    ax_flip.set_xlabel("bf16's top-two log-prob margin at the position")
+    ax_flip.set_title("20 answers: every position (grey), where the top token "
+                      "differs (colour)", fontsize=9)
+    plt.show()
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if accuracy:
+    prose.show("""
+On {{ch15_text_tokens}} tokens of chapter 1's prose ({{ch15_accuracy_where}}) bf16's
+perplexity is {{ch15_ppl_bf16}}; int8's is {{ch15_ppl_int8}}, {{ch15_ppl_verdict_int8}}
+its 1% target, with a mean |Δ log p| of {{ch15_dlogp_int8}}; FP8's is
+{{ch15_ppl_fp8}}, {{ch15_ppl_verdict_fp8}} its 2%, with {{ch15_dlogp_fp8}}. Along the
+20 answers' {{ch15_num_positions}} positions int8's top token differs from bf16's at
+{{ch15_flips_int8}}, FP8's at {{ch15_flips_fp8}}. Where bf16's margin exceeds 0.5 —
+the target says never — int8 flips {{ch15_sure_flips_int8}} time(s) (its largest
+margin flipped: {{ch15_worst_flip_int8}}) and FP8 {{ch15_sure_flips_fp8}} (largest
+{{ch15_worst_flip_fp8}}). The right-hand panel shows where: almost every flip sits
+where bf16 was nearly tied, but not every one.
+
+With the LM head in 8 bits too, int8 gives {{ch15_ppl_int8_head}} and
+{{ch15_flips_int8_head}} flips ({{ch15_sure_flips_int8_head}} past the margin), FP8
+{{ch15_ppl_fp8_head}} and {{ch15_flips_fp8_head}} ({{ch15_sure_flips_fp8_head}}). The
+head's rounding touches every logit directly, with no layers after it to average the
+error out, and FP8's coarser relative step shows most there. That, with what the head
+costs in bytes, is the trade the GPU measurement will price: the engine keeps the head
+in bf16 until it does.
+""")

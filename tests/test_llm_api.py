@@ -428,7 +428,7 @@ def cli_llm(monkeypatch, smol):
     """The command line's engine is the module's SmolLM2 (loading it again would only cost time)."""
     import tinyvllm_lib.cli as cli
 
-    monkeypatch.setattr(cli, "_load_llm", lambda args, model: smol)
+    monkeypatch.setattr(cli, "load_llm", lambda args, model: smol)
     return smol
 
 

@@ -1,6 +1,8 @@
 """Chapter 15: the 8-bit formats (int8 with row scales, FP8 e4m3fn) against exhaustive decodes, ml_dtypes and
 PyTorch; the quantized models and the API's quantization= argument."""
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -142,3 +144,91 @@ def test_bad_quantization_names(bad):
     with pytest.raises(ValueError, match="quantization must be None"):
         check_quantization(bad)
     assert check_quantization(None) is None and check_quantization("fp8") == "fp8"
+
+
+# --- the quantized model and the API ---
+
+from tinyvllm_lib import LLM, SamplingParams  # noqa: E402
+from tinyvllm_lib.cli import main  # noqa: E402
+from tinyvllm_lib.engine.engine_config import EngineConfig  # noqa: E402
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32  # noqa: E402
+from tinyvllm_lib.models.config import ModelConfig  # noqa: E402
+from tinyvllm_lib.models.llama_numpy import LlamaNumpy, fuse_llama_weights  # noqa: E402
+from tinyvllm_lib.models.llama_quantized import QuantizedLlamaNumpy, decode_weight_bytes  # noqa: E402
+from tinyvllm_lib.models.loader import llama_weight_shapes, load_weights  # noqa: E402
+from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tied_folder(tmp_path_factory):
+    config = tiny_llama_config(hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=24, vocab_size=300, tie_word_embeddings=True)
+    return make_random_llama(tmp_path_factory.mktemp("ch15") / "tiny", config, seed=3)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("head", [False, True])
+def test_quantized_numpy_model_holds_the_dequantized_weights(tied_folder, method, head):
+    config = ModelConfig.from_folder(tied_folder)
+    weights = load_weights(tied_folder, config, progress=False)
+    model = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head)
+    fused = fuse_llama_weights(weights, config)
+    for name in ("layers.0.qkv_proj", "layers.1.o_proj", "layers.0.gate_up_proj", "layers.1.down_proj"):
+        want = quantize(bf16_bits_to_f32(fused[name]), method).dequantize()
+        assert np.array_equal(model.matrices[name], want), name
+        assert not np.array_equal(want, bf16_bits_to_f32(fused[name]))  # the quantization did change them
+    head_bf16 = bf16_bits_to_f32(fused["embed_tokens"])
+    assert np.array_equal(model.matrices["lm_head"], head_bf16) != head
+    assert np.array_equal(model.embed_tokens, fused["embed_tokens"])  # the lookup stays bf16
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_llm_quantization_is_the_quantized_model(tied_folder, method):
+    """The engine (paged KV cache, one token a step) gives the teacher-forced log-probs of QuantizedLlamaNumpy, and
+    not bf16's."""
+    prompt = [5, 17, 250, 3, 99, 42, 7]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+    out = LLM(str(tied_folder), "cpu", max_num_seqs=2, quantization=method).generate([prompt], params,
+                                                                                      use_tqdm=False)[0].outputs[0]
+    config = ModelConfig.from_folder(tied_folder)
+    weights = load_weights(tied_folder, config, progress=False)
+    ids = prompt + out.token_ids
+    for name, model in (("quantized", QuantizedLlamaNumpy(config, weights, method)), ("bf16", LlamaNumpy(config, weights))):
+        logits = model.forward(np.array(ids))[len(prompt) - 1 : -1].astype(np.float64)
+        lp = logits - logits.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        gaps = [abs(lp[t, tok] - out.logprobs[t][tok]) for t, tok in enumerate(out.token_ids)]
+        if name == "quantized":
+            assert max(gaps) < 1e-4, gaps
+            assert list(lp.argmax(-1)) == out.token_ids
+        else:
+            assert max(gaps) > 1e-3, "the engine's log-probs are bf16's: the weights were not quantized"
+
+
+@pytest.mark.parametrize("bad", ["int4", "FP8", 8])
+def test_bad_quantization_is_a_value_error(tied_folder, bad):
+    with pytest.raises(ValueError, match="quantization must be None"):
+        LLM(str(tied_folder), "cpu", quantization=bad)
+    with pytest.raises(ValueError, match="quantization must be None"):
+        EngineConfig(quantization=bad)
+
+
+def test_cli_generates_with_quantization(capsys):
+    assert main(["generate", "The capital of France is", "--device", "cpu", "--quantization", "int8",
+                 "--max-tokens", "3", "--ignore-eos"]) == 0
+    assert "3 new tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--quantization", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_decode_weight_bytes(tied_folder):
+    config = ModelConfig.from_folder(tied_folder)
+    shapes = llama_weight_shapes(config)
+    assert decode_weight_bytes(config, None) == 2 * sum(math.prod(s) for s in shapes.values())
+    matrices = [s for n, s in shapes.items() if n.endswith("proj.weight")]
+    codes_and_scales = sum(r * c + 4 * r for r, c in matrices)
+    norms = 2 * sum(math.prod(s) for n, s in shapes.items() if "norm" in n)
+    V, H = config.vocab_size, config.hidden_size
+    assert decode_weight_bytes(config, "fp8") == codes_and_scales + norms + 2 * V * H
+    assert decode_weight_bytes(config, "int8", lm_head=True) == codes_and_scales + norms + V * H + 4 * V + 2 * H

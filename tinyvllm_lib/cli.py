@@ -106,92 +106,12 @@ import argparse
 import sys
 import time
 
-
-def _engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> None:
-    if model:
-        parser.add_argument(
-            "--model",
-            default="smollm2",
-            help="a known model name (smollm2) or a Hugging Face folder",
-        )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        choices=("auto", "cpu", "cuda"),
-        help="auto: cuda when it can, else cpu",
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, help="the longest prompt + answer, in tokens"
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="the engine's seed (for requests without --sample-seed)",
-    )
-    parser.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=1,
-        help="requests the engine runs at once (1: one conversation)",
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="launch every kernel from Python (no CUDA graphs, chapter 11)",
-    )
-    parser.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="graphs, but the host and the GPU take turns (chapter 11's overlap off)",
-    )
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="processes the model is split over (chapter 13)")
-
-
-def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--max-tokens", type=int, default=256, help="at most this many new tokens"
-    )
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 (the default here) = greedy"
-    )
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--sample-seed", type=int, help="the request's own seed")
-    parser.add_argument(
-        "--stop", action="append", help="a stop string (repeat for more)"
-    )
-    parser.add_argument("--ignore-eos", action="store_true")
-
-
-def _sampling_params(args: argparse.Namespace):
-    from tinyvllm_lib.engine.sampling_params import SamplingParams
-
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.sample_seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-
-
-def _load_llm(args: argparse.Namespace, model: str):
-    from tinyvllm_lib.engine.llm import LLM
-
-    return LLM(
-        model,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=False if args.no_async_scheduling else None,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+from tinyvllm_lib.cli_args import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    load_llm,
+    sampling_params_from,
+)
 
 
 def _print_piece(index: int, text: str) -> None:
@@ -206,8 +126,8 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="wrap the prompt in the model's chat template, as a user message",
     )
     parser.add_argument("--system", help="a system message (with --chat)")
-    _engine_arguments(parser)
-    _sampling_arguments(parser)
+    add_engine_arguments(parser)
+    add_sampling_arguments(parser)
 
 
 @command(
@@ -217,8 +137,8 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
 )
 def generate(args: argparse.Namespace) -> int:
     try:
-        llm = _load_llm(args, args.model)
-        params = _sampling_params(args)
+        llm = load_llm(args, args.model)
+        params = sampling_params_from(args)
         t0 = time.perf_counter()
         if args.chat:
             messages = (
@@ -248,8 +168,8 @@ def _chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--system", help="a system message that starts the conversation"
     )
-    _engine_arguments(parser)
-    _sampling_arguments(parser)
+    add_engine_arguments(parser)
+    add_sampling_arguments(parser)
 
 
 @command(
@@ -259,8 +179,8 @@ def _chat_arguments(parser: argparse.ArgumentParser) -> None:
 )
 def chat(args: argparse.Namespace) -> int:
     try:
-        llm = _load_llm(args, args.model)
-        params = _sampling_params(args)
+        llm = load_llm(args, args.model)
+        params = sampling_params_from(args)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     start = [{"role": "system", "content": args.system}] if args.system else []
@@ -304,7 +224,7 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
         default=1e-3,
         help="largest allowed |log p - log p_hf|",
     )
-    _engine_arguments(parser, model=False)
+    add_engine_arguments(parser, model=False)
 
 
 @command(
@@ -324,7 +244,7 @@ def verify(args: argparse.Namespace) -> int:
             "error: verify needs transformers and torch: pip install -e '.[test]'"
         ) from None
     try:
-        llm = _load_llm(args, args.folder)
+        llm = load_llm(args, args.folder)
         prompt = default_prompt(llm)
         print(
             f"{llm.folder} on {llm.device}: {len(prompt)} prompt tokens, "
@@ -341,6 +261,8 @@ def verify(args: argparse.Namespace) -> int:
 import argparse
 import json
 from pathlib import Path
+
+from tinyvllm_lib.cli_args import add_quantization_argument
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -364,6 +286,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=256, help="throughput's")
     parser.add_argument("--repeats", type=int, default=3, help="latency's runs")
     parser.add_argument("--json", type=Path, help="also write the result here")
+    add_quantization_argument(parser)  # chapter 15
 
 
 @command(
@@ -384,6 +307,7 @@ def bench(args: argparse.Namespace) -> int:
             max_num_seqs=seqs,
             enforce_eager=args.enforce_eager,
             async_scheduling=False if args.no_async_scheduling else None,
+            quantization=args.quantization,
         )
         if args.kind == "latency":
             result = benchmark.latency(
@@ -413,6 +337,8 @@ def bench(args: argparse.Namespace) -> int:
 # defined in chapters/12_serving.py
 import argparse
 
+from tinyvllm_lib.cli_args import add_quantization_argument
+
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -440,6 +366,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="processes the model is split over (chapter 13)")
+    add_quantization_argument(parser)  # chapter 15
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
     parser.add_argument(
         "--max-body-bytes", type=int, help="a larger body gets 413 (default: 8 MiB)"
@@ -475,6 +402,7 @@ def serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             async_scheduling=False if args.no_async_scheduling else None,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=args.quantization,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
