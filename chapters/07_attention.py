@@ -2114,7 +2114,7 @@ class LlamaCuda:
         self._logits_part = None  # chapter 13: this rank's columns of the logits
         fused = fuse_llama_weights(weights, config)
         self.weights = {
-            name: cuda.to_device(np.ascontiguousarray(bits))
+            name: self.to_device(name, bits)
             for name, bits in fused.items()
             if name != "lm_head"
         }
@@ -2122,10 +2122,16 @@ class LlamaCuda:
         self.weights["lm_head"] = (
             self.weights["embed_tokens"]
             if is_tied
-            else cuda.to_device(fused["lm_head"])
+            else self.to_device("lm_head", fused["lm_head"])
         )
         # cos and sin tables (chapter 5)
         self.rope = rope_table_from_config(config).to_device()
+
+    def to_device(self, name: str, bits: np.ndarray):
+        """One fused weight (bf16 bits) on the GPU (chapter 15's 8-bit model stores its
+        matrices otherwise).
+        """
+        return cuda.to_device(np.ascontiguousarray(bits))
 
     @classmethod
     def from_folder(cls, folder) -> "LlamaCuda":

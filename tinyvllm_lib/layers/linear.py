@@ -40,6 +40,9 @@ def linear(x, w, out, *, stream=0, workspace=None, accumulate: bool = False):
     """out (num_tokens, out_features) = x · wᵀ: x bf16 bits (num_tokens, in_features), w
     bf16 bits (out, in); accumulate: out += x · wᵀ (a residual add).
     """
+    if hasattr(w, "apply"):  # chapter 15: an 8-bit weight makes its own product
+        return w.apply(x, out, stream=stream, workspace=workspace,
+                       accumulate=accumulate)
     check_linear_args("linear", x, w, out)
     if not all(is_device_array(a) for a in (x, w, out)):
         raise TypeError(
@@ -70,6 +73,9 @@ def rmsnorm_linear(
     is left alone; elsewhere chapter 4's rmsnorm writes the bf16 rows into `normed`
     (num_tokens, in_features) and `linear` reads them.
     """
+    if hasattr(w, "apply_rmsnorm"):  # chapter 15: an 8-bit weight, its own norm too
+        return w.apply_rmsnorm(residual, norm_weight, eps, out, normed, stream=stream,
+                               workspace=workspace)
     if not all(is_device_array(a) for a in (residual, norm_weight, normed)):
         raise TypeError("rmsnorm_linear: residual, norm_weight, normed: device arrays")
     if (

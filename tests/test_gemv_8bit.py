@@ -1,0 +1,181 @@
+"""Chapter 15: the 8-bit GEMVs (int8, FP8 e4m3; plain, residual add, RMSNorm) and the dequantizing kernel against
+NumPy (chapter 15's quantize/dequantize, float64 sums), in the simulator at tiny odd shapes."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.kernels.gemv_8bit import (
+    dequantize_to_bf16,
+    gemv_8bit,
+    gemv_8bit_rmsnorm,
+)
+from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
+from tinyvllm_lib.measure import max_rel_error as rel_error
+from tinyvllm_lib.quantization.formats import quantize
+from tinyvllm_lib.runtime import can_launch
+
+TOL = 1e-4  # max|got - want| / max|want|: float32 accumulation against float64, as chapter 6's GEMV tests
+needs_launch = pytest.mark.skipif(not can_launch(), reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+METHODS = ["int8", "fp8"]
+
+
+def random_bf16(rng, shape, scale=1.0):
+    return f32_to_bf16_bits(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def random_weight(rng, method, N, K):
+    """An 8-bit weight of rows of different sizes (each its own scale)."""
+    w = rng.standard_normal((N, K), dtype=np.float32) * rng.uniform(0.01, 0.2, (N, 1)).astype(np.float32)
+    return quantize(w, method)
+
+
+def reference(x_f32, q):
+    return x_f32.astype(np.float64) @ q.dequantize().astype(np.float64).T
+
+
+def launch_gemv(x, q, out, **kw):
+    gemv_8bit(cuda.to_device(x), cuda.to_device(q.codes), cuda.to_device(q.scales), out, q.method, **kw)
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("M, N, K", [(1, 11, 72), (3, 9, 2056), (11, 5, 136)])  # 9 words; a tail of 1; two passes
+def test_gemv_8bit_matches_reference(rng, method, M, N, K):
+    x, q = random_bf16(rng, (M, K)), random_weight(rng, method, N, K)
+    out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    launch_gemv(x, q, out)
+    assert rel_error(out.copy_to_host(), reference(bf16_bits_to_f32(x), q)) <= TOL
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("M", [1, 5])
+def test_gemv_8bit_accumulate_adds_to_out(rng, method, M):
+    N, K = 9, 136
+    x, q = random_bf16(rng, (M, K)), random_weight(rng, method, N, K)
+    before = rng.standard_normal((M, N)).astype(np.float32)
+    out = cuda.to_device(before)
+    launch_gemv(x, q, out, accumulate=True)
+    assert rel_error(out.copy_to_host(), before + reference(bf16_bits_to_f32(x), q)) <= TOL
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("M, N, K", [(1, 13, 104), (3, 9, 1032)])
+def test_gemv_8bit_rmsnorm_matches_reference(rng, method, M, N, K):
+    residual = rng.standard_normal((M, K), dtype=np.float32) * np.float32(4)
+    residual[0] *= 50  # rows of different size: each is normed by its own mean square
+    norm_weight, q = random_bf16(rng, K), random_weight(rng, method, N, K)
+    out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    gemv_8bit_rmsnorm(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, cuda.to_device(q.codes),
+                      cuda.to_device(q.scales), out, method)
+    want = reference(rmsnorm_ref(residual, norm_weight, 1e-5), q)  # the normed rows kept in float32
+    assert rel_error(out.copy_to_host(), want) <= TOL
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
+def test_nan_in_x_poisons_exactly_its_row(rng, method):
+    x, q = random_bf16(rng, (3, 64)), random_weight(rng, method, 6, 64)
+    x[1, 9] = 0x7FC0
+    out = cuda.to_device(np.zeros((3, 6), np.float32))
+    launch_gemv(x, q, out)
+    y = out.copy_to_host()
+    assert np.isnan(y[1]).all() and np.isfinite(np.delete(y, 1, axis=0)).all()
+
+
+@needs_launch
+def test_fp8_nan_code_poisons_exactly_its_output():
+    """S.1111.111 is NaN, not 480: the widening must say so."""
+    rng = np.random.default_rng()
+    x, q = random_bf16(rng, (2, 64)), random_weight(rng, "fp8", 5, 64)
+    q.codes[3, 17] = 0xFF
+    out = cuda.to_device(np.zeros((2, 5), np.float32))
+    launch_gemv(x, q, out)
+    y = out.copy_to_host()
+    assert np.isnan(y[:, 3]).all() and np.isfinite(np.delete(y, 3, axis=1)).all()
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
+def test_dequantize_to_bf16_every_code(rng, method):
+    """Every code of the format in one weight (and random scales): bf16 of scale times value, bit for bit."""
+    codes = np.arange(256, dtype=np.uint16).astype(np.uint8).reshape(8, 32)
+    if method == "int8":
+        codes = codes.view(np.int8).copy()
+        codes[codes == -128] = -127  # never made by quantize
+    else:
+        codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN in a weight
+    scales = rng.uniform(1e-3, 2, 8).astype(np.float32)
+    q = type(random_weight(rng, method, 1, 8))(method, codes, scales)
+    out = cuda.to_device(np.zeros((8, 32), np.uint16))
+    dequantize_to_bf16(cuda.to_device(codes), cuda.to_device(scales), out, method)
+    assert np.array_equal(out.copy_to_host(), f32_to_bf16_bits(q.dequantize()))
+
+
+@needs_launch
+def test_bad_operands_are_value_errors(rng):
+    q = random_weight(rng, "int8", 4, 20)  # K = 20: not a multiple of 8
+    out = cuda.to_device(np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="K=20 must be a multiple of 8"):
+        launch_gemv(random_bf16(rng, (1, 20)), q, out)
+    q = random_weight(rng, "fp8", 4, 16)
+    with pytest.raises(ValueError, match="need int8 codes"):
+        gemv_8bit(cuda.to_device(random_bf16(rng, (1, 16))), cuda.to_device(q.codes), cuda.to_device(q.scales), out,
+                  "int8")
+    with pytest.raises(ValueError, match="1 to 16 token vectors"):
+        launch_gemv(random_bf16(rng, (17, 16)), q, cuda.to_device(np.zeros((17, 4), np.float32)))
+
+
+# --- the 8-bit model on the GPU (simulator): chapter 7's tiny Llama ---
+
+
+def log_softmax(x):
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@needs_launch
+@pytest.mark.parametrize("method, head, num_tokens", [("int8", False, 3), ("fp8", True, 3), ("fp8", False, 10)])
+def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_tokens):
+    """3 tokens: the 8-bit GEMVs (the norm fused into qkv's and gate-up's); 10: past QUANTIZED_GEMV_MAX_TOKENS, the
+    dequantized scratch and chapter 6's GEMM. Against QuantizedLlamaNumpy with bf16 linear inputs, as chapter 7's
+    kernel model is against LlamaNumpy (same measure, same tolerance)."""
+    from test_llama_forward import assert_kernel_model_matches
+
+    from tinyvllm_lib.layers.quantized_linear import (
+        QUANTIZED_GEMV_MAX_TOKENS,
+        QuantizedLinear,
+    )
+    from tinyvllm_lib.models.config import ModelConfig
+    from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
+    from tinyvllm_lib.models.llama_quantized import QuantizedLlamaNumpy
+    from tinyvllm_lib.models.loader import load_weights
+    from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+
+    assert (num_tokens <= QUANTIZED_GEMV_MAX_TOKENS) == (num_tokens == 3)
+    cfg = tiny_llama_config(hidden_size=32, intermediate_size=40, vocab_size=64, head_dim=8, tie_word_embeddings=True)
+    folder = make_random_llama(tmp_path, cfg, seed=int(rng.integers(1000)))
+    config = ModelConfig.from_folder(folder)
+    weights = load_weights(folder, config, progress=False)
+    gpu = QuantizedLlamaCuda(config, weights, method, quantize_lm_head=head)
+    assert isinstance(gpu.weights["layers.1.down_proj"], QuantizedLinear)
+    assert isinstance(gpu.weights["lm_head"], QuantizedLinear) == head
+    assert not isinstance(gpu.weights["embed_tokens"], QuantizedLinear)
+    ids, positions = rng.integers(0, 64, num_tokens), np.arange(5, 5 + num_tokens)
+    ours = log_softmax(gpu.forward(ids, positions))
+    ref = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head, bf16_activations=True)
+    assert_kernel_model_matches(ours, log_softmax(ref.forward(ids, positions)))
+
+
+def test_shapes_the_kernels_cannot_take_are_a_value_error():
+    from tinyvllm_lib.models.config import ModelConfig
+    from tinyvllm_lib.models.llama_cuda_quantized import check_quantizable
+    from tinyvllm_lib.models.random_llama import tiny_llama_config
+
+    config = ModelConfig.from_dict(tiny_llama_config(intermediate_size=132))  # down_proj: 132 inputs
+    with pytest.raises(ValueError, match="down_proj has 132 inputs"):
+        check_quantizable(config)
+    check_quantizable(ModelConfig.from_dict(tiny_llama_config()))  # 64 and 128: fine
