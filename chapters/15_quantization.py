@@ -48,14 +48,20 @@ import numpy as np
 
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.sampling_params import SamplingParams
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
-from tinyvllm_lib.measure import bandwidth_ceiling, ceiling_phrase, load_records
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
+from tinyvllm_lib.measure import (
+    bandwidth_ceiling,
+    ceiling_phrase,
+    load_records,
+    max_rel_error,
+)
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_standin import standin_config
 from tinyvllm_lib.models.loader import llama_weight_shapes, load_weights
 from tinyvllm_lib.models.smollm2 import resolve_model
 from tinyvllm_lib.plots import Prose, bit_layout, new_figure
-from tinyvllm_lib.runtime import where_kernels_run
+from tinyvllm_lib.runtime import can_launch, where_kernels_run
 
 prose = Prose()  # the numbers this chapter's prose quotes, filled in as they are made
 rng = np.random.default_rng()
@@ -222,13 +228,22 @@ ax.set_title("relative precision inside one row, after scaling")
 ax.legend()
 plt.show()
 
+# %%
+int8_coarser = x[relative_step(x, int8_grid) > relative_step(x, fp8_grid)]
+print(f"int8's step is the coarser below {int8_coarser.max():.3f} of the row's largest "
+      "weight, the finer above")
+prose.glue("ch15_crossover_x", f"{int8_coarser.max():.2f}")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+Above about {{ch15_crossover_x}} of the row's largest weight int8 is the finer (its
+step is 1/127 of the largest weight; e4m3's is between 1/16 and 1/8 of the value);
+below it e4m3 is, and the gap grows as the weights get smaller. Which matters more
+depends on how the weights in a row are spread, which is why the sections below measure
+both on real weights.
+""")
+
 # %% [markdown]
-# Above about a quarter of the row's largest weight int8 is finer than e4m3 (its step
-# is 1/127 of the largest weight; e4m3's 1/16 of the value's binade at the top);
-# below it e4m3 is finer, and the gap grows as the weights get smaller. Which matters
-# more depends on how the weights in a row are spread, which is why the next sections
-# measure both on real weights.
-#
 # ## float32 → e4m3: rounding and saturation
 #
 # Encoding follows chapter 1's rounding of float32 to bf16, with 20 bits to drop
@@ -602,6 +617,19 @@ def is_quantized(name: str, lm_head: bool = QUANTIZE_LM_HEAD) -> bool:
     )
 
 
+def quantized_shapes(config: ModelConfig,
+                     lm_head: bool = QUANTIZE_LM_HEAD) -> dict[str, tuple[int, int]]:
+    """(out, in) of each kind of matrix stored in 8 bits (each layer has one of each
+    of the four; the head, where lm_head, once).
+    """
+    c, H = config, config.hidden_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"qkv_proj": (q + 2 * kv, H), "o_proj": (H, q),
+              "gate_up_proj": (2 * c.intermediate_size, H),
+              "down_proj": (H, c.intermediate_size)}
+    return shapes | ({"lm_head": (c.vocab_size, H)} if lm_head else {})
+
+
 def decode_weight_bytes(
     config: ModelConfig, quantization: str | None, lm_head: bool = QUANTIZE_LM_HEAD
 ) -> int:
@@ -613,12 +641,7 @@ def decode_weight_bytes(
     c, bf16 = config, 2
     in_8_bits = quantization is not None
     H, V = c.hidden_size, c.vocab_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    layer = {  # (rows, columns) of each fused matrix
-        "qkv_proj": (q + 2 * kv, H), "o_proj": (H, q),
-        "gate_up_proj": (2 * c.intermediate_size, H),
-        "down_proj": (H, c.intermediate_size),
-    }
+    layer = quantized_shapes(config, lm_head=False)  # (rows, columns), fused
     per_layer = sum(rows * (cols + 4) if in_8_bits else bf16 * rows * cols
                     for rows, cols in layer.values()) + 2 * bf16 * H  # and 2 norms
     head_8_bit = in_8_bits and lm_head
@@ -1133,6 +1156,47 @@ def gemv_8bit_rmsnorm(residual, norm_weight, eps: float, codes, scales, out,
 
 
 # %% [markdown]
+# Each format's GEMV against the NumPy reference, on fresh random inputs of shapes that
+# fill no warp evenly (one block of rows: the simulator runs each of its 256 threads in
+# Python): the plain product of three token vectors, the residual added to a random
+# output, and the norm fused in. The tolerance is chapter 6's, float32 sums against
+# float64 ones: $10^{-4}$ of the largest output.
+
+# %%
+def check_gemv_8bit(method: str, M: int = 3, N: int = 7, K: int = 72) -> float:
+    """The largest relative error of the three GEMV kinds against NumPy (float64)."""
+    from numba import cuda
+
+    x_bits = f32_to_bf16_bits(rng.standard_normal((M, K)).astype(np.float32))
+    residual = rng.standard_normal((M, K)).astype(np.float32)
+    norm = f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32))
+    q = quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05, method)
+    w = q.dequantize().astype(np.float64)
+    codes, scales = cuda.to_device(q.codes), cuda.to_device(q.scales)
+    before = rng.standard_normal((M, N)).astype(np.float32)
+    plain, added = cuda.device_array((M, N), np.float32), cuda.to_device(before)
+    normed = cuda.device_array((M, N), np.float32)
+    gemv_8bit(cuda.to_device(x_bits), codes, scales, plain, method)
+    gemv_8bit(cuda.to_device(x_bits), codes, scales, added, method, accumulate=True)
+    gemv_8bit_rmsnorm(cuda.to_device(residual), cuda.to_device(norm), 1e-5, codes,
+                      scales, normed, method)
+    product = bf16_bits_to_f32(x_bits) @ w.T
+    return max(
+        max_rel_error(plain.copy_to_host(), product),
+        max_rel_error(added.copy_to_host(), before + product),
+        max_rel_error(normed.copy_to_host(),
+                      rmsnorm_ref(residual, norm, 1e-5).astype(np.float64) @ w.T),
+    )
+
+
+if can_launch():
+    for method in ("int8", "fp8"):
+        error = check_gemv_8bit(method)
+        print(f"{method}: plain, residual add, RMSNorm: largest relative error "
+              f"{error:.1e}")
+        assert error <= 1e-4
+
+# %% [markdown]
 # **Prefill** — many tokens at once — is a GEMM, and chapter 6 gave it to cuBLAS, on
 # bf16. The simplest honest choice here: before each GEMM, a kernel **dequantizes the
 # weight into a bf16 scratch buffer** (one thread a word of 8 codes: widen, times the
@@ -1296,18 +1360,12 @@ from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
-from tinyvllm_lib.models.llama_quantized import QUANTIZE_LM_HEAD, is_quantized
+from tinyvllm_lib.models.llama_quantized import (
+    QUANTIZE_LM_HEAD,
+    is_quantized,
+    quantized_shapes,
+)
 from tinyvllm_lib.quantization.formats import check_quantization, quantize
-
-
-def quantized_shapes(config: ModelConfig, lm_head: bool) -> dict[str, tuple[int, int]]:
-    """(out, in) of each kind of matrix this model stores in 8 bits."""
-    c, H = config, config.hidden_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"qkv_proj": (q + 2 * kv, H), "o_proj": (H, q),
-              "gate_up_proj": (2 * c.intermediate_size, H),
-              "down_proj": (H, c.intermediate_size)}
-    return shapes | ({"lm_head": (c.vocab_size, H)} if lm_head else {})
 
 
 def check_quantizable(config: ModelConfig, lm_head: bool = QUANTIZE_LM_HEAD) -> None:
@@ -1349,3 +1407,144 @@ class QuantizedLlamaCuda(LlamaCuda):
             return super().to_device(name, bits)
         q = quantize(bf16_bits_to_f32(bits), self.quantization)
         return QuantizedLinear(q, self.scratch)
+
+# %% [markdown]
+# ## What halving the bytes predicts
+#
+# Count before measuring. Chapter 11 measured the bf16 engine's decode step at batch 1
+# and the GPU's time for it alone (its graph replayed back to back). Split that step
+# into the weights' read at the ceiling, which shrinks with the bytes, and the rest —
+# attention, the norms, the sampler, launches, and whatever the GEMVs lose to the
+# ceiling — which, as a first guess, does not. At batch 256 (the throughput workload)
+# the 8-bit model's projections take the GEMM path, and each first writes its weight
+# to the bf16 scratch: three more bytes a weight (one read, two written) before cuBLAS
+# reads the same two bytes a bf16 model's GEMM reads.
+
+# %%
+ch11 = {(r["name"], r["shape"][0]): r for r in load_records("ch11_llama")}
+bytes_8 = decode_weight_bytes(llama_1b, "int8")
+if ("bs1_decode", 1) in ch11:
+    step_s = 1 / ch11["bs1_decode", 1]["value"]
+    rest_s = step_s - bf16_bytes / (GB_S * 1e9)  # what does not shrink with the bytes
+    predicted_bs1 = 1 / (rest_s + bytes_8 / (GB_S * 1e9))
+    replay_256 = ch11["graph_replay", 256]["value"] / 1e3  # a decode step of 256
+    extra_s = 3 * sum(n * k for n, k in quantized_shapes(llama_1b, False).values()) \
+        / (GB_S * 1e9)  # the scratch: 8-bit read, bf16 written, each step
+    tput_256 = ch11["throughput", 256]["value"]
+    predicted_256 = tput_256 * replay_256 / (replay_256 + extra_s)
+    print(f"batch 1: bf16 step {step_s * 1e3:.3f} ms measured, of which "
+          f"{rest_s * 1e3:.3f} ms is not the weights' read; 8-bit predicted "
+          f"{1e3 / predicted_bs1:.3f} ms: {predicted_bs1:,.0f} tok/s")
+    print(f"batch 256: a step {replay_256 * 1e3:.2f} ms; the scratch adds at least "
+          f"{extra_s * 1e3:.2f} ms: throughput {ch11['throughput', 256]['value']:,.0f} "
+          f"-> {predicted_256:,.0f} tok/s")
+    prose.glue("ch15_rest_ms", f"{rest_s * 1e3:.2f} ms")
+    prose.glue("ch15_step_ms", f"{step_s * 1e3:.2f} ms")
+    prose.glue("ch15_pred_bs1", f"{predicted_bs1:,.0f} tok/s")
+    prose.glue("ch15_extra_ms", f"{extra_s * 1e3:.2f} ms")
+    prose.glue("ch15_step_256_ms", f"{replay_256 * 1e3:.2f} ms")
+    prose.glue("ch15_tp_bf16", f"{ch11['throughput', 256]['value']:,.0f} tok/s")
+    prose.glue("ch15_pred_256", f"{predicted_256:,.0f} tok/s")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if ("bs1_decode", 1) in ch11:
+    prose.show("""
+Chapter 11's bf16 step took {{ch15_step_ms}}, of which {{ch15_rest_ms}} is not the
+weights' read at the ceiling. If that part stays, reading 8-bit weights predicts
+**{{ch15_pred_bs1}}** at batch 1 — past the bf16 limit of {{ch15_bf16_limit}}, but well
+short of the 8-bit limit of {{ch15_limit_8bit_head_bf16}}: once the weights are half
+the bytes, the rest of the step is close to half of it, and it is the next thing to
+shrink. At batch 256 a step took {{ch15_step_256_ms}}; the scratch adds at least
+{{ch15_extra_ms}} to it, which predicts {{ch15_pred_256}} against bf16's
+{{ch15_tp_bf16}}: with this prefill path **8-bit weights cost throughput**. Reading the
+codes inside the GEMM's tiles, with no scratch (chapter 14's tensor-core GEMM is where
+that belongs), would remove the cost; until then an engine serving many requests at
+once should keep bf16.
+""")
+
+# %% [markdown]
+# ## On the H200: one command
+#
+# Everything above ran on a CPU or in the simulator; speed needs the GPU. The benchmark
+# script loads the Llama 3.2 1B stand-in three times — bf16, int8, FP8 — and records
+# decode at batch 1 (the median of three runs) against each one's limit, the time to
+# first token of a 128-token prompt (the 8-bit prefill's scratch is in it), nano-vllm's
+# throughput workload, and each format's GEMV alone on every decode shape, in GB/s of
+# the bytes it reads against the ceiling. This page plots the records once they exist:
+#
+# ```bash
+# python bench/ch15_quantization.py      # about 6 minutes on an H200
+# ```
+#
+# or, for one answer,
+#
+# ```bash
+# python -m tinyvllm_lib generate "What is the capital of France?" --chat \
+#     --model llama-3.2-1b-standin --device cuda --quantization fp8
+# ```
+
+# %%
+gpu = load_records("ch15_quantization")
+if not gpu:
+    print("not yet recorded on a GPU: run python bench/ch15_quantization.py on one")
+else:
+    bs1_runs = {r["quantization"]: r for r in gpu if r["name"] == "bs1_decode"}
+    tput_runs = {r["quantization"]: r for r in gpu if r["name"] == "throughput"}
+    gemvs = [r for r in gpu if r["name"] == "gemv"]
+    fig, (ax_bs1, ax_gemv) = new_figure(1, 2, width=9.5, height=3.2)
+    names = [m for m in (None, "int8", "fp8") if m in bs1_runs]
+    labels = [m or "bf16" for m in names]
+    ax_bs1.bar(labels, [bs1_runs[m]["value"] for m in names],
+               color=["#7f7f7f", "#1f77b4", "#ff7f0e"][: len(names)])
+    ax_bs1.scatter(labels, [bs1_runs[m]["ceiling"] for m in names], marker="_", s=600,
+                   color="k", label="its limit")
+    ax_bs1.set_ylabel("decode tok/s, batch 1")
+    ax_bs1.legend()
+    for method, color in ((None, "#7f7f7f"), ("int8", "#1f77b4"), ("fp8", "#ff7f0e")):
+        rows = [r for r in gemvs if r["quantization"] == method]
+        ax_gemv.plot([r["layer"] for r in rows], [100 * r["ratio"] for r in rows], "o-",
+                     color=color, label=method or "bf16")
+    ax_gemv.set_ylabel("GEMV: % of the bandwidth ceiling")
+    ax_gemv.legend()
+    plt.show()
+    device = gpu[0]["device"]["name"]
+    for m in names:
+        throughput = tput_runs[m]["value"] if m in tput_runs else float("nan")
+        print(f"{device}: {m or 'bf16':>5} bs1 {bs1_runs[m]['value']:,.0f} tok/s "
+              f"(limit {bs1_runs[m]['ceiling']:,.0f}); throughput {throughput:,.0f} "
+              "tok/s")
+
+# %% [markdown]
+# ## Summary
+#
+# - A decode step at batch 1 reads every weight; in bf16 that caps any engine on one
+#   GPU. One byte a weight and one float32 scale a row halve the matrices' bytes.
+# - **int8**: $s_n = \max|W_n| / 127$, codes rounded to nearest and clipped; the same
+#   step everywhere in a row. **FP8 e4m3**: 1 sign, 4 exponent (bias 7) and 3 mantissa
+#   bits, 448 at most, one NaN, no infinities; round to nearest even, saturate; its step
+#   a fixed share of each value. On SmolLM2's rows int8's error is the smaller, because
+#   no weight there stands far above the rest.
+# - The embedded SmolLM2 was itself 4-bit: the comparisons measure how much 8 bits
+#   change *that* model.
+# - `LLM(model, quantization="int8" | "fp8")` quantizes as the bf16 folder loads; the
+#   NumPy backend keeps the dequantized values, the GPU the codes and scales, read by
+#   GEMVs that keep chapter 11's fusions; prefill dequantizes into a bf16 scratch for
+#   chapter 6's GEMM. The tied LM head stays bf16 for now.
+# - The speed is the GPU issue's to measure; the counting above says where to look:
+#   the step's part that is not the weights, and the prefill scratch.
+#
+# ## Exercises
+#
+# 1. Give int8 one scale per block of 128 weights within a row instead of one per
+#    row. How many bytes does it add for Llama 3.2 1B, and how does the relative error
+#    of SmolLM2's matrices change? Where does the scale go in the GEMV's loop?
+# 2. e5m2 is the other FP8 format. Write its encoder (which NaN and infinities does it
+#    have?) and predict, from the algebra of the error section, its relative error on
+#    SmolLM2's rows before you measure it.
+# 3. The NumPy backend dequantizes once. Write the integer version — int8 codes, the
+#    scale after the sum — and measure both on the CPU. Which is faster, and why?
+# 4. With the LM head in 8 bits, how much memory does the second copy of the tied
+#    table take for Llama 3.2 1B, and how many tok/s does it predict at batch 1?
+# 5. Under tensor parallelism (chapter 13) each rank quantizes its own shard. For a
+#    matrix cut by input features, why are a rank's row scales not the whole row's,
+#    and does that make the two-rank model's error larger or smaller than one rank's?

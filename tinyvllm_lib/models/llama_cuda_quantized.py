@@ -9,18 +9,12 @@ from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
-from tinyvllm_lib.models.llama_quantized import QUANTIZE_LM_HEAD, is_quantized
+from tinyvllm_lib.models.llama_quantized import (
+    QUANTIZE_LM_HEAD,
+    is_quantized,
+    quantized_shapes,
+)
 from tinyvllm_lib.quantization.formats import check_quantization, quantize
-
-
-def quantized_shapes(config: ModelConfig, lm_head: bool) -> dict[str, tuple[int, int]]:
-    """(out, in) of each kind of matrix this model stores in 8 bits."""
-    c, H = config, config.hidden_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"qkv_proj": (q + 2 * kv, H), "o_proj": (H, q),
-              "gate_up_proj": (2 * c.intermediate_size, H),
-              "down_proj": (H, c.intermediate_size)}
-    return shapes | ({"lm_head": (c.vocab_size, H)} if lm_head else {})
 
 
 def check_quantizable(config: ModelConfig, lm_head: bool = QUANTIZE_LM_HEAD) -> None:

@@ -25,6 +25,19 @@ def is_quantized(name: str, lm_head: bool = QUANTIZE_LM_HEAD) -> bool:
     )
 
 
+def quantized_shapes(config: ModelConfig,
+                     lm_head: bool = QUANTIZE_LM_HEAD) -> dict[str, tuple[int, int]]:
+    """(out, in) of each kind of matrix stored in 8 bits (each layer has one of each
+    of the four; the head, where lm_head, once).
+    """
+    c, H = config, config.hidden_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"qkv_proj": (q + 2 * kv, H), "o_proj": (H, q),
+              "gate_up_proj": (2 * c.intermediate_size, H),
+              "down_proj": (H, c.intermediate_size)}
+    return shapes | ({"lm_head": (c.vocab_size, H)} if lm_head else {})
+
+
 def decode_weight_bytes(
     config: ModelConfig, quantization: str | None, lm_head: bool = QUANTIZE_LM_HEAD
 ) -> int:
@@ -36,12 +49,7 @@ def decode_weight_bytes(
     c, bf16 = config, 2
     in_8_bits = quantization is not None
     H, V = c.hidden_size, c.vocab_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    layer = {  # (rows, columns) of each fused matrix
-        "qkv_proj": (q + 2 * kv, H), "o_proj": (H, q),
-        "gate_up_proj": (2 * c.intermediate_size, H),
-        "down_proj": (H, c.intermediate_size),
-    }
+    layer = quantized_shapes(config, lm_head=False)  # (rows, columns), fused
     per_layer = sum(rows * (cols + 4) if in_8_bits else bf16 * rows * cols
                     for rows, cols in layer.values()) + 2 * bf16 * H  # and 2 norms
     head_8_bit = in_8_bits and lm_head

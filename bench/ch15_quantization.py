@@ -1,0 +1,174 @@
+"""Chapter 15 on the GPU: 8-bit weights (int8, FP8 e4m3) against bf16 on the Llama 3.2 1B stand-in, one run.
+
+    python bench/ch15_quantization.py [--only engine|gemv] [--wheel TOKENIZER_WHEEL]   (~6 minutes on an H200)
+    python bench/ch15_quantization.py --tiny     # the same code paths on a tiny random Llama (the CUDA simulator), no record
+
+engine: for bf16, int8 and fp8 in turn, with CUDA graphs and the overlap (chapter 11's defaults): decode at batch 1 (128
+random prompt ids, 256 new tokens, greedy; the median of three runs after a warm-up, chapter 11's benchmark.latency),
+each against its batch-1 limit (chapter 1's bandwidth ceiling over the bytes a step reads,
+llama_quantized.decode_weight_bytes), with its time to first token (a 128-token prefill: the 8-bit model's GEMMs run
+on dequantized bf16 scratch); then nano-vllm's throughput workload (256 requests, the median of three runs).
+gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
+RMSNorm variant, replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
+reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
+Records replace this device's records of the same part in book/data/ch15_quantization.json.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib import benchmark
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.kernels.gemv import gemv
+from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
+from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
+from tinyvllm_lib.measure import (
+    DATA_DIR,
+    Recorder,
+    bandwidth_ceiling,
+    num_rotations,
+    time_launches,
+)
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.llama_quantized import decode_weight_bytes, quantized_shapes
+from tinyvllm_lib.models.llama_standin import prepare_llama_standin
+from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+from tinyvllm_lib.quantization.formats import quantize
+
+PARTS = ("engine", "gemv")
+FORMATS = (None, "int8", "fp8")
+MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
+
+
+def engine_part(rec: Recorder, folder, extra: dict, tiny: bool) -> None:
+    config = ModelConfig.from_folder(folder)
+    gb_s, ceiling_name = bandwidth_ceiling()
+    for method in FORMATS:
+        nbytes = decode_weight_bytes(config, method)
+        limit = gb_s * 1e9 / nbytes
+        common = extra | {"quantization": method, "weight_bytes": nbytes, "ceiling_gb_s": gb_s,
+                          "ceiling_name": ceiling_name, "part": "engine"}
+        t0 = time.perf_counter()
+        max_model_len = 256 if tiny else MAX_MODEL_LEN
+        llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=1, quantization=method)
+        start_s = time.perf_counter() - t0
+        prompt_len, new_tokens = (8, 6) if tiny else (128, 256)
+        lat = benchmark.latency(llm, prompt_len, new_tokens, repeats=3)
+        print(f"{method or 'bf16'} bs1: {lat['decode_tok_s']:.0f} decode tok/s (limit {limit:.0f}), TTFT "
+              f"{lat['ttft_ms']:.1f} ms, engine start {start_s:.1f} s", flush=True)
+        rec.add("bs1_decode", [1, prompt_len, new_tokens], "tok/s", lat["decode_tok_s"], limit, start_s=start_s,
+                **lat, **common)
+        rec.add("bs1_ttft", [1, prompt_len], "ms", lat["ttft_ms"], **common)
+        save_part(rec, "engine", tiny)
+        del llm
+        llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=4 if tiny else MAX_NUM_SEQS,
+                  quantization=method)
+        t = benchmark.throughput(llm, 8, 10, 20, repeats=1) if tiny else benchmark.throughput(llm, repeats=3)
+        print(f"{method or 'bf16'} throughput: {t['output_tok_s']:.0f} output tok/s", flush=True)
+        rec.add("throughput", [256], "tok/s", t["output_tok_s"], **t, **common)
+        save_part(rec, "engine", tiny)
+        del llm
+
+
+def check(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    error = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert error <= 1e-4, f"{what}: max relative error {error:.2e} against NumPy"
+
+
+def gemv_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> None:
+    """Each format's GEMV on every decode shape, one token, weights rotated past L2; bytes read / time."""
+    gb_s, ceiling_name = bandwidth_ceiling()
+    rng = np.random.default_rng(0)
+    shapes = quantized_shapes(config, lm_head=True)
+
+    def rotations(nbytes: int) -> int:  # --tiny: a few (its weights all sit in any cache)
+        return 2 if tiny else num_rotations(nbytes)
+
+    def timed(launch_one, num_launches: int) -> float:
+        return time_launches(launch_one, num_launches, repeats=1 if tiny else 10)
+
+    for name, (N, K) in shapes.items():
+        w = rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02)
+        x_bits = f32_to_bf16_bits(rng.standard_normal((1, K), dtype=np.float32))
+        residual = rng.standard_normal((1, K), dtype=np.float32)
+        norm = f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32))
+        x, d_residual, d_norm = cuda.to_device(x_bits), cuda.to_device(residual), cuda.to_device(norm)
+        out = cuda.device_array((1, N), np.float32)
+        for method in FORMATS:
+            if method is None:
+                bits = f32_to_bf16_bits(w)
+                weights = [cuda.to_device(bits) for _ in range(rotations(bits.nbytes))]
+                gemv(x, weights[0], out)
+                check(out.copy_to_host(), bf16_bits_to_f32(x_bits) @ bf16_bits_to_f32(bits).T, f"bf16 {name}")
+                seconds = timed(lambda i, s: gemv(x, weights[i % len(weights)], out, stream=s), len(weights))
+                nbytes = bits.nbytes + x_bits.nbytes
+                rec.add("gemv", [1, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name, quantization=None,
+                        us=seconds * 1e6, bytes=nbytes, ceiling_name=ceiling_name, part="gemv", **extra)
+                continue
+            q = quantize(w, method)
+            weights = [(cuda.to_device(q.codes), cuda.to_device(q.scales)) for _ in range(rotations(q.nbytes))]
+            codes, scales = weights[0]
+            gemv_8bit(x, codes, scales, out, method)
+            check(out.copy_to_host(), bf16_bits_to_f32(x_bits) @ q.dequantize().T, f"{method} {name}")
+            gemv_8bit_rmsnorm(d_residual, d_norm, 1e-5, codes, scales, out, method)
+            check(out.copy_to_host(), rmsnorm_ref(residual, norm, 1e-5) @ q.dequantize().T, f"{method} {name} norm")
+            plain = timed(lambda i, s: gemv_8bit(x, *weights[i % len(weights)], out, method, stream=s),
+                                  len(weights))
+            normed = timed(lambda i, s: gemv_8bit_rmsnorm(d_residual, d_norm, 1e-5, *weights[i % len(weights)],
+                                                                  out, method, stream=s), len(weights))
+            for kind, seconds, nbytes in (("gemv", plain, q.nbytes + x_bits.nbytes),
+                                          ("gemv_rmsnorm", normed, q.nbytes + residual.nbytes + norm.nbytes)):
+                rec.add(kind, [1, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name, quantization=method,
+                        us=seconds * 1e6, bytes=nbytes, ceiling_name=ceiling_name, part="gemv", **extra)
+            print(f"{name} ({N}x{K}) {method}: {plain * 1e6:.1f} us, {(q.nbytes + x_bits.nbytes) / plain / 1e9:.0f} "
+                  f"GB/s; with the norm {normed * 1e6:.1f} us", flush=True)
+        save_part(rec, "gemv", tiny)
+
+
+def save_part(rec: Recorder, part: str, tiny: bool) -> Path | None:
+    """Replace this part's records of this device in ch15_quantization.json; keep the rest (--tiny: nothing)."""
+    if tiny:
+        return None
+    path = DATA_DIR / "ch15_quantization.json"
+    old = json.loads(path.read_text()) if path.exists() else []
+    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name") and r.get("part") == part)]
+    mine = [r for r in rec.records if r.get("part") == part]
+    path.write_text(json.dumps(kept + mine, indent=1) + "\n")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=PARTS, help="one part (default: both)")
+    ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, nothing recorded (the simulator)")
+    args = ap.parse_args()
+    if args.tiny:
+        import os
+        import tempfile
+
+        os.environ["TINYVLLM_SIM_CUDA"] = "1"  # device="cuda" in the simulator
+        folder = make_random_llama(Path(tempfile.mkdtemp()) / "tiny", tiny_llama_config(
+            hidden_size=32, intermediate_size=40, vocab_size=64, head_dim=8, tie_word_embeddings=True))
+        extra = {"model": "tiny random Llama (smoke run)"}
+    else:
+        folder = prepare_llama_standin(wheel=args.wheel)
+        extra = {"model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "max_model_len": MAX_MODEL_LEN,
+                 "workload": "bs1: 128 random prompt ids, 256 new, greedy, ignore_eos; throughput: nano-vllm's "
+                             "256 requests, lengths uniform in [100, 1024], seed 0"}
+    rec = Recorder("ch15_quantization")
+    if args.only in (None, "gemv"):
+        gemv_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
+    if args.only in (None, "engine"):
+        engine_part(rec, folder, extra, args.tiny)
+    print("done" if args.tiny else f"wrote {DATA_DIR / 'ch15_quantization.json'}")
+
+
+if __name__ == "__main__":
+    main()
