@@ -154,8 +154,7 @@ def main() -> None:
         import tempfile
 
         os.environ["TINYVLLM_SIM_CUDA"] = "1"  # device="cuda" in the simulator
-        folder = make_random_llama(Path(tempfile.mkdtemp()) / "tiny", tiny_llama_config(
-            hidden_size=32, intermediate_size=40, vocab_size=64, head_dim=8, tie_word_embeddings=True))
+        folder = make_random_llama(Path(tempfile.mkdtemp()) / "tiny", tiny_llama_config(tie_word_embeddings=True))
         extra = {"model": "tiny random Llama (smoke run)"}
     else:
         folder = prepare_llama_standin(wheel=args.wheel)

@@ -232,3 +232,36 @@ def test_decode_weight_bytes(tied_folder):
     V, H = config.vocab_size, config.hidden_size
     assert decode_weight_bytes(config, "fp8") == codes_and_scales + norms + 2 * V * H
     assert decode_weight_bytes(config, "int8", lm_head=True) == codes_and_scales + norms + V * H + 4 * V + 2 * H
+
+
+def test_tensor_parallel_ranks_quantize_their_shards(tied_folder):
+    """Two CPU ranks with quantization: rank 0's model is the 8-bit one, its column-parallel rows are the whole
+    model's 8-bit rows (a row is whole on its rank, so is its scale), and the answers follow one rank's 8-bit model
+    (the row-parallel shards' scales are per shard, so not bit for bit)."""
+    from tinyvllm_lib.distributed.sharding import shard_config, shard_llama_weights
+
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    one = LLM(str(tied_folder), "cpu", max_num_seqs=2, quantization="int8").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tied_folder), "cpu", max_num_seqs=2, quantization="int8", tensor_parallel_size=2,
+              distributed_timeout=30)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+        model = llm.llm_engine.model_runner.driver.model
+    finally:
+        llm.llm_engine.shutdown()
+    assert isinstance(model, QuantizedLlamaNumpy) and model.quantization == "int8"
+    config = ModelConfig.from_folder(tied_folder)
+    weights = load_weights(tied_folder, config, progress=False)
+    whole = QuantizedLlamaNumpy(config, weights, "int8")
+    rows = model.matrices["layers.0.qkv_proj"].shape[0]
+    shard = fuse_llama_weights(shard_llama_weights(weights, config, 0, 2), shard_config(config, 2))
+    assert np.array_equal(model.matrices["layers.0.qkv_proj"],
+                          quantize(bf16_bits_to_f32(shard["layers.0.qkv_proj"]), "int8").dequantize())
+    q_rows = config.num_attention_heads // 2 * config.head_dim  # rank 0's q heads are the whole model's first
+    assert np.array_equal(model.matrices["layers.0.qkv_proj"][:q_rows], whole.matrices["layers.0.qkv_proj"][:q_rows])
+    assert rows < whole.matrices["layers.0.qkv_proj"].shape[0]
+    for a, b in zip(one, two):
+        first = a.outputs[0].token_ids[0]
+        assert b.outputs[0].token_ids[0] == first
+        assert abs(a.outputs[0].logprobs[0][first] - b.outputs[0].logprobs[0][first]) < 0.05
