@@ -58,8 +58,8 @@ def engine_part(rec: Recorder, folder, extra: dict, tiny: bool) -> None:
         max_model_len = 256 if tiny else MAX_MODEL_LEN
         llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=1, quantization=method)
         start_s = time.perf_counter() - t0
-        prompt_len, new_tokens = (8, 6) if tiny else (128, 256)
-        lat = benchmark.latency(llm, prompt_len, new_tokens, repeats=3)
+        prompt_len, new_tokens = (4, 2) if tiny else (128, 256)
+        lat = benchmark.latency(llm, prompt_len, new_tokens, repeats=1 if tiny else 3)
         print(f"{method or 'bf16'} bs1: {lat['decode_tok_s']:.0f} decode tok/s (limit {limit:.0f}), TTFT "
               f"{lat['ttft_ms']:.1f} ms, engine start {start_s:.1f} s", flush=True)
         rec.add("bs1_decode", [1, prompt_len, new_tokens], "tok/s", lat["decode_tok_s"], limit, start_s=start_s,
@@ -69,7 +69,7 @@ def engine_part(rec: Recorder, folder, extra: dict, tiny: bool) -> None:
         del llm
         llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=4 if tiny else MAX_NUM_SEQS,
                   quantization=method)
-        t = benchmark.throughput(llm, 8, 10, 20, repeats=1) if tiny else benchmark.throughput(llm, repeats=3)
+        t = benchmark.throughput(llm, 2, 2, 3) if tiny else benchmark.throughput(llm, repeats=3)
         print(f"{method or 'bf16'} throughput: {t['output_tok_s']:.0f} output tok/s", flush=True)
         rec.add("throughput", [256], "tok/s", t["output_tok_s"], **t, **common)
         save_part(rec, "engine", tiny)

@@ -297,8 +297,8 @@ def fp8_e4m3_encode(x: np.ndarray) -> np.ndarray:
 # The tests, as chapter 1's: every code must come back as itself; every *tie* — the
 # midpoint of two neighbouring values — must go to the even code; and millions of
 # random float32 bit patterns within ±448 must match `ml_dtypes`, and PyTorch's
-# `float8_e4m3fn` where PyTorch is installed. Beyond ±448 ours saturates where they make
-# NaN.
+# `float8_e4m3fn` where PyTorch is installed. Past ±448 ours must saturate (they make
+# NaN past 464).
 
 # %%
 is_number = ~np.isnan(fp8_values)
@@ -339,8 +339,10 @@ except ImportError:
 #
 # FP8 needs a scale too: a weight of 0.01 would use only the bottom of e4m3's range
 # and its subnormals. The same absmax rule puts each row's largest magnitude on the
-# format's largest value, 448, so a row uses the top binades, where the relative step
-# is smallest: $s_n = \max_k |W_{nk}| / 448$, codes $= \operatorname{e4m3}(W_{nk} /
+# format's largest value, 448, so a row's weights use the normal binades, where each
+# gets e4m3's full 3 bits of relative precision; only weights below $2^{-6}/448 \approx
+# 3.5 \cdot 10^{-5}$ of the row's largest fall among the subnormals: $s_n = \max_k
+# |W_{nk}| / 448$, codes $= \operatorname{e4m3}(W_{nk} /
 # s_n)$, $\hat W_{nk} = s_n \cdot \operatorname{decode}(\text{code})$.
 #
 # The quantized weight is the codes, still (out, in) and row-major — one byte a weight,
@@ -917,7 +919,8 @@ print("e4m3 = bf16 with its bits moved, times 2^120: all", is_number.sum(),
 # 32 lanes stride along it, each loading `unroll` words before using any; the lanes'
 # sums meet through chapter 6's `warp_sum_all`. It has one variant, untuned: chapter 6
 # and 11 tuned the bf16 GEMV's rows per warp and unrolling on an H200, and the GPU issue
-# must do the same here.
+# must do the same here (and try what the bf16 one does before it waits for the kernel
+# before it: load its first weights, which no kernel writes).
 
 # %%
 #| export kernels.gemv_8bit

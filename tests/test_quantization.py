@@ -265,3 +265,12 @@ def test_tensor_parallel_ranks_quantize_their_shards(tied_folder):
         first = a.outputs[0].token_ids[0]
         assert b.outputs[0].token_ids[0] == first
         assert abs(a.outputs[0].logprobs[0][first] - b.outputs[0].logprobs[0][first]) < 0.05
+
+
+@pytest.mark.parametrize("argv", [["serve", "smollm2"], ["chat"], ["generate", "hi"], ["bench", "latency"],
+                                  ["verify", "smollm2"]])
+def test_every_engine_command_takes_quantization(argv):
+    from tinyvllm_lib.cli import build_parser
+
+    assert build_parser().parse_args(argv + ["--quantization", "fp8"]).quantization == "fp8"
+    assert build_parser().parse_args(argv).quantization is None  # bf16 by default
