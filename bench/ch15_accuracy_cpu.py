@@ -1,7 +1,7 @@
 """Chapter 15 on the CPU: what 8-bit weights do to SmolLM2's predictions, against its bf16 weights. Records to
 book/data/ch15_accuracy.json under the CPU's name.
 
-    python bench/ch15_accuracy_cpu.py [--text-tokens 2048] [--answer-tokens 32]   (~5 minutes on 2 cores)
+    python bench/ch15_accuracy_cpu.py [--text-tokens 2048] [--answer-tokens 32]   (a few minutes on 2 cores)
 
 Every model is the NumPy backend (chapter 7's LlamaNumpy; the 8-bit ones are chapter 15's QuantizedLlamaNumpy, the
 weights the engine's `quantization=` loads), teacher-forced: one forward pass over a whole sequence, log-softmax in

@@ -768,7 +768,7 @@ except ValueError as error:
 # records the result in `book/data/ch15_accuracy.json`, which this page reads:
 #
 # ```bash
-# python bench/ch15_accuracy_cpu.py      # about 3 minutes on 2 cores
+# python bench/ch15_accuracy_cpu.py      # a few minutes on 2 cores
 # ```
 #
 # It runs the NumPy models above: the same `QuantizedLlamaNumpy` the engine loads for
