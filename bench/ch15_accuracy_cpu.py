@@ -118,7 +118,8 @@ def main() -> None:
             source=TEXT_SOURCE, **common)
     rec.add("chat_margins", [len(chats), num_positions], "positions", num_positions, quantization=None,
             lm_head_8bit=False, margins=[[round(float(m), 4) for m in r["margin"]] for r in ref_answers],
-            greedy_equals_teacher_forced_top=greedy_agrees, questions=QUESTIONS, **common)
+            greedy_equals_teacher_forced_top=greedy_agrees, questions=QUESTIONS,
+            answers=[answer for _, answer in chats], **common)
     print(f"bf16: perplexity {ref_ppl:.4f} over {num_targets} tokens; teacher-forced top = engine's greedy token at "
           f"{greedy_agrees} of {num_positions} answer positions", flush=True)
     for label, method, head in VARIANTS:

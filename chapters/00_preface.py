@@ -52,7 +52,7 @@
 # | 12 | serving | an OpenAI-compatible server: streaming, abort, metrics, a benchmark |
 # | 13 | tensor parallelism | one model on several GPUs — *not written yet* |
 # | 14 | tensor cores | flash-attention prefill on `mma.sync` — *not written yet* |
-# | 15 | 8-bit weights | int8 and FP8 for decoding — *not written yet* |
+# | 15 | 8-bit weights | int8 and FP8: bits, accuracy, GEMVs — *no GPU run yet* |
 # | A | the Llama 3.2 1B stand-in | the real tokenizer, random weights of its shapes |
 #
 # A chapter imports only what earlier chapters exported, so you can read it front to

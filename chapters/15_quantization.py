@@ -566,7 +566,7 @@ weights are lumpier than trained weights are, so the error 8 bits add here is a
 sample of one kind of row, not a law. And a model that already lost some precision
 may be more, or less, sensitive to losing more — which only a measurement of its
 predictions settles. For a model stored in bf16 from the start, published results are
-the check: an FP8 Llama 3.2 1B Instruct scores within 1% of bf16 on standard
+the check: an FP8 Llama 3.2 1B Instruct is reported within 1% of bf16 on standard
 benchmarks. The Llama 3.2 1B stand-in this book measures speed with has random
 weights, whose predictions mean nothing.
 """)
@@ -589,10 +589,10 @@ weights, whose predictions mean nothing.
 # model. Quantizing it saves those bytes at batch 1, at the price of a second copy of
 # the table (8-bit for the head beside the bf16 embedding) and of the error that
 # rounding every logit's weights makes. This engine **keeps the head in bf16** for now
-# (`QUANTIZE_LM_HEAD`), as vLLM's FP8 checkpoints do (they leave `lm_head`
-# unquantized); the accuracy study below measures the other choice too, and the GPU
-# issue's benchmark is where its speed gets measured. Here is what each choice predicts
-# for the batch-1 limit of Llama 3.2 1B:
+# (`QUANTIZE_LM_HEAD`), as the FP8 checkpoints published for vLLM usually do (their
+# recipes leave `lm_head` out); the accuracy study below measures the other choice
+# too, and the GPU issue's benchmark is where its speed gets measured. Here is what each
+# choice predicts for the batch-1 limit of Llama 3.2 1B:
 
 # %%
 #| export models.llama_quantized
@@ -608,7 +608,7 @@ from tinyvllm_lib.quantization.formats import check_quantization, quantize
 # the fused matrices of every layer that are stored in 8 bits (chapter 7's names)
 QUANTIZED_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding) stays bf16, as in
-# vLLM's FP8 checkpoints; chapter 15 counts and measures the other choice
+# most FP8 checkpoints made for vLLM; chapter 15 counts and measures the other choice
 QUANTIZE_LM_HEAD = False
 
 
@@ -859,6 +859,26 @@ if accuracy:
     ax_flip.set_title("20 answers: every position (grey), where the top token "
                       "differs (colour)", fontsize=9)
     plt.show()
+
+# %% [markdown]
+# The flips past the target's margin, each with the answer so far (bf16's greedy
+# tokens, teacher-forced), the token bf16 preferred and the one the 8-bit model did:
+
+# %%
+if accuracy:
+    from tinyvllm_lib.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(folder)
+    for label in ("int8", "fp8"):
+        for f in chat_runs[label]["flips"]:
+            if f["bf16_margin"] <= 0.5:
+                continue
+            question = margins["questions"][f["question"]]
+            before = margins["answers"][f["question"]][: f["position"]]
+            print(f"{label:>4}, margin {f['bf16_margin']:.2f}: {question!r} ... "
+                  f"{tokenizer.decode(before)[-40:]!r} -> bf16 "
+                  f"{tokenizer.decode([f['bf16_token']])!r}, {label} "
+                  f"{tokenizer.decode([f['token']])!r}")
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 if accuracy:
@@ -1476,7 +1496,7 @@ once should keep bf16.
 # the bytes it reads against the ceiling. This page plots the records once they exist:
 #
 # ```bash
-# python bench/ch15_quantization.py      # about 6 minutes on an H200
+# python bench/ch15_quantization.py --only gemv    # then --only engine; minutes each
 # ```
 #
 # or, for one answer,

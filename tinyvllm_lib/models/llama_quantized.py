@@ -14,7 +14,7 @@ from tinyvllm_lib.quantization.formats import check_quantization, quantize
 # the fused matrices of every layer that are stored in 8 bits (chapter 7's names)
 QUANTIZED_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding) stays bf16, as in
-# vLLM's FP8 checkpoints; chapter 15 counts and measures the other choice
+# most FP8 checkpoints made for vLLM; chapter 15 counts and measures the other choice
 QUANTIZE_LM_HEAD = False
 
 
