@@ -812,7 +812,8 @@ else:
         prose.glue(f"ch15_ppl_verdict_{key}", "within" if is_met else "outside")
         prose.glue(f"ch15_dlogp_{key}", f"{t['mean_abs_dlogp']:.3f}")
         prose.glue(f"ch15_flips_{key}", f"{c['value']:.0f}")
-        prose.glue(f"ch15_sure_flips_{key}", len(sure_flips))
+        prose.glue(f"ch15_sure_flips_{key}", f"{len(sure_flips)} time"
+                   + "s" * (len(sure_flips) != 1))
         prose.glue(f"ch15_worst_flip_{key}", f"{c['largest_flip_margin']:.2f}")
     main_flips = [f for label in ("int8", "fp8") for f in chat_runs[label]["flips"]]
     near = sum(f["bf16_margin"] <= 0.5 for f in main_flips)
@@ -889,7 +890,7 @@ its 1% target, with a mean |Δ log p| of {{ch15_dlogp_int8}}; FP8's is
 {{ch15_ppl_fp8}}, {{ch15_ppl_verdict_fp8}} its 2%, with {{ch15_dlogp_fp8}}. Along the
 20 answers' {{ch15_num_positions}} positions int8's top token differs from bf16's at
 {{ch15_flips_int8}}, FP8's at {{ch15_flips_fp8}}. Where bf16's margin exceeds 0.5 —
-the target says never — int8 flips {{ch15_sure_flips_int8}} time(s) (the largest
+the target says never — int8 flips {{ch15_sure_flips_int8}} (the largest
 margin it flipped: {{ch15_worst_flip_int8}}) and FP8 {{ch15_sure_flips_fp8}} (largest
 {{ch15_worst_flip_fp8}}); {{ch15_near_flips}} flips of the two sit where bf16's two
 best were within 0.5 of each other. {{ch15_targets_verdict}} The right-hand panel
@@ -1451,8 +1452,10 @@ if ("bs1_decode", 1) in ch11:
     rest_s = step_s - bf16_bytes / (GB_S * 1e9)  # what does not shrink with the bytes
     predicted_bs1 = 1 / (rest_s + bytes_8 / (GB_S * 1e9))
     replay_256 = ch11["graph_replay", 256]["value"] / 1e3  # a decode step of 256
-    extra_s = 3 * sum(n * k for n, k in quantized_shapes(llama_1b, False).values()) \
-        / (GB_S * 1e9)  # the scratch: 8-bit read, bf16 written, each step
+    # the scratch: each layer's four matrices, 8-bit read and bf16 written, each step
+    matrix_weights = llama_1b.num_hidden_layers * sum(
+        n * k for n, k in quantized_shapes(llama_1b, False).values())
+    extra_s = 3 * matrix_weights / (GB_S * 1e9)
     tput_256 = ch11["throughput", 256]["value"]
     predicted_256 = tput_256 * replay_256 / (replay_256 + extra_s)
     print(f"batch 1: bf16 step {step_s * 1e3:.3f} ms measured, of which "
@@ -1464,6 +1467,10 @@ if ("bs1_decode", 1) in ch11:
     prose.glue("ch15_rest_ms", f"{rest_s * 1e3:.2f} ms")
     prose.glue("ch15_step_ms", f"{step_s * 1e3:.2f} ms")
     prose.glue("ch15_pred_bs1", f"{predicted_bs1:,.0f} tok/s")
+    prose.glue("ch15_pred_vs_limit", (
+        f"past the bf16 limit of {bf16_limit:,.0f} tok/s" if predicted_bs1 > bf16_limit
+        else f"faster than chapter 11's {1 / step_s:,.0f} tok/s but short of the "
+        f"bf16 limit itself, {bf16_limit:,.0f} tok/s"))
     prose.glue("ch15_extra_ms", f"{extra_s * 1e3:.2f} ms")
     prose.glue("ch15_step_256_ms", f"{replay_256 * 1e3:.2f} ms")
     prose.glue("ch15_tp_bf16", f"{ch11['throughput', 256]['value']:,.0f} tok/s")
@@ -1474,12 +1481,17 @@ if ("bs1_decode", 1) in ch11:
     prose.show("""
 Chapter 11's bf16 step took {{ch15_step_ms}}, of which {{ch15_rest_ms}} is not the
 weights' read at the ceiling. If that part stays, reading 8-bit weights predicts
-**{{ch15_pred_bs1}}** at batch 1 — past the bf16 limit of {{ch15_bf16_limit}}, but well
-short of the 8-bit limit of {{ch15_limit_8bit_head_bf16}}: once the weights are half
-the bytes, the rest of the step is close to half of it, and it is the next thing to
-shrink. At batch 256 a step took {{ch15_step_256_ms}}; the scratch adds at least
+**{{ch15_pred_bs1}}** at batch 1 — {{ch15_pred_vs_limit}}, and far short of the 8-bit
+limit of {{ch15_limit_8bit_head_bf16}}: once the weights are half the bytes, the rest of
+the step is about half of it, and it is the next thing to shrink. Passing the bf16
+limit, as the GPU issue's target asks, needs that part smaller too (the GEMVs closer
+to the ceiling, fewer kernels a layer), or the GPU will show that some of it does
+shrink with the bytes (the GEMVs' distance from the ceiling may).
+
+At batch 256 a step took {{ch15_step_256_ms}}; the scratch adds at least
 {{ch15_extra_ms}} to it, which predicts {{ch15_pred_256}} against bf16's
-{{ch15_tp_bf16}}: with this prefill path **8-bit weights cost throughput**. Reading the
+{{ch15_tp_bf16}}: with this GEMM path — prefill, and every step of more than 8 tokens
+— **8-bit weights cost throughput**. Reading the
 codes inside the GEMM's tiles, with no scratch (chapter 14's tensor-core GEMM is where
 that belongs), would remove the cost; until then an engine serving many requests at
 once should keep bf16.
@@ -1554,7 +1566,7 @@ else:
 #   GEMVs that keep chapter 11's fusions; prefill dequantizes into a bf16 scratch for
 #   chapter 6's GEMM. The tied LM head stays bf16 for now.
 # - The speed is the GPU issue's to measure; the counting above says where to look:
-#   the step's part that is not the weights, and the prefill scratch.
+#   the step's part that is not the weights, and the GEMM path's scratch.
 #
 # ## Exercises
 #
