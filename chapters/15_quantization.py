@@ -84,7 +84,7 @@ bs1 = {r["name"]: r for r in load_records("ch11_llama")}.get("bs1_decode")
 measured_tok_s = bs1["value"] if bs1 else float("nan")
 bf16_limit = GB_S * 1e9 / bf16_bytes
 print(f"{num_weights / 1e9:.3f} G weights, {bf16_bytes / 1e9:.2f} GB in bf16; at "
-      f"{GB_S:,.0f} GB/s a step takes at least {bf16_bytes / GB_S / 1e6:.3f} ms: "
+      f"{GB_S:,.0f} GB/s a step takes at least {bf16_bytes / GB_S / 1e6:.3f} ms:\n"
       f"{bf16_limit:,.0f} tok/s at most; chapter 11 measured {measured_tok_s:,.0f}")
 prose.glue("ch15_bf16_gb", f"{bf16_bytes / 1e9:.2f} GB")
 prose.glue("ch15_ceiling", ceiling_phrase(GB_S, CEILING_NAME))
@@ -437,9 +437,8 @@ for method in ("int8", "fp8"):
     q = quantize(w, method)
     error = np.abs(q.dequantize() - w)
     largest = q.scales[:, None] * CODE_MAX[method]  # each row's largest |weight|
-    print(f"{method}: codes {q.codes.dtype} {q.shape}, {q.nbytes:,} bytes "
-          f"(bf16: {w.size * 2:,}); largest error {np.max(error / largest):.4f} of "
-          f"the row's largest weight")
+    print(f"{method}: {q.codes.dtype} codes {q.shape}, {q.nbytes:,} bytes (bf16 "
+          f"{w.size * 2:,}); worst {np.max(error / largest):.4f} of a row's max")
 q8 = quantize(w, "int8")
 float32_rounding = 2.0**-22 * np.abs(w)
 assert np.all(np.abs(q8.dequantize() - w) <= q8.scales[:, None] / 2 + float32_rounding)
@@ -519,8 +518,8 @@ peakiness = np.array([np.median(np.max(np.abs(w), axis=1) / np.sqrt(np.mean(w * 
                                 smol_weights if name.endswith("proj.weight"))])
 crossover = np.median(errors["fp8"]) * 127 * np.sqrt(12)
 print(f"a row's largest |weight| over its RMS: median {np.median(peakiness):.1f} "
-      f"(matrices range {peakiness.min():.1f} to {peakiness.max():.1f}); FP8 would win "
-      f"above {crossover:.1f}")
+      f"(matrices: {peakiness.min():.1f} to {peakiness.max():.1f});\n"
+      f"FP8 would win above {crossover:.1f}")
 prose.glue("ch15_peak", f"{np.median(peakiness):.1f}")
 prose.glue("ch15_crossover", f"{crossover:.0f}")
 
@@ -550,7 +549,7 @@ q_rows = bf16_bits_to_f32(smol_weights["model.layers.0.self_attn.q_proj.weight"]
 distinct = np.array([np.unique(row).size for row in q_rows])
 blocks_per_row = q_rows.shape[1] // 32
 print(f"layer 0's q_proj: rows of {q_rows.shape[1]} weights, {blocks_per_row} Q4_1 "
-      f"blocks of 16 levels: at most {16 * blocks_per_row} distinct values a row; "
+      f"blocks of 16 levels:\nat most {16 * blocks_per_row} distinct values a row; "
       f"the median row has {int(np.median(distinct))}")
 prose.glue("ch15_distinct", int(np.median(distinct)))
 prose.glue("ch15_distinct_max", 16 * blocks_per_row)
@@ -802,9 +801,9 @@ else:
         change = t["ratio_to_bf16"] - 1
         is_met = change <= TARGETS[method]
         sure_flips = [f for f in c["flips"] if f["bf16_margin"] > 0.5]
-        print(f"{label:>17}: perplexity {t['value']:.3f} ({change:+.2%}; target "
+        print(f"{label}: perplexity {t['value']:.3f} ({change:+.2%}; target "
               f"{TARGETS[method]:.0%}: {'met' if is_met else 'missed'}), mean "
-              f"|Δ log p| {t['mean_abs_dlogp']:.3f}; chat: {c['value']:.0f} of "
+              f"|Δ log p| {t['mean_abs_dlogp']:.3f}\n    chat: {c['value']:.0f} of "
               f"{c['shape'][1]} top tokens differ, {len(sure_flips)} where bf16's "
               f"margin > 0.5 (largest {c['largest_flip_margin']:.2f})")
         key = label.replace(", head 8-bit", "_head")
@@ -876,8 +875,8 @@ if accuracy:
                 continue
             question = margins["questions"][f["question"]]
             before = margins["answers"][f["question"]][: f["position"]]
-            print(f"{label:>4}, margin {f['bf16_margin']:.2f}: {question!r} ... "
-                  f"{tokenizer.decode(before)[-40:]!r} -> bf16 "
+            print(f"{label}, margin {f['bf16_margin']:.2f}: {question!r}\n    ..."
+                  f"{tokenizer.decode(before)[-36:]!r} -> bf16 "
                   f"{tokenizer.decode([f['bf16_token']])!r}, {label} "
                   f"{tokenizer.decode([f['token']])!r}")
 
@@ -1459,11 +1458,11 @@ if ("bs1_decode", 1) in ch11:
     tput_256 = ch11["throughput", 256]["value"]
     predicted_256 = tput_256 * replay_256 / (replay_256 + extra_s)
     print(f"batch 1: bf16 step {step_s * 1e3:.3f} ms measured, of which "
-          f"{rest_s * 1e3:.3f} ms is not the weights' read; 8-bit predicted "
+          f"{rest_s * 1e3:.3f} ms is not the weights' read;\n    8-bit predicted "
           f"{1e3 / predicted_bs1:.3f} ms: {predicted_bs1:,.0f} tok/s")
     print(f"batch 256: a step {replay_256 * 1e3:.2f} ms; the scratch adds at least "
-          f"{extra_s * 1e3:.2f} ms: throughput {ch11['throughput', 256]['value']:,.0f} "
-          f"-> {predicted_256:,.0f} tok/s")
+          f"{extra_s * 1e3:.2f} ms:\n    throughput {tput_256:,.0f} -> "
+          f"{predicted_256:,.0f} tok/s")
     prose.glue("ch15_rest_ms", f"{rest_s * 1e3:.2f} ms")
     prose.glue("ch15_step_ms", f"{step_s * 1e3:.2f} ms")
     prose.glue("ch15_pred_bs1", f"{predicted_bs1:,.0f} tok/s")
