@@ -585,13 +585,13 @@ weights, whose predictions mean nothing.
 # the one real choice. The embedding is a lookup — a step reads one row per token — so
 # storing it in 8 bits would save memory but no time. The LM head, the same matrix, is
 # read whole every step: for Llama 3.2 1B it is 128,256 rows of 2,048, a fifth of the
-# model. Quantizing it saves those bytes at batch 1, at the price of a second copy of
-# the table (8-bit for the head beside the bf16 embedding) and of the error that
-# rounding every logit's weights makes. This engine **keeps the head in bf16** for now
-# (`QUANTIZE_LM_HEAD`), as the FP8 checkpoints published for vLLM usually do (their
-# recipes leave `lm_head` out); the accuracy study below measures the other choice
-# too, and the GPU issue's benchmark is where its speed gets measured. Here is what each
-# choice predicts for the batch-1 limit of Llama 3.2 1B:
+# model. Quantizing it saves half those bytes at batch 1, at the price of a second
+# copy of the table (8-bit for the head beside the bf16 embedding) and of the error
+# that rounding every logit's weights makes. This engine **keeps the head in bf16** for
+# now (`QUANTIZE_LM_HEAD`), as the FP8 checkpoints published for vLLM usually do
+# (their recipes leave `lm_head` out); the accuracy study below measures the other
+# choice too, and the GPU issue's benchmark is where its speed gets measured. Here is
+# what each choice predicts for the batch-1 limit of Llama 3.2 1B:
 
 # %%
 #| export models.llama_quantized
