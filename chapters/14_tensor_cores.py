@@ -850,6 +850,25 @@ def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
     return out
 
 
+def prefill_attention_for(backend: str, head_dim: int):
+    """The launcher of prefill attention an engine with EngineConfig.attention_backend
+    = backend uses: "simt" chapter 10's kernel, "tensor_cores" this chapter's (a
+    ValueError where head_dim is not a multiple of 16), "auto" this chapter's on a GPU
+    where head_dim allows (the simulator takes chapter 10's: its twins are slow)."""
+    from numba import config
+
+    from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
+
+    fits = head_dim % 16 == 0
+    if backend == "tensor_cores" and not fits:
+        raise ValueError(f"attention_backend='tensor_cores' needs a head size that is a "
+                         f"multiple of 16, got {head_dim}")
+    if backend == "tensor_cores" or (backend == "auto" and fits
+                                     and not config.ENABLE_CUDASIM):
+        return tc_prefill_attention
+    return paged_prefill_attention
+
+
 tc_prefill_d64_kernel = tc_prefill_kernel_for(64)
 tc_prefill_d128_kernel = tc_prefill_kernel_for(128)
 _ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
