@@ -1383,9 +1383,10 @@ class PagedAttention:
     sequence, its one-token decodes too, through paged_prefill_attention over `tiles`
     (its tile schedule on the GPU; None: built from the lengths); a decode-only step
     runs decode_attention. prefill_attention: the prefill kernel's launcher, with
-    paged_prefill_attention's signature (chapter 14's tensor-core kernel has it). metadata's arrays are on the GPU; workspace comes from
-    decode_workspace; max_context_len bounds every context, so decode attention's grid
-    does not change while they grow.
+    paged_prefill_attention's signature (chapter 14's tensor-core kernel has it).
+    metadata's arrays are on the GPU; workspace comes from decode_workspace;
+    max_context_len bounds every context, so decode attention's grid does not change
+    while they grow.
     """
 
     def __init__(

@@ -31,9 +31,9 @@
 # - what a tensor core computes — `mma.sync.m16n8k16`: a 16×16 by 16×8 product, its
 #   inputs and its accumulators spread over a warp's 32 lanes in **fragments** — drawn
 #   lane by lane;
-# - how to call a linked CUDA C function from numba (`declare_device`, `CUSource`, cffi's
-#   `from_buffer`), and how to run the same kernel in numba's simulator, where C cannot
-#   run, through a Python **twin** of each function;
+# - how to call a linked CUDA C function from numba (`declare_device`, `CUSource`,
+#   cffi's `from_buffer`), and how to run the same kernel in numba's simulator, where C
+#   cannot run, through a Python **twin** of each function;
 # - `ldmatrix`, which loads those fragments from shared memory in one instruction;
 # - flash attention on the tensor cores (FlashAttention-2's loop: Q in registers, K and
 #   V tiles through shared memory, the online softmax on the accumulators), as a drop-in
@@ -47,10 +47,6 @@
 #| default_exp kernels.tensor_core
 
 # %%
-import math
-import subprocess
-import sys
-
 import matplotlib.pyplot as plt
 import numpy as np
 from numba import cuda, float32, uint32
@@ -58,7 +54,7 @@ from numba import cuda, float32, uint32
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.plots import Prose, new_figure
-from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator, where_kernels_run
+from tinyvllm_lib.runtime import can_launch, is_simulator, where_kernels_run
 
 prose = Prose()  # the numbers this chapter's prose quotes, filled in as they are made
 rng = np.random.default_rng(14)
@@ -101,7 +97,8 @@ has used the rest so far.
 # One instruction, issued by all 32 lanes of a warp together:
 #
 # ```
-# mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32  {d0..d3}, {a0..a3}, {b0, b1}, {c0..c3}
+# mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+#     {d0, d1, d2, d3}, {a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3};
 # ```
 #
 # computes D = A B + C for A 16×16 (bf16), B 16×8 (bf16), C and D 16×8 (float32): 4,096
@@ -228,8 +225,8 @@ plt.show()
 
 # %% [markdown]
 # Read the A panel by colour: group g owns rows g and g+8, and its four lanes split the
-# columns in pairs. That is why a row of the result lives in four neighbouring lanes, and
-# why the softmax later needs a reduction over exactly four lanes.
+# columns in pairs. That is why a row of the result lives in four neighbouring lanes,
+# and why the softmax later needs a reduction over exactly four lanes.
 
 # %% [markdown]
 # ## One tile through a linked C function
@@ -242,9 +239,10 @@ plt.show()
 # %%
 #| export
 MMA_SOURCE = r"""
-// c (16 x 8, float32) += a (16 x 16, bf16) b (16 x 8, bf16): all 32 lanes of a warp at once,
-// each passing its own fragments
-extern "C" __device__ void mma_bf16_m16n8k16(float* c, const unsigned* a, const unsigned* b) {
+// c (16 x 8, float32) += a (16 x 16, bf16) b (16 x 8, bf16): all 32 lanes of a warp
+// at once, each passing its own fragments
+extern "C" __device__ void mma_bf16_m16n8k16(float* c, const unsigned* a,
+                                             const unsigned* b) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -252,8 +250,8 @@ extern "C" __device__ void mma_bf16_m16n8k16(float* c, const unsigned* a, const 
 }
 """
 
-# two float32 -> two bf16 in one register (cvt.rn: nearest, ties to even), and 2^x on the
-# special-function unit: the attention kernel's two small helpers
+# two float32 -> two bf16 in one register (cvt.rn: nearest, ties to even), and 2^x on
+# the special-function unit: the attention kernel's two small helpers
 HELPER_SOURCE = r"""
 extern "C" __device__ unsigned pack_bf16x2(float lo, float hi) {
   unsigned packed;
@@ -276,9 +274,9 @@ extern "C" __device__ float exp2_approx(float x) {  // x = -inf gives 0
 # The simulator cannot run C. For it, each linked function has a **twin**: a Python
 # function with the same signature and the same fragment layout. A tensor-core
 # instruction is *warp-collective* — lane 0's result depends on the other 31 lanes'
-# registers — so a twin cannot work lane by lane as chapter 1's `device_function` helpers
-# do. Each lane writes its fragments to a buffer its warp shares, waits until all 32
-# have written, then computes its own part from everyone's. (The simulator's own
+# registers — so a twin cannot work lane by lane as chapter 1's `device_function`
+# helpers do. Each lane writes its fragments to a buffer its warp shares, waits until
+# all 32 have written, then computes its own part from everyone's. (The simulator's own
 # `syncthreads` would do, but it costs tens of milliseconds a call there; the twins'
 # warps meet at a barrier of their own that spins with the interpreter's lock released,
 # and `twin_launch` shortens the interpreter's thread switch while a kernel runs.)
@@ -376,7 +374,10 @@ else:
     )
     _HELPERS = CUSource(HELPER_SOURCE)
     pack_bf16x2 = cuda.declare_device(
-        "pack_bf16x2", types.uint32(types.float32, types.float32), link=_HELPERS, abi="c"
+        "pack_bf16x2",
+        types.uint32(types.float32, types.float32),
+        link=_HELPERS,
+        abi="c",
     )
     exp2_approx = cuda.declare_device(
         "exp2_approx", types.float32(types.float32), link=_HELPERS, abi="c"
@@ -419,13 +420,14 @@ def mma_tile(a_bits, b_bits, c):
     c_words = np.ascontiguousarray(np.asarray(c, np.float32)[C_ROWS, C_COLS])
     out = cuda.to_device(c_words)
     with twin_launch():
-        mma_tile_kernel[1, 32](
-            cuda.to_device(a_fragments(a_bits)), cuda.to_device(b_fragments(b_bits)), out
-        )
+        a, b = cuda.to_device(a_fragments(a_bits)), cuda.to_device(b_fragments(b_bits))
+        mma_tile_kernel[1, 32](a, b, out)
     return c_matrix(out.copy_to_host())
 
 
-PTX_SIGNATURES = {"mma_tile_kernel": ["void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1])"]}
+PTX_SIGNATURES = {
+    "mma_tile_kernel": ["void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1])"]
+}
 
 # %% [markdown]
 # Against NumPy, with C non-zero so the accumulate is tested too:
@@ -489,11 +491,13 @@ def attention_tile_source(head_dim: int, block_k: int, row_words: int) -> str:
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
 
 // four 8 x 8 bf16 matrices: lane l points at row l % 8 of matrix l / 8
-static __device__ __forceinline__ void ldsm_{name}(unsigned* r, const unsigned long long* p,
+static __device__ __forceinline__ void ldsm_{name}(unsigned* r,
+                                                   const unsigned long long* p,
                                                    bool trans) {{
   unsigned a = (unsigned)__cvta_generic_to_shared(p);
   if (trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0, %1, %2, %3}}, [%4];"
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 "
+                 "{{%0, %1, %2, %3}}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];"
@@ -510,9 +514,9 @@ extern "C" __device__ void qk_tile_{name}(float* s, const unsigned* q,
   for (int p = 0; p < {BK // 16}; ++p) {{     // 16 keys: two accumulator fragments
 #pragma unroll
     for (int kc = 0; kc < {D // 16}; ++kc) {{  // 16 dimensions: one A fragment of q
-      unsigned b[4];  // K rows 16p.. : dims 16kc.. (b0, b1) and keys 8 on (b0, b1 again)
-      ldsm_{name}(b, k + (16 * p + 8 * (mat / 2) + row) * {ROW} + 4 * kc + 2 * (mat % 2),
-                  false);
+      unsigned b[4];  // keys 16p.., dims 16kc..: b0, b1; then keys 8 on: b0, b1 again
+      int key = 16 * p + 8 * (mat / 2) + row;
+      ldsm_{name}(b, k + key * {ROW} + 4 * kc + 2 * (mat % 2), false);
       const unsigned* a = q + 4 * kc;
       MMA16816(s + 8 * p, a[0], a[1], a[2], a[3], b[0], b[1]);
       MMA16816(s + 8 * p + 4, a[0], a[1], a[2], a[3], b[2], b[3]);
@@ -531,15 +535,15 @@ extern "C" __device__ void pv_tile_{name}(float* o, const float* p,
                                           const unsigned long long* v) {{
   int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
 #pragma unroll
-  for (int kc = 0; kc < {BK // 16}; ++kc) {{  // 16 keys: two accumulators make an A fragment
+  for (int kc = 0; kc < {BK // 16}; ++kc) {{  // 16 keys: two accumulators make A
     const float* x = p + 8 * kc;
     unsigned a0 = pack_{name}(x[0], x[1]), a1 = pack_{name}(x[2], x[3]);
     unsigned a2 = pack_{name}(x[4], x[5]), a3 = pack_{name}(x[6], x[7]);
 #pragma unroll
-    for (int dp = 0; dp < {D // 16}; ++dp) {{  // 16 dimensions: two accumulator fragments
-      unsigned b[4];  // V transposed: keys 16kc.. (b0, b1) of dims 16dp.., then dims 8 on
-      ldsm_{name}(b, v + (16 * kc + 8 * (mat % 2) + row) * {ROW} + 4 * dp + 2 * (mat / 2),
-                  true);
+    for (int dp = 0; dp < {D // 16}; ++dp) {{  // 16 dimensions: two accumulators
+      unsigned b[4];  // V transposed: keys 16kc.., dims 16dp.. (b0, b1), then dims 8 on
+      int key = 16 * kc + 8 * (mat % 2) + row;
+      ldsm_{name}(b, v + key * {ROW} + 4 * dp + 2 * (mat / 2), true);
       MMA16816(o + 8 * dp, a0, a1, a2, a3, b[0], b[1]);
       MMA16816(o + 8 * dp + 4, a0, a1, a2, a3, b[2], b[3]);
     }}
@@ -587,7 +591,8 @@ if config.ENABLE_CUDASIM:
             s[: BK // 2] = S[accumulator_index(lane, BK)].astype(np.float32)
 
         def pv_tile(o, p, v):
-            buffer, lane = _exchange(np.asarray(p[: BK // 2], np.float32).view(np.uint32))
+            words = np.asarray(p[: BK // 2], np.float32).view(np.uint32)
+            buffer, lane = _exchange(words)
             P = np.zeros((16, BK))
             for other in range(32):  # P rounded to bf16, as the packing does
                 probs = buffer[other, : BK // 2].view(np.float32)
@@ -611,8 +616,9 @@ if config.ENABLE_CUDASIM:
         order."""
         buffer, lane = _exchange(np.array([x, y], np.float32).view(np.uint32))
         q = buffer[lane & ~3 : (lane & ~3) + 4, :2].view(np.float32)
-        return tuple(np.float32(np.float32(q[0, i] + q[1, i]) + np.float32(q[2, i] + q[3, i]))
-                     for i in range(2))
+        pairs = (np.float32(q[0] + q[1]), np.float32(q[2] + q[3]))  # xor 1, then 2
+        total = pairs[0] + pairs[1]
+        return np.float32(total[0]), np.float32(total[1])
 
 else:
 
@@ -650,9 +656,9 @@ else:
 # arguments and its tile schedule are that kernel's, so the engine can take either. Q
 # arrives as float32 activations and is rounded to bf16 once, into A fragments; the
 # softmax runs in base 2 (the scale is multiplied by log₂ e, and `ex2` is one
-# instruction). Every warp of a block runs the same number of key tiles — the tensor-core
-# instructions need all 32 lanes, and the barriers all 128 threads — so a warp whose
-# rows are past the sequence's end computes rows nobody stores.
+# instruction). Every warp of a block runs the same number of key tiles — the
+# tensor-core instructions need all 32 lanes, and the barriers all 128 threads — so a
+# warp whose rows are past the sequence's end computes rows nobody stores.
 
 # %%
 #| export kernels.tc_attention
@@ -861,8 +867,8 @@ def prefill_attention_for(backend: str, head_dim: int):
 
     fits = head_dim % 16 == 0
     if backend == "tensor_cores" and not fits:
-        raise ValueError(f"attention_backend='tensor_cores' needs a head size that is a "
-                         f"multiple of 16, got {head_dim}")
+        raise ValueError(f"attention_backend='tensor_cores' needs a head size that is "
+                         f"a multiple of 16, got {head_dim}")
     if backend == "tensor_cores" or (backend == "auto" and fits
                                      and not config.ENABLE_CUDASIM):
         return tc_prefill_attention
@@ -871,8 +877,8 @@ def prefill_attention_for(backend: str, head_dim: int):
 
 tc_prefill_d64_kernel = tc_prefill_kernel_for(64)
 tc_prefill_d128_kernel = tc_prefill_kernel_for(128)
-_ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
-         "int32[::1], int32[::1], int64, int64, float32")
+_ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "
+         "int32[::1], int32[::1], int32[::1], int64, int64, float32")
 PTX_SIGNATURES = {
     name: [f"void({_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
     for name in ("tc_prefill_d64_kernel", "tc_prefill_d128_kernel")
@@ -920,7 +926,8 @@ def paged_prefill_attention_bf16_ref(q, k_cache, v_cache, block_tables, seq_lens
             scores = np.where(visible, scores / math.sqrt(head_dim), -np.inf)
             p = np.exp(scores - scores.max(axis=1, keepdims=True))
             o = _round_bf16(p).astype(np.float64) @ v[:, h // group]
-            out[start:end, h * head_dim : (h + 1) * head_dim] = o / p.sum(1, keepdims=True)
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            out[start:end, cols] = o / p.sum(axis=1, keepdims=True)
     return out
 
 
@@ -948,7 +955,8 @@ def ragged_case(rng, seqs, H, KVH, D, block_size):
     tables = rng.permutation(len(seqs) * max_blocks + 2)[: len(seqs) * max_blocks]
     tables = tables.reshape(len(seqs), max_blocks).astype(np.int32)
     shape = ((len(seqs) * max_blocks + 2) * block_size, KVH, D)
-    k_cache, v_cache = np.full(shape, 0x7FC0, np.uint16), np.full(shape, 0x7FC0, np.uint16)
+    k_cache = np.full(shape, 0x7FC0, np.uint16)  # NaN: what no context may read
+    v_cache = np.full(shape, 0x7FC0, np.uint16)
     qkv = rng.standard_normal((starts[-1], (H + 2 * KVH) * D)).astype(np.float32)
     qkv[:, : H * D] *= 3  # peaked attention
     new_slots = []
@@ -984,8 +992,8 @@ if can_launch():
     H, KVH, D, block_size, bq, bk = shapes
     seqs = [(0, 21), (37, 9)] if is_simulator() else [(0, 1000), (4096, 333), (5, 77)]
     err, ref_err = check_tc_attention(rng, seqs, H, KVH, D, block_size, bq, bk)
-    print(f"tensor-core attention: max error {err:.2e} against float32; the bf16-rounded "
-          f"reference's {ref_err:.2e}")
+    print(f"tensor-core attention: max error {err:.2e} against float32; the "
+          f"bf16-rounded reference's {ref_err:.2e}")
     assert err <= 2 * ref_err + 1e-5, (err, ref_err)
     prose.glue("ch14_err", f"{err:.1e}")
     prose.glue("ch14_ref_err", f"{ref_err:.1e}")
@@ -1008,18 +1016,20 @@ if can_launch():
 _LINKED_PTX_SCRIPT = """
 import json, re, sys, types
 import numba.cuda.dispatcher as cuda_dispatcher
-cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+cc90 = types.SimpleNamespace(compute_capability=(9, 0))
+cuda_dispatcher.get_current_device = lambda: cc90  # no GPU: compile for sm_90
 from numba.cuda.compiler import _compile_pyfunc_with_fixup
 from tinyvllm_lib.kernels.tc_attention import _ARGS, tc_prefill_kernel_for
 kernel = tc_prefill_kernel_for(int(sys.argv[1]))
 library, _ = _compile_pyfunc_with_fixup(
-    kernel.py_func, f"void({_ARGS}, float32[:, ::1])", device=False, cc=(9, 0), lto=True,
-    debug=False, lineinfo=False, fastmath=False, opt=True, abi="numba", abi_info=None,
-    forceinline=False, launch_bounds=None)
+    kernel.py_func, f"void({_ARGS}, float32[:, ::1])", device=False, cc=(9, 0),
+    lto=True, debug=False, lineinfo=False, fastmath=False, opt=True, abi="numba",
+    abi_info=None, forceinline=False, launch_bounds=None)
 library._lto = True  # the flag a launch would set: the code library links with LTO
 ptx = library.get_lto_ptx(cc=(9, 0))
-patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix", "shfl": r"\\bshfl",
-            "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local", "call": r"\\bcall\\b"}
+patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
+            "shfl": r"\\bshfl", "ex2": r"\\bex2",
+            "local memory": r"\\b(?:ld|st)\\.local", "call": r"\\bcall\\b"}
 print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
 """
 
@@ -1054,12 +1064,32 @@ prose.glue("ch14_ldsm", counts["ldmatrix"])
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show("""
 The loop over key tiles holds {{ch14_mma}} `mma.sync` and {{ch14_ldsm}} `ldmatrix`
-(one warp's 16 queries × 64 keys × 64 dimensions, twice, in 16×8×16 pieces), no call, and no load or
-store of local memory: the C functions were inlined and every fragment is a register.
-What the hardware then makes of it — registers per thread, and whether `ptxas` spills
-any — shows in the SASS on a GPU (`kernel.inspect_sass()`), which the benchmark script
-checks.
+(one warp's 16 queries × 64 keys × 64 dimensions, twice, in 16×8×16 pieces), no call,
+and no load or store of local memory: the C functions were inlined and every fragment
+is a register. What the hardware then makes of it — registers per thread, and whether
+`ptxas` spills any — shows in the SASS on a GPU (`kernel.inspect_sass()`), which the
+benchmark script checks.
 """)
+
+# %% [markdown]
+# ## In the engine
+#
+# The kernel takes chapter 10's arguments and reads the same tile schedule (64 queries
+# an entry), so the engine swaps it in without changing anything else: the CUDA graphs
+# of chapter 11 capture prefill steps with it as they captured the SIMT kernel. The
+# choice is one field of the engine's configuration, named as vLLM names its own:
+#
+# ```python
+# LLM(model, attention_backend="tensor_cores")   # or "simt"; "auto" is the default
+# ```
+#
+# `"auto"` takes the tensor cores on a GPU whenever the head size is a multiple of 16
+# (every Llama is), and chapter 10's kernel in the simulator, where the twins are slow.
+# Decode steps keep chapter 11's split decode kernel: one query row per sequence leaves
+# a 16-row fragment mostly empty, and a decode step waits on reading the cache, not on
+# arithmetic. A mixed step's decode rows ride in the prefill kernel as one-token
+# sequences, each a whole 64-row tile — correct, and wasteful in a way the measurement
+# below can price.
 
 # %% [markdown]
 # ## How fast

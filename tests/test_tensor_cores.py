@@ -17,13 +17,13 @@ from tinyvllm_lib.kernels.paged_attention import (
     tile_capacity,
 )
 from tinyvllm_lib.kernels.tensor_core import (
+    C_COLS,
+    C_ROWS,
     a_fragments,
     a_matrix,
     b_fragments,
     b_matrix,
     c_matrix,
-    C_COLS,
-    C_ROWS,
     mma_tile,
 )
 from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator

@@ -207,8 +207,8 @@ def prefill_attention_for(backend: str, head_dim: int):
 
     fits = head_dim % 16 == 0
     if backend == "tensor_cores" and not fits:
-        raise ValueError(f"attention_backend='tensor_cores' needs a head size that is a "
-                         f"multiple of 16, got {head_dim}")
+        raise ValueError(f"attention_backend='tensor_cores' needs a head size that is "
+                         f"a multiple of 16, got {head_dim}")
     if backend == "tensor_cores" or (backend == "auto" and fits
                                      and not config.ENABLE_CUDASIM):
         return tc_prefill_attention
@@ -217,8 +217,8 @@ def prefill_attention_for(backend: str, head_dim: int):
 
 tc_prefill_d64_kernel = tc_prefill_kernel_for(64)
 tc_prefill_d128_kernel = tc_prefill_kernel_for(128)
-_ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
-         "int32[::1], int32[::1], int64, int64, float32")
+_ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "
+         "int32[::1], int32[::1], int32[::1], int64, int64, float32")
 PTX_SIGNATURES = {
     name: [f"void({_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
     for name in ("tc_prefill_d64_kernel", "tc_prefill_d128_kernel")
@@ -256,7 +256,8 @@ def paged_prefill_attention_bf16_ref(q, k_cache, v_cache, block_tables, seq_lens
             scores = np.where(visible, scores / math.sqrt(head_dim), -np.inf)
             p = np.exp(scores - scores.max(axis=1, keepdims=True))
             o = _round_bf16(p).astype(np.float64) @ v[:, h // group]
-            out[start:end, h * head_dim : (h + 1) * head_dim] = o / p.sum(1, keepdims=True)
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            out[start:end, cols] = o / p.sum(axis=1, keepdims=True)
     return out
 
 
@@ -264,18 +265,20 @@ def paged_prefill_attention_bf16_ref(q, k_cache, v_cache, block_tables, seq_lens
 _LINKED_PTX_SCRIPT = """
 import json, re, sys, types
 import numba.cuda.dispatcher as cuda_dispatcher
-cuda_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+cc90 = types.SimpleNamespace(compute_capability=(9, 0))
+cuda_dispatcher.get_current_device = lambda: cc90  # no GPU: compile for sm_90
 from numba.cuda.compiler import _compile_pyfunc_with_fixup
 from tinyvllm_lib.kernels.tc_attention import _ARGS, tc_prefill_kernel_for
 kernel = tc_prefill_kernel_for(int(sys.argv[1]))
 library, _ = _compile_pyfunc_with_fixup(
-    kernel.py_func, f"void({_ARGS}, float32[:, ::1])", device=False, cc=(9, 0), lto=True,
-    debug=False, lineinfo=False, fastmath=False, opt=True, abi="numba", abi_info=None,
-    forceinline=False, launch_bounds=None)
+    kernel.py_func, f"void({_ARGS}, float32[:, ::1])", device=False, cc=(9, 0),
+    lto=True, debug=False, lineinfo=False, fastmath=False, opt=True, abi="numba",
+    abi_info=None, forceinline=False, launch_bounds=None)
 library._lto = True  # the flag a launch would set: the code library links with LTO
 ptx = library.get_lto_ptx(cc=(9, 0))
-patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix", "shfl": r"\\bshfl",
-            "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local", "call": r"\\bcall\\b"}
+patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
+            "shfl": r"\\bshfl", "ex2": r"\\bex2",
+            "local memory": r"\\b(?:ld|st)\\.local", "call": r"\\bcall\\b"}
 print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
 """
 

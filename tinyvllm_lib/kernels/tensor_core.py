@@ -67,9 +67,10 @@ def b_matrix(b_words) -> np.ndarray:
 
 # defined in chapters/14_tensor_cores.py
 MMA_SOURCE = r"""
-// c (16 x 8, float32) += a (16 x 16, bf16) b (16 x 8, bf16): all 32 lanes of a warp at once,
-// each passing its own fragments
-extern "C" __device__ void mma_bf16_m16n8k16(float* c, const unsigned* a, const unsigned* b) {
+// c (16 x 8, float32) += a (16 x 16, bf16) b (16 x 8, bf16): all 32 lanes of a warp
+// at once, each passing its own fragments
+extern "C" __device__ void mma_bf16_m16n8k16(float* c, const unsigned* a,
+                                             const unsigned* b) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -77,8 +78,8 @@ extern "C" __device__ void mma_bf16_m16n8k16(float* c, const unsigned* a, const 
 }
 """
 
-# two float32 -> two bf16 in one register (cvt.rn: nearest, ties to even), and 2^x on the
-# special-function unit: the attention kernel's two small helpers
+# two float32 -> two bf16 in one register (cvt.rn: nearest, ties to even), and 2^x on
+# the special-function unit: the attention kernel's two small helpers
 HELPER_SOURCE = r"""
 extern "C" __device__ unsigned pack_bf16x2(float lo, float hi) {
   unsigned packed;
@@ -185,7 +186,10 @@ else:
     )
     _HELPERS = CUSource(HELPER_SOURCE)
     pack_bf16x2 = cuda.declare_device(
-        "pack_bf16x2", types.uint32(types.float32, types.float32), link=_HELPERS, abi="c"
+        "pack_bf16x2",
+        types.uint32(types.float32, types.float32),
+        link=_HELPERS,
+        abi="c",
     )
     exp2_approx = cuda.declare_device(
         "exp2_approx", types.float32(types.float32), link=_HELPERS, abi="c"
@@ -223,13 +227,14 @@ def mma_tile(a_bits, b_bits, c):
     c_words = np.ascontiguousarray(np.asarray(c, np.float32)[C_ROWS, C_COLS])
     out = cuda.to_device(c_words)
     with twin_launch():
-        mma_tile_kernel[1, 32](
-            cuda.to_device(a_fragments(a_bits)), cuda.to_device(b_fragments(b_bits)), out
-        )
+        a, b = cuda.to_device(a_fragments(a_bits)), cuda.to_device(b_fragments(b_bits))
+        mma_tile_kernel[1, 32](a, b, out)
     return c_matrix(out.copy_to_host())
 
 
-PTX_SIGNATURES = {"mma_tile_kernel": ["void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1])"]}
+PTX_SIGNATURES = {
+    "mma_tile_kernel": ["void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1])"]
+}
 
 
 # defined in chapters/14_tensor_cores.py
@@ -246,11 +251,13 @@ def attention_tile_source(head_dim: int, block_k: int, row_words: int) -> str:
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
 
 // four 8 x 8 bf16 matrices: lane l points at row l % 8 of matrix l / 8
-static __device__ __forceinline__ void ldsm_{name}(unsigned* r, const unsigned long long* p,
+static __device__ __forceinline__ void ldsm_{name}(unsigned* r,
+                                                   const unsigned long long* p,
                                                    bool trans) {{
   unsigned a = (unsigned)__cvta_generic_to_shared(p);
   if (trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0, %1, %2, %3}}, [%4];"
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 "
+                 "{{%0, %1, %2, %3}}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];"
@@ -267,9 +274,9 @@ extern "C" __device__ void qk_tile_{name}(float* s, const unsigned* q,
   for (int p = 0; p < {BK // 16}; ++p) {{     // 16 keys: two accumulator fragments
 #pragma unroll
     for (int kc = 0; kc < {D // 16}; ++kc) {{  // 16 dimensions: one A fragment of q
-      unsigned b[4];  // K rows 16p.. : dims 16kc.. (b0, b1) and keys 8 on (b0, b1 again)
-      ldsm_{name}(b, k + (16 * p + 8 * (mat / 2) + row) * {ROW} + 4 * kc + 2 * (mat % 2),
-                  false);
+      unsigned b[4];  // keys 16p.., dims 16kc..: b0, b1; then keys 8 on: b0, b1 again
+      int key = 16 * p + 8 * (mat / 2) + row;
+      ldsm_{name}(b, k + key * {ROW} + 4 * kc + 2 * (mat % 2), false);
       const unsigned* a = q + 4 * kc;
       MMA16816(s + 8 * p, a[0], a[1], a[2], a[3], b[0], b[1]);
       MMA16816(s + 8 * p + 4, a[0], a[1], a[2], a[3], b[2], b[3]);
@@ -288,15 +295,15 @@ extern "C" __device__ void pv_tile_{name}(float* o, const float* p,
                                           const unsigned long long* v) {{
   int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
 #pragma unroll
-  for (int kc = 0; kc < {BK // 16}; ++kc) {{  // 16 keys: two accumulators make an A fragment
+  for (int kc = 0; kc < {BK // 16}; ++kc) {{  // 16 keys: two accumulators make A
     const float* x = p + 8 * kc;
     unsigned a0 = pack_{name}(x[0], x[1]), a1 = pack_{name}(x[2], x[3]);
     unsigned a2 = pack_{name}(x[4], x[5]), a3 = pack_{name}(x[6], x[7]);
 #pragma unroll
-    for (int dp = 0; dp < {D // 16}; ++dp) {{  // 16 dimensions: two accumulator fragments
-      unsigned b[4];  // V transposed: keys 16kc.. (b0, b1) of dims 16dp.., then dims 8 on
-      ldsm_{name}(b, v + (16 * kc + 8 * (mat % 2) + row) * {ROW} + 4 * dp + 2 * (mat / 2),
-                  true);
+    for (int dp = 0; dp < {D // 16}; ++dp) {{  // 16 dimensions: two accumulators
+      unsigned b[4];  // V transposed: keys 16kc.., dims 16dp.. (b0, b1), then dims 8 on
+      int key = 16 * kc + 8 * (mat % 2) + row;
+      ldsm_{name}(b, v + key * {ROW} + 4 * dp + 2 * (mat / 2), true);
       MMA16816(o + 8 * dp, a0, a1, a2, a3, b[0], b[1]);
       MMA16816(o + 8 * dp + 4, a0, a1, a2, a3, b[2], b[3]);
     }}
@@ -336,7 +343,8 @@ if config.ENABLE_CUDASIM:
             s[: BK // 2] = S[accumulator_index(lane, BK)].astype(np.float32)
 
         def pv_tile(o, p, v):
-            buffer, lane = _exchange(np.asarray(p[: BK // 2], np.float32).view(np.uint32))
+            words = np.asarray(p[: BK // 2], np.float32).view(np.uint32)
+            buffer, lane = _exchange(words)
             P = np.zeros((16, BK))
             for other in range(32):  # P rounded to bf16, as the packing does
                 probs = buffer[other, : BK // 2].view(np.float32)
@@ -360,8 +368,9 @@ if config.ENABLE_CUDASIM:
         order."""
         buffer, lane = _exchange(np.array([x, y], np.float32).view(np.uint32))
         q = buffer[lane & ~3 : (lane & ~3) + 4, :2].view(np.float32)
-        return tuple(np.float32(np.float32(q[0, i] + q[1, i]) + np.float32(q[2, i] + q[3, i]))
-                     for i in range(2))
+        pairs = (np.float32(q[0] + q[1]), np.float32(q[2] + q[3]))  # xor 1, then 2
+        total = pairs[0] + pairs[1]
+        return np.float32(total[0]), np.float32(total[1])
 
 else:
 
