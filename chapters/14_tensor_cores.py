@@ -34,14 +34,17 @@
 # - how to call a linked CUDA C function from numba (`declare_device`, `CUSource`,
 #   cffi's `from_buffer`), and how to run the same kernel in numba's simulator, where C
 #   cannot run, through a Python **twin** of each function;
-# - `ldmatrix`, which loads those fragments from shared memory in one instruction;
+# - `ldmatrix`, which loads those fragments from shared memory in one instruction, and
+#   `cp.async`, which copies the next tile while the warps multiply this one — in a GEMM
+#   on the tensor cores;
 # - flash attention on the tensor cores (FlashAttention-2's loop: Q in registers, K and
 #   V tiles through shared memory, the online softmax on the accumulators), as a drop-in
 #   for chapter 10's paged prefill kernel;
 # - how to check, with no GPU, that the linked kernel keeps its fragments in registers.
 #
-# It exports `tinyvllm_lib.kernels.tensor_core` (the C sources, their declarations and
-# twins) and `tinyvllm_lib.kernels.tc_attention` (the attention kernel).
+# It exports `tinyvllm_lib.kernels.tensor_core` (fragments, the linked functions and
+# their twins), `kernels.tc_gemm` (the GEMM), `kernels.tc_attention_tiles` and
+# `kernels.tc_attention` (the attention kernel and the engine's choice of it).
 
 # %%
 #| default_exp kernels.tensor_core
@@ -164,6 +167,13 @@ def unpack_pairs(words) -> np.ndarray:
     words = np.asarray(words, np.uint32)
     return np.stack([words & np.uint32(0xFFFF), words >> np.uint32(16)], -1).astype(
         np.uint16
+    )
+
+
+def bf16_values(bits) -> np.ndarray:
+    """bf16 bits -> float64 values."""
+    return (np.asarray(bits, np.uint32) << np.uint32(16)).view(np.float32).astype(
+        np.float64
     )
 
 
@@ -301,7 +311,7 @@ if config.ENABLE_CUDASIM:
     ffi = _SimFFI()
     _twin_lock = threading.Lock()
 
-    def _exchange(words):
+    def warp_exchange(words):
         """(32, 64) uint32: every lane's `words` (up to 64 each) once all 32 lanes of
         this thread's warp have given theirs, and this lane's index. Two buffers in
         turn: a lane writes one again only after every lane has arrived at the call
@@ -324,18 +334,13 @@ if config.ENABLE_CUDASIM:
             time.sleep(0)  # let the other lanes run
         return buffer, lane
 
-    def _values(bits) -> np.ndarray:
-        """bf16 bits -> float64 values."""
-        return (np.asarray(bits, np.uint32) << np.uint32(16)).view(np.float32).astype(
-            np.float64
-        )
-
     def mma_bf16_m16n8k16(c, a, b):
         """Twin: the warp's lanes swap fragments; each adds its four products to c."""
         words = np.empty(6, np.uint32)
         words[:4], words[4:] = a[:4], b[:2]
-        buffer, lane = _exchange(words)
-        A, B = _values(a_matrix(buffer[:, :4])), _values(b_matrix(buffer[:, 4:6]))
+        buffer, lane = warp_exchange(words)
+        A = bf16_values(a_matrix(buffer[:, :4]))
+        B = bf16_values(b_matrix(buffer[:, 4:6]))
         rows, cols = C_ROWS[lane], C_COLS[lane]
         for i in range(4):
             c[i] = np.float32(np.float64(c[i]) + A[rows[i]] @ B[:, cols[i]])
@@ -348,6 +353,10 @@ if config.ENABLE_CUDASIM:
     def exp2_approx(x):
         """Twin of the C helper (exact here: the hardware's is within 2 ulp)."""
         return np.float32(np.exp2(np.float32(x)))
+
+    def simulated_lane() -> int:
+        """The lane of the simulated thread running this twin."""
+        return threading.current_thread().thread_id % 32
 
     @contextlib.contextmanager
     def twin_launch():
@@ -457,7 +466,317 @@ if can_launch():
 # bytes; rows of 64 bf16 (128 bytes) would put the 8 rows an `ldmatrix` phase reads in
 # the same banks. Padding each row by 16 bytes (144 bytes a row) spreads them over all
 # 32.
+
+# %% [markdown]
+# ## The second rung: a GEMM on the tensor cores
 #
+# Before attention, the plainest use: C = A Bᵀ, the product every linear layer of the
+# model computes (A the activations, (M, K); B the weights, (N, K), as the model stores
+# them; both bf16). Chapter 6 tiled it for SIMT cores; on tensor cores the tiling is the
+# same, one level deeper:
+#
+# - a block computes a 128×128 tile of C with 8 warps, each a 64×32 piece: 4×4
+#   accumulator fragments, 64 floats a lane;
+# - the K dimension goes by in tiles of 32: the block copies its A and B tiles (128×32
+#   each) into shared memory with **`cp.async`**, which moves 16 bytes from global to
+#   shared memory without passing through registers, and lets the copy of the next tile
+#   run while the warps multiply this one (**double buffering**: two stages in turn);
+# - each warp loads its fragments from shared memory with `ldmatrix` — an x4 load is
+#   one whole A fragment (16×16), or the B fragments of two 8-column tiles — and issues
+#   16 `mma.sync` per 16-wide step of K.
+#
+# Rows are padded by 16 bytes (80-byte rows), which spreads the 8 rows an `ldmatrix`
+# phase reads over all 32 banks. The C side is again short: the copy, and a warp's
+# tile of products.
+
+# %%
+#| export kernels.tc_gemm
+import numpy as np
+from numba import config, cuda, float32, types, uint64
+
+from tinyvllm_lib.kernels.activation_store import store_activation
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.tensor_core import (
+    C_COLS,
+    C_ROWS,
+    bf16_values,
+    ffi,
+    twin_launch,
+)
+
+CP_ASYNC_SOURCE = r"""
+// 16 bytes from global to shared memory, asynchronously (cp.async: no registers)
+extern "C" __device__ void cp_async16(unsigned long long* shared_dst,
+                                      const unsigned long long* global_src) {
+  unsigned dst = (unsigned)__cvta_generic_to_shared(shared_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               :: "r"(dst), "l"(__cvta_generic_to_global(global_src)) : "memory");
+}
+// close the group of copies issued so far
+extern "C" __device__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// wait until at most one group (the newest) is still in flight
+extern "C" __device__ void cp_async_wait_one() {
+  asm volatile("cp.async.wait_group 1;" ::: "memory");
+}
+"""
+
+
+def gemm_tile_source(row_words: int) -> str:
+    """CUDA C for one warp's 64 x 32 piece of C over a 32-wide tile of K: a (64 rows)
+    and b (32 rows) of the tiles in shared memory, row_words 8-byte words apart."""
+    ROW = row_words
+    return rf"""
+#define MMA16816(c, a, b0, b1) \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " \
+      "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};" \
+      : "+f"((c)[0]), "+f"((c)[1]), "+f"((c)[2]), "+f"((c)[3]) \
+      : "r"((a)[0]), "r"((a)[1]), "r"((a)[2]), "r"((a)[3]), "r"(b0), "r"(b1))
+
+static __device__ __forceinline__ void ldsm_x4_r{ROW}(unsigned* r,
+                                                     const unsigned long long* p) {{
+  unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}}
+
+// acc (4 x 4 accumulator fragments: m-tile i, n-tile j at 16 (4 i + j)) += a b^T
+extern "C" __device__ void gemm_warp_tile_r{ROW}(float* acc,
+                                               const unsigned long long* a,
+                                               const unsigned long long* b) {{
+  int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {{  // two 16-wide steps of K
+    unsigned af[4][4], bf[2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // an A fragment: lane l gives row l % 16, half l / 16
+      ldsm_x4_r{ROW}(af[i], a + (16 * i + lane % 16) * {ROW} + 4 * ks
+                             + 2 * (lane / 16));
+#pragma unroll
+    for (int q = 0; q < 2; ++q)  // B fragments of n-tiles 2q and 2q + 1
+      ldsm_x4_r{ROW}(bf[q], b + (16 * q + 8 * (mat / 2) + row) * {ROW} + 4 * ks
+                             + 2 * (mat % 2));
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        MMA16816(acc + 4 * (4 * i + j), af[i], bf[j / 2][2 * (j % 2)],
+                 bf[j / 2][2 * (j % 2) + 1]);
+  }}
+}}
+"""
+
+
+# %% [markdown]
+# The twins are simple this time: a warp's products read only shared memory, which every
+# simulated thread can see, so each lane computes its own 64 accumulators from the tiles
+# with no exchange; a copy is done at once, and the waits have nothing to wait for.
+
+# %%
+#| export kernels.tc_gemm
+_P = types.CPointer
+
+if config.ENABLE_CUDASIM:
+    from tinyvllm_lib.kernels.tensor_core import simulated_lane
+
+    def cp_async16(shared_dst, global_src):
+        """Twin: the 16 bytes, at once."""
+        shared_dst[0:2] = global_src[0:2]
+
+    def cp_async_commit():
+        """Twin: nothing is in flight."""
+
+    def cp_async_wait_one():
+        """Twin: nothing is in flight."""
+
+    def gemm_warp_tile_function(row_words: int):
+        """Twin of gemm_warp_tile: this lane's 64 accumulators += a b^T."""
+
+        def gemm_warp_tile(acc, a, b):
+            lane = simulated_lane()
+            a_words = np.asarray(a)[: 64 * row_words].reshape(64, row_words)
+            b_words = np.asarray(b)[: 32 * row_words].reshape(32, row_words)
+            A = bf16_values(a_words[:, :8].view(np.uint16))  # (64, 32) values
+            B = bf16_values(b_words[:, :8].view(np.uint16))
+            C = A @ B.T  # (64, 32)
+            for i in range(4):
+                for j in range(4):
+                    base = 4 * (4 * i + j)
+                    for e in range(4):
+                        r, c = 16 * i + C_ROWS[lane, e], 8 * j + C_COLS[lane, e]
+                        acc[base + e] = np.float32(np.float64(acc[base + e]) + C[r, c])
+
+        return gemm_warp_tile
+
+else:
+    from numba.cuda import CUSource
+
+    _CP_ASYNC = CUSource(CP_ASYNC_SOURCE)
+    _WORDS = _P(types.uint64)
+    cp_async16 = cuda.declare_device(
+        "cp_async16", types.void(_WORDS, _WORDS), link=_CP_ASYNC, abi="c"
+    )
+    cp_async_commit = cuda.declare_device(
+        "cp_async_commit", types.void(), link=_CP_ASYNC, abi="c"
+    )
+    cp_async_wait_one = cuda.declare_device(
+        "cp_async_wait_one", types.void(), link=_CP_ASYNC, abi="c"
+    )
+
+    def gemm_warp_tile_function(row_words: int):
+        """gemm_warp_tile for rows row_words words apart, from gemm_tile_source."""
+        return cuda.declare_device(
+            f"gemm_warp_tile_r{row_words}",
+            types.void(_P(types.float32), _WORDS, _WORDS),
+            link=CUSource(gemm_tile_source(row_words)),
+            abi="c",
+        )
+
+
+# %% [markdown]
+# The kernel: numba owns the grid, the addresses, the pipeline's order and the store.
+# Rows of A or B past the matrix's end are loaded from its last row (valid memory) and
+# never stored.
+
+# %%
+#| export kernels.tc_gemm
+GEMM_BK = 32  # K a tile: 4 chunks of 16 bytes a row
+GEMM_ROW = GEMM_BK // 4 + 2  # 8-byte words a row in shared memory, with 16 of padding
+
+
+def make_tc_gemm_kernel(block_m: int = 128, block_n: int = 128):
+    """C (M, N) = A (M, K) B (N, K)^T, bf16 in, float32 accumulate: a block per
+    block_m x block_n tile of C, a warp per 64 x 32 piece, K tiles through shared memory
+    by cp.async in two stages."""
+    BM, BN, ROW = block_m, block_n, GEMM_ROW
+    WARPS_N = BN // 32
+    THREADS = 32 * (BM // 64) * WARPS_N
+    if not (BM > 0 and BN > 0 and BM % 64 == 0 and BN % 32 == 0 and THREADS <= 1024
+            and (BM * 4) % THREADS == 0 and (BN * 4) % THREADS == 0):
+        raise ValueError(f"block_m must be a multiple of 64 and block_n of 32, with "
+                         f"whole loads per thread, got {BM}, {BN}")
+    A_LOADS, B_LOADS = BM * 4 // THREADS, BN * 4 // THREADS  # 16-byte chunks a thread
+    warp_tile = gemm_warp_tile_function(ROW)
+    A_WORDS, B_WORDS = BM * ROW, BN * ROW  # a stage of each tile in shared memory
+
+    @cuda.jit
+    def kernel(a, b, c):  # a (M, K / 4) and b (N, K / 4): bf16 as 8-byte words
+        wait_for_previous_kernel()
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        m0, n0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BN
+        M, N, num_k = a.shape[0], b.shape[0], a.shape[1] // (GEMM_BK // 4)
+        a_tile = cuda.shared.array((2, A_WORDS), uint64)  # two stages
+        b_tile = cuda.shared.array((2, B_WORDS), uint64)
+        acc = cuda.local.array(64, float32)
+        for i in range(64):
+            acc[i] = float32(0.0)
+
+        for kt in range(num_k + 1):
+            if kt < num_k:  # start copying tile kt into stage kt % 2
+                stage, k_word = kt % 2, kt * (GEMM_BK // 4)
+                for u in range(A_LOADS):
+                    chunk = tid + u * THREADS  # row chunk // 4, 16 bytes chunk % 4
+                    row = min(m0 + chunk // 4, M - 1)
+                    cp_async16(ffi.from_buffer(a_tile[stage, (chunk // 4) * ROW
+                                                      + 2 * (chunk % 4):]),
+                               ffi.from_buffer(a[row, k_word + 2 * (chunk % 4):]))
+                for u in range(B_LOADS):
+                    chunk = tid + u * THREADS
+                    row = min(n0 + chunk // 4, N - 1)
+                    cp_async16(ffi.from_buffer(b_tile[stage, (chunk // 4) * ROW
+                                                      + 2 * (chunk % 4):]),
+                               ffi.from_buffer(b[row, k_word + 2 * (chunk % 4):]))
+            cp_async_commit()  # (an empty group on the last pass)
+            if kt > 0:  # multiply tile kt - 1 while tile kt is on its way
+                cp_async_wait_one()
+                cuda.syncthreads()  # every thread's copies of tile kt - 1 have landed
+                stage = (kt - 1) % 2
+                wm, wn = warp // WARPS_N, warp % WARPS_N
+                warp_tile(ffi.from_buffer(acc),
+                          ffi.from_buffer(a_tile[stage, 64 * wm * ROW:]),
+                          ffi.from_buffer(b_tile[stage, 32 * wn * ROW:]))
+                cuda.syncthreads()  # done reading the stage the next copy overwrites
+
+        wm, wn = warp // WARPS_N, warp % WARPS_N
+        for i in range(4):
+            for j in range(4):
+                for e in range(4):
+                    row = m0 + 64 * wm + 16 * i + C_ROWS[lane, e]
+                    col = n0 + 32 * wn + 8 * j + C_COLS[lane, e]
+                    if row < M and col < N:
+                        store_activation(c, row, col, acc[4 * (4 * i + j) + e])
+
+    kernel.block_m, kernel.block_n = BM, BN
+    return kernel
+
+
+_gemm_kernels = {}
+
+
+def tc_gemm(a, b, c, block_m: int = 128, block_n: int = 128, stream=0):
+    """c = a b^T on the tensor cores: a (M, K), b (N, K) bf16 bits (uint16) on the
+    device, K a multiple of 32; c (M, N) float32, or bf16 bits (uint16)."""
+    M, K = a.shape
+    N = b.shape[0]
+    if a.dtype != np.uint16 or b.dtype != np.uint16 or b.shape[1] != K:
+        raise ValueError(f"tc_gemm: a (M, K) and b (N, K) must hold bf16 bits with the "
+                         f"same K, got {a.dtype} {a.shape} and {b.dtype} {b.shape}")
+    if K % GEMM_BK or tuple(c.shape) != (M, N):
+        raise ValueError(f"tc_gemm: K must be a multiple of {GEMM_BK} and c ({M}, "
+                         f"{N}); got K={K}, c {tuple(c.shape)}")
+    key = (block_m, block_n)
+    if key not in _gemm_kernels:
+        _gemm_kernels[key] = make_tc_gemm_kernel(*key)
+    kernel = _gemm_kernels[key]
+    threads = 32 * (block_m // 64) * (block_n // 32)
+    with twin_launch():
+        a_words = a.view(np.uint64).reshape(M, K // 4)  # 8-byte words: 4 values each
+        b_words = b.view(np.uint64).reshape(N, K // 4)
+        grid = (cdiv(N, block_n), cdiv(M, block_m))
+        kernel[grid, threads, stream](a_words, b_words, c)
+    return c
+
+
+tc_gemm_kernel = make_tc_gemm_kernel()
+_gemm_kernels[(128, 128)] = tc_gemm_kernel
+PTX_SIGNATURES = {
+    "tc_gemm_kernel": [f"void(uint64[:, ::1], uint64[:, ::1], {c}[:, ::1])"
+                       for c in ("float32", "uint16")]
+}
+
+# %% [markdown]
+# Against NumPy. The tensor cores multiply bf16 values exactly and add in float32, so
+# the result may differ from a float64 product by the rounding of K float32 additions:
+# at most K · 2⁻²⁴ times the sum of |a||b| along each dot product (a textbook bound on
+# summation error). The check uses twice that.
+
+# %%
+from tinyvllm_lib.kernels.tc_gemm import tc_gemm
+
+
+def check_tc_gemm(rng, M, N, K, **kw) -> float:
+    """tc_gemm against float64; the largest error as a share of its bound."""
+    a = f32_to_bf16_bits(rng.standard_normal((M, K)).astype(np.float32))
+    b = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32))
+    c = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    tc_gemm(cuda.to_device(a), cuda.to_device(b), c, **kw)
+    A = bf16_bits_to_f32(a).astype(np.float64)
+    B = bf16_bits_to_f32(b).astype(np.float64)
+    bound = 2 * K * 2.0**-24 * (np.abs(A) @ np.abs(B).T)
+    return float((np.abs(c.copy_to_host() - A @ B.T) / bound).max())
+
+
+if can_launch():
+    M, N, K, kw = ((70, 96, 64, {"block_m": 64, "block_n": 32}) if is_simulator()
+                   else (2051, 3072, 2048, {}))
+    share = check_tc_gemm(rng, M, N, K, **kw)
+    print(f"tensor-core GEMM {M}x{N}x{K}: largest error {share:.2f} of its bound")
+    assert share <= 1
+
+# %% [markdown]
 # ## Attention, a tile at a time, on the tensor cores
 #
 # The loop is FlashAttention-2's and chapter 7's, with the arithmetic moved:
@@ -477,7 +796,14 @@ if can_launch():
 # size so the compiler can unroll every loop:
 
 # %%
-#| export
+#| export kernels.tc_attention_tiles
+import numpy as np
+from numba import config, cuda, types
+
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+from tinyvllm_lib.kernels.tensor_core import C_COLS, C_ROWS, a_matrix, bf16_values
+
+
 def attention_tile_source(head_dim: int, block_k: int, row_words: int) -> str:
     """CUDA C for a warp's two products in a tile of flash attention, 16 queries
     against block_k keys whose K and V rows are row_words 8-byte words apart in shared
@@ -560,7 +886,10 @@ extern "C" __device__ void pv_tile_{name}(float* o, const float* p,
 # which has no shuffles.
 
 # %%
-#| export
+#| export kernels.tc_attention_tiles
+_P = types.CPointer
+
+
 def accumulator_index(lane, width: int):
     """(rows, columns) of a lane's accumulators over a 16 x width product held as
     width / 8 fragments, 4 floats each."""
@@ -570,21 +899,22 @@ def accumulator_index(lane, width: int):
 
 
 if config.ENABLE_CUDASIM:
+    from tinyvllm_lib.kernels.tensor_core import warp_exchange
 
     def _tile_values(tile, head_dim):
         """A (keys, row words) uint64 tile in shared memory -> (keys, head_dim)."""
         bits = np.asarray(tile)[:, : head_dim // 4].view(np.uint16)
-        return _values(bits)
+        return bf16_values(bits)
 
     def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
         """Twins of qk_tile and pv_tile at these sizes."""
         D, BK = head_dim, block_k
 
         def qk_tile(s, q, k):
-            buffer, lane = _exchange(q[: D // 4])
+            buffer, lane = warp_exchange(q[: D // 4])
             Q = np.zeros((16, D))
             for kc in range(D // 16):
-                Q[:, 16 * kc : 16 * kc + 16] = _values(
+                Q[:, 16 * kc : 16 * kc + 16] = bf16_values(
                     a_matrix(buffer[:, 4 * kc : 4 * kc + 4])
                 )
             S = Q @ _tile_values(k, D).T  # (16, BK)
@@ -592,11 +922,11 @@ if config.ENABLE_CUDASIM:
 
         def pv_tile(o, p, v):
             words = np.asarray(p[: BK // 2], np.float32).view(np.uint32)
-            buffer, lane = _exchange(words)
+            buffer, lane = warp_exchange(words)
             P = np.zeros((16, BK))
             for other in range(32):  # P rounded to bf16, as the packing does
                 probs = buffer[other, : BK // 2].view(np.float32)
-                P[accumulator_index(other, BK)] = _values(f32_to_bf16_bits(probs))
+                P[accumulator_index(other, BK)] = bf16_values(f32_to_bf16_bits(probs))
             O = P @ _tile_values(v, D)  # (16, D)
             rows, cols = accumulator_index(lane, D)
             o[: D // 2] = (o[: D // 2].astype(np.float64) + O[rows, cols]).astype(
@@ -607,20 +937,23 @@ if config.ENABLE_CUDASIM:
 
     def quad_max2(x, y):
         """Twin: the largest x and the largest y over the lane's group of four."""
-        buffer, lane = _exchange(np.array([x, y], np.float32).view(np.uint32))
+        pair = np.array([x, y], np.float32).view(np.uint32)
+        buffer, lane = warp_exchange(pair)
         q = buffer[lane & ~3 : (lane & ~3) + 4, :2].view(np.float32)
         return q[:, 0].max(), q[:, 1].max()
 
     def quad_sum2(x, y):
         """Twin: x and y summed over the lane's group of four, in the shuffles'
         order."""
-        buffer, lane = _exchange(np.array([x, y], np.float32).view(np.uint32))
+        pair = np.array([x, y], np.float32).view(np.uint32)
+        buffer, lane = warp_exchange(pair)
         q = buffer[lane & ~3 : (lane & ~3) + 4, :2].view(np.float32)
         pairs = (np.float32(q[0] + q[1]), np.float32(q[2] + q[3]))  # xor 1, then 2
         total = pairs[0] + pairs[1]
         return np.float32(total[0]), np.float32(total[1])
 
 else:
+    from numba.cuda import CUSource
 
     def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
         """qk_tile and pv_tile at these sizes, linked from attention_tile_source."""
@@ -677,13 +1010,15 @@ from tinyvllm_lib.kernels.paged_attention import (
     prefill_tiles,
 )
 from tinyvllm_lib.kernels.paged_cache import cache_word, check_paged_context
-from tinyvllm_lib.kernels.tensor_core import (
+from tinyvllm_lib.kernels.tc_attention_tiles import (
     attention_tile_functions,
+    quad_max2,
+    quad_sum2,
+)
+from tinyvllm_lib.kernels.tensor_core import (
     exp2_approx,
     ffi,
     pack_bf16x2,
-    quad_max2,
-    quad_sum2,
     twin_launch,
 )
 
@@ -1012,61 +1347,75 @@ if can_launch():
 # running in the simulator) and counts instructions:
 
 # %%
-#| export kernels.tc_attention
+#| export
 _LINKED_PTX_SCRIPT = """
 import json, re, sys, types
+import importlib
 import numba.cuda.dispatcher as cuda_dispatcher
 cc90 = types.SimpleNamespace(compute_capability=(9, 0))
 cuda_dispatcher.get_current_device = lambda: cc90  # no GPU: compile for sm_90
 from numba.cuda.compiler import _compile_pyfunc_with_fixup
-from tinyvllm_lib.kernels.tc_attention import _ARGS, tc_prefill_kernel_for
-kernel = tc_prefill_kernel_for(int(sys.argv[1]))
+module, name, signature = sys.argv[1:4]
+kernel = getattr(importlib.import_module(module), name)
 library, _ = _compile_pyfunc_with_fixup(
-    kernel.py_func, f"void({_ARGS}, float32[:, ::1])", device=False, cc=(9, 0),
-    lto=True, debug=False, lineinfo=False, fastmath=False, opt=True, abi="numba",
-    abi_info=None, forceinline=False, launch_bounds=None)
-library._lto = True  # the flag a launch would set: the code library links with LTO
+    kernel.py_func, signature, device=False, cc=(9, 0), lto=True, debug=False,
+    lineinfo=False, fastmath=False, opt=True, abi="numba", abi_info=None,
+    forceinline=False, launch_bounds=None)
+library._lto = True  # as a launch links it: numba-cuda uses LTO wherever nvJitLink is
 ptx = library.get_lto_ptx(cc=(9, 0))
 patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
-            "shfl": r"\\bshfl", "ex2": r"\\bex2",
-            "local memory": r"\\b(?:ld|st)\\.local", "call": r"\\bcall\\b"}
+            "cp.async": r"\\bcp\\.async\\.cg", "shfl": r"\\bshfl",
+            "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local",
+            "call": r"\\bcall\\b"}
 print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
 """
 
 
-def linked_ptx_counts(head_dim: int = 64) -> dict[str, int]:
-    """Instruction counts in the tensor-core attention kernel's PTX for sm_90 after
-    link-time optimisation with its C functions; needs NVRTC and nvJitLink, no GPU."""
+def linked_ptx_counts(module: str, kernel: str) -> dict[str, int]:
+    """Instruction counts in the PTX for sm_90 of `module`.`kernel` (its first
+    PTX_SIGNATURES entry) after link-time optimisation with its C functions, compiled in
+    a fresh interpreter without the simulator: needs NVRTC and nvJitLink, no GPU."""
+    import importlib
     import json
     import os
     import subprocess
     import sys
 
+    signature = importlib.import_module(module).PTX_SIGNATURES[kernel][0]
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    res = subprocess.run([sys.executable, "-c", _LINKED_PTX_SCRIPT, str(head_dim)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", _LINKED_PTX_SCRIPT, module, kernel, signature],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
     if res.returncode:
-        raise RuntimeError(f"linking the kernel failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"linking {kernel} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 # %%
-from tinyvllm_lib.kernels.tc_attention import linked_ptx_counts
+from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
 
-counts = linked_ptx_counts(64)
-print(counts)
+counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_attention", "tc_prefill_d64_kernel")
+print("attention:", counts)
 per_tile = 2 * (64 // 16) * (64 // 8)  # S and O: (D / 16) x (BK / 8) mma each
 assert counts["mma.sync"] == per_tile and counts["local memory"] == 0
 assert counts["call"] == 0
 prose.glue("ch14_mma", counts["mma.sync"])
 prose.glue("ch14_ldsm", counts["ldmatrix"])
+gemm_counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_gemm", "tc_gemm_kernel")
+print("GEMM:", gemm_counts)
+assert gemm_counts["mma.sync"] == 32 and gemm_counts["local memory"] == 0
+prose.glue("ch14_gemm_mma", gemm_counts["mma.sync"])
+prose.glue("ch14_gemm_cp", gemm_counts["cp.async"])
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show("""
 The loop over key tiles holds {{ch14_mma}} `mma.sync` and {{ch14_ldsm}} `ldmatrix`
 (one warp's 16 queries × 64 keys × 64 dimensions, twice, in 16×8×16 pieces), no call,
 and no load or store of local memory: the C functions were inlined and every fragment
-is a register. What the hardware then makes of it — registers per thread, and whether
+is a register. The GEMM's loop over K tiles holds {{ch14_gemm_mma}} `mma.sync` (a
+warp's 64×32 piece over 32 of K) and {{ch14_gemm_cp}} `cp.async`, and no local memory
+either. What the hardware then makes of them — registers per thread, and whether
 `ptxas` spills any — shows in the SASS on a GPU (`kernel.inspect_sass()`), which the
 benchmark script checks.
 """)

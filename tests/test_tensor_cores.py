@@ -191,10 +191,63 @@ def test_tc_attention_sass_has_no_local_memory(head_dim):
 def test_linked_ptx_keeps_fragments_in_registers():
     """No GPU needed: NVRTC compiles the C, nvJitLink links it with the kernel by LTO
     and gives PTX; the loop over key tiles has its mma and no local memory."""
-    from tinyvllm_lib.kernels.tc_attention import linked_ptx_counts
+    from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
 
-    counts = linked_ptx_counts(128)
+    counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_attention", "tc_prefill_d128_kernel")
     assert counts["mma.sync"] == 2 * (128 // 16) * (64 // 8)
     assert counts["ldmatrix"] == counts["mma.sync"] // 2
     assert counts["local memory"] == 0 and counts["call"] == 0
     assert counts["ex2"] == 64 // 2 + 2  # P's exponentials a lane, and two corrections
+
+
+def gemm_error_share(rng, M, N, K, out_dtype=np.float32, **kw) -> float:
+    """tc_gemm against float64, as a share of twice the float32 summation bound."""
+    from tinyvllm_lib.kernels.tc_gemm import tc_gemm
+
+    a, b = random_bits(rng, (M, K)), random_bits(rng, (N, K))
+    fill = NAN_BF16 if out_dtype == np.uint16 else np.nan
+    c = cuda.to_device(np.full((M, N), fill, out_dtype))
+    tc_gemm(cuda.to_device(a), cuda.to_device(b), c, **kw)
+    got = c.copy_to_host()
+    got = bf16_bits_to_f32(got) if out_dtype == np.uint16 else got
+    A, B = bf16_bits_to_f32(a).astype(np.float64), bf16_bits_to_f32(b).astype(np.float64)
+    want = A @ B.T
+    bound = 2 * K * 2.0**-24 * (np.abs(A) @ np.abs(B).T)
+    if out_dtype == np.uint16:  # and the output's rounding: half an ulp of bf16
+        bound = bound + 2.0**-8 * np.abs(want)
+    return float((np.abs(got - want) / bound).max())
+
+
+@pytest.mark.skipif(not is_simulator(), reason="tiny shapes for the simulator")
+def test_tc_gemm_in_the_simulator():
+    rng = np.random.default_rng(11)
+    # tails in M and N, three K tiles (both pipeline stages, twice)
+    assert gemm_error_share(rng, 70, 40, 96, block_m=64, block_n=32) <= 1
+    assert gemm_error_share(rng, 5, 32, 32, np.uint16, block_m=64, block_n=32) <= 1
+
+
+def test_tc_gemm_refuses_what_it_cannot_take():
+    from tinyvllm_lib.kernels.tc_gemm import make_tc_gemm_kernel, tc_gemm
+
+    with pytest.raises(ValueError, match="multiple of 64"):
+        make_tc_gemm_kernel(48, 128)
+    a = np.zeros((4, 40), np.uint16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tc_gemm(a, np.zeros((8, 40), np.uint16), np.zeros((4, 8), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("shape", [(2051, 3072, 2048), (1, 2048, 2048), (300, 8192, 2048), (2048, 2048, 8192)])
+def test_tc_gemm_on_the_gpu(shape):
+    rng = np.random.default_rng(shape[0])
+    assert gemm_error_share(rng, *shape) <= 1
+    assert gemm_error_share(rng, *shape, out_dtype=np.uint16) <= 1
+
+
+def test_linked_gemm_ptx_keeps_fragments_in_registers():
+    from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
+
+    counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_gemm", "tc_gemm_kernel")
+    assert counts["mma.sync"] == 2 * 16 and counts["ldmatrix"] == 2 * (4 + 2)
+    assert counts["cp.async"] == 4 and counts["local memory"] == 0 and counts["call"] == 0

@@ -17,13 +17,15 @@ from tinyvllm_lib.kernels.paged_attention import (
     prefill_tiles,
 )
 from tinyvllm_lib.kernels.paged_cache import cache_word, check_paged_context
-from tinyvllm_lib.kernels.tensor_core import (
+from tinyvllm_lib.kernels.tc_attention_tiles import (
     attention_tile_functions,
+    quad_max2,
+    quad_sum2,
+)
+from tinyvllm_lib.kernels.tensor_core import (
     exp2_approx,
     ffi,
     pack_bf16x2,
-    quad_max2,
-    quad_sum2,
     twin_launch,
 )
 
@@ -259,41 +261,3 @@ def paged_prefill_attention_bf16_ref(q, k_cache, v_cache, block_tables, seq_lens
             cols = slice(h * head_dim, (h + 1) * head_dim)
             out[start:end, cols] = o / p.sum(axis=1, keepdims=True)
     return out
-
-
-# defined in chapters/14_tensor_cores.py
-_LINKED_PTX_SCRIPT = """
-import json, re, sys, types
-import numba.cuda.dispatcher as cuda_dispatcher
-cc90 = types.SimpleNamespace(compute_capability=(9, 0))
-cuda_dispatcher.get_current_device = lambda: cc90  # no GPU: compile for sm_90
-from numba.cuda.compiler import _compile_pyfunc_with_fixup
-from tinyvllm_lib.kernels.tc_attention import _ARGS, tc_prefill_kernel_for
-kernel = tc_prefill_kernel_for(int(sys.argv[1]))
-library, _ = _compile_pyfunc_with_fixup(
-    kernel.py_func, f"void({_ARGS}, float32[:, ::1])", device=False, cc=(9, 0),
-    lto=True, debug=False, lineinfo=False, fastmath=False, opt=True, abi="numba",
-    abi_info=None, forceinline=False, launch_bounds=None)
-library._lto = True  # the flag a launch would set: the code library links with LTO
-ptx = library.get_lto_ptx(cc=(9, 0))
-patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
-            "shfl": r"\\bshfl", "ex2": r"\\bex2",
-            "local memory": r"\\b(?:ld|st)\\.local", "call": r"\\bcall\\b"}
-print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
-"""
-
-
-def linked_ptx_counts(head_dim: int = 64) -> dict[str, int]:
-    """Instruction counts in the tensor-core attention kernel's PTX for sm_90 after
-    link-time optimisation with its C functions; needs NVRTC and nvJitLink, no GPU."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    res = subprocess.run([sys.executable, "-c", _LINKED_PTX_SCRIPT, str(head_dim)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    if res.returncode:
-        raise RuntimeError(f"linking the kernel failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])

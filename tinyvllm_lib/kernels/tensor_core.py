@@ -51,6 +51,13 @@ def unpack_pairs(words) -> np.ndarray:
     )
 
 
+def bf16_values(bits) -> np.ndarray:
+    """bf16 bits -> float64 values."""
+    return (np.asarray(bits, np.uint32) << np.uint32(16)).view(np.float32).astype(
+        np.float64
+    )
+
+
 def a_matrix(a_words) -> np.ndarray:
     """(32, 4) A fragments -> the (16, 16) bf16 bits they hold (a_fragments undone)."""
     a, h = np.zeros((16, 16), np.uint16), unpack_pairs(a_words)
@@ -113,7 +120,7 @@ if config.ENABLE_CUDASIM:
     ffi = _SimFFI()
     _twin_lock = threading.Lock()
 
-    def _exchange(words):
+    def warp_exchange(words):
         """(32, 64) uint32: every lane's `words` (up to 64 each) once all 32 lanes of
         this thread's warp have given theirs, and this lane's index. Two buffers in
         turn: a lane writes one again only after every lane has arrived at the call
@@ -136,18 +143,13 @@ if config.ENABLE_CUDASIM:
             time.sleep(0)  # let the other lanes run
         return buffer, lane
 
-    def _values(bits) -> np.ndarray:
-        """bf16 bits -> float64 values."""
-        return (np.asarray(bits, np.uint32) << np.uint32(16)).view(np.float32).astype(
-            np.float64
-        )
-
     def mma_bf16_m16n8k16(c, a, b):
         """Twin: the warp's lanes swap fragments; each adds its four products to c."""
         words = np.empty(6, np.uint32)
         words[:4], words[4:] = a[:4], b[:2]
-        buffer, lane = _exchange(words)
-        A, B = _values(a_matrix(buffer[:, :4])), _values(b_matrix(buffer[:, 4:6]))
+        buffer, lane = warp_exchange(words)
+        A = bf16_values(a_matrix(buffer[:, :4]))
+        B = bf16_values(b_matrix(buffer[:, 4:6]))
         rows, cols = C_ROWS[lane], C_COLS[lane]
         for i in range(4):
             c[i] = np.float32(np.float64(c[i]) + A[rows[i]] @ B[:, cols[i]])
@@ -160,6 +162,10 @@ if config.ENABLE_CUDASIM:
     def exp2_approx(x):
         """Twin of the C helper (exact here: the hardware's is within 2 ulp)."""
         return np.float32(np.exp2(np.float32(x)))
+
+    def simulated_lane() -> int:
+        """The lane of the simulated thread running this twin."""
+        return threading.current_thread().thread_id % 32
 
     @contextlib.contextmanager
     def twin_launch():
@@ -238,167 +244,45 @@ PTX_SIGNATURES = {
 
 
 # defined in chapters/14_tensor_cores.py
-def attention_tile_source(head_dim: int, block_k: int, row_words: int) -> str:
-    """CUDA C for a warp's two products in a tile of flash attention, 16 queries
-    against block_k keys whose K and V rows are row_words 8-byte words apart in shared
-    memory: qk_tile_d{D}_k{BK} (S = Q K^T) and pv_tile_d{D}_k{BK} (O += P V)."""
-    D, BK, ROW, name = head_dim, block_k, row_words, f"d{head_dim}_k{block_k}"
-    return rf"""
-#define MMA16816(c, a0, a1, a2, a3, b0, b1) \
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " \
-      "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};" \
-      : "+f"((c)[0]), "+f"((c)[1]), "+f"((c)[2]), "+f"((c)[3]) \
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
-
-// four 8 x 8 bf16 matrices: lane l points at row l % 8 of matrix l / 8
-static __device__ __forceinline__ void ldsm_{name}(unsigned* r,
-                                                   const unsigned long long* p,
-                                                   bool trans) {{
-  unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  if (trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 "
-                 "{{%0, %1, %2, %3}}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
-}}
-
-// s = this warp's 16 x {BK} scores ({BK // 8} accumulator fragments) = q K^T
-extern "C" __device__ void qk_tile_{name}(float* s, const unsigned* q,
-                                          const unsigned long long* k) {{
-  int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
-#pragma unroll
-  for (int i = 0; i < {BK // 2}; ++i) s[i] = 0.0f;
-#pragma unroll
-  for (int p = 0; p < {BK // 16}; ++p) {{     // 16 keys: two accumulator fragments
-#pragma unroll
-    for (int kc = 0; kc < {D // 16}; ++kc) {{  // 16 dimensions: one A fragment of q
-      unsigned b[4];  // keys 16p.., dims 16kc..: b0, b1; then keys 8 on: b0, b1 again
-      int key = 16 * p + 8 * (mat / 2) + row;
-      ldsm_{name}(b, k + key * {ROW} + 4 * kc + 2 * (mat % 2), false);
-      const unsigned* a = q + 4 * kc;
-      MMA16816(s + 8 * p, a[0], a[1], a[2], a[3], b[0], b[1]);
-      MMA16816(s + 8 * p + 4, a[0], a[1], a[2], a[3], b[2], b[3]);
-    }}
-  }}
-}}
-
-static __device__ __forceinline__ unsigned pack_{name}(float lo, float hi) {{
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}}
-
-// o (this warp's 16 x {D} outputs) += p (16 x {BK} probabilities, laid out as s) V
-extern "C" __device__ void pv_tile_{name}(float* o, const float* p,
-                                          const unsigned long long* v) {{
-  int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
-#pragma unroll
-  for (int kc = 0; kc < {BK // 16}; ++kc) {{  // 16 keys: two accumulators make A
-    const float* x = p + 8 * kc;
-    unsigned a0 = pack_{name}(x[0], x[1]), a1 = pack_{name}(x[2], x[3]);
-    unsigned a2 = pack_{name}(x[4], x[5]), a3 = pack_{name}(x[6], x[7]);
-#pragma unroll
-    for (int dp = 0; dp < {D // 16}; ++dp) {{  // 16 dimensions: two accumulators
-      unsigned b[4];  // V transposed: keys 16kc.., dims 16dp.. (b0, b1), then dims 8 on
-      int key = 16 * kc + 8 * (mat % 2) + row;
-      ldsm_{name}(b, v + key * {ROW} + 4 * dp + 2 * (mat / 2), true);
-      MMA16816(o + 8 * dp, a0, a1, a2, a3, b[0], b[1]);
-      MMA16816(o + 8 * dp + 4, a0, a1, a2, a3, b[2], b[3]);
-    }}
-  }}
-}}
+_LINKED_PTX_SCRIPT = """
+import json, re, sys, types
+import importlib
+import numba.cuda.dispatcher as cuda_dispatcher
+cc90 = types.SimpleNamespace(compute_capability=(9, 0))
+cuda_dispatcher.get_current_device = lambda: cc90  # no GPU: compile for sm_90
+from numba.cuda.compiler import _compile_pyfunc_with_fixup
+module, name, signature = sys.argv[1:4]
+kernel = getattr(importlib.import_module(module), name)
+library, _ = _compile_pyfunc_with_fixup(
+    kernel.py_func, signature, device=False, cc=(9, 0), lto=True, debug=False,
+    lineinfo=False, fastmath=False, opt=True, abi="numba", abi_info=None,
+    forceinline=False, launch_bounds=None)
+library._lto = True  # as a launch links it: numba-cuda uses LTO wherever nvJitLink is
+ptx = library.get_lto_ptx(cc=(9, 0))
+patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
+            "cp.async": r"\\bcp\\.async\\.cg", "shfl": r"\\bshfl",
+            "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local",
+            "call": r"\\bcall\\b"}
+print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
 """
 
 
-# defined in chapters/14_tensor_cores.py
-def accumulator_index(lane, width: int):
-    """(rows, columns) of a lane's accumulators over a 16 x width product held as
-    width / 8 fragments, 4 floats each."""
-    n = np.arange(width // 8).repeat(4)
-    e = np.tile(np.arange(4), width // 8)
-    return C_ROWS[lane][e], 8 * n + C_COLS[lane][e]
+def linked_ptx_counts(module: str, kernel: str) -> dict[str, int]:
+    """Instruction counts in the PTX for sm_90 of `module`.`kernel` (its first
+    PTX_SIGNATURES entry) after link-time optimisation with its C functions, compiled in
+    a fresh interpreter without the simulator: needs NVRTC and nvJitLink, no GPU."""
+    import importlib
+    import json
+    import os
+    import subprocess
+    import sys
 
-
-if config.ENABLE_CUDASIM:
-
-    def _tile_values(tile, head_dim):
-        """A (keys, row words) uint64 tile in shared memory -> (keys, head_dim)."""
-        bits = np.asarray(tile)[:, : head_dim // 4].view(np.uint16)
-        return _values(bits)
-
-    def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
-        """Twins of qk_tile and pv_tile at these sizes."""
-        D, BK = head_dim, block_k
-
-        def qk_tile(s, q, k):
-            buffer, lane = _exchange(q[: D // 4])
-            Q = np.zeros((16, D))
-            for kc in range(D // 16):
-                Q[:, 16 * kc : 16 * kc + 16] = _values(
-                    a_matrix(buffer[:, 4 * kc : 4 * kc + 4])
-                )
-            S = Q @ _tile_values(k, D).T  # (16, BK)
-            s[: BK // 2] = S[accumulator_index(lane, BK)].astype(np.float32)
-
-        def pv_tile(o, p, v):
-            words = np.asarray(p[: BK // 2], np.float32).view(np.uint32)
-            buffer, lane = _exchange(words)
-            P = np.zeros((16, BK))
-            for other in range(32):  # P rounded to bf16, as the packing does
-                probs = buffer[other, : BK // 2].view(np.float32)
-                P[accumulator_index(other, BK)] = _values(f32_to_bf16_bits(probs))
-            O = P @ _tile_values(v, D)  # (16, D)
-            rows, cols = accumulator_index(lane, D)
-            o[: D // 2] = (o[: D // 2].astype(np.float64) + O[rows, cols]).astype(
-                np.float32
-            )
-
-        return qk_tile, pv_tile
-
-    def quad_max2(x, y):
-        """Twin: the largest x and the largest y over the lane's group of four."""
-        buffer, lane = _exchange(np.array([x, y], np.float32).view(np.uint32))
-        q = buffer[lane & ~3 : (lane & ~3) + 4, :2].view(np.float32)
-        return q[:, 0].max(), q[:, 1].max()
-
-    def quad_sum2(x, y):
-        """Twin: x and y summed over the lane's group of four, in the shuffles'
-        order."""
-        buffer, lane = _exchange(np.array([x, y], np.float32).view(np.uint32))
-        q = buffer[lane & ~3 : (lane & ~3) + 4, :2].view(np.float32)
-        pairs = (np.float32(q[0] + q[1]), np.float32(q[2] + q[3]))  # xor 1, then 2
-        total = pairs[0] + pairs[1]
-        return np.float32(total[0]), np.float32(total[1])
-
-else:
-
-    def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
-        """qk_tile and pv_tile at these sizes, linked from attention_tile_source."""
-        src = CUSource(attention_tile_source(head_dim, block_k, row_words))
-        name = f"d{head_dim}_k{block_k}"
-        words, floats = _P(types.uint32), _P(types.float32)
-        qk = cuda.declare_device(f"qk_tile_{name}",
-                                 types.void(floats, words, _P(types.uint64)),
-                                 link=src, abi="c")
-        pv = cuda.declare_device(f"pv_tile_{name}",
-                                 types.void(floats, floats, _P(types.uint64)),
-                                 link=src, abi="c")
-        return qk, pv
-
-    @cuda.jit(device=True)
-    def quad_max2(x, y):
-        """The largest x and the largest y over the lane's group of four."""
-        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 1))
-        y = max(y, cuda.shfl_xor_sync(0xFFFFFFFF, y, 1))
-        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 2))
-        return x, max(y, cuda.shfl_xor_sync(0xFFFFFFFF, y, 2))
-
-    @cuda.jit(device=True)
-    def quad_sum2(x, y):
-        """x and y summed over the lane's group of four."""
-        x = x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
-        y = y + cuda.shfl_xor_sync(0xFFFFFFFF, y, 1)
-        x = x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
-        return x, y + cuda.shfl_xor_sync(0xFFFFFFFF, y, 2)
+    signature = importlib.import_module(module).PTX_SIGNATURES[kernel][0]
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    res = subprocess.run(
+        [sys.executable, "-c", _LINKED_PTX_SCRIPT, module, kernel, signature],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    if res.returncode:
+        raise RuntimeError(f"linking {kernel} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
