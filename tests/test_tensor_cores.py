@@ -114,7 +114,7 @@ def errors(got, case, block_size, H, KVH, D):
 
 SIM_CASES = [  # (seqs, H, KVH, D, block_size, block_q, block_k)
     ([(0, 21), (37, 9)], 4, 2, 32, 8, 16, 32),  # grouped heads, cached tokens
-    ([(5, 40)], 2, 1, 16, 4, 32, 16),  # two warps, one tile holds several queries' keys
+    ([(5, 40)], 2, 1, 16, 4, 32, 32),  # two warps; 45 keys: two tiles, both stages
 ]
 
 
@@ -188,16 +188,20 @@ def test_tc_attention_sass_has_no_local_memory(head_dim):
     assert not re.findall(r"\b(?:LDL|STL)\b", sass), "fragments spilled to local memory"
 
 
-def test_linked_ptx_keeps_fragments_in_registers():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_linked_ptx_keeps_fragments_in_registers(head_dim):
     """No GPU needed: NVRTC compiles the C, nvJitLink links it with the kernel by LTO
-    and gives PTX; the loop over key tiles has its mma and no local memory."""
+    and gives PTX; the loop over key tiles has its mma, its copies, and no local memory."""
+    from tinyvllm_lib.kernels.tc_attention import tc_block_k
     from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
 
-    counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_attention", "tc_prefill_d128_kernel")
-    assert counts["mma.sync"] == 2 * (128 // 16) * (64 // 8)
+    counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_attention", f"tc_prefill_d{head_dim}_kernel")
+    block_k = tc_block_k(head_dim)
+    assert counts["mma.sync"] == 2 * (head_dim // 16) * (block_k // 8)
     assert counts["ldmatrix"] == counts["mma.sync"] // 2
+    assert counts["cp.async"] == 2 * block_k * (head_dim // 8) // 128  # K and V, 128 threads
     assert counts["local memory"] == 0 and counts["call"] == 0
-    assert counts["ex2"] == 64 // 2 + 2  # P's exponentials a lane, and two corrections
+    assert counts["ex2"] == block_k // 2 + 2  # P's exponentials a lane, and two corrections
 
 
 def gemm_error_share(rng, M, N, K, out_dtype=np.float32, **kw) -> float:

@@ -22,6 +22,11 @@ from tinyvllm_lib.kernels.tc_attention_tiles import (
     quad_max2,
     quad_sum2,
 )
+from tinyvllm_lib.kernels.tc_gemm import (
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait_one,
+)
 from tinyvllm_lib.kernels.tensor_core import (
     exp2_approx,
     ffi,
@@ -30,25 +35,34 @@ from tinyvllm_lib.kernels.tensor_core import (
 )
 
 TC_BLOCK_Q = 64  # queries per block: 4 warps of 16
-TC_BLOCK_K = 64  # keys per tile
 LOG2E = 1.4426950408889634
 
 
+def tc_block_k(head_dim: int) -> int:
+    """Keys a tile: two stages of K and V tiles fit the 48 KiB of static shared
+    memory (64 keys of 64 dimensions: 36 KiB; 32 of 128)."""
+    return 64 if head_dim <= 64 else 32
+
+
 def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
-                           block_k: int = TC_BLOCK_K):
+                           block_k: int | None = None):
     """Causal GQA attention of new tokens over a paged bf16 KV cache on the tensor
     cores: a block per (query head, entry of the tile schedule), a warp per 16 queries,
-    K and V tiles staged in shared memory through the block table."""
-    D, BQ, BK = head_dim, block_q, block_k
+    K and V tiles copied through the block table into shared memory by cp.async, the
+    next tile on its way while the warps work on this one."""
+    D, BQ, BK = head_dim, block_q, block_k or tc_block_k(head_dim)
     THREADS = 32 * (BQ // 16)
     WPR = D // 4  # 8-byte words in one key's row of one KV head
     ROW = WPR + 2  # a row in shared memory: 16 bytes of padding against bank conflicts
-    LOADS = BK * WPR // THREADS  # words of K (and of V) each thread stages per tile
+    STAGE = BK * ROW  # words of one stage of a tile
+    CPR = D // 8  # 16-byte chunks in a key's row
+    CHUNKS = BK * CPR // THREADS  # chunks of K (and of V) each thread copies a tile
     QW, SW, OW = D // 4, BK // 2, D // 2  # registers a lane: Q words, S and O floats
     NT, DT = BK // 8, D // 8  # accumulator fragments of S and of O
-    if D % 16 or BQ % 16 or BK % 16 or (BK * WPR) % THREADS:
+    if D % 16 or BQ % 16 or BK % 16 or (BK * CPR) % THREADS:
         raise ValueError(f"tensor-core attention needs head_dim, block_q and block_k "
-                         f"multiples of 16, got {D}, {BQ}, {BK}")
+                         f"multiples of 16 (a whole number of copies a thread), got "
+                         f"{D}, {BQ}, {BK}")
     qk_tile, pv_tile = attention_tile_functions(D, BK, ROW)
 
     @cuda.jit
@@ -72,13 +86,11 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
         kvh = uint32(h // (num_heads // num_kv_heads))
         bt_row = block_tables[seq]
         block_mask = (uint32(1) << block_shift) - uint32(1)
-        k_tile = cuda.shared.array((BK, ROW), uint64)
-        v_tile = cuda.shared.array((BK, ROW), uint64)
+        k_tile = cuda.shared.array((2, STAGE), uint64)  # two stages, in turn
+        v_tile = cuda.shared.array((2, STAGE), uint64)
         qf = cuda.local.array(QW, uint32)  # Q: D / 16 A fragments
         s = cuda.local.array(SW, float32)  # S, then P: BK / 8 accumulator fragments
         o = cuda.local.array(OW, float32)  # O: D / 8 accumulator fragments
-        kw = cuda.local.array(LOADS, uint64)
-        vw = cuda.local.array(LOADS, uint64)
         for kc in range(D // 16):  # Q rounded to bf16 in the A fragments' layout
             for r in range(4):
                 row = row_a if r % 2 == 0 else row_b
@@ -91,21 +103,28 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
             o[i] = float32(0.0)
         m_a, m_b = float32(-math.inf), float32(-math.inf)
         l_a, l_b = float32(0.0), float32(0.0)  # this lane's part of each row's sum
-        for k_start in range(0, num_keys, BK):
-            cuda.syncthreads()  # every warp is done with the previous tiles
-            for u in range(LOADS):  # all loads in flight before any store
-                w = tid + u * THREADS
-                key = min(k_start + w // WPR, num_keys - 1)  # past the end: the last
-                word = cache_word(bt_row, uint32(key), block_shift, block_mask,
-                                  uint32(num_kv_heads), kvh, WPR, uint32(w % WPR))
-                kw[u] = k_cache[word]
-                vw[u] = v_cache[word]
-            for u in range(LOADS):
-                w = tid + u * THREADS
-                k_tile[w // WPR, w % WPR] = kw[u]
-                v_tile[w // WPR, w % WPR] = vw[u]
-            cuda.syncthreads()
-            qk_tile(ffi.from_buffer(s), ffi.from_buffer(qf), ffi.from_buffer(k_tile))
+        num_tiles = (num_keys + BK - 1) // BK
+        for it in range(num_tiles + 1):
+            if it < num_tiles:  # start copying tile it into stage it % 2
+                for u in range(CHUNKS):
+                    c = tid + u * THREADS  # key c // CPR, 16 bytes c % CPR of its row
+                    key = min(it * BK + c // CPR, num_keys - 1)  # past the end: last
+                    word = cache_word(bt_row, uint32(key), block_shift, block_mask,
+                                      uint32(num_kv_heads), kvh, WPR,
+                                      uint32(2 * (c % CPR)))
+                    at = (c // CPR) * ROW + 2 * (c % CPR)
+                    cp_async16(ffi.from_buffer(k_tile[it % 2, at:]),
+                               ffi.from_buffer(k_cache[word:]))
+                    cp_async16(ffi.from_buffer(v_tile[it % 2, at:]),
+                               ffi.from_buffer(v_cache[word:]))
+            cp_async_commit()  # (an empty group on the last pass)
+            if it == 0:
+                continue
+            cp_async_wait_one()  # this thread's copies of tile it - 1 have landed
+            cuda.syncthreads()  # and every thread's
+            stage, k_start = (it - 1) % 2, (it - 1) * BK
+            qk_tile(ffi.from_buffer(s), ffi.from_buffer(qf),
+                    ffi.from_buffer(k_tile[stage, 0:]))
             # the causal mask and the online softmax, on the accumulators
             mx_a, mx_b = float32(-math.inf), float32(-math.inf)
             for n in range(NT):
@@ -140,7 +159,9 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
                 o[4 * n + 1] *= corr_a
                 o[4 * n + 2] *= corr_b
                 o[4 * n + 3] *= corr_b
-            pv_tile(ffi.from_buffer(o), ffi.from_buffer(s), ffi.from_buffer(v_tile))
+            pv_tile(ffi.from_buffer(o), ffi.from_buffer(s),
+                    ffi.from_buffer(v_tile[stage, 0:]))
+            cuda.syncthreads()  # done with the stage the next copy overwrites
         l_a, l_b = quad_sum2(l_a, l_b)
         inv_a, inv_b = float32(1.0) / l_a, float32(1.0) / l_b
         for n in range(DT):
@@ -161,9 +182,9 @@ _kernels = {}
 
 
 def tc_prefill_kernel_for(head_dim: int, block_q: int = TC_BLOCK_Q,
-                          block_k: int = TC_BLOCK_K):
+                          block_k: int | None = None):
     """The kernel for these sizes, built on first use and kept."""
-    key = (head_dim, block_q, block_k)
+    key = (head_dim, block_q, block_k or tc_block_k(head_dim))
     if key not in _kernels:
         _kernels[key] = make_tc_prefill_kernel(*key)
     return _kernels[key]
@@ -173,7 +194,7 @@ def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
                          query_start_loc, max_query_len: int, block_size: int,
                          num_heads: int, num_kv_heads: int, head_dim: int, out,
                          stream=0, block_q: int = TC_BLOCK_Q,
-                         block_k: int = TC_BLOCK_K, tiles=None):
+                         block_k: int | None = None, tiles=None):
     """paged_prefill_attention (chapter 10), same arguments and result, on the tensor
     cores; head_dim a multiple of 16. tiles: prefill_tiles(...) at this block_q."""
     name = "tc_prefill_attention"

@@ -98,10 +98,11 @@ def accumulator_index(lane, width: int):
 if config.ENABLE_CUDASIM:
     from tinyvllm_lib.kernels.tensor_core import warp_exchange
 
-    def _tile_values(tile, head_dim):
-        """A (keys, row words) uint64 tile in shared memory -> (keys, head_dim)."""
-        bits = np.asarray(tile)[:, : head_dim // 4].view(np.uint16)
-        return bf16_values(bits)
+    def _tile_values(tile, block_k, row_words, head_dim):
+        """A tile in shared memory, block_k rows of row_words 8-byte words from where
+        `tile` starts -> (block_k, head_dim) values."""
+        rows = np.asarray(tile)[: block_k * row_words].reshape(block_k, row_words)
+        return bf16_values(rows[:, : head_dim // 4].view(np.uint16))
 
     def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
         """Twins of qk_tile and pv_tile at these sizes."""
@@ -114,7 +115,7 @@ if config.ENABLE_CUDASIM:
                 Q[:, 16 * kc : 16 * kc + 16] = bf16_values(
                     a_matrix(buffer[:, 4 * kc : 4 * kc + 4])
                 )
-            S = Q @ _tile_values(k, D).T  # (16, BK)
+            S = Q @ _tile_values(k, BK, row_words, D).T  # (16, BK)
             s[: BK // 2] = S[accumulator_index(lane, BK)].astype(np.float32)
 
         def pv_tile(o, p, v):
@@ -124,7 +125,7 @@ if config.ENABLE_CUDASIM:
             for other in range(32):  # P rounded to bf16, as the packing does
                 probs = buffer[other, : BK // 2].view(np.float32)
                 P[accumulator_index(other, BK)] = bf16_values(f32_to_bf16_bits(probs))
-            O = P @ _tile_values(v, D)  # (16, D)
+            O = P @ _tile_values(v, BK, row_words, D)  # (16, D)
             rows, cols = accumulator_index(lane, D)
             o[: D // 2] = (o[: D // 2].astype(np.float64) + O[rows, cols]).astype(
                 np.float32
