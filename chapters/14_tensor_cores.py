@@ -1466,6 +1466,39 @@ benchmark script checks.
 # %% [markdown]
 # ## How fast
 #
+# A prediction first, written before the kernel ran on a GPU. A probe of `mma.sync`
+# alone on the H200 (a linked C function, four independent accumulators a warp, no
+# loads) reached the rate below; that is this kernel's ceiling. Between its tensor-core
+# instructions the kernel also spends, a warp per tile of keys, 34 exponentials (the
+# special-function unit does a warp's 32 in about 8 cycles), some 200 other
+# instructions for the mask and the softmax, and an `ldmatrix` for every two `mma`.
+# With three warps to interleave on each scheduler, some of that hides behind the
+# tensor cores and some does not: FlashAttention-2, the same loop carefully tuned,
+# reaches about half of `mma.sync`'s rate. This kernel should land between a quarter
+# and a half of it.
+
+# %%
+MMA_SYNC_TFLOPS = 575  # the mma.sync probe on the H200 (../shared/probes), no loads
+predicted = (MMA_SYNC_TFLOPS / 4, MMA_SYNC_TFLOPS / 2)
+layers, heads, d, n = 16, 32, 64, 8000  # Llama 3.2 1B, an 8,000-token prompt
+flops = 4 * heads * d * n * (n + 1) / 2 * layers
+ms = [flops / (t * 1e12) * 1e3 for t in predicted]
+print(f"predicted {predicted[0]:.0f} to {predicted[1]:.0f} TFLOP/s: attention of an "
+      f"8,000-token prompt in {ms[1]:.0f} to {ms[0]:.0f} ms over the 16 layers")
+prose.glue("ch14_probe", f"{MMA_SYNC_TFLOPS} TFLOP/s")
+prose.glue("ch14_predicted", f"{predicted[0]:.0f} to {predicted[1]:.0f} TFLOP/s")
+prose.glue("ch14_predicted_ms", f"{ms[1]:.0f} to {ms[0]:.0f} ms")
+prose.glue("ch14_simt_ms", f"{flops / (best_simt * 1e12) * 1e3:.0f} ms")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+The probe's ceiling is {{ch14_probe}}; the prediction {{ch14_predicted}}, which would
+put the attention of an 8,000-token prompt at {{ch14_predicted_ms}} for the whole
+model, against {{ch14_simt_ms}} at chapter 7's best SIMT rate.
+""")
+
+# %% [markdown]
+#
 # The benchmark script times the kernel on the H200 against chapter 10's paged kernel
 # (SIMT) and torch's `scaled_dot_product_attention` (its flash backend), causal, 32
 # query and 8 KV heads of 64 dimensions, from 512 to 16,384 new tokens, and after 4,096
