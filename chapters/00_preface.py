@@ -51,7 +51,7 @@
 # | 11 | Llama 3.2 1B | CUDA graphs, overlap, sampling inside the graph, the benchmark |
 # | 12 | serving | an OpenAI-compatible server: streaming, abort, metrics, a benchmark |
 # | 13 | tensor parallelism | one model on several GPUs (CPU ranks; two GPUs to come) |
-# | 14 | tensor cores | flash-attention prefill on `mma.sync` — *not written yet* |
+# | 14 | tensor cores | `mma.sync` from numba: a GEMM and flash-attention prefill |
 # | 15 | 8-bit weights | int8 and FP8 for decoding — *not written yet* |
 # | A | the Llama 3.2 1B stand-in | the real tokenizer, random weights of its shapes |
 #
@@ -64,8 +64,9 @@
 # engine on an H200 against transformers (what it reached, from its records, is in the
 # next cell's output). Chapter 12's serving benchmark is recorded on a CPU and on an
 # H200. Chapter 13 splits the model over ranks and is tested on CPU processes; its
-# two-GPU measurement waits for a machine with two GPUs. Chapters 14–15 are not written
-# yet.
+# two-GPU measurement waits for a machine with two GPUs. Chapter 14 puts prefill
+# attention on the tensor cores, tested in the simulator through Python twins of its
+# linked CUDA C; its H200 measurements are to come. Chapter 15 is not written yet.
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 import json
