@@ -290,10 +290,32 @@ extern "C" __device__ float exp2_approx(float x) {  // x = -inf gives 0
 # `syncthreads` would do, but it costs tens of milliseconds a call there; the twins'
 # warps meet at a barrier of their own that spins with the interpreter's lock released,
 # and `twin_launch` shortens the interpreter's thread switch while a kernel runs.)
+#
+# Two more things the GPU needs and the simulator does not check. `ldmatrix` and
+# `cp.async` take 16-byte-aligned shared addresses, and numba aligns a shared array
+# only to its element (8 bytes for uint64), so the kernels ask for 16 (`SHARED_ALIGN`).
+# And the C is inlined only when numba links with LTO, which it does by default
+# wherever nvJitLink is installed — but not with `debug=True`; `require_lto` makes a
+# kernel built without it an error rather than a slow surprise.
 
 # %%
 #| export
 _P = types.CPointer
+# alignment of shared tiles that ldmatrix and cp.async read and write (the simulator
+# takes no alignment argument)
+SHARED_ALIGN = None if config.ENABLE_CUDASIM else 16
+
+
+def require_lto(kernel):
+    """`kernel`, once it is sure to link its C with link-time optimisation (inlined:
+    its fragments stay in registers); a RuntimeError if not. Nothing to check in the
+    simulator."""
+    if not config.ENABLE_CUDASIM and not kernel.targetoptions.get("lto"):
+        raise RuntimeError(
+            "this kernel calls linked CUDA C that must be inlined: numba links with "
+            "LTO only when nvJitLink is installed (numba-cuda[cu13]) and debug is off"
+        )
+    return kernel
 
 if config.ENABLE_CUDASIM:
     import contextlib
@@ -434,6 +456,7 @@ def mma_tile(a_bits, b_bits, c):
     return c_matrix(out.copy_to_host())
 
 
+require_lto(mma_tile_kernel)
 PTX_SIGNATURES = {
     "mma_tile_kernel": ["void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1])"]
 }
@@ -500,8 +523,10 @@ from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.tensor_core import (
     C_COLS,
     C_ROWS,
+    SHARED_ALIGN,
     bf16_values,
     ffi,
+    require_lto,
     twin_launch,
 )
 
@@ -668,8 +693,8 @@ def make_tc_gemm_kernel(block_m: int = 128, block_n: int = 128):
         warp, lane = tid // 32, tid % 32
         m0, n0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BN
         M, N, num_k = a.shape[0], b.shape[0], a.shape[1] // (GEMM_BK // 4)
-        a_tile = cuda.shared.array((2, A_WORDS), uint64)  # two stages
-        b_tile = cuda.shared.array((2, B_WORDS), uint64)
+        a_tile = cuda.shared.array((2, A_WORDS), uint64, alignment=SHARED_ALIGN)
+        b_tile = cuda.shared.array((2, B_WORDS), uint64, alignment=SHARED_ALIGN)
         acc = cuda.local.array(64, float32)
         for i in range(64):
             acc[i] = float32(0.0)
@@ -710,7 +735,7 @@ def make_tc_gemm_kernel(block_m: int = 128, block_n: int = 128):
                         store_activation(c, row, col, acc[4 * (4 * i + j) + e])
 
     kernel.block_m, kernel.block_n = BM, BN
-    return kernel
+    return require_lto(kernel)
 
 
 _gemm_kernels = {}
@@ -1023,9 +1048,11 @@ from tinyvllm_lib.kernels.tc_gemm import (
     cp_async_wait_one,
 )
 from tinyvllm_lib.kernels.tensor_core import (
+    SHARED_ALIGN,
     exp2_approx,
     ffi,
     pack_bf16x2,
+    require_lto,
     twin_launch,
 )
 
@@ -1081,8 +1108,8 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
         kvh = uint32(h // (num_heads // num_kv_heads))
         bt_row = block_tables[seq]
         block_mask = (uint32(1) << block_shift) - uint32(1)
-        k_tile = cuda.shared.array((2, STAGE), uint64)  # two stages, in turn
-        v_tile = cuda.shared.array((2, STAGE), uint64)
+        k_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
+        v_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
         qf = cuda.local.array(QW, uint32)  # Q: D / 16 A fragments
         s = cuda.local.array(SW, float32)  # S, then P: BK / 8 accumulator fragments
         o = cuda.local.array(OW, float32)  # O: D / 8 accumulator fragments
@@ -1170,7 +1197,7 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
 
     kernel.block_q, kernel.block_k, kernel.head_dim = BQ, BK, D
     kernel.reads_before_wait = True  # its schedule entry; it writes only after
-    return kernel
+    return require_lto(kernel)
 
 
 _kernels = {}
@@ -1389,7 +1416,7 @@ ptx = library.get_lto_ptx(cc=(9, 0))
 patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
             "cp.async": r"\\bcp\\.async\\.cg", "shfl": r"\\bshfl",
             "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local",
-            "call": r"\\bcall\\b"}
+            "call": r"\\bcall\\b", "shared align 16": r"\\.shared\\s+\\.align\\s+16"}
 print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
 """
 

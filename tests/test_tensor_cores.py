@@ -202,6 +202,7 @@ def test_linked_ptx_keeps_fragments_in_registers(head_dim):
     assert counts["cp.async"] == 2 * block_k * (head_dim // 8) // 128  # K and V, 128 threads
     assert counts["local memory"] == 0 and counts["call"] == 0
     assert counts["ex2"] == block_k // 2 + 2  # P's exponentials a lane, and two corrections
+    assert counts["shared align 16"] == 2  # K and V tiles: ldmatrix and cp.async need it
 
 
 def gemm_error_share(rng, M, N, K, out_dtype=np.float32, **kw) -> float:
@@ -255,3 +256,4 @@ def test_linked_gemm_ptx_keeps_fragments_in_registers():
     counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_gemm", "tc_gemm_kernel")
     assert counts["mma.sync"] == 2 * 16 and counts["ldmatrix"] == 2 * (4 + 2)
     assert counts["cp.async"] == 4 and counts["local memory"] == 0 and counts["call"] == 0
+    assert counts["shared align 16"] == 2

@@ -28,9 +28,11 @@ from tinyvllm_lib.kernels.tc_gemm import (
     cp_async_wait_one,
 )
 from tinyvllm_lib.kernels.tensor_core import (
+    SHARED_ALIGN,
     exp2_approx,
     ffi,
     pack_bf16x2,
+    require_lto,
     twin_launch,
 )
 
@@ -86,8 +88,8 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
         kvh = uint32(h // (num_heads // num_kv_heads))
         bt_row = block_tables[seq]
         block_mask = (uint32(1) << block_shift) - uint32(1)
-        k_tile = cuda.shared.array((2, STAGE), uint64)  # two stages, in turn
-        v_tile = cuda.shared.array((2, STAGE), uint64)
+        k_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
+        v_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
         qf = cuda.local.array(QW, uint32)  # Q: D / 16 A fragments
         s = cuda.local.array(SW, float32)  # S, then P: BK / 8 accumulator fragments
         o = cuda.local.array(OW, float32)  # O: D / 8 accumulator fragments
@@ -175,7 +177,7 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
 
     kernel.block_q, kernel.block_k, kernel.head_dim = BQ, BK, D
     kernel.reads_before_wait = True  # its schedule entry; it writes only after
-    return kernel
+    return require_lto(kernel)
 
 
 _kernels = {}

@@ -11,8 +11,10 @@ from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.tensor_core import (
     C_COLS,
     C_ROWS,
+    SHARED_ALIGN,
     bf16_values,
     ffi,
+    require_lto,
     twin_launch,
 )
 
@@ -167,8 +169,8 @@ def make_tc_gemm_kernel(block_m: int = 128, block_n: int = 128):
         warp, lane = tid // 32, tid % 32
         m0, n0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BN
         M, N, num_k = a.shape[0], b.shape[0], a.shape[1] // (GEMM_BK // 4)
-        a_tile = cuda.shared.array((2, A_WORDS), uint64)  # two stages
-        b_tile = cuda.shared.array((2, B_WORDS), uint64)
+        a_tile = cuda.shared.array((2, A_WORDS), uint64, alignment=SHARED_ALIGN)
+        b_tile = cuda.shared.array((2, B_WORDS), uint64, alignment=SHARED_ALIGN)
         acc = cuda.local.array(64, float32)
         for i in range(64):
             acc[i] = float32(0.0)
@@ -209,7 +211,7 @@ def make_tc_gemm_kernel(block_m: int = 128, block_n: int = 128):
                         store_activation(c, row, col, acc[4 * (4 * i + j) + e])
 
     kernel.block_m, kernel.block_n = BM, BN
-    return kernel
+    return require_lto(kernel)
 
 
 _gemm_kernels = {}

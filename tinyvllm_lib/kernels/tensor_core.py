@@ -103,6 +103,21 @@ extern "C" __device__ float exp2_approx(float x) {  // x = -inf gives 0
 
 # defined in chapters/14_tensor_cores.py
 _P = types.CPointer
+# alignment of shared tiles that ldmatrix and cp.async read and write (the simulator
+# takes no alignment argument)
+SHARED_ALIGN = None if config.ENABLE_CUDASIM else 16
+
+
+def require_lto(kernel):
+    """`kernel`, once it is sure to link its C with link-time optimisation (inlined:
+    its fragments stay in registers); a RuntimeError if not. Nothing to check in the
+    simulator."""
+    if not config.ENABLE_CUDASIM and not kernel.targetoptions.get("lto"):
+        raise RuntimeError(
+            "this kernel calls linked CUDA C that must be inlined: numba links with "
+            "LTO only when nvJitLink is installed (numba-cuda[cu13]) and debug is off"
+        )
+    return kernel
 
 if config.ENABLE_CUDASIM:
     import contextlib
@@ -238,6 +253,7 @@ def mma_tile(a_bits, b_bits, c):
     return c_matrix(out.copy_to_host())
 
 
+require_lto(mma_tile_kernel)
 PTX_SIGNATURES = {
     "mma_tile_kernel": ["void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1])"]
 }
@@ -262,7 +278,7 @@ ptx = library.get_lto_ptx(cc=(9, 0))
 patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
             "cp.async": r"\\bcp\\.async\\.cg", "shfl": r"\\bshfl",
             "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local",
-            "call": r"\\bcall\\b"}
+            "call": r"\\bcall\\b", "shared align 16": r"\\.shared\\s+\\.align\\s+16"}
 print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
 """
 
