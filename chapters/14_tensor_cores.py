@@ -1028,7 +1028,12 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.activation_store import store_activation
-from tinyvllm_lib.kernels.attention import check_out, check_qkv, check_query_start_loc
+from tinyvllm_lib.kernels.attention import (
+    FLASH_BLOCK_Q,
+    check_out,
+    check_qkv,
+    check_query_start_loc,
+)
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.paged_attention import (
     TILE_MASK,
@@ -1056,7 +1061,9 @@ from tinyvllm_lib.kernels.tensor_core import (
     twin_launch,
 )
 
-TC_BLOCK_Q = 64  # queries per block: 4 warps of 16
+# queries per block, 4 warps of 16: chapter 7's, so the engine's one tile schedule
+# (chapter 11 packs it at FLASH_BLOCK_Q) serves this kernel and chapter 10's alike
+TC_BLOCK_Q = FLASH_BLOCK_Q
 LOG2E = 1.4426950408889634
 
 
