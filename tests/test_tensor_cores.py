@@ -7,10 +7,11 @@ import re
 import numpy as np
 import pytest
 from numba import cuda
+from test_paged_prefill import (
+    make_case,  # a ragged batch over shuffled blocks, NaN elsewhere
+)
 
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.kernels.checks import cdiv
-from tinyvllm_lib.kernels.kv_cache_write import write_kv_cache_ref
 from tinyvllm_lib.kernels.paged_attention import (
     paged_prefill_attention_ref,
     prefill_tiles,
@@ -59,30 +60,6 @@ def test_one_mma_tile_equals_numpy():
     want = bf16_bits_to_f32(a).astype(np.float64) @ bf16_bits_to_f32(b) + c
     got = mma_tile(a, b, c)
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
-
-
-def make_case(rng, seqs, H, KVH, D, block_size):
-    """qkv of the new tokens; caches whose slots outside every context hold NaN;
-    shuffled block tables with a spare block."""
-    seq_lens = np.array([c + n for c, n in seqs], np.int32)
-    starts = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
-    max_blocks = max(cdiv(int(n), block_size) for n in seq_lens)
-    num_blocks = len(seqs) * max_blocks + 1
-    tables = rng.permutation(num_blocks)[: len(seqs) * max_blocks]
-    tables = tables.reshape(len(seqs), max_blocks).astype(np.int32)
-    shape = (num_blocks * block_size, KVH, D)
-    k_cache, v_cache = np.full(shape, NAN_BF16, np.uint16), np.full(shape, NAN_BF16, np.uint16)
-    qkv = rng.standard_normal((starts[-1], (H + 2 * KVH) * D)).astype(np.float32)
-    qkv[:, : H * D] *= 3
-    new_slots = []
-    for s, (cached, new) in enumerate(seqs):
-        pos = np.arange(cached + new)
-        slots = tables[s, pos // block_size] * block_size + pos % block_size
-        for cache in (k_cache, v_cache):
-            cache[slots[:cached]] = random_bits(rng, (cached, KVH, D))
-        new_slots.append(slots[cached:])
-    write_kv_cache_ref(qkv, H, KVH, np.concatenate(new_slots), k_cache, v_cache)
-    return qkv, k_cache, v_cache, tables, seq_lens, starts
 
 
 def run_tc(case, block_size, H, KVH, D, out_dtype=np.float32, padded=False, **kw):
