@@ -104,7 +104,7 @@ has used the rest so far.
 #     {d0, d1, d2, d3}, {a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3};
 # ```
 #
-# computes D = A B + C for A 16×16 (bf16), B 16×8 (bf16), C and D 16×8 (float32): 4,096
+# computes D = A B + C for A 16×16 (bf16), B 16×8 (bf16), C and D 16×8 (float32): 2,048
 # multiply-adds. No lane holds a whole matrix: each holds a **fragment**, a few 32-bit
 # registers in a layout PTX fixes. Lane l is in *group* g = l / 4 and has *thread in
 # group* t = l mod 4; then
