@@ -50,21 +50,25 @@
 # | 10 | paging | PagedAttention, preemption, chunked prefill, prefix caching |
 # | 11 | Llama 3.2 1B | CUDA graphs, overlap, sampling inside the graph, the benchmark |
 # | 12 | serving | an OpenAI-compatible server: streaming, abort, metrics, a benchmark |
-# | 13 | tensor parallelism | one model on several GPUs — *not written yet* |
-# | 14 | tensor cores | flash-attention prefill on `mma.sync` — *not written yet* |
+# | 13 | tensor parallelism | one model on several GPUs (CPU ranks; two GPUs to come) |
+# | 14 | tensor cores | `mma.sync` from numba: a GEMM and flash-attention prefill |
 # | 15 | 8-bit weights | int8 and FP8: bits, accuracy, GEMVs — *no GPU run yet* |
 # | A | the Llama 3.2 1B stand-in | the real tokenizer, random weights of its shapes |
 #
 # A chapter imports only what earlier chapters exported, so you can read it front to
 # back. Now and then a chapter rewrites a class an earlier one wrote — chapter 10 gives
 # the engine a pool of blocks — and the package keeps the newer one, so an earlier
-# chapter run today uses it too. **Status:** chapters 00–12 and Appendix A are written.
-# Chapter 11 replays decode steps from CUDA graphs, with sampling, penalties and
-# log-probs inside them, overlaps the host with the GPU and measures the engine on an
-# H200 against transformers (what it reached, from its records, is in the next cell's
-# output); prefill steps are still launched from Python, which its first-token numbers
-# show. Chapter 12's serving benchmark is recorded on a CPU and on an H200. Chapters
-# 13–15 are not written yet.
+# chapter run today uses it too. **Status:** chapters 00–13 and Appendix A are written.
+# Chapter 11 replays decode, prefill and mixed steps from CUDA graphs, with sampling,
+# penalties and log-probs inside them, overlaps the host with the GPU and measures the
+# engine on an H200 against transformers (what it reached, from its records, is in the
+# next cell's output). Chapter 12's serving benchmark is recorded on a CPU and on an
+# H200. Chapter 13 splits the model over ranks and is tested on CPU processes; its
+# two-GPU measurement waits for a machine with two GPUs. Chapter 14 puts prefill
+# attention on the tensor cores, tested in the simulator through Python twins of its
+# linked CUDA C; its H200 measurements are to come. Chapter 15 stores weights in 8 bits
+# (int8, FP8): its accuracy is measured on SmolLM2 on a CPU, its speed on the H200 is to
+# come.
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 import json

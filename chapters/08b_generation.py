@@ -2481,6 +2481,7 @@ import os
 from dataclasses import dataclass
 
 DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "simt", "tensor_cores")
 
 
 def _is_int(value) -> bool:
@@ -2513,6 +2514,9 @@ class EngineConfig:
     # does not answer a collective within distributed_timeout seconds ends the engine
     tensor_parallel_size: int = 1
     distributed_timeout: float = 60.0
+    # chapter 14: prefill attention on the SIMT cores (chapter 10's kernel) or the
+    # tensor cores; "auto": the tensor cores on a GPU where the head size allows
+    attention_backend: str = "auto"
     # chapter 15: "int8" or "fp8" weights, quantized from the bf16 folder as they are
     # loaded; None: bf16
     quantization: str | None = None
@@ -2553,6 +2557,11 @@ class EngineConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         timeout = self.distributed_timeout
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(
@@ -2971,6 +2980,7 @@ from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
+from tinyvllm_lib.kernels.tc_attention import prefill_attention_for
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
@@ -3052,6 +3062,10 @@ class ModelRunner:
                     f"kv_cache_dtype={kv_cache_dtype!r}"
                 )
             self.model = model or LlamaCuda.from_folder(folder)
+            # chapter 14: the kernel every step with a prefill runs its attention with
+            self.prefill_attention = prefill_attention_for(
+                config.attention_backend, self.model.config.head_dim
+            )
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
             self.sampler = (sampler or CudaSampler)(
@@ -3187,6 +3201,7 @@ class ModelRunner:
         attention = PagedAttention(
             c, self.kv_cache, batch.device_metadata(), self.workspace,
             self.max_model_len, tiles=v["tiles"],
+            prefill_attention=self.prefill_attention,
         )
         self.model.run(b, attention, stream, self.cublas_workspace)
         if num_logits == 0:  # a chunk that ends inside its prompt: no logits needed

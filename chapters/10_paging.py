@@ -1382,9 +1382,11 @@ class PagedAttention:
     are rotated already). A step with a prefill (metadata.num_prefills > 0) runs every
     sequence, its one-token decodes too, through paged_prefill_attention over `tiles`
     (its tile schedule on the GPU; None: built from the lengths); a decode-only step
-    runs decode_attention. metadata's arrays are on the GPU; workspace comes from
-    decode_workspace; max_context_len bounds every context, so decode attention's grid
-    does not change while they grow.
+    runs decode_attention. prefill_attention: the prefill kernel's launcher, with
+    paged_prefill_attention's signature (chapter 14's tensor-core kernel has it).
+    metadata's arrays are on the GPU; workspace comes from decode_workspace;
+    max_context_len bounds every context, so decode attention's grid does not change
+    while they grow.
     """
 
     def __init__(
@@ -1396,6 +1398,7 @@ class PagedAttention:
         max_context_len: int | None = None,
         decode_config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
         tiles=None,
+        prefill_attention=paged_prefill_attention,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
@@ -1404,14 +1407,14 @@ class PagedAttention:
         )
         self.cache, self.metadata, self.workspace = cache, metadata, workspace
         self.max_context_len, self.decode_config = max_context_len, decode_config
-        self.tiles = tiles
+        self.tiles, self.prefill_attention = tiles, prefill_attention
 
     def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         cache_new_kv(qkv, rope, H, KVH, m.slot_mapping, k_cache, v_cache, stream)
         if m.num_prefills:  # one tile schedule over every sequence of the step
-            paged_prefill_attention(
+            self.prefill_attention(
                 qkv, k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
                 m.max_query_len, m.block_size, H, KVH, D, out, stream=stream,
                 tiles=self.tiles,

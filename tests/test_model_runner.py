@@ -53,13 +53,15 @@ def run_steps(runner: ModelRunner, alloc: ContiguousAllocator, prompts: list[lis
     return requests, prompt_logprobs
 
 
-def compare_runners(folder, prompts, num_decodes, max_model_len=32, **params):
+def compare_runners(folder, prompts, num_decodes, max_model_len=32, attention_backend="auto", **params):
     """The same steps on the CPU (float32 cache) and on 'cuda' (bf16): greedy tokens and log-probs agree."""
     results = []
     for device in ("cpu", "cuda"):
         alloc = ContiguousAllocator(len(prompts), max_model_len)
-        runner = ModelRunner(folder, EngineConfig(device=device, block_size=alloc.block_size, max_num_seqs=len(prompts),
-                                                 max_num_batched_tokens=64, max_model_len=max_model_len), alloc.num_slots)
+        config = EngineConfig(device=device, block_size=alloc.block_size, max_num_seqs=len(prompts),
+                              max_num_batched_tokens=64, max_model_len=max_model_len,
+                              attention_backend=attention_backend)
+        runner = ModelRunner(folder, config, alloc.num_slots)
         results.append(run_steps(runner, alloc, prompts, num_decodes, **params))
     (ref, ref_prompt), (ours, our_prompt) = results
     gaps = []
@@ -81,6 +83,24 @@ def test_cuda_runner_matches_cpu(tiny_folder, monkeypatch):
     for a, b in zip(ref_prompt, our_prompt):  # the prompt rows gathered for the head (prompt_logprobs=0)
         assert a[1] is None and b[1] is None  # no top tokens asked for
         assert a[0].shape == b[0].shape and np.abs(a[0] - b[0]).max() < 0.1
+
+
+@needs_kernels
+def test_cuda_runner_on_tensor_cores_matches_cpu(tiny_folder, monkeypatch):
+    """Chapter 14: the prefill's attention on the tensor cores (their twins in the simulator)."""
+    monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
+    prompts, steps = ([[5, 17, 33], [9, 2]], 1) if not has_gpu() else ([[5, 17, 33, 60, 8, 41], [9, 2], [1]], 4)
+    compare_runners(tiny_folder, prompts, steps, attention_backend="tensor_cores")
+
+
+def test_attention_backend_is_checked(tiny_folder):
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")
+    folder_40 = tiny_llama_config(head_dim=40)
+    from tinyvllm_lib.kernels.tc_attention import prefill_attention_for
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        prefill_attention_for("tensor_cores", folder_40["head_dim"])
 
 
 def test_input_batch_from_a_step():

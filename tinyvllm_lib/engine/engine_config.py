@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "simt", "tensor_cores")
 
 
 def _is_int(value) -> bool:
@@ -38,6 +39,9 @@ class EngineConfig:
     # does not answer a collective within distributed_timeout seconds ends the engine
     tensor_parallel_size: int = 1
     distributed_timeout: float = 60.0
+    # chapter 14: prefill attention on the SIMT cores (chapter 10's kernel) or the
+    # tensor cores; "auto": the tensor cores on a GPU where the head size allows
+    attention_backend: str = "auto"
     # chapter 15: "int8" or "fp8" weights, quantized from the bf16 folder as they are
     # loaded; None: bf16
     quantization: str | None = None
@@ -78,6 +82,11 @@ class EngineConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         timeout = self.distributed_timeout
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(

@@ -22,6 +22,7 @@ from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
+from tinyvllm_lib.kernels.tc_attention import prefill_attention_for
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
@@ -103,6 +104,10 @@ class ModelRunner:
                     f"kv_cache_dtype={kv_cache_dtype!r}"
                 )
             self.model = model or LlamaCuda.from_folder(folder)
+            # chapter 14: the kernel every step with a prefill runs its attention with
+            self.prefill_attention = prefill_attention_for(
+                config.attention_backend, self.model.config.head_dim
+            )
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
             self.sampler = (sampler or CudaSampler)(
@@ -238,6 +243,7 @@ class ModelRunner:
         attention = PagedAttention(
             c, self.kv_cache, batch.device_metadata(), self.workspace,
             self.max_model_len, tiles=v["tiles"],
+            prefill_attention=self.prefill_attention,
         )
         self.model.run(b, attention, stream, self.cublas_workspace)
         if num_logits == 0:  # a chunk that ends inside its prompt: no logits needed

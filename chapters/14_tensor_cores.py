@@ -1,0 +1,1604 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 14. Tensor cores from numba
+#
+# Every kernel this book has written runs on the GPU's SIMT cores: each thread does its
+# own multiply-adds, one or two a cycle. Only cuBLAS, called for the big GEMMs since
+# [chapter 6](06_gemm.py), uses the other hardware on the chip: the **tensor cores**,
+# which multiply small matrices a whole warp at a time, many times faster. Prefill
+# attention is a pair of matrix products per tile (S = Q Kᵀ, then O += P V), and
+# [chapter 7](07_attention.py) measured what it reaches on SIMT cores. This chapter
+# moves it onto the tensor cores.
+#
+# numba has no API for them. It can, though, link a function written in CUDA C into a
+# kernel written in Python: `cuda.declare_device(name, signature, link=CUSource(src))`
+# compiles the C with NVRTC (which ships with `numba-cuda[cu13]`) and the link step
+# inlines it. A few lines of C with one PTX instruction in them are the whole bridge.
+#
+# In this chapter you will learn:
+#
+# - what a tensor core computes — `mma.sync.m16n8k16`: a 16×16 by 16×8 product, its
+#   inputs and its accumulators spread over a warp's 32 lanes in **fragments** — drawn
+#   lane by lane;
+# - how to call a linked CUDA C function from numba (`declare_device`, `CUSource`,
+#   cffi's `from_buffer`), and how to run the same kernel in numba's simulator, where C
+#   cannot run, through a Python **twin** of each function;
+# - `ldmatrix`, which loads those fragments from shared memory in one instruction, and
+#   `cp.async`, which copies the next tile while the warps multiply this one — in a GEMM
+#   on the tensor cores;
+# - flash attention on the tensor cores (FlashAttention-2's loop: Q in registers, K and
+#   V tiles through shared memory, the online softmax on the accumulators), as a drop-in
+#   for chapter 10's paged prefill kernel;
+# - how to check, with no GPU, that the linked kernel keeps its fragments in registers.
+#
+# It exports `tinyvllm_lib.kernels.tensor_core` (fragments, the linked functions and
+# their twins), `kernels.tc_gemm` (the GEMM), `kernels.tc_attention_tiles` and
+# `kernels.tc_attention` (the attention kernel and the engine's choice of it).
+
+# %%
+#| default_exp kernels.tensor_core
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+from numba import cuda, float32, uint32
+
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.measure import load_records
+from tinyvllm_lib.plots import Prose, new_figure
+from tinyvllm_lib.runtime import can_launch, is_simulator, where_kernels_run
+
+prose = Prose()  # the numbers this chapter's prose quotes, filled in as they are made
+rng = np.random.default_rng(14)
+print(where_kernels_run())
+
+# %% [markdown]
+# ## Why SIMT attention stops where it does
+#
+# Count first. Chapter 7's flash kernel, the best attention this book has on SIMT cores,
+# was measured on the H200 at growing prompt lengths (32 query heads, 8 KV heads, head
+# dimension 64, causal):
+
+# %%
+PEAK_BF16_TFLOPS = 989  # H100/H200 SXM, dense bf16 on the tensor cores (NVIDIA's sheet)
+PEAK_FP32_TFLOPS = 67  # the same chips' SIMT cores, float32 fused multiply-adds
+ch07 = [r for r in load_records("ch07_attention") if r["name"] == "attention_flash"]
+for r in ch07:
+    print(f"{r['shape'][0]:>6} tokens: {r['value']:5.1f} TFLOP/s")
+best_simt = max((r["value"] for r in ch07), default=float("nan"))
+prose.glue("ch14_simt_best", f"{best_simt:.0f} TFLOP/s")
+prose.glue("ch14_peak", f"{PEAK_BF16_TFLOPS} TFLOP/s")
+prose.glue("ch14_simt_share", f"{best_simt / PEAK_BF16_TFLOPS:.1%}")
+prose.glue("ch14_fp32_peak", f"{PEAK_FP32_TFLOPS} TFLOP/s")
+prose.glue("ch14_tc_share", f"{1 - PEAK_FP32_TFLOPS / PEAK_BF16_TFLOPS:.0%}")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+At best {{ch14_simt_best}}: {{ch14_simt_share}} of the {{ch14_peak}} that the H200's
+tensor cores can do in bf16. A SIMT core does one fused multiply-add per thread per
+cycle, and the whole chip's SIMT cores together top out at {{ch14_fp32_peak}} in
+float32 (NVIDIA's figure); attention also spends instructions on loads, exponentials and
+bookkeeping. Measured against the tensor cores' peak, the SIMT cores are a small part
+of the chip's arithmetic ({{ch14_tc_share}} of it is elsewhere), and nothing but cuBLAS
+has used the rest so far.
+""")
+
+# %% [markdown]
+# ## What a tensor core computes
+#
+# One instruction, issued by all 32 lanes of a warp together:
+#
+# ```
+# mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+#     {d0, d1, d2, d3}, {a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3};
+# ```
+#
+# computes D = A B + C for A 16×16 (bf16), B 16×8 (bf16), C and D 16×8 (float32): 2,048
+# multiply-adds. No lane holds a whole matrix: each holds a **fragment**, a few 32-bit
+# registers in a layout PTX fixes. Lane l is in *group* g = l / 4 and has *thread in
+# group* t = l mod 4; then
+#
+# - A: four registers, each two bf16 values side by side: a0 = A[g, 2t : 2t+2],
+#   a1 = A[g+8, 2t : 2t+2], a2 = A[g, 2t+8 : 2t+10], a3 = A[g+8, 2t+8 : 2t+10];
+# - B: two registers, each two values down a column: b0 = B[2t : 2t+2, g],
+#   b1 = B[2t+8 : 2t+10, g];
+# - C and D: four floats, c0, c1 = C[g, 2t], C[g, 2t+1] and c2, c3 = the same columns of
+#   row g+8.
+#
+# In NumPy, with bf16 values kept as their 16 bits (chapter 1), packing and unpacking
+# fragments is a pair of index arrays:
+
+# %%
+#| export
+import numpy as np
+from numba import config, cuda, float32, types, uint32
+
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+
+_LANE = np.arange(32)
+_G, _T = _LANE >> 2, _LANE & 3  # a lane's group and its thread in the group
+# (lane, register) -> the row and the first column of the two values it holds
+A_ROWS = np.stack([_G, _G + 8, _G, _G + 8], axis=1)
+A_COLS = np.stack([2 * _T, 2 * _T, 2 * _T + 8, 2 * _T + 8], axis=1)
+B_ROWS = np.stack([2 * _T, 2 * _T + 8], axis=1)  # first of two rows; the column is g
+B_COLS = np.stack([_G, _G], axis=1)
+C_ROWS = np.stack([_G, _G, _G + 8, _G + 8], axis=1)  # (lane, accumulator) -> row
+C_COLS = np.stack([2 * _T, 2 * _T + 1, 2 * _T, 2 * _T + 1], axis=1)
+
+
+def pack_pairs(lo, hi) -> np.ndarray:
+    """Two arrays of bf16 bits -> uint32 words, lo in the low half (the lower
+    address)."""
+    return np.asarray(lo, np.uint32) | (np.asarray(hi, np.uint32) << np.uint32(16))
+
+
+def a_fragments(a_bits) -> np.ndarray:
+    """A (16, 16) bf16 bits -> (32 lanes, 4 registers) uint32, as mma.sync reads it."""
+    a = np.asarray(a_bits, np.uint16)
+    return pack_pairs(a[A_ROWS, A_COLS], a[A_ROWS, A_COLS + 1])
+
+
+def b_fragments(b_bits) -> np.ndarray:
+    """B (16, 8) bf16 bits, (k, n) -> (32 lanes, 2 registers) uint32."""
+    b = np.asarray(b_bits, np.uint16)
+    return pack_pairs(b[B_ROWS, B_COLS], b[B_ROWS + 1, B_COLS])
+
+
+def c_matrix(c_fragments) -> np.ndarray:
+    """(32 lanes, 4) float32 accumulators -> the (16, 8) matrix they hold."""
+    c = np.zeros((16, 8), np.float32)
+    c[C_ROWS, C_COLS] = c_fragments
+    return c
+
+
+def unpack_pairs(words) -> np.ndarray:
+    """uint32 words -> (..., 2) bf16 bits, the low half first."""
+    words = np.asarray(words, np.uint32)
+    return np.stack([words & np.uint32(0xFFFF), words >> np.uint32(16)], -1).astype(
+        np.uint16
+    )
+
+
+def bf16_values(bits) -> np.ndarray:
+    """bf16 bits -> float64 values."""
+    return (np.asarray(bits, np.uint32) << np.uint32(16)).view(np.float32).astype(
+        np.float64
+    )
+
+
+def a_matrix(a_words) -> np.ndarray:
+    """(32, 4) A fragments -> the (16, 16) bf16 bits they hold (a_fragments undone)."""
+    a, h = np.zeros((16, 16), np.uint16), unpack_pairs(a_words)
+    a[A_ROWS, A_COLS], a[A_ROWS, A_COLS + 1] = h[..., 0], h[..., 1]
+    return a
+
+
+def b_matrix(b_words) -> np.ndarray:
+    """(32, 2) B fragments -> the (16, 8) bf16 bits they hold."""
+    b, h = np.zeros((16, 8), np.uint16), unpack_pairs(b_words)
+    b[B_ROWS, B_COLS], b[B_ROWS + 1, B_COLS] = h[..., 0], h[..., 1]
+    return b
+
+
+# %% [markdown]
+# Every element has exactly one owner, and unpacking undoes packing:
+
+# %%
+a_bits = f32_to_bf16_bits(rng.standard_normal((16, 16)).astype(np.float32))
+b_bits = f32_to_bf16_bits(rng.standard_normal((16, 8)).astype(np.float32))
+assert (a_matrix(a_fragments(a_bits)) == a_bits).all()
+assert (b_matrix(b_fragments(b_bits)) == b_bits).all()
+for rows, cols, shape in ((A_ROWS, A_COLS, (16, 16)), (B_ROWS, B_COLS, (16, 8))):
+    owners = np.zeros(shape, int)
+    np.add.at(owners, (rows, cols), 1)
+    np.add.at(owners, (rows, cols + 1) if shape == (16, 16) else (rows + 1, cols), 1)
+    assert (owners == 1).all()
+print("every element of A and B is in exactly one lane's register")
+
+# %% tags=["hide-input"]
+fig, axes = new_figure(1, 3, width=10.5, height=4.4,
+                       gridspec_kw={"width_ratios": [16, 8, 8]})
+for ax, (title, shape, rows, cols, pair) in zip(axes, (
+    ("A (16×16): lane, register", (16, 16), A_ROWS, A_COLS, "right"),
+    ("B (16×8): lane, register", (16, 8), B_ROWS, B_COLS, "down"),
+    ("C, D (16×8): lane, accumulator", (16, 8), C_ROWS, C_COLS, None),
+)):
+    lane_of = np.zeros(shape, int)
+    reg_of = np.zeros(shape, int)
+    for lane in range(32):
+        for reg in range(rows.shape[1]):
+            r, c = rows[lane, reg], cols[lane, reg]
+            cells = [(r, c)] if pair is None else (
+                [(r, c), (r, c + 1)] if pair == "right" else [(r, c), (r + 1, c)])
+            for rr, cc in cells:
+                lane_of[rr, cc], reg_of[rr, cc] = lane, reg
+    ax.imshow(lane_of // 4, cmap="tab10", vmin=0, vmax=9, alpha=0.55)
+    for (rr, cc), lane in np.ndenumerate(lane_of):
+        ax.text(cc, rr, f"{lane}\n{reg_of[rr, cc]}", ha="center", va="center",
+                fontsize=4.6)
+    ax.set_title(title, fontsize=8)
+    ax.set_xticks([]), ax.set_yticks([])
+fig.suptitle("m16n8k16 fragments: the colour is the lane's group g = lane / 4",
+             fontsize=9)
+plt.show()
+
+# %% [markdown]
+# Read the A panel by colour: group g owns rows g and g+8, and its four lanes split the
+# columns in pairs. That is why a row of the result lives in four neighbouring lanes,
+# and why the softmax later needs a reduction over exactly four lanes.
+
+# %% [markdown]
+# ## One tile through a linked C function
+#
+# The instruction goes in a CUDA C function of three lines. `extern "C"` keeps its name
+# unmangled so numba can find it; `asm(...)` places one PTX instruction with its
+# operands bound to C variables (`"+f"`: a float read and written, `"r"`: a 32-bit
+# register read). The fragments arrive as pointers to the lane's registers:
+
+# %%
+#| export
+MMA_SOURCE = r"""
+// c (16 x 8, float32) += a (16 x 16, bf16) b (16 x 8, bf16): all 32 lanes of a warp
+// at once, each passing its own fragments
+extern "C" __device__ void mma_bf16_m16n8k16(float* c, const unsigned* a,
+                                             const unsigned* b) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+"""
+
+# two float32 -> two bf16 in one register (cvt.rn: nearest, ties to even), and 2^x on
+# the special-function unit: the attention kernel's two small helpers
+HELPER_SOURCE = r"""
+extern "C" __device__ unsigned pack_bf16x2(float lo, float hi) {
+  unsigned packed;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+  return packed;
+}
+extern "C" __device__ float exp2_approx(float x) {  // x = -inf gives 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+# %% [markdown]
+# On the numba side, `declare_device` gives the function a numba signature; `abi="c"`
+# says it is called as C calls it. A kernel passes its local arrays through cffi's
+# `ffi.from_buffer`, which numba compiles to the array's address. After the link step
+# inlines the function, the arrays are registers again: nothing goes through memory.
+#
+# The simulator cannot run C. For it, each linked function has a **twin**: a Python
+# function with the same signature and the same fragment layout. A tensor-core
+# instruction is *warp-collective* — lane 0's result depends on the other 31 lanes'
+# registers — so a twin cannot work lane by lane as chapter 1's `device_function`
+# helpers do. Each lane writes its fragments to a buffer its warp shares, waits until
+# all 32 have written, then computes its own part from everyone's. (The simulator's own
+# `syncthreads` would do, but it costs tens of milliseconds a call there; the twins'
+# warps meet at a barrier of their own that spins with the interpreter's lock released,
+# and `twin_launch` shortens the interpreter's thread switch while a kernel runs.)
+#
+# Two more things the GPU needs and the simulator does not check. `ldmatrix` and
+# `cp.async` take 16-byte-aligned shared addresses, and numba aligns a shared array
+# only to its element (8 bytes for uint64), so the kernels ask for 16 (`SHARED_ALIGN`).
+# And the C is inlined only when numba links with LTO, which it does by default
+# wherever nvJitLink is installed — but not with `debug=True`; `require_lto` makes a
+# kernel built without it an error rather than a slow surprise.
+
+# %%
+#| export
+_P = types.CPointer
+# alignment of shared tiles that ldmatrix and cp.async read and write (the simulator
+# takes no alignment argument)
+SHARED_ALIGN = None if config.ENABLE_CUDASIM else 16
+
+
+def require_lto(kernel):
+    """`kernel`, once it is sure to link its C with link-time optimisation (inlined:
+    its fragments stay in registers); a RuntimeError if not. Nothing to check in the
+    simulator."""
+    if not config.ENABLE_CUDASIM and not kernel.targetoptions.get("lto"):
+        raise RuntimeError(
+            "this kernel calls linked CUDA C that must be inlined: numba links with "
+            "LTO only when nvJitLink is installed (numba-cuda[cu13]) and debug is off"
+        )
+    return kernel
+
+if config.ENABLE_CUDASIM:
+    import contextlib
+    import sys
+    import threading
+    import time
+
+    class _SimFFI:
+        """The simulator's stand-in for cffi: a 'pointer' is the array view itself."""
+
+        @staticmethod
+        def from_buffer(a):
+            return a
+
+    ffi = _SimFFI()
+    _twin_lock = threading.Lock()
+
+    def warp_exchange(words):
+        """(32, 64) uint32: every lane's `words` (up to 64 each) once all 32 lanes of
+        this thread's warp have given theirs, and this lane's index. Two buffers in
+        turn: a lane writes one again only after every lane has arrived at the call
+        after the one that read it."""
+        thread = threading.current_thread()
+        warp, lane = divmod(thread.thread_id, 32)
+        key = (tuple(thread.blockIdx), warp)  # blocks run one after another
+        with _twin_lock:
+            warps = thread._manager.__dict__.setdefault("tensor_core_twins", {})
+            if key not in warps:
+                warps[key] = ([0], np.zeros((2, 32, 64), np.uint32))
+            arrived, buffers = warps[key]
+        calls = thread.__dict__.get("tensor_core_calls", 0)
+        thread.tensor_core_calls = calls + 1
+        buffer = buffers[calls % 2]
+        buffer[lane, : len(words)] = words
+        with _twin_lock:
+            arrived[0] += 1
+        while arrived[0] < 32 * (calls + 1):
+            time.sleep(0)  # let the other lanes run
+        return buffer, lane
+
+    def mma_bf16_m16n8k16(c, a, b):
+        """Twin: the warp's lanes swap fragments; each adds its four products to c."""
+        words = np.empty(6, np.uint32)
+        words[:4], words[4:] = a[:4], b[:2]
+        buffer, lane = warp_exchange(words)
+        A = bf16_values(a_matrix(buffer[:, :4]))
+        B = bf16_values(b_matrix(buffer[:, 4:6]))
+        rows, cols = C_ROWS[lane], C_COLS[lane]
+        for i in range(4):
+            c[i] = np.float32(np.float64(c[i]) + A[rows[i]] @ B[:, cols[i]])
+
+    def pack_bf16x2(lo, hi):
+        """Twin of the C helper."""
+        bits = f32_to_bf16_bits(np.array([lo, hi], np.float32))
+        return np.uint32(pack_pairs(bits[0], bits[1]))
+
+    def exp2_approx(x):
+        """Twin of the C helper (exact here: the hardware's is within 2 ulp)."""
+        return np.float32(np.exp2(np.float32(x)))
+
+    def simulated_lane() -> int:
+        """The lane of the simulated thread running this twin."""
+        return threading.current_thread().thread_id % 32
+
+    @contextlib.contextmanager
+    def twin_launch():
+        """Around a simulated launch of a kernel with twins: switch threads often."""
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(2e-4)
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(before)
+
+else:
+    import contextlib
+
+    from cffi import FFI
+    from numba.cuda import CUSource
+
+    ffi = FFI()
+    mma_bf16_m16n8k16 = cuda.declare_device(
+        "mma_bf16_m16n8k16",
+        types.void(_P(types.float32), _P(types.uint32), _P(types.uint32)),
+        link=CUSource(MMA_SOURCE),
+        abi="c",
+    )
+    _HELPERS = CUSource(HELPER_SOURCE)
+    pack_bf16x2 = cuda.declare_device(
+        "pack_bf16x2",
+        types.uint32(types.float32, types.float32),
+        link=_HELPERS,
+        abi="c",
+    )
+    exp2_approx = cuda.declare_device(
+        "exp2_approx", types.float32(types.float32), link=_HELPERS, abi="c"
+    )
+
+    def twin_launch():
+        """Nothing to do on a GPU."""
+        return contextlib.nullcontext()
+
+
+# %% [markdown]
+# The kernel of the first rung: one warp, one tile. Each lane copies its fragments into
+# local arrays, calls the C function, and writes its four accumulators back.
+
+# %%
+#| export
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+
+
+@cuda.jit
+def mma_tile_kernel(a_words, b_words, c):
+    wait_for_previous_kernel()  # as every kernel of the book (chapter 1)
+    lane = cuda.threadIdx.x
+    a = cuda.local.array(4, uint32)
+    b = cuda.local.array(2, uint32)
+    acc = cuda.local.array(4, float32)
+    for i in range(4):
+        a[i] = a_words[lane, i]
+        acc[i] = c[lane, i]
+    for i in range(2):
+        b[i] = b_words[lane, i]
+    mma_bf16_m16n8k16(ffi.from_buffer(acc), ffi.from_buffer(a), ffi.from_buffer(b))
+    for i in range(4):
+        c[lane, i] = acc[i]
+
+
+def mma_tile(a_bits, b_bits, c):
+    """C (16, 8) float32 + A (16, 16) B (16, 8), both bf16 bits, on one warp's tensor
+    cores (or their twin): a NumPy (16, 8) result."""
+    c_words = np.ascontiguousarray(np.asarray(c, np.float32)[C_ROWS, C_COLS])
+    out = cuda.to_device(c_words)
+    with twin_launch():
+        a, b = cuda.to_device(a_fragments(a_bits)), cuda.to_device(b_fragments(b_bits))
+        mma_tile_kernel[1, 32](a, b, out)
+    return c_matrix(out.copy_to_host())
+
+
+require_lto(mma_tile_kernel)
+PTX_SIGNATURES = {
+    "mma_tile_kernel": ["void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1])"]
+}
+
+# %% [markdown]
+# Against NumPy, with C non-zero so the accumulate is tested too:
+
+# %%
+c0 = rng.standard_normal((16, 8)).astype(np.float32)
+want = (bf16_bits_to_f32(a_bits).astype(np.float64) @ bf16_bits_to_f32(b_bits)) + c0
+if can_launch():
+    got = mma_tile(a_bits, b_bits, c0)
+    tile_err = float(np.abs(got - want).max())
+    print(f"one m16n8k16 tile: max error {tile_err:.1e} against float64")
+    assert tile_err < 1e-4 * np.abs(want).max()
+
+# %% [markdown]
+# ## Fragments from shared memory: `ldmatrix`
+#
+# Attention's B operands — K for S = Q Kᵀ, V for O += P V — come from tiles in shared
+# memory that the whole block loaded. Gathering a fragment element by element takes a
+# load per register per lane. `ldmatrix.sync.aligned.m8n8.x4` loads four 8×8 bf16
+# matrices in one instruction: lane l gives the address of row l mod 8 of matrix l / 8
+# (16 bytes), and each lane receives, per matrix, the two values a fragment wants — row
+# g, columns 2t and 2t+1. With `.trans` it receives them from the transpose, which is
+# how V, stored key by key, becomes a B operand that runs down the keys.
+#
+# Two 8×8 matrices of K side by side along the head dimension are exactly b0 and b1 of
+# one 8-key tile, so one `ldmatrix.x4` feeds two `mma`s. Shared memory has 32 banks of 4
+# bytes; rows of 64 bf16 (128 bytes) would put the 8 rows an `ldmatrix` phase reads in
+# the same banks. Padding each row by 16 bytes (144 bytes a row) spreads them over all
+# 32.
+
+# %% [markdown]
+# ## The second rung: a GEMM on the tensor cores
+#
+# Before attention, the plainest use: C = A Bᵀ, the product every linear layer of the
+# model computes (A the activations, (M, K); B the weights, (N, K), as the model stores
+# them; both bf16). Chapter 6 tiled it for SIMT cores; on tensor cores the tiling is the
+# same, one level deeper:
+#
+# - a block computes a 128×128 tile of C with 8 warps, each a 64×32 piece: 4×4
+#   accumulator fragments, 64 floats a lane;
+# - the K dimension goes by in tiles of 32: the block copies its A and B tiles (128×32
+#   each) into shared memory with **`cp.async`**, which moves 16 bytes from global to
+#   shared memory without passing through registers, and lets the copy of the next tile
+#   run while the warps multiply this one (**double buffering**: two stages in turn);
+# - each warp loads its fragments from shared memory with `ldmatrix` — an x4 load is
+#   one whole A fragment (16×16), or the B fragments of two 8-column tiles — and issues
+#   16 `mma.sync` per 16-wide step of K.
+#
+# Rows are padded by 16 bytes (80-byte rows), which spreads the 8 rows an `ldmatrix`
+# phase reads over all 32 banks. The C side is again short: the copy, and a warp's
+# tile of products.
+
+# %%
+#| export kernels.tc_gemm
+import numpy as np
+from numba import config, cuda, float32, types, uint64
+
+from tinyvllm_lib.kernels.activation_store import store_activation
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.tensor_core import (
+    C_COLS,
+    C_ROWS,
+    SHARED_ALIGN,
+    bf16_values,
+    ffi,
+    require_lto,
+    twin_launch,
+)
+
+CP_ASYNC_SOURCE = r"""
+// 16 bytes from global to shared memory, asynchronously (cp.async: no registers)
+extern "C" __device__ void cp_async16(unsigned long long* shared_dst,
+                                      const unsigned long long* global_src) {
+  unsigned dst = (unsigned)__cvta_generic_to_shared(shared_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               :: "r"(dst), "l"(__cvta_generic_to_global(global_src)) : "memory");
+}
+// close the group of copies issued so far
+extern "C" __device__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// wait until at most one group (the newest) is still in flight
+extern "C" __device__ void cp_async_wait_one() {
+  asm volatile("cp.async.wait_group 1;" ::: "memory");
+}
+"""
+
+
+def gemm_tile_source(row_words: int) -> str:
+    """CUDA C for one warp's 64 x 32 piece of C over a 32-wide tile of K: a (64 rows)
+    and b (32 rows) of the tiles in shared memory, row_words 8-byte words apart."""
+    ROW = row_words
+    return rf"""
+#define MMA16816(c, a, b0, b1) \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " \
+      "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};" \
+      : "+f"((c)[0]), "+f"((c)[1]), "+f"((c)[2]), "+f"((c)[3]) \
+      : "r"((a)[0]), "r"((a)[1]), "r"((a)[2]), "r"((a)[3]), "r"(b0), "r"(b1))
+
+static __device__ __forceinline__ void ldsm_x4_r{ROW}(unsigned* r,
+                                                     const unsigned long long* p) {{
+  unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}}
+
+// acc (4 x 4 accumulator fragments: m-tile i, n-tile j at 16 (4 i + j)) += a b^T
+extern "C" __device__ void gemm_warp_tile_r{ROW}(float* acc,
+                                               const unsigned long long* a,
+                                               const unsigned long long* b) {{
+  int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {{  // two 16-wide steps of K
+    unsigned af[4][4], bf[2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // an A fragment: lane l gives row l % 16, half l / 16
+      ldsm_x4_r{ROW}(af[i], a + (16 * i + lane % 16) * {ROW} + 4 * ks
+                             + 2 * (lane / 16));
+#pragma unroll
+    for (int q = 0; q < 2; ++q)  // B fragments of n-tiles 2q and 2q + 1
+      ldsm_x4_r{ROW}(bf[q], b + (16 * q + 8 * (mat / 2) + row) * {ROW} + 4 * ks
+                             + 2 * (mat % 2));
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        MMA16816(acc + 4 * (4 * i + j), af[i], bf[j / 2][2 * (j % 2)],
+                 bf[j / 2][2 * (j % 2) + 1]);
+  }}
+}}
+"""
+
+
+# %% [markdown]
+# The twins are simple this time: a warp's products read only shared memory, which every
+# simulated thread can see, so each lane computes its own 64 accumulators from the tiles
+# with no exchange; a copy is done at once, and the waits have nothing to wait for.
+
+# %%
+#| export kernels.tc_gemm
+_P = types.CPointer
+
+if config.ENABLE_CUDASIM:
+    from tinyvllm_lib.kernels.tensor_core import simulated_lane
+
+    def cp_async16(shared_dst, global_src):
+        """Twin: the 16 bytes, at once."""
+        shared_dst[0:2] = global_src[0:2]
+
+    def cp_async_commit():
+        """Twin: nothing is in flight."""
+
+    def cp_async_wait_one():
+        """Twin: nothing is in flight."""
+
+    def gemm_warp_tile_function(row_words: int):
+        """Twin of gemm_warp_tile: this lane's 64 accumulators += a b^T."""
+
+        def gemm_warp_tile(acc, a, b):
+            lane = simulated_lane()
+            a_words = np.asarray(a)[: 64 * row_words].reshape(64, row_words)
+            b_words = np.asarray(b)[: 32 * row_words].reshape(32, row_words)
+            A = bf16_values(a_words[:, :8].view(np.uint16))  # (64, 32) values
+            B = bf16_values(b_words[:, :8].view(np.uint16))
+            C = A @ B.T  # (64, 32)
+            for i in range(4):
+                for j in range(4):
+                    base = 4 * (4 * i + j)
+                    for e in range(4):
+                        r, c = 16 * i + C_ROWS[lane, e], 8 * j + C_COLS[lane, e]
+                        acc[base + e] = np.float32(np.float64(acc[base + e]) + C[r, c])
+
+        return gemm_warp_tile
+
+else:
+    from numba.cuda import CUSource
+
+    _CP_ASYNC = CUSource(CP_ASYNC_SOURCE)
+    _WORDS = _P(types.uint64)
+    cp_async16 = cuda.declare_device(
+        "cp_async16", types.void(_WORDS, _WORDS), link=_CP_ASYNC, abi="c"
+    )
+    cp_async_commit = cuda.declare_device(
+        "cp_async_commit", types.void(), link=_CP_ASYNC, abi="c"
+    )
+    cp_async_wait_one = cuda.declare_device(
+        "cp_async_wait_one", types.void(), link=_CP_ASYNC, abi="c"
+    )
+
+    def gemm_warp_tile_function(row_words: int):
+        """gemm_warp_tile for rows row_words words apart, from gemm_tile_source."""
+        return cuda.declare_device(
+            f"gemm_warp_tile_r{row_words}",
+            types.void(_P(types.float32), _WORDS, _WORDS),
+            link=CUSource(gemm_tile_source(row_words)),
+            abi="c",
+        )
+
+
+# %% [markdown]
+# The kernel: numba owns the grid, the addresses, the pipeline's order and the store.
+# Rows of A or B past the matrix's end are loaded from its last row (valid memory) and
+# never stored.
+
+# %%
+#| export kernels.tc_gemm
+GEMM_BK = 32  # K a tile: 4 chunks of 16 bytes a row
+GEMM_ROW = GEMM_BK // 4 + 2  # 8-byte words a row in shared memory, with 16 of padding
+
+
+def make_tc_gemm_kernel(block_m: int = 128, block_n: int = 128):
+    """C (M, N) = A (M, K) B (N, K)^T, bf16 in, float32 accumulate: a block per
+    block_m x block_n tile of C, a warp per 64 x 32 piece, K tiles through shared memory
+    by cp.async in two stages."""
+    BM, BN, ROW = block_m, block_n, GEMM_ROW
+    WARPS_N = BN // 32
+    THREADS = 32 * (BM // 64) * WARPS_N
+    if not (BM > 0 and BN > 0 and BM % 64 == 0 and BN % 32 == 0 and THREADS <= 1024
+            and (BM * 4) % THREADS == 0 and (BN * 4) % THREADS == 0):
+        raise ValueError(f"block_m must be a multiple of 64 and block_n of 32, with "
+                         f"whole loads per thread, got {BM}, {BN}")
+    A_LOADS, B_LOADS = BM * 4 // THREADS, BN * 4 // THREADS  # 16-byte chunks a thread
+    warp_tile = gemm_warp_tile_function(ROW)
+    A_WORDS, B_WORDS = BM * ROW, BN * ROW  # a stage of each tile in shared memory
+
+    @cuda.jit
+    def kernel(a, b, c):  # a (M, K / 4) and b (N, K / 4): bf16 as 8-byte words
+        wait_for_previous_kernel()
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        m0, n0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BN
+        M, N, num_k = a.shape[0], b.shape[0], a.shape[1] // (GEMM_BK // 4)
+        a_tile = cuda.shared.array((2, A_WORDS), uint64, alignment=SHARED_ALIGN)
+        b_tile = cuda.shared.array((2, B_WORDS), uint64, alignment=SHARED_ALIGN)
+        acc = cuda.local.array(64, float32)
+        for i in range(64):
+            acc[i] = float32(0.0)
+
+        for kt in range(num_k + 1):
+            if kt < num_k:  # start copying tile kt into stage kt % 2
+                stage, k_word = kt % 2, kt * (GEMM_BK // 4)
+                for u in range(A_LOADS):
+                    chunk = tid + u * THREADS  # row chunk // 4, 16 bytes chunk % 4
+                    row = min(m0 + chunk // 4, M - 1)
+                    cp_async16(ffi.from_buffer(a_tile[stage, (chunk // 4) * ROW
+                                                      + 2 * (chunk % 4):]),
+                               ffi.from_buffer(a[row, k_word + 2 * (chunk % 4):]))
+                for u in range(B_LOADS):
+                    chunk = tid + u * THREADS
+                    row = min(n0 + chunk // 4, N - 1)
+                    cp_async16(ffi.from_buffer(b_tile[stage, (chunk // 4) * ROW
+                                                      + 2 * (chunk % 4):]),
+                               ffi.from_buffer(b[row, k_word + 2 * (chunk % 4):]))
+            cp_async_commit()  # (an empty group on the last pass)
+            if kt > 0:  # multiply tile kt - 1 while tile kt is on its way
+                cp_async_wait_one()
+                cuda.syncthreads()  # every thread's copies of tile kt - 1 have landed
+                stage = (kt - 1) % 2
+                wm, wn = warp // WARPS_N, warp % WARPS_N
+                warp_tile(ffi.from_buffer(acc),
+                          ffi.from_buffer(a_tile[stage, 64 * wm * ROW:]),
+                          ffi.from_buffer(b_tile[stage, 32 * wn * ROW:]))
+                cuda.syncthreads()  # done reading the stage the next copy overwrites
+
+        wm, wn = warp // WARPS_N, warp % WARPS_N
+        for i in range(4):
+            for j in range(4):
+                for e in range(4):
+                    row = m0 + 64 * wm + 16 * i + C_ROWS[lane, e]
+                    col = n0 + 32 * wn + 8 * j + C_COLS[lane, e]
+                    if row < M and col < N:
+                        store_activation(c, row, col, acc[4 * (4 * i + j) + e])
+
+    kernel.block_m, kernel.block_n = BM, BN
+    return require_lto(kernel)
+
+
+_gemm_kernels = {}
+
+
+def tc_gemm(a, b, c, block_m: int = 128, block_n: int = 128, stream=0):
+    """c = a b^T on the tensor cores: a (M, K), b (N, K) bf16 bits (uint16) on the
+    device, K a multiple of 32; c (M, N) float32, or bf16 bits (uint16)."""
+    M, K = a.shape
+    N = b.shape[0]
+    if a.dtype != np.uint16 or b.dtype != np.uint16 or b.shape[1] != K:
+        raise ValueError(f"tc_gemm: a (M, K) and b (N, K) must hold bf16 bits with the "
+                         f"same K, got {a.dtype} {a.shape} and {b.dtype} {b.shape}")
+    if K % GEMM_BK or tuple(c.shape) != (M, N):
+        raise ValueError(f"tc_gemm: K must be a multiple of {GEMM_BK} and c ({M}, "
+                         f"{N}); got K={K}, c {tuple(c.shape)}")
+    key = (block_m, block_n)
+    if key not in _gemm_kernels:
+        _gemm_kernels[key] = make_tc_gemm_kernel(*key)
+    kernel = _gemm_kernels[key]
+    threads = 32 * (block_m // 64) * (block_n // 32)
+    with twin_launch():
+        a_words = a.view(np.uint64).reshape(M, K // 4)  # 8-byte words: 4 values each
+        b_words = b.view(np.uint64).reshape(N, K // 4)
+        grid = (cdiv(N, block_n), cdiv(M, block_m))
+        kernel[grid, threads, stream](a_words, b_words, c)
+    return c
+
+
+tc_gemm_kernel = make_tc_gemm_kernel()
+_gemm_kernels[(128, 128)] = tc_gemm_kernel
+PTX_SIGNATURES = {
+    "tc_gemm_kernel": [f"void(uint64[:, ::1], uint64[:, ::1], {c}[:, ::1])"
+                       for c in ("float32", "uint16")]
+}
+
+# %% [markdown]
+# Against NumPy. The tensor cores multiply bf16 values exactly and add in float32, so
+# the result may differ from a float64 product by the rounding of K float32 additions:
+# at most K · 2⁻²⁴ times the sum of |a||b| along each dot product (a textbook bound on
+# summation error). The check uses twice that.
+
+# %%
+from tinyvllm_lib.kernels.tc_gemm import tc_gemm
+
+
+def check_tc_gemm(rng, M, N, K, **kw) -> float:
+    """tc_gemm against float64; the largest error as a share of its bound."""
+    a = f32_to_bf16_bits(rng.standard_normal((M, K)).astype(np.float32))
+    b = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32))
+    c = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    tc_gemm(cuda.to_device(a), cuda.to_device(b), c, **kw)
+    A = bf16_bits_to_f32(a).astype(np.float64)
+    B = bf16_bits_to_f32(b).astype(np.float64)
+    bound = 2 * K * 2.0**-24 * (np.abs(A) @ np.abs(B).T)
+    return float((np.abs(c.copy_to_host() - A @ B.T) / bound).max())
+
+
+if can_launch():
+    M, N, K, kw = ((70, 96, 64, {"block_m": 64, "block_n": 32}) if is_simulator()
+                   else (2051, 3072, 2048, {}))
+    share = check_tc_gemm(rng, M, N, K, **kw)
+    print(f"tensor-core GEMM {M}x{N}x{K}: largest error {share:.2f} of its bound")
+    assert share <= 1
+
+# %% [markdown]
+# ## Attention, a tile at a time, on the tensor cores
+#
+# The loop is FlashAttention-2's and chapter 7's, with the arithmetic moved:
+#
+# - a block of 4 warps takes 64 queries of one head (an entry of chapter 10's tile
+#   schedule); each warp keeps its 16 queries as A fragments in registers;
+# - the block copies each tile of 64 keys and values through the block table into
+#   shared memory, as chapter 10's kernel does, but with the GEMM's `cp.async` in two
+#   stages: the next tile is on its way while the warps work on this one;
+# - each warp computes its S tile (16×64: eight accumulator fragments) with
+#   `qk_tile`, applies the causal mask and the online softmax **on the accumulators**,
+#   and adds P V into its O accumulators with `pv_tile`, which rounds P to bf16 into A
+#   fragments without leaving registers (an accumulator's layout is an A fragment's,
+#   two columns at a time);
+# - a row's maximum and sum are over the four lanes of a group: two shuffles.
+#
+# The two products are short C functions, generated for the head dimension and tile
+# size so the compiler can unroll every loop:
+
+# %%
+#| export kernels.tc_attention_tiles
+import numpy as np
+from numba import config, cuda, types
+
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+from tinyvllm_lib.kernels.tensor_core import C_COLS, C_ROWS, a_matrix, bf16_values
+
+
+def attention_tile_source(head_dim: int, block_k: int, row_words: int) -> str:
+    """CUDA C for a warp's two products in a tile of flash attention, 16 queries
+    against block_k keys whose K and V rows are row_words 8-byte words apart in shared
+    memory: qk_tile_d{D}_k{BK} (S = Q K^T) and pv_tile_d{D}_k{BK} (O += P V)."""
+    D, BK, ROW, name = head_dim, block_k, row_words, f"d{head_dim}_k{block_k}"
+    return rf"""
+#define MMA16816(c, a0, a1, a2, a3, b0, b1) \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " \
+      "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};" \
+      : "+f"((c)[0]), "+f"((c)[1]), "+f"((c)[2]), "+f"((c)[3]) \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+
+// four 8 x 8 bf16 matrices: lane l points at row l % 8 of matrix l / 8
+static __device__ __forceinline__ void ldsm_{name}(unsigned* r,
+                                                   const unsigned long long* p,
+                                                   bool trans) {{
+  unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 "
+                 "{{%0, %1, %2, %3}}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}}
+
+// s = this warp's 16 x {BK} scores ({BK // 8} accumulator fragments) = q K^T
+extern "C" __device__ void qk_tile_{name}(float* s, const unsigned* q,
+                                          const unsigned long long* k) {{
+  int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
+#pragma unroll
+  for (int i = 0; i < {BK // 2}; ++i) s[i] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < {BK // 16}; ++p) {{     // 16 keys: two accumulator fragments
+#pragma unroll
+    for (int kc = 0; kc < {D // 16}; ++kc) {{  // 16 dimensions: one A fragment of q
+      unsigned b[4];  // keys 16p.., dims 16kc..: b0, b1; then keys 8 on: b0, b1 again
+      int key = 16 * p + 8 * (mat / 2) + row;
+      ldsm_{name}(b, k + key * {ROW} + 4 * kc + 2 * (mat % 2), false);
+      const unsigned* a = q + 4 * kc;
+      MMA16816(s + 8 * p, a[0], a[1], a[2], a[3], b[0], b[1]);
+      MMA16816(s + 8 * p + 4, a[0], a[1], a[2], a[3], b[2], b[3]);
+    }}
+  }}
+}}
+
+static __device__ __forceinline__ unsigned pack_{name}(float lo, float hi) {{
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}}
+
+// o (this warp's 16 x {D} outputs) += p (16 x {BK} probabilities, laid out as s) V
+extern "C" __device__ void pv_tile_{name}(float* o, const float* p,
+                                          const unsigned long long* v) {{
+  int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
+#pragma unroll
+  for (int kc = 0; kc < {BK // 16}; ++kc) {{  // 16 keys: two accumulators make A
+    const float* x = p + 8 * kc;
+    unsigned a0 = pack_{name}(x[0], x[1]), a1 = pack_{name}(x[2], x[3]);
+    unsigned a2 = pack_{name}(x[4], x[5]), a3 = pack_{name}(x[6], x[7]);
+#pragma unroll
+    for (int dp = 0; dp < {D // 16}; ++dp) {{  // 16 dimensions: two accumulators
+      unsigned b[4];  // V transposed: keys 16kc.., dims 16dp.. (b0, b1), then dims 8 on
+      int key = 16 * kc + 8 * (mat % 2) + row;
+      ldsm_{name}(b, v + key * {ROW} + 4 * dp + 2 * (mat / 2), true);
+      MMA16816(o + 8 * dp, a0, a1, a2, a3, b[0], b[1]);
+      MMA16816(o + 8 * dp + 4, a0, a1, a2, a3, b[2], b[3]);
+    }}
+  }}
+}}
+"""
+
+
+# %% [markdown]
+# Their twins do the same products in NumPy from the lanes' exchanged fragments and the
+# shared tile (which every simulated thread can read), and hand each lane its
+# accumulators. `quad_max2` and `quad_sum2` reduce two values over the four lanes of a
+# group: two `shfl_xor`s each on the GPU (numba has them), an exchange in the simulator,
+# which has no shuffles.
+
+# %%
+#| export kernels.tc_attention_tiles
+_P = types.CPointer
+
+
+def accumulator_index(lane, width: int):
+    """(rows, columns) of a lane's accumulators over a 16 x width product held as
+    width / 8 fragments, 4 floats each."""
+    n = np.arange(width // 8).repeat(4)
+    e = np.tile(np.arange(4), width // 8)
+    return C_ROWS[lane][e], 8 * n + C_COLS[lane][e]
+
+
+if config.ENABLE_CUDASIM:
+    from tinyvllm_lib.kernels.tensor_core import warp_exchange
+
+    def _tile_values(tile, block_k, row_words, head_dim):
+        """A tile in shared memory, block_k rows of row_words 8-byte words from where
+        `tile` starts -> (block_k, head_dim) values."""
+        rows = np.asarray(tile)[: block_k * row_words].reshape(block_k, row_words)
+        return bf16_values(rows[:, : head_dim // 4].view(np.uint16))
+
+    def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
+        """Twins of qk_tile and pv_tile at these sizes."""
+        D, BK = head_dim, block_k
+
+        def qk_tile(s, q, k):
+            buffer, lane = warp_exchange(q[: D // 4])
+            Q = np.zeros((16, D))
+            for kc in range(D // 16):
+                Q[:, 16 * kc : 16 * kc + 16] = bf16_values(
+                    a_matrix(buffer[:, 4 * kc : 4 * kc + 4])
+                )
+            S = Q @ _tile_values(k, BK, row_words, D).T  # (16, BK)
+            s[: BK // 2] = S[accumulator_index(lane, BK)].astype(np.float32)
+
+        def pv_tile(o, p, v):
+            words = np.asarray(p[: BK // 2], np.float32).view(np.uint32)
+            buffer, lane = warp_exchange(words)
+            P = np.zeros((16, BK))
+            for other in range(32):  # P rounded to bf16, as the packing does
+                probs = buffer[other, : BK // 2].view(np.float32)
+                P[accumulator_index(other, BK)] = bf16_values(f32_to_bf16_bits(probs))
+            O = P @ _tile_values(v, BK, row_words, D)  # (16, D)
+            rows, cols = accumulator_index(lane, D)
+            o[: D // 2] = (o[: D // 2].astype(np.float64) + O[rows, cols]).astype(
+                np.float32
+            )
+
+        return qk_tile, pv_tile
+
+    def quad_max2(x, y):
+        """Twin: the largest x and the largest y over the lane's group of four."""
+        pair = np.array([x, y], np.float32).view(np.uint32)
+        buffer, lane = warp_exchange(pair)
+        q = buffer[lane & ~3 : (lane & ~3) + 4, :2].view(np.float32)
+        return q[:, 0].max(), q[:, 1].max()
+
+    def quad_sum2(x, y):
+        """Twin: x and y summed over the lane's group of four, in the shuffles'
+        order."""
+        pair = np.array([x, y], np.float32).view(np.uint32)
+        buffer, lane = warp_exchange(pair)
+        q = buffer[lane & ~3 : (lane & ~3) + 4, :2].view(np.float32)
+        pairs = (np.float32(q[0] + q[1]), np.float32(q[2] + q[3]))  # xor 1, then 2
+        total = pairs[0] + pairs[1]
+        return np.float32(total[0]), np.float32(total[1])
+
+else:
+    from numba.cuda import CUSource
+
+    def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
+        """qk_tile and pv_tile at these sizes, linked from attention_tile_source."""
+        src = CUSource(attention_tile_source(head_dim, block_k, row_words))
+        name = f"d{head_dim}_k{block_k}"
+        words, floats = _P(types.uint32), _P(types.float32)
+        qk = cuda.declare_device(f"qk_tile_{name}",
+                                 types.void(floats, words, _P(types.uint64)),
+                                 link=src, abi="c")
+        pv = cuda.declare_device(f"pv_tile_{name}",
+                                 types.void(floats, floats, _P(types.uint64)),
+                                 link=src, abi="c")
+        return qk, pv
+
+    @cuda.jit(device=True)
+    def quad_max2(x, y):
+        """The largest x and the largest y over the lane's group of four."""
+        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 1))
+        y = max(y, cuda.shfl_xor_sync(0xFFFFFFFF, y, 1))
+        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 2))
+        return x, max(y, cuda.shfl_xor_sync(0xFFFFFFFF, y, 2))
+
+    @cuda.jit(device=True)
+    def quad_sum2(x, y):
+        """x and y summed over the lane's group of four."""
+        x = x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
+        y = y + cuda.shfl_xor_sync(0xFFFFFFFF, y, 1)
+        x = x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
+        return x, y + cuda.shfl_xor_sync(0xFFFFFFFF, y, 2)
+
+# %% [markdown]
+# The kernel itself is chapter 10's paged prefill with the inner loop replaced; its
+# arguments and its tile schedule are that kernel's, so the engine can take either. Q
+# arrives as float32 activations and is rounded to bf16 once, into A fragments; the
+# softmax runs in base 2 (the scale is multiplied by log₂ e, and `ex2` is one
+# instruction). Every warp of a block runs the same number of key tiles — the
+# tensor-core instructions need all 32 lanes, and the barriers all 128 threads — so a
+# warp whose rows are past the sequence's end computes rows nobody stores.
+
+# %%
+#| export kernels.tc_attention
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from tinyvllm_lib.kernels.activation_store import store_activation
+from tinyvllm_lib.kernels.attention import (
+    FLASH_BLOCK_Q,
+    check_out,
+    check_qkv,
+    check_query_start_loc,
+)
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.paged_attention import (
+    TILE_MASK,
+    TILE_SHIFT,
+    host_array,
+    prefill_tiles,
+)
+from tinyvllm_lib.kernels.paged_cache import cache_word, check_paged_context
+from tinyvllm_lib.kernels.tc_attention_tiles import (
+    attention_tile_functions,
+    quad_max2,
+    quad_sum2,
+)
+from tinyvllm_lib.kernels.tc_gemm import (
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait_one,
+)
+from tinyvllm_lib.kernels.tensor_core import (
+    SHARED_ALIGN,
+    exp2_approx,
+    ffi,
+    pack_bf16x2,
+    require_lto,
+    twin_launch,
+)
+
+# queries per block, 4 warps of 16: chapter 7's, so the engine's one tile schedule
+# (chapter 11 packs it at FLASH_BLOCK_Q) serves this kernel and chapter 10's alike
+TC_BLOCK_Q = FLASH_BLOCK_Q
+LOG2E = 1.4426950408889634
+
+
+def tc_block_k(head_dim: int) -> int:
+    """Keys a tile: two stages of K and V tiles fit the 48 KiB of static shared
+    memory (64 keys of 64 dimensions: 36 KiB; 32 of 128)."""
+    return 64 if head_dim <= 64 else 32
+
+
+def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
+                           block_k: int | None = None):
+    """Causal GQA attention of new tokens over a paged bf16 KV cache on the tensor
+    cores: a block per (query head, entry of the tile schedule), a warp per 16 queries,
+    K and V tiles copied through the block table into shared memory by cp.async, the
+    next tile on its way while the warps work on this one."""
+    D, BQ, BK = head_dim, block_q, block_k or tc_block_k(head_dim)
+    THREADS = 32 * (BQ // 16)
+    WPR = D // 4  # 8-byte words in one key's row of one KV head
+    ROW = WPR + 2  # a row in shared memory: 16 bytes of padding against bank conflicts
+    STAGE = BK * ROW  # words of one stage of a tile
+    CPR = D // 8  # 16-byte chunks in a key's row
+    CHUNKS = BK * CPR // THREADS  # chunks of K (and of V) each thread copies a tile
+    QW, SW, OW = D // 4, BK // 2, D // 2  # registers a lane: Q words, S and O floats
+    NT, DT = BK // 8, D // 8  # accumulator fragments of S and of O
+    if D % 16 or BQ % 16 or BK % 16 or (BK * CPR) % THREADS:
+        raise ValueError(f"tensor-core attention needs head_dim, block_q and block_k "
+                         f"multiples of 16 (a whole number of copies a thread), got "
+                         f"{D}, {BQ}, {BK}")
+    qk_tile, pv_tile = attention_tile_functions(D, BK, ROW)
+
+    @cuda.jit
+    def kernel(qkv, k_cache, v_cache, block_tables, block_shift, seq_lens,
+               query_start_loc, tiles, num_heads, num_kv_heads, scale_log2, out):
+        h, tid, tile = cuda.blockIdx.x, cuda.threadIdx.x, tiles[cuda.blockIdx.y]
+        if tile < 0:  # an idle entry of a padded schedule: leave before waiting
+            return
+        wait_for_previous_kernel()
+        warp, lane = tid // 32, tid % 32
+        t = lane & 3  # the lane's column pair in a fragment
+        seq, q_tile = tile >> TILE_SHIFT, tile & TILE_MASK
+        start = query_start_loc[seq]
+        num_new = query_start_loc[seq + 1] - start
+        num_cached = seq_lens[seq] - num_new
+        row_a = q_tile * BQ + warp * 16 + (lane >> 2)  # the lane's two query rows
+        row_b = row_a + 8
+        num_keys = num_cached + min(num_new, (q_tile + 1) * BQ)  # causal: the block's
+        last_a = min(num_cached + row_a, num_keys - 1)  # the last key each row sees
+        last_b = min(num_cached + row_b, num_keys - 1)
+        kvh = uint32(h // (num_heads // num_kv_heads))
+        bt_row = block_tables[seq]
+        block_mask = (uint32(1) << block_shift) - uint32(1)
+        k_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
+        v_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
+        qf = cuda.local.array(QW, uint32)  # Q: D / 16 A fragments
+        s = cuda.local.array(SW, float32)  # S, then P: BK / 8 accumulator fragments
+        o = cuda.local.array(OW, float32)  # O: D / 8 accumulator fragments
+        for kc in range(D // 16):  # Q rounded to bf16 in the A fragments' layout
+            for r in range(4):
+                row = row_a if r % 2 == 0 else row_b
+                col = h * D + 16 * kc + 8 * (r // 2) + 2 * t
+                lo, hi = float32(0.0), float32(0.0)
+                if row < num_new:
+                    lo, hi = qkv[start + row, col], qkv[start + row, col + 1]
+                qf[4 * kc + r] = pack_bf16x2(lo, hi)
+        for i in range(OW):
+            o[i] = float32(0.0)
+        m_a, m_b = float32(-math.inf), float32(-math.inf)
+        l_a, l_b = float32(0.0), float32(0.0)  # this lane's part of each row's sum
+        num_tiles = (num_keys + BK - 1) // BK
+        for it in range(num_tiles + 1):
+            if it < num_tiles:  # start copying tile it into stage it % 2
+                for u in range(CHUNKS):
+                    c = tid + u * THREADS  # key c // CPR, 16 bytes c % CPR of its row
+                    key = min(it * BK + c // CPR, num_keys - 1)  # past the end: last
+                    word = cache_word(bt_row, uint32(key), block_shift, block_mask,
+                                      uint32(num_kv_heads), kvh, WPR,
+                                      uint32(2 * (c % CPR)))
+                    at = (c // CPR) * ROW + 2 * (c % CPR)
+                    cp_async16(ffi.from_buffer(k_tile[it % 2, at:]),
+                               ffi.from_buffer(k_cache[word:]))
+                    cp_async16(ffi.from_buffer(v_tile[it % 2, at:]),
+                               ffi.from_buffer(v_cache[word:]))
+            cp_async_commit()  # (an empty group on the last pass)
+            if it == 0:
+                continue
+            cp_async_wait_one()  # this thread's copies of tile it - 1 have landed
+            cuda.syncthreads()  # and every thread's
+            stage, k_start = (it - 1) % 2, (it - 1) * BK
+            qk_tile(ffi.from_buffer(s), ffi.from_buffer(qf),
+                    ffi.from_buffer(k_tile[stage, 0:]))
+            # the causal mask and the online softmax, on the accumulators
+            mx_a, mx_b = float32(-math.inf), float32(-math.inf)
+            for n in range(NT):
+                key = k_start + 8 * n + 2 * t
+                for e in range(4):
+                    last = last_a if e < 2 else last_b
+                    x = float32(-math.inf)
+                    if key + e % 2 <= last:
+                        x = s[4 * n + e] * scale_log2
+                    s[4 * n + e] = x
+                    if e < 2:
+                        mx_a = max(mx_a, x)
+                    else:
+                        mx_b = max(mx_b, x)
+            mx_a, mx_b = quad_max2(mx_a, mx_b)
+            # every row sees key 0 in the first tile, so the maxima are finite from then
+            new_a, new_b = max(m_a, mx_a), max(m_b, mx_b)
+            corr_a, corr_b = exp2_approx(m_a - new_a), exp2_approx(m_b - new_b)
+            m_a, m_b = new_a, new_b
+            l_a, l_b = l_a * corr_a, l_b * corr_b
+            for n in range(NT):
+                for e in range(4):
+                    if e < 2:
+                        x = exp2_approx(s[4 * n + e] - m_a)
+                        l_a += x
+                    else:
+                        x = exp2_approx(s[4 * n + e] - m_b)
+                        l_b += x
+                    s[4 * n + e] = x
+            for n in range(DT):
+                o[4 * n] *= corr_a
+                o[4 * n + 1] *= corr_a
+                o[4 * n + 2] *= corr_b
+                o[4 * n + 3] *= corr_b
+            pv_tile(ffi.from_buffer(o), ffi.from_buffer(s),
+                    ffi.from_buffer(v_tile[stage, 0:]))
+            cuda.syncthreads()  # done with the stage the next copy overwrites
+        l_a, l_b = quad_sum2(l_a, l_b)
+        inv_a, inv_b = float32(1.0) / l_a, float32(1.0) / l_b
+        for n in range(DT):
+            col = h * D + 8 * n + 2 * t
+            if row_a < num_new:
+                store_activation(out, start + row_a, col, o[4 * n] * inv_a)
+                store_activation(out, start + row_a, col + 1, o[4 * n + 1] * inv_a)
+            if row_b < num_new:
+                store_activation(out, start + row_b, col, o[4 * n + 2] * inv_b)
+                store_activation(out, start + row_b, col + 1, o[4 * n + 3] * inv_b)
+
+    kernel.block_q, kernel.block_k, kernel.head_dim = BQ, BK, D
+    kernel.reads_before_wait = True  # its schedule entry; it writes only after
+    return require_lto(kernel)
+
+
+_kernels = {}
+
+
+def tc_prefill_kernel_for(head_dim: int, block_q: int = TC_BLOCK_Q,
+                          block_k: int | None = None):
+    """The kernel for these sizes, built on first use and kept."""
+    key = (head_dim, block_q, block_k or tc_block_k(head_dim))
+    if key not in _kernels:
+        _kernels[key] = make_tc_prefill_kernel(*key)
+    return _kernels[key]
+
+
+def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
+                         query_start_loc, max_query_len: int, block_size: int,
+                         num_heads: int, num_kv_heads: int, head_dim: int, out,
+                         stream=0, block_q: int = TC_BLOCK_Q,
+                         block_k: int | None = None, tiles=None):
+    """paged_prefill_attention (chapter 10), same arguments and result, on the tensor
+    cores; head_dim a multiple of 16. tiles: prefill_tiles(...) at this block_q."""
+    name = "tc_prefill_attention"
+    num_tokens = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
+    check_out(name, out, (num_tokens, num_heads * head_dim))
+    num_seqs = check_query_start_loc(name, query_start_loc, max_query_len, num_tokens)
+    k64, v64 = check_paged_context(name, k_cache, v_cache, block_tables, seq_lens,
+                                   block_size, num_seqs, num_kv_heads, head_dim,
+                                   query_start_loc)
+    kernel = tc_prefill_kernel_for(head_dim, block_q, block_k)
+    if num_tokens == 0 or max_query_len == 0:
+        return out
+    if tiles is None:
+        tiles = cuda.to_device(
+            prefill_tiles(host_array(query_start_loc), host_array(seq_lens), block_q),
+            stream=stream)
+    with twin_launch():
+        kernel[(num_heads, tiles.shape[0]), 32 * (block_q // 16), stream](
+            qkv, k64, v64, block_tables, np.uint32(int(block_size).bit_length() - 1),
+            seq_lens, query_start_loc, tiles, num_heads, num_kv_heads,
+            np.float32(LOG2E / math.sqrt(head_dim)), out)
+    return out
+
+
+def prefill_attention_for(backend: str, head_dim: int):
+    """The launcher of prefill attention an engine with EngineConfig.attention_backend
+    = backend uses: "simt" chapter 10's kernel, "tensor_cores" this chapter's (a
+    ValueError where head_dim is not a multiple of 16), "auto" this chapter's on a GPU
+    where head_dim allows (the simulator takes chapter 10's: its twins are slow)."""
+    from numba import config
+
+    from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
+
+    fits = head_dim % 16 == 0
+    if backend == "tensor_cores" and not fits:
+        raise ValueError(f"attention_backend='tensor_cores' needs a head size that is "
+                         f"a multiple of 16, got {head_dim}")
+    if backend == "tensor_cores" or (backend == "auto" and fits
+                                     and not config.ENABLE_CUDASIM):
+        return tc_prefill_attention
+    return paged_prefill_attention
+
+
+tc_prefill_d64_kernel = tc_prefill_kernel_for(64)
+tc_prefill_d128_kernel = tc_prefill_kernel_for(128)
+_ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "
+         "int32[::1], int32[::1], int32[::1], int64, int64, float32")
+PTX_SIGNATURES = {
+    name: [f"void({_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
+    for name in ("tc_prefill_d64_kernel", "tc_prefill_d128_kernel")
+}
+
+# %% [markdown]
+# ## Is it right?
+#
+# The kernel rounds Q and P to bf16, which chapter 10's float32 reference does not, so
+# it cannot match that reference to float32's precision. How close should it be?
+# FlashAttention's own tests answer with a second reference: the same attention in
+# NumPy, rounded where the kernel rounds. The kernel passes if its error against
+# float32 is at most twice that reference's error (plus a hair for the order of
+# additions).
+
+# %%
+#| export kernels.tc_attention
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+
+def _round_bf16(x) -> np.ndarray:
+    return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(x, np.float32)))
+
+
+def paged_prefill_attention_bf16_ref(q, k_cache, v_cache, block_tables, seq_lens,
+                                     query_start_loc, block_size, num_heads,
+                                     num_kv_heads, head_dim):
+    """chapter 10's reference rounded where the tensor cores round: Q, and the
+    probabilities exp(s - max) before they multiply V (their sum stays float32)."""
+    q = _round_bf16(np.asarray(q, np.float32).reshape(-1, num_heads, head_dim))
+    out = np.zeros((q.shape[0], num_heads * head_dim), np.float32)
+    starts = np.asarray(query_start_loc)
+    group = num_heads // num_kv_heads
+    for s, seq_len in enumerate(np.asarray(seq_lens)[: len(starts) - 1]):
+        start, end = starts[s], starts[s + 1]
+        pos = np.arange(seq_len)
+        slots = (np.asarray(block_tables)[s, pos // block_size].astype(np.int64)
+                 * block_size + pos % block_size)
+        k = bf16_bits_to_f32(k_cache[slots]).astype(np.float64)  # (seq_len, KVH, D)
+        v = bf16_bits_to_f32(v_cache[slots]).astype(np.float64)
+        query_pos = seq_len - (end - start) + np.arange(end - start)
+        visible = pos[None, :] <= query_pos[:, None]
+        for h in range(num_heads):
+            scores = q[start:end, h].astype(np.float64) @ k[:, h // group].T
+            scores = np.where(visible, scores / math.sqrt(head_dim), -np.inf)
+            p = np.exp(scores - scores.max(axis=1, keepdims=True))
+            o = _round_bf16(p).astype(np.float64) @ v[:, h // group]
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            out[start:end, cols] = o / p.sum(axis=1, keepdims=True)
+    return out
+
+
+# %% [markdown]
+# A ragged batch that exercises everything at once: grouped heads (4 query heads over 2
+# KV heads), a sequence with nothing cached, one after cached tokens, lengths that are
+# not multiples of any tile, shuffled block tables, and cache slots outside every
+# context filled with NaN, so a key read from the wrong place cannot go unnoticed.
+
+# %%
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.kv_cache_write import write_kv_cache_ref
+from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention_ref
+from tinyvllm_lib.kernels.tc_attention import (
+    paged_prefill_attention_bf16_ref,
+    tc_prefill_attention,
+)
+
+
+def ragged_case(rng, seqs, H, KVH, D, block_size):
+    """qkv of the new tokens and paged bf16 caches for seqs = [(cached, new), ...]."""
+    seq_lens = np.array([c + n for c, n in seqs], np.int32)
+    starts = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    max_blocks = max(cdiv(int(n), block_size) for n in seq_lens)
+    tables = rng.permutation(len(seqs) * max_blocks + 2)[: len(seqs) * max_blocks]
+    tables = tables.reshape(len(seqs), max_blocks).astype(np.int32)
+    shape = ((len(seqs) * max_blocks + 2) * block_size, KVH, D)
+    k_cache = np.full(shape, 0x7FC0, np.uint16)  # NaN: what no context may read
+    v_cache = np.full(shape, 0x7FC0, np.uint16)
+    qkv = rng.standard_normal((starts[-1], (H + 2 * KVH) * D)).astype(np.float32)
+    qkv[:, : H * D] *= 3  # peaked attention
+    new_slots = []
+    for s, (cached, new) in enumerate(seqs):
+        pos = np.arange(cached + new)
+        slots = tables[s, pos // block_size] * block_size + pos % block_size
+        for cache in (k_cache, v_cache):
+            cache[slots[:cached]] = f32_to_bf16_bits(
+                rng.standard_normal((cached, KVH, D)).astype(np.float32))
+        new_slots.append(slots[cached:])
+    write_kv_cache_ref(qkv, H, KVH, np.concatenate(new_slots), k_cache, v_cache)
+    return qkv, k_cache, v_cache, tables, seq_lens, starts
+
+
+def check_tc_attention(rng, seqs, H, KVH, D, block_size, block_q=16, block_k=32):
+    """The kernel against float32 and against the bf16-rounded reference; returns the
+    kernel's and the rounded reference's largest errors."""
+    case = ragged_case(rng, seqs, H, KVH, D, block_size)
+    out = cuda.to_device(np.full((len(case[0]), H * D), np.nan, np.float32))
+    max_query_len = int(np.diff(case[5]).max())
+    tc_prefill_attention(*map(cuda.to_device, case), max_query_len, block_size, H, KVH,
+                         D, out, block_q=block_q, block_k=block_k)
+    got = out.copy_to_host()
+    exact = paged_prefill_attention_ref(case[0][:, : H * D], *case[1:], block_size, H,
+                                        KVH, D)
+    rounded = paged_prefill_attention_bf16_ref(case[0][:, : H * D], *case[1:],
+                                               block_size, H, KVH, D)
+    return float(np.abs(got - exact).max()), float(np.abs(rounded - exact).max())
+
+
+if can_launch():
+    shapes = ((4, 2, 32, 8, 16, 32) if is_simulator() else (32, 8, 64, 16, 64, 64))
+    H, KVH, D, block_size, bq, bk = shapes
+    seqs = [(0, 21), (37, 9)] if is_simulator() else [(0, 1000), (4096, 333), (5, 77)]
+    err, ref_err = check_tc_attention(rng, seqs, H, KVH, D, block_size, bq, bk)
+    print(f"tensor-core attention: max error {err:.2e} against float32; the "
+          f"bf16-rounded reference's {ref_err:.2e}")
+    assert err <= 2 * ref_err + 1e-5, (err, ref_err)
+    prose.glue("ch14_err", f"{err:.1e}")
+    prose.glue("ch14_ref_err", f"{ref_err:.1e}")
+
+# %% [markdown]
+# ## What the compiler made of it
+#
+# Two things decide whether this is fast, and both can be checked with no GPU. The
+# link step must inline the C functions, or every call passes its fragments through
+# memory; and every loop over fragments must be unrolled, because a register cannot be
+# indexed at run time — a local array indexed by a loop variable lives in *local
+# memory*, which is as slow as global memory. numba-cuda can link with link-time
+# optimisation (LTO): NVVM compiles the kernel and NVRTC the C to LTO-IR, and nvJitLink
+# optimises them as one program. Asking nvJitLink for PTX instead of machine code shows
+# the result. `linked_ptx_counts` does that in a fresh interpreter (this page may be
+# running in the simulator) and counts instructions:
+
+# %%
+#| export
+_LINKED_PTX_SCRIPT = """
+import json, re, sys, types
+import importlib
+import numba.cuda.dispatcher as cuda_dispatcher
+cc90 = types.SimpleNamespace(compute_capability=(9, 0))
+cuda_dispatcher.get_current_device = lambda: cc90  # no GPU: compile for sm_90
+from numba.cuda.compiler import _compile_pyfunc_with_fixup
+module, name, signature = sys.argv[1:4]
+kernel = getattr(importlib.import_module(module), name)
+library, _ = _compile_pyfunc_with_fixup(
+    kernel.py_func, signature, device=False, cc=(9, 0), lto=True, debug=False,
+    lineinfo=False, fastmath=False, opt=True, abi="numba", abi_info=None,
+    forceinline=False, launch_bounds=None)
+library._lto = True  # as a launch links it: numba-cuda uses LTO wherever nvJitLink is
+ptx = library.get_lto_ptx(cc=(9, 0))
+patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
+            "cp.async": r"\\bcp\\.async\\.cg", "shfl": r"\\bshfl",
+            "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local",
+            "call": r"\\bcall\\b", "shared align 16": r"\\.shared\\s+\\.align\\s+16"}
+print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
+"""
+
+
+def linked_ptx_counts(module: str, kernel: str) -> dict[str, int]:
+    """Instruction counts in the PTX for sm_90 of `module`.`kernel` (its first
+    PTX_SIGNATURES entry) after link-time optimisation with its C functions, compiled in
+    a fresh interpreter without the simulator: needs NVRTC and nvJitLink, no GPU."""
+    import importlib
+    import json
+    import os
+    import subprocess
+    import sys
+
+    signature = importlib.import_module(module).PTX_SIGNATURES[kernel][0]
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    res = subprocess.run(
+        [sys.executable, "-c", _LINKED_PTX_SCRIPT, module, kernel, signature],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    if res.returncode:
+        raise RuntimeError(f"linking {kernel} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# %%
+from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
+
+counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_attention", "tc_prefill_d64_kernel")
+print("attention:", counts)
+per_tile = 2 * (64 // 16) * (64 // 8)  # S and O: (D / 16) x (BK / 8) mma each
+assert counts["mma.sync"] == per_tile and counts["local memory"] == 0
+assert counts["call"] == 0
+prose.glue("ch14_mma", counts["mma.sync"])
+prose.glue("ch14_ldsm", counts["ldmatrix"])
+gemm_counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_gemm", "tc_gemm_kernel")
+print("GEMM:", gemm_counts)
+assert gemm_counts["mma.sync"] == 32 and gemm_counts["local memory"] == 0
+prose.glue("ch14_gemm_mma", gemm_counts["mma.sync"])
+prose.glue("ch14_gemm_cp", gemm_counts["cp.async"])
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+The loop over key tiles holds {{ch14_mma}} `mma.sync` and {{ch14_ldsm}} `ldmatrix`
+(one warp's 16 queries × 64 keys × 64 dimensions, twice, in 16×8×16 pieces), no call,
+and no load or store of local memory: the C functions were inlined and every fragment
+is a register. The GEMM's loop over K tiles holds {{ch14_gemm_mma}} `mma.sync` (a
+warp's 64×32 piece over 32 of K) and {{ch14_gemm_cp}} `cp.async`, and no local memory
+either. What the hardware then makes of them — registers per thread, and whether
+`ptxas` spills any — shows in the SASS on a GPU (`kernel.inspect_sass()`), which the
+benchmark script checks.
+""")
+
+# %% [markdown]
+# ## In the engine
+#
+# The kernel takes chapter 10's arguments and reads the same tile schedule (64 queries
+# an entry), so the engine swaps it in without changing anything else: the CUDA graphs
+# of chapter 11 capture prefill steps with it as they captured the SIMT kernel. The
+# choice is one field of the engine's configuration, named as vLLM names its own:
+#
+# ```python
+# LLM(model, attention_backend="tensor_cores")   # or "simt"; "auto" is the default
+# ```
+#
+# `"auto"` takes the tensor cores on a GPU whenever the head size is a multiple of 16
+# (every Llama is), and chapter 10's kernel in the simulator, where the twins are slow.
+# Decode steps keep chapter 11's split decode kernel: one query row per sequence leaves
+# a 16-row fragment mostly empty, and a decode step waits on reading the cache, not on
+# arithmetic. A mixed step's decode rows ride in the prefill kernel as one-token
+# sequences, each a whole 64-row tile — correct, and wasteful in a way the measurement
+# below can price.
+
+# %% [markdown]
+# ## How fast
+#
+# A prediction first, written before the kernel ran on a GPU. A probe of `mma.sync`
+# alone on the H200 (a linked C function, four independent accumulators a warp, no
+# loads) reached the rate below; that is this kernel's ceiling. Between its tensor-core
+# instructions the kernel also spends, a warp per tile of keys, 34 exponentials (the
+# special-function unit does a warp's 32 in about 8 cycles), some 200 other
+# instructions for the mask and the softmax, and an `ldmatrix` for every two `mma`.
+# With three warps to interleave on each scheduler, some of that hides behind the
+# tensor cores and some does not: FlashAttention-2, the same loop carefully tuned,
+# reaches about half of `mma.sync`'s rate. This kernel should land between a quarter
+# and a half of it.
+
+# %%
+MMA_SYNC_TFLOPS = 575  # the mma.sync probe on the H200 (../shared/probes), no loads
+predicted = (MMA_SYNC_TFLOPS / 4, MMA_SYNC_TFLOPS / 2)
+layers, heads, d, n = 16, 32, 64, 8000  # Llama 3.2 1B, an 8,000-token prompt
+flops = 4 * heads * d * n * (n + 1) / 2 * layers
+ms = [flops / (t * 1e12) * 1e3 for t in predicted]
+print(f"predicted {predicted[0]:.0f} to {predicted[1]:.0f} TFLOP/s: attention of an "
+      f"8,000-token prompt in {ms[1]:.0f} to {ms[0]:.0f} ms over the 16 layers")
+prose.glue("ch14_probe", f"{MMA_SYNC_TFLOPS} TFLOP/s")
+prose.glue("ch14_predicted", f"{predicted[0]:.0f} to {predicted[1]:.0f} TFLOP/s")
+prose.glue("ch14_predicted_ms", f"{ms[1]:.0f} to {ms[0]:.0f} ms")
+prose.glue("ch14_simt_ms", f"{flops / (best_simt * 1e12) * 1e3:.0f} ms")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+The probe's ceiling is {{ch14_probe}}; the prediction {{ch14_predicted}}, which would
+put the attention of an 8,000-token prompt at {{ch14_predicted_ms}} for the whole
+model, against {{ch14_simt_ms}} at chapter 7's best SIMT rate.
+""")
+
+# %% [markdown]
+#
+# The benchmark script times the kernel on the H200 against chapter 10's paged kernel
+# (SIMT) and torch's `scaled_dot_product_attention` (its flash backend), causal, 32
+# query and 8 KV heads of 64 dimensions, from 512 to 16,384 new tokens, and after 4,096
+# cached ones; FLOPs are counted as 4·q·k·d per head over the query-key pairs actually
+# computed. It records them under `book/data/ch14_tensor_cores.json`:
+#
+# ```bash
+# python bench/ch14_tensor_cores.py
+# ```
+
+# %%
+records = load_records("ch14_tensor_cores")
+fig, ax = new_figure(width=6.5, height=3.2)
+if records:
+    for name, label in (("tc_prefill", "tensor cores (this chapter)"),
+                        ("paged_prefill", "SIMT (chapter 10)"),
+                        ("sdpa_flash", "torch sdpa (flash)")):
+        rs = sorted((r for r in records if r["name"] == name and r["shape"][1] == 0),
+                    key=lambda r: r["shape"][0])
+        if rs:
+            ax.plot([r["shape"][0] for r in rs], [r["value"] for r in rs], "o-",
+                    label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("new tokens (causal, nothing cached)")
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=7)
+    best = max(r["value"] for r in records if r["name"] == "tc_prefill")
+    prose.glue("ch14_measured", f"The kernel's best on the H200 is {best:.0f} TFLOP/s.")
+else:
+    ax.text(0.5, 0.5, "not yet recorded on a GPU", ha="center", va="center",
+            transform=ax.transAxes)
+    ax.set_axis_off()
+    prose.glue("ch14_measured", "It has not been measured on a GPU yet: this page was "
+               "written on a machine without one, and the plot fills in once the "
+               "script has run.")
+plt.show()
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+{{ch14_measured}}
+""")
+
+# %% [markdown]
+# ## Summary
+#
+# - A tensor core multiplies a 16×16 by a 16×8 bf16 matrix per warp-wide instruction;
+#   each lane holds a fragment — fixed rows and columns — of every operand.
+# - numba reaches the instruction through a linked CUDA C function of a few lines
+#   (`declare_device`, `CUSource`, cffi's `from_buffer`); link-time optimisation inlines
+#   it, and the fragments stay in registers, which can be checked from PTX with no GPU.
+# - In the simulator each linked function has a Python twin with the same fragments;
+#   because the instruction is warp-collective, the twin's lanes exchange their
+#   registers before each computes its part.
+# - Flash attention on the tensor cores keeps chapter 7's loop and chapter 10's paging:
+#   S and O accumulate in fragments, the softmax runs on them with two shuffles a row,
+#   and P turns into an A fragment without leaving registers.
+#
+# ## Exercises
+#
+# 1. The kernel rounds Q to bf16 once. What does rounding the scale into Q, instead of
+#    multiplying the scores by it, change in the error check above?
+# 2. Each block loads every K and V tile again for each of the 4 query heads that share
+#    a KV head. Put the group's heads in one block (64 rows = 4 heads × 16 queries): how
+#    many bytes of K and V does a 4,096-token prefill then read?
+# 3. Write the GEMM rung: a tensor-core GEMM with shared-memory tiles, `ldmatrix` and
+#    `cp.async` double buffering, against cuBLAS at the prefill's shapes.
+# 4. A block's warps all wait at two barriers per tile of keys. Give each warp its own
+#    64 queries (4 fragments of rows) instead of 16: what does that save in barriers
+#    and in shared-memory reads of K and V, and what does it cost in registers?
