@@ -92,6 +92,7 @@ def errors(got, case, block_size, H, KVH, D):
 SIM_CASES = [  # (seqs, H, KVH, D, block_size, block_q, block_k)
     ([(0, 21), (37, 9)], 4, 2, 32, 8, 16, 32),  # grouped heads, cached tokens
     ([(5, 40)], 2, 1, 16, 4, 32, 32),  # two warps; 45 keys: two tiles, both stages
+    ([(40, 50)], 2, 1, 32, 8, 64, 64),  # the engine's block: 4 warps, 64 keys a tile, 2 tiles
 ]
 
 
@@ -206,6 +207,8 @@ def test_tc_gemm_in_the_simulator():
     # tails in M and N, three K tiles (both pipeline stages, twice)
     assert gemm_error_share(rng, 70, 40, 96, block_m=64, block_n=32) <= 1
     assert gemm_error_share(rng, 5, 32, 32, np.uint16, block_m=64, block_n=32) <= 1
+    # the default block (8 warps, 128 x 128) and its two stages, as a GPU runs it
+    assert gemm_error_share(rng, 130, 136, 64) <= 1
 
 
 def test_tc_gemm_refuses_what_it_cannot_take():
