@@ -20,20 +20,22 @@
 # registers as it arrives, exactly as every kernel since [chapter 1](01_bf16.py) widens
 # bf16. This chapter adds vLLM's switch for it, `LLM(model, quantization="int8")` or
 # `"fp8"`: the weights are quantized as they are loaded from the bf16 folder, and the
-# decode GEMVs of [chapter 6](06_gemm.py) and chapter 11 read half the bytes.
+# decode GEMVs of [chapter 6](06_gemm.py) and chapter 11 read half the bytes of each
+# matrix.
 #
 # In this chapter you will learn:
 #
 # - **two 8-bit formats**: symmetric int8 with one scale per output row, and FP8
-#   e4m3 — its bits drawn as chapter 1 drew bf16's: range, precision, the one NaN and
-#   no infinities — with round to nearest even and saturation, tested against every one
-#   of the 256 codes;
+#   e4m3 — its bits drawn as chapter 1 drew bf16's: range, precision, one NaN pattern
+#   per sign and no infinities — with round to nearest even and saturation, tested
+#   against every one of the 256 codes;
 # - the **error each makes on real weights**, SmolLM2's, layer by layer, and what
 #   SmolLM2's own 4-bit past means for that comparison;
 # - what 8 bits do to a **model's predictions**: perplexity on this book's prose and
 #   the tokens of 20 chat answers, measured on the CPU;
 # - **GEMVs that read 8-bit weights** and their scales, with chapter 11's residual-add
-#   and norm fusions kept, and what halving the bytes predicts for a decode step.
+#   and norm fusions kept, and what halving the matrices' bytes predicts for a decode
+#   step.
 
 # %%
 #| default_exp quantization.formats
@@ -64,7 +66,7 @@ from tinyvllm_lib.plots import Prose, bit_layout, new_figure
 from tinyvllm_lib.runtime import can_launch, where_kernels_run
 
 prose = Prose()  # the numbers this chapter's prose quotes, filled in as they are made
-rng = np.random.default_rng()
+rng = np.random.default_rng(15)
 print(where_kernels_run())
 
 # %% [markdown]
@@ -97,8 +99,9 @@ In bf16 the weights are {{ch15_bf16_gb}}. At {{ch15_ceiling}} a step cannot take
 than those bytes take to read: no bf16 engine on this GPU decodes one request faster
 than {{ch15_bf16_limit}}, and chapter 11's engine does {{ch15_ch11_tok_s}}. Launches,
 attention and the sampler take the rest of its step, but the weights are most of it,
-and no kernel tuning reads them faster. Reading fewer bytes is the one way past this
-line — at batch 1 what is left is to make each weight smaller.
+and no kernel tuning reads them faster. Reading fewer bytes is one way past this line
+— making each weight smaller; the other is to get more than one token from each read
+of the weights (speculative decoding, which this book does not build).
 """)
 
 # %% [markdown]
@@ -127,8 +130,8 @@ line — at batch 1 what is left is to make each weight smaller.
 # An int8 code's steps are all the same size, $s_n$; a small weight in a row with one
 # large one gets few distinct codes. A float spends bits on an exponent instead, so its
 # steps grow with the value and every magnitude gets the same *relative* precision.
-# Hopper's FP8 type **e4m3** has 1 sign, 4 exponent and 3 mantissa bits — the OCP
-# "e4m3fn" variant every framework calls `float8_e4m3fn`. It follows chapter 1's
+# Hopper's FP8 type **e4m3** has 1 sign, 4 exponent and 3 mantissa bits — OCP's E4M3,
+# which ml_dtypes and PyTorch call `float8_e4m3fn` ("finite"). It follows chapter 1's
 # formula with bias 7, with two changes that buy range: there are **no infinities**,
 # and of the patterns with all exponent bits set only one is NaN, S.1111.111; the other
 # seven are ordinary numbers. The largest is S.1111.110 $= 2^8 \cdot 1.75 = 448$.
@@ -143,11 +146,11 @@ ax.set_title("bf16, the two FP8 formats, and int8 (its sign and 7 bits of two's 
 plt.show()
 
 # %% [markdown]
-# Its sibling **e5m2** keeps bf16's trick of more exponent and less mantissa (range to
-# 57,344, two mantissa bits) and is used for gradients; weights, which need precision
-# more than range, use e4m3. Decoding is chapter 1's formula; here it is for all 256
-# patterns at once, checked against `ml_dtypes` (the reference chapter 1 used for
-# bf16), whose `float8_e4m3fn` is the same format:
+# Its sibling **e5m2** has 5 exponent bits and 2 mantissa bits — the top byte of an
+# fp16, infinities and all (range to 57,344) — and is used for gradients; weights,
+# which need precision more than range, use e4m3. Decoding is chapter 1's formula;
+# here it is for all 256 patterns at once, checked against `ml_dtypes` (the reference
+# chapter 1 used for bf16), whose `float8_e4m3fn` is the same format:
 
 # %%
 #| export
@@ -532,8 +535,8 @@ int8 moves a typical matrix by {{ch15_err_int8}} of its size (the median over th
 {{ch15_err_head_int8}} in int8 and {{ch15_err_head_fp8}} in FP8. The algebra says
 why: SmolLM2's rows have a largest weight about {{ch15_peak}} times their RMS, and FP8
 would need rows with outliers near {{ch15_crossover}} times the RMS to win. Models
-whose weights have such outliers exist (they are why FP8 and finer-grained scales are
-popular for larger models); these rows have none.
+whose weights have such outliers may exist (finer-grained scales, a block of 128
+weights each, are the usual answer to them); these rows have none.
 """)
 
 # %% [markdown]
@@ -565,9 +568,10 @@ weights are lumpier than trained weights are, so the error 8 bits add here is a
 sample of one kind of row, not a law. And a model that already lost some precision
 may be more, or less, sensitive to losing more — which only a measurement of its
 predictions settles. For a model stored in bf16 from the start, published results are
-the check: an FP8 Llama 3.2 1B Instruct is reported within 1% of bf16 on standard
-benchmarks. The Llama 3.2 1B stand-in this book measures speed with has random
-weights, whose predictions mean nothing.
+the check: FP8 checkpoints of Llama 3.2 1B Instruct published for vLLM report
+scores close to bf16's on standard benchmarks (their model cards say by how much; this
+book has not reproduced them). The Llama 3.2 1B stand-in this book measures speed
+with has random weights, whose predictions mean nothing.
 """)
 
 # %% [markdown]
@@ -590,8 +594,8 @@ weights, whose predictions mean nothing.
 # that rounding every logit's weights makes. This engine **keeps the head in bf16** for
 # now (`QUANTIZE_LM_HEAD`), as the FP8 checkpoints published for vLLM usually do
 # (their recipes leave `lm_head` out); the accuracy study below measures the other
-# choice too, and the GPU issue's benchmark is where its speed gets measured. Here is
-# what each choice predicts for the batch-1 limit of Llama 3.2 1B:
+# choice too, and the benchmark script on the H200 is where its speed gets measured.
+# Here is what each choice predicts for the batch-1 limit of Llama 3.2 1B:
 
 # %%
 #| export models.llama_quantized
@@ -751,8 +755,9 @@ except ValueError as error:
 # position, how likely each next token is — so that one early difference does not send
 # the rest of a comparison down another path:
 #
-# - **the book's own prose**: the markdown of chapter 1, its first 2,048 tokens, so
-#   nothing is downloaded. Perplexity is $\exp$ of the mean $-\log p$ of each actual
+# - **the book's own prose**: the markdown cells of chapter 1 (from its `.py` file),
+#   its first 2,048 tokens — 2,047 predictions of the next one — so nothing is
+#   downloaded. Perplexity is $\exp$ of the mean $-\log p$ of each actual
 #   next token; beside it the mean $|\Delta \log p|$ of those tokens against bf16;
 # - **20 chat questions**: bf16's greedy answer to each (32 tokens at most), fed
 #   through each 8-bit model. At each position of an answer, does the 8-bit model's top
@@ -842,7 +847,7 @@ if accuracy:
         ax_ppl.plot([x - 0.4, x + 0.4], [target, target], "k--", lw=1)
     ax_ppl.set_xticks(range(4), [label.replace(", ", ",\n") for label in LABELS],
                       fontsize=8)
-    ax_ppl.set_ylabel("perplexity against bf16 (%)")
+    ax_ppl.set_ylabel("perplexity increase over bf16 (%)")
     ax_ppl.set_title("the book's prose (dashes: targets)", fontsize=9)
     ax_ppl.axhline(0, color="k", lw=0.5)
     every = np.concatenate([np.array(m) for m in margins["margins"]])
@@ -855,7 +860,8 @@ if accuracy:
     ax_flip.axvline(0.5, color="k", ls="--", lw=1)
     ax_flip.set_xscale("log")
     ax_flip.set_yticks(range(4), LABELS, fontsize=8)
-    ax_flip.set_xlabel("bf16's top-two log-prob margin at the position")
+    ax_flip.set_xlabel("bf16's top-two log-prob margin at the position "
+                       "(below 0.001 drawn at 0.001)")
     ax_flip.set_title("20 answers: every position (grey), where the top token "
                       "differs (colour)", fontsize=9)
     plt.show()
@@ -938,9 +944,9 @@ print("e4m3 = bf16 with its bits moved, times 2^120: all", is_number.sum(),
 # model launches the same kernels a step as a bf16 one. Each warp owns a row and its
 # 32 lanes stride along it, each loading `unroll` words before using any; the lanes'
 # sums meet through chapter 6's `warp_sum_all`. It has one variant, untuned: chapter 6
-# and 11 tuned the bf16 GEMV's rows per warp and unrolling on an H200, and the GPU issue
-# must do the same here (and try what the bf16 one does before it waits for the kernel
-# before it: load its first weights, which no kernel writes).
+# and 11 tuned the bf16 GEMV's rows per warp and unrolling on an H200, and this one
+# waits for the same tuning on the H200 (and for what the bf16 one does: it loads its
+# first weights, which no kernel writes, before it waits for the kernel before it).
 
 # %%
 #| export kernels.gemv_8bit
@@ -1228,8 +1234,9 @@ if can_launch():
 # 8-bit GEMM moves about 2.5 times the bytes of a bf16 one; the next section counts
 # what that predicts. (The better choices — dequantizing tile by tile inside chapter
 # 14's tensor-core GEMM, or Hopper's FP8 tensor cores through cuBLASLt, which would
-# quantize the activations too — are left to the GPU issue.) Its second rounding, of
-# $s_n q_{nk}$ to bf16, moves a weight by at most $2^{-9}$ of itself, as bf16 weights
+# quantize the activations too — are left for after the H200 has measured this one.)
+# Its second rounding, of $s_n q_{nk}$ to bf16, moves a weight by at most $2^{-8}$ of
+# itself, as bf16 weights
 # always have.
 
 # %%
@@ -1294,7 +1301,7 @@ def dequantize_to_bf16(codes, scales, out, method: str, stream=0):
 # scales on the GPU and picks its path by the number of token vectors: the 8-bit GEMV
 # (norm fused in where chapter 6's rule fuses it for bf16) up to
 # `QUANTIZED_GEMV_MAX_TOKENS`, else the dequantized scratch and chapter 6's `linear`.
-# That limit is a guess (8) until the GPU issue measures where the 8-bit GEMV stops
+# That limit is a guess (8) until the H200 measures where the 8-bit GEMV stops
 # beating a dequantize plus cuBLAS; for bf16 chapter 6 measured 1, but there the other
 # side needed no dequantizing.
 
@@ -1313,7 +1320,7 @@ from tinyvllm_lib.layers.linear import NORM_IN_GEMV_MAX_ROWS, linear
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
 # up to how many token vectors the 8-bit GEMV runs (beyond: dequantize, then a GEMM);
-# a guess until the GPU issue measures it
+# a guess until the H200 measures it
 QUANTIZED_GEMV_MAX_TOKENS = 8
 
 
@@ -1432,7 +1439,7 @@ class QuantizedLlamaCuda(LlamaCuda):
         return QuantizedLinear(q, self.scratch)
 
 # %% [markdown]
-# ## What halving the bytes predicts
+# ## What halving the matrices' bytes predicts
 #
 # Count before measuring. Chapter 11 measured the bf16 engine's decode step at batch 1
 # and the GPU's time for it alone (its graph replayed back to back). Split that step
@@ -1481,9 +1488,9 @@ if ("bs1_decode", 1) in ch11:
 Chapter 11's bf16 step took {{ch15_step_ms}}, of which {{ch15_rest_ms}} is not the
 weights' read at the ceiling. If that part stays, reading 8-bit weights predicts
 **{{ch15_pred_bs1}}** at batch 1 — {{ch15_pred_vs_limit}}, and far short of the 8-bit
-limit of {{ch15_limit_8bit_head_bf16}}: once the weights are half the bytes, the rest of
-the step is about half of it, and it is the next thing to shrink. Passing the bf16
-limit, as the GPU issue's target asks, needs that part smaller too (the GEMVs closer
+limit of {{ch15_limit_8bit_head_bf16}}: once the matrices are half their bytes, the rest
+of the step is about half of it, and it is the next thing to shrink. Passing the bf16
+limit, as this chapter's target asks, needs that part smaller too (the GEMVs closer
 to the ceiling, fewer kernels a layer), or the GPU will show that some of it does
 shrink with the bytes (the GEMVs' distance from the ceiling may).
 
@@ -1560,16 +1567,16 @@ else:
 #   GPU. One byte a weight and one float32 scale a row halve the matrices' bytes.
 # - **int8**: $s_n = \max|W_n| / 127$, codes rounded to nearest and clipped; the same
 #   step everywhere in a row. **FP8 e4m3**: 1 sign, 4 exponent (bias 7) and 3 mantissa
-#   bits, 448 at most, one NaN, no infinities; round to nearest even, saturate; its step
-#   a fixed share of each value. On SmolLM2's rows int8's error is the smaller, because
-#   no weight there stands far above the rest.
+#   bits, 448 at most, one NaN pattern per sign, no infinities; round to nearest even,
+#   saturate; its step a fixed share of each value. On SmolLM2's rows int8's error is
+#   the smaller, because no weight there stands far above the rest.
 # - The embedded SmolLM2 was itself 4-bit: the comparisons measure how much 8 bits
 #   change *that* model.
 # - `LLM(model, quantization="int8" | "fp8")` quantizes as the bf16 folder loads; the
 #   NumPy backend keeps the dequantized values, the GPU the codes and scales, read by
 #   GEMVs that keep chapter 11's fusions; prefill dequantizes into a bf16 scratch for
 #   chapter 6's GEMM. The tied LM head stays bf16 for now.
-# - The speed is the GPU issue's to measure; the counting above says where to look:
+# - The speed is for the H200 to measure; the counting above says where to look:
 #   the step's part that is not the weights, and the GEMM path's scratch.
 #
 # ## Exercises
