@@ -1509,6 +1509,8 @@ benchmark script checks.
 #
 # `"auto"` takes the tensor cores on a GPU whenever the head size is a multiple of 16
 # (every Llama is), and chapter 10's kernel in the simulator, where the twins are slow.
+# That default was written before a GPU had run the kernel: the benchmark script's tests
+# and measurements are what keep it, or send it back to `"simt"`.
 # Decode steps keep chapter 11's split decode kernel: one query row per sequence leaves
 # a 16-row fragment mostly empty, and a decode step waits on reading the cache, not on
 # arithmetic. A mixed step's decode rows ride in the prefill kernel as one-token
