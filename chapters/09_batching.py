@@ -1660,12 +1660,10 @@ def sampling_params_from(args: argparse.Namespace):
     )
 
 
-def load_llm(args: argparse.Namespace, model: str):
-    """The LLM the engine flags ask for, on `model` (a name or a folder)."""
-    from tinyvllm_lib.engine.llm import LLM
-
-    return LLM(
-        model,
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields that add_engine_arguments' flags set (every engine
+    command's: generate, chat, bench, serve)."""
+    return dict(
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -1675,6 +1673,13 @@ def load_llm(args: argparse.Namespace, model: str):
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
     )
+
+
+def load_llm(args: argparse.Namespace, model: str):
+    """The LLM the engine flags ask for, on `model` (a name or a folder)."""
+    from tinyvllm_lib.engine.llm import LLM
+
+    return LLM(model, **engine_kwargs(args))
 
 
 # %% tags=["hide-input"]

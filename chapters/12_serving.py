@@ -2025,7 +2025,7 @@ assert 'tinyvllm:kv_cache_usage_perc{model_name="smollm2"} 0.0' in metrics_text
 #| export cli
 import argparse
 
-from tinyvllm_lib.cli_args import add_quantization_argument
+from tinyvllm_lib.cli_args import add_quantization_argument, engine_kwargs
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -2081,16 +2081,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine = LLMEngine(
             args.model,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            seed=args.seed,
             num_kv_blocks=args.num_kv_blocks,
-            enforce_eager=args.enforce_eager,
-            async_scheduling=False if args.no_async_scheduling else None,
-            tensor_parallel_size=args.tensor_parallel_size,
-            quantization=args.quantization,
+            **engine_kwargs(args),  # the flags every engine command shares
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
