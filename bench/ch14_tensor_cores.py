@@ -226,7 +226,7 @@ def sass(rec: Recorder, extra: dict) -> None:
         tc_prefill_attention(qkv, k, v, table, lens, starts, 100, BLOCK, H, KVH, d, out)
         text = kernel.inspect_sass(kernel.signatures[0])
         counts = {op: len(re.findall(rf"\b{op}\b", text)) for op in ("HMMA", "LDL", "STL", "LDSM")}
-        regs = kernel.get_regs_per_thread(kernel.signatures[0]) if hasattr(kernel, "get_regs_per_thread") else None
+        regs = next(iter(kernel.get_regs_per_thread().values()))  # {signature: registers}, one signature here
         rec.add("tc_sass", [d], "instructions", counts["HMMA"], registers=regs, **counts, **extra)
         print(f"head_dim {d}: SASS {counts}, {regs} registers a thread", flush=True)
     c = cuda.device_array((64, 128), np.float32)

@@ -58,17 +58,17 @@
 # A chapter imports only what earlier chapters exported, so you can read it front to
 # back. Now and then a chapter rewrites a class an earlier one wrote — chapter 10 gives
 # the engine a pool of blocks — and the package keeps the newer one, so an earlier
-# chapter run today uses it too. **Status:** chapters 00–13 and Appendix A are written.
+# chapter run today uses it too. **Status:** chapters 00–15 and Appendix A are written.
 # Chapter 11 replays decode, prefill and mixed steps from CUDA graphs, with sampling,
 # penalties and log-probs inside them, overlaps the host with the GPU and measures the
 # engine on an H200 against transformers (what it reached, from its records, is in the
 # next cell's output). Chapter 12's serving benchmark is recorded on a CPU and on an
 # H200. Chapter 13 splits the model over ranks and is tested on CPU processes; its
 # two-GPU measurement waits for a machine with two GPUs. Chapter 14 puts prefill
-# attention on the tensor cores, tested in the simulator through Python twins of its
-# linked CUDA C; its H200 measurements are to come. Chapter 15 stores weights in 8 bits
-# (int8, FP8): its accuracy is measured on SmolLM2 on a CPU, its speed on the H200 is to
-# come.
+# attention on the tensor cores (linked CUDA C, tested on an H200 and, through Python
+# twins, in the simulator); the engine prefills with it on a GPU. Chapter 15 stores
+# weights in 8 bits (int8, FP8): its accuracy is measured on SmolLM2 on a CPU, its
+# speed on an H200.
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 import json
