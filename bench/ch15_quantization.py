@@ -21,6 +21,7 @@ Records replace this device's records of the same part in book/data/ch15_quantiz
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -31,7 +32,11 @@ from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.gemv import gemv
-from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
+from tinyvllm_lib.kernels.gemv_8bit import (
+    GEMV_8BIT_VERSION,
+    gemv_8bit,
+    gemv_8bit_rmsnorm,
+)
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.measure import (
     DATA_DIR,
@@ -46,12 +51,13 @@ from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.quantization.formats import quantize
 
-PARTS = ("engine", "gemv", "drift")
+PARTS = ("engine", "throughput", "gemv", "drift")
 FORMATS = (None, "int8", "fp8")
 MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
 
 
-def engine_part(rec: Recorder, folder, extra: dict, tiny: bool, formats=FORMATS) -> None:
+def engine_part(rec: Recorder, folder, extra: dict, tiny: bool, formats=FORMATS, throughput: bool = True,
+                latency: bool = True) -> None:
     config = ModelConfig.from_folder(folder)
     gb_s, ceiling_name = bandwidth_ceiling()
     for method in formats:
@@ -59,28 +65,33 @@ def engine_part(rec: Recorder, folder, extra: dict, tiny: bool, formats=FORMATS)
         limit = gb_s * 1e9 / nbytes
         common = extra | {"quantization": method, "weight_bytes": nbytes, "ceiling_gb_s": gb_s,
                           "ceiling_name": ceiling_name, "part": "engine"}
-        t0 = time.perf_counter()
         max_model_len = 256 if tiny else MAX_MODEL_LEN
-        llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=1, quantization=method)
-        start_s = time.perf_counter() - t0
-        prompt_len, new_tokens = (10, 2) if tiny else (128, 256)  # tiny: past the 8-bit GEMV's 8
-        lat = benchmark.latency(llm, prompt_len, new_tokens, repeats=1 if tiny else 3)
-        print(f"{method or 'bf16'} bs1: {lat['decode_tok_s']:.0f} decode tok/s (limit {limit:.0f}), TTFT "
-              f"{lat['ttft_ms']:.1f} ms, engine start {start_s:.1f} s", flush=True)
-        rec.add("bs1_decode", [1, prompt_len, new_tokens], "tok/s", lat["decode_tok_s"], limit, start_s=start_s,
-                **lat, **common)
-        rec.add("bs1_ttft", [1, prompt_len], "ms", lat["ttft_ms"], **common)
-        save_part(rec, "engine", tiny)
-        del llm
-        if tiny:  # the simulator: the latency's steps have run every path once
+        if latency:
+            latency_run(rec, folder, method, max_model_len, limit, common, tiny)
+        if tiny or not throughput:  # the simulator: the latency's steps have run every path once
             continue
-        llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=4 if tiny else MAX_NUM_SEQS,
-                  quantization=method)
+        llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS, quantization=method)
         t = benchmark.throughput(llm, repeats=3)
         print(f"{method or 'bf16'} throughput: {t['output_tok_s']:.0f} output tok/s", flush=True)
-        rec.add("throughput", [256], "tok/s", t["output_tok_s"], **t, **common)
-        save_part(rec, "engine", tiny)
+        rec.add("throughput", [256], "tok/s", t["output_tok_s"], **t, **(common | {"part": "throughput"}))
+        save_part(rec, "throughput", tiny)
         del llm
+
+
+def latency_run(rec: Recorder, folder, method, max_model_len: int, limit: float, common: dict, tiny: bool) -> None:
+    """Batch-1 decode (the median of three runs after a warm-up) and its time to first token."""
+    t0 = time.perf_counter()
+    llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=1, quantization=method)
+    start_s = time.perf_counter() - t0
+    prompt_len, new_tokens = (10, 2) if tiny else (128, 256)  # tiny: past the 8-bit GEMV's 8
+    lat = benchmark.latency(llm, prompt_len, new_tokens, repeats=1 if tiny else 3)
+    print(f"{method or 'bf16'} bs1: {lat['decode_tok_s']:.0f} decode tok/s (limit {limit:.0f}), TTFT "
+          f"{lat['ttft_ms']:.1f} ms, engine start {start_s:.1f} s", flush=True)
+    rec.add("bs1_decode", [1, prompt_len, new_tokens], "tok/s", lat["decode_tok_s"], limit, start_s=start_s,
+            **lat, **common)
+    rec.add("bs1_ttft", [1, prompt_len], "ms", lat["ttft_ms"], **common)
+    save_part(rec, "engine", tiny)
+    del llm
 
 
 def check(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -185,12 +196,14 @@ def drift_part(rec: Recorder, folder, extra: dict, tiny: bool) -> None:
 
 
 def save_part(rec: Recorder, part: str, tiny: bool) -> Path | None:
-    """Replace this part's records of this device in ch15_quantization.json; keep the rest (--tiny: nothing)."""
+    """Replace this part's records of this device and this 8-bit GEMV version in ch15_quantization.json; keep the rest
+    (an earlier kernel's records stay, to be drawn beside this one's; --tiny: nothing)."""
     if tiny:
         return None
     path = DATA_DIR / "ch15_quantization.json"
     old = json.loads(path.read_text()) if path.exists() else []
-    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name") and r.get("part") == part)]
+    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name") and r.get("part") == part
+                                   and r.get("gemv_8bit_version") == GEMV_8BIT_VERSION)]
     mine = [r for r in rec.records if r.get("part") == part]
     path.write_text(json.dumps(kept + mine, indent=1) + "\n")
     return path
@@ -204,7 +217,6 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", choices=("bf16", "int8", "fp8"), default=["bf16", "int8", "fp8"])
     args = ap.parse_args()
     if args.tiny:
-        import os
         import tempfile
 
         os.environ["TINYVLLM_SIM_CUDA"] = "1"  # device="cuda" in the simulator
@@ -212,7 +224,8 @@ def main() -> None:
         extra = {"model": "tiny random Llama (smoke run)"}
     else:
         folder = prepare_llama_standin(wheel=args.wheel)
-        extra = {"model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "max_model_len": MAX_MODEL_LEN,
+        extra = {"gemv_8bit_version": GEMV_8BIT_VERSION, "engine_commit": os.environ.get("ENGINE_COMMIT"),
+                 "model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "max_model_len": MAX_MODEL_LEN,
                  "workload": "bs1: 128 random prompt ids, 256 new, greedy, ignore_eos; throughput: nano-vllm's "
                              "256 requests, lengths uniform in [100, 1024], seed 0"}
     rec = Recorder("ch15_quantization")
@@ -220,9 +233,10 @@ def main() -> None:
         gemv_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
     if args.only in (None, "drift"):
         drift_part(rec, folder, extra, args.tiny)
-    if args.only in (None, "engine"):
+    if args.only in (None, "engine", "throughput"):
         formats = [None if f == "bf16" else f for f in args.formats]
-        engine_part(rec, folder, extra, args.tiny, formats)
+        engine_part(rec, folder, extra, args.tiny, formats, throughput=args.only in (None, "throughput"),
+                    latency=args.only in (None, "engine"))
     print("done" if args.tiny else f"wrote {DATA_DIR / 'ch15_quantization.json'}")
 
 

@@ -953,7 +953,7 @@ print("e4m3 = bf16 with its bits moved, times 2^120: all", is_number.sum(),
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import config, cuda, float32, int32, uint32, uint64
 
 from tinyvllm_lib.kernels.activation_store import unpack_f32_pair
 from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function, f32_to_bf16
@@ -966,11 +966,31 @@ from tinyvllm_lib.kernels.gemv import (
     GEMV_WARPS,
     INLINE,
     bf16x4_to_f32,
+    gemv_variant,
     warp_sum_all,
 )
 from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
 
 FP8_BIAS_FIX = float32(2.0**120)  # bf16's exponent bias (127) less e4m3's (7)
+# int8: a byte b (the code's bits, sign bit flipped: code + 128) in a float's low
+# mantissa bits; 2^23 + b is that float, exactly
+MAGIC_BITS, MAGIC_OFFSET = uint32(0x4B000000), float32(2.0**23 + 128)
+# a byte of a word whose low 7 bits are all ones (e4m3's NaN, S.1111.111)
+LOW7, ONES, HIGH1 = (uint64(0x7F7F7F7F7F7F7F7F), uint64(0x0101010101010101),
+                     uint64(0x8080808080808080))
+
+if config.ENABLE_CUDASIM:
+
+    def bits_to_f32(bits):
+        """The float32 whose bits these are (simulator: NumPy reinterprets them)."""
+        return np.uint32(bits).view(np.float32)
+
+else:
+
+    @cuda.jit(device=True)
+    def bits_to_f32(bits):
+        """The float32 whose bits these are: a reinterpretation, no instruction."""
+        return cuda.libdevice.int_as_float(int32(bits))
 
 
 @device_function
@@ -991,50 +1011,128 @@ def fp8_to_f32(code):
     return bf16_to_f32(bits) * FP8_BIAS_FIX
 
 
-WIDEN = {"int8": int8_to_f32, "fp8": fp8_to_f32}
-CODE_DTYPES = {"int8": np.int8, "fp8": np.uint8}
-
-
-def make_gemv_8bit_kernel(method: str, num_tokens: int, unroll: int,
-                          accumulate: bool = False, rms_norm: bool = False):
-    """An 8-bit GEMV, num_tokens token vectors a pass, a warp a row: out (M, N) = x
-    (M, K) · (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a
-    word). accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
-    out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
+@device_function
+def widen_int8_word(word, wf, base):
+    """wf[base : base + 8] = the word's 8 int8 codes as float32, with no integer-to-
+    float conversion: each byte (sign bit flipped) becomes the low bits of 2^23 + b,
+    then one subtraction.
     """
-    widen = WIDEN[method]
-    sums_size = num_tokens * (2 if rms_norm else 1)  # the dot products, the squares
-    rows_per_block, step = GEMV_WARPS, 32 * unroll
+    flipped = word ^ HIGH1  # code + 128, each byte
+    for half in range(2):
+        h = uint32((flipped >> uint64(32 * half)) & uint64(0xFFFFFFFF))
+        for b in range(4):
+            byte = (h >> uint32(8 * b)) & uint32(0xFF)
+            wf[base + 4 * half + b] = bits_to_f32(byte | MAGIC_BITS) - MAGIC_OFFSET
+
+
+@device_function
+def widen_fp8_word(word, wf, base):
+    """wf[base : base + 8] = the word's 8 e4m3 codes as float32 times 2^-120: each
+    code's sign to bit 31 and its 7 other bits to bits 26..20 (the bias fix is left
+    to the row's scale); a NaN code makes wf[base] NaN, found once a word.
+    """
+    for half in range(2):
+        h = uint32((word >> uint64(32 * half)) & uint64(0xFFFFFFFF))
+        for b in range(4):
+            if b < 3:
+                sign = (h << uint32(24 - 8 * b)) & uint32(0x80000000)
+                rest = (h << uint32(20 - 8 * b)) & uint32(0x07F00000)
+            else:
+                sign = h & uint32(0x80000000)
+                rest = (h >> uint32(4)) & uint32(0x07F00000)
+            wf[base + 4 * half + b] = bits_to_f32(sign | rest)
+    nan_bytes = ((word & LOW7) + ONES) & HIGH1  # the bytes that are S.1111.111
+    wf[base] = float32(math.nan) if nan_bytes else wf[base]  # a select, no branch
+
+
+WIDEN = {"int8": int8_to_f32, "fp8": fp8_to_f32}  # a code at a time (dequantizing)
+WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}
+SCALE_FIX = {"int8": float32(1), "fp8": FP8_BIAS_FIX}  # applied with the row's scale
+CODE_DTYPES = {"int8": np.int8, "fp8": np.uint8}
+# 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
+# e4m3 multiplied by 2^120 and tested for NaN), measured on the H200 before this one;
+# 2: this one (the bench records which kernel it timed)
+GEMV_8BIT_VERSION = 2
+# variant -> (warps sharing a row, rows a warp group, steps of k loaded before use):
+# chapter 6's two shapes, at the knobs chapter 11 tuned for bf16 (a word is 8 bytes
+# in both, so the same knobs keep as many bytes in flight)
+GEMV_8BIT_VARIANTS = {
+    "warp": lambda tokens: (1, 1, 8 if tokens == 1 else 4),
+    "block": lambda tokens: (
+        (GEMV_WARPS, 4, 1) if tokens == 1 else (GEMV_WARPS, 2 if tokens <= 2 else 4, 2)
+    ),
+}
+
+
+def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
+                          rows: int, unroll: int, accumulate: bool = False,
+                          rms_norm: bool = False):
+    """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
+    (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
+    A group of warps_per_row warps (one, or the block's eight) shares `rows` rows, each
+    thread loading unroll words of each before widening any. accumulate: out += ...;
+    rms_norm: x is the float32 residual (2 a word) and out = RMSNorm(x) · (s ⊙
+    codes)ᵀ, with the norm's bf16 weight `norm64`.
+    """
+    assert warps_per_row in (1, GEMV_WARPS), "a row: one warp or the whole block"
+    widen_word, scale_fix = WIDEN_WORD[method], SCALE_FIX[method]
+    threads_per_row = 32 * warps_per_row
+    rows_per_block = GEMV_WARPS // warps_per_row * rows
+    acc_size = rows * num_tokens  # acc[r * num_tokens + m]: row n0 + r, token m0 + m
+    sums_size = acc_size + (num_tokens if rms_norm else 0)  # then the squares
+    step = threads_per_row * unroll
+    words_size, wf_size = rows * unroll, 8 * rows  # local arrays' sizes: constants
+
+    @cuda.jit(device=True, **INLINE)
+    def load_words(w64, words, n0, j, N, num_words):
+        for u in range(unroll):
+            jj = j + uint64(u * threads_per_row)
+            for r in range(rows):
+                n = n0 + uint64(r)
+                words[u * rows + r] = (w64[n, jj] if jj < num_words and n < N
+                                       else uint64(0))
+
+    @cuda.jit(device=True, **INLINE)
+    def store(out, scales, m, n, total, squares, k, eps):
+        y = total * (scales[n] * scale_fix)  # the row's scale, once a sum
+        if rms_norm:  # the mean of the k squares
+            y *= float32(1.0) / math.sqrt(squares / k + eps)
+        out[m, n] = out[m, n] + y if accumulate else y
 
     @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, scales, out, norm64, eps):
+        partial = cuda.shared.array((GEMV_WARPS, sums_size), float32)
         tid = cuda.threadIdx.x
+        group, t = tid // threads_per_row, uint64(tid % threads_per_row)
         lane, warp = tid % 32, tid // 32
         M, N, num_words = (uint64(x64.shape[0]), uint64(w64.shape[0]),
                            uint64(w64.shape[1]))
-        n = uint64(cuda.blockIdx.x * rows_per_block + warp)  # this warp's row
+        n0 = uint64(cuda.blockIdx.x * rows_per_block + group * rows)  # first row
         k = float32(8) * float32(num_words)  # values a row
         acc = cuda.local.array(sums_size, float32)
-        words = cuda.local.array(unroll, uint64)
-        wf = cuda.local.array(8, float32)  # a word of w, widened
-        xf = cuda.local.array(8, float32)  # the 8 inputs it multiplies
+        words = cuda.local.array(words_size, uint64)
+        wf = cuda.local.array(wf_size, float32)  # a word of each row, widened
+        xf = cuda.local.array(8, float32)  # the 8 inputs they multiply
         gf = cuda.local.array(8, float32)  # rms_norm: their norm weights
+        # no kernel writes the weights: the first words are loaded before waiting
+        # for the kernel before this one (chapter 11's programmatic edges)
+        load_words(w64, words, n0, t, N, num_words)
+        loaded = True
         wait_for_previous_kernel()
         m0 = uint64(0)
         while m0 < M:  # a pass per num_tokens token vectors
             for i in range(sums_size):
                 acc[i] = float32(0)
-            j = uint64(lane)
+            j = t
             while j < num_words:
-                for u in range(unroll):  # every load first: unroll words in flight
-                    jj = j + uint64(u * 32)
-                    words[u] = w64[n, jj] if jj < num_words and n < N else uint64(0)
+                if not loaded:
+                    load_words(w64, words, n0, j, N, num_words)
+                loaded = False
                 for u in range(unroll):
-                    jj = j + uint64(u * 32)
+                    jj = j + uint64(u * threads_per_row)
                     if jj < num_words:
-                        for i in range(8):  # widen the word's 8 codes
-                            wf[i] = widen(uint32((words[u] >> uint64(8 * i))
-                                                 & uint64(0xFF)))
+                        for r in range(rows):
+                            widen_word(words[u * rows + r], wf, 8 * r)
                         if rms_norm:
                             gf[0], gf[1], gf[2], gf[3] = bf16x4_to_f32(
                                 norm64[uint64(2) * jj])
@@ -1048,27 +1146,42 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, unroll: int,
                                         xf[2 * h], xf[2 * h + 1] = unpack_f32_pair(
                                             x64[row, uint64(4) * jj + uint64(h)])
                                     for i in range(8):
-                                        acc[num_tokens + m] += xf[i] * xf[i]
+                                        acc[acc_size + m] += xf[i] * xf[i]
                                         xf[i] *= gf[i]
                                 else:
                                     xf[0], xf[1], xf[2], xf[3] = bf16x4_to_f32(
                                         x64[row, uint64(2) * jj])
                                     xf[4], xf[5], xf[6], xf[7] = bf16x4_to_f32(
                                         x64[row, uint64(2) * jj + uint64(1)])
-                                total = float32(0)
-                                for i in range(8):
-                                    total += xf[i] * wf[i]
-                                acc[m] += total
+                                for r in range(rows):  # one x, `rows` rows
+                                    total = float32(0)
+                                    for i in range(8):
+                                        total += xf[i] * wf[8 * r + i]
+                                    acc[r * num_tokens + m] += total
                 j += uint64(step)
             warp_sum_all(acc)  # every lane now holds its warp's sums
-            if lane == 0 and n < N:  # the row's scale, once a sum
-                for m in range(num_tokens):
-                    row = m0 + uint64(m)
-                    if row < M:
-                        y = acc[m] * scales[n]
-                        if rms_norm:  # the mean of the k squares
-                            y *= float32(1.0) / math.sqrt(acc[num_tokens + m] / k + eps)
-                        out[row, n] = out[row, n] + y if accumulate else y
+            if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
+                for i in range(acc_size):
+                    n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
+                    if lane == 0 and n < N and m < M:
+                        squares = (acc[acc_size + i % num_tokens] if rms_norm
+                                   else float32(0))
+                        store(out, scales, m, n, acc[i], squares, k, eps)
+            else:  # the block shares its rows: the warps' sums meet in shared memory
+                if lane == 0:
+                    for i in range(sums_size):
+                        partial[warp, i] = acc[i]
+                cuda.syncthreads()
+                if tid < acc_size:
+                    total, squares = float32(0), float32(0)
+                    for i in range(GEMV_WARPS):
+                        total += partial[i, tid]
+                        if rms_norm:
+                            squares += partial[i, acc_size + tid % num_tokens]
+                    n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
+                    if n < N and m < M:
+                        store(out, scales, m, n, total, squares, k, eps)
+                cuda.syncthreads()  # partial is read before the next pass writes it
             m0 += uint64(num_tokens)
 
     if rms_norm:
@@ -1085,23 +1198,26 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, unroll: int,
             gemv_body(x64, w64, scales, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
+    kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
     return kernel
 
 
-# a kernel a (format, bucket, epilogue), each a module-level name so that
-# tests/test_ptx.py compiles it; unrolling: untuned (4 words a lane for one token)
+# a kernel a (format, variant, bucket, epilogue), each a module-level name so that
+# tests/test_ptx.py compiles it
 GEMV_8BIT_KERNELS, PTX_SIGNATURES = {}, {}
 _EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True}}
-for _method, _codes in (("int8", "int8"), ("fp8", "uint8")):
-    for _tokens in GEMV_BUCKETS:
-        for _kind, _flags in _EPILOGUES.items():
-            _name = f"gemv_{_method}_t{_tokens}{'_' * bool(_kind)}{_kind}_kernel"
-            GEMV_8BIT_KERNELS[_method, _tokens, _kind] = globals()[_name] = (
-                make_gemv_8bit_kernel(_method, _tokens, 4 if _tokens == 1 else 2,
-                                      **_flags))
-            _sig = "uint64[:, ::1], uint64[:, ::1], float32[::1], float32[:, ::1]"
-            PTX_SIGNATURES[_name] = [f"void({_sig}, uint64[::1], float32)"
-                                     if _kind == "rmsnorm" else f"void({_sig})"]
+for _method in ("int8", "fp8"):
+    for _variant, _config in GEMV_8BIT_VARIANTS.items():
+        for _tokens in GEMV_BUCKETS:
+            for _kind, _flags in _EPILOGUES.items():
+                _name = (f"gemv_{_method}_{_variant}_t{_tokens}"
+                         f"{'_' * bool(_kind)}{_kind}_kernel")
+                GEMV_8BIT_KERNELS[_method, _variant, _tokens, _kind] = \
+                    globals()[_name] = make_gemv_8bit_kernel(
+                        _method, _tokens, *_config(_tokens), **_flags)
+                _sig = "uint64[:, ::1], uint64[:, ::1], float32[::1], float32[:, ::1]"
+                PTX_SIGNATURES[_name] = [f"void({_sig}, uint64[::1], float32)"
+                                         if _kind == "rmsnorm" else f"void({_sig})"]
 
 # %% [markdown]
 # The launchers check what the kernels assume — eight codes a word, so a row's length
@@ -1130,16 +1246,26 @@ def check_8bit_operands(name: str, method: str, codes, scales, K: int) -> None:
                          "of 8 and the codes 8-byte aligned")
 
 
-def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""):
-    """(kernel, blocks) for M token vectors and N rows, with the epilogue `kind`."""
+def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = "",
+                          variant: str = "auto"):
+    """(kernel, blocks) for M token vectors and N rows, with the epilogue `kind`; the
+    variant "auto" is chapter 6's rule (a warp a row for many rows and few tokens; in
+    the simulator always, whose threads each run in Python).
+    """
     if not 0 < M <= GEMV_MAX_TOKENS:
         raise ValueError(f"{name}: 1 to {GEMV_MAX_TOKENS} token vectors, got {M}")
+    if variant == "auto":
+        variant = "warp" if config.ENABLE_CUDASIM else gemv_variant(M, N)
+    if variant not in GEMV_8BIT_VARIANTS:
+        raise ValueError(f"{name}: variant must be 'auto' or one of "
+                         f"{list(GEMV_8BIT_VARIANTS)}, got {variant!r}")
     bucket = next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
-    kernel = GEMV_8BIT_KERNELS[method, bucket, kind]
+    kernel = GEMV_8BIT_KERNELS[method, variant, bucket, kind]
     return kernel, cdiv(N, kernel.rows_per_block)
 
 
-def gemv_8bit(x, codes, scales, out, method: str, stream=0, accumulate=False):
+def gemv_8bit(x, codes, scales, out, method: str, stream=0, accumulate=False,
+              variant: str = "auto"):
     """Launch: out (M, N) = x (M, K) · (scales ⊙ codes)ᵀ for M <= 16 bf16 token
     vectors, reading 8 codes at a time; accumulate: out += instead.
     """
@@ -1153,14 +1279,14 @@ def gemv_8bit(x, codes, scales, out, method: str, stream=0, accumulate=False):
                          f"out ({M}, {N}) float32; got {x.dtype} {tuple(x.shape)}, "
                          f"{out.dtype} {tuple(out.shape)}")
     kernel, blocks = pick_gemv_8bit_kernel("gemv_8bit", method, M, N,
-                                           "add" * accumulate)
+                                           "add" * accumulate, variant)
     kernel[blocks, GEMV_THREADS, stream](x.view(np.uint64), codes.view(np.uint64),
                                          scales, out)
     return out
 
 
 def gemv_8bit_rmsnorm(residual, norm_weight, eps: float, codes, scales, out,
-                      method: str, stream=0):
+                      method: str, stream=0, variant: str = "auto"):
     """Launch: out (M, N) = RMSNorm(residual) · (scales ⊙ codes)ᵀ for M <= 16 rows of
     the float32 residual stream (M, K), with the norm's bf16 weight (K,).
     """
@@ -1177,7 +1303,7 @@ def gemv_8bit_rmsnorm(residual, norm_weight, eps: float, codes, scales, out,
             f"{residual.dtype} {tuple(residual.shape)}, {out.dtype} {tuple(out.shape)}")
     eps = check_weight_eps("gemv_8bit_rmsnorm", norm_weight, K, eps)  # chapter 4's
     kernel, blocks = pick_gemv_8bit_kernel("gemv_8bit_rmsnorm", method, M, N,
-                                           "rmsnorm")
+                                           "rmsnorm", variant)
     kernel[blocks, GEMV_THREADS, stream](residual.view(np.uint64),
                                          codes.view(np.uint64), scales, out,
                                          norm_weight.view(np.uint64), eps)

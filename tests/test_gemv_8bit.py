@@ -100,6 +100,48 @@ def test_fp8_nan_code_poisons_exactly_its_output():
 
 @needs_launch
 @pytest.mark.parametrize("method", METHODS)
+def test_gemv_8bit_block_variant(rng, method):
+    """The variant a GPU runs for fewer than 16,384 rows (the block's 8 warps share 4 rows; the simulator's "auto"
+    takes a warp a row): plain, residual add and RMSNorm, two blocks, the second half empty."""
+    M, N, K = 3, 6, 72
+    x, q = random_bf16(rng, (M, K)), random_weight(rng, method, N, K)
+    codes, scales = cuda.to_device(q.codes), cuda.to_device(q.scales)
+    plain = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    gemv_8bit(cuda.to_device(x), codes, scales, plain, method, variant="block")
+    assert rel_error(plain.copy_to_host(), reference(bf16_bits_to_f32(x), q)) <= TOL
+    before = rng.standard_normal((M, N)).astype(np.float32)
+    added = cuda.to_device(before)
+    gemv_8bit(cuda.to_device(x), codes, scales, added, method, accumulate=True, variant="block")
+    assert rel_error(added.copy_to_host(), before + reference(bf16_bits_to_f32(x), q)) <= TOL
+    residual, norm_weight = rng.standard_normal((M, K), dtype=np.float32), random_bf16(rng, K)
+    normed = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    gemv_8bit_rmsnorm(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, codes, scales, normed, method,
+                      variant="block")
+    assert rel_error(normed.copy_to_host(), reference(rmsnorm_ref(residual, norm_weight, 1e-5), q)) <= TOL
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
+def test_gemv_8bit_widens_every_code_exactly(rng, method):
+    """Every code of the format (int8: -128 too; fp8: all but NaN) times one-hot inputs: each output is one weight,
+    scale times value, bit for bit (the fp8 widening works in units of 2^-120, subnormals included)."""
+    codes = np.arange(256, dtype=np.uint16).astype(np.uint8).reshape(8, 32)
+    if method == "int8":
+        codes = codes.view(np.int8).copy()
+    else:
+        codes[(codes & 0x7F) == 0x7F] = 0x7E
+    scales = rng.uniform(1e-3, 2, 8).astype(np.float32)
+    q = type(random_weight(rng, method, 1, 8))(method, codes, scales)
+    want = q.dequantize()  # (8, 32) float32: scale * value
+    for first in (0, 16):  # 16 token vectors a launch: x = the identity's rows first .. first + 15
+        x = f32_to_bf16_bits(np.eye(32, dtype=np.float32)[first:first + 16])
+        out = cuda.to_device(np.full((16, 8), np.nan, np.float32))
+        gemv_8bit(cuda.to_device(x), cuda.to_device(codes), cuda.to_device(scales), out, method)
+        assert np.array_equal(out.copy_to_host(), want[:, first:first + 16].T)
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
 def test_dequantize_to_bf16_every_code(rng, method):
     """Every code of the format in one weight (and random scales): bf16 of scale times value, bit for bit."""
     codes = np.arange(256, dtype=np.uint16).astype(np.uint8).reshape(8, 32)
