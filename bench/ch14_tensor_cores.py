@@ -13,9 +13,11 @@
 3. The kernels' SASS: HMMA instructions and local-memory loads and stores (LDL/STL), at head_dim 64 and 128.
 4. Time to first token of one prompt (2,000 and 8,000 tokens) through LLMEngine with attention_backend
    "tensor_cores" and "simt", and transformers (eager, bf16, sdpa) on the same lengths in the same run.
+5. (--only sweep, not in the default run) the attention kernel at other tiles — 4 or 8 warps of queries a block, 64
+   or 32 keys a tile — at 2,048 and 8,192 new tokens and 2,048 after 4,096 cached, to ch14_tile_sweep.json.
 Records to book/data/ch14_tensor_cores.json, with the engine's commit when ENGINE_COMMIT is set.
 
-    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tensor_cores.py [--only ceiling attention gemm sass ttft]
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tensor_cores.py [--only ceiling attention gemm sass ttft sweep]
 """
 
 import argparse
@@ -130,6 +132,44 @@ def attention(rec: Recorder, rng, extra: dict) -> None:
                         heads=[H, KVH, D], max_abs_gap_tc=sdpa_gap, torch=torch.__version__, **extra)
                 print(f"{'sdpa flash':>14}, {n:>6} new: {seconds * 1e6:9.1f} us, "
                       f"{flops / seconds / 1e12:6.1f} TFLOP/s (gap to ours {sdpa_gap:.3f})", flush=True)
+
+
+SWEEP_TILES = ((64, 64), (128, 64), (64, 32), (128, 32))  # (block_q, block_k) at head_dim 64
+SWEEP_SHAPES = ((2048, 0), (8192, 0), (2048, CACHED))  # (new tokens, cached)
+
+
+def sweep(rng, extra: dict) -> Path:
+    """The attention kernel at other tiles (queries a block: 4 or 8 warps; keys a tile), each checked against the
+    default tile's output, timed as the attention part times it; to ch14_tile_sweep.json (its own file, so that
+    this part alone does not replace the chapter's records)."""
+    rec = Recorder("ch14_tile_sweep")
+    for n, cached in SWEEP_SHAPES:
+        host = paged_inputs(rng, n, cached)
+        qkv, k, v, table, lens, starts = map(cuda.to_device, host)
+        flops, want = prefill_flops(n, cached), None
+        for block_q, block_k in SWEEP_TILES:
+            tiles = cuda.to_device(prefill_tiles(host[5], host[4], block_q))
+            out = cuda.device_array((n, H * D), np.float32)
+
+            def launch(i, s):
+                tc_prefill_attention(qkv, k, v, table, lens, starts, n, BLOCK, H, KVH, D, out, stream=s,
+                                     block_q=block_q, block_k=block_k, tiles=tiles)
+
+            launch(0, 0)
+            cuda.synchronize()
+            got = out.copy_to_host()
+            want = got if want is None else want  # the first tile is the chapter's default
+            gap = float(np.abs(got - want).max())
+            assert gap < 0.05, f"tile ({block_q}, {block_k}) differs from the default by {gap} at {n} after {cached}"
+            seconds = time_launches(launch, 1, repeats=20)
+            kernel = tc_prefill_kernel_for(D, block_q, block_k)
+            regs = kernel.get_regs_per_thread() if hasattr(kernel, "get_regs_per_thread") else {}  # GPU only
+            rec.add("tc_prefill_tile", [n, cached], "TFLOP/s", flops / seconds / 1e12, seconds=seconds,
+                    block_q=block_q, block_k=block_k, registers=max(regs.values()) if regs else None,
+                    max_abs_gap_default=gap, heads=[H, KVH, D], block_size=BLOCK, **extra)
+            print(f"tile ({block_q:>3}, {block_k:>2}), {n:>5} new after {cached:>4}: {seconds * 1e6:8.1f} us, "
+                  f"{flops / seconds / 1e12:6.1f} TFLOP/s, gap {gap:.1e}", flush=True)
+    return rec.save()
 
 
 def ceiling(rec: Recorder, extra: dict) -> None:
@@ -275,6 +315,10 @@ def main() -> None:
         attention(rec, rng, extra)
     if "gemm" in args.only:
         gemm(rec, rng, extra)
+    if "sweep" in args.only:
+        print("saved", sweep(rng, extra))
+    if set(args.only) == {"sweep"}:
+        return
     rec.save()
     if "ttft" in args.only:
         ttft(rec, args.wheel, extra | {"model": "Llama 3.2 1B stand-in (random bf16 weights)"}, args.repeats,

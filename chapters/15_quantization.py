@@ -1855,9 +1855,9 @@ rate. The short ones show why: O's projection takes {{ch15_v2_o_us}} in int8
 would take {{ch15_v2_o_ideal}}; a kernel that short is mostly its start, its first
 loads' latency and its tail, none of which halves with the bytes. The long ones still
 issue several integer instructions a code: the next rungs are a byte permute
-(`prmt`, one instruction for the extract and the OR, reachable through chapter 14's
-linked CUDA C), and the integer dot product `dp4a` with quantized activations — the
-exercises below.
+(PTX's `prmt`, one instruction for the extract and the OR, which numba reaches
+through libdevice's `byte_perm`), and the integer dot product `dp4a` with quantized
+activations — the exercises below.
 """)
 elif ("bs1_decode", "int8") in first:
     prose.show("The second version is not yet measured on a GPU.")
@@ -1907,9 +1907,10 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 #    and does that make the two-rank model's error larger or smaller than one rank's?
 # 6. Count the SASS instructions a code costs in the int8 GEMV (`inspect_sass`, as
 #    chapter 14 counts HMMA). Write the byte extract and the OR with `0x4B000000` as
-#    one `__byte_perm` in a linked CUDA C device function (chapter 14's
-#    `declare_device`), predict the GB/s of the gate-up GEMV from the new count, then
-#    measure it.
+#    one `cuda.libdevice.byte_perm` (a `PRMT`: each byte of its result picked from the
+#    eight bytes of its two inputs), predict the GB/s of the gate-up GEMV from the new
+#    count, then measure it. What does the same trick do for e4m3, whose sign and
+#    magnitude must land four bits apart?
 # 7. Quantize the activations too: one int8 scale per token vector, then `dp4a` (four
 #    int8 products summed into an int32 in one instruction) for four codes at a time.
 #    What does it cost in accuracy on SmolLM2 (the section on real weights), and how
