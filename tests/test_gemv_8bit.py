@@ -142,6 +142,23 @@ def test_gemv_8bit_widens_every_code_exactly(rng, method):
 
 @needs_launch
 @pytest.mark.parametrize("method", METHODS)
+def test_gemv_8bit_rows_of_large_and_small_scale(rng, method):
+    """A row whose largest weight is 2e5 (its FP8 scale past 2^8: times 2^120 it would overflow float32, so the
+    kernel applies 2^120 to the sum first) beside rows of 1e-3: finite and equal to NumPy."""
+    M, N, K = 2, 3, 64
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    w[0] *= np.float32(2e5) / np.abs(w[0]).max()
+    w[1:] *= np.float32(1e-3)
+    q, x = quantize(w, method), random_bf16(rng, (M, K))
+    out = cuda.to_device(np.full((M, N), np.nan, np.float32))
+    launch_gemv(x, q, out)
+    got, want = out.copy_to_host(), reference(bf16_bits_to_f32(x), q)
+    assert np.isfinite(got).all()
+    assert np.max(np.abs(got - want) / np.abs(want).max(axis=0)) <= TOL  # each row against its own size
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
 def test_dequantize_to_bf16_every_code(rng, method):
     """Every code of the format in one weight (and random scales): bf16 of scale times value, bit for bit."""
     codes = np.arange(256, dtype=np.uint16).astype(np.uint8).reshape(8, 32)

@@ -146,7 +146,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
 
     @cuda.jit(device=True, **INLINE)
     def store(out, scales, m, n, total, squares, k, eps):
-        y = total * (scales[n] * scale_fix)  # the row's scale, once a sum
+        # the row's scale, once a sum (2^120 first: a scale past 2^8 times 2^120
+        # would overflow float32)
+        y = (total * scale_fix) * scales[n]
         if rms_norm:  # the mean of the k squares
             y *= float32(1.0) / math.sqrt(squares / k + eps)
         out[m, n] = out[m, n] + y if accumulate else y
