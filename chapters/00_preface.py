@@ -52,7 +52,7 @@
 # | 12 | serving | an OpenAI-compatible server: streaming, abort, metrics, a benchmark |
 # | 13 | tensor parallelism | one model on several GPUs (CPU ranks; two GPUs to come) |
 # | 14 | tensor cores | `mma.sync` from numba: a GEMM and flash-attention prefill |
-# | 15 | 8-bit weights | int8 and FP8: bits, accuracy, GEMVs — *no GPU run yet* |
+# | 15 | 8-bit weights | int8 and FP8: bits, accuracy, GEMVs measured on an H200 |
 # | A | the Llama 3.2 1B stand-in | the real tokenizer, random weights of its shapes |
 #
 # A chapter imports only what earlier chapters exported, so you can read it front to
