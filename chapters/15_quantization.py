@@ -1743,14 +1743,14 @@ else:
             shares = [100 * runs["gemv", m, layer]["ratio"] for layer in layers]
             ax_gemv.plot(layers, shares, "o" + style, color=COLORS[m],
                          alpha=0.5 if version == 1 else 1,
-                         label=f"{m or 'bf16'}, GEMV v{version}")
+                         label=f"{m}, GEMV v{version}" if m else "bf16")
     ax_bs1.set_xticks(range(3), ["bf16", "int8", "fp8"])
     ax_bs1.set_ylabel("decode tok/s, batch 1")
     ax_bs1.set_title("hatched: the first 8-bit GEMV", fontsize=9)
     ax_bs1.legend(loc="upper left")
     ax_gemv.set_ylabel("GEMV: % of the bandwidth ceiling")
     ax_gemv.tick_params(axis="x", labelsize=8)
-    ax_gemv.legend(fontsize=7, loc="center left")
+    ax_gemv.legend(fontsize=7, loc="upper left")
     plt.show()
     for version, runs in versions.items():
         device = next(iter(runs.values()))["device"]["name"]
