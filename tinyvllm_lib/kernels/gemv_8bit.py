@@ -15,6 +15,7 @@ from tinyvllm_lib.kernels.gemv import (
     GEMV_BUCKETS,
     GEMV_MAX_TOKENS,
     GEMV_THREADS,
+    GEMV_VARIANTS,
     GEMV_WARPS,
     INLINE,
     bf16x4_to_f32,
@@ -105,15 +106,6 @@ CODE_DTYPES = {"int8": np.int8, "fp8": np.uint8}
 # e4m3 multiplied by 2^120 and tested for NaN), measured on the H200 before this one;
 # 2: this one (the bench records which kernel it timed)
 GEMV_8BIT_VERSION = 2
-# variant -> (warps sharing a row, rows a warp group, steps of k loaded before use):
-# chapter 6's two shapes, at the knobs chapter 11 tuned for bf16 (a word is 8 bytes
-# in both, so the same knobs keep as many bytes in flight)
-GEMV_8BIT_VARIANTS = {
-    "warp": lambda tokens: (1, 1, 8 if tokens == 1 else 4),
-    "block": lambda tokens: (
-        (GEMV_WARPS, 4, 1) if tokens == 1 else (GEMV_WARPS, 2 if tokens <= 2 else 4, 2)
-    ),
-}
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
@@ -261,7 +253,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
 GEMV_8BIT_KERNELS, PTX_SIGNATURES = {}, {}
 _EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True}}
 for _method in ("int8", "fp8"):
-    for _variant, _config in GEMV_8BIT_VARIANTS.items():
+    # chapter 6's two shapes at the knobs chapter 11 tuned for bf16: a word is 8 bytes
+    # in both, so the same knobs keep as many bytes in flight
+    for _variant, _config in GEMV_VARIANTS.items():
         for _tokens in GEMV_BUCKETS:
             for _kind, _flags in _EPILOGUES.items():
                 _name = (f"gemv_{_method}_{_variant}_t{_tokens}"
@@ -304,9 +298,9 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
         raise ValueError(f"{name}: 1 to {GEMV_MAX_TOKENS} token vectors, got {M}")
     if variant == "auto":
         variant = "warp" if config.ENABLE_CUDASIM else gemv_variant(M, N)
-    if variant not in GEMV_8BIT_VARIANTS:
+    if variant not in GEMV_VARIANTS:
         raise ValueError(f"{name}: variant must be 'auto' or one of "
-                         f"{list(GEMV_8BIT_VARIANTS)}, got {variant!r}")
+                         f"{list(GEMV_VARIANTS)}, got {variant!r}")
     bucket = next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
     kernel = GEMV_8BIT_KERNELS[method, variant, bucket, kind]
     return kernel, cdiv(N, kernel.rows_per_block)
