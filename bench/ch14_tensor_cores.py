@@ -15,6 +15,10 @@
    "tensor_cores" and "simt", and transformers (eager, bf16, sdpa) on the same lengths in the same run.
 5. (--only sweep, not in the default run) the attention kernel at other tiles — 4 or 8 warps of queries a block, 64
    or 32 keys a tile — at 2,048 and 8,192 new tokens and 2,048 after 4,096 cached, to ch14_tile_sweep.json.
+6. (--only breakdown, not in the default run) where one prompt's time to first token goes (2,000 and 8,000 tokens,
+   tensor-core attention): every GPU kernel of the prefill step timed by torch's profiler (CUPTI sees numba's
+   launches too), summed by the module that defines it (attention, GEMM, norm, ...), beside the step's wall time,
+   to ch14_ttft_breakdown.json.
 Records to book/data/ch14_tensor_cores.json, with the engine's commit when ENGINE_COMMIT is set.
 
     ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tensor_cores.py [--only ceiling attention gemm sass ttft sweep]
@@ -134,12 +138,13 @@ def attention(rec: Recorder, rng, extra: dict) -> None:
                       f"{flops / seconds / 1e12:6.1f} TFLOP/s (gap to ours {sdpa_gap:.3f})", flush=True)
 
 
-SWEEP_TILES = ((64, 64), (128, 64), (64, 32), (128, 32))  # (block_q, block_k) at head_dim 64
+# (block_q, block_k, warp_tiles) at head_dim 64: the default first; a warp takes 16 warp_tiles queries
+SWEEP_TILES = ((64, 64, 1), (64, 64, 2), (128, 64, 2), (128, 64, 1), (64, 32, 1), (128, 32, 2))
 SWEEP_SHAPES = ((2048, 0), (8192, 0), (2048, CACHED))  # (new tokens, cached)
 
 
 def sweep(rng, extra: dict) -> Path:
-    """The attention kernel at other tiles (queries a block: 4 or 8 warps; keys a tile), each checked against the
+    """The attention kernel at other tiles (queries a block, keys a tile, row tiles a warp), each checked against the
     default tile's output, timed as the attention part times it; to ch14_tile_sweep.json (its own file, so that
     this part alone does not replace the chapter's records)."""
     rec = Recorder("ch14_tile_sweep")
@@ -147,28 +152,33 @@ def sweep(rng, extra: dict) -> Path:
         host = paged_inputs(rng, n, cached)
         qkv, k, v, table, lens, starts = map(cuda.to_device, host)
         flops, want = prefill_flops(n, cached), None
-        for block_q, block_k in SWEEP_TILES:
+        for block_q, block_k, warp_tiles in SWEEP_TILES:
             tiles = cuda.to_device(prefill_tiles(host[5], host[4], block_q))
             out = cuda.device_array((n, H * D), np.float32)
 
             def launch(i, s):
                 tc_prefill_attention(qkv, k, v, table, lens, starts, n, BLOCK, H, KVH, D, out, stream=s,
-                                     block_q=block_q, block_k=block_k, tiles=tiles)
+                                     block_q=block_q, block_k=block_k, tiles=tiles, warp_tiles=warp_tiles)
 
             launch(0, 0)
             cuda.synchronize()
             got = out.copy_to_host()
             want = got if want is None else want  # the first tile is the chapter's default
             gap = float(np.abs(got - want).max())
-            assert gap < 0.05, f"tile ({block_q}, {block_k}) differs from the default by {gap} at {n} after {cached}"
+            assert gap < 0.05, f"tile ({block_q}, {block_k}, {warp_tiles}) differs from the default by {gap} at {n} after {cached}"
             seconds = time_launches(launch, 1, repeats=20)
-            kernel = tc_prefill_kernel_for(D, block_q, block_k)
-            regs = kernel.get_regs_per_thread() if hasattr(kernel, "get_regs_per_thread") else {}  # GPU only
+            kernel = tc_prefill_kernel_for(D, block_q, block_k, warp_tiles)
+            regs, local = None, None
+            if hasattr(kernel, "get_regs_per_thread"):  # GPU only
+                regs = max(kernel.get_regs_per_thread().values())
+                text = kernel.inspect_sass(kernel.signatures[0])
+                local = sum(len(re.findall(rf"\b{op}\b", text)) for op in ("LDL", "STL"))
             rec.add("tc_prefill_tile", [n, cached], "TFLOP/s", flops / seconds / 1e12, seconds=seconds,
-                    block_q=block_q, block_k=block_k, registers=max(regs.values()) if regs else None,
-                    max_abs_gap_default=gap, heads=[H, KVH, D], block_size=BLOCK, **extra)
-            print(f"tile ({block_q:>3}, {block_k:>2}), {n:>5} new after {cached:>4}: {seconds * 1e6:8.1f} us, "
-                  f"{flops / seconds / 1e12:6.1f} TFLOP/s, gap {gap:.1e}", flush=True)
+                    block_q=block_q, block_k=block_k, warp_tiles=warp_tiles, registers=regs,
+                    local_memory_instructions=local, max_abs_gap_default=gap, heads=[H, KVH, D],
+                    block_size=BLOCK, **extra)
+            print(f"tile ({block_q:>3}, {block_k:>2}, {warp_tiles}), {n:>5} new after {cached:>4}: {seconds * 1e6:8.1f} us, "
+                  f"{flops / seconds / 1e12:6.1f} TFLOP/s, gap {gap:.1e}, {regs} registers, {local} LDL/STL", flush=True)
     return rec.save()
 
 
@@ -297,6 +307,61 @@ def ttft(rec: Recorder, wheel, extra: dict, repeats: int, transformers: bool) ->
             print(f"transformers, time to first token, {n} tokens: {r['ttft_ms']:8.2f} ms", flush=True)
 
 
+def kernel_group(name: str) -> str:
+    """A profiled kernel's group: the tinyvllm_lib module a numba kernel comes from (its mangled name holds the
+    module's path), cuBLAS for cuBLAS' GEMMs, else the name's first word."""
+    m = re.search(r"tinyvllm_lib(?:\d+\w+?)?7kernels(\d+)", name)
+    if m:
+        start = m.end()
+        return name[start : start + int(m.group(1))]
+    if re.search(r"gemm|nvjet|sm90_xmma|cublas|cutlass", name, re.I):
+        return "cublas"
+    return re.split(r"[<(\s]", name, maxsplit=1)[0][:40]
+
+
+def breakdown(wheel, extra: dict) -> Path:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    rec = Recorder("ch14_ttft_breakdown")
+    folder = prepare_llama_standin(wheel=wheel)
+    llm = LLM(folder, device="cuda", max_model_len=max(TTFT_LENGTHS) + 64, max_num_seqs=1,
+              attention_backend="tensor_cores")
+    engine, rng = llm.llm_engine, np.random.default_rng(5)
+    for n in TTFT_LENGTHS:
+        benchmark.latency(llm, n, 2, repeats=1, seed=n)  # warm: this length's path has run
+        prompt = rng.integers(0, llm.config.vocab_size, n).tolist()
+        params = benchmark.greedy(1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            engine.add_request(f"breakdown-{n}", prompt, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+            wall = time.perf_counter() - t0
+        groups, first, last = {}, None, None
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CUDA or ev.device_time_total <= 0:
+                continue
+            g = kernel_group(ev.name)
+            groups[g] = groups.get(g, 0.0) + ev.device_time_total / 1e3  # ms
+            begin, end = ev.time_range.start / 1e3, ev.time_range.end / 1e3
+            first = begin if first is None else min(first, begin)
+            last = end if last is None else max(last, end)
+        if not groups:
+            print(prof.key_averages().table(row_limit=25))
+            raise RuntimeError("the profiler saw no GPU kernel")
+        busy = sum(groups.values())
+        for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+            rec.add("kernel_group", [1, n], "ms", ms, group=g, share=ms / busy, **extra)
+            print(f"{n:>6} tokens: {g:>24} {ms:8.3f} ms ({100 * ms / busy:4.1f}%)", flush=True)
+        rec.add("gpu_busy", [1, n], "ms", busy, span_ms=(last - first) if first is not None else None, **extra)
+        rec.add("wall", [1, n], "ms", 1e3 * wall, **extra)
+        print(f"{n:>6} tokens: GPU busy {busy:.2f} ms over a {last - first:.2f} ms span; wall {1e3 * wall:.2f} ms",
+              flush=True)
+    return rec.save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=["ceiling", "attention", "gemm", "sass", "ttft"])
@@ -317,7 +382,9 @@ def main() -> None:
         gemm(rec, rng, extra)
     if "sweep" in args.only:
         print("saved", sweep(rng, extra))
-    if set(args.only) == {"sweep"}:
+    if "breakdown" in args.only:
+        print("saved", breakdown(args.wheel, extra | {"model": "Llama 3.2 1B stand-in (random bf16 weights)"}))
+    if set(args.only) <= {"sweep", "breakdown"}:
         return
     rec.save()
     if "ttft" in args.only:

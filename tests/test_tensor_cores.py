@@ -89,20 +89,24 @@ def errors(got, case, block_size, H, KVH, D):
     return np.abs(got - exact).max(), np.abs(rounded - exact).max()
 
 
-SIM_CASES = [  # (seqs, H, KVH, D, block_size, block_q, block_k)
-    ([(0, 21), (37, 9)], 4, 2, 32, 8, 16, 32),  # grouped heads, cached tokens
-    ([(5, 40)], 2, 1, 16, 4, 32, 32),  # two warps; 45 keys: two tiles, both stages
-    ([(40, 50)], 2, 1, 32, 8, 64, 64),  # the engine's block: 4 warps, 64 keys a tile, 2 tiles
+SIM_CASES = [  # (seqs, H, KVH, D, block_size, block_q, block_k, warp_tiles)
+    ([(0, 21), (37, 9)], 4, 2, 32, 8, 16, 32, 1),  # grouped heads, cached tokens
+    ([(5, 40)], 2, 1, 16, 4, 32, 32, 1),  # two warps; 45 keys: two tiles, both stages
+    ([(40, 50)], 2, 1, 32, 8, 64, 64, 1),  # the engine's block: 4 warps, 64 keys a tile, 2 tiles
+    # two row tiles a warp: one warp of 32 queries over 16-key tiles (masked and not),
+    # then two warps of 32 after cached tokens
+    ([(3, 37)], 2, 1, 16, 4, 32, 16, 2),
+    ([(20, 50)], 2, 1, 16, 8, 64, 32, 2),
 ]
 
 
 @pytest.mark.skipif(not is_simulator(), reason="tiny shapes for the simulator")
 @pytest.mark.parametrize("case_args", SIM_CASES)
 def test_tc_attention_in_the_simulator(case_args):
-    seqs, H, KVH, D, bs, bq, bk = case_args
+    seqs, H, KVH, D, bs, bq, bk, wt = case_args
     rng = np.random.default_rng(len(seqs) * 100 + D)
     case = make_case(rng, seqs, H, KVH, D, bs)
-    got = run_tc(case, bs, H, KVH, D, block_q=bq, block_k=bk, padded=True)
+    got = run_tc(case, bs, H, KVH, D, block_q=bq, block_k=bk, warp_tiles=wt, padded=True)
     assert not np.isnan(got).any()
     err, ref_err = errors(got, case, bs, H, KVH, D)
     assert err <= 2 * ref_err + 1e-5, (err, ref_err)
@@ -126,6 +130,8 @@ def test_tc_attention_refuses_sizes_it_cannot_take():
         make_tc_prefill_kernel(40, 64, 64)
     with pytest.raises(ValueError, match="multiples of 16"):
         make_tc_prefill_kernel(64, 24, 64)
+    with pytest.raises(ValueError, match="a multiple of 16 warp_tiles"):
+        make_tc_prefill_kernel(64, 48, 64, warp_tiles=2)
 
 
 GPU_CASES = [  # real shapes: odd lengths, ragged batches, paged after cached tokens
@@ -140,11 +146,14 @@ GPU_CASES = [  # real shapes: odd lengths, ragged batches, paged after cached to
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 @pytest.mark.parametrize("case_args", GPU_CASES)
 @pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
-def test_tc_attention_on_the_gpu(case_args, out_dtype):
+@pytest.mark.parametrize("tile", [{}, {"warp_tiles": 2}, {"block_q": 128, "warp_tiles": 2}])
+def test_tc_attention_on_the_gpu(case_args, out_dtype, tile):
     seqs, H, KVH, D, bs = case_args
+    if D > 64 and tile:
+        pytest.skip("two row tiles a warp: head_dim 64 (at 128, O alone is 128 registers)")
     rng = np.random.default_rng(sum(n for _, n in seqs))
     case = make_case(rng, seqs, H, KVH, D, bs)
-    got = run_tc(case, bs, H, KVH, D, out_dtype=out_dtype, padded=True)
+    got = run_tc(case, bs, H, KVH, D, out_dtype=out_dtype, padded=True, **tile)
     assert not np.isnan(got).any()
     err, ref_err = errors(got, case, bs, H, KVH, D)
     slack = 2.0**-8 * np.abs(got).max() if out_dtype == np.uint16 else 1e-5

@@ -5,7 +5,7 @@
 import math
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.attention import (
@@ -54,25 +54,28 @@ def tc_block_k(head_dim: int) -> int:
 
 
 def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
-                           block_k: int | None = None):
+                           block_k: int | None = None, warp_tiles: int = 1):
     """Causal GQA attention of new tokens over a paged bf16 KV cache on the tensor
-    cores: a block per (query head, entry of the tile schedule), a warp per 16 queries,
-    K and V tiles copied through the block table into shared memory by cp.async, the
-    next tile on its way while the warps work on this one."""
-    D, BQ, BK = head_dim, block_q, block_k or tc_block_k(head_dim)
-    THREADS = 32 * (BQ // 16)
+    cores: a block per (query head, entry of the tile schedule), a warp per 16
+    warp_tiles queries, K and V tiles copied through the block table into shared
+    memory by cp.async, the next tile on its way while the warps work on this one."""
+    D, BQ, BK, MT = head_dim, block_q, block_k or tc_block_k(head_dim), warp_tiles
+    WQ = 16 * MT  # queries a warp
+    THREADS = 32 * (BQ // WQ) if BQ % WQ == 0 else 0
     WPR = D // 4  # 8-byte words in one key's row of one KV head
     ROW = WPR + 2  # a row in shared memory: 16 bytes of padding against bank conflicts
     STAGE = BK * ROW  # words of one stage of a tile
     CPR = D // 8  # 16-byte chunks in a key's row
+    QW, SW, OW = D // 4, BK // 2, D // 2  # registers a lane and row tile: Q, S, O
+    QN, SN, ON, RN = MT * QW, MT * SW, MT * OW, 2 * MT  # and a warp's; its rows a lane
+    NT, DT = BK // 8, D // 8  # accumulator fragments of S and of O a row tile
+    if D % 16 or BK % 16 or THREADS == 0 or (BK * CPR) % THREADS:
+        raise ValueError(f"tensor-core attention needs head_dim and block_k multiples "
+                         f"of 16, block_q a multiple of 16 warp_tiles, and a whole "
+                         f"number of copies a thread; got head_dim {D}, block_q {BQ}, "
+                         f"block_k {BK}, warp_tiles {MT}")
     CHUNKS = BK * CPR // THREADS  # chunks of K (and of V) each thread copies a tile
-    QW, SW, OW = D // 4, BK // 2, D // 2  # registers a lane: Q words, S and O floats
-    NT, DT = BK // 8, D // 8  # accumulator fragments of S and of O
-    if D % 16 or BQ % 16 or BK % 16 or (BK * CPR) % THREADS:
-        raise ValueError(f"tensor-core attention needs head_dim, block_q and block_k "
-                         f"multiples of 16 (a whole number of copies a thread), got "
-                         f"{D}, {BQ}, {BK}")
-    qk_tile, pv_tile = attention_tile_functions(D, BK, ROW)
+    qk_tile, pv_tile = attention_tile_functions(D, BK, ROW, MT)
 
     @cuda.jit
     def kernel(qkv, k_cache, v_cache, block_tables, block_shift, seq_lens,
@@ -87,31 +90,39 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
         start = query_start_loc[seq]
         num_new = query_start_loc[seq + 1] - start
         num_cached = seq_lens[seq] - num_new
-        row_a = q_tile * BQ + warp * 16 + (lane >> 2)  # the lane's two query rows
-        row_b = row_a + 8
+        first_row = q_tile * BQ + warp * WQ  # the warp's first query
         num_keys = num_cached + min(num_new, (q_tile + 1) * BQ)  # causal: the block's
-        last_a = min(num_cached + row_a, num_keys - 1)  # the last key each row sees
-        last_b = min(num_cached + row_b, num_keys - 1)
+        # keys up to warp_last are visible to every row of the warp: no mask there
+        warp_last = min(num_cached + first_row, num_keys - 1)
         kvh = uint32(h // (num_heads // num_kv_heads))
         bt_row = block_tables[seq]
         block_mask = (uint32(1) << block_shift) - uint32(1)
         k_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
         v_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
-        qf = cuda.local.array(QW, uint32)  # Q: D / 16 A fragments
-        s = cuda.local.array(SW, float32)  # S, then P: BK / 8 accumulator fragments
-        o = cuda.local.array(OW, float32)  # O: D / 8 accumulator fragments
-        for kc in range(D // 16):  # Q rounded to bf16 in the A fragments' layout
-            for r in range(4):
-                row = row_a if r % 2 == 0 else row_b
-                col = h * D + 16 * kc + 8 * (r // 2) + 2 * t
-                lo, hi = float32(0.0), float32(0.0)
-                if row < num_new:
-                    lo, hi = qkv[start + row, col], qkv[start + row, col + 1]
-                qf[4 * kc + r] = pack_bf16x2(lo, hi)
-        for i in range(OW):
+        qf = cuda.local.array(QN, uint32)  # Q: D / 16 A fragments a row tile
+        s = cuda.local.array(SN, float32)  # S, then P: BK / 8 accumulators
+        o = cuda.local.array(ON, float32)  # O: D / 8 accumulator fragments
+        # a lane holds two rows of each row tile m: 2m (row r) and 2m + 1 (r + 8)
+        last = cuda.local.array(RN, int32)  # the last key each row sees
+        m_run = cuda.local.array(RN, float32)  # running maximum, unscaled
+        l_run = cuda.local.array(RN, float32)  # this lane's part of the row's sum
+        mx = cuda.local.array(RN, float32)
+        corr = cuda.local.array(RN, float32)
+        for r in range(RN):
+            row = first_row + 16 * (r // 2) + 8 * (r % 2) + (lane >> 2)
+            last[r] = min(num_cached + row, num_keys - 1)
+            m_run[r], l_run[r] = float32(-math.inf), float32(0.0)
+        for m in range(MT):  # Q rounded to bf16 in the A fragments' layout
+            for kc in range(D // 16):
+                for r in range(4):
+                    row = first_row + 16 * m + 8 * (r % 2) + (lane >> 2)
+                    col = h * D + 16 * kc + 8 * (r // 2) + 2 * t
+                    lo, hi = float32(0.0), float32(0.0)
+                    if row < num_new:
+                        lo, hi = qkv[start + row, col], qkv[start + row, col + 1]
+                    qf[m * QW + 4 * kc + r] = pack_bf16x2(lo, hi)
+        for i in range(ON):
             o[i] = float32(0.0)
-        m_a, m_b = float32(-math.inf), float32(-math.inf)
-        l_a, l_b = float32(0.0), float32(0.0)  # this lane's part of each row's sum
         num_tiles = (num_keys + BK - 1) // BK
         for it in range(num_tiles + 1):
             if it < num_tiles:  # start copying tile it into stage it % 2
@@ -134,55 +145,58 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
             stage, k_start = (it - 1) % 2, (it - 1) * BK
             qk_tile(ffi.from_buffer(s), ffi.from_buffer(qf),
                     ffi.from_buffer(k_tile[stage, 0:]))
-            # the causal mask and the online softmax, on the accumulators
-            mx_a, mx_b = float32(-math.inf), float32(-math.inf)
-            for n in range(NT):
-                key = k_start + 8 * n + 2 * t
-                for e in range(4):
-                    last = last_a if e < 2 else last_b
-                    x = float32(-math.inf)
-                    if key + e % 2 <= last:
-                        x = s[4 * n + e] * scale_log2
-                    s[4 * n + e] = x
-                    if e < 2:
-                        mx_a = max(mx_a, x)
-                    else:
-                        mx_b = max(mx_b, x)
-            mx_a, mx_b = quad_max2(mx_a, mx_b)
-            # every row sees key 0 in the first tile, so the maxima are finite from then
-            new_a, new_b = max(m_a, mx_a), max(m_b, mx_b)
-            corr_a, corr_b = exp2_approx(m_a - new_a), exp2_approx(m_b - new_b)
-            m_a, m_b = new_a, new_b
-            l_a, l_b = l_a * corr_a, l_b * corr_b
-            for n in range(NT):
-                for e in range(4):
-                    if e < 2:
-                        x = exp2_approx(s[4 * n + e] - m_a)
-                        l_a += x
-                    else:
-                        x = exp2_approx(s[4 * n + e] - m_b)
-                        l_b += x
-                    s[4 * n + e] = x
-            for n in range(DT):
-                o[4 * n] *= corr_a
-                o[4 * n + 1] *= corr_a
-                o[4 * n + 2] *= corr_b
-                o[4 * n + 3] *= corr_b
+            # the causal mask, only on the tiles that reach past some row's last key
+            # (the same for the whole warp, so no lane diverges); each row's maximum
+            if k_start + BK - 1 > warp_last:
+                for m in range(MT):
+                    for n in range(NT):
+                        key = k_start + 8 * n + 2 * t
+                        for e in range(4):
+                            if key + e % 2 > last[2 * m + e // 2]:
+                                s[m * SW + 4 * n + e] = float32(-math.inf)
+            for m in range(MT):
+                mx_a, mx_b = float32(-math.inf), float32(-math.inf)
+                for n in range(NT):
+                    i = m * SW + 4 * n
+                    mx_a = max(mx_a, max(s[i], s[i + 1]))
+                    mx_b = max(mx_b, max(s[i + 2], s[i + 3]))
+                mx[2 * m], mx[2 * m + 1] = quad_max2(mx_a, mx_b)
+            # the online softmax in base 2, the scale folded into one multiply-add an
+            # element (every row sees key 0 in the first tile: the maxima are finite)
+            for r in range(RN):
+                new = max(m_run[r], mx[r])
+                corr[r] = exp2_approx((m_run[r] - new) * scale_log2)
+                m_run[r] = new
+                l_run[r] *= corr[r]
+                mx[r] = new * scale_log2  # the row's maximum, scaled
+            for m in range(MT):
+                for n in range(NT):
+                    for e in range(4):
+                        r, i = 2 * m + e // 2, m * SW + 4 * n + e
+                        x = exp2_approx(s[i] * scale_log2 - mx[r])
+                        l_run[r] += x
+                        s[i] = x
+                for n in range(DT):
+                    for e in range(4):
+                        o[m * OW + 4 * n + e] *= corr[2 * m + e // 2]
             pv_tile(ffi.from_buffer(o), ffi.from_buffer(s),
                     ffi.from_buffer(v_tile[stage, 0:]))
             cuda.syncthreads()  # done with the stage the next copy overwrites
-        l_a, l_b = quad_sum2(l_a, l_b)
-        inv_a, inv_b = float32(1.0) / l_a, float32(1.0) / l_b
-        for n in range(DT):
-            col = h * D + 8 * n + 2 * t
-            if row_a < num_new:
-                store_activation(out, start + row_a, col, o[4 * n] * inv_a)
-                store_activation(out, start + row_a, col + 1, o[4 * n + 1] * inv_a)
-            if row_b < num_new:
-                store_activation(out, start + row_b, col, o[4 * n + 2] * inv_b)
-                store_activation(out, start + row_b, col + 1, o[4 * n + 3] * inv_b)
+        for m in range(MT):
+            l_run[2 * m], l_run[2 * m + 1] = quad_sum2(l_run[2 * m], l_run[2 * m + 1])
+        for r in range(RN):
+            l_run[r] = float32(1.0) / l_run[r]
+        for m in range(MT):
+            for n in range(DT):
+                for e in range(4):
+                    row = first_row + 16 * m + 8 * (e // 2) + (lane >> 2)
+                    col = h * D + 8 * n + 2 * t + e % 2
+                    if row < num_new:
+                        store_activation(out, start + row, col,
+                                         o[m * OW + 4 * n + e] * l_run[2 * m + e // 2])
 
     kernel.block_q, kernel.block_k, kernel.head_dim = BQ, BK, D
+    kernel.warp_tiles, kernel.threads = MT, THREADS
     kernel.reads_before_wait = True  # its schedule entry; it writes only after
     return require_lto(kernel)
 
@@ -191,9 +205,9 @@ _kernels = {}
 
 
 def tc_prefill_kernel_for(head_dim: int, block_q: int = TC_BLOCK_Q,
-                          block_k: int | None = None):
+                          block_k: int | None = None, warp_tiles: int = 1):
     """The kernel for these sizes, built on first use and kept."""
-    key = (head_dim, block_q, block_k or tc_block_k(head_dim))
+    key = (head_dim, block_q, block_k or tc_block_k(head_dim), warp_tiles)
     if key not in _kernels:
         _kernels[key] = make_tc_prefill_kernel(*key)
     return _kernels[key]
@@ -203,9 +217,11 @@ def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
                          query_start_loc, max_query_len: int, block_size: int,
                          num_heads: int, num_kv_heads: int, head_dim: int, out,
                          stream=0, block_q: int = TC_BLOCK_Q,
-                         block_k: int | None = None, tiles=None):
+                         block_k: int | None = None, tiles=None,
+                         warp_tiles: int = 1):
     """paged_prefill_attention (chapter 10), same arguments and result, on the tensor
-    cores; head_dim a multiple of 16. tiles: prefill_tiles(...) at this block_q."""
+    cores; head_dim a multiple of 16. tiles: prefill_tiles(...) at this block_q;
+    warp_tiles: row tiles of 16 queries a warp (block_q / 16 / warp_tiles warps)."""
     name = "tc_prefill_attention"
     num_tokens = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
     check_out(name, out, (num_tokens, num_heads * head_dim))
@@ -213,7 +229,7 @@ def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
     k64, v64 = check_paged_context(name, k_cache, v_cache, block_tables, seq_lens,
                                    block_size, num_seqs, num_kv_heads, head_dim,
                                    query_start_loc)
-    kernel = tc_prefill_kernel_for(head_dim, block_q, block_k)
+    kernel = tc_prefill_kernel_for(head_dim, block_q, block_k, warp_tiles)
     if num_tokens == 0 or max_query_len == 0:
         return out
     if tiles is None:
@@ -221,7 +237,7 @@ def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
             prefill_tiles(host_array(query_start_loc), host_array(seq_lens), block_q),
             stream=stream)
     with twin_launch():
-        kernel[(num_heads, tiles.shape[0]), 32 * (block_q // 16), stream](
+        kernel[(num_heads, tiles.shape[0]), kernel.threads, stream](
             qkv, k64, v64, block_tables, np.uint32(int(block_size).bit_length() - 1),
             seq_lens, query_start_loc, tiles, num_heads, num_kv_heads,
             np.float32(LOG2E / math.sqrt(head_dim)), out)

@@ -9,11 +9,20 @@ from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.kernels.tensor_core import C_COLS, C_ROWS, a_matrix, bf16_values
 
 
-def attention_tile_source(head_dim: int, block_k: int, row_words: int) -> str:
-    """CUDA C for a warp's two products in a tile of flash attention, 16 queries
-    against block_k keys whose K and V rows are row_words 8-byte words apart in shared
-    memory: qk_tile_d{D}_k{BK} (S = Q K^T) and pv_tile_d{D}_k{BK} (O += P V)."""
-    D, BK, ROW, name = head_dim, block_k, row_words, f"d{head_dim}_k{block_k}"
+def tile_name(head_dim: int, block_k: int, m_tiles: int = 1) -> str:
+    """The C functions' suffix at these sizes."""
+    return f"d{head_dim}_k{block_k}_m{m_tiles}"
+
+
+def attention_tile_source(head_dim: int, block_k: int, row_words: int,
+                          m_tiles: int = 1) -> str:
+    """CUDA C for a warp's two products in a tile of flash attention, 16 m_tiles
+    queries (m_tiles row tiles of 16, one after another in s, q, p and o) against
+    block_k keys whose K and V rows are row_words 8-byte words apart in shared memory:
+    qk_tile_{name} (S = Q K^T) and pv_tile_{name} (O += P V), name tile_name(...).
+    Each fragment of K or V loaded from shared memory serves all m_tiles row tiles."""
+    D, BK, ROW, M = head_dim, block_k, row_words, m_tiles
+    name = tile_name(head_dim, block_k, m_tiles)
     return rf"""
 #define MMA16816(c, a0, a1, a2, a3, b0, b1) \
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " \
@@ -35,12 +44,13 @@ static __device__ __forceinline__ void ldsm_{name}(unsigned* r,
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }}
 
-// s = this warp's 16 x {BK} scores ({BK // 8} accumulator fragments) = q K^T
+// s = this warp's {16 * M} x {BK} scores = q K^T: per row tile m, {BK // 8}
+// accumulators from s + {BK // 2} m, and {D // 16} A fragments from q + {D // 4} m
 extern "C" __device__ void qk_tile_{name}(float* s, const unsigned* q,
                                           const unsigned long long* k) {{
   int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
 #pragma unroll
-  for (int i = 0; i < {BK // 2}; ++i) s[i] = 0.0f;
+  for (int i = 0; i < {M * BK // 2}; ++i) s[i] = 0.0f;
 #pragma unroll
   for (int p = 0; p < {BK // 16}; ++p) {{     // 16 keys: two accumulator fragments
 #pragma unroll
@@ -48,9 +58,13 @@ extern "C" __device__ void qk_tile_{name}(float* s, const unsigned* q,
       unsigned b[4];  // keys 16p.., dims 16kc..: b0, b1; then keys 8 on: b0, b1 again
       int key = 16 * p + 8 * (mat / 2) + row;
       ldsm_{name}(b, k + key * {ROW} + 4 * kc + 2 * (mat % 2), false);
-      const unsigned* a = q + 4 * kc;
-      MMA16816(s + 8 * p, a[0], a[1], a[2], a[3], b[0], b[1]);
-      MMA16816(s + 8 * p + 4, a[0], a[1], a[2], a[3], b[2], b[3]);
+#pragma unroll
+      for (int m = 0; m < {M}; ++m) {{  // the same B fragments for every row tile
+        const unsigned* a = q + {D // 4} * m + 4 * kc;
+        float* c = s + {BK // 2} * m + 8 * p;
+        MMA16816(c, a[0], a[1], a[2], a[3], b[0], b[1]);
+        MMA16816(c + 4, a[0], a[1], a[2], a[3], b[2], b[3]);
+      }}
     }}
   }}
 }}
@@ -61,22 +75,33 @@ static __device__ __forceinline__ unsigned pack_{name}(float lo, float hi) {{
   return r;
 }}
 
-// o (this warp's 16 x {D} outputs) += p (16 x {BK} probabilities, laid out as s) V
+// o (this warp's {16 * M} x {D} outputs, {D // 2} floats a row tile) += p ({16 * M} x
+// {BK} probabilities, laid out as s) V
 extern "C" __device__ void pv_tile_{name}(float* o, const float* p,
                                           const unsigned long long* v) {{
   int lane = threadIdx.x % 32, row = lane % 8, mat = lane / 8;
 #pragma unroll
   for (int kc = 0; kc < {BK // 16}; ++kc) {{  // 16 keys: two accumulators make A
-    const float* x = p + 8 * kc;
-    unsigned a0 = pack_{name}(x[0], x[1]), a1 = pack_{name}(x[2], x[3]);
-    unsigned a2 = pack_{name}(x[4], x[5]), a3 = pack_{name}(x[6], x[7]);
+    unsigned a[{M}][4];
+#pragma unroll
+    for (int m = 0; m < {M}; ++m) {{
+      const float* x = p + {BK // 2} * m + 8 * kc;
+      a[m][0] = pack_{name}(x[0], x[1]);
+      a[m][1] = pack_{name}(x[2], x[3]);
+      a[m][2] = pack_{name}(x[4], x[5]);
+      a[m][3] = pack_{name}(x[6], x[7]);
+    }}
 #pragma unroll
     for (int dp = 0; dp < {D // 16}; ++dp) {{  // 16 dimensions: two accumulators
       unsigned b[4];  // V transposed: keys 16kc.., dims 16dp.. (b0, b1), then dims 8 on
       int key = 16 * kc + 8 * (mat % 2) + row;
       ldsm_{name}(b, v + key * {ROW} + 4 * dp + 2 * (mat / 2), true);
-      MMA16816(o + 8 * dp, a0, a1, a2, a3, b[0], b[1]);
-      MMA16816(o + 8 * dp + 4, a0, a1, a2, a3, b[2], b[3]);
+#pragma unroll
+      for (int m = 0; m < {M}; ++m) {{
+        float* c = o + {D // 2} * m + 8 * dp;
+        MMA16816(c, a[m][0], a[m][1], a[m][2], a[m][3], b[0], b[1]);
+        MMA16816(c + 4, a[m][0], a[m][1], a[m][2], a[m][3], b[2], b[3]);
+      }}
     }}
   }}
 }}
@@ -104,32 +129,42 @@ if config.ENABLE_CUDASIM:
         rows = np.asarray(tile)[: block_k * row_words].reshape(block_k, row_words)
         return bf16_values(rows[:, : head_dim // 4].view(np.uint16))
 
-    def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
+    def attention_tile_functions(head_dim: int, block_k: int, row_words: int,
+                                 m_tiles: int = 1):
         """Twins of qk_tile and pv_tile at these sizes."""
-        D, BK = head_dim, block_k
+        D, BK, M = head_dim, block_k, m_tiles
+        QW, SW, OW = D // 4, BK // 2, D // 2  # a row tile's words of q, s and o
 
         def qk_tile(s, q, k):
-            buffer, lane = warp_exchange(q[: D // 4])
-            Q = np.zeros((16, D))
-            for kc in range(D // 16):
-                Q[:, 16 * kc : 16 * kc + 16] = bf16_values(
-                    a_matrix(buffer[:, 4 * kc : 4 * kc + 4])
+            buffer, lane = warp_exchange(q[: M * QW])
+            K = _tile_values(k, BK, row_words, D)
+            for m in range(M):
+                Q = np.zeros((16, D))
+                for kc in range(D // 16):
+                    at = m * QW + 4 * kc
+                    Q[:, 16 * kc : 16 * kc + 16] = bf16_values(
+                        a_matrix(buffer[:, at : at + 4])
+                    )
+                S = Q @ K.T  # (16, BK)
+                s[m * SW : (m + 1) * SW] = S[accumulator_index(lane, BK)].astype(
+                    np.float32
                 )
-            S = Q @ _tile_values(k, BK, row_words, D).T  # (16, BK)
-            s[: BK // 2] = S[accumulator_index(lane, BK)].astype(np.float32)
 
         def pv_tile(o, p, v):
-            words = np.asarray(p[: BK // 2], np.float32).view(np.uint32)
+            words = np.asarray(p[: M * SW], np.float32).view(np.uint32)
             buffer, lane = warp_exchange(words)
-            P = np.zeros((16, BK))
-            for other in range(32):  # P rounded to bf16, as the packing does
-                probs = buffer[other, : BK // 2].view(np.float32)
-                P[accumulator_index(other, BK)] = bf16_values(f32_to_bf16_bits(probs))
-            O = P @ _tile_values(v, BK, row_words, D)  # (16, D)
+            V = _tile_values(v, BK, row_words, D)
             rows, cols = accumulator_index(lane, D)
-            o[: D // 2] = (o[: D // 2].astype(np.float64) + O[rows, cols]).astype(
-                np.float32
-            )
+            for m in range(M):
+                P = np.zeros((16, BK))
+                for other in range(32):  # P rounded to bf16, as the packing does
+                    probs = buffer[other, m * SW : (m + 1) * SW].view(np.float32)
+                    P[accumulator_index(other, BK)] = bf16_values(
+                        f32_to_bf16_bits(probs)
+                    )
+                O = P @ V  # (16, D)
+                mine = o[m * OW : (m + 1) * OW].astype(np.float64) + O[rows, cols]
+                o[m * OW : (m + 1) * OW] = mine.astype(np.float32)
 
         return qk_tile, pv_tile
 
@@ -153,10 +188,11 @@ if config.ENABLE_CUDASIM:
 else:
     from numba.cuda import CUSource
 
-    def attention_tile_functions(head_dim: int, block_k: int, row_words: int):
+    def attention_tile_functions(head_dim: int, block_k: int, row_words: int,
+                                 m_tiles: int = 1):
         """qk_tile and pv_tile at these sizes, linked from attention_tile_source."""
-        src = CUSource(attention_tile_source(head_dim, block_k, row_words))
-        name = f"d{head_dim}_k{block_k}"
+        src = CUSource(attention_tile_source(head_dim, block_k, row_words, m_tiles))
+        name = tile_name(head_dim, block_k, m_tiles)
         words, floats = _P(types.uint32), _P(types.float32)
         qk = cuda.declare_device(f"qk_tile_{name}",
                                  types.void(floats, words, _P(types.uint64)),
