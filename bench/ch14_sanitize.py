@@ -36,22 +36,27 @@ def case(rng, seqs, H, KVH, D, block_size):
     return qkv, k, v, tables, seq_lens, starts
 
 
+TILES = {64: ((TC_BLOCK_Q, 1), (64, 2), (128, 2)), 128: ((TC_BLOCK_Q, 1),)}  # (block_q, warp_tiles) a head_dim
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     for H, KVH, D, seqs in ((32, 8, 64, [(0, 200), (300, 70), (3, 1)]), (8, 2, 128, [(17, 130)])):
         host = case(rng, seqs, H, KVH, D, 16)
-        capacity = tile_capacity(len(host[0]), len(seqs), TC_BLOCK_Q) + 3  # idle entries too
-        tiles = prefill_tiles(host[5], host[4], TC_BLOCK_Q, out=np.empty(capacity, np.int32))
-        out = cuda.device_array((len(host[0]), H * D), np.float32)
-        tc_prefill_attention(*map(cuda.to_device, host), int(np.diff(host[5]).max()), 16, H, KVH, D, out,
-                             tiles=cuda.to_device(tiles))
-        got = out.copy_to_host()
         q = host[0][:, : H * D]
         exact = paged_prefill_attention_ref(q, *host[1:], 16, H, KVH, D)
         rounded = paged_prefill_attention_bf16_ref(q, *host[1:], 16, H, KVH, D)
-        err, ref_err = np.abs(got - exact).max(), np.abs(rounded - exact).max()
-        print(f"head_dim {D}, {seqs}: max error {err:.2e} (bf16-rounded reference {ref_err:.2e})")
-        assert err <= 2 * ref_err + 1e-5
+        for block_q, warp_tiles in TILES[D]:
+            capacity = tile_capacity(len(host[0]), len(seqs), block_q) + 3  # idle entries too
+            tiles = prefill_tiles(host[5], host[4], block_q, out=np.empty(capacity, np.int32))
+            out = cuda.device_array((len(host[0]), H * D), np.float32)
+            tc_prefill_attention(*map(cuda.to_device, host), int(np.diff(host[5]).max()), 16, H, KVH, D, out,
+                                 tiles=cuda.to_device(tiles), block_q=block_q, warp_tiles=warp_tiles)
+            got = out.copy_to_host()
+            err, ref_err = np.abs(got - exact).max(), np.abs(rounded - exact).max()
+            print(f"head_dim {D}, block_q {block_q}, warp_tiles {warp_tiles}, {seqs}: max error {err:.2e} "
+                  f"(bf16-rounded reference {ref_err:.2e})")
+            assert err <= 2 * ref_err + 1e-5
 
 
 if __name__ == "__main__":

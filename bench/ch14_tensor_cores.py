@@ -307,21 +307,9 @@ def ttft(rec: Recorder, wheel, extra: dict, repeats: int, transformers: bool) ->
             print(f"transformers, time to first token, {n} tokens: {r['ttft_ms']:8.2f} ms", flush=True)
 
 
-def kernel_group(name: str) -> str:
-    """A profiled kernel's group: the tinyvllm_lib module a numba kernel comes from (its mangled name holds the
-    module's path), cuBLAS for cuBLAS' GEMMs, else the name's first word."""
-    m = re.search(r"tinyvllm_lib(?:\d+\w+?)?7kernels(\d+)", name)
-    if m:
-        start = m.end()
-        return name[start : start + int(m.group(1))]
-    if re.search(r"gemm|nvjet|sm90_xmma|cublas|cutlass", name, re.I):
-        return "cublas"
-    return re.split(r"[<(\s]", name, maxsplit=1)[0][:40]
-
-
 def breakdown(wheel, extra: dict) -> Path:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kernel_profile import print_groups, profile_groups
 
     rec = Recorder("ch14_ttft_breakdown")
     folder = prepare_llama_standin(wheel=wheel)
@@ -331,34 +319,18 @@ def breakdown(wheel, extra: dict) -> Path:
     for n in TTFT_LENGTHS:
         benchmark.latency(llm, n, 2, repeats=1, seed=n)  # warm: this length's path has run
         prompt = rng.integers(0, llm.config.vocab_size, n).tolist()
-        params = benchmark.greedy(1)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            engine.add_request(f"breakdown-{n}", prompt, params)
+
+        def first_token():
+            engine.add_request(f"breakdown-{n}", prompt, benchmark.greedy(1))
             while engine.has_unfinished_requests():
                 engine.step()
-            wall = time.perf_counter() - t0
-        groups, first, last = {}, None, None
-        for ev in prof.events():
-            if ev.device_type != torch.autograd.DeviceType.CUDA or ev.device_time_total <= 0:
-                continue
-            g = kernel_group(ev.name)
-            groups[g] = groups.get(g, 0.0) + ev.device_time_total / 1e3  # ms
-            begin, end = ev.time_range.start / 1e3, ev.time_range.end / 1e3
-            first = begin if first is None else min(first, begin)
-            last = end if last is None else max(last, end)
-        if not groups:
-            print(prof.key_averages().table(row_limit=25))
-            raise RuntimeError("the profiler saw no GPU kernel")
-        busy = sum(groups.values())
-        for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
-            rec.add("kernel_group", [1, n], "ms", ms, group=g, share=ms / busy, **extra)
-            print(f"{n:>6} tokens: {g:>24} {ms:8.3f} ms ({100 * ms / busy:4.1f}%)", flush=True)
-        rec.add("gpu_busy", [1, n], "ms", busy, span_ms=(last - first) if first is not None else None, **extra)
-        rec.add("wall", [1, n], "ms", 1e3 * wall, **extra)
-        print(f"{n:>6} tokens: GPU busy {busy:.2f} ms over a {last - first:.2f} ms span; wall {1e3 * wall:.2f} ms",
-              flush=True)
+
+        prof = profile_groups(first_token)
+        for g, ms in prof["groups"].items():
+            rec.add("kernel_group", [1, n], "ms", ms, group=g, share=ms / prof["busy_ms"], **extra)
+        rec.add("gpu_busy", [1, n], "ms", prof["busy_ms"], span_ms=prof["span_ms"], kernels=prof["kernels"], **extra)
+        rec.add("wall", [1, n], "ms", prof["wall_ms"], **extra)
+        print_groups(f"{n:>6} tokens", prof)
     return rec.save()
 
 
