@@ -19,12 +19,15 @@
    tensor-core attention): every GPU kernel of the prefill step timed by torch's profiler (CUPTI sees numba's
    launches too), summed by the module that defines it (attention, GEMM, norm, ...), beside the step's wall time,
    to ch14_ttft_breakdown.json.
-Records to book/data/ch14_tensor_cores.json, with the engine's commit when ENGINE_COMMIT is set.
+Records to book/data/ch14_tensor_cores.json, with the engine's commit when ENGINE_COMMIT is set, tagged with the
+attention kernel's version (kernels.tc_attention.TC_ATTENTION_VERSION; untagged records are version 1): they replace
+this device's records of the same version and keep an earlier version's, which the chapter draws beside them.
 
     ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tensor_cores.py [--only ceiling attention gemm sass ttft sweep]
 """
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -41,12 +44,13 @@ from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention, prefill_tiles
 from tinyvllm_lib.kernels.tc_attention import (
+    TC_ATTENTION_VERSION,
     TC_BLOCK_Q,
     tc_prefill_attention,
     tc_prefill_kernel_for,
 )
 from tinyvllm_lib.kernels.tc_gemm import tc_gemm, tc_gemm_kernel
-from tinyvllm_lib.measure import Recorder, time_launches
+from tinyvllm_lib.measure import DATA_DIR, Recorder, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
 H, KVH, D, BLOCK = 32, 8, 64, 16
@@ -334,6 +338,16 @@ def breakdown(wheel, extra: dict) -> Path:
     return rec.save()
 
 
+def save(rec: Recorder) -> Path:
+    """rec's records replace this device's records of this kernel version; other versions' stay."""
+    path = DATA_DIR / f"{rec.chapter}.json"
+    old = json.loads(path.read_text()) if path.exists() else []
+    kept = [r for r in old if r["device"].get("name") != rec.device.get("name")
+            or r.get("attention_version", 1) != TC_ATTENTION_VERSION]
+    path.write_text(json.dumps(kept + rec.records, indent=1) + "\n")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=["ceiling", "attention", "gemm", "sass", "ttft"])
@@ -342,7 +356,7 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
     rec = Recorder("ch14_tensor_cores")
-    extra = {"engine_commit": os.environ.get("ENGINE_COMMIT")}
+    extra = {"engine_commit": os.environ.get("ENGINE_COMMIT"), "attention_version": TC_ATTENTION_VERSION}
     rng = np.random.default_rng(0)
     if "ceiling" in args.only:
         ceiling(rec, extra)
@@ -358,11 +372,11 @@ def main() -> None:
         print("saved", breakdown(args.wheel, extra | {"model": "Llama 3.2 1B stand-in (random bf16 weights)"}))
     if set(args.only) <= {"sweep", "breakdown"}:
         return
-    rec.save()
+    save(rec)
     if "ttft" in args.only:
         ttft(rec, args.wheel, extra | {"model": "Llama 3.2 1B stand-in (random bf16 weights)"}, args.repeats,
              not args.no_transformers)
-    print("saved", rec.save())
+    print("saved", save(rec))
 
 
 if __name__ == "__main__":

@@ -1054,8 +1054,25 @@ else:
 # arrives as float32 activations and is rounded to bf16 once, into A fragments; the
 # softmax runs in base 2 (the scale is multiplied by log₂ e, and `ex2` is one
 # instruction). Every warp of a block runs the same number of key tiles — the
-# tensor-core instructions need all 32 lanes, and the barriers all 128 threads — so a
-# warp whose rows are past the sequence's end computes rows nobody stores.
+# tensor-core instructions need all 32 lanes, and the barriers all the block's
+# threads — so a warp whose rows are past the sequence's end computes rows nobody
+# stores.
+#
+# Three details come from measuring the first version (the section on speed below
+# shows both):
+#
+# - **`warp_tiles`**: a warp may hold more than one 16-row tile of queries. Each
+#   `ldmatrix` of K or V then feeds `warp_tiles` times as many `mma` — the C functions
+#   loop over the row tiles inside the loop over fragments — at the cost of twice the
+#   accumulator registers at `warp_tiles = 2`. A block is `block_q / (16 warp_tiles)`
+#   warps.
+# - **The mask only where it can bite.** A tile of keys that ends at or before the
+#   warp's first row's last visible key is wholly visible to every row of the warp; only
+#   the tiles on the causal diagonal (and the sequence's last) compare key against row.
+#   The test is the same for the whole warp, so no lane takes another path.
+# - **The scale in the exponent's multiply-add.** The row maximum is kept unscaled, and
+#   each probability is `ex2(s·c − m·c)` with c = log₂e/√d: one fused multiply-add and
+#   one `ex2` an element, where the first version multiplied every score first.
 
 # %%
 #| export kernels.tc_attention
@@ -1102,6 +1119,17 @@ from tinyvllm_lib.kernels.tensor_core import (
 # (chapter 11 packs it at FLASH_BLOCK_Q) serves this kernel and chapter 10's alike
 TC_BLOCK_Q = FLASH_BLOCK_Q
 LOG2E = 1.4426950408889634
+# the kernel's version, which its benchmark records carry: 1, a warp per 16 queries and
+# every key tile masked (measured at 65234ef); 2, row tiles a warp (warp_tiles), the
+# mask only where a tile reaches past a row's last key, the scale in one FFMA
+TC_ATTENTION_VERSION = 2
+
+
+def tc_warp_tiles(head_dim: int) -> int:
+    """Row tiles of 16 queries a warp: one (the first version's choice, until a GPU's
+    sweep says otherwise); at head_dim 128 one always (O alone is 64 registers a row
+    tile)."""
+    return 1
 
 
 def tc_block_k(head_dim: int) -> int:
@@ -1111,12 +1139,13 @@ def tc_block_k(head_dim: int) -> int:
 
 
 def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
-                           block_k: int | None = None, warp_tiles: int = 1):
+                           block_k: int | None = None, warp_tiles: int | None = None):
     """Causal GQA attention of new tokens over a paged bf16 KV cache on the tensor
     cores: a block per (query head, entry of the tile schedule), a warp per 16
     warp_tiles queries, K and V tiles copied through the block table into shared
     memory by cp.async, the next tile on its way while the warps work on this one."""
-    D, BQ, BK, MT = head_dim, block_q, block_k or tc_block_k(head_dim), warp_tiles
+    D, BQ, BK = head_dim, block_q, block_k or tc_block_k(head_dim)
+    MT = warp_tiles or tc_warp_tiles(head_dim)
     WQ = 16 * MT  # queries a warp
     THREADS = 32 * (BQ // WQ) if BQ % WQ == 0 else 0
     WPR = D // 4  # 8-byte words in one key's row of one KV head
@@ -1262,9 +1291,10 @@ _kernels = {}
 
 
 def tc_prefill_kernel_for(head_dim: int, block_q: int = TC_BLOCK_Q,
-                          block_k: int | None = None, warp_tiles: int = 1):
+                          block_k: int | None = None, warp_tiles: int | None = None):
     """The kernel for these sizes, built on first use and kept."""
-    key = (head_dim, block_q, block_k or tc_block_k(head_dim), warp_tiles)
+    key = (head_dim, block_q, block_k or tc_block_k(head_dim),
+           warp_tiles or tc_warp_tiles(head_dim))
     if key not in _kernels:
         _kernels[key] = make_tc_prefill_kernel(*key)
     return _kernels[key]
@@ -1275,7 +1305,7 @@ def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
                          num_heads: int, num_kv_heads: int, head_dim: int, out,
                          stream=0, block_q: int = TC_BLOCK_Q,
                          block_k: int | None = None, tiles=None,
-                         warp_tiles: int = 1):
+                         warp_tiles: int | None = None):
     """paged_prefill_attention (chapter 10), same arguments and result, on the tensor
     cores; head_dim a multiple of 16. tiles: prefill_tiles(...) at this block_q;
     warp_tiles: row tiles of 16 queries a warp (block_q / 16 / warp_tiles warps)."""
@@ -1621,18 +1651,27 @@ model, against {{ch14_simt_ms}} at chapter 7's best SIMT rate.
 # ```
 
 # %%
-records = load_records("ch14_tensor_cores")
+def version(r: dict) -> int:
+    """The attention kernel's version a record was measured with (untagged: 1)."""
+    return r.get("attention_version", 1)
+
+
+every_version = load_records("ch14_tensor_cores")
+newest = max((version(r) for r in every_version), default=1)
+records = [r for r in every_version if version(r) == newest]
 KERNELS = (("tc_prefill", "tensor cores (this chapter)"),
            ("paged_prefill", "SIMT (chapter 10)"),
            ("sdpa_flash", "torch sdpa (flash)"))
 
 
-def series(name: str, cached: int) -> list[dict]:
+def series(name: str, cached: int, among=None) -> list[dict]:
     """The attention records of one kernel at one number of cached tokens, by length."""
-    return sorted((r for r in records if r["name"] == name and r["shape"][1] == cached),
+    return sorted((r for r in (records if among is None else among)
+                   if r["name"] == name and r["shape"][1] == cached),
                   key=lambda r: r["shape"][0])
 
 
+first_version = [r for r in every_version if version(r) == 1]
 fig, axes = new_figure(1, 2, width=9.0, height=3.2)
 if records:
     for ax, cached in zip(axes, (0, 4096)):
@@ -1641,6 +1680,10 @@ if records:
             if rs:
                 ax.plot([r["shape"][0] for r in rs], [r["value"] for r in rs], "o-",
                         label=label)
+        rs = series("tc_prefill", cached, first_version) if newest > 1 else []
+        if rs:
+            ax.plot([r["shape"][0] for r in rs], [r["value"] for r in rs], "o--",
+                    color="0.6", label="tensor cores, first version")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("new tokens" + (f", after {cached:,} cached" if cached else
                                       " (causal, nothing cached)"))
@@ -1666,6 +1709,15 @@ if records:
         f"{tc[short]['value'] / sdpa[short]:.0%} of it. The tensor-core and SIMT "
         "outputs differ by at most "
         f"{max(r['max_abs_gap_tc_simt'] for r in tc.values()):.1e} on these inputs."))
+    old = {tuple(r["shape"]): r["value"] for r in first_version
+           if r["name"] == "tc_prefill"} if newest > 1 else {}
+    both = sorted(k for k in old if k in tc and k[1] == 0)
+    prose.glue("ch14_versions", (
+        f"The first version of the kernel (a warp per 16 queries, every tile masked) "
+        f"ran at {old[both[-1]]:.0f} TFLOP/s at {both[-1][0]:,} tokens and "
+        f"{old[both[0]]:.0f} at {both[0][0]:,}; this one at "
+        f"{tc[both[-1]]['value']:.0f} and {tc[both[0]]['value']:.0f} (the dashed "
+        "line)." if both else ""))
     gemms = [(r["value"], next(x["value"] for x in records if x["name"] == "cublas_gemm"
                                and x["shape"] == r["shape"]))
              for r in records if r["name"] == "tc_gemm"]
@@ -1693,6 +1745,7 @@ else:
                "script has run.")
     prose.glue("ch14_gemm_measured", "")
     prose.glue("ch14_ttft_measured", "")
+    prose.glue("ch14_versions", "")
 plt.show()
 # the GEMM rung against cuBLAS, and the first token of long prompts, once recorded
 for r in records:
@@ -1710,11 +1763,119 @@ for r in records:
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show("""
-{{ch14_measured}}
+{{ch14_measured}} {{ch14_versions}}
 
 {{ch14_gemm_measured}}
 
 {{ch14_ttft_measured}}
+""")
+
+# %% [markdown]
+# ### Which tile
+#
+# Three numbers shape a block: the queries it takes (`block_q`), the keys a tile
+# (`block_k`), and the row tiles a warp holds (`warp_tiles`). More queries a block read
+# each K and V tile from L2 once for more rows; more row tiles a warp share each
+# fragment `ldmatrix` loads among more `mma`, but need more registers, so fewer warps
+# fit on an SM to hide each other's waits. Shared memory caps `block_k` (two stages of
+# K and V: 64 keys of 64 dimensions take 36 KiB of the 48 a block may have without
+# asking for more). Rather than argue it, the benchmark script times each (`--only
+# sweep`), checking every tile's output against the default's first:
+
+# %%
+sweep = [r for r in load_records("ch14_tile_sweep") if version(r) == newest]
+SHAPE_NAMES = {(2048, 0): "2,048 tokens", (8192, 0): "8,192 tokens",
+               (2048, 4096): "2,048 after 4,096 cached"}
+fig, ax = new_figure(1, 1, width=8.0, height=3.0)
+if sweep:
+    tiles = sorted({(r["block_q"], r["block_k"], r.get("warp_tiles", 1))
+                    for r in sweep}, key=lambda t: (t[2], t[0], t[1]))
+    shapes = [k for k in SHAPE_NAMES if any(tuple(r["shape"]) == k for r in sweep)]
+    width = 0.8 / len(shapes)
+    value = {(tuple(r["shape"]), (r["block_q"], r["block_k"], r.get("warp_tiles", 1))):
+             r for r in sweep}
+    for j, shape in enumerate(shapes):
+        ax.bar([i + j * width for i in range(len(tiles))],
+               [value[shape, t]["value"] if (shape, t) in value else 0 for t in tiles],
+               width, label=SHAPE_NAMES[shape])
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tiles))])
+    ax.set_xticklabels([f"{q}×{k}\n{w} a warp" for q, k, w in tiles], fontsize=7)
+    ax.set_xlabel("block_q × block_k, row tiles of 16 queries a warp")
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=7)
+    at = (8192, 0)
+    rows = {t: value[at, t] for t in tiles if (at, t) in value}
+    best = max(rows, key=lambda t: rows[t]["value"])
+    default = (TC_BLOCK_Q, tc_block_k(64), tc_warp_tiles(64))
+    prose.glue("ch14_sweep", (
+        f"At 8,192 tokens the fastest tile is {best[0]}×{best[1]} with {best[2]} row "
+        f"tile{'s' if best[2] > 1 else ''} a warp, {rows[best]['value']:.0f} TFLOP/s "
+        f"({rows[best]['registers']} registers a thread); the engine's, "
+        f"{default[0]}×{default[1]} with {default[2]}, runs at "
+        f"{rows[default]['value']:.0f}." if default in rows else
+        f"At 8,192 tokens the fastest tile is {best[0]}×{best[1]} with {best[2]} "
+        f"a warp ({rows[best]['value']:.0f} TFLOP/s)."))
+else:
+    ax.text(0.5, 0.5, "not yet recorded on a GPU", ha="center", va="center",
+            transform=ax.transAxes)
+    ax.set_axis_off()
+    prose.glue("ch14_sweep", "The sweep has not run on a GPU yet.")
+plt.show()
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+{{ch14_sweep}}
+""")
+
+# %% [markdown]
+# ### Where a long prompt's first token goes
+#
+# The first token of a long prompt is one prefill step. The benchmark script runs one
+# under torch's profiler (`--only breakdown`), which sees every kernel on the GPU —
+# numba's and cuBLAS' alike — and sums their time by the module that defines them:
+
+# %%
+breakdown = [r for r in load_records("ch14_ttft_breakdown") if version(r) == newest]
+fig, ax = new_figure(1, 1, width=8.0, height=2.6)
+lengths = sorted({r["shape"][1] for r in breakdown})
+if lengths:
+    groups = {}
+    for r in breakdown:
+        if r["name"] == "kernel_group":
+            groups.setdefault(r["group"], {})[r["shape"][1]] = r["value"]
+    big = sorted(groups, key=lambda g: -max(groups[g].values()))[:5]
+    left = np.zeros(len(lengths))
+    for g in big + ["the rest"]:
+        ms = np.array([groups[g].get(n, 0.0) if g in groups else
+                       sum(v.get(n, 0.0) for h, v in groups.items() if h not in big)
+                       for n in lengths])
+        ax.barh(range(len(lengths)), ms, left=left, label=g)
+        left += ms
+    wall = {r["shape"][1]: r["value"] for r in breakdown if r["name"] == "wall"}
+    ax.scatter([wall[n] for n in lengths], range(len(lengths)), marker="|", s=300,
+               color="k", label="wall (add_request to the token)")
+    ax.set_yticks(range(len(lengths)))
+    ax.set_yticklabels([f"{n:,} tokens" for n in lengths])
+    ax.set_xlabel("ms")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    n = lengths[-1]
+    busy = sum(v.get(n, 0.0) for v in groups.values())
+    attn = groups.get("tc_attention", {}).get(n, 0.0)
+    gemm = groups.get("cublas", {}).get(n, 0.0)
+    prose.glue("ch14_breakdown", (
+        f"At {n:,} tokens the GPU is busy {busy:.1f} ms of the {wall[n]:.1f} ms: "
+        f"attention {attn:.1f} ms ({attn / busy:.0%}), cuBLAS' GEMMs {gemm:.1f} ms "
+        f"({gemm / busy:.0%}), and every other kernel {busy - attn - gemm:.1f} ms."))
+else:
+    ax.text(0.5, 0.5, "not yet recorded on a GPU", ha="center", va="center",
+            transform=ax.transAxes)
+    ax.set_axis_off()
+    prose.glue("ch14_breakdown", "The breakdown has not run on a GPU yet.")
+plt.show()
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+{{ch14_breakdown}}
 """)
 
 # %% [markdown]

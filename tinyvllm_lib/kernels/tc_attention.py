@@ -45,6 +45,17 @@ from tinyvllm_lib.kernels.tensor_core import (
 # (chapter 11 packs it at FLASH_BLOCK_Q) serves this kernel and chapter 10's alike
 TC_BLOCK_Q = FLASH_BLOCK_Q
 LOG2E = 1.4426950408889634
+# the kernel's version, which its benchmark records carry: 1, a warp per 16 queries and
+# every key tile masked (measured at 65234ef); 2, row tiles a warp (warp_tiles), the
+# mask only where a tile reaches past a row's last key, the scale in one FFMA
+TC_ATTENTION_VERSION = 2
+
+
+def tc_warp_tiles(head_dim: int) -> int:
+    """Row tiles of 16 queries a warp: one (the first version's choice, until a GPU's
+    sweep says otherwise); at head_dim 128 one always (O alone is 64 registers a row
+    tile)."""
+    return 1
 
 
 def tc_block_k(head_dim: int) -> int:
@@ -54,12 +65,13 @@ def tc_block_k(head_dim: int) -> int:
 
 
 def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
-                           block_k: int | None = None, warp_tiles: int = 1):
+                           block_k: int | None = None, warp_tiles: int | None = None):
     """Causal GQA attention of new tokens over a paged bf16 KV cache on the tensor
     cores: a block per (query head, entry of the tile schedule), a warp per 16
     warp_tiles queries, K and V tiles copied through the block table into shared
     memory by cp.async, the next tile on its way while the warps work on this one."""
-    D, BQ, BK, MT = head_dim, block_q, block_k or tc_block_k(head_dim), warp_tiles
+    D, BQ, BK = head_dim, block_q, block_k or tc_block_k(head_dim)
+    MT = warp_tiles or tc_warp_tiles(head_dim)
     WQ = 16 * MT  # queries a warp
     THREADS = 32 * (BQ // WQ) if BQ % WQ == 0 else 0
     WPR = D // 4  # 8-byte words in one key's row of one KV head
@@ -205,9 +217,10 @@ _kernels = {}
 
 
 def tc_prefill_kernel_for(head_dim: int, block_q: int = TC_BLOCK_Q,
-                          block_k: int | None = None, warp_tiles: int = 1):
+                          block_k: int | None = None, warp_tiles: int | None = None):
     """The kernel for these sizes, built on first use and kept."""
-    key = (head_dim, block_q, block_k or tc_block_k(head_dim), warp_tiles)
+    key = (head_dim, block_q, block_k or tc_block_k(head_dim),
+           warp_tiles or tc_warp_tiles(head_dim))
     if key not in _kernels:
         _kernels[key] = make_tc_prefill_kernel(*key)
     return _kernels[key]
@@ -218,7 +231,7 @@ def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
                          num_heads: int, num_kv_heads: int, head_dim: int, out,
                          stream=0, block_q: int = TC_BLOCK_Q,
                          block_k: int | None = None, tiles=None,
-                         warp_tiles: int = 1):
+                         warp_tiles: int | None = None):
     """paged_prefill_attention (chapter 10), same arguments and result, on the tensor
     cores; head_dim a multiple of 16. tiles: prefill_tiles(...) at this block_q;
     warp_tiles: row tiles of 16 queries a warp (block_q / 16 / warp_tiles warps)."""
