@@ -1352,11 +1352,15 @@ def prefill_attention_for(backend: str, head_dim: int):
 
 tc_prefill_d64_kernel = tc_prefill_kernel_for(64)
 tc_prefill_d128_kernel = tc_prefill_kernel_for(128)
+# the other choice of row tiles a warp at head_dim 64, compiled in CI's PTX check too
+tc_prefill_d64_other_kernel = tc_prefill_kernel_for(
+    64, warp_tiles=3 - tc_warp_tiles(64))
 _ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "
          "int32[::1], int32[::1], int32[::1], int64, int64, float32")
 PTX_SIGNATURES = {
     name: [f"void({_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
-    for name in ("tc_prefill_d64_kernel", "tc_prefill_d128_kernel")
+    for name in ("tc_prefill_d64_kernel", "tc_prefill_d128_kernel",
+                 "tc_prefill_d64_other_kernel")
 }
 
 # %% [markdown]
@@ -1908,6 +1912,7 @@ prose.show("""
 # 3. The GEMM keeps each warp's B fragments for one 16-wide step of K only. Load them
 #    once per 32-wide tile instead: how many `ldmatrix` does a warp then issue per tile,
 #    and how many registers does it take?
-# 4. A block's warps all wait at two barriers per tile of keys. Give each warp its own
-#    64 queries (4 fragments of rows) instead of 16: what does that save in barriers
-#    and in shared-memory reads of K and V, and what does it cost in registers?
+# 4. On a tile of keys across the causal diagonal, a warp still multiplies its rows by
+#    every key of the tile and masks the products it did not need. Skip the 16-key
+#    pieces of S (and of P V) that lie wholly past the warp's last row: how many `mma`
+#    does that save at 8,192 tokens, as a share of the whole, at each `warp_tiles`?

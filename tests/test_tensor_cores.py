@@ -177,20 +177,23 @@ def test_tc_attention_sass_has_no_local_memory(head_dim):
     assert not re.findall(r"\b(?:LDL|STL)\b", sass), "fragments spilled to local memory"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_linked_ptx_keeps_fragments_in_registers(head_dim):
+@pytest.mark.parametrize("name", ["tc_prefill_d64_kernel", "tc_prefill_d128_kernel",
+                                  "tc_prefill_d64_other_kernel"])
+def test_linked_ptx_keeps_fragments_in_registers(name):
     """No GPU needed: NVRTC compiles the C, nvJitLink links it with the kernel by LTO
-    and gives PTX; the loop over key tiles has its mma, its copies, and no local memory."""
-    from tinyvllm_lib.kernels.tc_attention import tc_block_k
+    and gives PTX; the loop over key tiles has its mma, its copies, and no local memory;
+    each ldmatrix feeds two mma a row tile of the warp."""
+    from tinyvllm_lib.kernels import tc_attention
     from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
 
-    counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_attention", f"tc_prefill_d{head_dim}_kernel")
-    block_k = tc_block_k(head_dim)
-    assert counts["mma.sync"] == 2 * (head_dim // 16) * (block_k // 8)
-    assert counts["ldmatrix"] == counts["mma.sync"] // 2
-    assert counts["cp.async"] == 2 * block_k * (head_dim // 8) // 128  # K and V, 128 threads
+    kernel = getattr(tc_attention, name)
+    head_dim, block_k, wt = kernel.head_dim, kernel.block_k, kernel.warp_tiles
+    counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_attention", name)
+    assert counts["mma.sync"] == 2 * wt * (head_dim // 16) * (block_k // 8)
+    assert counts["ldmatrix"] == counts["mma.sync"] // (2 * wt)
+    assert counts["cp.async"] == 2 * block_k * (head_dim // 8) // kernel.threads  # K and V
     assert counts["local memory"] == 0 and counts["call"] == 0
-    assert counts["ex2"] == block_k // 2 + 2  # P's exponentials a lane, and two corrections
+    assert counts["ex2"] == wt * (block_k // 2 + 2)  # P's exponentials a lane and row tile, two corrections
     assert counts["shared align 16"] == 2  # K and V tiles: ldmatrix and cp.async need it
 
 

@@ -278,11 +278,15 @@ def prefill_attention_for(backend: str, head_dim: int):
 
 tc_prefill_d64_kernel = tc_prefill_kernel_for(64)
 tc_prefill_d128_kernel = tc_prefill_kernel_for(128)
+# the other choice of row tiles a warp at head_dim 64, compiled in CI's PTX check too
+tc_prefill_d64_other_kernel = tc_prefill_kernel_for(
+    64, warp_tiles=3 - tc_warp_tiles(64))
 _ARGS = ("float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "
          "int32[::1], int32[::1], int32[::1], int64, int64, float32")
 PTX_SIGNATURES = {
     name: [f"void({_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
-    for name in ("tc_prefill_d64_kernel", "tc_prefill_d128_kernel")
+    for name in ("tc_prefill_d64_kernel", "tc_prefill_d128_kernel",
+                 "tc_prefill_d64_other_kernel")
 }
 
 
