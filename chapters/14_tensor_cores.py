@@ -1864,7 +1864,7 @@ if lengths:
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     n = lengths[-1]
     busy = sum(v.get(n, 0.0) for v in groups.values())
-    attn = groups.get("tc_attention", {}).get(n, 0.0)
+    attn = groups.get("kernels.tc_attention", {}).get(n, 0.0)
     gemm = groups.get("cublas", {}).get(n, 0.0)
     prose.glue("ch14_breakdown", (
         f"At {n:,} tokens the GPU is busy {busy:.1f} ms of the {wall[n]:.1f} ms: "
