@@ -960,22 +960,19 @@ kernel below spends as few instructions a code as it can.
 # **int8, with no conversion.** A float32 whose exponent field says $2^{23}$ has a
 # mantissa step of exactly 1, so the 32 bits `0x4B000000 | b` *are* the float
 # $2^{23} + b$ for any byte $b$. Flip the code's sign bit (one XOR for eight codes) and
-# its byte is $b = q + 128$; one subtraction of $2^{23} + 128$ leaves $q$, exactly. A
-# code costs a byte extract, an OR and a subtraction, none of them a conversion.
+# its byte is $b = q + 128$; one subtraction of $2^{23} + 128$ leaves $q$, exactly. No
+# conversion, only bits and a subtraction.
 #
 # **e4m3, in units of $2^{-120}$.** Its layout is bf16's with a shorter exponent: move
 # its sign to bit 31 and its 4 exponent and 3 mantissa bits to bits 26 to 20, and the
 # 32 bits are a float32 — with the wrong bias: float32's exponent counts from 127,
 # e4m3's from 7, so the float is the code's value times $2^{-120}$. Rather than
-# multiply each code by $2^{120}$, the kernel leaves the factor in the sum and applies
+# multiply each code by $2^{120}$, a kernel can leave the factor in the sum and apply
 # it with the row's scale: $y_n = (2^{120} s_n) \sum_k x_k (2^{-120} q_{nk})$.
 # Every code survives the move: e4m3's values in these units lie between $2^{-129}$
 # (its smallest subnormal, now a float32 subnormal, held exactly) and
-# $448 \cdot 2^{-120}$. A product with a small activation can fall below float32's
-# smallest normal number, $2^{-126}$, and lose bits there, but by at most $2^{-150}$ —
-# $2^{-30}$ of the row's scale once $2^{120}$ is applied, far below the float32 sum's
-# own rounding. NaN, S.1111.111, is found once a word:
-# adding 1 to each byte's low 7 bits carries into bit 7 only where all seven are ones.
+# $448 \cdot 2^{-120}$. NaN, S.1111.111, is found once a word: adding 1 to each byte's
+# low 7 bits carries into bit 7 only where all seven are ones.
 #
 # Both, on every code, in NumPy:
 
@@ -1000,55 +997,110 @@ print("NaN: (low 7 bits + 1) reaches bit 7 exactly for the", (~is_number).sum(),
       "NaN codes")
 
 # %% [markdown]
-# The same trick in chapter 1's terms, for bf16: e4m3 is bf16 with its bits moved (the
-# sign to bit 15, the other seven to bits 10 to 4) and the same $2^{120}$; the kernel
-# that dequantizes weights for the GEMM path below still widens that way, a code at a
-# time, with the multiply and the NaN test, since its time is a small part of a
-# prefill.
-#
-# The rest is chapter 6's GEMV with its two shapes: for many rows (16,384 and more)
-# and one or two tokens, a warp a row, its 32 lanes striding along it, each loading
-# `unroll` words before widening any; for fewer rows, the block's 8 warps share 4 rows,
-# so each thread widens one input word and uses it for four rows of weights, and the
-# warps' sums meet in shared memory. The knobs are the ones chapter 11 tuned for bf16
-# on the H200: a word is 8 bytes in both, so they keep as many bytes in flight. Like
-# the bf16 one it loads its first words, which no kernel writes, before it waits for
-# the kernel before it, and it keeps the two fusions chapter 11 measured — the
-# **residual add** (`out += `, the projection's epilogue) and the **RMSNorm** of its
-# input, made in the same loop as the dot products — so an 8-bit model launches the
-# same kernels a step as a bf16 one.
+# The second version of the GEMV widened that way: a byte extract, an OR and a
+# subtraction an int8 code; two shifts, two masks and an OR an e4m3 code. The kernel
+# that dequantizes weights for the GEMM path below still widens a code at a time (the
+# same bits, with the multiply and the NaN test), since its time is a small part of a
+# prefill. Its records (labeled 2 at the end of the chapter) say how far that got:
 
 # %%
-#| export kernels.gemv_8bit
+second_gemvs = {(r["name"], r["quantization"], r["layer"]): r
+                for r in load_records("ch15_quantization")
+                if r.get("gemv_8bit_version") == 2 and r.get("part") == "gemv"
+                and r["quantization"]}
+if second_gemvs:
+    plain_ratio = [r["ratio"] for (name, _, _), r in second_gemvs.items()
+                   if name == "gemv"]
+    norm_speed2 = [second_gemvs["gemv", m, layer]["us"] / r["us"]
+                   for (name, m, layer), r in second_gemvs.items()
+                   if name == "gemv_rmsnorm"]
+    print(f"second version: the plain 8-bit GEMV at {min(plain_ratio):.0%} to "
+          f"{max(plain_ratio):.0%} of the bandwidth ceiling; with the norm fused in, "
+          f"{min(norm_speed2):.0%} to {max(norm_speed2):.0%} of the plain one's speed")
+    prose.glue("ch15_v2_plain_range", f"{min(plain_ratio):.0%} to {max(plain_ratio):.0%}")
+    prose.glue("ch15_v2_norm_range", f"{min(norm_speed2):.0%} to {max(norm_speed2):.0%}")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if second_gemvs:
+    prose.show("""
+The plain GEMV read its codes at {{ch15_v2_plain_range}} of the bandwidth ceiling, and
+the norm-fused one still ran at {{ch15_v2_norm_range}} of the plain one's speed.
+""")
+
+# %% [markdown]
+# Two things kept it from the bytes. Counting the instructions the compiler made of its
+# inner loop (the machine code for sm_90, `cuobjdump -sass`): about 50 instructions
+# for each word of 8 int8 codes — 22 of them shifts and logic — against 16 that do the
+# arithmetic (8 multiply-adds, 8 subtractions). And the input: with a warp a row, each
+# warp widened the bf16 input from scratch for every row it computed — a shift or a
+# mask a value, as many as the codes cost — and the norm-fused variant read the
+# float32 residual, squared it and multiplied it by the norm's weight, again for every
+# row. So the third version, the one below, changes three things:
+#
+# - **int8: one instruction a code.** The GPU builds a word from any four bytes of two
+#   words in one instruction, `prmt` (CUDA C's `__byte_perm`). With the code's word as
+#   one operand and `0x4B000000` as the other, the selector `0x765b` puts code byte
+#   $b$ under the bits of $2^{23}$: the float $2^{23} + (q + 128)$ in one
+#   instruction, then the subtraction.
+# - **e4m3: the hardware's conversion.** Hopper, like Ada before it, converts two
+#   e4m3 codes to two float16 in one instruction (PTX `cvt.rn.f16x2.e4m3x2`), and a
+#   float16 widens to float32 in one more. Both are exact — every e4m3 value is a
+#   float16 value — and a NaN code comes out NaN, so neither the $2^{120}$ nor the NaN
+#   test is needed.
+# - **The input, once a block.** Before the dot products, the block's 256 threads
+#   write the input rows into shared memory as float32, once; every warp then reads
+#   them there, 8 values in 4 loads, with no widening. The norm-fused variant stages
+#   the residual times the norm's weight and sums its squares while staging; the
+#   $1/\mathrm{rms}$ is applied to each finished sum, as before. 32 KiB of shared
+#   memory holds 8,192 values: one token of every projection's input, or shorter
+#   pieces of several tokens' rows, staged a piece at a time.
+#
+# Neither instruction is reachable from Python: numba has no `prmt` and no FP8
+# conversion. So they come the way chapter 14's `mma.sync` came: four tiny CUDA C
+# device functions, compiled by NVRTC and inlined at link time, each with a NumPy
+# twin that the simulator calls in its place.
+
+# %%
+#| export kernels.widen_8bit
 import math
 
 import numpy as np
-from numba import config, cuda, float32, int32, uint32, uint64
+from numba import config, cuda, float32, int32, types, uint32, uint64
 
-from tinyvllm_lib.kernels.activation_store import unpack_f32_pair
-from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function, f32_to_bf16
-from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
-from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.gemv import (
-    GEMV_BUCKETS,
-    GEMV_MAX_TOKENS,
-    GEMV_THREADS,
-    GEMV_VARIANTS,
-    GEMV_WARPS,
-    INLINE,
-    bf16x4_to_f32,
-    gemv_variant,
-    warp_sum_all,
-)
-from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
+from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function
 
 FP8_BIAS_FIX = float32(2.0**120)  # bf16's exponent bias (127) less e4m3's (7)
 # int8: a byte b (the code's bits, sign bit flipped: code + 128) in a float's low
 # mantissa bits; 2^23 + b is that float, exactly
 MAGIC_BITS, MAGIC_OFFSET = uint32(0x4B000000), float32(2.0**23 + 128)
-# a byte of a word whose low 7 bits are all ones (e4m3's NaN, S.1111.111)
-LOW7, ONES, HIGH1 = (uint64(0x7F7F7F7F7F7F7F7F), uint64(0x0101010101010101),
-                     uint64(0x8080808080808080))
+HIGH1 = uint64(0x8080808080808080)  # every byte's top bit (the int8 sign flip)
+CODE_DTYPES = {"int8": np.int8, "fp8": np.uint8}
+
+WIDEN_SOURCE = r"""
+// a word made of four of the eight bytes of b:a, chosen by the selector's nibbles
+extern "C" __device__ unsigned byte_perm(unsigned a, unsigned b, unsigned selector) {
+  return __byte_perm(a, b, selector);
+}
+// the low 16 bits: two e4m3 codes -> two float16 (the higher code in the high half)
+extern "C" __device__ unsigned e4m3x2_to_f16x2(unsigned pair) {
+  unsigned short codes = (unsigned short)pair;
+  unsigned halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(codes));
+  return halves;
+}
+extern "C" __device__ float f16x2_low(unsigned halves) {
+  float f;
+  asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}"
+      : "=f"(f) : "r"(halves));
+  return f;
+}
+extern "C" __device__ float f16x2_high(unsigned halves) {
+  float f;
+  asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, hi;}"
+      : "=f"(f) : "r"(halves));
+  return f;
+}
+"""
 
 if config.ENABLE_CUDASIM:
 
@@ -1056,12 +1108,62 @@ if config.ENABLE_CUDASIM:
         """The float32 whose bits these are (simulator: NumPy reinterprets them)."""
         return np.uint32(bits).view(np.float32)
 
+    def byte_perm(a, b, selector):
+        """Twin of the C function: byte i of the result is byte (selector >> 4i) & 7
+        of the eight bytes b:a (a's first); a nibble's bit 3 copies that byte's sign
+        bit into all eight bits instead."""
+        pool = np.array([a, b], np.uint32).view(np.uint8)
+        out = np.zeros(4, np.uint8)
+        for i in range(4):
+            nibble = (int(selector) >> (4 * i)) & 0xF
+            chosen = pool[nibble & 7]
+            out[i] = (0xFF if chosen & 0x80 else 0) if nibble & 8 else chosen
+        return out.view(np.uint32)[0]
+
+    def _e4m3_table() -> np.ndarray:
+        """float16 bits of every e4m3 code (its NaNs as float16 NaN)."""
+        codes = np.arange(256)
+        exponent, mantissa = (codes >> 3) & 0xF, codes & 7
+        value = np.where(exponent == 0, mantissa / 8 * 2.0**-6,
+                         (1 + mantissa / 8) * 2.0 ** (exponent - 7.0))
+        value = np.where(codes & 0x80, -value, value)
+        value[(codes & 0x7F) == 0x7F] = np.nan
+        return value.astype(np.float16).view(np.uint16)
+
+    _E4M3_TO_F16 = _e4m3_table()
+
+    def e4m3x2_to_f16x2(pair):
+        """Twin of the C function (a table of all 256 codes)."""
+        pair = int(pair)
+        return np.uint32(int(_E4M3_TO_F16[pair & 0xFF])
+                         | (int(_E4M3_TO_F16[(pair >> 8) & 0xFF]) << 16))
+
+    def f16x2_low(halves):
+        """Twin: the low float16 of the word, as float32."""
+        return np.float32(np.uint16(int(halves) & 0xFFFF).view(np.float16))
+
+    def f16x2_high(halves):
+        """Twin: the high float16 of the word, as float32."""
+        return np.float32(np.uint16(int(halves) >> 16).view(np.float16))
+
 else:
+    from numba.cuda import CUSource
 
     @cuda.jit(device=True)
     def bits_to_f32(bits):
         """The float32 whose bits these are: a reinterpretation, no instruction."""
         return cuda.libdevice.int_as_float(int32(bits))
+
+    _WIDEN_C = CUSource(WIDEN_SOURCE)
+    byte_perm = cuda.declare_device(
+        "byte_perm", types.uint32(types.uint32, types.uint32, types.uint32),
+        link=_WIDEN_C, abi="c")
+    e4m3x2_to_f16x2 = cuda.declare_device(
+        "e4m3x2_to_f16x2", types.uint32(types.uint32), link=_WIDEN_C, abi="c")
+    f16x2_low = cuda.declare_device(
+        "f16x2_low", types.float32(types.uint32), link=_WIDEN_C, abi="c")
+    f16x2_high = cuda.declare_device(
+        "f16x2_high", types.float32(types.uint32), link=_WIDEN_C, abi="c")
 
 
 @device_function
@@ -1084,46 +1186,83 @@ def fp8_to_f32(code):
 
 @device_function
 def widen_int8_word(word, wf, base):
-    """wf[base : base + 8] = the word's 8 int8 codes as float32, with no integer-to-
-    float conversion: each byte (sign bit flipped) becomes the low bits of 2^23 + b,
-    then one subtraction.
+    """wf[base : base + 8] = the word's 8 int8 codes as float32: each byte (sign bit
+    flipped) placed under 2^23's bits by one byte permute, then one subtraction.
     """
     flipped = word ^ HIGH1  # code + 128, each byte
     for half in range(2):
         h = uint32((flipped >> uint64(32 * half)) & uint64(0xFFFFFFFF))
-        for b in range(4):
-            byte = (h >> uint32(8 * b)) & uint32(0xFF)
-            wf[base + 4 * half + b] = bits_to_f32(byte | MAGIC_BITS) - MAGIC_OFFSET
+        for b in range(4):  # result bytes: h's byte b, then MAGIC_BITS' bytes 1..3
+            bits = byte_perm(h, MAGIC_BITS, uint32(0x7650 + b))
+            wf[base + 4 * half + b] = bits_to_f32(bits) - MAGIC_OFFSET
 
 
 @device_function
 def widen_fp8_word(word, wf, base):
-    """wf[base : base + 8] = the word's 8 e4m3 codes as float32 times 2^-120: each
-    code's sign to bit 31 and its 7 other bits to bits 26..20 (the bias fix is left
-    to the row's scale); a NaN code makes wf[base] NaN, found once a word.
+    """wf[base : base + 8] = the word's 8 e4m3 codes as float32: two codes to two
+    float16 at a time (the hardware's conversion), each widened; NaN stays NaN.
     """
-    for half in range(2):
-        h = uint32((word >> uint64(32 * half)) & uint64(0xFFFFFFFF))
-        for b in range(4):
-            if b < 3:
-                sign = (h << uint32(24 - 8 * b)) & uint32(0x80000000)
-                rest = (h << uint32(20 - 8 * b)) & uint32(0x07F00000)
-            else:
-                sign = h & uint32(0x80000000)
-                rest = (h >> uint32(4)) & uint32(0x07F00000)
-            wf[base + 4 * half + b] = bits_to_f32(sign | rest)
-    nan_bytes = ((word & LOW7) + ONES) & HIGH1  # the bytes that are S.1111.111
-    wf[base] = float32(math.nan) if nan_bytes else wf[base]  # a select, no branch
+    for pair in range(4):
+        halves = e4m3x2_to_f16x2(uint32((word >> uint64(16 * pair)) & uint64(0xFFFF)))
+        wf[base + 2 * pair] = f16x2_low(halves)
+        wf[base + 2 * pair + 1] = f16x2_high(halves)
 
 
 WIDEN = {"int8": int8_to_f32, "fp8": fp8_to_f32}  # a code at a time (dequantizing)
-WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}
-SCALE_FIX = {"int8": float32(1), "fp8": FP8_BIAS_FIX}  # applied with the row's scale
-CODE_DTYPES = {"int8": np.int8, "fp8": np.uint8}
+WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GEMV)
+
+# %% [markdown]
+# The rest is chapter 6's GEMV with its two shapes: for many rows (16,384 and more)
+# and one or two tokens, a warp a row, its 32 lanes striding along it, each loading
+# `unroll` words before widening any; for fewer rows, the block's 8 warps share 4 rows,
+# so each thread widens one word of each row, and the warps' sums meet in shared
+# memory. The knobs are the ones chapter 11 tuned for bf16 on the H200: a word is 8
+# bytes in both, so they keep as many bytes in flight. Like the bf16 one it loads its
+# first words, which no kernel writes, before it waits for the kernel before it —
+# and before it stages the input, which that kernel writes — and it keeps the two
+# fusions chapter 11 measured, the **residual add** (`out += `, the projection's
+# epilogue) and the **RMSNorm** of its input, so an 8-bit model launches the same
+# kernels a step as a bf16 one.
+#
+# The staged rows are laid out so that a warp's 32 lanes, reading 32 neighbouring
+# words of codes, read 32 neighbouring 8-byte pairs of floats: for token $m$ and code
+# word $w$ of the piece, the pair $h$ (values $8w + 2h$ and $8w + 2h + 1$) sits at
+# `(4m + h) * chunk + w`, so no two lanes of a load hit the same shared-memory bank.
+
+# %%
+#| export kernels.gemv_8bit
+import math
+
+import numpy as np
+from numba import config, cuda, float32, uint32, uint64
+
+from tinyvllm_lib.kernels.activation_store import pack_f32_pair, unpack_f32_pair
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16
+from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.gemv import (
+    GEMV_BUCKETS,
+    GEMV_MAX_TOKENS,
+    GEMV_THREADS,
+    GEMV_VARIANTS,
+    GEMV_WARPS,
+    INLINE,
+    bf16x4_to_f32,
+    gemv_variant,
+    warp_sum_all,
+)
+from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
+from tinyvllm_lib.kernels.tensor_core import require_lto
+from tinyvllm_lib.kernels.widen_8bit import CODE_DTYPES, WIDEN, WIDEN_WORD
+
+# the staged input: 4096 uint64 words (8192 float32, 32 KiB) a block
+STAGE_WORDS = 4096
 # 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
-# e4m3 multiplied by 2^120 and tested for NaN), measured on the H200 before this one;
-# 2: this one (the bench records which kernel it timed)
-GEMV_8BIT_VERSION = 2
+# e4m3 multiplied by 2^120 and tested for NaN); 2: 8 codes a word by moving bits, the
+# input widened by every warp; 3: this one, one byte permute an int8 code, the
+# hardware's conversion for e4m3, the input staged once a block (the bench records
+# which kernel it timed)
+GEMV_8BIT_VERSION = 3
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
@@ -1131,40 +1270,65 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                           rms_norm: bool = False):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
-    A group of warps_per_row warps (one, or the block's eight) shares `rows` rows, each
-    thread loading unroll words of each before widening any. accumulate: out += ...;
-    rms_norm: x is the float32 residual (2 a word) and out = RMSNorm(x) · (s ⊙
-    codes)ᵀ, with the norm's bf16 weight `norm64`.
+    The block stages its tokens' input in shared memory as float32, a piece of K at a
+    time; a group of warps_per_row warps (one, or the block's eight) shares `rows`
+    rows, each thread loading unroll words of each before widening any.
+    accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
+    out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
     """
     assert warps_per_row in (1, GEMV_WARPS), "a row: one warp or the whole block"
-    widen_word, scale_fix = WIDEN_WORD[method], SCALE_FIX[method]
+    widen_word = WIDEN_WORD[method]
     threads_per_row = 32 * warps_per_row
     rows_per_block = GEMV_WARPS // warps_per_row * rows
     acc_size = rows * num_tokens  # acc[r * num_tokens + m]: row n0 + r, token m0 + m
     sums_size = acc_size + (num_tokens if rms_norm else 0)  # then the squares
+    chunk = STAGE_WORDS // (4 * num_tokens)  # code words of K staged at a time
     step = threads_per_row * unroll
-    words_size, wf_size = rows * unroll, 8 * rows  # local arrays' sizes: constants
+    words_size = rows * unroll  # local arrays' sizes: constants
 
     @cuda.jit(device=True, **INLINE)
-    def load_words(w64, words, n0, j, N, num_words):
+    def load_words(w64, words, n0, j, end, N):
         for u in range(unroll):
             jj = j + uint64(u * threads_per_row)
             for r in range(rows):
                 n = n0 + uint64(r)
-                words[u * rows + r] = (w64[n, jj] if jj < num_words and n < N
-                                       else uint64(0))
+                words[u * rows + r] = w64[n, jj] if jj < end and n < N else uint64(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def stage(x64, norm64, staged, m0, M, c0, width, acc):
+        # code words c0 .. c0 + width of each token row: float32 pairs into `staged`
+        for m in range(num_tokens):
+            row = m0 + uint64(m)
+            w = uint64(cuda.threadIdx.x)
+            while w < width and row < M:
+                at, col = uint64(4 * m * chunk) + w, c0 + w
+                if rms_norm:  # float32 pairs times the norm's weight; squares summed
+                    for q in range(2):
+                        g0, g1, g2, g3 = bf16x4_to_f32(norm64[uint64(2) * col + uint64(q)])
+                        a, b = unpack_f32_pair(x64[row, uint64(4) * col + uint64(2 * q)])
+                        c, d = unpack_f32_pair(
+                            x64[row, uint64(4) * col + uint64(2 * q + 1)])
+                        acc[acc_size + m] += a * a + b * b + c * c + d * d
+                        staged[at + uint64(2 * q * chunk)] = pack_f32_pair(a * g0, b * g1)
+                        staged[at + uint64((2 * q + 1) * chunk)] = pack_f32_pair(c * g2,
+                                                                                 d * g3)
+                else:  # bf16, 4 a word: two words of x a word of codes
+                    for q in range(2):
+                        v0, v1, v2, v3 = bf16x4_to_f32(x64[row, uint64(2) * col + uint64(q)])
+                        staged[at + uint64(2 * q * chunk)] = pack_f32_pair(v0, v1)
+                        staged[at + uint64((2 * q + 1) * chunk)] = pack_f32_pair(v2, v3)
+                w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
     def store(out, scales, m, n, total, squares, k, eps):
-        # the row's scale, once a sum (2^120 first: a scale past 2^8 times 2^120
-        # would overflow float32)
-        y = (total * scale_fix) * scales[n]
+        y = total * scales[n]  # the row's scale, once a sum
         if rms_norm:  # the mean of the k squares
             y *= float32(1.0) / math.sqrt(squares / k + eps)
         out[m, n] = out[m, n] + y if accumulate else y
 
     @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, scales, out, norm64, eps):
+        staged = cuda.shared.array(STAGE_WORDS, uint64)
         partial = cuda.shared.array((GEMV_WARPS, sums_size), float32)
         tid = cuda.threadIdx.x
         group, t = tid // threads_per_row, uint64(tid % threads_per_row)
@@ -1173,57 +1337,58 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                            uint64(w64.shape[1]))
         n0 = uint64(cuda.blockIdx.x * rows_per_block + group * rows)  # first row
         k = float32(8) * float32(num_words)  # values a row
-        acc = cuda.local.array(sums_size, float32)
+        acc = cuda.local.array(sums_size, float32)  # the sums, then the squares
         words = cuda.local.array(words_size, uint64)
-        wf = cuda.local.array(wf_size, float32)  # a word of each row, widened
+        wf = cuda.local.array(8, float32)  # a word of codes, widened
         xf = cuda.local.array(8, float32)  # the 8 inputs they multiply
-        gf = cuda.local.array(8, float32)  # rms_norm: their norm weights
         # no kernel writes the weights: the first words are loaded before waiting
         # for the kernel before this one (chapter 11's programmatic edges)
-        load_words(w64, words, n0, t, N, num_words)
+        first_end = num_words if num_words < uint64(chunk) else uint64(chunk)
+        load_words(w64, words, n0, t, first_end, N)
         loaded = True
         wait_for_previous_kernel()
         m0 = uint64(0)
         while m0 < M:  # a pass per num_tokens token vectors
             for i in range(sums_size):
                 acc[i] = float32(0)
-            j = t
-            while j < num_words:
-                if not loaded:
-                    load_words(w64, words, n0, j, N, num_words)
-                loaded = False
-                for u in range(unroll):
-                    jj = j + uint64(u * threads_per_row)
-                    if jj < num_words:
-                        for r in range(rows):
-                            widen_word(words[u * rows + r], wf, 8 * r)
-                        if rms_norm:
-                            gf[0], gf[1], gf[2], gf[3] = bf16x4_to_f32(
-                                norm64[uint64(2) * jj])
-                            gf[4], gf[5], gf[6], gf[7] = bf16x4_to_f32(
-                                norm64[uint64(2) * jj + uint64(1)])
-                        for m in range(num_tokens):
-                            row = m0 + uint64(m)
-                            if row < M:
-                                if rms_norm:  # float32 pairs, squared, then weighted
-                                    for h in range(4):
-                                        xf[2 * h], xf[2 * h + 1] = unpack_f32_pair(
-                                            x64[row, uint64(4) * jj + uint64(h)])
-                                    for i in range(8):
-                                        acc[acc_size + m] += xf[i] * xf[i]
-                                        xf[i] *= gf[i]
-                                else:
-                                    xf[0], xf[1], xf[2], xf[3] = bf16x4_to_f32(
-                                        x64[row, uint64(2) * jj])
-                                    xf[4], xf[5], xf[6], xf[7] = bf16x4_to_f32(
-                                        x64[row, uint64(2) * jj + uint64(1)])
-                                for r in range(rows):  # one x, `rows` rows
-                                    total = float32(0)
-                                    for i in range(8):
-                                        total += xf[i] * wf[8 * r + i]
-                                    acc[r * num_tokens + m] += total
-                j += uint64(step)
-            warp_sum_all(acc)  # every lane now holds its warp's sums
+            c0 = uint64(0)
+            while c0 < num_words:  # a staged piece of K at a time
+                end = min(c0 + uint64(chunk), num_words)
+                cuda.syncthreads()  # the last piece's readers are done
+                stage(x64, norm64, staged, m0, M, c0, end - c0, acc)
+                cuda.syncthreads()
+                j = c0 + t
+                while j < end:
+                    if not loaded:
+                        load_words(w64, words, n0, j, end, N)
+                    loaded = False
+                    for u in range(unroll):
+                        jj = j + uint64(u * threads_per_row)
+                        if jj < end:
+                            for r in range(rows):
+                                widen_word(words[u * rows + r], wf, 0)
+                                for m in range(num_tokens):
+                                    if m0 + uint64(m) < M:
+                                        for h in range(4):
+                                            xf[2 * h], xf[2 * h + 1] = unpack_f32_pair(
+                                                staged[uint64((4 * m + h) * chunk)
+                                                       + jj - c0])
+                                        total = float32(0)
+                                        for i in range(8):
+                                            total += xf[i] * wf[i]
+                                        acc[r * num_tokens + m] += total
+                    j += uint64(step)
+                c0 += uint64(chunk)
+            warp_sum_all(acc)  # every lane now holds its warp's sums and squares
+            if lane == 0:
+                for i in range(sums_size):
+                    partial[warp, i] = acc[i]
+            cuda.syncthreads()
+            if rms_norm:  # the squares: each warp staged part of each row
+                for m in range(num_tokens):
+                    acc[acc_size + m] = float32(0)
+                    for i in range(GEMV_WARPS):
+                        acc[acc_size + m] += partial[i, acc_size + m]
             if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
                 for i in range(acc_size):
                     n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
@@ -1231,21 +1396,15 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         squares = (acc[acc_size + i % num_tokens] if rms_norm
                                    else float32(0))
                         store(out, scales, m, n, acc[i], squares, k, eps)
-            else:  # the block shares its rows: the warps' sums meet in shared memory
-                if lane == 0:
-                    for i in range(sums_size):
-                        partial[warp, i] = acc[i]
-                cuda.syncthreads()
-                if tid < acc_size:
-                    total, squares = float32(0), float32(0)
-                    for i in range(GEMV_WARPS):
-                        total += partial[i, tid]
-                        if rms_norm:
-                            squares += partial[i, acc_size + tid % num_tokens]
-                    n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
-                    if n < N and m < M:
-                        store(out, scales, m, n, total, squares, k, eps)
-                cuda.syncthreads()  # partial is read before the next pass writes it
+            elif tid < acc_size:  # the block shares its rows: the warps' sums meet
+                total = float32(0)
+                for i in range(GEMV_WARPS):
+                    total += partial[i, tid]
+                n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
+                squares = acc[acc_size + tid % num_tokens] if rms_norm else float32(0)
+                if n < N and m < M:
+                    store(out, scales, m, n, total, squares, k, eps)
+            cuda.syncthreads()  # partial is read before the next pass writes it
             m0 += uint64(num_tokens)
 
     if rms_norm:
@@ -1263,7 +1422,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
 
     kernel.rows_per_block = rows_per_block
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
-    return kernel
+    return require_lto(kernel)  # the widening's C, inlined
 
 
 # a kernel a (format, variant, bucket, epilogue), each a module-level name so that

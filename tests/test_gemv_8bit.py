@@ -41,7 +41,8 @@ def launch_gemv(x, q, out, **kw):
 
 @needs_launch
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("M, N, K", [(1, 11, 72), (3, 9, 2056), (11, 5, 136)])  # 9 words; a tail of 1; two passes
+# 9 words; staged in two pieces, the second of 1 word; two passes; two passes of two pieces
+@pytest.mark.parametrize("M, N, K", [(1, 11, 72), (3, 9, 2056), (11, 5, 136), (11, 5, 1032)])
 def test_gemv_8bit_matches_reference(rng, method, M, N, K):
     x, q = random_bf16(rng, (M, K)), random_weight(rng, method, N, K)
     out = cuda.to_device(np.full((M, N), np.nan, np.float32))
@@ -63,7 +64,7 @@ def test_gemv_8bit_accumulate_adds_to_out(rng, method, M):
 
 @needs_launch
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("M, N, K", [(1, 13, 104), (3, 9, 1032)])
+@pytest.mark.parametrize("M, N, K", [(1, 13, 104), (3, 9, 1032), (11, 5, 1032)])  # the last: squares of 2 pieces
 def test_gemv_8bit_rmsnorm_matches_reference(rng, method, M, N, K):
     residual = rng.standard_normal((M, K), dtype=np.float32) * np.float32(4)
     residual[0] *= 50  # rows of different size: each is normed by its own mean square
@@ -124,7 +125,8 @@ def test_gemv_8bit_block_variant(rng, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_gemv_8bit_widens_every_code_exactly(rng, method):
     """Every code of the format (int8: -128 too; fp8: all but NaN) times one-hot inputs: each output is one weight,
-    scale times value, bit for bit (the fp8 widening works in units of 2^-120, subnormals included)."""
+    scale times value, bit for bit (int8 by a byte permute and a subtraction; fp8 through float16, subnormals
+    included)."""
     codes = np.arange(256, dtype=np.uint16).astype(np.uint8).reshape(8, 32)
     if method == "int8":
         codes = codes.view(np.int8).copy()
@@ -143,8 +145,8 @@ def test_gemv_8bit_widens_every_code_exactly(rng, method):
 @needs_launch
 @pytest.mark.parametrize("method", METHODS)
 def test_gemv_8bit_rows_of_large_and_small_scale(rng, method):
-    """A row whose largest weight is 2e5 (its FP8 scale past 2^8: times 2^120 it would overflow float32, so the
-    kernel applies 2^120 to the sum first) beside rows of 1e-3: finite and equal to NumPy."""
+    """A row whose largest weight is 2e5 (its FP8 scale past 2^8) beside rows of 1e-3: finite and equal to NumPy,
+    each row against its own size."""
     M, N, K = 2, 3, 64
     w = rng.standard_normal((N, K), dtype=np.float32)
     w[0] *= np.float32(2e5) / np.abs(w[0]).max()

@@ -5,10 +5,10 @@
 import math
 
 import numpy as np
-from numba import config, cuda, float32, int32, uint32, uint64
+from numba import config, cuda, float32, uint32, uint64
 
-from tinyvllm_lib.kernels.activation_store import unpack_f32_pair
-from tinyvllm_lib.kernels.bf16 import bf16_to_f32, device_function, f32_to_bf16
+from tinyvllm_lib.kernels.activation_store import pack_f32_pair, unpack_f32_pair
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16
 from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.gemv import (
@@ -23,89 +23,17 @@ from tinyvllm_lib.kernels.gemv import (
     warp_sum_all,
 )
 from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
+from tinyvllm_lib.kernels.tensor_core import require_lto
+from tinyvllm_lib.kernels.widen_8bit import CODE_DTYPES, WIDEN, WIDEN_WORD
 
-FP8_BIAS_FIX = float32(2.0**120)  # bf16's exponent bias (127) less e4m3's (7)
-# int8: a byte b (the code's bits, sign bit flipped: code + 128) in a float's low
-# mantissa bits; 2^23 + b is that float, exactly
-MAGIC_BITS, MAGIC_OFFSET = uint32(0x4B000000), float32(2.0**23 + 128)
-# a byte of a word whose low 7 bits are all ones (e4m3's NaN, S.1111.111)
-LOW7, ONES, HIGH1 = (uint64(0x7F7F7F7F7F7F7F7F), uint64(0x0101010101010101),
-                     uint64(0x8080808080808080))
-
-if config.ENABLE_CUDASIM:
-
-    def bits_to_f32(bits):
-        """The float32 whose bits these are (simulator: NumPy reinterprets them)."""
-        return np.uint32(bits).view(np.float32)
-
-else:
-
-    @cuda.jit(device=True)
-    def bits_to_f32(bits):
-        """The float32 whose bits these are: a reinterpretation, no instruction."""
-        return cuda.libdevice.int_as_float(int32(bits))
-
-
-@device_function
-def int8_to_f32(code):
-    """One int8 code (its byte, in a uint32) as float32."""
-    return float32(int32(code ^ uint32(0x80)) - int32(128))
-
-
-@device_function
-def fp8_to_f32(code):
-    """One e4m3 code (its byte, in a uint32) as float32: its bits moved into bf16's
-    places, widened, then the bias fixed; S.1111.111 is NaN.
-    """
-    magnitude = code & uint32(0x7F)
-    if magnitude == uint32(0x7F):
-        return float32(math.nan)
-    bits = ((code & uint32(0x80)) << uint32(8)) | (magnitude << uint32(4))
-    return bf16_to_f32(bits) * FP8_BIAS_FIX
-
-
-@device_function
-def widen_int8_word(word, wf, base):
-    """wf[base : base + 8] = the word's 8 int8 codes as float32, with no integer-to-
-    float conversion: each byte (sign bit flipped) becomes the low bits of 2^23 + b,
-    then one subtraction.
-    """
-    flipped = word ^ HIGH1  # code + 128, each byte
-    for half in range(2):
-        h = uint32((flipped >> uint64(32 * half)) & uint64(0xFFFFFFFF))
-        for b in range(4):
-            byte = (h >> uint32(8 * b)) & uint32(0xFF)
-            wf[base + 4 * half + b] = bits_to_f32(byte | MAGIC_BITS) - MAGIC_OFFSET
-
-
-@device_function
-def widen_fp8_word(word, wf, base):
-    """wf[base : base + 8] = the word's 8 e4m3 codes as float32 times 2^-120: each
-    code's sign to bit 31 and its 7 other bits to bits 26..20 (the bias fix is left
-    to the row's scale); a NaN code makes wf[base] NaN, found once a word.
-    """
-    for half in range(2):
-        h = uint32((word >> uint64(32 * half)) & uint64(0xFFFFFFFF))
-        for b in range(4):
-            if b < 3:
-                sign = (h << uint32(24 - 8 * b)) & uint32(0x80000000)
-                rest = (h << uint32(20 - 8 * b)) & uint32(0x07F00000)
-            else:
-                sign = h & uint32(0x80000000)
-                rest = (h >> uint32(4)) & uint32(0x07F00000)
-            wf[base + 4 * half + b] = bits_to_f32(sign | rest)
-    nan_bytes = ((word & LOW7) + ONES) & HIGH1  # the bytes that are S.1111.111
-    wf[base] = float32(math.nan) if nan_bytes else wf[base]  # a select, no branch
-
-
-WIDEN = {"int8": int8_to_f32, "fp8": fp8_to_f32}  # a code at a time (dequantizing)
-WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}
-SCALE_FIX = {"int8": float32(1), "fp8": FP8_BIAS_FIX}  # applied with the row's scale
-CODE_DTYPES = {"int8": np.int8, "fp8": np.uint8}
+# the staged input: 4096 uint64 words (8192 float32, 32 KiB) a block
+STAGE_WORDS = 4096
 # 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
-# e4m3 multiplied by 2^120 and tested for NaN), measured on the H200 before this one;
-# 2: this one (the bench records which kernel it timed)
-GEMV_8BIT_VERSION = 2
+# e4m3 multiplied by 2^120 and tested for NaN); 2: 8 codes a word by moving bits, the
+# input widened by every warp; 3: this one, one byte permute an int8 code, the
+# hardware's conversion for e4m3, the input staged once a block (the bench records
+# which kernel it timed)
+GEMV_8BIT_VERSION = 3
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
@@ -113,40 +41,65 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                           rms_norm: bool = False):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
-    A group of warps_per_row warps (one, or the block's eight) shares `rows` rows, each
-    thread loading unroll words of each before widening any. accumulate: out += ...;
-    rms_norm: x is the float32 residual (2 a word) and out = RMSNorm(x) · (s ⊙
-    codes)ᵀ, with the norm's bf16 weight `norm64`.
+    The block stages its tokens' input in shared memory as float32, a piece of K at a
+    time; a group of warps_per_row warps (one, or the block's eight) shares `rows`
+    rows, each thread loading unroll words of each before widening any.
+    accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
+    out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
     """
     assert warps_per_row in (1, GEMV_WARPS), "a row: one warp or the whole block"
-    widen_word, scale_fix = WIDEN_WORD[method], SCALE_FIX[method]
+    widen_word = WIDEN_WORD[method]
     threads_per_row = 32 * warps_per_row
     rows_per_block = GEMV_WARPS // warps_per_row * rows
     acc_size = rows * num_tokens  # acc[r * num_tokens + m]: row n0 + r, token m0 + m
     sums_size = acc_size + (num_tokens if rms_norm else 0)  # then the squares
+    chunk = STAGE_WORDS // (4 * num_tokens)  # code words of K staged at a time
     step = threads_per_row * unroll
-    words_size, wf_size = rows * unroll, 8 * rows  # local arrays' sizes: constants
+    words_size = rows * unroll  # local arrays' sizes: constants
 
     @cuda.jit(device=True, **INLINE)
-    def load_words(w64, words, n0, j, N, num_words):
+    def load_words(w64, words, n0, j, end, N):
         for u in range(unroll):
             jj = j + uint64(u * threads_per_row)
             for r in range(rows):
                 n = n0 + uint64(r)
-                words[u * rows + r] = (w64[n, jj] if jj < num_words and n < N
-                                       else uint64(0))
+                words[u * rows + r] = w64[n, jj] if jj < end and n < N else uint64(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def stage(x64, norm64, staged, m0, M, c0, width, acc):
+        # code words c0 .. c0 + width of each token row: float32 pairs into `staged`
+        for m in range(num_tokens):
+            row = m0 + uint64(m)
+            w = uint64(cuda.threadIdx.x)
+            while w < width and row < M:
+                at, col = uint64(4 * m * chunk) + w, c0 + w
+                if rms_norm:  # float32 pairs times the norm's weight; squares summed
+                    for q in range(2):
+                        g0, g1, g2, g3 = bf16x4_to_f32(norm64[uint64(2) * col + uint64(q)])
+                        a, b = unpack_f32_pair(x64[row, uint64(4) * col + uint64(2 * q)])
+                        c, d = unpack_f32_pair(
+                            x64[row, uint64(4) * col + uint64(2 * q + 1)])
+                        acc[acc_size + m] += a * a + b * b + c * c + d * d
+                        staged[at + uint64(2 * q * chunk)] = pack_f32_pair(a * g0, b * g1)
+                        staged[at + uint64((2 * q + 1) * chunk)] = pack_f32_pair(c * g2,
+                                                                                 d * g3)
+                else:  # bf16, 4 a word: two words of x a word of codes
+                    for q in range(2):
+                        v0, v1, v2, v3 = bf16x4_to_f32(x64[row, uint64(2) * col + uint64(q)])
+                        staged[at + uint64(2 * q * chunk)] = pack_f32_pair(v0, v1)
+                        staged[at + uint64((2 * q + 1) * chunk)] = pack_f32_pair(v2, v3)
+                w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
     def store(out, scales, m, n, total, squares, k, eps):
-        # the row's scale, once a sum (2^120 first: a scale past 2^8 times 2^120
-        # would overflow float32)
-        y = (total * scale_fix) * scales[n]
+        y = total * scales[n]  # the row's scale, once a sum
         if rms_norm:  # the mean of the k squares
             y *= float32(1.0) / math.sqrt(squares / k + eps)
         out[m, n] = out[m, n] + y if accumulate else y
 
     @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, scales, out, norm64, eps):
+        staged = cuda.shared.array(STAGE_WORDS, uint64)
         partial = cuda.shared.array((GEMV_WARPS, sums_size), float32)
         tid = cuda.threadIdx.x
         group, t = tid // threads_per_row, uint64(tid % threads_per_row)
@@ -155,57 +108,58 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                            uint64(w64.shape[1]))
         n0 = uint64(cuda.blockIdx.x * rows_per_block + group * rows)  # first row
         k = float32(8) * float32(num_words)  # values a row
-        acc = cuda.local.array(sums_size, float32)
+        acc = cuda.local.array(sums_size, float32)  # the sums, then the squares
         words = cuda.local.array(words_size, uint64)
-        wf = cuda.local.array(wf_size, float32)  # a word of each row, widened
+        wf = cuda.local.array(8, float32)  # a word of codes, widened
         xf = cuda.local.array(8, float32)  # the 8 inputs they multiply
-        gf = cuda.local.array(8, float32)  # rms_norm: their norm weights
         # no kernel writes the weights: the first words are loaded before waiting
         # for the kernel before this one (chapter 11's programmatic edges)
-        load_words(w64, words, n0, t, N, num_words)
+        first_end = num_words if num_words < uint64(chunk) else uint64(chunk)
+        load_words(w64, words, n0, t, first_end, N)
         loaded = True
         wait_for_previous_kernel()
         m0 = uint64(0)
         while m0 < M:  # a pass per num_tokens token vectors
             for i in range(sums_size):
                 acc[i] = float32(0)
-            j = t
-            while j < num_words:
-                if not loaded:
-                    load_words(w64, words, n0, j, N, num_words)
-                loaded = False
-                for u in range(unroll):
-                    jj = j + uint64(u * threads_per_row)
-                    if jj < num_words:
-                        for r in range(rows):
-                            widen_word(words[u * rows + r], wf, 8 * r)
-                        if rms_norm:
-                            gf[0], gf[1], gf[2], gf[3] = bf16x4_to_f32(
-                                norm64[uint64(2) * jj])
-                            gf[4], gf[5], gf[6], gf[7] = bf16x4_to_f32(
-                                norm64[uint64(2) * jj + uint64(1)])
-                        for m in range(num_tokens):
-                            row = m0 + uint64(m)
-                            if row < M:
-                                if rms_norm:  # float32 pairs, squared, then weighted
-                                    for h in range(4):
-                                        xf[2 * h], xf[2 * h + 1] = unpack_f32_pair(
-                                            x64[row, uint64(4) * jj + uint64(h)])
-                                    for i in range(8):
-                                        acc[acc_size + m] += xf[i] * xf[i]
-                                        xf[i] *= gf[i]
-                                else:
-                                    xf[0], xf[1], xf[2], xf[3] = bf16x4_to_f32(
-                                        x64[row, uint64(2) * jj])
-                                    xf[4], xf[5], xf[6], xf[7] = bf16x4_to_f32(
-                                        x64[row, uint64(2) * jj + uint64(1)])
-                                for r in range(rows):  # one x, `rows` rows
-                                    total = float32(0)
-                                    for i in range(8):
-                                        total += xf[i] * wf[8 * r + i]
-                                    acc[r * num_tokens + m] += total
-                j += uint64(step)
-            warp_sum_all(acc)  # every lane now holds its warp's sums
+            c0 = uint64(0)
+            while c0 < num_words:  # a staged piece of K at a time
+                end = min(c0 + uint64(chunk), num_words)
+                cuda.syncthreads()  # the last piece's readers are done
+                stage(x64, norm64, staged, m0, M, c0, end - c0, acc)
+                cuda.syncthreads()
+                j = c0 + t
+                while j < end:
+                    if not loaded:
+                        load_words(w64, words, n0, j, end, N)
+                    loaded = False
+                    for u in range(unroll):
+                        jj = j + uint64(u * threads_per_row)
+                        if jj < end:
+                            for r in range(rows):
+                                widen_word(words[u * rows + r], wf, 0)
+                                for m in range(num_tokens):
+                                    if m0 + uint64(m) < M:
+                                        for h in range(4):
+                                            xf[2 * h], xf[2 * h + 1] = unpack_f32_pair(
+                                                staged[uint64((4 * m + h) * chunk)
+                                                       + jj - c0])
+                                        total = float32(0)
+                                        for i in range(8):
+                                            total += xf[i] * wf[i]
+                                        acc[r * num_tokens + m] += total
+                    j += uint64(step)
+                c0 += uint64(chunk)
+            warp_sum_all(acc)  # every lane now holds its warp's sums and squares
+            if lane == 0:
+                for i in range(sums_size):
+                    partial[warp, i] = acc[i]
+            cuda.syncthreads()
+            if rms_norm:  # the squares: each warp staged part of each row
+                for m in range(num_tokens):
+                    acc[acc_size + m] = float32(0)
+                    for i in range(GEMV_WARPS):
+                        acc[acc_size + m] += partial[i, acc_size + m]
             if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
                 for i in range(acc_size):
                     n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
@@ -213,21 +167,15 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         squares = (acc[acc_size + i % num_tokens] if rms_norm
                                    else float32(0))
                         store(out, scales, m, n, acc[i], squares, k, eps)
-            else:  # the block shares its rows: the warps' sums meet in shared memory
-                if lane == 0:
-                    for i in range(sums_size):
-                        partial[warp, i] = acc[i]
-                cuda.syncthreads()
-                if tid < acc_size:
-                    total, squares = float32(0), float32(0)
-                    for i in range(GEMV_WARPS):
-                        total += partial[i, tid]
-                        if rms_norm:
-                            squares += partial[i, acc_size + tid % num_tokens]
-                    n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
-                    if n < N and m < M:
-                        store(out, scales, m, n, total, squares, k, eps)
-                cuda.syncthreads()  # partial is read before the next pass writes it
+            elif tid < acc_size:  # the block shares its rows: the warps' sums meet
+                total = float32(0)
+                for i in range(GEMV_WARPS):
+                    total += partial[i, tid]
+                n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
+                squares = acc[acc_size + tid % num_tokens] if rms_norm else float32(0)
+                if n < N and m < M:
+                    store(out, scales, m, n, total, squares, k, eps)
+            cuda.syncthreads()  # partial is read before the next pass writes it
             m0 += uint64(num_tokens)
 
     if rms_norm:
@@ -245,7 +193,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
 
     kernel.rows_per_block = rows_per_block
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
-    return kernel
+    return require_lto(kernel)  # the widening's C, inlined
 
 
 # a kernel a (format, variant, bucket, epilogue), each a module-level name so that
