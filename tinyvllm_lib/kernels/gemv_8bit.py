@@ -56,7 +56,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     chunk = STAGE_WORDS // (4 * num_tokens)  # code words of K staged at a time
     step = threads_per_row * unroll
     words_size, wf_size = rows * unroll, 8 * rows  # local arrays' sizes: constants
-    split_tail = acc_size <= 8  # the block's 4 rows x 8 tokens: one loop, fewer registers
+    split_tail = acc_size <= 8  # 4 rows x 8 tokens: one loop, fewer registers
 
     @device_function(**INLINE)
     def load_words(w64, words, n0, j, end, N, whole):
@@ -91,24 +91,26 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             w = uint64(cuda.threadIdx.x)
             while w < width:
                 at, col = uint64(4 * m * chunk) + w, c0 + w
-                if row >= M:  # a bucket's rows past M: zeros (their sums are not stored)
+                if row >= M:  # a bucket's rows past M: zeros (their sums not stored)
                     for h in range(4):
                         staged[at + uint64(h * chunk)] = uint64(0)
                 elif rms_norm:  # float32 pairs times the norm's weight; squares summed
                     for q in range(2):
-                        g0, g1, g2, g3 = bf16x4_to_f32(norm64[uint64(2) * col + uint64(q)])
-                        a, b = unpack_f32_pair(x64[row, uint64(4) * col + uint64(2 * q)])
-                        c, d = unpack_f32_pair(
-                            x64[row, uint64(4) * col + uint64(2 * q + 1)])
+                        two, four = uint64(2) * col + uint64(q), uint64(4) * col
+                        g0, g1, g2, g3 = bf16x4_to_f32(norm64[two])
+                        a, b = unpack_f32_pair(x64[row, four + uint64(2 * q)])
+                        c, d = unpack_f32_pair(x64[row, four + uint64(2 * q + 1)])
                         acc[acc_size + m] += a * a + b * b + c * c + d * d
-                        staged[at + uint64(2 * q * chunk)] = pack_f32_pair(a * g0, b * g1)
-                        staged[at + uint64((2 * q + 1) * chunk)] = pack_f32_pair(c * g2,
-                                                                                 d * g3)
+                        first = at + uint64(2 * q * chunk)
+                        staged[first] = pack_f32_pair(a * g0, b * g1)
+                        staged[first + uint64(chunk)] = pack_f32_pair(c * g2, d * g3)
                 else:  # bf16, 4 a word: two words of x a word of codes
                     for q in range(2):
-                        v0, v1, v2, v3 = bf16x4_to_f32(x64[row, uint64(2) * col + uint64(q)])
-                        staged[at + uint64(2 * q * chunk)] = pack_f32_pair(v0, v1)
-                        staged[at + uint64((2 * q + 1) * chunk)] = pack_f32_pair(v2, v3)
+                        word = x64[row, uint64(2) * col + uint64(q)]
+                        v0, v1, v2, v3 = bf16x4_to_f32(word)
+                        first = at + uint64(2 * q * chunk)
+                        staged[first] = pack_f32_pair(v0, v1)
+                        staged[first + uint64(chunk)] = pack_f32_pair(v2, v3)
                 w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
@@ -183,16 +185,16 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                 for i in range(acc_size):
                     n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
                     if lane == 0 and n < N and m < M:
-                        store(out, scales, m, n, acc[i], partial, acc_size + i % num_tokens,
-                              k, eps)
+                        at = acc_size + i % num_tokens  # its squares, in partial
+                        store(out, scales, m, n, acc[i], partial, at, k, eps)
             elif tid < acc_size:  # the block shares its rows: the warps' sums meet
                 total = float32(0)
                 for i in range(GEMV_WARPS):
                     total += partial[i, tid]
                 n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
                 if n < N and m < M:
-                    store(out, scales, m, n, total, partial, acc_size + tid % num_tokens,
-                          k, eps)
+                    at = acc_size + tid % num_tokens
+                    store(out, scales, m, n, total, partial, at, k, eps)
             cuda.syncthreads()  # partial is read before the next pass writes it
             m0 += uint64(num_tokens)
 
