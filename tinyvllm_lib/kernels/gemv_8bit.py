@@ -8,7 +8,7 @@ import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.activation_store import pack_f32_pair, unpack_f32_pair
-from tinyvllm_lib.kernels.bf16 import f32_to_bf16
+from tinyvllm_lib.kernels.bf16 import device_function, f32_to_bf16
 from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.gemv import (
@@ -55,15 +55,33 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     sums_size = acc_size + (num_tokens if rms_norm else 0)  # then the squares
     chunk = STAGE_WORDS // (4 * num_tokens)  # code words of K staged at a time
     step = threads_per_row * unroll
-    words_size = rows * unroll  # local arrays' sizes: constants
+    words_size, wf_size = rows * unroll, 8 * rows  # local arrays' sizes: constants
+    split_tail = acc_size <= 8  # 4 rows x 8 tokens: one loop, fewer registers
 
-    @cuda.jit(device=True, **INLINE)
-    def load_words(w64, words, n0, j, end, N):
+    @device_function(**INLINE)
+    def load_words(w64, words, n0, j, end, N, whole):
+        # whole: all `unroll` words of the pass lie before `end` (one test, not unroll)
         for u in range(unroll):
             jj = j + uint64(u * threads_per_row)
             for r in range(rows):
                 n = n0 + uint64(r)
-                words[u * rows + r] = w64[n, jj] if jj < end and n < N else uint64(0)
+                words[u * rows + r] = (w64[n, jj] if (whole or jj < end) and n < N
+                                       else uint64(0))
+
+    @device_function(**INLINE)
+    def dot_word(words, u, column, staged, wf, xf, acc):
+        # acc += the rows' word u of codes times the staged inputs of `column`
+        for r in range(rows):
+            widen_word(words[u * rows + r], wf, 8 * r)
+        for m in range(num_tokens):  # rows past M: staged zeros, never stored
+            for h in range(4):
+                xf[2 * h], xf[2 * h + 1] = unpack_f32_pair(
+                    staged[uint64((4 * m + h) * chunk) + column])
+            for r in range(rows):  # one x, `rows` rows
+                total = float32(0)
+                for i in range(8):
+                    total += xf[i] * wf[8 * r + i]
+                acc[r * num_tokens + m] += total
 
     @cuda.jit(device=True, **INLINE)
     def stage(x64, norm64, staged, m0, M, c0, width, acc):
@@ -71,29 +89,37 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         for m in range(num_tokens):
             row = m0 + uint64(m)
             w = uint64(cuda.threadIdx.x)
-            while w < width and row < M:
+            while w < width:
                 at, col = uint64(4 * m * chunk) + w, c0 + w
-                if rms_norm:  # float32 pairs times the norm's weight; squares summed
+                if row >= M:  # a bucket's rows past M: zeros (their sums not stored)
+                    for h in range(4):
+                        staged[at + uint64(h * chunk)] = uint64(0)
+                elif rms_norm:  # float32 pairs times the norm's weight; squares summed
                     for q in range(2):
-                        g0, g1, g2, g3 = bf16x4_to_f32(norm64[uint64(2) * col + uint64(q)])
-                        a, b = unpack_f32_pair(x64[row, uint64(4) * col + uint64(2 * q)])
-                        c, d = unpack_f32_pair(
-                            x64[row, uint64(4) * col + uint64(2 * q + 1)])
+                        two, four = uint64(2) * col + uint64(q), uint64(4) * col
+                        g0, g1, g2, g3 = bf16x4_to_f32(norm64[two])
+                        a, b = unpack_f32_pair(x64[row, four + uint64(2 * q)])
+                        c, d = unpack_f32_pair(x64[row, four + uint64(2 * q + 1)])
                         acc[acc_size + m] += a * a + b * b + c * c + d * d
-                        staged[at + uint64(2 * q * chunk)] = pack_f32_pair(a * g0, b * g1)
-                        staged[at + uint64((2 * q + 1) * chunk)] = pack_f32_pair(c * g2,
-                                                                                 d * g3)
+                        first = at + uint64(2 * q * chunk)
+                        staged[first] = pack_f32_pair(a * g0, b * g1)
+                        staged[first + uint64(chunk)] = pack_f32_pair(c * g2, d * g3)
                 else:  # bf16, 4 a word: two words of x a word of codes
                     for q in range(2):
-                        v0, v1, v2, v3 = bf16x4_to_f32(x64[row, uint64(2) * col + uint64(q)])
-                        staged[at + uint64(2 * q * chunk)] = pack_f32_pair(v0, v1)
-                        staged[at + uint64((2 * q + 1) * chunk)] = pack_f32_pair(v2, v3)
+                        word = x64[row, uint64(2) * col + uint64(q)]
+                        v0, v1, v2, v3 = bf16x4_to_f32(word)
+                        first = at + uint64(2 * q * chunk)
+                        staged[first] = pack_f32_pair(v0, v1)
+                        staged[first + uint64(chunk)] = pack_f32_pair(v2, v3)
                 w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
-    def store(out, scales, m, n, total, squares, k, eps):
+    def store(out, scales, m, n, total, partial, at, k, eps):
         y = total * scales[n]  # the row's scale, once a sum
-        if rms_norm:  # the mean of the k squares
+        if rms_norm:  # the mean of the k squares: each warp staged part of the row
+            squares = float32(0)
+            for i in range(GEMV_WARPS):
+                squares += partial[i, at]
             y *= float32(1.0) / math.sqrt(squares / k + eps)
         out[m, n] = out[m, n] + y if accumulate else y
 
@@ -110,12 +136,12 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         k = float32(8) * float32(num_words)  # values a row
         acc = cuda.local.array(sums_size, float32)  # the sums, then the squares
         words = cuda.local.array(words_size, uint64)
-        wf = cuda.local.array(8, float32)  # a word of codes, widened
+        wf = cuda.local.array(wf_size, float32)  # a word of each row's codes, widened
         xf = cuda.local.array(8, float32)  # the 8 inputs they multiply
         # no kernel writes the weights: the first words are loaded before waiting
         # for the kernel before this one (chapter 11's programmatic edges)
         first_end = num_words if num_words < uint64(chunk) else uint64(chunk)
-        load_words(w64, words, n0, t, first_end, N)
+        load_words(w64, words, n0, t, first_end, N, False)
         loaded = True
         wait_for_previous_kernel()
         m0 = uint64(0)
@@ -129,52 +155,46 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                 stage(x64, norm64, staged, m0, M, c0, end - c0, acc)
                 cuda.syncthreads()
                 j = c0 + t
-                while j < end:
+                # whole passes, with no test a word (a second copy of the loop: only
+                # where few sums leave the registers for it)
+                while split_tail and j + uint64(step - threads_per_row) < end:
                     if not loaded:
-                        load_words(w64, words, n0, j, end, N)
+                        load_words(w64, words, n0, j, end, N, True)
+                    loaded = False
+                    for u in range(unroll):
+                        dot_word(words, u, j + uint64(u * threads_per_row) - c0, staged,
+                                 wf, xf, acc)
+                    j += uint64(step)
+                while j < end:  # the last pass, short of `unroll` words (or all)
+                    if not loaded:
+                        load_words(w64, words, n0, j, end, N, False)
                     loaded = False
                     for u in range(unroll):
                         jj = j + uint64(u * threads_per_row)
                         if jj < end:
-                            for r in range(rows):
-                                widen_word(words[u * rows + r], wf, 0)
-                                for m in range(num_tokens):
-                                    if m0 + uint64(m) < M:
-                                        for h in range(4):
-                                            xf[2 * h], xf[2 * h + 1] = unpack_f32_pair(
-                                                staged[uint64((4 * m + h) * chunk)
-                                                       + jj - c0])
-                                        total = float32(0)
-                                        for i in range(8):
-                                            total += xf[i] * wf[i]
-                                        acc[r * num_tokens + m] += total
+                            dot_word(words, u, jj - c0, staged, wf, xf, acc)
                     j += uint64(step)
+                loaded = False  # the next piece loads its own
                 c0 += uint64(chunk)
             warp_sum_all(acc)  # every lane now holds its warp's sums and squares
             if lane == 0:
                 for i in range(sums_size):
                     partial[warp, i] = acc[i]
             cuda.syncthreads()
-            if rms_norm:  # the squares: each warp staged part of each row
-                for m in range(num_tokens):
-                    acc[acc_size + m] = float32(0)
-                    for i in range(GEMV_WARPS):
-                        acc[acc_size + m] += partial[i, acc_size + m]
             if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
                 for i in range(acc_size):
                     n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
                     if lane == 0 and n < N and m < M:
-                        squares = (acc[acc_size + i % num_tokens] if rms_norm
-                                   else float32(0))
-                        store(out, scales, m, n, acc[i], squares, k, eps)
+                        at = acc_size + i % num_tokens  # its squares, in partial
+                        store(out, scales, m, n, acc[i], partial, at, k, eps)
             elif tid < acc_size:  # the block shares its rows: the warps' sums meet
                 total = float32(0)
                 for i in range(GEMV_WARPS):
                     total += partial[i, tid]
                 n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
-                squares = acc[acc_size + tid % num_tokens] if rms_norm else float32(0)
                 if n < N and m < M:
-                    store(out, scales, m, n, total, squares, k, eps)
+                    at = acc_size + tid % num_tokens
+                    store(out, scales, m, n, total, partial, at, k, eps)
             cuda.syncthreads()  # partial is read before the next pass writes it
             m0 += uint64(num_tokens)
 
