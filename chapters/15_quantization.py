@@ -1233,6 +1233,7 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 
 # %%
 #| export kernels.gemv_8bit
+import functools
 import math
 
 import numpy as np
@@ -1261,10 +1262,11 @@ from tinyvllm_lib.kernels.widen_8bit import CODE_DTYPES, WIDEN, WIDEN_WORD
 STAGE_WORDS = 4096
 # 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
 # e4m3 multiplied by 2^120 and tested for NaN); 2: 8 codes a word by moving bits, the
-# input widened by every warp; 3: this one, one byte permute an int8 code, the
-# hardware's conversion for e4m3, the input staged once a block (the bench records
-# which kernel it timed)
-GEMV_8BIT_VERSION = 3
+# input widened by every warp; 3: one byte permute an int8 code, the hardware's
+# conversion for e4m3, the input staged in shared memory by each block of a group of
+# rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
+# once for the groups it takes in turn (the bench records which kernel it timed)
+GEMV_8BIT_VERSION = 4
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
@@ -1283,7 +1285,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     threads_per_row = 32 * warps_per_row
     rows_per_block = GEMV_WARPS // warps_per_row * rows
     acc_size = rows * num_tokens  # acc[r * num_tokens + m]: row n0 + r, token m0 + m
-    sums_size = acc_size + (num_tokens if rms_norm else 0)  # then the squares
+    partial_size = max(acc_size, num_tokens)  # the warps' sums, or squares
     chunk = STAGE_WORDS // (4 * num_tokens)  # code words of K staged at a time
     step = threads_per_row * unroll
     words_size, wf_size = rows * unroll, 8 * rows  # local arrays' sizes: constants
@@ -1315,7 +1317,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                 acc[r * num_tokens + m] += total
 
     @cuda.jit(device=True, **INLINE)
-    def stage(x64, norm64, staged, m0, M, c0, width, acc):
+    def stage(x64, norm64, staged, m0, M, c0, width, squares):
         # code words c0 .. c0 + width of each token row: float32 pairs into `staged`
         for m in range(num_tokens):
             row = m0 + uint64(m)
@@ -1331,7 +1333,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         g0, g1, g2, g3 = bf16x4_to_f32(norm64[two])
                         a, b = unpack_f32_pair(x64[row, four + uint64(2 * q)])
                         c, d = unpack_f32_pair(x64[row, four + uint64(2 * q + 1)])
-                        acc[acc_size + m] += a * a + b * b + c * c + d * d
+                        squares[m] += a * a + b * b + c * c + d * d
                         first = at + uint64(2 * q * chunk)
                         staged[first] = pack_f32_pair(a * g0, b * g1)
                         staged[first + uint64(chunk)] = pack_f32_pair(c * g2, d * g3)
@@ -1345,89 +1347,116 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                 w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
-    def store(out, scales, m, n, total, partial, at, k, eps):
-        y = total * scales[n]  # the row's scale, once a sum
-        if rms_norm:  # the mean of the k squares: each warp staged part of the row
-            squares = float32(0)
-            for i in range(GEMV_WARPS):
-                squares += partial[i, at]
-            y *= float32(1.0) / math.sqrt(squares / k + eps)
+    def store(out, scales, m, n, total, scale):
+        y = total * scales[n] * scale  # the row's scale (and 1 / rms), once a sum
         out[m, n] = out[m, n] + y if accumulate else y
 
     @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, scales, out, norm64, eps):
         staged = cuda.shared.array(STAGE_WORDS, uint64)
-        partial = cuda.shared.array((GEMV_WARPS, sums_size), float32)
+        partial = cuda.shared.array((GEMV_WARPS, partial_size), float32)
+        inv_rms = cuda.shared.array(num_tokens, float32)  # rms_norm: each token's
         tid = cuda.threadIdx.x
         group, t = tid // threads_per_row, uint64(tid % threads_per_row)
         lane, warp = tid % 32, tid // 32
         M, N, num_words = (uint64(x64.shape[0]), uint64(w64.shape[0]),
                            uint64(w64.shape[1]))
-        n0 = uint64(cuda.blockIdx.x * rows_per_block + group * rows)  # first row
         k = float32(8) * float32(num_words)  # values a row
-        acc = cuda.local.array(sums_size, float32)  # the sums, then the squares
+        acc = cuda.local.array(acc_size, float32)
+        squares = cuda.local.array(num_tokens, float32)  # rms_norm: this thread's
         words = cuda.local.array(words_size, uint64)
         wf = cuda.local.array(wf_size, float32)  # a word of each row's codes, widened
         xf = cuda.local.array(8, float32)  # the 8 inputs they multiply
+        # the block takes groups of rows_per_block rows in turn; where its input fits
+        # in one piece and one pass, it stages it once, for all of them
+        first_end = num_words if num_words < uint64(chunk) else uint64(chunk)
+        once = num_words <= uint64(chunk) and M <= uint64(num_tokens)
+        g, stride = uint64(cuda.blockIdx.x), uint64(cuda.gridDim.x)
+        num_groups = (N + uint64(rows_per_block - 1)) // uint64(rows_per_block)
+        n0 = g * uint64(rows_per_block) + uint64(group * rows)  # its first row
         # no kernel writes the weights: the first words are loaded before waiting
         # for the kernel before this one (chapter 11's programmatic edges)
-        first_end = num_words if num_words < uint64(chunk) else uint64(chunk)
         load_words(w64, words, n0, t, first_end, N, False)
-        loaded = True
+        loaded, fresh = True, True
         wait_for_previous_kernel()
-        m0 = uint64(0)
-        while m0 < M:  # a pass per num_tokens token vectors
-            for i in range(sums_size):
-                acc[i] = float32(0)
-            c0 = uint64(0)
-            while c0 < num_words:  # a staged piece of K at a time
-                end = min(c0 + uint64(chunk), num_words)
-                cuda.syncthreads()  # the last piece's readers are done
-                stage(x64, norm64, staged, m0, M, c0, end - c0, acc)
-                cuda.syncthreads()
-                j = c0 + t
-                # whole passes, with no test a word (a second copy of the loop: only
-                # where few sums leave the registers for it)
-                while split_tail and j + uint64(step - threads_per_row) < end:
-                    if not loaded:
-                        load_words(w64, words, n0, j, end, N, True)
-                    loaded = False
-                    for u in range(unroll):
-                        dot_word(words, u, j + uint64(u * threads_per_row) - c0, staged,
-                                 wf, xf, acc)
-                    j += uint64(step)
-                while j < end:  # the last pass, short of `unroll` words (or all)
-                    if not loaded:
-                        load_words(w64, words, n0, j, end, N, False)
-                    loaded = False
-                    for u in range(unroll):
-                        jj = j + uint64(u * threads_per_row)
-                        if jj < end:
-                            dot_word(words, u, jj - c0, staged, wf, xf, acc)
-                    j += uint64(step)
-                loaded = False  # the next piece loads its own
-                c0 += uint64(chunk)
-            warp_sum_all(acc)  # every lane now holds its warp's sums and squares
-            if lane == 0:
-                for i in range(sums_size):
-                    partial[warp, i] = acc[i]
-            cuda.syncthreads()
-            if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
+        while g < num_groups:
+            m0 = uint64(0)
+            while m0 < M:  # a pass per num_tokens token vectors
+                stage_now = fresh or not once
                 for i in range(acc_size):
-                    n, m = n0 + uint64(i // num_tokens), m0 + uint64(i % num_tokens)
-                    if lane == 0 and n < N and m < M:
-                        at = acc_size + i % num_tokens  # its squares, in partial
-                        store(out, scales, m, n, acc[i], partial, at, k, eps)
-            elif tid < acc_size:  # the block shares its rows: the warps' sums meet
-                total = float32(0)
-                for i in range(GEMV_WARPS):
-                    total += partial[i, tid]
-                n, m = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
-                if n < N and m < M:
-                    at = acc_size + tid % num_tokens
-                    store(out, scales, m, n, total, partial, at, k, eps)
-            cuda.syncthreads()  # partial is read before the next pass writes it
-            m0 += uint64(num_tokens)
+                    acc[i] = float32(0)
+                for m in range(num_tokens):
+                    squares[m] = float32(0)
+                c0 = uint64(0)
+                while c0 < num_words:  # a staged piece of K at a time
+                    end = min(c0 + uint64(chunk), num_words)
+                    if stage_now:
+                        cuda.syncthreads()  # the last piece's readers are done
+                        stage(x64, norm64, staged, m0, M, c0, end - c0, squares)
+                        cuda.syncthreads()
+                    j = c0 + t
+                    # whole passes, with no test a word (a second copy of the loop:
+                    # only where few sums leave the registers for it)
+                    while split_tail and j + uint64(step - threads_per_row) < end:
+                        if not loaded:
+                            load_words(w64, words, n0, j, end, N, True)
+                        loaded = False
+                        for u in range(unroll):
+                            dot_word(words, u, j + uint64(u * threads_per_row) - c0,
+                                     staged, wf, xf, acc)
+                        j += uint64(step)
+                    while j < end:  # the last pass, short of `unroll` words (or all)
+                        if not loaded:
+                            load_words(w64, words, n0, j, end, N, False)
+                        loaded = False
+                        for u in range(unroll):
+                            jj = j + uint64(u * threads_per_row)
+                            if jj < end:
+                                dot_word(words, u, jj - c0, staged, wf, xf, acc)
+                        j += uint64(step)
+                    loaded = False  # the next piece loads its own
+                    c0 += uint64(chunk)
+                if once:  # the next group's first words, while these sums meet
+                    load_words(w64, words, n0 + stride * uint64(rows_per_block), t,
+                               first_end, N, False)
+                    loaded = True
+                if rms_norm and stage_now:  # each warp staged part of each row
+                    warp_sum_all(squares)
+                    if lane == 0:
+                        for m in range(num_tokens):
+                            partial[warp, m] = squares[m]
+                    cuda.syncthreads()
+                    if tid < num_tokens:
+                        total = float32(0)
+                        for i in range(GEMV_WARPS):
+                            total += partial[i, tid]
+                        inv_rms[tid] = float32(1.0) / math.sqrt(total / k + eps)
+                    cuda.syncthreads()
+                warp_sum_all(acc)  # every lane now holds its warp's sums
+                if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
+                    for i in range(acc_size):
+                        n, m = n0 + uint64(i // num_tokens), i % num_tokens
+                        if lane == 0 and n < N and m0 + uint64(m) < M:
+                            store(out, scales, m0 + uint64(m), n, acc[i],
+                                  inv_rms[m] if rms_norm else float32(1))
+                else:  # the block shares its rows: the warps' sums meet
+                    if lane == 0:
+                        for i in range(acc_size):
+                            partial[warp, i] = acc[i]
+                    cuda.syncthreads()
+                    if tid < acc_size:
+                        total = float32(0)
+                        for i in range(GEMV_WARPS):
+                            total += partial[i, tid]
+                        n, m = n0 + uint64(tid // num_tokens), tid % num_tokens
+                        if n < N and m0 + uint64(m) < M:
+                            store(out, scales, m0 + uint64(m), n, total,
+                                  inv_rms[m] if rms_norm else float32(1))
+                    cuda.syncthreads()  # partial is read before the next pass writes it
+                m0 += uint64(num_tokens)
+                fresh = False
+            g += stride
+            n0 += stride * uint64(rows_per_block)
 
     if rms_norm:
 
@@ -1443,6 +1472,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             gemv_body(x64, w64, scales, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
+    # blocks an SM holds at once: 32 KiB of staged input each, and at most 64
+    # registers a thread (at 128, for the block's 4 rows x 4 or 8 tokens, two)
+    kernel.blocks_per_sm = 4 if acc_size <= 8 else 2
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
     return require_lto(kernel)  # the widening's C, inlined
 
@@ -1508,7 +1540,16 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
                          f"{list(GEMV_VARIANTS)}, got {variant!r}")
     bucket = next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
     kernel = GEMV_8BIT_KERNELS[method, variant, bucket, kind]
-    return kernel, cdiv(N, kernel.rows_per_block)
+    # no more blocks than the GPU holds at once: each stages its input once and takes
+    # groups of rows in turn (in the simulator one block, so the tests take turns too)
+    resident = 1 if config.ENABLE_CUDASIM else kernel.blocks_per_sm * multiprocessors()
+    return kernel, min(cdiv(N, kernel.rows_per_block), resident)
+
+
+@functools.cache
+def multiprocessors() -> int:
+    """The current GPU's streaming multiprocessors."""
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def gemv_8bit(x, codes, scales, out, method: str, stream=0, accumulate=False,
