@@ -808,7 +808,8 @@ if can_launch():
 # The loop is FlashAttention-2's and chapter 7's, with the arithmetic moved:
 #
 # - a block of 4 warps takes 64 queries of one head (an entry of chapter 10's tile
-#   schedule); each warp keeps its 16 queries as A fragments in registers;
+#   schedule; the section on tiles below makes it 128 at head size 64); each warp
+#   keeps its 16 queries as A fragments in registers;
 # - the block copies each tile of 64 keys and values through the block table into
 #   shared memory, as chapter 10's kernel does, but with the GEMM's `cp.async` in two
 #   stages: the next tile is on its way while the warps work on this one;
@@ -1123,17 +1124,19 @@ TC_ATTENTION_VERSION = 2
 
 
 def tc_block_q(head_dim: int) -> int:
-    """Queries a block: at head_dim 64, 128 (4 warps of 2 row tiles: the fastest tile
-    of the H200's sweep at every length it timed, see "Which tile" below); at 128,
-    chapter 7's 64 (4 warps of one row tile). The engine packs its tile schedule at
-    the block_q of the kernel it runs (prefill_block_q)."""
-    return 128 if head_dim <= 64 else FLASH_BLOCK_Q
+    """Queries a block: at head_dim 64 (Llama 3.2 1B's), 128 — 4 warps of 2 row tiles,
+    the fastest tile of the H200's sweep at every length it timed ("Which tile"
+    below); at any other, chapter 7's 64. The engine packs its tile schedule at the
+    block_q of the kernel it runs (prefill_block_q)."""
+    return 128 if head_dim == 64 else FLASH_BLOCK_Q
 
 
-def tc_warp_tiles(head_dim: int) -> int:
-    """Row tiles of 16 queries a warp: two at head_dim 64 (the sweep's choice), one
-    at 128 (O alone is 64 registers a row tile there)."""
-    return 2 if head_dim <= 64 else 1
+def tc_warp_tiles(head_dim: int, block_q: int | None = None) -> int:
+    """Row tiles of 16 queries a warp: two at head_dim 64 (the sweep's choice) where
+    block_q is a multiple of 32, else one (at 128, O alone is 64 registers a row
+    tile)."""
+    fits = (block_q or tc_block_q(head_dim)) % 32 == 0
+    return 2 if head_dim == 64 and fits else 1
 
 
 def tc_block_k(head_dim: int) -> int:
@@ -1150,7 +1153,7 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int | None = None,
     memory by cp.async, the next tile on its way while the warps work on this one."""
     D, BQ = head_dim, block_q or tc_block_q(head_dim)
     BK = block_k or tc_block_k(head_dim)
-    MT = warp_tiles or tc_warp_tiles(head_dim)
+    MT = warp_tiles or tc_warp_tiles(head_dim, BQ)
     WQ = 16 * MT  # queries a warp
     THREADS = 32 * (BQ // WQ) if BQ % WQ == 0 else 0
     WPR = D // 4  # 8-byte words in one key's row of one KV head
@@ -1298,8 +1301,9 @@ _kernels = {}
 def tc_prefill_kernel_for(head_dim: int, block_q: int | None = None,
                           block_k: int | None = None, warp_tiles: int | None = None):
     """The kernel for these sizes, built on first use and kept."""
-    key = (head_dim, block_q or tc_block_q(head_dim), block_k or tc_block_k(head_dim),
-           warp_tiles or tc_warp_tiles(head_dim))
+    block_q = block_q or tc_block_q(head_dim)
+    key = (head_dim, block_q, block_k or tc_block_k(head_dim),
+           warp_tiles or tc_warp_tiles(head_dim, block_q))
     if key not in _kernels:
         _kernels[key] = make_tc_prefill_kernel(*key)
     return _kernels[key]
@@ -1596,10 +1600,12 @@ benchmark script checks.
 # %% [markdown]
 # ## In the engine
 #
-# The kernel takes chapter 10's arguments and reads the same tile schedule (64 queries
-# an entry), so the engine swaps it in without changing anything else: the CUDA graphs
-# of chapter 11 capture prefill steps with it as they captured the SIMT kernel. The
-# choice is one field of the engine's configuration (vLLM calls its own field
+# The kernel takes chapter 10's arguments and reads chapter 10's tile schedule, packed
+# at its own `block_q` (`tc_block_q`: 128 queries an entry at head size 64, 64 at 128;
+# the engine asks `prefill_block_q` which, for the launcher it picked, and packs its
+# tiles at that), so the engine swaps it in without changing anything else: the CUDA
+# graphs of chapter 11 capture prefill steps with it as they captured the SIMT kernel.
+# The choice is one field of the engine's configuration (vLLM calls its own field
 # `attention_backend` too, with values named after its kernels):
 #
 # ```python
@@ -1613,8 +1619,8 @@ benchmark script checks.
 # Decode steps keep chapter 11's split decode kernel: one query row per sequence leaves
 # a 16-row fragment mostly empty, and a decode step waits on reading the cache, not on
 # arithmetic. A mixed step's decode rows ride in the prefill kernel as one-token
-# sequences, each a whole 64-row tile — correct, and wasteful in a way the measurement
-# below can price.
+# sequences, each a whole tile of `block_q` rows — correct, and wasteful in a way the
+# measurement below can price.
 
 # %% [markdown]
 # ## How fast

@@ -49,17 +49,19 @@ TC_ATTENTION_VERSION = 2
 
 
 def tc_block_q(head_dim: int) -> int:
-    """Queries a block: at head_dim 64, 128 (4 warps of 2 row tiles: the fastest tile
-    of the H200's sweep at every length it timed, see "Which tile" below); at 128,
-    chapter 7's 64 (4 warps of one row tile). The engine packs its tile schedule at
-    the block_q of the kernel it runs (prefill_block_q)."""
-    return 128 if head_dim <= 64 else FLASH_BLOCK_Q
+    """Queries a block: at head_dim 64 (Llama 3.2 1B's), 128 — 4 warps of 2 row tiles,
+    the fastest tile of the H200's sweep at every length it timed ("Which tile"
+    below); at any other, chapter 7's 64. The engine packs its tile schedule at the
+    block_q of the kernel it runs (prefill_block_q)."""
+    return 128 if head_dim == 64 else FLASH_BLOCK_Q
 
 
-def tc_warp_tiles(head_dim: int) -> int:
-    """Row tiles of 16 queries a warp: two at head_dim 64 (the sweep's choice), one
-    at 128 (O alone is 64 registers a row tile there)."""
-    return 2 if head_dim <= 64 else 1
+def tc_warp_tiles(head_dim: int, block_q: int | None = None) -> int:
+    """Row tiles of 16 queries a warp: two at head_dim 64 (the sweep's choice) where
+    block_q is a multiple of 32, else one (at 128, O alone is 64 registers a row
+    tile)."""
+    fits = (block_q or tc_block_q(head_dim)) % 32 == 0
+    return 2 if head_dim == 64 and fits else 1
 
 
 def tc_block_k(head_dim: int) -> int:
@@ -76,7 +78,7 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int | None = None,
     memory by cp.async, the next tile on its way while the warps work on this one."""
     D, BQ = head_dim, block_q or tc_block_q(head_dim)
     BK = block_k or tc_block_k(head_dim)
-    MT = warp_tiles or tc_warp_tiles(head_dim)
+    MT = warp_tiles or tc_warp_tiles(head_dim, BQ)
     WQ = 16 * MT  # queries a warp
     THREADS = 32 * (BQ // WQ) if BQ % WQ == 0 else 0
     WPR = D // 4  # 8-byte words in one key's row of one KV head
@@ -224,8 +226,9 @@ _kernels = {}
 def tc_prefill_kernel_for(head_dim: int, block_q: int | None = None,
                           block_k: int | None = None, warp_tiles: int | None = None):
     """The kernel for these sizes, built on first use and kept."""
-    key = (head_dim, block_q or tc_block_q(head_dim), block_k or tc_block_k(head_dim),
-           warp_tiles or tc_warp_tiles(head_dim))
+    block_q = block_q or tc_block_q(head_dim)
+    key = (head_dim, block_q, block_k or tc_block_k(head_dim),
+           warp_tiles or tc_warp_tiles(head_dim, block_q))
     if key not in _kernels:
         _kernels[key] = make_tc_prefill_kernel(*key)
     return _kernels[key]
