@@ -18,9 +18,10 @@ from tinyvllm_lib.kernels.paged_attention import (
     tile_capacity,
 )
 from tinyvllm_lib.kernels.tc_attention import (
-    TC_BLOCK_Q,
     paged_prefill_attention_bf16_ref,
+    tc_block_q,
     tc_prefill_attention,
+    tc_warp_tiles,
 )
 
 
@@ -36,7 +37,7 @@ def case(rng, seqs, H, KVH, D, block_size):
     return qkv, k, v, tables, seq_lens, starts
 
 
-TILES = {64: ((TC_BLOCK_Q, 1), (64, 2), (128, 2)), 128: ((TC_BLOCK_Q, 1),)}  # (block_q, warp_tiles) a head_dim
+TILES = {64: ((tc_block_q(64), tc_warp_tiles(64)), (64, 1), (64, 2)), 128: ((tc_block_q(128), 1),)}  # (block_q, warp_tiles)
 
 
 def main() -> None:

@@ -40,12 +40,13 @@ from numba import cuda
 
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.kernels.attention import FLASH_BLOCK_Q
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention, prefill_tiles
 from tinyvllm_lib.kernels.tc_attention import (
     TC_ATTENTION_VERSION,
-    TC_BLOCK_Q,
+    tc_block_q,
     tc_prefill_attention,
     tc_prefill_kernel_for,
 )
@@ -99,13 +100,15 @@ def attention(rec: Recorder, rng, extra: dict) -> None:
         for n in lengths:
             host = paged_inputs(rng, n, cached)
             qkv, k, v, table, lens, starts = map(cuda.to_device, host)
-            tiles = cuda.to_device(prefill_tiles(host[5], host[4], TC_BLOCK_Q))
+            tiles = cuda.to_device(prefill_tiles(host[5], host[4], tc_block_q(D)))  # each kernel's block_q
+            simt_tiles = cuda.to_device(prefill_tiles(host[5], host[4], FLASH_BLOCK_Q))
             outs = {name: cuda.device_array((n, H * D), np.float32) for name in ("tc", "simt")}
             launch = {
                 "tc_prefill": lambda i, s: tc_prefill_attention(
                     qkv, k, v, table, lens, starts, n, BLOCK, H, KVH, D, outs["tc"], stream=s, tiles=tiles),
                 "paged_prefill": lambda i, s: paged_prefill_attention(
-                    qkv, k, v, table, lens, starts, n, BLOCK, H, KVH, D, outs["simt"], stream=s, tiles=tiles),
+                    qkv, k, v, table, lens, starts, n, BLOCK, H, KVH, D, outs["simt"], stream=s,
+                    tiles=simt_tiles),
             }
             for f in launch.values():  # compile, and the outputs to compare
                 f(0, 0)

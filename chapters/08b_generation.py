@@ -2865,9 +2865,11 @@ class PackedInputs:
     views are made once per shape.
     """
 
-    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int):
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int,
+                 tile_rows: int = FLASH_BLOCK_Q):
         self.max_tokens, self.max_rows = max_tokens, max_rows
-        self.max_blocks = max_blocks
+        # max_blocks: a block table's entries; tile_rows: the prefill kernel's block_q
+        self.max_blocks, self.tile_rows = max_blocks, tile_rows
         nbytes = self._nbytes(max_tokens, max_rows)
         self.hosts = [cuda.pinned_array(nbytes, np.uint8) for _ in range(2)]
         self.device = cuda.device_array(nbytes, np.uint8)
@@ -2876,7 +2878,7 @@ class PackedInputs:
     def _fields(self, tokens: int, rows: int):
         counts = {"tokens": tokens, "rows": rows, "starts": rows + 1,
                   "table": rows * self.max_blocks, "logits": tokens + rows,
-                  "tiles": tile_capacity(tokens, rows, FLASH_BLOCK_Q)}
+                  "tiles": tile_capacity(tokens, rows, self.tile_rows)}
         at = 0
         for name, dtype, count in PACKED_FIELDS:
             yield name, dtype, at, counts[count]
@@ -2933,7 +2935,7 @@ class PackedInputs:
             host[name][:s] = getattr(batch.sampling, name)
         host["prev_rows"][:r] = -1 if batch.prev_rows is None else batch.prev_rows
         if m.num_prefills:  # chapter 10's tile schedule, over every sequence
-            prefill_tiles(m.query_start_loc, m.seq_lens, FLASH_BLOCK_Q, host["tiles"])
+            prefill_tiles(m.query_start_loc, m.seq_lens, self.tile_rows, host["tiles"])
         if shape is not None:  # padding rows, one token each, greedy
             for name, value in PADDING.items():
                 first = s if name in SAMPLED_FIELDS else r
@@ -2980,7 +2982,7 @@ from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
-from tinyvllm_lib.kernels.tc_attention import prefill_attention_for
+from tinyvllm_lib.kernels.tc_attention import prefill_attention_for, prefill_block_q
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
@@ -3094,7 +3096,8 @@ class ModelRunner:
         self.activations = self.model.make_buffers(tokens)  # the largest step's
         # the step's inputs: one pinned host buffer (two, used in turn), one copy
         self.packed = PackedInputs(
-            tokens, rows, cdiv(self.max_model_len, self.block_size)
+            tokens, rows, cdiv(self.max_model_len, self.block_size),
+            prefill_block_q(self.prefill_attention, self.model.config.head_dim),
         )
         self.turn, self.events = 0, [cuda.event(), cuda.event()]
         self.workspace = decode_workspace(

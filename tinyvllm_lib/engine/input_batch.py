@@ -217,9 +217,11 @@ class PackedInputs:
     views are made once per shape.
     """
 
-    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int):
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int,
+                 tile_rows: int = FLASH_BLOCK_Q):
         self.max_tokens, self.max_rows = max_tokens, max_rows
-        self.max_blocks = max_blocks
+        # max_blocks: a block table's entries; tile_rows: the prefill kernel's block_q
+        self.max_blocks, self.tile_rows = max_blocks, tile_rows
         nbytes = self._nbytes(max_tokens, max_rows)
         self.hosts = [cuda.pinned_array(nbytes, np.uint8) for _ in range(2)]
         self.device = cuda.device_array(nbytes, np.uint8)
@@ -228,7 +230,7 @@ class PackedInputs:
     def _fields(self, tokens: int, rows: int):
         counts = {"tokens": tokens, "rows": rows, "starts": rows + 1,
                   "table": rows * self.max_blocks, "logits": tokens + rows,
-                  "tiles": tile_capacity(tokens, rows, FLASH_BLOCK_Q)}
+                  "tiles": tile_capacity(tokens, rows, self.tile_rows)}
         at = 0
         for name, dtype, count in PACKED_FIELDS:
             yield name, dtype, at, counts[count]
@@ -285,7 +287,7 @@ class PackedInputs:
             host[name][:s] = getattr(batch.sampling, name)
         host["prev_rows"][:r] = -1 if batch.prev_rows is None else batch.prev_rows
         if m.num_prefills:  # chapter 10's tile schedule, over every sequence
-            prefill_tiles(m.query_start_loc, m.seq_lens, FLASH_BLOCK_Q, host["tiles"])
+            prefill_tiles(m.query_start_loc, m.seq_lens, self.tile_rows, host["tiles"])
         if shape is not None:  # padding rows, one token each, greedy
             for name, value in PADDING.items():
                 first = s if name in SAMPLED_FIELDS else r

@@ -22,7 +22,7 @@ from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
-from tinyvllm_lib.kernels.tc_attention import prefill_attention_for
+from tinyvllm_lib.kernels.tc_attention import prefill_attention_for, prefill_block_q
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
@@ -136,7 +136,8 @@ class ModelRunner:
         self.activations = self.model.make_buffers(tokens)  # the largest step's
         # the step's inputs: one pinned host buffer (two, used in turn), one copy
         self.packed = PackedInputs(
-            tokens, rows, cdiv(self.max_model_len, self.block_size)
+            tokens, rows, cdiv(self.max_model_len, self.block_size),
+            prefill_block_q(self.prefill_attention, self.model.config.head_dim),
         )
         self.turn, self.events = 0, [cuda.event(), cuda.event()]
         self.workspace = decode_workspace(

@@ -41,9 +41,6 @@ from tinyvllm_lib.kernels.tensor_core import (
     twin_launch,
 )
 
-# queries per block, 4 warps of 16: chapter 7's, so the engine's one tile schedule
-# (chapter 11 packs it at FLASH_BLOCK_Q) serves this kernel and chapter 10's alike
-TC_BLOCK_Q = FLASH_BLOCK_Q
 LOG2E = 1.4426950408889634
 # the kernel's version, which its benchmark records carry: 1, a warp per 16 queries and
 # every key tile masked (measured at 65234ef); 2, row tiles a warp (warp_tiles), the
@@ -51,11 +48,20 @@ LOG2E = 1.4426950408889634
 TC_ATTENTION_VERSION = 2
 
 
-def tc_warp_tiles(head_dim: int) -> int:
-    """Row tiles of 16 queries a warp: one (the first version's choice, until a GPU's
-    sweep says otherwise); at head_dim 128 one always (O alone is 64 registers a row
+def tc_block_q(head_dim: int) -> int:
+    """Queries a block: at head_dim 64 (Llama 3.2 1B's), 128 — 4 warps of 2 row tiles,
+    the fastest tile of the H200's sweep at every length it timed ("Which tile"
+    below); at any other, chapter 7's 64. The engine packs its tile schedule at the
+    block_q of the kernel it runs (prefill_block_q)."""
+    return 128 if head_dim == 64 else FLASH_BLOCK_Q
+
+
+def tc_warp_tiles(head_dim: int, block_q: int | None = None) -> int:
+    """Row tiles of 16 queries a warp: two at head_dim 64 (the sweep's choice) where
+    block_q is a multiple of 32, else one (at 128, O alone is 64 registers a row
     tile)."""
-    return 1
+    fits = (block_q or tc_block_q(head_dim)) % 32 == 0
+    return 2 if head_dim == 64 and fits else 1
 
 
 def tc_block_k(head_dim: int) -> int:
@@ -64,14 +70,15 @@ def tc_block_k(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 32
 
 
-def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
+def make_tc_prefill_kernel(head_dim: int, block_q: int | None = None,
                            block_k: int | None = None, warp_tiles: int | None = None):
     """Causal GQA attention of new tokens over a paged bf16 KV cache on the tensor
     cores: a block per (query head, entry of the tile schedule), a warp per 16
     warp_tiles queries, K and V tiles copied through the block table into shared
     memory by cp.async, the next tile on its way while the warps work on this one."""
-    D, BQ, BK = head_dim, block_q, block_k or tc_block_k(head_dim)
-    MT = warp_tiles or tc_warp_tiles(head_dim)
+    D, BQ = head_dim, block_q or tc_block_q(head_dim)
+    BK = block_k or tc_block_k(head_dim)
+    MT = warp_tiles or tc_warp_tiles(head_dim, BQ)
     WQ = 16 * MT  # queries a warp
     THREADS = 32 * (BQ // WQ) if BQ % WQ == 0 else 0
     WPR = D // 4  # 8-byte words in one key's row of one KV head
@@ -216,11 +223,12 @@ def make_tc_prefill_kernel(head_dim: int, block_q: int = TC_BLOCK_Q,
 _kernels = {}
 
 
-def tc_prefill_kernel_for(head_dim: int, block_q: int = TC_BLOCK_Q,
+def tc_prefill_kernel_for(head_dim: int, block_q: int | None = None,
                           block_k: int | None = None, warp_tiles: int | None = None):
     """The kernel for these sizes, built on first use and kept."""
+    block_q = block_q or tc_block_q(head_dim)
     key = (head_dim, block_q, block_k or tc_block_k(head_dim),
-           warp_tiles or tc_warp_tiles(head_dim))
+           warp_tiles or tc_warp_tiles(head_dim, block_q))
     if key not in _kernels:
         _kernels[key] = make_tc_prefill_kernel(*key)
     return _kernels[key]
@@ -229,7 +237,7 @@ def tc_prefill_kernel_for(head_dim: int, block_q: int = TC_BLOCK_Q,
 def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
                          query_start_loc, max_query_len: int, block_size: int,
                          num_heads: int, num_kv_heads: int, head_dim: int, out,
-                         stream=0, block_q: int = TC_BLOCK_Q,
+                         stream=0, block_q: int | None = None,
                          block_k: int | None = None, tiles=None,
                          warp_tiles: int | None = None):
     """paged_prefill_attention (chapter 10), same arguments and result, on the tensor
@@ -242,6 +250,7 @@ def tc_prefill_attention(qkv, k_cache, v_cache, block_tables, seq_lens,
     k64, v64 = check_paged_context(name, k_cache, v_cache, block_tables, seq_lens,
                                    block_size, num_seqs, num_kv_heads, head_dim,
                                    query_start_loc)
+    block_q = block_q or tc_block_q(head_dim)
     kernel = tc_prefill_kernel_for(head_dim, block_q, block_k, warp_tiles)
     if num_tokens == 0 or max_query_len == 0:
         return out
@@ -274,6 +283,13 @@ def prefill_attention_for(backend: str, head_dim: int):
                                      and not config.ENABLE_CUDASIM):
         return tc_prefill_attention
     return paged_prefill_attention
+
+
+def prefill_block_q(prefill_attention, head_dim: int) -> int:
+    """Queries a tile of the schedule that launcher takes (what the engine packs its
+    tile schedule at): this chapter's tc_block_q, chapter 10's FLASH_BLOCK_Q."""
+    return tc_block_q(head_dim) if prefill_attention is tc_prefill_attention \
+        else FLASH_BLOCK_Q
 
 
 tc_prefill_d64_kernel = tc_prefill_kernel_for(64)
