@@ -1030,17 +1030,71 @@ the norm-fused one still ran at {{ch15_v2_norm_range}} of the plain one's speed.
 """)
 
 # %% [markdown]
-# Two things kept it from the bytes. Counting the instructions the compiler made of its
-# inner loop (the machine code for sm_90, `cuobjdump -sass`): about 50 instructions
-# for each word of 8 int8 codes — 22 of them shifts and logic — against 16 that do the
-# arithmetic (8 multiply-adds, 8 subtractions). And the input: with a warp a row, each
-# warp widened the bf16 input from scratch for every row it computed — a shift or a
-# mask a value, as many as the codes cost — and the norm-fused variant read the
-# float32 residual, squared it and multiplied it by the norm's weight, again for every
-# row. So the third version, the one below, changes three things:
+# Two things kept it from the bytes. The first is what it issued. The benchmark script
+# `bench/ch15_sass.py` needs no GPU: it compiles a kernel for sm_90 as a launch would,
+# has `ptxas` assemble it and `nvdisasm` print the machine code (SASS), finds the
+# innermost loop that holds the multiply-adds, and counts its instructions a word of 8
+# codes, for the one-token kernels of a warp a row:
+
+# %%
+sass_records = load_records("ch15_sass")
+sass_versions = sorted({r["gemv_8bit_version"] for r in sass_records})
+CLASS_COLORS = {"multiply-add": "#2ca02c", "shift, logic, byte": "#d62728",
+                "conversion": "#9467bd", "load": "#8c564b", "other": "#c7c7c7"}
+if sass_records:
+    shown = [v for v in (2, sass_versions[-1]) if v in sass_versions]
+    bars = [(v, m, fused) for v in shown for m in ("int8", "fp8")
+            for fused in (False, True)]
+    counted = {(r["gemv_8bit_version"], r["method"], r["rms_norm"]): r
+               for r in sass_records}
+    fig, ax = new_figure(1, 1, width=8.0, height=3.0)
+    for cls, color in CLASS_COLORS.items():
+        below = [sum(counted[b]["classes"][c] for c in list(CLASS_COLORS)[
+            :list(CLASS_COLORS).index(cls)]) for b in bars]
+        ax.bar(range(len(bars)), [counted[b]["classes"][cls] for b in bars],
+               bottom=below, color=color, label=cls)
+    ax.set_xticks(range(len(bars)), [f"v{v} {m}\n{'norm-fused' if f else 'plain'}"
+                                     for v, m, f in bars], fontsize=7)
+    ax.set_ylabel("instructions a word of 8 codes")
+    ax.legend(fontsize=7, ncol=3)
+    plt.show()
+    v2_int8, v2_fp8 = counted.get((2, "int8", False)), counted.get((2, "fp8", False))
+    newest = sass_versions[-1]
+    if v2_int8:
+        prose.glue("ch15_sass_v2_int8", f"{v2_int8['value']:.0f}")
+        prose.glue("ch15_sass_v2_logic",
+                   f"{v2_int8['classes']['shift, logic, byte']:.0f}")
+        prose.glue("ch15_sass_v2_arith", f"{v2_int8['classes']['multiply-add']:.0f}")
+        prose.glue("ch15_sass_v2_fused",
+                   f"{counted[2, 'int8', True]['value']:.0f}")
+        prose.glue("ch15_sass_v2_fp8", f"{v2_fp8['value']:.0f}")
+    prose.glue("ch15_sass_new", f"{counted[newest, 'int8', False]['value']:.0f} "
+               f"(int8) and {counted[newest, 'fp8', False]['value']:.0f} (e4m3)")
+    for (v, m, fused), r in sorted(counted.items()):
+        print(f"version {v} {m:>4} {'norm-fused' if fused else 'plain':>10}: "
+              f"{r['value']:5.1f} instructions a word of codes")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if sass_records:
+    prose.show("""
+The second version's int8 loop issued {{ch15_sass_v2_int8}} instructions for each word
+of 8 codes — {{ch15_sass_v2_logic}} of them shifts, logic and integer bookkeeping —
+against the {{ch15_sass_v2_arith}} that do the arithmetic (8 multiply-adds, 8
+subtractions, one add of the word's sum); e4m3 took {{ch15_sass_v2_fp8}}, and the
+norm-fused int8 loop {{ch15_sass_v2_fused}}. The version below issues
+{{ch15_sass_new}}, the norm fused in or not.
+""")
+
+# %% [markdown]
+# The second is the input: with a warp a row, each warp widened the bf16 input from
+# scratch for every row it computed — a shift or a mask a value, as many as the codes
+# cost — and the norm-fused variant read the float32 residual, squared it and
+# multiplied it by the norm's weight, again for every row. So the third version changes
+# three things, and the fourth a fourth:
 #
 # - **int8: one instruction a code.** The GPU builds a word from any four bytes of two
-#   words in one instruction, `prmt` (CUDA C's `__byte_perm`). With the code's word as
+#   words in one instruction, `prmt` (CUDA C's `__byte_perm`, libdevice's
+#   `byte_perm`). With the code's word as
 #   one operand and `0x4B000000` as the other, the selector `0x765b` puts code byte
 #   $b$ under the bits of $2^{23}$: the float $2^{23} + (q + 128)$ in one
 #   instruction, then the subtraction.
@@ -1056,11 +1110,19 @@ the norm-fused one still ran at {{ch15_v2_norm_range}} of the plain one's speed.
 #   $1/\mathrm{rms}$ is applied to each finished sum, as before. 32 KiB of shared
 #   memory holds 8,192 values: one token of every projection's input, or shorter
 #   pieces of several tokens' rows, staged a piece at a time.
+# - **No more blocks than the GPU holds** (the fourth version). Staging costs a block
+#   a read of the input and a wait for all its threads before any dot product; with a
+#   block for every 8 rows, the LM head's 16,000 blocks paid it 16,000 times, and the
+#   norm-fused one read the float32 residual and the norm's weight each time. Now the
+#   launch makes at most 4 blocks an SM (what 32 KiB of shared memory and 64 registers
+#   a thread let one SM hold at once), and each takes groups of rows in turn,
+#   staging its input once where it fits one piece (and loading the next group's
+#   first words while the last group's sums meet).
 #
-# Neither instruction is reachable from Python: numba has no `prmt` and no FP8
-# conversion. So they come the way chapter 14's `mma.sync` came: four tiny CUDA C
-# device functions, compiled by NVRTC and inlined at link time, each with a NumPy
-# twin that the simulator calls in its place.
+# numba reaches `prmt` through libdevice (`cuda.libdevice.byte_perm`), but not the
+# FP8 conversion. That one comes the way chapter 14's `mma.sync` came: tiny CUDA C
+# device functions, compiled by NVRTC and inlined at link time. Each helper has a
+# NumPy twin that the simulator calls in its place.
 
 # %%
 #| export kernels.widen_8bit
@@ -1079,10 +1141,6 @@ HIGH1 = uint64(0x8080808080808080)  # every byte's top bit (the int8 sign flip)
 CODE_DTYPES = {"int8": np.int8, "fp8": np.uint8}
 
 WIDEN_SOURCE = r"""
-// a word made of four of the eight bytes of b:a, chosen by the selector's nibbles
-extern "C" __device__ unsigned byte_perm(unsigned a, unsigned b, unsigned selector) {
-  return __byte_perm(a, b, selector);
-}
 // the low 16 bits: two e4m3 codes -> two float16 (the higher code in the high half)
 extern "C" __device__ unsigned e4m3x2_to_f16x2(unsigned pair) {
   unsigned short codes = (unsigned short)pair;
@@ -1111,9 +1169,9 @@ if config.ENABLE_CUDASIM:
         return np.uint32(bits).view(np.float32)
 
     def byte_perm(a, b, selector):
-        """Twin of the C function: byte i of the result is byte (selector >> 4i) & 7
-        of the eight bytes b:a (a's first); a nibble's bit 3 copies that byte's sign
-        bit into all eight bits instead."""
+        """Twin of libdevice's byte_perm: byte i of the result is byte
+        (selector >> 4i) & 7 of the eight bytes b:a (a's first); a nibble's bit 3
+        copies that byte's sign bit into all eight bits instead."""
         pool = np.array([a, b], np.uint32).view(np.uint8)
         out = np.zeros(4, np.uint8)
         for i in range(4):
@@ -1156,10 +1214,13 @@ else:
         """The float32 whose bits these are: a reinterpretation, no instruction."""
         return cuda.libdevice.int_as_float(int32(bits))
 
+    @cuda.jit(device=True)
+    def byte_perm(a, b, selector):
+        """A word made of four of the eight bytes of b:a, chosen by the selector's
+        nibbles: one PRMT (libdevice's __nv_byte_perm)."""
+        return uint32(cuda.libdevice.byte_perm(int32(a), int32(b), int32(selector)))
+
     _WIDEN_C = CUSource(WIDEN_SOURCE)
-    byte_perm = cuda.declare_device(
-        "byte_perm", types.uint32(types.uint32, types.uint32, types.uint32),
-        link=_WIDEN_C, abi="c")
     e4m3x2_to_f16x2 = cuda.declare_device(
         "e4m3x2_to_f16x2", types.uint32(types.uint32), link=_WIDEN_C, abi="c")
     f16x2_low = cuda.declare_device(
@@ -1960,7 +2021,7 @@ def runs_of(version: int) -> dict:
             for r in mine}
 
 
-versions = {v: runs_of(v) for v in (1, 2)}
+versions = {v: runs_of(v) for v in range(1, GEMV_8BIT_VERSION + 1)}
 versions = {v: runs for v, runs in versions.items()
             if ("bs1_decode", "int8") in runs or ("gemv", "int8", "qkv_proj") in runs}
 if not versions:
@@ -1971,22 +2032,23 @@ else:
     for i, (version, runs) in enumerate(versions.items()):
         shown = [m for m in METHODS if ("bs1_decode", m) in runs]
         xs = [METHODS.index(m) + (i - (len(versions) - 1) / 2) * width for m in shown]
+        old = version < max(versions)
         ax_bs1.bar(xs, [runs["bs1_decode", m]["value"] for m in shown], width,
-                   color=[COLORS[m] for m in shown], alpha=0.45 if version == 1 else 1,
-                   hatch="//" if version == 1 else None, edgecolor="white")
+                   color=[COLORS[m] for m in shown], alpha=0.45 if old else 1,
+                   hatch="//" if old else None, edgecolor="white")
         ax_bs1.scatter(xs, [runs["bs1_decode", m]["ceiling"] for m in shown],
                        marker="_", s=300, color="k",
                        label="its limit" if i == 0 else None)
         for m in METHODS if version == max(versions) else METHODS[1:]:  # bf16: once
             layers = [k[2] for k in runs if k[:2] == ("gemv", m)]
-            style = ":" if version == 1 else "-"
+            old = version < max(versions)
             shares = [100 * runs["gemv", m, layer]["ratio"] for layer in layers]
-            ax_gemv.plot(layers, shares, "o" + style, color=COLORS[m],
-                         alpha=0.5 if version == 1 else 1,
+            ax_gemv.plot(layers, shares, "o" + (":" if old else "-"), color=COLORS[m],
+                         alpha=min(1.0, 0.2 + 0.8 * version / max(versions)),
                          label=f"{m}, GEMV v{version}" if m else "bf16")
     ax_bs1.set_xticks(range(3), ["bf16", "int8", "fp8"])
     ax_bs1.set_ylabel("decode tok/s, batch 1")
-    ax_bs1.set_title("hatched: the first 8-bit GEMV", fontsize=9)
+    ax_bs1.set_title("hatched: earlier 8-bit GEMVs, left to right", fontsize=9)
     ax_bs1.legend(loc="upper left")
     ax_gemv.set_ylabel("GEMV: % of the bandwidth ceiling")
     ax_gemv.tick_params(axis="x", labelsize=8)
@@ -2090,6 +2152,29 @@ if ("bs1_decode", "int8") in second:
         layer_bytes[None] / plain_layer[None])
     prose.glue("ch15_v2_rate_share", f"{rate_share:.0%}")
 
+last = max(versions, default=0)
+newest = versions[last] if last > 2 else {}
+if ("bs1_decode", "int8") in newest:
+    bf16_new = newest["bs1_decode", None]["value"]
+    for m in ("int8", "fp8"):
+        prose.glue(f"ch15_new_{m}", f"{newest['bs1_decode', m]['value']:,.0f} tok/s")
+        speedup = newest["bs1_decode", m]["value"] / bf16_new
+        prose.glue(f"ch15_new_{m}_x", f"{speedup:.2f}")
+    prose.glue("ch15_new_version", f"{last}")
+    prose.glue("ch15_new_bf16", f"{bf16_new:,.0f} tok/s")
+    prose.glue("ch15_new_limit", f"{newest['bs1_decode', None]['ceiling']:,.0f} tok/s")
+    new_ratio = [newest["gemv", m, layer]["ratio"] for m in ("int8", "fp8")
+                 for layer in ENGINE_GEMVS]
+    prose.glue("ch15_new_gemv_range", f"{min(new_ratio):.0%} to {max(new_ratio):.0%}")
+    head = {m: newest.get(("gemv_rmsnorm", m, "lm_head")) for m in ("int8", "fp8")}
+    if all(head.values()):
+        prose.glue("ch15_new_head", " and ".join(
+            f"{head[m]['ratio']:.0%} ({m})" for m in ("int8", "fp8")))
+    fastest_new = max(newest["bs1_decode", m]["value"] for m in ("int8", "fp8"))
+    prose.glue("ch15_new_target", (
+        "passes" if fastest_new > newest["bs1_decode", None]["ceiling"]
+        else "stays short of"))
+
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 if ("bs1_decode", "int8") in first:
     prose.show("""
@@ -2115,10 +2200,16 @@ why: O's projection takes {{ch15_v2_o_us}} in int8
 ({{ch15_v2_o_bf16}} in bf16, for twice the bytes), where its bytes at the ceiling
 would take {{ch15_v2_o_ideal}}; a kernel that short is mostly its start, its first
 loads' latency and its tail, none of which halves with the bytes. The long ones still
-issue several integer instructions a code: the next rungs are a byte permute
-(PTX's `prmt`, one instruction for the extract and the OR, which numba reaches
-through libdevice's `byte_perm`), and the integer dot product `dp4a` with quantized
-activations — the exercises below.
+issued several integer instructions a code — what the third and fourth versions,
+above, took out.
+""")
+if ("bs1_decode", "int8") in newest:
+    prose.show("""
+**Version {{ch15_new_version}}**, the kernel above, runs int8 at **{{ch15_new_int8}}**
+({{ch15_new_int8_x}}× bf16) and FP8 at **{{ch15_new_fp8}}** ({{ch15_new_fp8_x}}×),
+against bf16's {{ch15_new_bf16}} in the same run; the faster {{ch15_new_target}} the
+bf16 limit of {{ch15_new_limit}}. Its GEMVs of a layer read at
+{{ch15_new_gemv_range}} of the ceiling; the norm-fused LM head at {{ch15_new_head}}.
 """)
 elif ("bs1_decode", "int8") in first:
     prose.show("The second version is not yet measured on a GPU.")
@@ -2149,8 +2240,12 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 #   the bytes it read, and made batch 1 slower than bf16. The second widens int8 with
 #   no conversion (the byte inside $2^{23}$'s mantissa) and e4m3 in units of
 #   $2^{-120}$, and, for matrices of fewer than 16,384 rows, shares each input across
-#   four rows; the measurement section says
-#   what that bought. At batch 256 the GEMM path's bf16 scratch costs throughput.
+#   four rows. The third and fourth put an int8 code under $2^{23}$ with one byte
+#   permute, widen e4m3 two codes at a time with the hardware's conversion, stage the
+#   input once in shared memory (normed there for the fused variant), and launch no
+#   more blocks than the GPU holds: half the instructions a code or less. The
+#   measurement section says what each bought. At batch 256 the GEMM path's bf16
+#   scratch costs throughput.
 #
 # ## Exercises
 #
@@ -2167,12 +2262,12 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 # 5. Under tensor parallelism (chapter 13) each rank quantizes its own shard. For a
 #    matrix cut by input features, why are a rank's row scales not the whole row's,
 #    and does that make the two-rank model's error larger or smaller than one rank's?
-# 6. Count the SASS instructions a code costs in the int8 GEMV (`inspect_sass`, as
-#    chapter 14 counts HMMA). Write the byte extract and the OR with `0x4B000000` as
-#    one `cuda.libdevice.byte_perm` (a `PRMT`: each byte of its result picked from the
-#    eight bytes of its two inputs), predict the GB/s of the gate-up GEMV from the new
-#    count, then measure it. What does the same trick do for e4m3, whose sign and
-#    magnitude must land four bits apart?
+# 6. Put the second version's e4m3 widening (the bits moved into place, in units of
+#    $2^{-120}$) back into the fourth version's loop in place of the hardware's
+#    conversion. Count both loops with `bench/ch15_sass.py`: which instructions does
+#    each spend a code, and on which of the SM's pipes (the integer one issues half as
+#    many a clock as the float one)? Predict which GEMV is faster on the gate-up shape,
+#    then time both.
 # 7. Quantize the activations too: one int8 scale per token vector, then `dp4a` (four
 #    int8 products summed into an int32 in one instruction) for four codes at a time.
 #    What does it cost in accuracy on SmolLM2 (the section on real weights), and how

@@ -17,10 +17,6 @@ HIGH1 = uint64(0x8080808080808080)  # every byte's top bit (the int8 sign flip)
 CODE_DTYPES = {"int8": np.int8, "fp8": np.uint8}
 
 WIDEN_SOURCE = r"""
-// a word made of four of the eight bytes of b:a, chosen by the selector's nibbles
-extern "C" __device__ unsigned byte_perm(unsigned a, unsigned b, unsigned selector) {
-  return __byte_perm(a, b, selector);
-}
 // the low 16 bits: two e4m3 codes -> two float16 (the higher code in the high half)
 extern "C" __device__ unsigned e4m3x2_to_f16x2(unsigned pair) {
   unsigned short codes = (unsigned short)pair;
@@ -49,9 +45,9 @@ if config.ENABLE_CUDASIM:
         return np.uint32(bits).view(np.float32)
 
     def byte_perm(a, b, selector):
-        """Twin of the C function: byte i of the result is byte (selector >> 4i) & 7
-        of the eight bytes b:a (a's first); a nibble's bit 3 copies that byte's sign
-        bit into all eight bits instead."""
+        """Twin of libdevice's byte_perm: byte i of the result is byte
+        (selector >> 4i) & 7 of the eight bytes b:a (a's first); a nibble's bit 3
+        copies that byte's sign bit into all eight bits instead."""
         pool = np.array([a, b], np.uint32).view(np.uint8)
         out = np.zeros(4, np.uint8)
         for i in range(4):
@@ -94,10 +90,13 @@ else:
         """The float32 whose bits these are: a reinterpretation, no instruction."""
         return cuda.libdevice.int_as_float(int32(bits))
 
+    @cuda.jit(device=True)
+    def byte_perm(a, b, selector):
+        """A word made of four of the eight bytes of b:a, chosen by the selector's
+        nibbles: one PRMT (libdevice's __nv_byte_perm)."""
+        return uint32(cuda.libdevice.byte_perm(int32(a), int32(b), int32(selector)))
+
     _WIDEN_C = CUSource(WIDEN_SOURCE)
-    byte_perm = cuda.declare_device(
-        "byte_perm", types.uint32(types.uint32, types.uint32, types.uint32),
-        link=_WIDEN_C, abi="c")
     e4m3x2_to_f16x2 = cuda.declare_device(
         "e4m3x2_to_f16x2", types.uint32(types.uint32), link=_WIDEN_C, abi="c")
     f16x2_low = cuda.declare_device(
