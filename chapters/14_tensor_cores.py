@@ -1574,11 +1574,15 @@ from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
 
 counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_attention", "tc_prefill_d64_kernel")
 print("attention:", counts)
-per_tile = 2 * (64 // 16) * (64 // 8)  # S and O: (D / 16) x (BK / 8) mma each
+from tinyvllm_lib.kernels.tc_attention import tc_warp_tiles
+
+# S and O: (D / 16) x (BK / 8) mma each, for each row tile of the warp
+per_tile = 2 * tc_warp_tiles(64) * (64 // 16) * (64 // 8)
 assert counts["mma.sync"] == per_tile and counts["local memory"] == 0
 assert counts["call"] == 0
 prose.glue("ch14_mma", counts["mma.sync"])
 prose.glue("ch14_ldsm", counts["ldmatrix"])
+prose.glue("ch14_rows", f"{16 * tc_warp_tiles(64)}")
 gemm_counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_gemm", "tc_gemm_kernel")
 print("GEMM:", gemm_counts)
 assert gemm_counts["mma.sync"] == 32 and gemm_counts["local memory"] == 0
@@ -1588,7 +1592,8 @@ prose.glue("ch14_gemm_cp", gemm_counts["cp.async"])
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 prose.show("""
 The loop over key tiles holds {{ch14_mma}} `mma.sync` and {{ch14_ldsm}} `ldmatrix`
-(one warp's 16 queries × 64 keys × 64 dimensions, twice, in 16×8×16 pieces), no call,
+(one warp's {{ch14_rows}} queries × 64 keys × 64 dimensions, twice, in 16×8×16
+pieces), no call,
 and no load or store of local memory: the C functions were inlined and every fragment
 is a register. The GEMM's loop over K tiles holds {{ch14_gemm_mma}} `mma.sync` (a
 warp's 64×32 piece over 32 of K) and {{ch14_gemm_cp}} `cp.async`, and no local memory
