@@ -1,6 +1,6 @@
 """Where a piece of GPU work spends its time: every kernel torch's profiler sees while `fn` runs, summed by group —
-the tinyvllm_lib module a numba kernel comes from (its mangled name holds the module's path: "kernels.rmsnorm",
-"engine.sampler_cuda"), "cublas" for cuBLAS' GEMMs, else the kernel name's first word. CUPTI, under torch's profiler,
+the tinyvllm_lib module a numba kernel comes from (its name holds the module's path: "kernels.rmsnorm",
+"engine.sampler_cuda"), "cublas" for cuBLAS' GEMMs, else the kernel name's first word after "void". CUPTI, under torch's profiler,
 should see numba's launches and graph replays as well as torch's; profile_groups raises if it sees no numba kernel,
 rather than report a breakdown without them. Used by bench/ch11_throughput_profile.py and
 bench/ch14_tensor_cores.py (--only breakdown)."""
@@ -9,8 +9,16 @@ import re
 import time
 
 
+def is_numba_kernel(name: str) -> bool:
+    """Whether a profiled kernel is one of tinyvllm_lib's (numba's): CUPTI names it demangled
+    ("tinyvllm_lib::kernels::rmsnorm::..."), other tools mangled ("...12tinyvllm_lib7kernels...")."""
+    return "tinyvllm_lib::" in name or "12tinyvllm_lib" in name
+
+
 def kernel_group(name: str) -> str:
     """A profiled kernel's group (see the module's docstring)."""
+    if m := re.search(r"tinyvllm_lib::(\w+)::(\w+)", name):  # demangled, as CUPTI gives it
+        return f"{m.group(1)}.{m.group(2)}"
     at = name.find("12tinyvllm_lib")
     if at >= 0:  # Itanium mangling: each name in the path is its length, then itself
         parts, i = [], at + len("12tinyvllm_lib")
@@ -21,6 +29,7 @@ def kernel_group(name: str) -> str:
         return ".".join(parts)
     if re.search(r"gemm|nvjet|sm90_xmma|cublas|cutlass", name, re.I):
         return "cublas"
+    name = re.sub(r"^void\s+", "", name)  # torch's kernels: "void at::native::..."
     return re.split(r"[<(\s]", name, maxsplit=1)[0][:40]
 
 
@@ -58,7 +67,7 @@ def profile_groups(fn, deferred: bool = False) -> dict:
         first = ev.time_range.start if first is None else min(first, ev.time_range.start)
         last = ev.time_range.end if last is None else max(last, ev.time_range.end)
         count += 1
-    if not any("12tinyvllm_lib" in ev.name for ev in prof.events()):  # no numba kernel
+    if not any(is_numba_kernel(ev.name) for ev in prof.events()):
         print(prof.key_averages().table(row_limit=25))
         raise RuntimeError("the profiler saw none of numba's kernels: its breakdown would leave them out")
     return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "busy_ms": sum(groups.values()),
