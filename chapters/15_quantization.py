@@ -2243,8 +2243,8 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 #   four rows. The third and fourth put an int8 code under $2^{23}$ with one byte
 #   permute, widen e4m3 two codes at a time with the hardware's conversion, stage the
 #   input once in shared memory (normed there for the fused variant), and launch no
-#   more blocks than the GPU holds: half the instructions a code or less. The
-#   measurement section says what each bought. At batch 256 the GEMM path's bf16
+#   more blocks than the GPU holds. The measurement section counts each version's
+#   instructions a word of codes in its SASS and says what each bought. At batch 256 the GEMM path's bf16
 #   scratch costs throughput.
 #
 # ## Exercises
