@@ -49,6 +49,7 @@ def main() -> None:
     for g, ms in prof["groups"].items():
         rec.add("kernel_group", [MAX_NUM_SEQS], "ms", ms, group=g, share=ms / prof["busy_ms"], **extra)
     rec.add("gpu_busy", [MAX_NUM_SEQS], "ms", prof["busy_ms"], span_ms=prof["span_ms"], kernels=prof["kernels"],
+            summed_ms=prof["summed_ms"],
             wall_ms=prof["wall_ms"], **extra)
     rec.add("throughput_unprofiled", [MAX_NUM_SEQS], "tok/s", plain["output_tok_s"], seconds=plain["seconds"],
             num_steps=plain["num_steps"], **extra)

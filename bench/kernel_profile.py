@@ -34,9 +34,11 @@ def kernel_group(name: str) -> str:
 
 
 def profile_groups(fn, deferred: bool = False) -> dict:
-    """Run fn() under torch's profiler (GPU activity only): {"groups": {group: ms}, "busy_ms": the kernels' summed
-    time, "span_ms": first kernel's start to last kernel's end, "wall_ms": the profiled wall time, "kernels": how
-    many}. deferred: fn(start) is called instead, and recording begins when it calls start() (after its warm-up)."""
+    """Run fn() under torch's profiler (GPU activity only): {"groups": {group: ms of busy time, see
+    exclusive_times}, "busy_ms": the time some kernel ran, "summed_ms": the kernels' durations summed (more, where
+    they overlap), "span_ms": first kernel's start to last kernel's end, "wall_ms": the profiled wall time,
+    "kernels": how many}. deferred: fn(start) is called instead, and recording begins when it calls start()
+    (after its warm-up)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -58,24 +60,35 @@ def profile_groups(fn, deferred: bool = False) -> dict:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0[0]
     prof.stop()
-    groups, first, last, count = {}, None, None, 0
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.device_time_total <= 0:
-            continue
-        g = kernel_group(ev.name)
-        groups[g] = groups.get(g, 0.0) + ev.device_time_total / 1e3
-        first = ev.time_range.start if first is None else min(first, ev.time_range.start)
-        last = ev.time_range.end if last is None else max(last, ev.time_range.end)
-        count += 1
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0)
+    groups, summed = exclusive_times(spans)
     if not any(is_numba_kernel(ev.name) for ev in prof.events()):
         print(prof.key_averages().table(row_limit=25))
         raise RuntimeError("the profiler saw none of numba's kernels: its breakdown would leave them out")
     return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "busy_ms": sum(groups.values()),
-            "span_ms": (last - first) / 1e3, "wall_ms": 1e3 * wall, "kernels": count}
+            "summed_ms": summed, "span_ms": (max(e for _, e, _ in spans) - spans[0][0]) / 1e3 if spans else 0.0,
+            "wall_ms": 1e3 * wall, "kernels": len(spans)}
+
+
+def exclusive_times(spans: list[tuple]) -> tuple[dict, float]:
+    """Each group's share of the GPU's busy time, from (start_us, end_us, name) spans sorted by start: a kernel
+    gets only the time after every kernel before it has ended. A kernel launched as a programmatic dependent (it
+    starts early and waits in griddepcontrol.wait for the one before) would otherwise count the wait as its own,
+    and the groups would sum to more than the span. Returns ({group: ms}, the kernels' durations summed, in ms)."""
+    groups, covered, summed = {}, float("-inf"), 0.0
+    for start, end, name in spans:
+        own = max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+        g = kernel_group(name)
+        groups[g] = groups.get(g, 0.0) + own / 1e3
+        summed += (end - start) / 1e3
+    return groups, summed
 
 
 def print_groups(label: str, prof: dict) -> None:
     for g, ms in prof["groups"].items():
         print(f"{label}: {g:>28} {ms:9.3f} ms ({100 * ms / prof['busy_ms']:4.1f}%)", flush=True)
     print(f"{label}: {prof['kernels']} kernels, GPU busy {prof['busy_ms']:.2f} ms over a {prof['span_ms']:.2f} ms "
-          f"span; wall {prof['wall_ms']:.2f} ms", flush=True)
+          f"span ({prof['summed_ms']:.2f} ms summed, overlaps counted twice); wall {prof['wall_ms']:.2f} ms",
+          flush=True)
