@@ -2244,8 +2244,8 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 #   permute, widen e4m3 two codes at a time with the hardware's conversion, stage the
 #   input once in shared memory (normed there for the fused variant), and launch no
 #   more blocks than the GPU holds. The measurement section counts each version's
-#   instructions a word of codes in its SASS and says what each bought. At batch 256 the GEMM path's bf16
-#   scratch costs throughput.
+#   instructions a word of codes in its SASS and says what each bought. At batch 256
+#   the GEMM path's bf16 scratch costs throughput.
 #
 # ## Exercises
 #
