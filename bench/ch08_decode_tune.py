@@ -7,7 +7,7 @@ per split, the grid size the splits aim for and loading the next step's rows ear
 it is timed (in a CUDA graph, rotating through K/V sets larger than L2). Records to
 book/data/ch08_decode_tune.json; the chapter plots it and the defaults are chosen from it.
 
-    python bench/ch08_decode_tune.py [--grid] [--seqs 64 8 1]
+    python bench/ch08_decode_tune.py [--grid] [--seqs 64 8 1] [--mixed]
 """
 
 import argparse
@@ -32,13 +32,18 @@ from tinyvllm_lib.measure import (
 )
 
 H, KVH, D, CONTEXT, BLOCK = 32, 8, 64, 1024, 16
+MIXED_MAX = 2048  # --mixed: the longest context (nano-vllm's workload: 1,024 prompt + 1,024 new tokens)
 
 
-def make_case(gen, num_seqs: int) -> dict:
-    """Rotating K/V sets, a shuffled block table, full contexts, random queries; the reference for set 0."""
-    blocks_per_seq = CONTEXT // BLOCK
-    num_slots = num_seqs * CONTEXT
-    kv_bytes = 2 * num_slots * KVH * D * 2
+def make_case(gen, num_seqs: int, mixed: bool = False) -> dict:
+    """Rotating K/V sets, a shuffled block table, full contexts (mixed: lengths uniform in [100, MIXED_MAX], as
+    nano-vllm's workload reaches, with the grid sized for MIXED_MAX as a captured step's is), random queries;
+    the reference for set 0."""
+    max_len = MIXED_MAX if mixed else CONTEXT
+    blocks_per_seq = max_len // BLOCK
+    num_slots = num_seqs * max_len
+    lens = gen.integers(100, MIXED_MAX + 1, num_seqs).astype(np.int32) if mixed else np.full(num_seqs, CONTEXT, np.int32)
+    kv_bytes = 2 * int(lens.sum()) * KVH * D * 2  # what the kernel reads
     host = []  # the first set's bits, for the reference
     sets = []
     for _ in range(num_rotations(kv_bytes)):
@@ -46,12 +51,11 @@ def make_case(gen, num_seqs: int) -> dict:
         host = host or [k, v]
         sets.append((cuda.to_device(k), cuda.to_device(v)))
     bt = gen.permutation(num_seqs * blocks_per_seq).astype(np.int32).reshape(num_seqs, blocks_per_seq)
-    lens = np.full(num_seqs, CONTEXT, np.int32)
     qkv = gen.standard_normal((num_seqs, (H + 2 * KVH) * D)).astype(np.float32)
     want = decode_attention_ref(qkv, *host, bt, BLOCK, lens, H, KVH, D)
-    return {"n": num_seqs, "kv_bytes": kv_bytes, "sets": sets, "bt": cuda.to_device(bt),
+    return {"n": num_seqs, "kv_bytes": kv_bytes, "max_len": max_len, "sets": sets, "bt": cuda.to_device(bt),
             "lens": cuda.to_device(lens), "qkv": cuda.to_device(qkv), "want": want,
-            "out": cuda.device_array((num_seqs, H * D), np.float32), "ws": decode_workspace(num_seqs, CONTEXT, H, D)}
+            "out": cuda.device_array((num_seqs, H * D), np.float32), "ws": decode_workspace(num_seqs, max_len, H, D)}
 
 
 def run_variant(case: dict, **knobs) -> tuple[float, int, float, int]:
@@ -61,14 +65,14 @@ def run_variant(case: dict, **knobs) -> tuple[float, int, float, int]:
     def call(i, stream):
         k, v = case["sets"][i % len(case["sets"])]
         decode_attention(case["qkv"], k, v, case["bt"], BLOCK, case["lens"], H, KVH, D, case["out"], stream=stream,
-                         workspace=case["ws"], max_context_len=CONTEXT, config=config)
+                         workspace=case["ws"], max_context_len=case["max_len"], config=config)
 
     call(0, 0)
     cuda.synchronize()
     err = float(np.abs(case["out"].copy_to_host() - case["want"]).max() / np.abs(case["want"]).max())
     seconds = time_launches(call, 2 * len(case["sets"]))
     kernel = decode_attention_kernel_for(D, H // KVH, config)
-    splits = decode_splits(CONTEXT, case["n"], KVH, config, max_splits=case["ws"].shape[1])
+    splits = decode_splits(case["max_len"], case["n"], KVH, config, max_splits=case["ws"].shape[1])
     return seconds, splits, err, max(kernel.get_regs_per_thread().values())
 
 
@@ -86,6 +90,9 @@ def main() -> None:
                     help="every combination of rows in flight, register cap, warps, grid target and prefetch (64 sequences"
                          " only; minutes)")
     ap.add_argument("--seqs", type=int, nargs="+", default=[64, 8, 1], help="sequences at once (without --grid)")
+    ap.add_argument("--mixed", action="store_true",
+                    help="contexts of 100 to 2,048 tokens (recorded as decode_attention_mixed: chapter 8 plots the "
+                         "full 1,024-token contexts)")
     args = ap.parse_args()
     base = DEFAULT_DECODE_CONFIG
     defaults = {"lane_elements": base.lane_elements, "keys_per_lane": base.keys_per_lane, "max_registers": base.max_registers,
@@ -103,7 +110,7 @@ def main() -> None:
     ceiling_gbs, ceiling_name = bandwidth_ceiling(rec.device["name"])
     ceiling = {"ceiling": ceiling_gbs, "ceiling_name": ceiling_name} if ceiling_name else {}
     for n in ((64,) if args.grid else args.seqs):
-        case = make_case(gen, n)
+        case = make_case(gen, n, args.mixed)
         best = None
         todo = [dict(zip(grid, v)) for v in itertools.product(*grid.values())] if args.grid else settings(grid, defaults)
         for knobs in todo:
@@ -111,7 +118,8 @@ def main() -> None:
             gbs = case["kv_bytes"] / seconds / 1e9
             ok = err < 1e-5
             moved = [k for k in knobs if knobs[k] != defaults[k]]
-            rec.add("decode_attention_variant", [n, CONTEXT, H, KVH, D], "GB/s", gbs, us=seconds * 1e6, **ceiling,
+            rec.add("decode_attention_mixed" if args.mixed else "decode_attention_variant",
+                    [n, case["max_len"], H, KVH, D], "GB/s", gbs, us=seconds * 1e6, **ceiling,
                     **knobs, moved=moved, splits=splits, registers=regs, rel_error=err, correct=ok)
             label = "  ".join(f"{k} {v}" for k, v in knobs.items())
             print(f"{n:>3} seqs  {label}  splits {splits:>2}  regs {regs}: {seconds * 1e6:7.1f} us {gbs:6.0f} GB/s"
