@@ -335,7 +335,8 @@ def breakdown(wheel, extra: dict) -> Path:
         prof = profile_groups(first_token)
         for g, ms in prof["groups"].items():
             rec.add("kernel_group", [1, n], "ms", ms, group=g, share=ms / prof["busy_ms"], **extra)
-        rec.add("gpu_busy", [1, n], "ms", prof["busy_ms"], span_ms=prof["span_ms"], kernels=prof["kernels"], **extra)
+        rec.add("gpu_busy", [1, n], "ms", prof["busy_ms"], span_ms=prof["span_ms"], kernels=prof["kernels"],
+                summed_ms=prof["summed_ms"], **extra)
         rec.add("wall", [1, n], "ms", prof["wall_ms"], **extra)
         print_groups(f"{n:>6} tokens", prof)
     return rec.save()
