@@ -1288,9 +1288,11 @@ for args in [
 # with the rows stacked: its output row is `[gate | up]`, `2 * intermediate_size`
 # floats. A small element-wise kernel then computes
 # $\operatorname{SiLU}(\text{gate}) \cdot \text{up}$ and writes it in bf16, the input of
-# `down_proj`. It reads 8 bytes and writes 2 per element, so it is memory-bound: a
-# thread per element, consecutive threads on consecutive columns, a row of blocks per
-# token.
+# `down_proj`. It reads 8 bytes and writes 2 per element, so it is memory-bound: a row
+# of blocks per token, each thread four columns a block's width apart (so a warp's
+# loads of each are consecutive), all eight loads issued before any is used: with one
+# element a thread, too few bytes were in flight to reach the GPU's bandwidth on long
+# prompts (chapter 1).
 
 # %%
 #| export kernels.activation
@@ -1314,17 +1316,26 @@ def silu_mul_ref(gate_up: np.ndarray) -> np.ndarray:
         return gate / (np.float32(1) + np.exp(-gate)) * up
 
 
+SILU_COLUMNS = 4  # columns a thread: its loads all in flight at once
+
+
 @cuda.jit
 def silu_mul_kernel(gate_up, out):
     wait_for_previous_kernel()
-    c = cuda.grid(1)  # column of out
     t = cuda.blockIdx.y  # token
-    width = out.shape[1]
-    if c < width:
-        gate = gate_up[t, c]
-        store_activation(
-            out, t, c, gate / (float32(1.0) + math.exp(-gate)) * gate_up[t, width + c]
-        )
+    width, step = out.shape[1], cuda.blockDim.x
+    first = cuda.blockIdx.x * step * SILU_COLUMNS + cuda.threadIdx.x
+    gate = cuda.local.array(SILU_COLUMNS, float32)
+    up = cuda.local.array(SILU_COLUMNS, float32)
+    for j in range(SILU_COLUMNS):  # every load first
+        c = first + j * step
+        if c < width:
+            gate[j], up[j] = gate_up[t, c], gate_up[t, width + c]
+    for j in range(SILU_COLUMNS):
+        c = first + j * step
+        if c < width:
+            g = gate[j]
+            store_activation(out, t, c, g / (float32(1.0) + math.exp(-g)) * up[j])
 
 
 PTX_SIGNATURES = {
@@ -1366,8 +1377,9 @@ def silu_mul(gate_up, out, stream=0, threads_per_block: int = 256):
     # no more whole warps than a row needs
     threads = min(threads_per_block, -(-width // 32) * 32)
     if num_tokens and width:
+        per_block = threads * SILU_COLUMNS
         silu_mul_kernel[
-            ((width + threads - 1) // threads, num_tokens), threads, stream
+            ((width + per_block - 1) // per_block, num_tokens), threads, stream
         ](gate_up, out)
     return out
 
@@ -1375,7 +1387,7 @@ def silu_mul(gate_up, out, stream=0, threads_per_block: int = 256):
 # %%
 from tinyvllm_lib.kernels.activation import silu_mul, silu_mul_ref
 
-gate_up = (rng.standard_normal((5, 2 * 37)) * 4).astype(np.float32)
+gate_up = (rng.standard_normal((5, 2 * 137)) * 4).astype(np.float32)
 gate_up[0, 0], gate_up[1, 1] = -200.0, np.nan  # exp overflows; NaN stays NaN
 want = silu_mul_ref(gate_up)
 if can_launch():

@@ -2167,44 +2167,51 @@ def write_kv_cache(
 
 # %%
 #| export kernels.kv_cache_write
+from numba import uint32
+
 from tinyvllm_lib.kernels.rope import NAN32, RopeTable, check_rope_args
+
+MAX_GRID_Y = 65535  # the most blocks a grid's second dimension holds
 
 
 @cuda.jit
 def rope_write_kv_cache_kernel(
     qkv, positions, cos, sin, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
 ):
-    """A thread per (token, head of Q, K or V, pair i of the head): rotate Q's and K's
-    pairs (i, i + D/2) in place, then store K's and V's pairs in bf16 at the token's
-    slot.
+    """A thread per (head of Q, K or V, pair i of the head) and token: rotate Q's and
+    K's pairs (i, i + D/2) in place, then store K's and V's pairs in bf16 at the
+    token's slot.
     """
     wait_for_previous_kernel()
-    half = cos.shape[1]
-    heads = num_heads + 2 * num_kv_heads
-    idx = cuda.grid(1)
-    i, head, token = idx % half, (idx // half) % heads, idx // (half * heads)
-    if token >= qkv.shape[0]:
+    half = uint32(cos.shape[1])
+    heads = uint32(num_heads + 2 * num_kv_heads)
+    # a row of blocks a token (tokens past the grid's height taken in turn); 32-bit
+    # index arithmetic: a 64-bit division costs dozens of instructions
+    idx = uint32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
+    i, head = idx % half, idx // half
+    if head >= heads:
         return
-    col = head * 2 * half + i
-    x1, x2 = qkv[token, col], qkv[token, col + half]
-    if head < num_heads + num_kv_heads:  # Q or K: rotate
-        pos = positions[token]
-        is_valid = pos >= 0 and pos < cos.shape[0]
-        # outside the table: poison, never read out of bounds
-        c = cos[pos, i] if is_valid else NAN32
-        s = sin[pos, i] if is_valid else NAN32
-        x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
-        qkv[token, col], qkv[token, col + half] = x1, x2
-    slot = slot_mapping[token]
-    if head >= num_heads and slot >= 0:  # K or V, of a token with a slot
-        if head < num_heads + num_kv_heads:
-            kvh = head - num_heads
-            k_cache[slot, kvh, i] = f32_to_bf16(x1)
-            k_cache[slot, kvh, i + half] = f32_to_bf16(x2)
-        else:
-            kvh = head - num_heads - num_kv_heads
-            v_cache[slot, kvh, i] = f32_to_bf16(x1)
-            v_cache[slot, kvh, i + half] = f32_to_bf16(x2)
+    col = head * uint32(2) * half + i
+    for token in range(cuda.blockIdx.y, qkv.shape[0], cuda.gridDim.y):
+        x1, x2 = qkv[token, col], qkv[token, col + half]
+        if head < num_heads + num_kv_heads:  # Q or K: rotate
+            pos = positions[token]
+            is_valid = pos >= 0 and pos < cos.shape[0]
+            # outside the table: poison, never read out of bounds
+            c = cos[pos, i] if is_valid else NAN32
+            s = sin[pos, i] if is_valid else NAN32
+            x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
+            qkv[token, col], qkv[token, col + half] = x1, x2
+        slot = slot_mapping[token]
+        if head >= num_heads and slot >= 0:  # K or V, of a token with a slot
+            if head < num_heads + num_kv_heads:
+                kvh = head - num_heads
+                k_cache[slot, kvh, i] = f32_to_bf16(x1)
+                k_cache[slot, kvh, i + half] = f32_to_bf16(x2)
+            else:
+                kvh = head - num_heads - num_kv_heads
+                v_cache[slot, kvh, i] = f32_to_bf16(x1)
+                v_cache[slot, kvh, i + half] = f32_to_bf16(x2)
 
 
 PTX_SIGNATURES["rope_write_kv_cache_kernel"] = [
@@ -2250,8 +2257,9 @@ def rope_and_write_kv_cache(
         qkv, positions, table, num_heads, num_kv_heads, "rope_and_write_kv_cache"
     )
     if num_tokens:
-        total = num_tokens * (num_heads + 2 * num_kv_heads) * (head_dim // 2)
-        rope_write_kv_cache_kernel[cdiv(total, threads), threads, stream](
+        per_token = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
+        grid = (cdiv(per_token, threads), min(num_tokens, MAX_GRID_Y))
+        rope_write_kv_cache_kernel[grid, threads, stream](
             qkv,
             positions,
             table.cos,

@@ -229,8 +229,9 @@ def test_silu_mul_ref(rng):
 @needs_kernels
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # exp(200) overflows on purpose
 @pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
-def test_silu_mul_kernel(rng, out_dtype):
-    gate_up = (rng.standard_normal((4, 2 * 45)) * 4).astype(np.float32)
+@pytest.mark.parametrize("width", [45, 300])  # a thread's columns past the end; several blocks a row
+def test_silu_mul_kernel(rng, out_dtype, width):
+    gate_up = (rng.standard_normal((4, 2 * width)) * 4).astype(np.float32)
     gate_up[0, 0], gate_up[1, 1], gate_up[2, 50] = -200.0, np.nan, np.inf
     want = silu_mul_ref(gate_up)
     out = cuda.to_device(np.full(want.shape, 7, out_dtype))

@@ -273,7 +273,8 @@ def test_write_kv_cache(rng):
 
 
 @pytest.mark.parametrize("pos_dtype", [np.int32, np.int64])
-def test_rope_and_write_kv_cache_is_rope_then_the_write(rng, pos_dtype):
+@pytest.mark.parametrize("threads", [256, 24])  # one block a token; three, the last past the heads
+def test_rope_and_write_kv_cache_is_rope_then_the_write(rng, pos_dtype, threads):
     """The fused kernel against rope_qkv_ref then write_kv_cache_ref: Q and K rotated in place, K and V cached."""
     H, KVH, D = 4, 2, 16
     table = rope_table(D, 10000.0, 64)
@@ -282,7 +283,8 @@ def test_rope_and_write_kv_cache_is_rope_then_the_write(rng, pos_dtype):
     slots = np.array([7, 0, -1, 12, 3], np.int64)  # -1: a padding row, rotated but not cached
     k, v = rng.integers(0, 2**16, (2, 16, KVH, D), dtype=np.uint16)  # stale bits where nothing is written
     k_d, v_d, qkv_d = cuda.to_device(k), cuda.to_device(v), cuda.to_device(qkv)
-    rope_and_write_kv_cache(qkv_d, cuda.to_device(positions), table.to_device(), H, KVH, cuda.to_device(slots), k_d, v_d)
+    rope_and_write_kv_cache(qkv_d, cuda.to_device(positions), table.to_device(), H, KVH, cuda.to_device(slots), k_d, v_d,
+                            threads=threads)
     want = rope_qkv_ref(qkv, positions, table, H, KVH)
     write_kv_cache_ref(want, H, KVH, slots, k, v)
     assert rel_error(qkv_d.copy_to_host(), want) < 1e-6
