@@ -1863,7 +1863,11 @@ prose.show("""
 # numba's and cuBLAS' alike — and sums their time by the module that defines them:
 
 # %%
-breakdown = [r for r in load_records("ch14_ttft_breakdown") if version(r) == newest]
+breakdown = load_records("ch14_ttft_breakdown")
+if breakdown:  # the newest run only (its device and engine commit), whatever its kernel
+    run = (breakdown[-1]["device"]["name"], breakdown[-1].get("engine_commit"))
+    breakdown = [r for r in breakdown
+                 if (r["device"]["name"], r.get("engine_commit")) == run]
 fig, ax = new_figure(1, 1, width=8.0, height=2.6)
 lengths = sorted({r["shape"][1] for r in breakdown})
 if lengths:
@@ -1881,7 +1885,7 @@ if lengths:
         left += ms
     wall = {r["shape"][1]: r["value"] for r in breakdown if r["name"] == "wall"}
     ax.scatter([wall[n] for n in lengths], range(len(lengths)), marker="|", s=300,
-               color="k", label="wall (add_request to the token)")
+               color="k", label="wall, add_request to the token (under the profiler)")
     ax.set_yticks(range(len(lengths)))
     ax.set_yticklabels([f"{n:,} tokens" for n in lengths])
     ax.set_xlabel("ms")
@@ -1891,7 +1895,9 @@ if lengths:
     attn = groups.get("kernels.tc_attention", {}).get(n, 0.0)
     gemm = groups.get("cublas", {}).get(n, 0.0)
     prose.glue("ch14_breakdown", (
-        f"At {n:,} tokens the GPU is busy {busy:.1f} ms of the {wall[n]:.1f} ms: "
+        f"On the {run[0]} (attention version {version(breakdown[-1])}), at {n:,} "
+        f"tokens the GPU is busy {busy:.1f} ms of the "
+        f"{wall[n]:.1f} ms the prompt took under the profiler: "
         f"attention {attn:.1f} ms ({attn / busy:.0%}), cuBLAS' GEMMs {gemm:.1f} ms "
         f"({gemm / busy:.0%}), and every other kernel {busy - attn - gemm:.1f} ms."))
 else:
