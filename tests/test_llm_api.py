@@ -459,3 +459,27 @@ def test_cli_verify_passes_on_a_random_folder(tmp_path, capsys):
     assert main(["verify", str(folder), "--device", "cpu", "--steps", "8"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "8/8" in out
+
+
+@pytest.mark.parametrize("ids", [
+    [5, 0, 255], (7,), np.array([3, 4], np.int16), [True, 2], [np.int64(9), 1],  # taken in NumPy
+    [1.0, 2], [[1, 2]], [2**70, 1], [-1, 2], [5, 256], [], "text",  # left to the checks one at a time
+    [np.uint64(3), 4],  # NumPy makes it float64: left to them too, which take it
+])
+def test_token_ids_checked_in_numpy_as_one_at_a_time(ids):
+    """The NumPy check of a prompt's ids takes what the token-by-token rule takes, as the same Python ints, and
+    leaves everything else to normalize_prompt's checks one token at a time."""
+    from tinyvllm_lib.engine.inputs import checked_token_ids, normalize_prompt
+
+    ok = (isinstance(ids, (list, tuple, np.ndarray)) and len(ids) > 0
+          and all(isinstance(t, (int, np.integer)) and 0 <= t < 256 for t in ids))
+    fast = checked_token_ids(ids, 256)
+    if fast is not None:
+        assert ok and fast == [int(t) for t in ids] and all(type(t) is int for t in fast)
+    else:
+        assert not ok or any(isinstance(t, np.uint64) for t in ids)
+    if ok:
+        assert normalize_prompt({"prompt_token_ids": ids}, None, 256)[1] == [int(t) for t in ids]
+    else:
+        with pytest.raises(ValueError):
+            normalize_prompt({"prompt_token_ids": ids}, None, 256)
