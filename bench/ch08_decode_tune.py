@@ -5,7 +5,8 @@ Moves one knob at a time away from the module's defaults: values per lane of a k
 per split, the grid size the splits aim for and loading the next step's rows early (prefetch), at 1, 8 and 64 sequences x 1024 tokens of context (a paged cache of
 16-slot blocks in shuffled order). Every variant is checked against the float64 reference before
 it is timed (in a CUDA graph, rotating through K/V sets larger than L2). Records to
-book/data/ch08_decode_tune.json; the chapter plots it and the defaults are chosen from it.
+book/data/ch08_decode_tune.json (--mixed: ch08_decode_mixed.json); the chapter plots the first and the defaults
+are chosen from it.
 
     python bench/ch08_decode_tune.py [--grid] [--seqs 64 8 1] [--mixed]
 """
@@ -91,7 +92,7 @@ def main() -> None:
                          " only; minutes)")
     ap.add_argument("--seqs", type=int, nargs="+", default=[64, 8, 1], help="sequences at once (without --grid)")
     ap.add_argument("--mixed", action="store_true",
-                    help="contexts of 100 to 2,048 tokens (recorded as decode_attention_mixed: chapter 8 plots the "
+                    help="contexts of 100 to 2,048 tokens (recorded to ch08_decode_mixed.json: chapter 8 plots the "
                          "full 1,024-token contexts)")
     args = ap.parse_args()
     base = DEFAULT_DECODE_CONFIG
@@ -105,7 +106,8 @@ def main() -> None:
                 "split_keys": (512, 1024), "target_blocks": (512, 1024), "prefetch": (False, True)}
         assert all(defaults[k] in v for k, v in grid.items()), "the grid must hold the defaults (chapter 8's dark bar)"
     gen = np.random.default_rng(0)
-    rec = Recorder("ch08_decode_tune")
+    # --mixed records to a file of its own: a save replaces a device's records in its file
+    rec = Recorder("ch08_decode_mixed" if args.mixed else "ch08_decode_tune")
     # chapter 1's bandwidth ceiling on this GPU (the best of its copy and read rates), if recorded
     ceiling_gbs, ceiling_name = bandwidth_ceiling(rec.device["name"])
     ceiling = {"ceiling": ceiling_gbs, "ceiling_name": ceiling_name} if ceiling_name else {}

@@ -60,8 +60,11 @@ def profile_groups(fn, deferred: bool = False) -> dict:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0[0]
     prof.stop()
+    # GPU activity (kernels, copies, memsets), not user annotations, which span the kernels inside them; one
+    # stream (the engine's) is assumed: work on two streams at once would be counted once, by start order
     spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
-                   if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0)
+                   if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0
+                   and not getattr(ev, "is_user_annotation", False))
     groups, summed = exclusive_times(spans)
     if not any(is_numba_kernel(ev.name) for ev in prof.events()):
         print(prof.key_averages().table(row_limit=25))

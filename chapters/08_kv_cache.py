@@ -2161,9 +2161,10 @@ def write_kv_cache(
 # model hands its RoPE table and the step's positions to the attention layer
 # (`attention(layer, qkv, out, stream, rope=(table, positions))`), and a layer that
 # writes a cache does both in `rope_and_write_kv_cache`: a thread per (token, head,
-# pair of dimensions) rotates its pair of a Q or K head in place, with the same
-# arithmetic as `rope_kernel`, and stores its K or V pair in the cache in bf16.
-# Chapter 11 measures what it saves.
+# pair of dimensions), a row of blocks a token (past the grid's height, a thread takes
+# the tokens a grid apart in turn), rotates its pair of a Q or K head in place, with
+# the same arithmetic as `rope_kernel`, and stores its K or V pair in the cache in
+# bf16. Chapter 11 measures what it saves.
 
 # %%
 #| export kernels.kv_cache_write
@@ -2477,7 +2478,8 @@ each knob does at 64 sequences, moved alone away from the defaults (the dark bar
 tune = [
     r
     for r in load_records("ch08_decode_tune")
-    if r["shape"][0] == 64 and r.get("correct")
+    if r["name"] == "decode_attention_variant" and r["shape"][0] == 64
+    and r.get("correct")
 ]
 KNOBS = {
     "lane_elements": "values per lane",

@@ -297,6 +297,25 @@ def test_rope_and_write_kv_cache_is_rope_then_the_write(rng, pos_dtype, threads)
                                 cuda.to_device(slots), k_d, v_d)
 
 
+def test_rope_and_write_kv_cache_past_the_grids_height(rng, monkeypatch):
+    """More tokens than the grid has rows: each row of blocks takes the tokens a grid apart in turn."""
+    from tinyvllm_lib.kernels import kv_cache_write
+
+    monkeypatch.setattr(kv_cache_write, "MAX_GRID_Y", 2)
+    H, KVH, D = 4, 2, 16
+    table = rope_table(D, 10000.0, 64)
+    qkv = rng.standard_normal((5, (H + 2 * KVH) * D)).astype(np.float32)
+    positions, slots = np.array([0, 63, 7, 30, 5], np.int64), np.array([7, 0, 2, 12, 3], np.int64)
+    k, v = rng.integers(0, 2**16, (2, 16, KVH, D), dtype=np.uint16)
+    k_d, v_d, qkv_d = cuda.to_device(k), cuda.to_device(v), cuda.to_device(qkv)
+    rope_and_write_kv_cache(qkv_d, cuda.to_device(positions), table.to_device(), H, KVH, cuda.to_device(slots), k_d, v_d)
+    want = rope_qkv_ref(qkv, positions, table, H, KVH)
+    write_kv_cache_ref(want, H, KVH, slots, k, v)
+    assert rel_error(qkv_d.copy_to_host(), want) < 1e-6
+    assert np.array_equal(v_d.copy_to_host(), v)
+    assert np.abs(k_d.copy_to_host().astype(np.int32) - k.astype(np.int32)).max() <= 1
+
+
 def test_bad_arguments(rng):
     qkv, k, v, bt, lens = case(rng, 1, 4, 4, 2, 16, 4)
     out = cuda.device_array((1, 64), np.float32)

@@ -464,6 +464,7 @@ def test_cli_verify_passes_on_a_random_folder(tmp_path, capsys):
 @pytest.mark.parametrize("ids", [
     [5, 0, 255], (7,), np.array([3, 4], np.int16), [True, 2], [np.int64(9), 1],  # taken in NumPy
     [1.0, 2], [[1, 2]], [2**70, 1], [-1, 2], [5, 256], [], "text",  # left to the checks one at a time
+    np.array([True, False]),  # an array of NumPy's bools is no ids to them
     [np.uint64(3), 4],  # NumPy makes it float64: left to them too, which take it
 ])
 def test_token_ids_checked_in_numpy_as_one_at_a_time(ids):

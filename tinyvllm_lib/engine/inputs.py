@@ -15,7 +15,8 @@ def _tokens(n: int) -> str:
 def checked_token_ids(ids, vocab_size: int) -> list[int] | None:
     """ids as a list of ints where they are a 1-D list, tuple or array of integers, all
     in [0, vocab_size); else None. In NumPy: a Python loop over a long prompt's ids
-    would cost a visible part of its time to first token.
+    would cost a visible part of its time to first token. (A list that mixes NumPy's
+    bools with integers passes as integers, as one with Python's bools does.)
     """
     if not isinstance(ids, (list, tuple, np.ndarray)) or len(ids) == 0:
         return None
@@ -23,7 +24,7 @@ def checked_token_ids(ids, vocab_size: int) -> list[int] | None:
         arr = np.asarray(ids)
     except (ValueError, OverflowError, TypeError):  # ragged, or past 64 bits
         return None
-    if arr.ndim != 1 or arr.dtype.kind not in "iub":
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":  # an array of bools is no ids
         return None
     if arr.min() < 0 or arr.max() >= vocab_size:
         return None
