@@ -1619,9 +1619,8 @@ benchmark script checks.
 #
 # `"auto"` takes the tensor cores on a GPU whenever the head size is a multiple of 16
 # (every Llama is), and chapter 10's kernel in the simulator, where the twins are slow.
-# The measurements below keep it: on the H200 the tensor-core kernel is several times
-# chapter 10's at every length the benchmark script timed, and the engine's tests pass
-# with it.
+# The measurements below are what keep it: they set the two kernels side by side at
+# every length the benchmark script times, and the engine's tests run with it.
 # Decode steps keep chapter 11's split decode kernel: one query row per sequence leaves
 # a 16-row fragment mostly empty, and a decode step waits on reading the cache, not on
 # arithmetic. A mixed step's decode rows ride in the prefill kernel as one-token
@@ -1920,8 +1919,7 @@ if lengths:
         "same prompt's first token without it; what is left of it beyond the GPU's "
         "busy time is the host's work (the "
         "request's checks, the schedule, the step's arrays) and the launches the "
-        "GPU waits for. This run is the newest recorded, whatever its GPU: it is the "
-        "one that shows the engine as it is now."))
+        "GPU waits for. This is the newest run recorded, whatever its GPU."))
 else:
     ax.text(0.5, 0.5, "not yet recorded on a GPU", ha="center", va="center",
             transform=ax.transAxes)
