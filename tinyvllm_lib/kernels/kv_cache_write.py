@@ -125,6 +125,9 @@ def rope_write_kv_cache_kernel(
     """
     wait_for_previous_kernel()
     half = uint32(cos.shape[1])
+    # the first head of K, of V, and the end of the row: 32-bit, as head is (compared
+    # with int64 sums, numba converts both to float64)
+    k_at, v_at = uint32(num_heads), uint32(num_heads + num_kv_heads)
     heads = uint32(num_heads + 2 * num_kv_heads)
     # a row of blocks a token (tokens past the grid's height taken in turn); 32-bit
     # index arithmetic: a 64-bit division costs dozens of instructions
@@ -135,7 +138,7 @@ def rope_write_kv_cache_kernel(
     col = head * uint32(2) * half + i
     for token in range(cuda.blockIdx.y, qkv.shape[0], cuda.gridDim.y):
         x1, x2 = qkv[token, col], qkv[token, col + half]
-        if head < num_heads + num_kv_heads:  # Q or K: rotate
+        if head < v_at:  # Q or K: rotate
             pos = positions[token]
             is_valid = pos >= 0 and pos < cos.shape[0]
             # outside the table: poison, never read out of bounds
@@ -144,13 +147,13 @@ def rope_write_kv_cache_kernel(
             x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
             qkv[token, col], qkv[token, col + half] = x1, x2
         slot = slot_mapping[token]
-        if head >= num_heads and slot >= 0:  # K or V, of a token with a slot
-            if head < num_heads + num_kv_heads:
-                kvh = head - num_heads
+        if head >= k_at and slot >= 0:  # K or V, of a token with a slot
+            if head < v_at:
+                kvh = head - k_at
                 k_cache[slot, kvh, i] = f32_to_bf16(x1)
                 k_cache[slot, kvh, i + half] = f32_to_bf16(x2)
             else:
-                kvh = head - num_heads - num_kv_heads
+                kvh = head - v_at
                 v_cache[slot, kvh, i] = f32_to_bf16(x1)
                 v_cache[slot, kvh, i + half] = f32_to_bf16(x2)
 
