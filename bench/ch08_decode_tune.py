@@ -89,8 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", action="store_true",
                     help="every combination of rows in flight, register cap, warps, grid target and prefetch (64 sequences"
-                         " only; minutes)")
-    ap.add_argument("--seqs", type=int, nargs="+", default=[64, 8, 1], help="sequences at once (without --grid)")
+                         " unless --seqs says otherwise; minutes)")
+    ap.add_argument("--seqs", type=int, nargs="+", help="sequences at once (default 64 8 1; with --grid 64)")
     ap.add_argument("--mixed", action="store_true",
                     help="contexts of 100 to 2,048 tokens (recorded to ch08_decode_mixed.json: chapter 8 plots the "
                          "full 1,024-token contexts)")
@@ -111,7 +111,7 @@ def main() -> None:
     # chapter 1's bandwidth ceiling on this GPU (the best of its copy and read rates), if recorded
     ceiling_gbs, ceiling_name = bandwidth_ceiling(rec.device["name"])
     ceiling = {"ceiling": ceiling_gbs, "ceiling_name": ceiling_name} if ceiling_name else {}
-    for n in ((64,) if args.grid else args.seqs):
+    for n in args.seqs or ([64] if args.grid else [64, 8, 1]):
         case = make_case(gen, n, args.mixed)
         best = None
         todo = [dict(zip(grid, v)) for v in itertools.product(*grid.values())] if args.grid else settings(grid, defaults)

@@ -2160,59 +2160,79 @@ def write_kv_cache(
 # layer, the second waiting for the first, for a few kilobytes of work at decode. So the
 # model hands its RoPE table and the step's positions to the attention layer
 # (`attention(layer, qkv, out, stream, rope=(table, positions))`), and a layer that
-# writes a cache does both in `rope_and_write_kv_cache`: a thread per (token, head,
-# pair of dimensions), a row of blocks a token (past the grid's height, a thread takes
-# the tokens a grid apart in turn), rotates its pair of a Q or K head in place, with
-# the same arithmetic as `rope_kernel`, and stores its K or V pair in the cache in
-# bf16. Chapter 11 measures what it saves.
+# writes a cache does both in `rope_and_write_kv_cache`: a thread per (head, pair of
+# dimensions) and four tokens, whose loads it issues before it uses any (a row
+# of blocks for every four tokens; past the grid's height a thread takes the next
+# four a grid apart), rotates its pair of a Q or K head in place, with the same
+# arithmetic as `rope_kernel`, and stores its K or V pair in the cache in bf16.
+# Chapter 11 measures what it saves.
 
 # %%
 #| export kernels.kv_cache_write
-from numba import uint32
+from numba import float32, uint32
 
 from tinyvllm_lib.kernels.rope import NAN32, RopeTable, check_rope_args
 
 MAX_GRID_Y = 65535  # the most blocks a grid's second dimension holds
+ROPE_TOKENS = 4  # tokens a thread: their loads in flight at once
 
 
 @cuda.jit
 def rope_write_kv_cache_kernel(
     qkv, positions, cos, sin, num_heads, num_kv_heads, slot_mapping, k_cache, v_cache
 ):
-    """A thread per (head of Q, K or V, pair i of the head) and token: rotate Q's and
-    K's pairs (i, i + D/2) in place, then store K's and V's pairs in bf16 at the
-    token's slot.
+    """A thread per (head of Q, K or V, pair i of the head) and ROPE_TOKENS tokens:
+    rotate Q's and K's pairs (i, i + D/2) in place, then store K's and V's pairs in
+    bf16 at each token's slot.
     """
     wait_for_previous_kernel()
     half = uint32(cos.shape[1])
+    # the first head of K, of V, and the end of the row: 32-bit, as head is (compared
+    # with int64 sums, numba converts both to float64)
+    k_at, v_at = uint32(num_heads), uint32(num_heads + num_kv_heads)
     heads = uint32(num_heads + 2 * num_kv_heads)
-    # a row of blocks a token (tokens past the grid's height taken in turn); 32-bit
-    # index arithmetic: a 64-bit division costs dozens of instructions
+    # a row of blocks a group of ROPE_TOKENS tokens (groups past the grid's height
+    # taken in turn); 32-bit index arithmetic: a 64-bit division costs dozens of
+    # instructions
     idx = uint32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
     i, head = idx % half, idx // half
     if head >= heads:
         return
     col = head * uint32(2) * half + i
-    for token in range(cuda.blockIdx.y, qkv.shape[0], cuda.gridDim.y):
-        x1, x2 = qkv[token, col], qkv[token, col + half]
-        if head < num_heads + num_kv_heads:  # Q or K: rotate
-            pos = positions[token]
-            is_valid = pos >= 0 and pos < cos.shape[0]
-            # outside the table: poison, never read out of bounds
-            c = cos[pos, i] if is_valid else NAN32
-            s = sin[pos, i] if is_valid else NAN32
-            x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
-            qkv[token, col], qkv[token, col + half] = x1, x2
-        slot = slot_mapping[token]
-        if head >= num_heads and slot >= 0:  # K or V, of a token with a slot
-            if head < num_heads + num_kv_heads:
-                kvh = head - num_heads
-                k_cache[slot, kvh, i] = f32_to_bf16(x1)
-                k_cache[slot, kvh, i + half] = f32_to_bf16(x2)
-            else:
-                kvh = head - num_heads - num_kv_heads
-                v_cache[slot, kvh, i] = f32_to_bf16(x1)
-                v_cache[slot, kvh, i + half] = f32_to_bf16(x2)
+    n = qkv.shape[0]
+    x1 = cuda.local.array(ROPE_TOKENS, float32)
+    x2 = cuda.local.array(ROPE_TOKENS, float32)
+    c = cuda.local.array(ROPE_TOKENS, float32)
+    s = cuda.local.array(ROPE_TOKENS, float32)
+    for base in range(cuda.blockIdx.y * ROPE_TOKENS, n, cuda.gridDim.y * ROPE_TOKENS):
+        for t in range(ROPE_TOKENS):  # every token's loads first: all in flight at once
+            token = base + t
+            if token < n:
+                x1[t], x2[t] = qkv[token, col], qkv[token, col + half]
+                if head < v_at:  # Q or K: its angle
+                    pos = positions[token]
+                    is_valid = pos >= 0 and pos < cos.shape[0]
+                    # outside the table: poison, never read out of bounds
+                    c[t] = cos[pos, i] if is_valid else NAN32
+                    s[t] = sin[pos, i] if is_valid else NAN32
+        for t in range(ROPE_TOKENS):
+            token = base + t
+            if token >= n:
+                continue
+            a, b = x1[t], x2[t]
+            if head < v_at:  # Q or K: rotate
+                a, b = a * c[t] - b * s[t], b * c[t] + a * s[t]
+                qkv[token, col], qkv[token, col + half] = a, b
+            slot = slot_mapping[token]
+            if head >= k_at and slot >= 0:  # K or V, of a token with a slot
+                if head < v_at:
+                    kvh = head - k_at
+                    k_cache[slot, kvh, i] = f32_to_bf16(a)
+                    k_cache[slot, kvh, i + half] = f32_to_bf16(b)
+                else:
+                    kvh = head - v_at
+                    v_cache[slot, kvh, i] = f32_to_bf16(a)
+                    v_cache[slot, kvh, i + half] = f32_to_bf16(b)
 
 
 PTX_SIGNATURES["rope_write_kv_cache_kernel"] = [
@@ -2259,7 +2279,8 @@ def rope_and_write_kv_cache(
     )
     if num_tokens:
         per_token = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
-        grid = (cdiv(per_token, threads), min(num_tokens, MAX_GRID_Y))
+        groups = min(cdiv(num_tokens, ROPE_TOKENS), MAX_GRID_Y)
+        grid = (cdiv(per_token, threads), groups)
         rope_write_kv_cache_kernel[grid, threads, stream](
             qkv,
             positions,

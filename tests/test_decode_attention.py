@@ -301,7 +301,7 @@ def test_rope_and_write_kv_cache_past_the_grids_height(rng, monkeypatch):
     """More tokens than the grid has rows: each row of blocks takes the tokens a grid apart in turn."""
     from tinyvllm_lib.kernels import kv_cache_write
 
-    monkeypatch.setattr(kv_cache_write, "MAX_GRID_Y", 2)
+    monkeypatch.setattr(kv_cache_write, "MAX_GRID_Y", 1)  # one row of blocks: every group in turn
     H, KVH, D = 4, 2, 16
     table = rope_table(D, 10000.0, 64)
     qkv = rng.standard_normal((5, (H + 2 * KVH) * D)).astype(np.float32)

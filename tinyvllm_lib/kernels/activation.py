@@ -80,8 +80,8 @@ def silu_mul(gate_up, out, stream=0, threads_per_block: int = 256):
     num_tokens, width = out.shape
     if num_tokens > 65535:
         raise ValueError(f"silu_mul: at most 65535 tokens per launch, got {num_tokens}")
-    # no more whole warps than a row needs
-    threads = min(threads_per_block, -(-width // 32) * 32)
+    # no more whole warps than a row needs, SILU_COLUMNS columns a thread
+    threads = min(threads_per_block, -(-width // (32 * SILU_COLUMNS)) * 32)
     if num_tokens and width:
         per_block = threads * SILU_COLUMNS
         silu_mul_kernel[
