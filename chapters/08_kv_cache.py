@@ -1340,6 +1340,131 @@ num_splits_for_on_device, split_rows_on_device, split_length_on_device = (
 
 
 # %% [markdown]
+# The end of a block's work — write the output, or the split's partial and, in the last
+# split to finish, the combine — is a device function of its own (chapter 14's decode
+# kernel on the tensor cores ends the same way); it goes to `decode_combine`.
+
+# %%
+#| export kernels.decode_combine
+import math
+
+from numba import config, cuda, float32, int32, uint32
+
+from tinyvllm_lib.kernels.activation_store import store_activation
+from tinyvllm_lib.kernels.checks import cdiv
+from tinyvllm_lib.kernels.reduce import WARP_SIZE, shfl_xor
+
+# device functions inlined into the kernel (the simulator has no such option)
+INLINE = {} if config.ENABLE_CUDASIM else {"forceinline": True}
+# splits whose partials each thread loads at once when the last split combines them
+COMBINE_LOADS = 4
+
+
+def split_finish(head_dim: int, group: int, num_warps: int):
+    """The end of a decode attention block, as a device function: num[j] and den[j] are
+    the unnormalised output and the softmax sum of output tid + j * threads (of the
+    block's group x head_dim), relative to sm_block_top (each query head's maximum, in
+    base 2). A block with the whole context writes out; a split writes its partial to
+    the workspace, and the last split of (row, KV head) to finish combines them all.
+    Chapter 14's tensor-core decode kernel ends with the same function."""
+    D, G, W = head_dim, group, num_warps
+    GD = G * D
+    PER_THREAD = cdiv(GD, W * WARP_SIZE)
+    COMBINED = PER_THREAD * COMBINE_LOADS  # partials a thread holds while combining
+
+    @cuda.jit(device=True, **INLINE)
+    def finish(num, den, sm_block_top, workspace, out, s, split, kvh, n, split_len,
+               is_whole, scratch):
+        tid = uint32(cuda.threadIdx.x)
+        warp, lane = tid // uint32(WARP_SIZE), tid % uint32(WARP_SIZE)
+        # the combine's: is this the last split to finish; each split's weight per head
+        sm_last = cuda.shared.array(1, int32)
+        sm_weight = cuda.shared.array((WARP_SIZE, G), float32)
+        for j in range(PER_THREAD):
+            t = tid + j * W * WARP_SIZE
+            if t < GD:
+                g, d = t // D, t % D
+                h = kvh * G + g
+                if is_whole:  # the whole context in one block: the final output
+                    store_activation(
+                        out,
+                        s,
+                        h * D + d,
+                        num[j] / den[j] if den[j] > 0 else float32(0.0),
+                    )
+                # this split's partial: unnormalised output, then its maximum (base 2)
+                # and sum
+                else:
+                    workspace[s, split, h, d] = num[j]
+                    if d == 0:
+                        workspace[s, split, h, D] = sm_block_top[g]
+                        workspace[s, split, h, D + 1] = den[j]
+        if is_whole:
+            return
+        # the last of the sequence's splits to finish combines them all (no second
+        # kernel): each block makes its partial visible, then counts itself done
+        cuda.threadfence()
+        cuda.syncthreads()
+        used = uint32(uint32(n + split_len - uint32(1)) // split_len)
+        # the count of (s, KV head): the padding after split 0's first head's sum
+        counter = (s, uint32(0), kvh * uint32(G), uint32(D + 2))
+        if tid == 0:
+            done = cuda.atomic.add(workspace, counter, float32(1.0))
+            is_last = uint32(done) == used - uint32(1)
+            sm_last[0] = 1 if is_last else 0
+            if is_last:  # back to zero for the next launch
+                workspace[counter] = float32(0.0)
+        cuda.syncthreads()
+        if sm_last[0] == 0:
+            return
+        cuda.threadfence()  # the other splits' partials, as they wrote them
+        # lane j holds split j's maximum and sum, per query head; every warp works out
+        # the weights (the simulator's shuffles need the whole block), warp 0 keeps them
+        for g in range(G):
+            h = kvh * uint32(G) + uint32(g)
+            jl = min(lane, used - uint32(1))  # lanes past the last split reload it
+            mj = workspace[s, jl, h, D] if lane < used else -math.inf
+            lj = workspace[s, jl, h, D + 1] if lane < used else float32(0.0)
+            top = mj
+            for r in range(5):  # lane masks 1, 2, 4, 8, 16
+                top = max(top, shfl_xor(top, 1 << r, scratch))
+            f = math.exp2(mj - top) if mj > -math.inf else float32(0.0)
+            total = f * lj
+            for r in range(5):
+                total += shfl_xor(total, 1 << r, scratch)
+            if warp == 0:
+                sm_weight[lane, g] = f / total if total > 0 else float32(0.0)
+        cuda.syncthreads()
+        # out = the splits' partials, each weighted: COMBINE_LOADS splits' loads in
+        # flight at a time
+        for j in range(PER_THREAD):
+            num[j] = float32(0.0)
+        vals = cuda.local.array(COMBINED, float32)
+        for j0 in range(uint32(0), used, uint32(COMBINE_LOADS)):
+            for u in range(COMBINE_LOADS):
+                jj = min(j0 + uint32(u), used - uint32(1))
+                for j in range(PER_THREAD):
+                    t = min(tid + uint32(j * W * WARP_SIZE), uint32(GD - 1))
+                    vals[u * PER_THREAD + j] = workspace[
+                        s, jj, kvh * uint32(G) + t // uint32(D), t % uint32(D)
+                    ]
+            for u in range(COMBINE_LOADS):
+                jj = j0 + uint32(u)
+                for j in range(PER_THREAD):
+                    t = tid + uint32(j * W * WARP_SIZE)
+                    if jj < used and t < GD:
+                        num[j] += (
+                            sm_weight[jj, t // uint32(D)] * vals[u * PER_THREAD + j]
+                        )
+        for j in range(PER_THREAD):
+            t = tid + uint32(j * W * WARP_SIZE)
+            if t < GD:
+                store_activation(out, s, kvh * uint32(GD) + t, num[j])
+
+    return finish
+
+
+# %% [markdown]
 # The kernel factory builds one kernel per head size, group and compile-time knob, and
 # keeps the few the models use ready for the PTX check; it goes to
 # `decode_attention_kernel`.
@@ -1350,12 +1475,12 @@ import math
 
 from numba import config, cuda, float32, int32, uint32, uint64
 
-from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_attention_config import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
 )
+from tinyvllm_lib.kernels.decode_combine import INLINE, split_finish
 from tinyvllm_lib.kernels.decode_splits import (
     num_splits_for_on_device,
     split_length_on_device,
@@ -1367,10 +1492,6 @@ from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
 
 # exp(x) = exp2(x log2 e): scores are kept in base 2, so each exponential is one exp2
 LOG2_E = 1.4426950408889634
-# device functions inlined into the kernel (the simulator has no such option)
-INLINE = {} if config.ENABLE_CUDASIM else {"forceinline": True}
-# splits whose partials each thread loads at once when the last split combines them
-COMBINE_LOADS = 4
 
 
 def lanes_per_key(head_dim: int, lane_elements: int = 8) -> int:
@@ -1427,7 +1548,7 @@ def make_decode_attention_kernel(
     # 8-byte words per row; keys a block covers per step
     WPR, STEP = D // 4, W * KPW * C
     PER_THREAD = cdiv(GD, W * WARP_SIZE)  # outputs each thread adds up at the end
-    COMBINED = PER_THREAD * COMBINE_LOADS  # partials a thread holds while combining
+    finish = split_finish(D, G, W)  # the block's output or its split's partial
 
     def rows_loader(which: str):
         """A device function that loads this lane's C rows of a step, keys first,
@@ -1520,9 +1641,6 @@ def make_decode_attention_kernel(
         # one warp's KPW partial outputs at a time
         sm_acc = cuda.shared.array((KPW, GD), float32)
         sm_l = cuda.shared.array((KPW, G), float32)
-        # the combine's: is this the last split to finish; each split's weight per head
-        sm_last = cuda.shared.array(1, int32)
-        sm_weight = cuda.shared.array((WARP_SIZE, G), float32)
         # every index below is a constant: registers, not local memory
         q = cuda.local.array(QN, float32)
         acc = cuda.local.array(QN, float32)
@@ -1665,86 +1783,8 @@ def make_decode_attention_kernel(
                         num[j] += sm_acc[r, t]
                         den[j] += sm_l[r, t // D]
             cuda.syncthreads()
-        for j in range(PER_THREAD):
-            t = tid + j * W * WARP_SIZE
-            if t < GD:
-                g, d = t // D, t % D
-                h = kvh * G + g
-                if is_whole:  # the whole context in one block: the final output
-                    store_activation(
-                        out,
-                        s,
-                        h * D + d,
-                        num[j] / den[j] if den[j] > 0 else float32(0.0),
-                    )
-                # this split's partial: unnormalised output, then its maximum (base 2)
-                # and sum
-                else:
-                    workspace[s, split, h, d] = num[j]
-                    if d == 0:
-                        workspace[s, split, h, D] = sm_block_top[g]
-                        workspace[s, split, h, D + 1] = den[j]
-        if is_whole:
-            return
-        # the last of the sequence's splits to finish combines them all (no second
-        # kernel): each block makes its partial visible, then counts itself done
-        cuda.threadfence()
-        cuda.syncthreads()
-        used = uint32(uint32(n + split_len - uint32(1)) // split_len)
-        # the count of (s, KV head): the padding after split 0's first head's sum
-        counter = (s, uint32(0), kvh * uint32(G), uint32(D + 2))
-        if tid == 0:
-            done = cuda.atomic.add(workspace, counter, float32(1.0))
-            is_last = uint32(done) == used - uint32(1)
-            sm_last[0] = 1 if is_last else 0
-            if is_last:  # back to zero for the next launch
-                workspace[counter] = float32(0.0)
-        cuda.syncthreads()
-        if sm_last[0] == 0:
-            return
-        cuda.threadfence()  # the other splits' partials, as they wrote them
-        # lane j holds split j's maximum and sum, per query head; every warp works out
-        # the weights (the simulator's shuffles need the whole block), warp 0 keeps them
-        for g in range(G):
-            h = kvh * uint32(G) + uint32(g)
-            jl = min(lane, used - uint32(1))  # lanes past the last split reload it
-            mj = workspace[s, jl, h, D] if lane < used else -math.inf
-            lj = workspace[s, jl, h, D + 1] if lane < used else float32(0.0)
-            top = mj
-            for r in range(5):  # lane masks 1, 2, 4, 8, 16
-                top = max(top, shfl_xor(top, 1 << r, scratch))
-            f = math.exp2(mj - top) if mj > -math.inf else float32(0.0)
-            total = f * lj
-            for r in range(5):
-                total += shfl_xor(total, 1 << r, scratch)
-            if warp == 0:
-                sm_weight[lane, g] = f / total if total > 0 else float32(0.0)
-        cuda.syncthreads()
-        # out = the splits' partials, each weighted: COMBINE_LOADS splits' loads in
-        # flight at a time
-        for j in range(PER_THREAD):
-            num[j] = float32(0.0)
-        vals = cuda.local.array(COMBINED, float32)
-        for j0 in range(uint32(0), used, uint32(COMBINE_LOADS)):
-            for u in range(COMBINE_LOADS):
-                jj = min(j0 + uint32(u), used - uint32(1))
-                for j in range(PER_THREAD):
-                    t = min(tid + uint32(j * W * WARP_SIZE), uint32(GD - 1))
-                    vals[u * PER_THREAD + j] = workspace[
-                        s, jj, kvh * uint32(G) + t // uint32(D), t % uint32(D)
-                    ]
-            for u in range(COMBINE_LOADS):
-                jj = j0 + uint32(u)
-                for j in range(PER_THREAD):
-                    t = tid + uint32(j * W * WARP_SIZE)
-                    if jj < used and t < GD:
-                        num[j] += (
-                            sm_weight[jj, t // uint32(D)] * vals[u * PER_THREAD + j]
-                        )
-        for j in range(PER_THREAD):
-            t = tid + uint32(j * W * WARP_SIZE)
-            if t < GD:
-                store_activation(out, s, kvh * uint32(GD) + t, num[j])
+        finish(num, den, sm_block_top, workspace, out, s, split, kvh, n, split_len,
+               is_whole, scratch)
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
     # the first step's cache (tests/test_ptx.py)
