@@ -1628,6 +1628,286 @@ benchmark script checks.
 # measurement below can price.
 
 # %% [markdown]
+# ## Decode on the tensor cores
+#
+# A decode step has one query a sequence, and chapter 8 gave it a kernel of its own that
+# waits on reading the cache. At batch 256 that wait is most of a step: on nano-vllm's
+# workload decode attention was the largest share of the GPU's time, and it read the
+# cache at about two thirds of the bandwidth ceiling (chapter 11's profile). Its SIMT
+# loop spends some thirty warp instructions a key of a KV head — unpacking bf16, four
+# dot products a lane, shuffles to add a key's lanes, exponentials, the weighted add of
+# V — and at the H200's bandwidth the instructions, not the bytes, start to set the
+# pace.
+#
+# The tensor cores take the arithmetic off the warp. Llama 3.2 1B has four query heads a
+# KV head; put them as rows 0–3 of an A fragment (rows 4–15 zero) and one `m16n8k16`
+# multiplies all four against eight keys. Three quarters of the tensor core's work is
+# wasted on zero rows, and it does not matter: a warp does sixteen keys with 8 `mma`
+# for S = QKᵀ and 8 for O += PV, where the SIMT loop needed ~480 instructions. The
+# kernel below reuses this chapter's tile functions at 16 keys a warp: a block per (KV
+# head, sequence, split) exactly as chapter 8's, so its grid, its flash-decoding splits
+# and the end of its work (`split_finish`, shared with chapter 8) are the same; a tile
+# of 64 keys (16 a warp) is copied by `cp.async` through the block table while the
+# warps work on the one before. Each warp keeps its own online softmax; at the end the
+# four warps' (maximum, sum, output) are merged through shared memory.
+
+# %%
+#| export kernels.tc_decode
+import math
+
+from numba import cuda, float32, uint32, uint64
+
+from tinyvllm_lib.kernels.decode_attention import decode_attention
+from tinyvllm_lib.kernels.decode_attention_config import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeAttentionConfig,
+)
+from tinyvllm_lib.kernels.decode_combine import split_finish
+from tinyvllm_lib.kernels.decode_splits import (
+    num_splits_for_on_device,
+    split_length_on_device,
+    split_rows_on_device,
+)
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.paged_cache import cache_word
+from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE
+from tinyvllm_lib.kernels.tc_attention_tiles import (
+    attention_tile_functions,
+    quad_max2,
+    quad_sum2,
+)
+from tinyvllm_lib.kernels.tc_gemm import cp_async16, cp_async_commit, cp_async_wait_one
+from tinyvllm_lib.kernels.tensor_core import (
+    SHARED_ALIGN,
+    exp2_approx,
+    ffi,
+    pack_bf16x2,
+    require_lto,
+)
+
+TC_DECODE_KEYS = 16  # keys a warp takes from each tile: one k-step of P V
+TC_DECODE_MAX_GROUP = 8  # query heads a KV head: the rows of a fragment's top half
+
+
+def tc_decode_warps(head_dim: int) -> int:
+    """Warps a block: 4 at head size 64 (64-key tiles), 2 above (the two stages of K
+    and V tiles stay within 48 KiB of static shared memory)."""
+    return 4 if head_dim <= 64 else 2
+
+
+def make_tc_decode_kernel(head_dim: int, group: int):
+    """Decode attention on the tensor cores: a block per (KV head, row, split), as
+    chapter 8's kernel; the block's K and V tiles (16 keys a warp) copied through the
+    block table by cp.async, the next on its way while the warps work on this one. A
+    warp's A fragments hold the group's query heads as rows (the rest zero), so one
+    m16n8k16 tile serves every query head of the KV head; each warp keeps its own
+    online softmax, merged through shared memory at the end."""
+    D, G, W = head_dim, group, tc_decode_warps(head_dim)
+    if D % 16 or not 1 <= G <= TC_DECODE_MAX_GROUP:
+        raise ValueError(f"tensor-core decode needs head_dim a multiple of 16 and 1 to "
+                         f"{TC_DECODE_MAX_GROUP} query heads a KV head; got head_dim "
+                         f"{D}, group {G}")
+    BKW, THREADS = TC_DECODE_KEYS, W * WARP_SIZE
+    BK = W * BKW  # keys a tile of the block
+    WPR, ROW, CPR = D // 4, D // 4 + 2, D // 8  # words of a row; in shared; chunks
+    STAGE, CHUNKS = BK * ROW, BK * (D // 8) // THREADS
+    QW, SW, OW = D // 4, BKW // 2, D // 2  # a lane's registers: Q, S (then P), O
+    NT, DT, GD = BKW // 8, D // 8, G * D
+    PER_THREAD = (GD + THREADS - 1) // THREADS  # outputs a thread merges at the end
+    qk_tile, pv_tile = attention_tile_functions(D, BKW, ROW)
+    finish = split_finish(D, G, W)
+
+    @cuda.jit
+    def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens,
+               scale_log2, split_keys, min_split_keys, target_blocks, workspace, out):
+        wait_for_previous_kernel()
+        kvh, s, split = (uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y),
+                         uint32(cuda.blockIdx.z))
+        n = uint32(context_lens[s])
+        num_splits = num_splits_for_on_device(
+            n, uint32(cuda.gridDim.z),
+            uint32(cuda.gridDim.x) * split_rows_on_device(uint32(cuda.gridDim.y)),
+            uint32(split_keys), uint32(target_blocks), uint32(min_split_keys))
+        split_len = split_length_on_device(n, num_splits, uint32(BK))
+        begin = uint32(split * split_len)
+        if split > 0 and begin >= n:  # past this sequence's last split
+            return
+        end = min(n, uint32(begin + split_len))
+        tid = uint32(cuda.threadIdx.x)
+        warp, lane = tid // uint32(WARP_SIZE), tid % uint32(WARP_SIZE)
+        t, g_row = lane & uint32(3), lane >> uint32(2)  # column pair; query head (row)
+        bt_row = block_tables[s]
+        block_mask = (uint32(1) << block_shift) - uint32(1)
+        num_kv_heads = uint32(cuda.gridDim.x)
+        k_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
+        v_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
+        sm_m = cuda.shared.array((W, G), float32)  # each warp's maximum and sum a row
+        sm_l = cuda.shared.array((W, G), float32)
+        sm_o = cuda.shared.array((W, GD), float32)  # and its unnormalised output
+        sm_block_top = cuda.shared.array(G, float32)
+        scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)  # simulator's shuffles
+        qf = cuda.local.array(QW, uint32)
+        sc = cuda.local.array(SW, float32)
+        o = cuda.local.array(OW, float32)
+        m_run = cuda.local.array(2, float32)  # rows g_row and g_row + 8 (unused)
+        l_run = cuda.local.array(2, float32)
+        mx = cuda.local.array(2, float32)
+        corr = cuda.local.array(2, float32)
+        for kc in range(D // 16):  # Q in A fragments: row g the group's query head g
+            for r in range(4):
+                col = 16 * kc + 8 * (r // 2) + 2 * t
+                lo, hi = float32(0.0), float32(0.0)
+                if r % 2 == 0 and g_row < G:
+                    at = (kvh * uint32(G) + g_row) * uint32(D) + uint32(col)
+                    lo, hi = qkv[s, at], qkv[s, at + uint32(1)]
+                qf[4 * kc + r] = pack_bf16x2(lo, hi)
+        for i in range(OW):
+            o[i] = float32(0.0)
+        for r in range(2):
+            m_run[r], l_run[r] = float32(-math.inf), float32(0.0)
+        num_tiles = (end - begin + uint32(BK - 1)) // uint32(BK)
+        for it in range(num_tiles + uint32(1)):
+            if it < num_tiles:  # start copying tile it into stage it % 2
+                for u in range(CHUNKS):
+                    c = tid + uint32(u * THREADS)  # key c // CPR, 16 bytes c % CPR
+                    key = min(begin + uint32(it * BK) + c // uint32(CPR),
+                              end - uint32(1))  # past the end: the last key, masked
+                    word = cache_word(bt_row, key, block_shift, block_mask,
+                                      num_kv_heads, kvh, WPR,
+                                      uint32(2 * (c % uint32(CPR))))
+                    at = (c // uint32(CPR)) * uint32(ROW) + uint32(2) * (
+                        c % uint32(CPR))
+                    cp_async16(ffi.from_buffer(k_tile[it % 2, at:]),
+                               ffi.from_buffer(k_cache[word:]))
+                    cp_async16(ffi.from_buffer(v_tile[it % 2, at:]),
+                               ffi.from_buffer(v_cache[word:]))
+            cp_async_commit()
+            if it == 0:
+                continue
+            cp_async_wait_one()  # this thread's copies of tile it - 1 have landed
+            cuda.syncthreads()  # and every thread's
+            stage = (it - 1) % 2
+            k0 = begin + uint32((it - 1) * BK) + warp * uint32(BKW)  # the warp's keys
+            mine = warp * uint32(BKW * ROW)
+            qk_tile(ffi.from_buffer(sc), ffi.from_buffer(qf),
+                    ffi.from_buffer(k_tile[stage, mine:]))
+            if k0 + uint32(BKW) > end:  # keys past the context (the last tile only)
+                for nt in range(NT):
+                    for e in range(4):
+                        if k0 + uint32(8 * nt + e % 2) + uint32(2) * t >= end:
+                            sc[4 * nt + e] = float32(-math.inf)
+            mx_a, mx_b = float32(-math.inf), float32(-math.inf)
+            for nt in range(NT):
+                mx_a = max(mx_a, max(sc[4 * nt], sc[4 * nt + 1]))
+                mx_b = max(mx_b, max(sc[4 * nt + 2], sc[4 * nt + 3]))
+            mx[0], mx[1] = quad_max2(mx_a, mx_b)
+            for r in range(2):  # the online softmax in base 2, as the prefill kernel's
+                new = max(m_run[r], mx[r])
+                if new == -math.inf:  # no key of this warp yet: nothing to rescale
+                    corr[r], mx[r] = float32(1.0), float32(0.0)
+                else:
+                    corr[r] = exp2_approx((m_run[r] - new) * scale_log2)
+                    mx[r] = new * scale_log2
+                m_run[r] = new
+                l_run[r] *= corr[r]
+            for nt in range(NT):
+                for e in range(4):
+                    x = exp2_approx(sc[4 * nt + e] * scale_log2 - mx[e // 2])
+                    l_run[e // 2] += x
+                    sc[4 * nt + e] = x
+            for nt in range(DT):
+                for e in range(4):
+                    o[4 * nt + e] *= corr[e // 2]
+            pv_tile(ffi.from_buffer(o), ffi.from_buffer(sc),
+                    ffi.from_buffer(v_tile[stage, mine:]))
+            cuda.syncthreads()  # done with the stage the next copy overwrites
+        l_run[0], l_run[1] = quad_sum2(l_run[0], l_run[1])
+        if g_row < G:  # the warp's partial for query head g_row, through shared memory
+            sm_m[warp, g_row], sm_l[warp, g_row] = m_run[0], l_run[0]
+            for nt in range(DT):
+                for e in range(2):
+                    col = uint32(8 * nt + e) + uint32(2) * t
+                    sm_o[warp, g_row * uint32(D) + col] = o[4 * nt + e]
+        cuda.syncthreads()
+        num = cuda.local.array(PER_THREAD, float32)
+        den = cuda.local.array(PER_THREAD, float32)
+        for j in range(PER_THREAD):
+            num[j], den[j] = float32(0.0), float32(0.0)
+            i = tid + uint32(j * THREADS)
+            if i < GD:
+                g = i // uint32(D)
+                top = sm_m[0, g]
+                for w in range(1, W):
+                    top = max(top, sm_m[w, g])
+                for w in range(W):
+                    if sm_m[w, g] > -math.inf:
+                        f = exp2_approx((sm_m[w, g] - top) * scale_log2)
+                        num[j] += f * sm_o[w, i]
+                        den[j] += f * sm_l[w, g]
+                if i % uint32(D) == 0:
+                    sm_block_top[g] = top * scale_log2  # base 2, as chapter 8's
+        cuda.syncthreads()
+        finish(num, den, sm_block_top, workspace, out, s, split, kvh, n, split_len,
+               end >= n and split == 0, scratch)
+
+    kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
+    kernel.keys_per_step = BK
+    return require_lto(kernel)
+
+
+_TC_DECODE_KERNELS = {}
+
+
+def tc_decode_kernel_for(head_dim: int, group: int,
+                         cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
+    """The tensor-core decode kernel for these sizes (chapter 8's kernel_for
+    signature: the config's compile-time knobs do not apply), built on first use."""
+    key = (head_dim, group)
+    if key not in _TC_DECODE_KERNELS:
+        _TC_DECODE_KERNELS[key] = make_tc_decode_kernel(head_dim, group)
+    return _TC_DECODE_KERNELS[key]
+
+
+tc_decode_d64_g4_kernel = tc_decode_kernel_for(64, 4)
+_TC_DECODE_KERNELS[(64, 4)] = tc_decode_d64_g4_kernel
+PTX_SIGNATURES = {
+    "tc_decode_d64_g4_kernel": [
+        "void(float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "
+        "int32[::1], float32, int64, int64, int64, float32[:, :, :, ::1], "
+        f"{out}[:, ::1])"
+        for out in ("float32", "uint16")
+    ]
+}
+
+
+def tc_decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int,
+                        context_lens, num_heads: int, num_kv_heads: int,
+                        head_dim: int, out, stream=0, workspace=None,
+                        max_context_len=None,
+                        config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
+    """Chapter 8's decode_attention, same arguments, grid and splits, with this
+    kernel."""
+    return decode_attention(qkv, k_cache, v_cache, block_tables, block_size,
+                            context_lens, num_heads, num_kv_heads, head_dim, out,
+                            stream=stream, workspace=workspace,
+                            max_context_len=max_context_len, config=config,
+                            kernel_for=tc_decode_kernel_for)
+
+
+def decode_attention_for(backend: str, head_dim: int, group: int):
+    """The decode launcher of an engine with attention_backend = backend:
+    "tensor_cores" this kernel (a ValueError where the sizes do not fit), "simt" and
+    "auto" chapter 8's."""
+    fits = head_dim % 16 == 0 and 1 <= group <= TC_DECODE_MAX_GROUP
+    if backend == "tensor_cores" and not fits:
+        raise ValueError(f"attention_backend='tensor_cores' decodes with head sizes "
+                         f"that are multiples of 16 and at most "
+                         f"{TC_DECODE_MAX_GROUP} query heads a KV head; got {head_dim} "
+                         f"and {group}")
+    return tc_decode_attention if backend == "tensor_cores" else decode_attention
+
+
+# %% [markdown]
 # ## How fast
 #
 # A prediction first, written before the kernel ran on a GPU. Its ceiling is not the

@@ -72,6 +72,7 @@ def decode_attention(
     workspace=None,
     max_context_len=None,
     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+    kernel_for=decode_attention_kernel_for,
 ):
     """Row s of qkv (one new query per row, after RoPE) over positions
     0..context_lens[s]-1 of a bf16 KV cache.
@@ -84,7 +85,8 @@ def decode_attention(
     bound on every context length (default: what the block table can address). With the
     number of rows it fixes the grid; each sequence's split is worked out on the GPU
     from its own length, so the same launch serves every step while the contexts grow up
-    to the bound.
+    to the bound. kernel_for(head_dim, group, config): the kernel to launch (chapter 14
+    passes its tensor-core one), with num_warps warps a block.
     """
     name = "decode_attention"
     rows = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
@@ -107,7 +109,7 @@ def decode_attention(
     if rows == 0:
         return out
     cfg = config.for_rows(rows)
-    kernel = decode_attention_kernel_for(head_dim, num_heads // num_kv_heads, cfg)
+    kernel = kernel_for(head_dim, num_heads // num_kv_heads, cfg)
     max_len = (
         int(max_context_len)
         if max_context_len is not None
@@ -121,7 +123,7 @@ def decode_attention(
     # one split writes no partials: any float32 view
     scratch = workspace if splits > 1 else qkv.reshape(1, 1, *qkv.shape)
     knobs = (cfg.split_keys, cfg.min_split_keys, cfg.target_blocks)
-    kernel[(num_kv_heads, rows, splits), cfg.num_warps * WARP_SIZE, stream](
+    kernel[(num_kv_heads, rows, splits), kernel.num_warps * WARP_SIZE, stream](
         qkv,
         k64,
         v64,

@@ -1,0 +1,114 @@
+"""Chapter 14's decode attention on the tensor cores against float64 NumPy, and against
+chapter 8's kernel on the same cache."""
+
+import numpy as np
+import pytest
+from numba import cuda
+from test_decode_attention import case
+
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref
+from tinyvllm_lib.kernels.decode_attention_config import DecodeAttentionConfig
+from tinyvllm_lib.kernels.decode_splits import decode_splits, workspace_row
+from tinyvllm_lib.kernels.tc_decode import (
+    decode_attention_for,
+    make_tc_decode_kernel,
+    tc_decode_attention,
+)
+from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator
+
+pytestmark = pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+
+NAN_BF16 = 0x7FC0
+
+
+def rounded_ref(qkv, k, v, bt, bs, lens, H, KVH, D):
+    """The reference with Q rounded to bf16 where the kernel rounds it (P's rounding,
+    relative to a running maximum, is left to the tolerance)."""
+    q = bf16_bits_to_f32(f32_to_bf16_bits(qkv[:, : H * D]))
+    return decode_attention_ref(np.concatenate([q, qkv[:, H * D:]], 1), k, v, bt, bs,
+                                lens, H, KVH, D)
+
+
+def launch(fn, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype=np.float32, splits=1,
+           **kw):
+    fill = NAN_BF16 if out_dtype == np.uint16 else np.nan
+    out = cuda.to_device(np.full((len(qkv), H * D), fill, out_dtype))
+    ws = None
+    if splits > 1:
+        scratch = np.zeros((len(qkv), splits, H, workspace_row(D)), np.float32)
+        scratch[..., : D + 2] = np.nan  # stale partials must not leak
+        ws = cuda.to_device(scratch)
+    fn(cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v), cuda.to_device(bt),
+       bs, cuda.to_device(lens), H, KVH, D, out, workspace=ws, **kw)
+    got = out.copy_to_host()
+    if ws is not None:  # the last split of each (row, KV head) reset its counter
+        assert (ws.copy_to_host()[:, 0, :, D + 2] == 0).all()
+    return bf16_bits_to_f32(got) if out_dtype == np.uint16 else got
+
+
+def check(got, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype=np.float32):
+    assert not np.isnan(got).any()
+    exact = decode_attention_ref(qkv, k, v, bt, bs, lens, H, KVH, D)
+    ref_err = np.abs(rounded_ref(qkv, k, v, bt, bs, lens, H, KVH, D) - exact).max()
+    err = np.abs(got - exact).max()
+    # P rounded to bf16 (2^-9 of each weight) and the output's own rounding
+    slack = 2.0**-8 * np.abs(exact).max() * (2 if out_dtype == np.uint16 else 1)
+    assert err <= 2 * ref_err + slack, (err, ref_err, slack)
+
+
+@pytest.mark.skipif(not is_simulator(), reason="tiny shapes for the simulator")
+@pytest.mark.parametrize("split_keys", [1024, 64])
+def test_tc_decode_in_the_simulator(rng, split_keys):
+    """Four warps (a GPU's block at head size 64 and below): one key, a partial tile,
+    two tiles and a bit; one split each, or splits of 64 keys with their combine."""
+    H, KVH, D, bs = 4, 2, 16, 4
+    qkv, k, v, bt, lens = case(rng, 4, 150, H, KVH, D, bs)
+    lens[:] = [1, 29, 150, 70]
+    cfg = DecodeAttentionConfig(split_keys=split_keys, target_blocks=1, few_rows=0)
+    splits = decode_splits(150, len(lens), KVH, cfg)
+    assert (splits > 1) == (split_keys == 64)
+    got = launch(tc_decode_attention, qkv, k, v, bt, bs, lens, H, KVH, D,
+                 splits=splits, max_context_len=150, config=cfg)
+    check(got, qkv, k, v, bt, bs, lens, H, KVH, D)
+
+
+def test_tc_decode_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        make_tc_decode_kernel(72, 4)
+    with pytest.raises(ValueError, match="query heads a KV head"):
+        make_tc_decode_kernel(64, 16)
+    with pytest.raises(ValueError, match="tensor_cores"):
+        decode_attention_for("tensor_cores", 64, 16)
+    assert decode_attention_for("tensor_cores", 64, 4) is tc_decode_attention
+    assert decode_attention_for("simt", 64, 4) is decode_attention
+
+
+def test_linked_decode_ptx_keeps_fragments_in_registers():
+    """No GPU needed: 8 mma for S and 8 for O a warp's 16 keys, K and V copies by
+    cp.async, no local memory, every C function inlined."""
+    from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
+
+    counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_decode", "tc_decode_d64_g4_kernel")
+    assert counts["mma.sync"] == 2 * (64 // 16) + 2 * (64 // 16)
+    assert counts["cp.async"] == 2 * 64 * (64 // 8) // 128  # K and V, a thread a tile
+    assert counts["local memory"] == 0 and counts["call"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_tc_decode_on_the_gpu(rng, out_dtype, rows):
+    """Llama 3.2 1B's heads, contexts of 1 to 3,000 keys over a shuffled block table,
+    with and without splits; against float64 and chapter 8's kernel."""
+    H, KVH, D, bs = 32, 8, 64, 16
+    qkv, k, v, bt, lens = case(rng, rows, 3000, H, KVH, D, bs)
+    lens[0] = 1 if rows > 1 else 2999
+    for splits in (1, 32):
+        cfg = DecodeAttentionConfig()
+        kw = dict(out_dtype=out_dtype, splits=splits, max_context_len=3000, config=cfg)
+        got = launch(tc_decode_attention, qkv, k, v, bt, bs, lens, H, KVH, D, **kw)
+        check(got, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype)
+        simt = launch(decode_attention, qkv, k, v, bt, bs, lens, H, KVH, D, **kw)
+        assert np.abs(got - simt).max() <= 2.0**-6 * np.abs(simt).max()
