@@ -2983,6 +2983,7 @@ from tinyvllm_lib.kernels.decode_splits import decode_workspace
 from tinyvllm_lib.kernels.gather import gather_rows
 from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
 from tinyvllm_lib.kernels.tc_attention import prefill_attention_for, prefill_block_q
+from tinyvllm_lib.kernels.tc_decode import decode_attention_for
 from tinyvllm_lib.layers.attention import CachedAttention, PagedAttention
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
@@ -3067,6 +3068,11 @@ class ModelRunner:
             # chapter 14: the kernel every step with a prefill runs its attention with
             self.prefill_attention = prefill_attention_for(
                 config.attention_backend, self.model.config.head_dim
+            )
+            mc = self.model.config  # and every decode-only step
+            self.decode_attention = decode_attention_for(
+                config.attention_backend, mc.head_dim,
+                mc.num_attention_heads // mc.num_key_value_heads,
             )
             self.stream = cuda.stream()
             self.kv_cache_dtype = "bfloat16"
@@ -3205,6 +3211,7 @@ class ModelRunner:
             c, self.kv_cache, batch.device_metadata(), self.workspace,
             self.max_model_len, tiles=v["tiles"],
             prefill_attention=self.prefill_attention,
+            decode_attention=self.decode_attention,
         )
         self.model.run(b, attention, stream, self.cublas_workspace)
         if num_logits == 0:  # a chunk that ends inside its prompt: no logits needed

