@@ -164,24 +164,36 @@ def test_tc_attention_on_the_gpu(case_args, out_dtype, tile):
 
 def key_tile_loop(sass: str) -> list[str]:
     """The instructions of the innermost loop that holds every HMMA of a kernel's SASS
-    (the loop over key tiles): from its backward branch's target to the branch."""
-    code = [(int(a, 16), ins)
-            for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    (the loop over key tiles): from its backward branch's target to the branch. Branch
+    targets are addresses (cuobjdump) or labels such as `(.L_x_12)` (nvdisasm, as
+    numba's inspect_sass prints them)."""
+    code, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.search(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", line):
+            code.append((int(m.group(1), 16), m.group(2)))
+            labels.update((label, code[-1][0]) for label in pending)
+            pending = []
     hmma = [a for a, ins in code if re.search(r"\bHMMA\b", ins)]
     assert hmma, "no HMMA in the SASS"
     loops = []
     for a, ins in code:
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) <= hmma[0] and a >= hmma[-1]:
-            loops.append((int(m.group(1), 16), a))
+        m = re.search(r"\bBRA\b.*?(?:0x([0-9a-f]+)|\((\.L_x_\d+)\))", ins)
+        if m:
+            target = int(m.group(1), 16) if m.group(1) else labels.get(m.group(2), a + 1)
+            if target <= hmma[0] and a >= hmma[-1]:
+                loops.append((target, a))
     assert loops, "no loop around the HMMA"
     first, last = min(loops, key=lambda tb: tb[1] - tb[0])
     return [ins for a, ins in code if first <= a <= last]
 
 
-def test_key_tile_loop_finds_the_loop_around_the_mma():
+@pytest.mark.parametrize("style", ["address", "label"])
+def test_key_tile_loop_finds_the_loop_around_the_mma(style):
     sass = """
         /*0000*/  STL [R1], RZ ;
+.L_x_1:
         /*0010*/  HMMA.16816.F32.BF16 R4, R8, R10, R4 ;
         /*0020*/  @P0 BRA 0x10 ;
         /*0030*/  BAR.SYNC.DEFER_BLOCKING 0x0 ;
@@ -191,6 +203,9 @@ def test_key_tile_loop_finds_the_loop_around_the_mma():
         /*0070*/  STL [R1], R4 ;
         /*0080*/  @P2 BRA 0x0 ;
     """
+    if style == "label":
+        sass = sass.replace("BRA 0x10", "BRA `(.L_x_1)").replace("BRA 0x0", "BRA `(.L_x_0)")
+        sass = sass.replace("        /*0000*/", ".L_x_0:\n        /*0000*/")
     loop = key_tile_loop(sass)
     assert [i.split()[0] for i in loop] == ["HMMA.16816.F32.BF16", "@P0", "BAR.SYNC.DEFER_BLOCKING",
                                             "HMMA.16816.F32.BF16", "LDL", "@P1"]
