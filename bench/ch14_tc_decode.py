@@ -9,10 +9,14 @@
 
 Records to book/data/ch14_tc_decode.json, with the engine's commit when ENGINE_COMMIT is set.
 
-    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tc_decode.py [--only kernel throughput] [--wheel W]
+3. (--only sweep, not in the default run) the tensor-core kernel at other split sizes and grid targets.
+
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tc_decode.py [--only kernel throughput sweep] [--wheel W]
 """
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import subprocess
@@ -23,6 +27,8 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.decode_attention import decode_attention
+from tinyvllm_lib.kernels.decode_attention_config import DecodeAttentionConfig
+from tinyvllm_lib.kernels.decode_splits import decode_splits
 from tinyvllm_lib.kernels.tc_decode import tc_decode_attention
 from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, time_launches
 
@@ -62,6 +68,25 @@ def kernels(rec: Recorder, extra: dict) -> None:
             print(f"{n:>3} seqs {'mixed' if mixed else 'full '} {name:>12}: {seconds * 1e6:8.1f} us {gbs:6.0f} GB/s"
                   + (f" ({gbs / ceiling_gbs:.0%} of {ceiling_name})" if ceiling_name else "")
                   + ("" if ok else f"  WRONG (rel error {err:.1e})"), flush=True)
+        del case
+
+
+def sweep(rec: Recorder, extra: dict) -> None:
+    """The tensor-core kernel at other grids: keys a split and the blocks the splits aim for (64 full contexts,
+    256 mixed ones), beside chapter 8's kernel at its defaults."""
+    gen = np.random.default_rng(1)
+    for n, mixed in ((64, False), (256, True)):
+        case = make_case(gen, n, mixed)
+        for split_keys, target_blocks in itertools.product((256, 512, 1024), (512, 1024, 2048)):
+            cfg = DecodeAttentionConfig(split_keys=split_keys, target_blocks=target_blocks)
+            seconds, err = time_kernel(case, functools.partial(tc_decode_attention, config=cfg))
+            splits = decode_splits(case["max_len"], n, KVH, cfg, max_splits=case["ws"].shape[1])
+            gbs = case["kv_bytes"] / seconds / 1e9
+            rec.add("decode_attention_sweep", [n, case["max_len"], H, KVH, D], "GB/s", gbs, us=seconds * 1e6,
+                    kernel="tensor_cores", mixed=mixed, split_keys=split_keys, target_blocks=target_blocks,
+                    splits=splits, rel_error=err, **extra)
+            print(f"{n:>3} seqs tensor_cores split_keys {split_keys:>4} target_blocks {target_blocks:>4} "
+                  f"(splits {splits:>2}): {seconds * 1e6:8.1f} us {gbs:6.0f} GB/s", flush=True)
         del case
 
 
@@ -115,6 +140,8 @@ def main() -> None:
     extra = {"engine_commit": os.environ.get("ENGINE_COMMIT")}
     if "kernel" in args.only:
         kernels(rec, extra)
+    if "sweep" in args.only:
+        sweep(rec, extra)
     if "throughput" in args.only:
         throughput(rec, extra, args.wheel, args.repeats)
     print("saved", rec.save())
