@@ -29,13 +29,19 @@ from numba import cuda
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import DecodeAttentionConfig
 from tinyvllm_lib.kernels.decode_splits import decode_splits
-from tinyvllm_lib.kernels.tc_decode import tc_decode_attention
+from tinyvllm_lib.kernels.tc_decode import (
+    tc_decode_attention,
+    tc_decode_kernel_for,
+    tc_decode_shape,
+)
 from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, time_launches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ch08_decode_tune import BLOCK, KVH, D, H, make_case  # noqa: E402
 
 LAUNCHERS = {"simt": decode_attention, "tensor_cores": tc_decode_attention}
+# (warps, stages) of the tensor-core kernel besides its default (tc_decode_shape)
+VARIANTS = [v for v in ((4, 2), (3, 3), (2, 4), (2, 3), (1, 6)) if v != tc_decode_shape(D)]
 
 
 def time_kernel(case: dict, launcher) -> tuple[float, float]:
@@ -62,12 +68,23 @@ def kernels(rec: Recorder, extra: dict) -> None:
             gbs = case["kv_bytes"] / seconds / 1e9
             # the tensor-core kernel rounds Q and P to bf16: 2^-8 of the largest output is its budget
             ok = err < (1e-5 if name == "simt" else 2.0**-8)
+            shape = dict(zip(("warps", "stages"), tc_decode_shape(D))) if name == "tensor_cores" else {}
             rec.add("decode_attention", [n, case["max_len"], H, KVH, D], "GB/s", gbs, us=seconds * 1e6,
-                    kernel=name, mixed=mixed, rel_error=err, correct=ok, ceiling=ceiling_gbs,
+                    kernel=name, mixed=mixed, **shape, rel_error=err, correct=ok, ceiling=ceiling_gbs,
                     ceiling_name=ceiling_name, **extra)
             print(f"{n:>3} seqs {'mixed' if mixed else 'full '} {name:>12}: {seconds * 1e6:8.1f} us {gbs:6.0f} GB/s"
                   + (f" ({gbs / ceiling_gbs:.0%} of {ceiling_name})" if ceiling_name else "")
                   + ("" if ok else f"  WRONG (rel error {err:.1e})"), flush=True)
+        for warps, stages in VARIANTS:  # the tensor-core kernel at other block shapes
+            kernel_for = functools.partial(tc_decode_kernel_for, num_warps=warps, stages=stages)
+            seconds, err = time_kernel(case, functools.partial(decode_attention, kernel_for=kernel_for))
+            gbs = case["kv_bytes"] / seconds / 1e9
+            rec.add("decode_attention_variant", [n, case["max_len"], H, KVH, D], "GB/s", gbs, us=seconds * 1e6,
+                    kernel="tensor_cores", warps=warps, stages=stages, mixed=mixed, rel_error=err,
+                    correct=err < 2.0**-8, **extra)
+            print(f"{n:>3} seqs {'mixed' if mixed else 'full '} tensor_cores {warps} warps {stages} stages: "
+                  f"{seconds * 1e6:8.1f} us {gbs:6.0f} GB/s" + ("" if err < 2.0**-8 else f"  WRONG ({err:.1e})"),
+                  flush=True)
         del case
 
 

@@ -1543,7 +1543,8 @@ ptx = library.get_lto_ptx(cc=(9, 0))
 patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
             "cp.async": r"\\bcp\\.async\\.cg", "shfl": r"\\bshfl",
             "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local",
-            "call": r"\\bcall\\b", "shared align 16": r"\\.shared\\s+\\.align\\s+16"}
+            "call": r"\\bcall\\b", "shared align 16": r"\\.shared\\s+\\.align\\s+16",
+            "cp.async wait": r"\\bcp\\.async\\.wait_group"}
 print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
 """
 
@@ -1621,11 +1622,12 @@ benchmark script checks.
 # (every Llama is), and chapter 10's kernel in the simulator, where the twins are slow.
 # The measurements below are what keep it: they set the two kernels side by side at
 # every length the benchmark script times, and the engine's tests run with it.
-# Decode steps keep chapter 11's split decode kernel: one query row per sequence leaves
-# a 16-row fragment mostly empty, and a decode step waits on reading the cache, not on
-# arithmetic. A mixed step's decode rows ride in the prefill kernel as one-token
-# sequences, each a whole tile of `block_q` rows — correct, and wasteful in a way the
-# measurement below can price.
+# Decode-only steps keep chapter 8's split decode kernel under `"auto"`: one query row
+# per sequence leaves a 16-row fragment mostly empty, and a decode step waits on reading
+# the cache, not on arithmetic — the next section tries the tensor cores there anyway,
+# and measures why `"auto"` does not take them. A mixed step's decode rows ride in the
+# prefill kernel as one-token sequences, each a whole tile of `block_q` rows — correct,
+# and wasteful in a way the measurement below can price.
 
 # %% [markdown]
 # ## Decode on the tensor cores
@@ -1655,7 +1657,7 @@ benchmark script checks.
 #| export kernels.tc_decode
 import math
 
-from numba import cuda, float32, uint32, uint64
+from numba import config, cuda, float32, types, uint32, uint64
 
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import (
@@ -1676,7 +1678,7 @@ from tinyvllm_lib.kernels.tc_attention_tiles import (
     quad_max2,
     quad_sum2,
 )
-from tinyvllm_lib.kernels.tc_gemm import cp_async16, cp_async_commit, cp_async_wait_one
+from tinyvllm_lib.kernels.tc_gemm import cp_async16, cp_async_commit
 from tinyvllm_lib.kernels.tensor_core import (
     SHARED_ALIGN,
     exp2_approx,
@@ -1689,24 +1691,44 @@ TC_DECODE_KEYS = 16  # keys a warp takes from each tile: one k-step of P V
 TC_DECODE_MAX_GROUP = 8  # query heads a KV head: the rows of a fragment's top half
 
 
-def tc_decode_warps(head_dim: int) -> int:
-    """Warps a block: 4 at head size 64 (64-key tiles), 2 above (the two stages of K
-    and V tiles stay within 48 KiB of static shared memory)."""
-    return 4 if head_dim <= 64 else 2
+def tc_decode_shape(head_dim: int) -> tuple[int, int]:
+    """(warps a block, stages of K and V tiles): at head size 64, 3 warps (48-key
+    tiles) in 3 stages, two tiles in flight while the warps work on a third; above, 2
+    warps in 2 stages. Either way the stages stay within 48 KiB of static shared
+    memory."""
+    return (3, 3) if head_dim <= 64 else (2, 2)
 
 
-def make_tc_decode_kernel(head_dim: int, group: int):
+def cp_async_wait_function(pending: int):
+    """A device function that waits until at most `pending` groups of copies (the
+    newest) are still in flight: the wait's count is part of the instruction."""
+    if config.ENABLE_CUDASIM:
+        return lambda: None  # twin: nothing is in flight
+    from numba.cuda import CUSource
+
+    src = CUSource(rf"""
+extern "C" __device__ void cp_async_wait_{pending}() {{
+  asm volatile("cp.async.wait_group {pending};" ::: "memory");
+}}""")
+    return cuda.declare_device(f"cp_async_wait_{pending}", types.void(), link=src,
+                               abi="c")
+
+
+def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = None,
+                          stages: int | None = None):
     """Decode attention on the tensor cores: a block per (KV head, row, split), as
     chapter 8's kernel; the block's K and V tiles (16 keys a warp) copied through the
-    block table by cp.async, the next on its way while the warps work on this one. A
-    warp's A fragments hold the group's query heads as rows (the rest zero), so one
-    m16n8k16 tile serves every query head of the KV head; each warp keeps its own
-    online softmax, merged through shared memory at the end."""
-    D, G, W = head_dim, group, tc_decode_warps(head_dim)
-    if D % 16 or not 1 <= G <= TC_DECODE_MAX_GROUP:
-        raise ValueError(f"tensor-core decode needs head_dim a multiple of 16 and 1 to "
-                         f"{TC_DECODE_MAX_GROUP} query heads a KV head; got head_dim "
-                         f"{D}, group {G}")
+    block table by cp.async, stages - 1 of them on their way while the warps work on
+    another. A warp's A fragments hold the group's query heads as rows (the rest
+    zero), so one m16n8k16 tile serves every query head of the KV head; each warp
+    keeps its own online softmax, merged through shared memory at the end."""
+    W, NS = tc_decode_shape(head_dim)
+    D, G, W, NS = head_dim, group, num_warps or W, stages or NS
+    if D % 16 or not 1 <= G <= TC_DECODE_MAX_GROUP or W < 1 or NS < 2:
+        raise ValueError(f"tensor-core decode needs head_dim a multiple of 16, 1 to "
+                         f"{TC_DECODE_MAX_GROUP} query heads a KV head, a warp and two "
+                         f"stages; got head_dim {D}, group {G}, {W} warps, {NS} "
+                         f"stages")
     BKW, THREADS = TC_DECODE_KEYS, W * WARP_SIZE
     BK = W * BKW  # keys a tile of the block
     WPR, ROW, CPR = D // 4, D // 4 + 2, D // 8  # words of a row; in shared; chunks
@@ -1716,6 +1738,7 @@ def make_tc_decode_kernel(head_dim: int, group: int):
     PER_THREAD = (GD + THREADS - 1) // THREADS  # outputs a thread merges at the end
     qk_tile, pv_tile = attention_tile_functions(D, BKW, ROW)
     finish = split_finish(D, G, W)
+    cp_async_wait = cp_async_wait_function(NS - 1)
 
     @cuda.jit
     def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens,
@@ -1739,8 +1762,8 @@ def make_tc_decode_kernel(head_dim: int, group: int):
         bt_row = block_tables[s]
         block_mask = (uint32(1) << block_shift) - uint32(1)
         num_kv_heads = uint32(cuda.gridDim.x)
-        k_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
-        v_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
+        k_tile = cuda.shared.array((NS, STAGE), uint64, alignment=SHARED_ALIGN)
+        v_tile = cuda.shared.array((NS, STAGE), uint64, alignment=SHARED_ALIGN)
         sm_m = cuda.shared.array((W, G), float32)  # each warp's maximum and sum a row
         sm_l = cuda.shared.array((W, G), float32)
         sm_o = cuda.shared.array((W, GD), float32)  # and its unnormalised output
@@ -1766,8 +1789,8 @@ def make_tc_decode_kernel(head_dim: int, group: int):
         for r in range(2):
             m_run[r], l_run[r] = float32(-math.inf), float32(0.0)
         num_tiles = (end - begin + uint32(BK - 1)) // uint32(BK)
-        for it in range(num_tiles + uint32(1)):
-            if it < num_tiles:  # start copying tile it into stage it % 2
+        for it in range(num_tiles + uint32(NS - 1)):
+            if it < num_tiles:  # start copying tile it into stage it % NS
                 for u in range(CHUNKS):
                     c = tid + uint32(u * THREADS)  # key c // CPR, 16 bytes c % CPR
                     key = min(begin + uint32(it * BK) + c // uint32(CPR),
@@ -1777,17 +1800,18 @@ def make_tc_decode_kernel(head_dim: int, group: int):
                                       uint32(2 * (c % uint32(CPR))))
                     at = (c // uint32(CPR)) * uint32(ROW) + uint32(2) * (
                         c % uint32(CPR))
-                    cp_async16(ffi.from_buffer(k_tile[it % 2, at:]),
+                    cp_async16(ffi.from_buffer(k_tile[it % NS, at:]),
                                ffi.from_buffer(k_cache[word:]))
-                    cp_async16(ffi.from_buffer(v_tile[it % 2, at:]),
+                    cp_async16(ffi.from_buffer(v_tile[it % NS, at:]),
                                ffi.from_buffer(v_cache[word:]))
-            cp_async_commit()
-            if it == 0:
+            cp_async_commit()  # (an empty group past the last tile)
+            if it < NS - 1:
                 continue
-            cp_async_wait_one()  # this thread's copies of tile it - 1 have landed
+            cp_async_wait()  # this thread's copies of tile j = it - (NS - 1) landed
             cuda.syncthreads()  # and every thread's
-            stage = (it - 1) % 2
-            k0 = begin + uint32((it - 1) * BK) + warp * uint32(BKW)  # the warp's keys
+            j = it - uint32(NS - 1)
+            stage = j % NS
+            k0 = begin + uint32(j * BK) + warp * uint32(BKW)  # the warp's keys
             mine = warp * uint32(BKW * ROW)
             qk_tile(ffi.from_buffer(sc), ffi.from_buffer(qf),
                     ffi.from_buffer(k_tile[stage, mine:]))
@@ -1851,7 +1875,7 @@ def make_tc_decode_kernel(head_dim: int, group: int):
                end >= n and split == 0, scratch)
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
-    kernel.keys_per_step = BK
+    kernel.keys_per_step, kernel.stages = BK, NS
     return require_lto(kernel)
 
 
@@ -1859,17 +1883,19 @@ _TC_DECODE_KERNELS = {}
 
 
 def tc_decode_kernel_for(head_dim: int, group: int,
-                         cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
+                         cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+                         num_warps: int | None = None, stages: int | None = None):
     """The tensor-core decode kernel for these sizes (chapter 8's kernel_for
-    signature: the config's compile-time knobs do not apply), built on first use."""
-    key = (head_dim, group)
+    signature: the config's compile-time knobs do not apply; num_warps and stages
+    default to tc_decode_shape's), built on first use."""
+    key = (head_dim, group, num_warps, stages)
     if key not in _TC_DECODE_KERNELS:
-        _TC_DECODE_KERNELS[key] = make_tc_decode_kernel(head_dim, group)
+        _TC_DECODE_KERNELS[key] = make_tc_decode_kernel(head_dim, group, num_warps,
+                                                        stages)
     return _TC_DECODE_KERNELS[key]
 
 
-tc_decode_d64_g4_kernel = tc_decode_kernel_for(64, 4)
-_TC_DECODE_KERNELS[(64, 4)] = tc_decode_d64_g4_kernel
+tc_decode_d64_g4_kernel = tc_decode_kernel_for(64, 4)  # Llama 3.2 1B's, for CI's PTX
 PTX_SIGNATURES = {
     "tc_decode_d64_g4_kernel": [
         "void(float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "
@@ -1906,6 +1932,112 @@ def decode_attention_for(backend: str, head_dim: int, group: int):
                          f"and {group}")
     return tc_decode_attention if backend == "tensor_cores" else decode_attention
 
+
+# %% [markdown]
+# Against chapter 8's float64 reference at tiny sizes (four warps, as a GPU runs it; the
+# twins in the simulator): a context of one key, one that ends inside the first tile,
+# and one of two tiles and a bit. Q and P are rounded to bf16 before their products,
+# as in the prefill kernel, so the error is the rounded reference's, not float32's.
+
+# %%
+from tinyvllm_lib.kernels.decode_attention import decode_attention_ref
+
+rng = np.random.default_rng(14)
+H_, KVH_, D_, BS_ = 4, 2, 16, 4
+lens_ = np.array([1, 29, 150], np.int32)
+tables_ = rng.permutation(3 * 38).reshape(3, 38).astype(np.int32)
+kv_ = [f32_to_bf16_bits(rng.standard_normal((3 * 38 * BS_, KVH_, D_), np.float32))
+       for _ in range(2)]
+qkv_ = rng.standard_normal((3, (H_ + 2 * KVH_) * D_)).astype(np.float32)
+out_ = cuda.device_array((3, H_ * D_), np.float32)
+with twin_launch():
+    tc_decode_attention(*map(cuda.to_device, (qkv_, *kv_, tables_)), BS_,
+                        cuda.to_device(lens_), H_, KVH_, D_, out_)
+exact_ = decode_attention_ref(qkv_, *kv_, tables_, BS_, lens_, H_, KVH_, D_)
+q_rounded = bf16_bits_to_f32(f32_to_bf16_bits(qkv_[:, : H_ * D_]))
+rounded_ = decode_attention_ref(np.concatenate([q_rounded, qkv_[:, H_ * D_:]], 1),
+                                *kv_, tables_, BS_, lens_, H_, KVH_, D_)
+err_, ref_err_ = (np.abs(x - exact_).max() for x in (out_.copy_to_host(), rounded_))
+print(f"tensor-core decode: max error {err_:.1e} (Q rounded to bf16: {ref_err_:.1e})")
+assert err_ <= 2 * ref_err_ + 2.0**-9 * np.abs(bf16_bits_to_f32(kv_[1])).max()
+
+# %% [markdown]
+# ### Does it pay?
+#
+# A prediction, written before it ran: if the SIMT kernel's instructions were what held
+# it at about two thirds of the bandwidth, the tensor cores should lift decode attention
+# toward the read-only ceiling, and nano-vllm's workload, where decode attention was the
+# largest share of the GPU's time, by up to a tenth. `bench/ch14_tc_decode.py` times
+# both kernels on the same caches (chapter 8's cases: full 1,024-token contexts at 1 and
+# 64 sequences, nano-vllm's 100 to 2,048-token contexts at 256), then the engine with
+# each on nano-vllm's workload.
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+dec = load_records("ch14_tc_decode")
+if dec:
+    dev = dec[-1]["device"]["name"]
+    dec = [r for r in dec if r["device"]["name"] == dev]
+    cases = [(1, False), (64, False), (256, True)]
+    labels = ["1 × 1,024", "64 × 1,024", "256 mixed"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.4),
+                                  gridspec_kw={"width_ratios": [3, 2]})
+    gbs = {}
+    for j, kern in enumerate(("simt", "tensor_cores")):
+        for i, (n, mixed) in enumerate(cases):
+            rs = [r for r in dec if r["name"] == "decode_attention"
+                  and r["kernel"] == kern and r["shape"][0] == n
+                  and r["mixed"] == mixed]
+            gbs[kern, i] = rs[-1]["value"] if rs else float("nan")
+        ax.bar(np.arange(3) + 0.38 * j, [gbs[kern, i] for i in range(3)], 0.38,
+               label={"simt": "chapter 8 (SIMT)", "tensor_cores": "tensor cores"}[kern])
+    ax.set_xticks(np.arange(3) + 0.19, labels)
+    ax.set_ylabel("GB/s of K and V read")
+    ax.set_title("decode attention, one launch")
+    ax.legend()
+    thr = {}
+    for j, backend in enumerate(("auto", "tensor_cores")):
+        for i, t in enumerate((0.0, 0.6)):
+            rs = [r for r in dec if r["name"] == "throughput"
+                  and r["backend"] == backend and r["temperature"] == t]
+            thr[backend, t] = rs[-1]["value"] if rs else float("nan")
+        ax2.bar(np.arange(2) + 0.38 * j, [thr[backend, t] / 1e3 for t in (0.0, 0.6)],
+                0.38, label={"auto": "chapter 8's decode",
+                             "tensor_cores": "tensor-core decode"}[backend])
+    ax2.set_xticks(np.arange(2) + 0.19, ["greedy", "temperature 0.6"])
+    ax2.set_ylabel("thousand output tok/s")
+    ax2.set_title("nano-vllm's workload")
+    ax2.legend(loc="lower right")
+    fig.suptitle(f"{dev}, {dec[-1]['date']}")
+    fig.tight_layout()
+    plt.show()
+    prose.glue("ch14_dec_dev", dev)
+    for i, key in enumerate(("one", "full", "mixed")):
+        prose.glue(f"ch14_dec_{key}",
+                   f"{gbs['tensor_cores', i] / gbs['simt', i] - 1:+.0%}")
+    for t, key in ((0.0, "ch14_dec_thr"), (0.6, "ch14_dec_thr_s")):
+        prose.glue(key, f"{thr['tensor_cores', t] / thr['auto', t] - 1:+.1%}")
+    sweep = [r for r in dec if r["name"] == "decode_attention_sweep"]
+    if sweep:
+        best = max(sweep, key=lambda r: r["value"])
+        prose.glue("ch14_dec_sweep", f"{best['split_keys']} keys a split and "
+                   f"{best['splits']} split{'s' if best['splits'] > 1 else ''}")
+    prose.show("""
+On the {{ch14_dec_dev}}, against chapter 8's kernel: {{ch14_dec_one}} at one sequence,
+{{ch14_dec_full}} at 64 full contexts, {{ch14_dec_mixed}} at nano-vllm's 256 mixed
+ones; the engine with it, {{ch14_dec_thr}} greedy and {{ch14_dec_thr_s}} at
+temperature 0.6 (medians of three). The prediction missed: the tensor cores took the
+arithmetic off the warp, and the kernel did not get closer to the bandwidth. What
+holds a decode kernel back at this size is how many bytes each SM keeps in flight, not
+its instruction count: this kernel has one 64-key tile in flight a block behind a
+barrier a tile, where chapter 8's lanes each keep their own rows loading while they
+work. More, smaller splits did not help either (the sweep's best was
+{{ch14_dec_sweep}}, the defaults). So `"auto"` keeps chapter 8's kernel for decode
+steps, and `attention_backend="tensor_cores"` takes this one, for a reader to push
+further: a third stage of tiles in dynamic shared memory, or warps that stream their
+own keys without a block-wide barrier.
+""")
+else:
+    print("no ch14_tc_decode records yet: bench/ch14_tc_decode.py on a GPU makes them")
 
 # %% [markdown]
 # ## How fast

@@ -1,6 +1,8 @@
 """Chapter 14's decode attention on the tensor cores against float64 NumPy, and against
 chapter 8's kernel on the same cache."""
 
+import functools
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -14,6 +16,8 @@ from tinyvllm_lib.kernels.tc_decode import (
     decode_attention_for,
     make_tc_decode_kernel,
     tc_decode_attention,
+    tc_decode_kernel_for,
+    tc_decode_shape,
 )
 from tinyvllm_lib.runtime import can_launch, has_gpu, is_simulator
 
@@ -61,17 +65,23 @@ def check(got, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype=np.float32):
 
 
 @pytest.mark.skipif(not is_simulator(), reason="tiny shapes for the simulator")
-@pytest.mark.parametrize("split_keys", [1024, 64])
-def test_tc_decode_in_the_simulator(rng, split_keys):
-    """Four warps (a GPU's block at head size 64 and below): one key, a partial tile,
-    two tiles and a bit; one split each, or splits of 64 keys with their combine."""
+@pytest.mark.parametrize("split_keys,shape", [(1024, None), (64, None), (64, (2, 2))])
+def test_tc_decode_in_the_simulator(rng, split_keys, shape):
+    """The block a GPU runs at head size 64 and below (tc_decode_shape), and another:
+    one key, a partial tile, several tiles through every stage; one split each, or
+    splits of 64 keys with their combine."""
     H, KVH, D, bs = 4, 2, 16, 4
     qkv, k, v, bt, lens = case(rng, 4, 150, H, KVH, D, bs)
     lens[:] = [1, 29, 150, 70]
     cfg = DecodeAttentionConfig(split_keys=split_keys, target_blocks=1, few_rows=0)
     splits = decode_splits(150, len(lens), KVH, cfg)
     assert (splits > 1) == (split_keys == 64)
-    got = launch(tc_decode_attention, qkv, k, v, bt, bs, lens, H, KVH, D,
+    fn = tc_decode_attention
+    if shape:
+        kernel_for = functools.partial(tc_decode_kernel_for, num_warps=shape[0],
+                                       stages=shape[1])
+        fn = functools.partial(decode_attention, kernel_for=kernel_for)
+    got = launch(fn, qkv, k, v, bt, bs, lens, H, KVH, D,
                  splits=splits, max_context_len=150, config=cfg)
     check(got, qkv, k, v, bt, bs, lens, H, KVH, D)
 
@@ -79,6 +89,8 @@ def test_tc_decode_in_the_simulator(rng, split_keys):
 def test_tc_decode_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="multiple of 16"):
         make_tc_decode_kernel(72, 4)
+    with pytest.raises(ValueError, match="two stages"):
+        make_tc_decode_kernel(64, 4, stages=1)
     with pytest.raises(ValueError, match="query heads a KV head"):
         make_tc_decode_kernel(64, 16)
     with pytest.raises(ValueError, match="tensor_cores"):
@@ -93,8 +105,10 @@ def test_linked_decode_ptx_keeps_fragments_in_registers():
     from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
 
     counts = linked_ptx_counts("tinyvllm_lib.kernels.tc_decode", "tc_decode_d64_g4_kernel")
+    warps, stages = tc_decode_shape(64)
     assert counts["mma.sync"] == 2 * (64 // 16) + 2 * (64 // 16)
-    assert counts["cp.async"] == 2 * 64 * (64 // 8) // 128  # K and V, a thread a tile
+    assert counts["cp.async"] == 2 * 16 * warps * (64 // 8) // (32 * warps)  # K and V
+    assert counts["cp.async wait"] == 1  # the wait for the tile stages - 1 back
     assert counts["local memory"] == 0 and counts["call"] == 0
 
 

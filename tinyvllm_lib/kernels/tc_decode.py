@@ -4,7 +4,7 @@
 # defined in chapters/14_tensor_cores.py
 import math
 
-from numba import cuda, float32, uint32, uint64
+from numba import config, cuda, float32, types, uint32, uint64
 
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import (
@@ -25,7 +25,7 @@ from tinyvllm_lib.kernels.tc_attention_tiles import (
     quad_max2,
     quad_sum2,
 )
-from tinyvllm_lib.kernels.tc_gemm import cp_async16, cp_async_commit, cp_async_wait_one
+from tinyvllm_lib.kernels.tc_gemm import cp_async16, cp_async_commit
 from tinyvllm_lib.kernels.tensor_core import (
     SHARED_ALIGN,
     exp2_approx,
@@ -38,24 +38,44 @@ TC_DECODE_KEYS = 16  # keys a warp takes from each tile: one k-step of P V
 TC_DECODE_MAX_GROUP = 8  # query heads a KV head: the rows of a fragment's top half
 
 
-def tc_decode_warps(head_dim: int) -> int:
-    """Warps a block: 4 at head size 64 (64-key tiles), 2 above (the two stages of K
-    and V tiles stay within 48 KiB of static shared memory)."""
-    return 4 if head_dim <= 64 else 2
+def tc_decode_shape(head_dim: int) -> tuple[int, int]:
+    """(warps a block, stages of K and V tiles): at head size 64, 3 warps (48-key
+    tiles) in 3 stages, two tiles in flight while the warps work on a third; above, 2
+    warps in 2 stages. Either way the stages stay within 48 KiB of static shared
+    memory."""
+    return (3, 3) if head_dim <= 64 else (2, 2)
 
 
-def make_tc_decode_kernel(head_dim: int, group: int):
+def cp_async_wait_function(pending: int):
+    """A device function that waits until at most `pending` groups of copies (the
+    newest) are still in flight: the wait's count is part of the instruction."""
+    if config.ENABLE_CUDASIM:
+        return lambda: None  # twin: nothing is in flight
+    from numba.cuda import CUSource
+
+    src = CUSource(rf"""
+extern "C" __device__ void cp_async_wait_{pending}() {{
+  asm volatile("cp.async.wait_group {pending};" ::: "memory");
+}}""")
+    return cuda.declare_device(f"cp_async_wait_{pending}", types.void(), link=src,
+                               abi="c")
+
+
+def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = None,
+                          stages: int | None = None):
     """Decode attention on the tensor cores: a block per (KV head, row, split), as
     chapter 8's kernel; the block's K and V tiles (16 keys a warp) copied through the
-    block table by cp.async, the next on its way while the warps work on this one. A
-    warp's A fragments hold the group's query heads as rows (the rest zero), so one
-    m16n8k16 tile serves every query head of the KV head; each warp keeps its own
-    online softmax, merged through shared memory at the end."""
-    D, G, W = head_dim, group, tc_decode_warps(head_dim)
-    if D % 16 or not 1 <= G <= TC_DECODE_MAX_GROUP:
-        raise ValueError(f"tensor-core decode needs head_dim a multiple of 16 and 1 to "
-                         f"{TC_DECODE_MAX_GROUP} query heads a KV head; got head_dim "
-                         f"{D}, group {G}")
+    block table by cp.async, stages - 1 of them on their way while the warps work on
+    another. A warp's A fragments hold the group's query heads as rows (the rest
+    zero), so one m16n8k16 tile serves every query head of the KV head; each warp
+    keeps its own online softmax, merged through shared memory at the end."""
+    W, NS = tc_decode_shape(head_dim)
+    D, G, W, NS = head_dim, group, num_warps or W, stages or NS
+    if D % 16 or not 1 <= G <= TC_DECODE_MAX_GROUP or W < 1 or NS < 2:
+        raise ValueError(f"tensor-core decode needs head_dim a multiple of 16, 1 to "
+                         f"{TC_DECODE_MAX_GROUP} query heads a KV head, a warp and two "
+                         f"stages; got head_dim {D}, group {G}, {W} warps, {NS} "
+                         f"stages")
     BKW, THREADS = TC_DECODE_KEYS, W * WARP_SIZE
     BK = W * BKW  # keys a tile of the block
     WPR, ROW, CPR = D // 4, D // 4 + 2, D // 8  # words of a row; in shared; chunks
@@ -65,6 +85,7 @@ def make_tc_decode_kernel(head_dim: int, group: int):
     PER_THREAD = (GD + THREADS - 1) // THREADS  # outputs a thread merges at the end
     qk_tile, pv_tile = attention_tile_functions(D, BKW, ROW)
     finish = split_finish(D, G, W)
+    cp_async_wait = cp_async_wait_function(NS - 1)
 
     @cuda.jit
     def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens,
@@ -88,8 +109,8 @@ def make_tc_decode_kernel(head_dim: int, group: int):
         bt_row = block_tables[s]
         block_mask = (uint32(1) << block_shift) - uint32(1)
         num_kv_heads = uint32(cuda.gridDim.x)
-        k_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
-        v_tile = cuda.shared.array((2, STAGE), uint64, alignment=SHARED_ALIGN)
+        k_tile = cuda.shared.array((NS, STAGE), uint64, alignment=SHARED_ALIGN)
+        v_tile = cuda.shared.array((NS, STAGE), uint64, alignment=SHARED_ALIGN)
         sm_m = cuda.shared.array((W, G), float32)  # each warp's maximum and sum a row
         sm_l = cuda.shared.array((W, G), float32)
         sm_o = cuda.shared.array((W, GD), float32)  # and its unnormalised output
@@ -115,8 +136,8 @@ def make_tc_decode_kernel(head_dim: int, group: int):
         for r in range(2):
             m_run[r], l_run[r] = float32(-math.inf), float32(0.0)
         num_tiles = (end - begin + uint32(BK - 1)) // uint32(BK)
-        for it in range(num_tiles + uint32(1)):
-            if it < num_tiles:  # start copying tile it into stage it % 2
+        for it in range(num_tiles + uint32(NS - 1)):
+            if it < num_tiles:  # start copying tile it into stage it % NS
                 for u in range(CHUNKS):
                     c = tid + uint32(u * THREADS)  # key c // CPR, 16 bytes c % CPR
                     key = min(begin + uint32(it * BK) + c // uint32(CPR),
@@ -126,17 +147,18 @@ def make_tc_decode_kernel(head_dim: int, group: int):
                                       uint32(2 * (c % uint32(CPR))))
                     at = (c // uint32(CPR)) * uint32(ROW) + uint32(2) * (
                         c % uint32(CPR))
-                    cp_async16(ffi.from_buffer(k_tile[it % 2, at:]),
+                    cp_async16(ffi.from_buffer(k_tile[it % NS, at:]),
                                ffi.from_buffer(k_cache[word:]))
-                    cp_async16(ffi.from_buffer(v_tile[it % 2, at:]),
+                    cp_async16(ffi.from_buffer(v_tile[it % NS, at:]),
                                ffi.from_buffer(v_cache[word:]))
-            cp_async_commit()
-            if it == 0:
+            cp_async_commit()  # (an empty group past the last tile)
+            if it < NS - 1:
                 continue
-            cp_async_wait_one()  # this thread's copies of tile it - 1 have landed
+            cp_async_wait()  # this thread's copies of tile j = it - (NS - 1) landed
             cuda.syncthreads()  # and every thread's
-            stage = (it - 1) % 2
-            k0 = begin + uint32((it - 1) * BK) + warp * uint32(BKW)  # the warp's keys
+            j = it - uint32(NS - 1)
+            stage = j % NS
+            k0 = begin + uint32(j * BK) + warp * uint32(BKW)  # the warp's keys
             mine = warp * uint32(BKW * ROW)
             qk_tile(ffi.from_buffer(sc), ffi.from_buffer(qf),
                     ffi.from_buffer(k_tile[stage, mine:]))
@@ -200,7 +222,7 @@ def make_tc_decode_kernel(head_dim: int, group: int):
                end >= n and split == 0, scratch)
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
-    kernel.keys_per_step = BK
+    kernel.keys_per_step, kernel.stages = BK, NS
     return require_lto(kernel)
 
 
@@ -208,17 +230,19 @@ _TC_DECODE_KERNELS = {}
 
 
 def tc_decode_kernel_for(head_dim: int, group: int,
-                         cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
+                         cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+                         num_warps: int | None = None, stages: int | None = None):
     """The tensor-core decode kernel for these sizes (chapter 8's kernel_for
-    signature: the config's compile-time knobs do not apply), built on first use."""
-    key = (head_dim, group)
+    signature: the config's compile-time knobs do not apply; num_warps and stages
+    default to tc_decode_shape's), built on first use."""
+    key = (head_dim, group, num_warps, stages)
     if key not in _TC_DECODE_KERNELS:
-        _TC_DECODE_KERNELS[key] = make_tc_decode_kernel(head_dim, group)
+        _TC_DECODE_KERNELS[key] = make_tc_decode_kernel(head_dim, group, num_warps,
+                                                        stages)
     return _TC_DECODE_KERNELS[key]
 
 
-tc_decode_d64_g4_kernel = tc_decode_kernel_for(64, 4)
-_TC_DECODE_KERNELS[(64, 4)] = tc_decode_d64_g4_kernel
+tc_decode_d64_g4_kernel = tc_decode_kernel_for(64, 4)  # Llama 3.2 1B's, for CI's PTX
 PTX_SIGNATURES = {
     "tc_decode_d64_g4_kernel": [
         "void(float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "

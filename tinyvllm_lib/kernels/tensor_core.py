@@ -278,7 +278,8 @@ ptx = library.get_lto_ptx(cc=(9, 0))
 patterns = {"mma.sync": r"\\bmma\\.sync", "ldmatrix": r"\\bldmatrix",
             "cp.async": r"\\bcp\\.async\\.cg", "shfl": r"\\bshfl",
             "ex2": r"\\bex2", "local memory": r"\\b(?:ld|st)\\.local",
-            "call": r"\\bcall\\b", "shared align 16": r"\\.shared\\s+\\.align\\s+16"}
+            "call": r"\\bcall\\b", "shared align 16": r"\\.shared\\s+\\.align\\s+16",
+            "cp.async wait": r"\\bcp\\.async\\.wait_group"}
 print(json.dumps({k: len(re.findall(p, ptx)) for k, p in patterns.items()}))
 """
 
