@@ -2016,25 +2016,40 @@ if dec:
                    f"{gbs['tensor_cores', i] / gbs['simt', i] - 1:+.0%}")
     for t, key in ((0.0, "ch14_dec_thr"), (0.6, "ch14_dec_thr_s")):
         prose.glue(key, f"{thr['tensor_cores', t] / thr['auto', t] - 1:+.1%}")
+    default = DEFAULT_DECODE_CONFIG.split_keys
     sweep = [r for r in dec if r["name"] == "decode_attention_sweep"]
-    if sweep:
-        best = max(sweep, key=lambda r: r["value"])
-        prose.glue("ch14_dec_sweep", f"{best['split_keys']} keys a split and "
-                   f"{best['splits']} split{'s' if best['splits'] > 1 else ''}")
+    best = max(sweep, key=lambda r: r["value"]) if sweep else None
+    prose.glue("ch14_dec_sweep", (
+        f"More, smaller splits did not help: the fastest split size of the sweep was "
+        f"{best['split_keys']:,} keys, the default's {default:,}."
+        if best and best["split_keys"] == default else
+        f"The sweep's fastest split size was {best['split_keys']:,} keys (the default: "
+        f"{default:,})." if best else "No sweep of split sizes is recorded yet."))
+    variants = [r for r in dec if r["name"] == "decode_attention_variant"
+                and r["shape"][0] == 256]
+    if variants:
+        top = max(variants, key=lambda r: r["value"])
+        prose.glue("ch14_dec_variants", (
+            f"Of the other block shapes the script timed, the best at 256 mixed "
+            f"contexts was {top['warps']} warps in {top['stages']} stages: "
+            f"{top['value'] / gbs['tensor_cores', 2] - 1:+.0%} against the default."))
+    else:
+        prose.glue("ch14_dec_variants", (
+            "Deeper pipelines — 3 warps in 3 stages, 2 in 4, 1 in 6, each within the "
+            "same 48 KiB — are one argument of `make_tc_decode_kernel` away (3 in 3 "
+            "passed the GPU tests and racecheck), and `bench/ch14_tc_decode.py` times "
+            "them beside the default; no run of it has recorded them yet."))
     prose.show("""
 On the {{ch14_dec_dev}}, against chapter 8's kernel: {{ch14_dec_one}} at one sequence,
 {{ch14_dec_full}} at 64 full contexts, {{ch14_dec_mixed}} at nano-vllm's 256 mixed
 ones; the engine with it, {{ch14_dec_thr}} greedy and {{ch14_dec_thr_s}} at
 temperature 0.6 (medians of three). The prediction missed: the tensor cores took the
-arithmetic off the warp, and the kernel did not get closer to the bandwidth. What
-holds a decode kernel back at this size is how many bytes each SM keeps in flight, not
-its instruction count: this kernel has one 64-key tile in flight a block behind a
-barrier a tile, where chapter 8's lanes each keep their own rows loading while they
-work. More, smaller splits did not help either (the sweep's best was
-{{ch14_dec_sweep}}, the defaults). So `"auto"` keeps chapter 8's kernel for decode
-steps, and `attention_backend="tensor_cores"` takes this one, for a reader to push
-further: a third stage of tiles in dynamic shared memory, or warps that stream their
-own keys without a block-wide barrier.
+arithmetic off the warp, and the kernel got no closer to the bandwidth. The likelier
+limit is how many bytes each SM keeps in flight: in the default shape a block has one
+64-key tile on its way, behind a barrier a tile, where chapter 8's lanes each keep their
+own rows loading while they work. {{ch14_dec_sweep}} {{ch14_dec_variants}} Until one
+wins, `"auto"` keeps chapter 8's kernel for decode steps and
+`attention_backend="tensor_cores"` takes this one.
 """)
 else:
     print("no ch14_tc_decode records yet: bench/ch14_tc_decode.py on a GPU makes them")
