@@ -3,9 +3,8 @@
 1. kernel: both launchers at Llama 3.2 1B's heads on the same paged caches (bench/ch08_decode_tune.py's cases: full
    1,024-token contexts at 1 and 64 sequences; nano-vllm's 100-2,048-token contexts at 256), each checked against the
    float64 reference first, timed in CUDA graphs over K/V sets larger than L2; GB/s of K and V read.
-2. throughput: nano-vllm's workload (greedy and temperature 0.6) and batch-1 decode through LLM with
-   attention_backend "auto" (chapter 8's decode) and "tensor_cores" (this kernel), each engine in a process of its
-   own, medians of --repeats.
+2. throughput: nano-vllm's workload (greedy and temperature 0.6) through LLM with attention_backend "auto"
+   (chapter 8's decode) and "tensor_cores" (this kernel), each engine in a process of its own, medians of --repeats.
 
 Records to book/data/ch14_tc_decode.json, with the engine's commit when ENGINE_COMMIT is set.
 
@@ -90,7 +89,7 @@ def kernels(rec: Recorder, extra: dict) -> None:
 
 def sweep(rec: Recorder, extra: dict) -> None:
     """The tensor-core kernel at other grids: keys a split and the blocks the splits aim for (64 full contexts,
-    256 mixed ones), beside chapter 8's kernel at its defaults."""
+    256 mixed ones); the defaults are among them."""
     gen = np.random.default_rng(1)
     for n, mixed in ((64, False), (256, True)):
         case = make_case(gen, n, mixed)
@@ -108,7 +107,7 @@ def sweep(rec: Recorder, extra: dict) -> None:
 
 
 def child(backend: str, wheel, repeats: int) -> dict:
-    """One engine with this attention backend: throughput greedy and at t 0.6, batch-1 decode."""
+    """One engine with this attention backend: throughput greedy and at t 0.6."""
     from ch11_llama import MAX_MODEL_LEN, MAX_NUM_SEQS
 
     from tinyvllm_lib import benchmark

@@ -1473,7 +1473,7 @@ def split_finish(head_dim: int, group: int, num_warps: int):
 #| export kernels.decode_attention_kernel
 import math
 
-from numba import config, cuda, float32, int32, uint32, uint64
+from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_attention_config import (

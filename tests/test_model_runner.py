@@ -53,8 +53,10 @@ def run_steps(runner: ModelRunner, alloc: ContiguousAllocator, prompts: list[lis
     return requests, prompt_logprobs
 
 
-def compare_runners(folder, prompts, num_decodes, max_model_len=32, attention_backend="auto", **params):
-    """The same steps on the CPU (float32 cache) and on 'cuda' (bf16): greedy tokens and log-probs agree."""
+def compare_runners(folder, prompts, num_decodes, max_model_len=32, attention_backend="auto", decode_kernel=None,
+                    **params):
+    """The same steps on the CPU (float32 cache) and on 'cuda' (bf16): greedy tokens and log-probs agree.
+    decode_kernel: the decode launcher the 'cuda' runner must have picked."""
     results = []
     for device in ("cpu", "cuda"):
         alloc = ContiguousAllocator(len(prompts), max_model_len)
@@ -62,6 +64,8 @@ def compare_runners(folder, prompts, num_decodes, max_model_len=32, attention_ba
                               max_num_batched_tokens=64, max_model_len=max_model_len,
                               attention_backend=attention_backend)
         runner = ModelRunner(folder, config, alloc.num_slots)
+        if device == "cuda" and decode_kernel is not None:
+            assert runner.decode_attention is decode_kernel
         results.append(run_steps(runner, alloc, prompts, num_decodes, **params))
     (ref, ref_prompt), (ours, our_prompt) = results
     gaps = []
@@ -90,7 +94,10 @@ def test_cuda_runner_on_tensor_cores_matches_cpu(tiny_folder, monkeypatch):
     """Chapter 14: prefill and decode attention on the tensor cores (their twins in the simulator)."""
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     prompts, steps = ([[5, 17, 33], [9, 2]], 1) if not has_gpu() else ([[5, 17, 33, 60, 8, 41], [9, 2], [1]], 4)
-    compare_runners(tiny_folder, prompts, steps, attention_backend="tensor_cores")
+    from tinyvllm_lib.kernels.tc_decode import tc_decode_attention
+
+    compare_runners(tiny_folder, prompts, steps, attention_backend="tensor_cores",
+                    decode_kernel=tc_decode_attention)
 
 
 def test_attention_backend_is_checked(tiny_folder):

@@ -26,6 +26,19 @@ pytestmark = pytest.mark.skipif(not can_launch(), reason="needs a GPU or the sim
 NAN_BF16 = 0x7FC0
 
 
+def poisoned(k, v, bt, bs, lens):
+    """k and v with every slot outside the contexts a NaN: a read past a context (the
+    clamp to its last key undone) turns the output into NaN, even where its weight is
+    zero (0 x NaN on the tensor cores)."""
+    used = np.zeros(len(k), bool)
+    for s, n in enumerate(lens):
+        pos = np.arange(n)
+        used[bt[s, pos // bs].astype(np.int64) * bs + pos % bs] = True
+    k, v = k.copy(), v.copy()
+    k[~used], v[~used] = NAN_BF16, NAN_BF16
+    return k, v
+
+
 def rounded_ref(qkv, k, v, bt, bs, lens, H, KVH, D):
     """The reference with Q rounded to bf16 where the kernel rounds it (P's rounding,
     relative to a running maximum, is left to the tolerance)."""
@@ -38,6 +51,7 @@ def launch(fn, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype=np.float32, splits=
            **kw):
     fill = NAN_BF16 if out_dtype == np.uint16 else np.nan
     out = cuda.to_device(np.full((len(qkv), H * D), fill, out_dtype))
+    k, v = poisoned(k, v, bt, bs, lens)
     ws = None
     if splits > 1:
         scratch = np.zeros((len(qkv), splits, H, workspace_row(D)), np.float32)
@@ -65,12 +79,16 @@ def check(got, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype=np.float32):
 
 
 @pytest.mark.skipif(not is_simulator(), reason="tiny shapes for the simulator")
-@pytest.mark.parametrize("split_keys,shape", [(1024, None), (64, None), (64, (2, 2))])
-def test_tc_decode_in_the_simulator(rng, split_keys, shape):
-    """The block a GPU runs at head size 64 and below (tc_decode_shape), and another:
+@pytest.mark.parametrize("split_keys,shape,heads", [
+    (1024, None, (4, 2)), (64, None, (4, 2)),  # the block a GPU runs, 2 query heads
+    (64, (2, 2), (2, 2)),  # one query head a KV head
+    (1024, (3, 3), (8, 1)),  # eight (a fragment's top half); three stages
+])
+def test_tc_decode_in_the_simulator(rng, split_keys, shape, heads):
+    """The block a GPU runs at head size 64 and below (tc_decode_shape) and others:
     one key, a partial tile, several tiles through every stage; one split each, or
     splits of 64 keys with their combine."""
-    H, KVH, D, bs = 4, 2, 16, 4
+    (H, KVH), D, bs = heads, 16, 4
     qkv, k, v, bt, lens = case(rng, 4, 150, H, KVH, D, bs)
     lens[:] = [1, 29, 150, 70]
     cfg = DecodeAttentionConfig(split_keys=split_keys, target_blocks=1, few_rows=0)
@@ -91,6 +109,10 @@ def test_tc_decode_refuses_what_it_cannot_take():
         make_tc_decode_kernel(72, 4)
     with pytest.raises(ValueError, match="two stages"):
         make_tc_decode_kernel(64, 4, stages=1)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        make_tc_decode_kernel(64, 4, num_warps=4, stages=3)
+    with pytest.raises(ValueError, match="tensor_cores"):
+        decode_attention_for("tensor_cores", 192, 4)
     with pytest.raises(ValueError, match="query heads a KV head"):
         make_tc_decode_kernel(64, 16)
     with pytest.raises(ValueError, match="tensor_cores"):
@@ -109,6 +131,8 @@ def test_linked_decode_ptx_keeps_fragments_in_registers():
     assert counts["mma.sync"] == 2 * (64 // 16) + 2 * (64 // 16)
     assert counts["cp.async"] == 2 * 16 * warps * (64 // 8) // (32 * warps)  # K and V
     assert counts["cp.async wait"] == 1  # the wait for the tile stages - 1 back
+    assert counts["ldmatrix"] == 64 // 16 + 64 // 16  # K for S, V (transposed) for O
+    assert counts["shared align 16"] == 2  # K and V stages: ldmatrix and cp.async
     assert counts["local memory"] == 0 and counts["call"] == 0
 
 

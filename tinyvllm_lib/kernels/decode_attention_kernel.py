@@ -4,7 +4,7 @@
 # defined in chapters/08_kv_cache.py
 import math
 
-from numba import config, cuda, float32, int32, uint32, uint64
+from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.checks import cdiv
 from tinyvllm_lib.kernels.decode_attention_config import (

@@ -36,6 +36,7 @@ from tinyvllm_lib.kernels.tensor_core import (
 
 TC_DECODE_KEYS = 16  # keys a warp takes from each tile: one k-step of P V
 TC_DECODE_MAX_GROUP = 8  # query heads a KV head: the rows of a fragment's top half
+STATIC_SHARED_BYTES = 48 * 1024  # what a kernel may declare without opting in to more
 
 
 def tc_decode_shape(head_dim: int) -> tuple[int, int]:
@@ -44,6 +45,17 @@ def tc_decode_shape(head_dim: int) -> tuple[int, int]:
     pipelines (3 warps in 3 stages, 2 in 4, 1 in 6) fit the same 48 KiB of static
     shared memory: bench/ch14_tc_decode.py times them beside this one."""
     return (4, 2) if head_dim <= 64 else (2, 2)
+
+
+def tc_decode_shared_bytes(head_dim: int, group: int, num_warps: int,
+                           stages: int) -> int:
+    """Shared memory the kernel declares: its stages of K and V tiles (rows padded by
+    16 bytes), each warp's maxima, sums and outputs, the block's maxima, and
+    split_finish's weights and flag."""
+    rows = num_warps * TC_DECODE_KEYS * (head_dim // 4 + 2)
+    per_warp = (2 * group + group * head_dim) * 4
+    return (2 * stages * rows * 8 + num_warps * per_warp + group * 4
+            + WARP_SIZE * group * 4 + 4)
 
 
 def cp_async_wait_function(pending: int):
@@ -70,7 +82,8 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
     zero), so one m16n8k16 tile serves every query head of the KV head; each warp
     keeps its own online softmax, merged through shared memory at the end."""
     W, NS = tc_decode_shape(head_dim)
-    D, G, W, NS = head_dim, group, num_warps or W, stages or NS
+    D, G = head_dim, group
+    W, NS = W if num_warps is None else num_warps, NS if stages is None else stages
     if D % 16 or not 1 <= G <= TC_DECODE_MAX_GROUP or W < 1 or NS < 2:
         raise ValueError(f"tensor-core decode needs head_dim a multiple of 16, 1 to "
                          f"{TC_DECODE_MAX_GROUP} query heads a KV head, a warp and two "
@@ -80,6 +93,12 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
     BK = W * BKW  # keys a tile of the block
     WPR, ROW, CPR = D // 4, D // 4 + 2, D // 8  # words of a row; in shared; chunks
     STAGE, CHUNKS = BK * ROW, BK * (D // 8) // THREADS
+    shared = tc_decode_shared_bytes(D, G, W, NS)
+    if shared > STATIC_SHARED_BYTES:
+        raise ValueError(f"tensor-core decode at head_dim {D}, group {G}, {W} warps "
+                         f"and {NS} stages needs {shared:,} bytes of shared memory, "
+                         f"more than a kernel's {STATIC_SHARED_BYTES:,} of static "
+                         f"shared memory")
     QW, SW, OW = D // 4, BKW // 2, D // 2  # a lane's registers: Q, S (then P), O
     NT, DT, GD = BKW // 8, D // 8, G * D
     PER_THREAD = (GD + THREADS - 1) // THREADS  # outputs a thread merges at the end
@@ -235,10 +254,11 @@ def tc_decode_kernel_for(head_dim: int, group: int,
     """The tensor-core decode kernel for these sizes (chapter 8's kernel_for
     signature: the config's compile-time knobs do not apply; num_warps and stages
     default to tc_decode_shape's), built on first use."""
-    key = (head_dim, group, num_warps, stages)
+    warps, depth = tc_decode_shape(head_dim)
+    key = (head_dim, group, warps if num_warps is None else num_warps,
+           depth if stages is None else stages)
     if key not in _TC_DECODE_KERNELS:
-        _TC_DECODE_KERNELS[key] = make_tc_decode_kernel(head_dim, group, num_warps,
-                                                        stages)
+        _TC_DECODE_KERNELS[key] = make_tc_decode_kernel(*key)
     return _TC_DECODE_KERNELS[key]
 
 
@@ -271,10 +291,13 @@ def decode_attention_for(backend: str, head_dim: int, group: int):
     """The decode launcher of an engine with attention_backend = backend:
     "tensor_cores" this kernel (a ValueError where the sizes do not fit), "simt" and
     "auto" chapter 8's."""
-    fits = head_dim % 16 == 0 and 1 <= group <= TC_DECODE_MAX_GROUP
+    fits = (head_dim % 16 == 0 and 1 <= group <= TC_DECODE_MAX_GROUP
+            and tc_decode_shared_bytes(head_dim, group, *tc_decode_shape(head_dim))
+            <= STATIC_SHARED_BYTES)
     if backend == "tensor_cores" and not fits:
         raise ValueError(f"attention_backend='tensor_cores' decodes with head sizes "
-                         f"that are multiples of 16 and at most "
-                         f"{TC_DECODE_MAX_GROUP} query heads a KV head; got {head_dim} "
-                         f"and {group}")
+                         f"that are multiples of 16, at most {TC_DECODE_MAX_GROUP} "
+                         f"query heads a KV head, and tiles within "
+                         f"{STATIC_SHARED_BYTES:,} bytes of shared memory; got "
+                         f"head_dim {head_dim} and {group} query heads a KV head")
     return tc_decode_attention if backend == "tensor_cores" else decode_attention
