@@ -66,29 +66,42 @@ def launch(fn, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype=np.float32, splits=
 
 
 def check(got, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype=np.float32):
+    """Element by element: the kernel's error against float64 is the rounded reference's
+    (Q in bf16, the same rounding) plus what P's rounding to bf16 can add — each weight
+    off by at most 2^-9 of itself in the sum with V, not in the softmax's denominator,
+    so at most 2^-9 of the largest |V| of that KV head and dimension over the row's
+    context — plus float32's sums; bf16 output adds half an ulp."""
     assert not np.isnan(got).any()
     exact = decode_attention_ref(qkv, k, v, bt, bs, lens, H, KVH, D)
-    ref_err = np.abs(rounded_ref(qkv, k, v, bt, bs, lens, H, KVH, D) - exact).max()
-    err = np.abs(got - exact).max()
-    # P rounded to bf16: each weight off by at most 2^-9 of itself, so the output by at
-    # most 2^-9 of the largest |V|; bf16 output: half an ulp of the largest output
-    slack = 2.0**-9 * np.abs(bf16_bits_to_f32(v)).max()
+    ref_err = np.abs(rounded_ref(qkv, k, v, bt, bs, lens, H, KVH, D) - exact)
+    values = bf16_bits_to_f32(v)
+    slack = np.zeros_like(exact)
+    for s, n in enumerate(lens):
+        pos = np.arange(n)
+        slots = bt[s, pos // bs].astype(np.int64) * bs + pos % bs
+        v_max = np.abs(values[slots]).max(0)  # (KVH, D)
+        slack[s] = 2.0**-9 * np.repeat(v_max, H // KVH, axis=0).reshape(-1)
+    slack += 1e-5 * np.abs(exact).max()
     if out_dtype == np.uint16:
-        slack += 2.0**-9 * np.abs(exact).max()
-    assert err <= 2 * ref_err + slack, (err, ref_err, slack)
+        slack += 2.0**-9 * np.abs(exact)
+    err = np.abs(got - exact)
+    worst = np.unravel_index(np.argmax(err - 1.5 * ref_err - slack), err.shape)
+    assert (err <= 1.5 * ref_err + slack).all(), (worst, err[worst], ref_err[worst],
+                                                 slack[worst])
 
 
 @pytest.mark.skipif(not is_simulator(), reason="tiny shapes for the simulator")
-@pytest.mark.parametrize("split_keys,shape,heads", [
-    (1024, None, (4, 2)), (64, None, (4, 2)),  # the block a GPU runs, 2 query heads
-    (64, (2, 2), (2, 2)),  # one query head a KV head
-    (1024, (3, 3), (8, 1)),  # eight (a fragment's top half); three stages
+@pytest.mark.parametrize("split_keys,shape,heads,D", [
+    (1024, None, (4, 2), 16), (64, None, (4, 2), 16),  # a GPU's block, 2 query heads
+    (64, (2, 2), (2, 2), 16),  # one query head a KV head
+    (1024, (3, 3), (8, 1), 16),  # eight (a fragment's top half); three stages
+    (1024, None, (4, 2), 128),  # the block a GPU runs above head size 64
 ])
-def test_tc_decode_in_the_simulator(rng, split_keys, shape, heads):
-    """The block a GPU runs at head size 64 and below (tc_decode_shape) and others:
-    one key, a partial tile, several tiles through every stage; one split each, or
-    splits of 64 keys with their combine."""
-    (H, KVH), D, bs = heads, 16, 4
+def test_tc_decode_in_the_simulator(rng, split_keys, shape, heads, D):
+    """The blocks a GPU runs (tc_decode_shape) and others: one key, a partial tile,
+    several tiles through every stage; one split each, or splits of 64 keys with
+    their combine."""
+    (H, KVH), bs = heads, 4
     qkv, k, v, bt, lens = case(rng, 4, 150, H, KVH, D, bs)
     lens[:] = [1, 29, 150, 70]
     cfg = DecodeAttentionConfig(split_keys=split_keys, target_blocks=1, few_rows=0)
