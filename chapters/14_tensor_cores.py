@@ -1633,9 +1633,10 @@ benchmark script checks.
 # ## Decode on the tensor cores
 #
 # A decode step has one query a sequence, and chapter 8 gave it a kernel of its own that
-# waits on reading the cache. At batch 256 that kernel is a large part of every step
-# (chapter 11 profiles nano-vllm's workload), and it does not read the cache at the
-# bandwidth ceiling. Its SIMT loop spends tens of warp instructions a key of a KV head —
+# waits on reading the cache. At batch 256 every step reads every sequence's whole
+# context through it, and chapter 8 measured it below the bandwidth ceiling
+# (`bench/ch11_throughput_profile.py` prices it, kernel by kernel, on nano-vllm's
+# workload). Its SIMT loop spends tens of warp instructions a key of a KV head —
 # unpacking bf16, four dot products a lane, shuffles to add a key's lanes, exponentials,
 # the weighted add of V. If those instructions, not the bytes, are what hold it back,
 # the tensor cores should help.
@@ -1645,14 +1646,13 @@ benchmark script checks.
 # multiplies all four against eight keys. Three quarters of the tensor core's work is
 # wasted on zero rows, and it does not matter: a warp does sixteen keys with 8 `mma`
 # for S = QKᵀ and 8 for O += PV (at head size 64), against the SIMT loop's tens of
-# instructions a key. The
-# kernel below reuses this chapter's tile functions at 16 keys a warp: a block per (KV
-# head, sequence, split) exactly as chapter 8's, so its grid, its flash-decoding splits
-# and the end of its work (`split_finish`, shared with chapter 8) are the same; a tile
-# of 64 keys (16 a warp) is copied by `cp.async` through the block table while the
-# warps work on the one before (`stages` sets how many tiles are on their way). Each
-# warp keeps its own online softmax; at the end the warps' (maximum, sum, output) are
-# merged through shared memory.
+# instructions a key. The kernel below reuses this chapter's tile functions at 16 keys
+# a warp: a block per (KV head, sequence, split) exactly as chapter 8's, so its grid,
+# its flash-decoding splits and the end of its work (`split_finish`, shared with
+# chapter 8) are the same; a tile of 64 keys (16 a warp) is copied by `cp.async`
+# through the block table while the warps work on the one before (`stages` sets how
+# many tiles are on their way). Each warp keeps its own online softmax; at the end the
+# warps' (maximum, sum, output) are merged through shared memory.
 
 # %%
 #| export kernels.tc_decode
