@@ -9,6 +9,7 @@
 #                                     # uvicorn, pydantic, pydantic-core, typing-inspection, annotated-types,
 #                                     # opentelemetry-api, importlib-metadata, lazy-importer)
 #   bench/gpu_run.sh tests [PYTEST_ARGS]  # the gpu-marked tests, on the GPU (no simulator)
+#   bench/gpu_run.sh tests-by-file [PYTEST_ARGS]  # the same, a file at a time, a summary line each
 #   bench/gpu_run.sh bench [chNN ...] # bench/chNN_*.py, all by default (GPU scripts; *_cpu.py are skipped)
 #   bench/gpu_run.sh chapters [NN ...] # chapters/NN_*.py as scripts on the GPU (real shapes)
 #
@@ -50,6 +51,17 @@ setup)
 tests)
     shift
     python3 -m pytest -q -p no:cacheprovider -m gpu "$@" tests
+    ;;
+tests-by-file)
+    # the same tests a file at a time, each under its own limit (GPU_TEST_LIMIT seconds, default 240), a line each:
+    # the whole suite takes longer than one device call's output can wait for, and a timeout then says nothing
+    shift
+    for f in $(grep -l "mark.gpu" tests/test_*.py); do
+        t0=$SECONDS
+        line=$(timeout "${GPU_TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu "$@" "$f" 2>&1 \
+               | grep -E "(passed|failed|skipped|deselected|error|no tests ran).* in [0-9.]+s" | tail -1)
+        echo "$f: ${line:-timed out or no summary} ($((SECONDS - t0)) s)"
+    done
     ;;
 bench)
     shift
