@@ -1654,39 +1654,17 @@ benchmark script checks.
 # many tiles are on their way). Each warp keeps its own online softmax; at the end the
 # warps' (maximum, sum, output) are merged through shared memory.
 
+# %% [markdown]
+# First its sizes: the block's shape (warps, and stages of tiles in flight), the shared
+# memory that shape declares, checked against the 48 KiB a kernel may declare
+# statically, and a `cp.async` wait whose count — part of the instruction — follows
+# the number of stages. They go to `tc_decode_shapes`.
+
 # %%
-#| export kernels.tc_decode
-import math
+#| export kernels.tc_decode_shapes
+from numba import config, cuda, types
 
-from numba import config, cuda, float32, types, uint32, uint64
-
-from tinyvllm_lib.kernels.decode_attention import decode_attention
-from tinyvllm_lib.kernels.decode_attention_config import (
-    DEFAULT_DECODE_CONFIG,
-    DecodeAttentionConfig,
-)
-from tinyvllm_lib.kernels.decode_combine import split_finish
-from tinyvllm_lib.kernels.decode_splits import (
-    num_splits_for_on_device,
-    split_length_on_device,
-    split_rows_on_device,
-)
-from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.paged_cache import cache_word
-from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE
-from tinyvllm_lib.kernels.tc_attention_tiles import (
-    attention_tile_functions,
-    quad_max2,
-    quad_sum2,
-)
-from tinyvllm_lib.kernels.tc_gemm import cp_async16, cp_async_commit
-from tinyvllm_lib.kernels.tensor_core import (
-    SHARED_ALIGN,
-    exp2_approx,
-    ffi,
-    pack_bf16x2,
-    require_lto,
-)
+from tinyvllm_lib.kernels.reduce import WARP_SIZE
 
 TC_DECODE_KEYS = 16  # keys a warp takes from each tile: one k-step of P V
 TC_DECODE_MAX_GROUP = 8  # query heads a KV head: the rows of a fragment's top half
@@ -1725,6 +1703,49 @@ extern "C" __device__ void cp_async_wait_{pending}() {{
 }}""")
     return cuda.declare_device(f"cp_async_wait_{pending}", types.void(), link=src,
                                abi="c")
+
+
+# %%
+#| export kernels.tc_decode
+import math
+
+from numba import cuda, float32, uint32, uint64
+
+from tinyvllm_lib.kernels.decode_attention import decode_attention
+from tinyvllm_lib.kernels.decode_attention_config import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeAttentionConfig,
+)
+from tinyvllm_lib.kernels.decode_combine import split_finish
+from tinyvllm_lib.kernels.decode_splits import (
+    num_splits_for_on_device,
+    split_length_on_device,
+    split_rows_on_device,
+)
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.paged_cache import cache_word
+from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE
+from tinyvllm_lib.kernels.tc_attention_tiles import (
+    attention_tile_functions,
+    quad_max2,
+    quad_sum2,
+)
+from tinyvllm_lib.kernels.tc_decode_shapes import (
+    STATIC_SHARED_BYTES,
+    TC_DECODE_KEYS,
+    TC_DECODE_MAX_GROUP,
+    cp_async_wait_function,
+    tc_decode_shape,
+    tc_decode_shared_bytes,
+)
+from tinyvllm_lib.kernels.tc_gemm import cp_async16, cp_async_commit
+from tinyvllm_lib.kernels.tensor_core import (
+    SHARED_ALIGN,
+    exp2_approx,
+    ffi,
+    pack_bf16x2,
+    require_lto,
+)
 
 
 def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = None,

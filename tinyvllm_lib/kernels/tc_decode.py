@@ -4,7 +4,7 @@
 # defined in chapters/14_tensor_cores.py
 import math
 
-from numba import config, cuda, float32, types, uint32, uint64
+from numba import cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import (
@@ -25,6 +25,14 @@ from tinyvllm_lib.kernels.tc_attention_tiles import (
     quad_max2,
     quad_sum2,
 )
+from tinyvllm_lib.kernels.tc_decode_shapes import (
+    STATIC_SHARED_BYTES,
+    TC_DECODE_KEYS,
+    TC_DECODE_MAX_GROUP,
+    cp_async_wait_function,
+    tc_decode_shape,
+    tc_decode_shared_bytes,
+)
 from tinyvllm_lib.kernels.tc_gemm import cp_async16, cp_async_commit
 from tinyvllm_lib.kernels.tensor_core import (
     SHARED_ALIGN,
@@ -33,44 +41,6 @@ from tinyvllm_lib.kernels.tensor_core import (
     pack_bf16x2,
     require_lto,
 )
-
-TC_DECODE_KEYS = 16  # keys a warp takes from each tile: one k-step of P V
-TC_DECODE_MAX_GROUP = 8  # query heads a KV head: the rows of a fragment's top half
-STATIC_SHARED_BYTES = 48 * 1024  # what a kernel may declare without opting in to more
-
-
-def tc_decode_shape(head_dim: int) -> tuple[int, int]:
-    """(warps a block, stages of K and V tiles): at head size 64, 4 warps (64-key
-    tiles) in 2 stages, the shape measured below; above, 2 warps in 2 stages. Deeper
-    pipelines (3 warps in 3 stages, 2 in 4, 1 in 6) fit the same 48 KiB of static
-    shared memory: bench/ch14_tc_decode.py times them beside this one."""
-    return (4, 2) if head_dim <= 64 else (2, 2)
-
-
-def tc_decode_shared_bytes(head_dim: int, group: int, num_warps: int,
-                           stages: int) -> int:
-    """Shared memory the kernel declares: its stages of K and V tiles (rows padded by
-    16 bytes), each warp's maxima, sums and outputs, the block's maxima, and
-    split_finish's weights and flag."""
-    rows = num_warps * TC_DECODE_KEYS * (head_dim // 4 + 2)
-    per_warp = (2 * group + group * head_dim) * 4
-    return (2 * stages * rows * 8 + num_warps * per_warp + group * 4
-            + WARP_SIZE * group * 4 + 4)
-
-
-def cp_async_wait_function(pending: int):
-    """A device function that waits until at most `pending` groups of copies (the
-    newest) are still in flight: the wait's count is part of the instruction."""
-    if config.ENABLE_CUDASIM:
-        return lambda: None  # twin: nothing is in flight
-    from numba.cuda import CUSource
-
-    src = CUSource(rf"""
-extern "C" __device__ void cp_async_wait_{pending}() {{
-  asm volatile("cp.async.wait_group {pending};" ::: "memory");
-}}""")
-    return cuda.declare_device(f"cp_async_wait_{pending}", types.void(), link=src,
-                               abi="c")
 
 
 def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = None,
