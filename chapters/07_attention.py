@@ -2085,7 +2085,9 @@ to {{ch07_look_word}}: the head has found what the question is about.
 #
 # (The gated GEMV above is not among them: chapter 11 times it against the two kernels
 # it would replace, and at Llama 3.2 1B's shape it is the slower of the two; chapter 11
-# times the norm inside the gate-up GEMV too.)
+# times the norm inside the gate-up GEMV too. The loop still asks for the MLP's first
+# half in one call, `rmsnorm_linear_silu_mul`, so that a weight with a faster way can
+# take it: chapter 15's 8-bit one does all three in one kernel.)
 #
 # Per layer that is seven to nine launches: norm (where it is not inside the QKV
 # projection), QKV projection, RoPE, attention, o projection (+ add), norm (likewise),
@@ -2094,17 +2096,40 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # `compute_logits`.
 
 # %%
+#| export layers.linear
+from tinyvllm_lib.kernels.activation import silu_mul
+
+
+def rmsnorm_linear_silu_mul(residual, norm_weight, eps, w, act, gate_up, normed, *,
+                            stream=0, workspace=None):
+    """act (num_tokens, I) bf16 bits = SiLU(gate) * up for [gate | up] =
+    RMSNorm(residual) · wᵀ: rmsnorm_linear into gate_up (float32, (num_tokens, 2 I)),
+    then silu_mul. A weight that makes act itself (chapter 15's 8-bit one) is asked
+    to, and may leave gate_up and normed alone.
+    """
+    if hasattr(w, "apply_rmsnorm_silu_mul"):
+        return w.apply_rmsnorm_silu_mul(residual, norm_weight, eps, act, gate_up,
+                                        normed, stream=stream, workspace=workspace)
+    rmsnorm_linear(residual, norm_weight, eps, w, gate_up, normed, stream=stream,
+                   workspace=workspace)
+    return silu_mul(gate_up, act, stream=stream)
+
+
+# %%
 #| export models.llama_cuda
 import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.distributed.communicator import Communicator
-from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.kernels.rope import check_positions, rope_table_from_config
 from tinyvllm_lib.layers.attention import FlashAttention
-from tinyvllm_lib.layers.linear import linear, rmsnorm_linear
+from tinyvllm_lib.layers.linear import (
+    linear,
+    rmsnorm_linear,
+    rmsnorm_linear_silu_mul,
+)
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
@@ -2208,8 +2233,9 @@ class LlamaCuda:
             linear(b["attn"], w[p + "o_proj"], b["residual"], accumulate=is_first, **on)
             self.comm.all_reduce(b["residual"], stream)
             norm_up = (w[p + "post_attention_layernorm"], eps, w[p + "gate_up_proj"])
-            rmsnorm_linear(b["residual"], *norm_up, b["gate_up"], b["normed"], **on)
-            silu_mul(b["gate_up"], b["act"], stream=stream)
+            # act = SiLU(gate) · up of norm(x) · Wgate_upᵀ
+            rmsnorm_linear_silu_mul(b["residual"], *norm_up, b["act"], b["gate_up"],
+                                    b["normed"], **on)
             linear(b["act"], w[p + "down_proj"], b["residual"], accumulate=is_first,
                    **on)
             self.comm.all_reduce(b["residual"], stream)

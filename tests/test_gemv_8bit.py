@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.gemv_8bit import (
     dequantize_to_bf16,
@@ -176,6 +177,48 @@ def test_dequantize_to_bf16_every_code(rng, method):
     assert np.array_equal(out.copy_to_host(), f32_to_bf16_bits(q.dequantize()))
 
 
+def silu_mul_bits(gate_up):
+    """Chapter 7's silu_mul kernel on float32 [gate | up] rows: its bf16 bits."""
+    from tinyvllm_lib.kernels.activation import silu_mul
+
+    act = cuda.device_array((gate_up.shape[0], gate_up.shape[1] // 2), np.uint16)
+    silu_mul(cuda.to_device(gate_up), act)
+    return act.copy_to_host()
+
+
+@needs_launch
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("variant", ["warp", "block"])
+@pytest.mark.parametrize("norm", [False, True])
+# I = 7 gate rows: no group of rows is full; K = 1032: the input staged in two pieces; 11 tokens: two passes
+@pytest.mark.parametrize("M, K", [(1, 72), (3, 1032), (11, 72)])
+def test_gated_gemv_8bit_is_the_gemv_then_silu_mul(rng, method, variant, norm, M, K):
+    """gated=True writes what the same GEMV into float32 [gate | up], then silu_mul, write: bit for bit (the sums
+    are made in the same order, the SiLU is the same expression); and that is SiLU·up of the float64 products,
+    rounded to bf16."""
+    I = 7
+    q = random_weight(rng, method, 2 * I, K)
+    codes, scales = cuda.to_device(q.codes), cuda.to_device(q.scales)
+    gate_up = cuda.to_device(np.full((M, 2 * I), np.nan, np.float32))
+    act = cuda.to_device(np.full((M, I), 0xFFFF, np.uint16))
+    if norm:
+        residual = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3)
+        norm_weight = random_bf16(rng, K)
+        args = (cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, codes, scales)
+        gemv_8bit_rmsnorm(*args, gate_up, method, variant=variant)
+        gemv_8bit_rmsnorm(*args, act, method, variant=variant, gated=True)
+        x_f32 = rmsnorm_ref(residual, norm_weight, 1e-5)
+    else:
+        x = random_bf16(rng, (M, K))
+        gemv_8bit(cuda.to_device(x), codes, scales, gate_up, method, variant=variant)
+        gemv_8bit(cuda.to_device(x), codes, scales, act, method, variant=variant, gated=True)
+        x_f32 = bf16_bits_to_f32(x)
+    got = act.copy_to_host()
+    assert np.array_equal(got, silu_mul_bits(gate_up.copy_to_host()))
+    want = silu_mul_ref(reference(x_f32, q))
+    assert np.max(np.abs(bf16_bits_to_f32(got) - want)) <= 2.0**-8 * np.max(np.abs(want))
+
+
 @needs_launch
 def test_bad_operands_are_value_errors(rng):
     q = random_weight(rng, "int8", 4, 20)  # K = 20: not a multiple of 8
@@ -188,6 +231,13 @@ def test_bad_operands_are_value_errors(rng):
                   "int8")
     with pytest.raises(ValueError, match="1 to 16 token vectors"):
         launch_gemv(random_bf16(rng, (17, 16)), q, cuda.to_device(np.zeros((17, 4), np.float32)))
+    q, x = random_weight(rng, "int8", 4, 16), random_bf16(rng, (1, 16))
+    with pytest.raises(ValueError, match=r"need out \(1, 2\) uint16"):  # gated: (M, N / 2) bf16 bits
+        launch_gemv(x, q, cuda.to_device(np.zeros((1, 2), np.float32)), gated=True)
+    with pytest.raises(ValueError, match="adds to nothing"):
+        launch_gemv(x, q, cuda.to_device(np.zeros((1, 2), np.uint16)), gated=True, accumulate=True)
+    with pytest.raises(ValueError, match="N even"):
+        launch_gemv(x, random_weight(rng, "int8", 5, 16), cuda.to_device(np.zeros((1, 2), np.uint16)), gated=True)
 
 
 # --- the 8-bit model on the GPU (simulator): chapter 7's tiny Llama ---
@@ -201,7 +251,7 @@ def log_softmax(x):
 @needs_launch
 @pytest.mark.parametrize("method, head, num_tokens", [("int8", False, 3), ("fp8", True, 10)])
 def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_tokens):
-    """3 tokens: the 8-bit GEMVs (the norm fused into qkv's and gate-up's); 10: past QUANTIZED_GEMV_MAX_TOKENS, the
+    """3 tokens: the 8-bit GEMVs (the norm fused into qkv's; the norm and SiLU·up into gate-up's); 10: past QUANTIZED_GEMV_MAX_TOKENS, the
     dequantized scratch and chapter 6's GEMM. Against QuantizedLlamaNumpy with bf16 linear inputs, as chapter 7's
     kernel model is against LlamaNumpy (same measure, same tolerance)."""
     from test_llama_forward import assert_kernel_model_matches

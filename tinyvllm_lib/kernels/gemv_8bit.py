@@ -8,7 +8,11 @@ import math
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
-from tinyvllm_lib.kernels.activation_store import pack_f32_pair, unpack_f32_pair
+from tinyvllm_lib.kernels.activation_store import (
+    pack_f32_pair,
+    store_activation,
+    unpack_f32_pair,
+)
 from tinyvllm_lib.kernels.bf16 import device_function, f32_to_bf16
 from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
@@ -40,7 +44,7 @@ GEMV_8BIT_VERSION = 4
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                           rows: int, unroll: int, accumulate: bool = False,
-                          rms_norm: bool = False):
+                          rms_norm: bool = False, gated: bool = False):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
     The block stages its tokens' input in shared memory as float32, a piece of K at a
@@ -48,11 +52,16 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     rows, each thread loading unroll words of each before widening any.
     accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
     out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
+    gated: w stacks [gate | up] (N = 2 I rows) and out (M, I) bf16 bits =
+    SiLU(x · gateᵀ) * (x · upᵀ), chapter 7's silu_mul done where the two products are
+    made; half of a group's rows are gate rows, the other half the up rows I below.
     """
     assert warps_per_row in (1, GEMV_WARPS), "a row: one warp or the whole block"
+    assert not (gated and (rows % 2 or accumulate)), "gated: rows in pairs, no add"
     widen_word = WIDEN_WORD[method]
     threads_per_row = 32 * warps_per_row
-    rows_per_block = GEMV_WARPS // warps_per_row * rows
+    units = rows // 2 if gated else rows  # rows of out a group writes
+    rows_per_block = GEMV_WARPS // warps_per_row * units  # of out
     acc_size = rows * num_tokens  # acc[r * num_tokens + m]: row n0 + r, token m0 + m
     partial_size = max(acc_size, num_tokens)  # the warps' sums, or squares
     chunk = STAGE_WORDS // (4 * num_tokens)  # code words of K staged at a time
@@ -61,13 +70,22 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     split_tail = acc_size <= 8  # 4 rows x 8 tokens: one loop, fewer registers
 
     @device_function(**INLINE)
+    def weight_row(n0, r, N):
+        # the row of w (N rows) that the group's row r reads, and whether it exists;
+        # gated: rows r < units are gate rows n0 + r, the others their up rows N/2 on
+        if gated:
+            n = n0 + uint64(r % units)
+            return n + uint64(r // units) * (N // uint64(2)), n < N // uint64(2)
+        return n0 + uint64(r), n0 + uint64(r) < N
+
+    @device_function(**INLINE)
     def load_words(w64, words, n0, j, end, N, whole):
         # whole: all `unroll` words of the pass lie before `end` (one test, not unroll)
         for u in range(unroll):
             jj = j + uint64(u * threads_per_row)
             for r in range(rows):
-                n = n0 + uint64(r)
-                words[u * rows + r] = (w64[n, jj] if (whole or jj < end) and n < N
+                n, exists = weight_row(n0, r, N)
+                words[u * rows + r] = (w64[n, jj] if (whole or jj < end) and exists
                                        else uint64(0))
 
     @device_function(**INLINE)
@@ -121,6 +139,14 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         out[m, n] = out[m, n] + y if accumulate else y
 
     @cuda.jit(device=True, **INLINE)
+    def store_gated(out, scales, m, n, half, gate_total, up_total, scale):
+        # SiLU(gate) · up in bf16, from the two products as chapter 7's silu_mul
+        # computes it from them
+        g = gate_total * scales[n] * scale
+        up = up_total * scales[n + half] * scale
+        store_activation(out, m, n, g / (float32(1.0) + math.exp(-g)) * up)
+
+    @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, scales, out, norm64, eps):
         staged = cuda.shared.array(STAGE_WORDS, uint64)
         partial = cuda.shared.array((GEMV_WARPS, partial_size), float32)
@@ -130,6 +156,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         lane, warp = tid % 32, tid // 32
         M, N, num_words = (uint64(x64.shape[0]), uint64(w64.shape[0]),
                            uint64(w64.shape[1]))
+        out_rows = N // uint64(2) if gated else N
         k = float32(8) * float32(num_words)  # values a row
         acc = cuda.local.array(acc_size, float32)
         squares = cuda.local.array(num_tokens, float32)  # rms_norm: this thread's
@@ -141,8 +168,8 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         first_end = num_words if num_words < uint64(chunk) else uint64(chunk)
         once = num_words <= uint64(chunk) and M <= uint64(num_tokens)
         g, stride = uint64(cuda.blockIdx.x), uint64(cuda.gridDim.x)
-        num_groups = (N + uint64(rows_per_block - 1)) // uint64(rows_per_block)
-        n0 = g * uint64(rows_per_block) + uint64(group * rows)  # its first row
+        num_groups = (out_rows + uint64(rows_per_block - 1)) // uint64(rows_per_block)
+        n0 = g * uint64(rows_per_block) + uint64(group * units)  # its first row
         # no kernel writes the weights: the first words are loaded before waiting
         # for the kernel before this one (chapter 11's programmatic edges)
         load_words(w64, words, n0, t, first_end, N, False)
@@ -202,25 +229,36 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         inv_rms[tid] = float32(1.0) / math.sqrt(total / k + eps)
                     cuda.syncthreads()
                 warp_sum_all(acc)  # every lane now holds its warp's sums
+                ups = units * num_tokens  # gated: where the up rows' sums begin
                 if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
-                    for i in range(acc_size):
+                    for i in range(ups):
                         n, m = n0 + uint64(i // num_tokens), i % num_tokens
-                        if lane == 0 and n < N and m0 + uint64(m) < M:
-                            store(out, scales, m0 + uint64(m), n, acc[i],
-                                  inv_rms[m] if rms_norm else float32(1))
+                        if lane == 0 and n < out_rows and m0 + uint64(m) < M:
+                            scale = inv_rms[m] if rms_norm else float32(1)
+                            if gated:
+                                store_gated(out, scales, m0 + uint64(m), n, out_rows,
+                                            acc[i], acc[ups + i], scale)
+                            else:
+                                store(out, scales, m0 + uint64(m), n, acc[i], scale)
                 else:  # the block shares its rows: the warps' sums meet
                     if lane == 0:
                         for i in range(acc_size):
                             partial[warp, i] = acc[i]
                     cuda.syncthreads()
-                    if tid < acc_size:
-                        total = float32(0)
+                    if tid < ups:
+                        total, up_total = float32(0), float32(0)
                         for i in range(GEMV_WARPS):
                             total += partial[i, tid]
+                            if gated:
+                                up_total += partial[i, ups + tid]
                         n, m = n0 + uint64(tid // num_tokens), tid % num_tokens
-                        if n < N and m0 + uint64(m) < M:
-                            store(out, scales, m0 + uint64(m), n, total,
-                                  inv_rms[m] if rms_norm else float32(1))
+                        if n < out_rows and m0 + uint64(m) < M:
+                            scale = inv_rms[m] if rms_norm else float32(1)
+                            if gated:
+                                store_gated(out, scales, m0 + uint64(m), n, out_rows,
+                                            total, up_total, scale)
+                            else:
+                                store(out, scales, m0 + uint64(m), n, total, scale)
                     cuda.syncthreads()  # partial is read before the next pass writes it
                 m0 += uint64(num_tokens)
                 fresh = False
@@ -251,21 +289,37 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
 # a kernel a (format, variant, bucket, epilogue), each a module-level name so that
 # tests/test_ptx.py compiles it
 GEMV_8BIT_KERNELS, PTX_SIGNATURES = {}, {}
-_EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True}}
+_EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True},
+              "gated": {"gated": True},
+              "rmsnorm_gated": {"rms_norm": True, "gated": True}}
+
+
+def gemv_8bit_config(variant: str, tokens: int, gated: bool) -> tuple:
+    """(warps a row, rows a group, words loaded ahead): chapter 6's knobs; gated, rows
+    come in (gate, up) pairs, so an odd count doubles and the words ahead halve (as
+    many bytes in flight)."""
+    warps, rows, unroll = GEMV_VARIANTS[variant](tokens)
+    if gated and rows % 2:
+        rows, unroll = 2 * rows, max(1, unroll // 2)
+    return warps, rows, unroll
+
+
 for _method in ("int8", "fp8"):
     # chapter 6's two shapes at the knobs chapter 11 tuned for bf16: a word is 8 bytes
     # in both, so the same knobs keep as many bytes in flight
-    for _variant, _config in GEMV_VARIANTS.items():
+    for _variant in GEMV_VARIANTS:
         for _tokens in GEMV_BUCKETS:
             for _kind, _flags in _EPILOGUES.items():
                 _name = (f"gemv_{_method}_{_variant}_t{_tokens}"
                          f"{'_' * bool(_kind)}{_kind}_kernel")
+                _config = gemv_8bit_config(_variant, _tokens, "gated" in _kind)
                 GEMV_8BIT_KERNELS[_method, _variant, _tokens, _kind] = \
                     globals()[_name] = make_gemv_8bit_kernel(
-                        _method, _tokens, *_config(_tokens), **_flags)
-                _sig = "uint64[:, ::1], uint64[:, ::1], float32[::1], float32[:, ::1]"
+                        _method, _tokens, *_config, **_flags)
+                _out = "uint16" if "gated" in _kind else "float32"
+                _sig = f"uint64[:, ::1], uint64[:, ::1], float32[::1], {_out}[:, ::1]"
                 PTX_SIGNATURES[_name] = [f"void({_sig}, uint64[::1], float32)"
-                                         if _kind == "rmsnorm" else f"void({_sig})"]
+                                         if "rmsnorm" in _kind else f"void({_sig})"]
 
 
 # defined in chapters/15_quantization.py
@@ -306,7 +360,8 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
     # no more blocks than the GPU holds at once: each stages its input once and takes
     # groups of rows in turn (in the simulator one block, so the tests take turns too)
     resident = 1 if config.ENABLE_CUDASIM else kernel.blocks_per_sm * multiprocessors()
-    return kernel, min(cdiv(N, kernel.rows_per_block), resident)
+    out_rows = N // 2 if "gated" in kind else N
+    return kernel, min(cdiv(out_rows, kernel.rows_per_block), resident)
 
 
 @functools.cache
@@ -315,46 +370,59 @@ def multiprocessors() -> int:
     return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
+def check_8bit_out(name: str, out, M: int, N: int, gated: bool) -> None:
+    """ValueError unless out is (M, N) float32, or gated (M, N / 2) bf16 bits (N even),
+    C-contiguous."""
+    want = ((M, N // 2), np.uint16) if gated else ((M, N), np.float32)
+    if (tuple(out.shape), out.dtype) != want or (gated and N % 2) \
+            or not is_c_contiguous(out):
+        raise ValueError(f"{name}: need out {want[0]} {np.dtype(want[1])} "
+                         f"C-contiguous{' (w stacks gate and up: N even)' * gated}; "
+                         f"got {out.dtype} {tuple(out.shape)}")
+
+
 def gemv_8bit(x, codes, scales, out, method: str, stream=0, accumulate=False,
-              variant: str = "auto"):
+              variant: str = "auto", gated: bool = False):
     """Launch: out (M, N) = x (M, K) · (scales ⊙ codes)ᵀ for M <= 16 bf16 token
-    vectors, reading 8 codes at a time; accumulate: out += instead.
+    vectors, reading 8 codes at a time; accumulate: out += instead. gated: codes
+    stack [gate | up] and out (M, N / 2) bf16 bits = SiLU(x · gateᵀ) * (x · upᵀ).
     """
     M, K = x.shape if x.ndim == 2 else (0, 0)
     check_8bit_operands("gemv_8bit", method, codes, scales, K)
     N = codes.shape[0]
-    if (x.dtype, out.dtype) != (np.uint16, np.float32) or tuple(out.shape) != (M, N) \
-            or not (is_c_contiguous(x) and is_c_contiguous(out)) \
-            or device_pointer(x) % 8:
-        raise ValueError(f"gemv_8bit: need x (M, {K}) bf16 bits, 8-byte aligned, and "
-                         f"out ({M}, {N}) float32; got {x.dtype} {tuple(x.shape)}, "
-                         f"{out.dtype} {tuple(out.shape)}")
-    kernel, blocks = pick_gemv_8bit_kernel("gemv_8bit", method, M, N,
-                                           "add" * accumulate, variant)
+    if x.dtype != np.uint16 or not is_c_contiguous(x) or device_pointer(x) % 8:
+        raise ValueError(f"gemv_8bit: need x (M, {K}) bf16 bits, 8-byte aligned, "
+                         f"C-contiguous; got {x.dtype} {tuple(x.shape)}")
+    check_8bit_out("gemv_8bit", out, M, N, gated)
+    if gated and accumulate:
+        raise ValueError("gemv_8bit: gated writes SiLU(gate) * up, it adds to nothing")
+    kind = "gated" if gated else "add" * accumulate
+    kernel, blocks = pick_gemv_8bit_kernel("gemv_8bit", method, M, N, kind, variant)
     kernel[blocks, GEMV_THREADS, stream](x.view(np.uint64), codes.view(np.uint64),
                                          scales, out)
     return out
 
 
 def gemv_8bit_rmsnorm(residual, norm_weight, eps: float, codes, scales, out,
-                      method: str, stream=0, variant: str = "auto"):
+                      method: str, stream=0, variant: str = "auto",
+                      gated: bool = False):
     """Launch: out (M, N) = RMSNorm(residual) · (scales ⊙ codes)ᵀ for M <= 16 rows of
-    the float32 residual stream (M, K), with the norm's bf16 weight (K,).
+    the float32 residual stream (M, K), with the norm's bf16 weight (K,); gated: as
+    gemv_8bit's.
     """
     M, K = residual.shape if residual.ndim == 2 else (0, 0)
     check_8bit_operands("gemv_8bit_rmsnorm", method, codes, scales, K)
     N = codes.shape[0]
-    if (residual.dtype, out.dtype) != (np.float32, np.float32) \
-            or tuple(out.shape) != (M, N) \
-            or not (is_c_contiguous(residual) and is_c_contiguous(out)) \
+    if residual.dtype != np.float32 or not is_c_contiguous(residual) \
             or device_pointer(residual) % 8 or device_pointer(norm_weight) % 8:
         raise ValueError(
-            f"gemv_8bit_rmsnorm: need residual (M, {K}) float32 and out ({M}, {N}) "
-            f"float32, residual and norm_weight 8-byte aligned; got "
-            f"{residual.dtype} {tuple(residual.shape)}, {out.dtype} {tuple(out.shape)}")
+            f"gemv_8bit_rmsnorm: need residual (M, {K}) float32, C-contiguous, it and "
+            f"norm_weight 8-byte aligned; got {residual.dtype} {tuple(residual.shape)}")
+    check_8bit_out("gemv_8bit_rmsnorm", out, M, N, gated)
     eps = check_weight_eps("gemv_8bit_rmsnorm", norm_weight, K, eps)  # chapter 4's
     kernel, blocks = pick_gemv_8bit_kernel("gemv_8bit_rmsnorm", method, M, N,
-                                           "rmsnorm", variant)
+                                           "rmsnorm_gated" if gated else "rmsnorm",
+                                           variant)
     kernel[blocks, GEMV_THREADS, stream](residual.view(np.uint64),
                                          codes.view(np.uint64), scales, out,
                                          norm_weight.view(np.uint64), eps)

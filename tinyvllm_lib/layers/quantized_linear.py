@@ -4,6 +4,7 @@
 # defined in chapters/15_quantization.py
 from numba import cuda
 
+from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.gemv_8bit import (
     dequantize_to_bf16,
@@ -17,6 +18,9 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 # up to how many token vectors the 8-bit GEMV runs (beyond: dequantize, then a GEMM);
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
+# the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
+# epilogue) where the GEMV runs
+GATED_GEMV_8BIT = True
 
 
 class QuantizedLinear:
@@ -66,3 +70,17 @@ class QuantizedLinear:
                                      self.scales, out, self.method, stream)
         rmsnorm(residual, norm_weight, eps, normed, stream=stream)
         return self.apply(normed, out, stream=stream, workspace=workspace)
+
+    def apply_rmsnorm_silu_mul(self, residual, norm_weight, eps, act, gate_up, normed,
+                               *, stream=0, workspace=None):
+        """act = SiLU(gate) * up for W = [gate | up] (chapter 7's
+        rmsnorm_linear_silu_mul): one kernel, the norm and SiLU inside the GEMV,
+        where the GEMV runs and GATED_GEMV_8BIT says so; else apply_rmsnorm into
+        gate_up, then silu_mul.
+        """
+        if self.uses_gemv(normed) and GATED_GEMV_8BIT:
+            return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
+                                     self.scales, act, self.method, stream, gated=True)
+        self.apply_rmsnorm(residual, norm_weight, eps, gate_up, normed, stream=stream,
+                           workspace=workspace)
+        return silu_mul(gate_up, act, stream=stream)

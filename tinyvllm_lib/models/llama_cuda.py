@@ -6,12 +6,15 @@ import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.distributed.communicator import Communicator
-from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.embedding import check_token_ids, embed
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.kernels.rope import check_positions, rope_table_from_config
 from tinyvllm_lib.layers.attention import FlashAttention
-from tinyvllm_lib.layers.linear import linear, rmsnorm_linear
+from tinyvllm_lib.layers.linear import (
+    linear,
+    rmsnorm_linear,
+    rmsnorm_linear_silu_mul,
+)
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import fuse_llama_weights
 from tinyvllm_lib.models.loader import load_weights
@@ -115,8 +118,9 @@ class LlamaCuda:
             linear(b["attn"], w[p + "o_proj"], b["residual"], accumulate=is_first, **on)
             self.comm.all_reduce(b["residual"], stream)
             norm_up = (w[p + "post_attention_layernorm"], eps, w[p + "gate_up_proj"])
-            rmsnorm_linear(b["residual"], *norm_up, b["gate_up"], b["normed"], **on)
-            silu_mul(b["gate_up"], b["act"], stream=stream)
+            # act = SiLU(gate) · up of norm(x) · Wgate_upᵀ
+            rmsnorm_linear_silu_mul(b["residual"], *norm_up, b["act"], b["gate_up"],
+                                    b["normed"], **on)
             linear(b["act"], w[p + "down_proj"], b["residual"], accumulate=is_first,
                    **on)
             self.comm.all_reduce(b["residual"], stream)
