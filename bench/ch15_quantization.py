@@ -13,7 +13,7 @@ llama_quantized.decode_weight_bytes), with its time to first token (a 128-token 
 on dequantized bf16 scratch).
 throughput: for each format, nano-vllm's throughput workload (256 requests, the median of three runs).
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
-RMSNorm variant, replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
+RMSNorm variant (gate-up's also with SiLU·up inside, the engine's MLP kernel), replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
 drift: one random 64-token prompt teacher-forced: bf16 kernels against float32 NumPy, each 8-bit kernel model against
 the bf16 kernels and against its own NumPy reference (mean |Δ log p| over the reference's top 5 tokens).
@@ -32,6 +32,7 @@ from numba import cuda
 
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.gemv import gemv
 from tinyvllm_lib.kernels.gemv_8bit import (
@@ -96,9 +97,9 @@ def latency_run(rec: Recorder, folder, method, max_model_len: int, limit: float,
     del llm
 
 
-def check(got: np.ndarray, want: np.ndarray, what: str) -> None:
+def check(got: np.ndarray, want: np.ndarray, what: str, tol: float = 1e-4) -> None:
     error = np.max(np.abs(got - want)) / np.max(np.abs(want))
-    assert error <= 1e-4, f"{what}: max relative error {error:.2e} against NumPy"
+    assert error <= tol, f"{what}: max relative error {error:.2e} against NumPy"
 
 
 def gemv_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> None:
@@ -142,8 +143,17 @@ def gemv_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
                                   len(weights))
             normed = timed(lambda i, s: gemv_8bit_rmsnorm(d_residual, d_norm, 1e-5, *weights[i % len(weights)],
                                                                   out, method, stream=s), len(weights))
-            for kind, seconds, nbytes in (("gemv", plain, q.nbytes + x_bits.nbytes),
-                                          ("gemv_rmsnorm", normed, q.nbytes + residual.nbytes + norm.nbytes)):
+            timings = [("gemv", plain, q.nbytes + x_bits.nbytes),
+                       ("gemv_rmsnorm", normed, q.nbytes + residual.nbytes + norm.nbytes)]
+            if name == "gate_up_proj":  # the engine's MLP kernel: the norm and SiLU·up inside (bf16 out)
+                act = cuda.device_array((1, N // 2), np.uint16)
+                gemv_8bit_rmsnorm(d_residual, d_norm, 1e-5, codes, scales, act, method, gated=True)
+                gate_up = rmsnorm_ref(residual, norm, 1e-5) @ q.dequantize().T
+                check(bf16_bits_to_f32(act.copy_to_host()), silu_mul_ref(gate_up), f"{method} {name} gated", 2.0**-8)
+                gated = timed(lambda i, s: gemv_8bit_rmsnorm(d_residual, d_norm, 1e-5, *weights[i % len(weights)],
+                                                             act, method, stream=s, gated=True), len(weights))
+                timings.append(("gemv_rmsnorm_gated", gated, q.nbytes + residual.nbytes + norm.nbytes))
+            for kind, seconds, nbytes in timings:
                 rec.add(kind, [1, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name, quantization=method,
                         us=seconds * 1e6, bytes=nbytes, ceiling_name=ceiling_name, part="gemv", **extra)
             print(f"{name} ({N}x{K}) {method}: {plain * 1e6:.1f} us, {(q.nbytes + x_bits.nbytes) / plain / 1e9:.0f} "
