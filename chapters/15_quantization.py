@@ -1288,8 +1288,8 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 # first words, which no kernel writes, before it waits for the kernel before it —
 # and before it stages the input, which that kernel writes — and it keeps the two
 # fusions chapter 11 measured, the **residual add** (`out += `, the projection's
-# epilogue) and the **RMSNorm** of its input, so an 8-bit model launches the same
-# kernels a step as a bf16 one.
+# epilogue) and the **RMSNorm** of its input; a third, SiLU·up in the gate-up GEMV,
+# follows the checks below.
 #
 # The staged rows are laid out so that a warp's 32 lanes, reading 32 neighbouring
 # words of codes, read 32 neighbouring 8-byte pairs of floats: for token $m$ and code
@@ -1771,6 +1771,50 @@ if can_launch():
         print(f"{method}: plain, residual add, RMSNorm: largest relative error "
               f"{error:.1e}")
         assert error <= 1e-4
+
+# %% [markdown]
+# **The MLP's first half in one kernel.** Chapter 7's `gemv_silu_mul` gave each warp a
+# gate row and its up row and wrote $\operatorname{SiLU}(g)\cdot u$ where the two
+# products are made; for bf16 it did not pay (chapter 11: half as many warps, each
+# with twice the loads). This kernel's blocks already take groups of rows in turn, as
+# many of them as the GPU holds whatever rows they take, so pairing rows costs no
+# warps. With `gated=True` half of a group's rows are gate rows and the other half the
+# up rows $I$ below them; each thread keeps as many words in flight (twice the rows,
+# half the words ahead), and lane 0 writes SiLU·up in bf16, the input of `down_proj`.
+# With the norm inside as well, the norm, the gate-up GEMV and SiLU·up — three kernels
+# in the bf16 model at one token, where chapter 6 keeps the norm out of a 16,384-row
+# GEMV — become one, and the float32 `[gate | up]` row is never written. The layer
+# loop asks for that half through chapter 7's `rmsnorm_linear_silu_mul`, which an
+# 8-bit weight answers itself (`QuantizedLinear.apply_rmsnorm_silu_mul`, below). A
+# thread meets its words in the same order whether its group holds one row or a pair,
+# so the check is exact: the gated kernel's bits equal those of the same GEMV into
+# float32 followed by `silu_mul`.
+
+# %%
+from tinyvllm_lib.kernels.activation import silu_mul
+
+
+def check_gated(method: str, M: int = 2, I: int = 5, K: int = 64) -> None:
+    """gemv_8bit_rmsnorm with gated=True against the GEMV into [gate | up], then
+    silu_mul: the same bf16 bits."""
+    from numba import cuda
+
+    residual = cuda.to_device(rng.standard_normal((M, K)).astype(np.float32))
+    norm = cuda.to_device(f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32)))
+    q = quantize(rng.standard_normal((2 * I, K)).astype(np.float32) * 0.05, method)
+    codes, scales = cuda.to_device(q.codes), cuda.to_device(q.scales)
+    gate_up = cuda.device_array((M, 2 * I), np.float32)
+    fused, separate = (cuda.device_array((M, I), np.uint16) for _ in range(2))
+    gemv_8bit_rmsnorm(residual, norm, 1e-5, codes, scales, gate_up, method)
+    silu_mul(gate_up, separate)
+    gemv_8bit_rmsnorm(residual, norm, 1e-5, codes, scales, fused, method, gated=True)
+    assert np.array_equal(fused.copy_to_host(), separate.copy_to_host())
+
+
+if can_launch():
+    for method in ("int8", "fp8"):
+        check_gated(method)
+    print("gated: the same bits as the GEMV, then silu_mul (int8 and FP8)")
 
 # %% [markdown]
 # **Prefill** — many tokens at once — is a GEMM, and chapter 6 gave it to cuBLAS, on
