@@ -2109,7 +2109,9 @@ if dec:
         prose.glue("ch14_dec_variants", (
             f"Of the other block shapes the script timed, the best at 256 mixed "
             f"contexts was {top['warps']} warps in {top['stages']} stages: "
-            f"{top['value'] / gbs['tensor_cores', 2] - 1:+.0%} against the default."))
+            f"{top['value'] / gbs['tensor_cores', 2] - 1:+.0%} against the default"
+            + (": more tiles in flight a block did not help, which the guess above "
+               "does not explain." if top["value"] < gbs["tensor_cores", 2] else ".")))
     else:
         prose.glue("ch14_dec_variants", (
             "Deeper pipelines — 3 warps in 3 stages, 2 in 4, 1 in 6, each within the "
