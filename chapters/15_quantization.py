@@ -1835,7 +1835,16 @@ if can_launch():
 # always have.
 
 # %%
-#| export kernels.gemv_8bit
+#| export kernels.dequantize_8bit
+import numpy as np
+from numba import cuda, uint32, uint64
+
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16
+from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.gemv_8bit import check_8bit_operands
+from tinyvllm_lib.kernels.widen_8bit import WIDEN
+
 DEQUANTIZE_THREADS = 256
 
 
@@ -1868,7 +1877,7 @@ dequantize_int8_kernel = make_dequantize_kernel("int8")
 dequantize_fp8_kernel = make_dequantize_kernel("fp8")
 DEQUANTIZE_KERNELS = {"int8": dequantize_int8_kernel, "fp8": dequantize_fp8_kernel}
 _SIG = "void(uint64[:, ::1], float32[::1], uint64[:, ::1])"
-PTX_SIGNATURES |= {"dequantize_int8_kernel": [_SIG], "dequantize_fp8_kernel": [_SIG]}
+PTX_SIGNATURES = {"dequantize_int8_kernel": [_SIG], "dequantize_fp8_kernel": [_SIG]}
 
 
 def dequantize_to_bf16(codes, scales, out, method: str, stream=0):
@@ -1906,11 +1915,8 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.checks import is_device_array
-from tinyvllm_lib.kernels.gemv_8bit import (
-    dequantize_to_bf16,
-    gemv_8bit,
-    gemv_8bit_rmsnorm,
-)
+from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
+from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.layers.linear import NORM_IN_GEMV_MAX_ROWS, linear
 from tinyvllm_lib.quantization.formats import QuantizedTensor

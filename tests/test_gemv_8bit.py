@@ -7,11 +7,8 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.kernels.gemv_8bit import (
-    dequantize_to_bf16,
-    gemv_8bit,
-    gemv_8bit_rmsnorm,
-)
+from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
+from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.measure import max_rel_error as rel_error
 from tinyvllm_lib.quantization.formats import quantize

@@ -6,11 +6,8 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.checks import is_device_array
-from tinyvllm_lib.kernels.gemv_8bit import (
-    dequantize_to_bf16,
-    gemv_8bit,
-    gemv_8bit_rmsnorm,
-)
+from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
+from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.layers.linear import NORM_IN_GEMV_MAX_ROWS, linear
 from tinyvllm_lib.quantization.formats import QuantizedTensor
