@@ -2087,7 +2087,7 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # it would replace, and at Llama 3.2 1B's shape it is the slower of the two; chapter 11
 # times the norm inside the gate-up GEMV too. The loop still asks for the MLP's first
 # half in one call, `rmsnorm_linear_silu_mul`, so that a weight with a faster way can
-# take it: chapter 15's 8-bit one does all three in one kernel.)
+# take it: chapter 15's 8-bit one can do all three in one kernel.)
 #
 # Per layer that is seven to nine launches: norm (where it is not inside the QKV
 # projection), QKV projection, RoPE, attention, o projection (+ add), norm (likewise),
