@@ -1780,8 +1780,9 @@ if can_launch():
 # with twice the loads). This kernel's blocks already take groups of rows in turn, as
 # many of them as the GPU holds whatever rows they take, so pairing rows costs no
 # warps. With `gated=True` half of a group's rows are gate rows and the other half the
-# up rows $I$ below them; each thread keeps as many words in flight (twice the rows,
-# half the words ahead), and lane 0 writes SiLU·up in bf16, the input of `down_proj`.
+# up rows $I$ below them; each thread keeps as many words in flight (where a warp had
+# one row it takes a pair and loads half as many words ahead), and the row's sums end
+# as SiLU·up in bf16, the input of `down_proj`.
 # With the norm inside as well, the norm, the gate-up GEMV and SiLU·up — three kernels
 # in the bf16 model at one token, where chapter 6 keeps the norm out of a 16,384-row
 # GEMV — become one, and the float32 `[gate | up]` row is never written. The layer
@@ -2317,7 +2318,7 @@ if ("bs1_decode", "int8") in newest:
         prose.glue(f"ch15_new_{m}_x", f"{speedup:.2f}")
     prose.glue("ch15_new_version", f"{last}")
     prose.glue("ch15_new_which", "the kernel above" if last == GEMV_8BIT_VERSION else
-               f"the kernel above without version {GEMV_8BIT_VERSION}'s gated epilogue "
+               f"the kernel above as it was before version {GEMV_8BIT_VERSION} "
                "(not yet recorded on this GPU)")
     prose.glue("ch15_new_bf16", f"{bf16_new:,.0f} tok/s")
     prose.glue("ch15_new_limit", f"{newest['bs1_decode', None]['ceiling']:,.0f} tok/s")
