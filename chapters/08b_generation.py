@@ -615,7 +615,8 @@ class Sampler:
 # $$ \chi^2 = \sum_i \frac{(O_i - E_i)^2}{E_i}, $$
 #
 # which, if the sampler is right, follows a $\chi^2$ distribution with (categories − 1)
-# degrees of freedom; it exceeds its 0.1% critical value once in a thousand runs. Tokens
+# degrees of freedom; it exceeds its 0.1% critical value once in a thousand runs (so the
+# draws below are seeded: a build of the book should not fail by chance). Tokens
 # that must never appear are checked to have a count of exactly zero.
 # (`tests/test_sampling.py` does this for more settings.)
 
@@ -643,8 +644,10 @@ settings = {  # name: (params, expected probabilities worked out by hand)
 }
 num_samples = 20_000
 sampler, counts = Sampler(), {}
-for name, (params, expected) in settings.items():
-    gen = np.random.default_rng(rng.integers(2**32))
+# seeded: five tests at 0.1% each would fail one build in 200 by chance (60 fresh
+# draws of each setting gave chi-square p-values consistent with uniform)
+for seed, (name, (params, expected)) in enumerate(settings.items()):
+    gen = np.random.default_rng(seed)
     batch = np.tile(small_logits, (num_samples, 1))
     got = sampler(
         batch, SamplingMetadata.from_params([params] * num_samples, [gen] * num_samples)
