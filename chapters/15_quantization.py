@@ -658,19 +658,25 @@ def decode_weight_bytes(
 class QuantizedLlamaNumpy(LlamaNumpy):
     """Chapter 7's NumPy model on 8-bit weights: each matrix quantized as it is loaded
     (a rank's shard: its own rows' scales), then kept as the float32 values its codes
-    stand for, scale times value, for NumPy's float32 matrix products.
+    stand for, scale times value, for NumPy's float32 matrix products. tensors: 8-bit
+    weights made elsewhere (GPTQ, below), by fused name, used as they are.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  quantization: str, quantize_lm_head: bool = QUANTIZE_LM_HEAD,
-                 **kwargs):
+                 tensors: dict | None = None, **kwargs):
         if check_quantization(quantization) is None:
             raise ValueError("QuantizedLlamaNumpy needs quantization 'int8' or 'fp8'")
         super().__init__(config, weights, **kwargs)
         self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
+        tensors = tensors or {}
         for name, matrix in self.matrices.items():  # float32, widened from bf16
             if is_quantized(name, quantize_lm_head):
-                self.matrices[name] = quantize(matrix, quantization).dequantize()
+                q = tensors.get(name) or quantize(matrix, quantization)
+                if q.method != quantization or q.shape != matrix.shape:
+                    raise ValueError(f"{name}: need {quantization} {matrix.shape}, "
+                                     f"got {q.method} {q.shape}")
+                self.matrices[name] = q.dequantize()
 
 
 def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
@@ -909,6 +915,209 @@ int8 and {{ch15_head_cost_fp8}} in FP8. The head's rounding reaches every logit
 directly, with no later layer to dilute it. That, with what the head costs in bytes,
 is the trade the GPU measurement will price; the engine keeps the head in bf16 until
 it does.
+""")
+
+# %% [markdown]
+# ## Rounding that knows the inputs: GPTQ
+#
+# Round-to-nearest makes each weight's own error as small as it can be, and that is
+# not what the model feels. A layer's output for an input row $x$ errs by
+# $\sum_k x_k (w_{nk} - \hat w_{nk})$: an error in a column that always meets a large
+# input matters, one whose input is always near zero does not, and errors in columns
+# whose inputs move together can cancel. Summed over inputs $X$ (a row per token), the
+# squared output error of row $n$ is $e_n H e_n^\top$ with $e_n = w_n - \hat w_n$ and
+# $H = X^\top X$. **GPTQ** (Frantar et al., 2022) lowers it with the same grid and
+# the same scales: it rounds one column at a time and moves that column's rounding
+# error onto the columns not yet rounded, in the proportions $H^{-1}$ says cancel it
+# best (the optimal brain surgeon's update). Columns go in order of their inputs'
+# energy, $H_{kk}$, largest first, so the columns that matter most are rounded while
+# the most freedom is left to compensate them. The result is codes and one scale per
+# row, exactly what the kernels read: only how the codes were chosen changes.
+#
+# $H$ needs inputs: **calibration** text run through the bf16 model, summing
+# $X^\top X$ at each matrix's input. The engine's `quantization=` stays
+# round-to-nearest, which needs nothing but the weights; GPTQ here is a study on
+# SmolLM2, done before loading, as GPTQ checkpoints are made.
+
+# %%
+#| export quantization.gptq
+import numpy as np
+
+from tinyvllm_lib.models.llama_numpy import LlamaNumpy
+from tinyvllm_lib.models.llama_quantized import is_quantized
+from tinyvllm_lib.quantization.formats import (
+    CODE_MAX,
+    INT8_MAX,
+    QuantizedTensor,
+    check_quantization,
+    fp8_e4m3_decode,
+    fp8_e4m3_encode,
+)
+
+
+class HessianProbe(LlamaNumpy):
+    """Chapter 7's NumPy model whose linear also sums XᵀX (float64) of the input of
+    each matrix that is stored in 8 bits, into `hessians` by fused name.
+    """
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        if is_quantized(name):
+            hessians = self.__dict__.setdefault("hessians", {})
+            x64 = x.astype(np.float64)
+            hessians[name] = hessians.get(name, 0.0) + x64.T @ x64
+        return super().linear(x, name)
+
+
+def gptq_quantize(w: np.ndarray, hessian: np.ndarray, method: str,
+                  damp: float = 0.01, block: int = 128) -> QuantizedTensor:
+    """An (out, in) weight in 8 bits, one scale a row (max |w| / the largest code, as
+    quantize), its codes chosen by GPTQ against hessian = XᵀX (in, in) of its inputs:
+    column by column, largest H_kk first, each column's rounding error moved onto the
+    columns after it through H⁻¹'s Cholesky factor; damp · mean(H_kk) added to H's
+    diagonal; block columns' updates applied to the rest at once.
+    """
+    if check_quantization(method) is None or np.ndim(w) != 2:
+        raise ValueError(f"gptq_quantize takes an (out, in) weight and 'int8' or "
+                         f"'fp8', got shape {np.shape(w)} and {method!r}")
+    W = np.array(w, dtype=np.float64)
+    N, K = W.shape
+    H = np.array(hessian, dtype=np.float64)
+    if H.shape != (K, K):
+        raise ValueError(f"hessian must be ({K}, {K}) for a weight {W.shape}, "
+                         f"got {H.shape}")
+    scales = (np.max(np.abs(W), axis=1) / CODE_MAX[method]).astype(np.float32)
+    s = np.where(scales > 0, scales, 1).astype(np.float64)
+    dead = np.diag(H) == 0  # an input that was always zero: its weights never count
+    H[dead, dead], W[:, dead] = 1.0, 0.0
+    order = np.argsort(-np.diag(H), kind="stable")
+    W, H = W[:, order], H[np.ix_(order, order)]
+    H[np.diag_indices(K)] += damp * np.mean(np.diag(H))
+    U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper triangular: H⁻¹ = Uᵀ U
+    codes = np.empty((N, K), np.int8 if method == "int8" else np.uint8)
+    for b0 in range(0, K, block):
+        b1 = min(b0 + block, K)
+        moved = np.empty((N, b1 - b0))
+        for i in range(b0, b1):
+            if method == "int8":
+                codes[:, i] = np.clip(np.rint(W[:, i] / s), -INT8_MAX, INT8_MAX)
+                value = codes[:, i].astype(np.float64)
+            else:
+                codes[:, i] = fp8_e4m3_encode((W[:, i] / s).astype(np.float32))
+                value = fp8_e4m3_decode(codes[:, i]).astype(np.float64)
+            error = (W[:, i] - value * s) / U[i, i]
+            W[:, i:b1] -= np.outer(error, U[i, i:b1])
+            moved[:, i - b0] = error
+        W[:, b1:] -= moved @ U[b0:b1, b1:]
+    unsorted = np.empty_like(codes)
+    unsorted[:, order] = codes
+    return QuantizedTensor(method, unsorted, scales)
+
+
+# %% [markdown]
+# A check on a random layer whose inputs, like a model's, are correlated and of
+# unequal sizes: GPTQ's codes lie on the same grid, under the same scales, as
+# round-to-nearest's, each weight's own error is larger, and the output error
+# $\operatorname{tr}(E H E^\top)$ is smaller.
+
+# %%
+from tinyvllm_lib.quantization.gptq import gptq_quantize
+
+K_DEMO = 256
+mixing = rng.standard_normal((K_DEMO, K_DEMO)) * np.exp(rng.uniform(-2, 1, K_DEMO))
+X_demo = rng.standard_normal((2048, K_DEMO)) @ mixing  # correlated inputs
+H_demo = X_demo.T @ X_demo
+w_demo = rng.standard_normal((96, K_DEMO)).astype(np.float32)
+for method in ("int8", "fp8"):
+    plain, gptq = quantize(w_demo, method), gptq_quantize(w_demo, H_demo, method)
+    assert np.array_equal(plain.scales, gptq.scales)
+    assert gptq.codes.dtype == plain.codes.dtype
+    if method == "int8":
+        assert np.abs(gptq.codes.astype(int)).max() <= INT8_MAX
+    errors = {}
+    for label, q in (("round to nearest", plain), ("GPTQ", gptq)):
+        E = (w_demo - q.dequantize()).astype(np.float64)
+        errors[label] = (np.mean(E**2), np.trace(E @ H_demo @ E.T))
+        print(f"{method} {label:>16}: mean squared weight error {errors[label][0]:.3e},"
+              f" output error {errors[label][1]:.3e}")
+    assert errors["GPTQ"][1] < 0.8 * errors["round to nearest"][1]
+    assert errors["GPTQ"][0] > errors["round to nearest"][0]
+
+# %% [markdown]
+# On SmolLM2, `bench/ch15_gptq_cpu.py` takes its calibration from chat: 38 questions
+# of its own, none of the 20 above, and bf16's greedy answers to them, teacher-forced
+# through `HessianProbe`. It then quantizes every layer's matrices both ways and
+# measures as the accuracy study does, on the same 20 answers and the same prose
+# (a few minutes of NumPy; `book/data/ch15_gptq.json`):
+
+# %%
+gptq_runs = load_records("ch15_gptq")
+if not gptq_runs:
+    print("not yet recorded: run python bench/ch15_gptq_cpu.py")
+    for key in ("int8", "fp8"):
+        for what in ("sure", "worst", "dlogp", "ppl"):
+            for how in ("rtn", "gptq"):
+                prose.glue(f"ch15_gptq_{what}_{how}_{key}", "not yet recorded")
+    prose.glue("ch15_gptq_calibration", "not yet recorded")
+    prose.glue("ch15_gptq_jitter_int8", "not yet recorded")
+    prose.glue("ch15_gptq_jitter_fp8", "not yet recorded")
+else:
+    by = {(r["quantization"], r["rounding"]): r for r in gptq_runs
+          if r["name"] == "chat_flips"}
+    text_by = {(r["quantization"], r["rounding"]): r for r in gptq_runs
+               if r["name"] == "text_perplexity"}
+    calibration = gptq_runs[0]["calibration"]
+    prose.glue("ch15_gptq_calibration", f"{calibration['tokens']:,} tokens of "
+               f"{calibration['sequences']} chats")
+    fig, (ax_sure, ax_dlogp) = new_figure(1, 2, width=9, height=2.8)
+    for x, key in enumerate(("int8", "fp8")):
+        for dx, how in ((-0.18, "rtn"), (0.18, "gptq")):
+            c, t = by[key, how], text_by[key, how]
+            sure = sum(f["bf16_margin"] > 0.5 for f in c["flips"])
+            print(f"{key} {how:>4}: {c['value']:.0f} top tokens differ, {sure} where "
+                  f"bf16's margin > 0.5 (largest {c['largest_flip_margin']:.2f}); "
+                  f"answers' mean |Δ log p| {c['mean_abs_dlogp']:.4f}; prose "
+                  f"perplexity {t['ratio_to_bf16'] - 1:+.2%}")
+            prose.glue(f"ch15_gptq_sure_{how}_{key}", f"{sure}")
+            worst = c["largest_flip_margin"]
+            prose.glue(f"ch15_gptq_worst_{how}_{key}", f"{worst:.2f}")
+            prose.glue(f"ch15_gptq_dlogp_{how}_{key}", f"{c['mean_abs_dlogp']:.3f}")
+            prose.glue(f"ch15_gptq_ppl_{how}_{key}", f"{t['ratio_to_bf16'] - 1:+.2%}")
+            color = "#bbbbbb" if how == "rtn" else "#1f77b4"
+            label = {"rtn": "round to nearest", "gptq": "GPTQ"}[how] if x == 0 else None
+            ax_sure.bar(x + dx, sure, 0.34, color=color, label=label)
+            ax_dlogp.bar(x + dx, c["mean_abs_dlogp"], 0.34, color=color)
+    for key in ("int8", "fp8"):  # round to nearest under scales nudged down < 1%
+        nudged = sorted(sum(f["bf16_margin"] > 0.5 for f in r["flips"])
+                        for (m, how), r in by.items()
+                        if m == key and how.startswith("rtn_jitter"))
+        prose.glue(f"ch15_gptq_jitter_{key}", f"{nudged[0]} to {nudged[-1]} "
+                   f"(in {len(nudged)} roundings)" if nudged else "not recorded")
+    for ax, title in ((ax_sure, "flips where bf16's margin > 0.5 (target: 0)"),
+                      (ax_dlogp, "mean |Δ log p| along the 20 answers")):
+        ax.set_xticks([0, 1], ["int8", "FP8"])
+        ax.set_title(title, fontsize=9)
+    ax_sure.legend(fontsize=8)
+    plt.show()
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+Calibrated on {{ch15_gptq_calibration}}, GPTQ's int8 flips {{ch15_gptq_sure_gptq_int8}}
+times where bf16's margin exceeds 0.5 (round-to-nearest: {{ch15_gptq_sure_rtn_int8}},
+the largest at {{ch15_gptq_worst_rtn_int8}}), and the answers' mean |Δ log p| goes from
+{{ch15_gptq_dlogp_rtn_int8}} to {{ch15_gptq_dlogp_gptq_int8}}. FP8 goes from
+{{ch15_gptq_sure_rtn_fp8}} such flips (largest {{ch15_gptq_worst_rtn_fp8}}) to
+{{ch15_gptq_sure_gptq_fp8}} (largest {{ch15_gptq_worst_gptq_fp8}}), its |Δ log p| from
+{{ch15_gptq_dlogp_rtn_fp8}} to {{ch15_gptq_dlogp_gptq_fp8}}. The prose's perplexity
+moves {{ch15_gptq_ppl_gptq_int8}} (int8) and {{ch15_gptq_ppl_gptq_fp8}} (FP8) from
+bf16's, against {{ch15_gptq_ppl_rtn_int8}} and {{ch15_gptq_ppl_rtn_fp8}} rounded to
+nearest: GPTQ aims its error away from the inputs it was shown, chat here, so text
+unlike them gains less. Twenty answers are a small test: a single position decides
+whether a target of "never" is met. Round-to-nearest under each row's scale nudged
+down by less than 1%, as accurate but rounding nearly every weight differently, gives
+int8 {{ch15_gptq_jitter_int8}} such flips and FP8 {{ch15_gptq_jitter_fp8}}: read a
+flip more or less as noise, and the |Δ log p| as the steadier measure. The kernels
+did not change; the engine loads round-to-nearest, and a GPTQ checkpoint (codes and
+scales made once, offline) is what it would take to serve these.
 """)
 
 # %% [markdown]

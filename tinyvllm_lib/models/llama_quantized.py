@@ -61,19 +61,25 @@ def decode_weight_bytes(
 class QuantizedLlamaNumpy(LlamaNumpy):
     """Chapter 7's NumPy model on 8-bit weights: each matrix quantized as it is loaded
     (a rank's shard: its own rows' scales), then kept as the float32 values its codes
-    stand for, scale times value, for NumPy's float32 matrix products.
+    stand for, scale times value, for NumPy's float32 matrix products. tensors: 8-bit
+    weights made elsewhere (GPTQ, below), by fused name, used as they are.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  quantization: str, quantize_lm_head: bool = QUANTIZE_LM_HEAD,
-                 **kwargs):
+                 tensors: dict | None = None, **kwargs):
         if check_quantization(quantization) is None:
             raise ValueError("QuantizedLlamaNumpy needs quantization 'int8' or 'fp8'")
         super().__init__(config, weights, **kwargs)
         self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
+        tensors = tensors or {}
         for name, matrix in self.matrices.items():  # float32, widened from bf16
             if is_quantized(name, quantize_lm_head):
-                self.matrices[name] = quantize(matrix, quantization).dequantize()
+                q = tensors.get(name) or quantize(matrix, quantization)
+                if q.method != quantization or q.shape != matrix.shape:
+                    raise ValueError(f"{name}: need {quantization} {matrix.shape}, "
+                                     f"got {q.method} {q.shape}")
+                self.matrices[name] = q.dequantize()
 
 
 def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
