@@ -1113,8 +1113,9 @@ bf16's, against {{ch15_gptq_ppl_rtn_int8}} and {{ch15_gptq_ppl_rtn_fp8}} rounded
 nearest: GPTQ aims its error away from the inputs it was shown, chat here, so text
 unlike them gains less. Twenty answers are a small test: a single position decides
 whether a target of "never" is met. Round-to-nearest under each row's scale nudged
-down by less than 1%, as accurate but rounding nearly every weight differently, gives
-int8 {{ch15_gptq_jitter_int8}} such flips and FP8 {{ch15_gptq_jitter_fp8}}: read a
+down by less than 1% rounds nearly every weight differently (and clips each row's
+largest a little, which costs the prose's perplexity a few tenths of a percent); it
+gives int8 {{ch15_gptq_jitter_int8}} such flips and FP8 {{ch15_gptq_jitter_fp8}}: read a
 flip more or less as noise, and the |Δ log p| as the steadier measure. The kernels
 did not change; the engine loads round-to-nearest, and a GPTQ checkpoint (codes and
 scales made once, offline) is what it would take to serve these.
