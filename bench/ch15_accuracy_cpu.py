@@ -72,6 +72,14 @@ def summarize(logits: np.ndarray, targets: np.ndarray, rows: int = 256) -> dict:
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
+def flips_against(answers: list[dict], ref_answers: list[dict]) -> list[dict]:
+    """Each answer position where the model's top token (summarize's) differs from bf16's: which question and
+    position, bf16's top-two margin there, and the two tokens."""
+    return [{"question": i, "position": int(t), "bf16_margin": round(float(ref["margin"][t]), 4),
+             "bf16_token": int(ref["top"][t]), "token": int(got["top"][t])}
+            for i, (got, ref) in enumerate(zip(answers, ref_answers)) for t in np.flatnonzero(got["top"] != ref["top"])]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text-tokens", type=int, default=2048)
@@ -128,11 +136,7 @@ def main() -> None:
         ppl = float(np.exp(-text["target_lp"].mean()))
         delta = np.abs(text["target_lp"] - ref_text["target_lp"])
         text_top1 = float(np.mean(text["top"] == ref_text["top"]))
-        flips = []
-        for i, (got, ref) in enumerate(zip(answers, ref_answers)):
-            for t in np.flatnonzero(got["top"] != ref["top"]):
-                flips.append({"question": i, "position": int(t), "bf16_margin": round(float(ref["margin"][t]), 4),
-                              "bf16_token": int(ref["top"][t]), "token": int(got["top"][t])})
+        flips = flips_against(answers, ref_answers)
         answer_delta = np.concatenate([np.abs(got["target_lp"] - ref["target_lp"])
                                        for got, ref in zip(answers, ref_answers)])
         worst_flip = max((f["bf16_margin"] for f in flips), default=0.0)

@@ -19,7 +19,14 @@ import time
 
 import numpy as np
 from ch08_decode_cpu import cpu_device_info
-from ch15_accuracy_cpu import QUESTIONS, ROOT, TEXT_SOURCE, chapter_prose, summarize
+from ch15_accuracy_cpu import (
+    QUESTIONS,
+    ROOT,
+    TEXT_SOURCE,
+    chapter_prose,
+    flips_against,
+    summarize,
+)
 
 import tinyvllm_lib.measure as measure
 from tinyvllm_lib import LLM, SamplingParams
@@ -125,8 +132,7 @@ def main() -> None:
             t_quantize = time.perf_counter() - t0
             text, got = study(QuantizedLlamaNumpy(config, weights, method, tensors=tensors))
             ppl = float(np.exp(-text["target_lp"].mean()))
-            flips = [{"question": i, "position": int(t), "bf16_margin": round(float(r["margin"][t]), 4)}
-                     for i, (g, r) in enumerate(zip(got, ref_answers)) for t in np.flatnonzero(g["top"] != r["top"])]
+            flips = flips_against(got, ref_answers)
             dlogp = float(np.mean(np.concatenate([np.abs(g["target_lp"] - r["target_lp"])
                                                   for g, r in zip(got, ref_answers)])))
             text_dlogp = float(np.abs(text["target_lp"] - ref_text["target_lp"]).mean())
