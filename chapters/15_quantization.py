@@ -1544,9 +1544,9 @@ STAGE_WORDS = 4096
 # input widened by every warp; 3: one byte permute an int8 code, the hardware's
 # conversion for e4m3, the input staged in shared memory by each block of a group of
 # rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
-# once for the groups it takes in turn (the bench records which kernel it timed); its
-# gated epilogue (below) is not yet in the engine (GATED_GEMV_8BIT)
-GEMV_8BIT_VERSION = 4
+# once for the groups it takes in turn (the bench records which kernel it timed);
+# 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT)
+GEMV_8BIT_VERSION = 5
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
@@ -1998,8 +1998,8 @@ if can_launch():
 # GEMV — become one, and the float32 `[gate | up]` row is never written. The layer
 # loop asks for that half through chapter 7's `rmsnorm_linear_silu_mul`, which an
 # 8-bit weight answers itself (`QuantizedLinear.apply_rmsnorm_silu_mul`, below) — in
-# one kernel once `GATED_GEMV_8BIT` is on; it stays off until a GPU has run the engine
-# with it and timed it, so today the 8-bit engine still launches the three. A
+# one kernel where the GEMV runs (`GATED_GEMV_8BIT`, on since a GPU ran the engine
+# with it faster than with the three kernels; the records below say by how much). A
 # thread meets its words in the same order whether its group holds one row or a pair,
 # so the check is exact: the gated kernel's bits equal those of the same GEMV into
 # float32 followed by `silu_mul`.
@@ -2136,8 +2136,8 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
 # the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
-# epilogue) where the GEMV runs: off until a GPU has run it in the engine and timed it
-GATED_GEMV_8BIT = False
+# epilogue) where the GEMV runs; False launches the norm, the GEMV and silu_mul
+GATED_GEMV_8BIT = True
 
 
 class QuantizedLinear:
@@ -2364,8 +2364,8 @@ once should keep bf16.
 gpu = load_records("ch15_quantization")
 METHODS, COLORS = (None, "int8", "fp8"), {None: "#7f7f7f", "int8": "#1f77b4",
                                           "fp8": "#ff7f0e"}
-# a layer's GEMVs as the 8-bit engine launches them (GATED_GEMV_8BIT would put
-# gate-up's norm and SiLU·up inside its GEMV: gemv_rmsnorm_gated)
+# a layer's GEMVs as the 8-bit engine launched them up to version 4 (from version 5,
+# GATED_GEMV_8BIT puts gate-up's norm and SiLU·up inside its GEMV: gemv_rmsnorm_gated)
 ENGINE_GEMVS = {"qkv_proj": "gemv_rmsnorm", "o_proj": "gemv", "gate_up_proj": "gemv",
                 "down_proj": "gemv"}
 

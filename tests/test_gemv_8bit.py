@@ -250,7 +250,7 @@ def log_softmax(x):
 @needs_launch
 @pytest.mark.parametrize("method, head, num_tokens", [("int8", False, 3), ("fp8", True, 10)])
 def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_tokens):
-    """3 tokens: the 8-bit GEMVs (the norm fused into qkv's; into gate-up's with SiLU·up where GATED_GEMV_8BIT); 10: past QUANTIZED_GEMV_MAX_TOKENS, the
+    """3 tokens: the 8-bit GEMVs (the norm fused into qkv's; into gate-up's with SiLU·up, GATED_GEMV_8BIT); 10: past QUANTIZED_GEMV_MAX_TOKENS, the
     dequantized scratch and chapter 6's GEMM. Against QuantizedLlamaNumpy with bf16 linear inputs, as chapter 7's
     kernel model is against LlamaNumpy (same measure, same tolerance)."""
     from test_llama_forward import assert_kernel_model_matches

@@ -38,9 +38,9 @@ STAGE_WORDS = 4096
 # input widened by every warp; 3: one byte permute an int8 code, the hardware's
 # conversion for e4m3, the input staged in shared memory by each block of a group of
 # rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
-# once for the groups it takes in turn (the bench records which kernel it timed); its
-# gated epilogue (below) is not yet in the engine (GATED_GEMV_8BIT)
-GEMV_8BIT_VERSION = 4
+# once for the groups it takes in turn (the bench records which kernel it timed);
+# 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT)
+GEMV_8BIT_VERSION = 5
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,

@@ -16,8 +16,8 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
 # the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
-# epilogue) where the GEMV runs: off until a GPU has run it in the engine and timed it
-GATED_GEMV_8BIT = False
+# epilogue) where the GEMV runs; False launches the norm, the GEMV and silu_mul
+GATED_GEMV_8BIT = True
 
 
 class QuantizedLinear:
