@@ -2258,7 +2258,8 @@ if records:
         f"The GEMM rung reaches {min(g[0] for g in gemms):.0f} to "
         f"{max(g[0] for g in gemms):.0f} TFLOP/s at the 1B's prefill shapes, "
         f"{min(shares):.0%} to {max(shares):.0%} of cuBLAS, which is why the engine's "
-        "GEMMs stay on cuBLAS and only attention moves to this chapter's kernel."))
+        "GEMMs stay on cuBLAS and only attention moves to this chapter's kernel."
+        if gemms else ""))  # a run of some parts only (--only attention ttft)
     ttft = {(r.get("attention_backend", "transformers"), r["shape"][1]): r["value"]
             for r in records if r["name"] in ("ttft", "transformers_ttft")}
     n_long = max(n for _, n in ttft)
