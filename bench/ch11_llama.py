@@ -15,6 +15,7 @@ ceiling (its best measured rate on this GPU kind) over the weights' bytes.
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -239,6 +240,7 @@ def main() -> None:
     folder = prepare_llama_standin(wheel=args.wheel)
     rec = Recorder("ch11_llama")
     extra = {"model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "max_model_len": MAX_MODEL_LEN,
+             "engine_commit": os.environ.get("ENGINE_COMMIT"),
              "workload": "bs1: 128 random prompt ids, 256 new, greedy, ignore_eos; throughput: nano-vllm's "
                          "256 requests, lengths uniform in [100, 1024], seed 0"}
     np.random.seed(0)

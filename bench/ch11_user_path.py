@@ -61,7 +61,9 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(prepare_llama_standin(wheel=args.wheel), device="cuda", max_model_len=4096 + 64, max_num_seqs=1)
     extra = {"model": "Llama 3.2 1B stand-in (random bf16 weights)", "engine_commit": commit,
-             "mode": "graphs + overlap", "max_num_batched_tokens": llm.llm_engine.max_num_batched_tokens}
+             "mode": "graphs + overlap", "max_num_batched_tokens": llm.llm_engine.max_num_batched_tokens,
+             # the prefill attention kernel the engine picked ("auto": chapter 14's on a GPU)
+             "prefill_attention": llm.llm_engine.model_runner.prefill_attention.__name__}
     print(f"engine up in {time.perf_counter() - t0:.1f} s", flush=True)
     greedy = None
     for name, params in SETTINGS.items():

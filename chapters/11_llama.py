@@ -2226,6 +2226,13 @@ if settings and ttft:
     prose.glue("ch11_ttft_128", f"{by_len[128]['value']:.1f} ms")
     prose.glue("ch11_user_date", settings[0]["date"])
     prose.glue("ch11_user_commit", str(settings[0].get("engine_commit")))
+    # which prefill attention the runs used: chapter 10's SIMT kernel, or (records
+    # made once chapter 14 existed) the tensor-core kernel the engine picks on a GPU
+    on_tensor_cores = by_len[4096].get("prefill_attention") == "tc_prefill_attention"
+    prose.glue("ch11_ttft_attention", (
+        "which these runs already take through chapter 14's tensor-core kernel (the "
+        "engine's choice on a GPU)" if on_tensor_cores else
+        "which chapter 10 runs on SIMT cores far below the tensor cores' rate"))
     hf_len = {r["prompt_len"]: r for r in hf_ttft}
     hf_text = ""
     if 128 in hf_len and 4096 in hf_len:
@@ -2265,9 +2272,8 @@ The first token replays a prefill graph, so it costs what its work costs: it too
 and {{ch11_ttft_4096}} for 4,096; launched kernel by kernel from Python, a step would
 first pay about {{ch11_per_launch}} for each of its kernels. At short prompts what
 separates it from the floor is the step's fixed costs (the host's side, the head and
-the sampler, kernels too small to fill the GPU); as the prompt grows, attention, which
-chapter 10 runs on SIMT cores far below the tensor cores' rate and whose work is
-quadratic in the prompt.""" + hf_text + "\n")
+the sampler, kernels too small to fill the GPU); as the prompt grows, attention, whose
+work is quadratic in the prompt and {{ch11_ttft_attention}}.""" + hf_text + "\n")
 
 # %% [markdown]
 # ## What the host still costs
