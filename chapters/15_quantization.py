@@ -1669,6 +1669,114 @@ if can_launch():
           "the file's q, k and v codes stacked")
 
 # %% [markdown]
+# On SmolLM2, `bench/ch15_checkpoint_cpu.py` runs the command's function for both
+# formats, GPTQ (calibrating on its own, as the bench above did) and round-to-nearest,
+# loads each folder with `LLM(folder, device="cpu")`, and measures the model the engine
+# built exactly as the GPTQ study measured the codes it kept in memory: the same 20
+# answers, the same prose (`book/data/ch15_checkpoint.json`). It also times the
+# engine's start on each folder, the best of three.
+
+# %%
+CKPT_GLUES = [f"ch15_ckpt_{what}_{key}" for key in ("int8", "fp8") for what in
+              ("sure", "worst", "dlogp", "ppl", "quantize_s", "start_s", "at_load_s")]
+CKPT_GLUES += ["ch15_ckpt_where", "ch15_ckpt_calibration", "ch15_ckpt_mb",
+               "ch15_ckpt_bf16_mb", "ch15_ckpt_bf16_start_s", "ch15_ckpt_same",
+               "ch15_ckpt_embed_share"]
+checkpoint_runs = load_records("ch15_checkpoint")
+
+
+def cpu(device: dict) -> str:
+    """A CPU record's device, as the prose names it."""
+    return f"{device.get('cpu', device['name'])} ({device.get('cores', '?')} cores)"
+
+
+if not checkpoint_runs:
+    print("not yet recorded: run python bench/ch15_checkpoint_cpu.py")
+    for key in CKPT_GLUES:
+        prose.glue(key, "not yet recorded")
+else:
+    ckpt = {(r["name"], r["quantization"], r["rounding"]): r for r in checkpoint_runs}
+    in_memory = {(r["name"], r["quantization"], r["rounding"]): r for r in gptq_runs}
+    compared = {"text_perplexity": ("value", "mean_abs_dlogp"),
+                "chat_flips": ("value", "largest_flip_margin", "mean_abs_dlogp")}
+    same = [r[f] == in_memory[key][f] for key, r in ckpt.items()
+            if key in in_memory for f in compared.get(key[0], ())]
+    same += [[(f["question"], f["position"]) for f in r["flips"]]
+             == [(f["question"], f["position"]) for f in in_memory[key]["flips"]]
+             for key, r in ckpt.items() if key[0] == "chat_flips" and key in in_memory]
+    print(f"{'':>10} {'flips':>5} {'> 0.5':>5} {'largest':>7} {'|Δ log p|':>9} "
+          f"{'prose':>7} {'MB':>5} {'made in':>7} {'starts in':>9}")
+    for key in ("int8", "fp8"):
+        for how in ("gptq", "rtn"):
+            c, t = ckpt["chat_flips", key, how], ckpt["text_perplexity", key, how]
+            start = ckpt["start_seconds", key, how]
+            sure = sum(f["bf16_margin"] > 0.5 for f in c["flips"])
+            print(f"{key + ' ' + how:>10} {c['value']:5.0f} {sure:5} "
+                  f"{c['largest_flip_margin']:7.2f} {c['mean_abs_dlogp']:9.4f} "
+                  f"{t['ratio_to_bf16'] - 1:+7.2%} {start['folder_bytes'] / 1e6:5.0f} "
+                  f"{start['seconds_quantize']:6.0f}s {start['value']:8.2f}s")
+            if how == "gptq":
+                prose.glue(f"ch15_ckpt_sure_{key}", f"{sure}")
+                prose.glue(f"ch15_ckpt_worst_{key}", f"{c['largest_flip_margin']:.2f}")
+                prose.glue(f"ch15_ckpt_dlogp_{key}", f"{c['mean_abs_dlogp']:.3f}")
+                prose.glue(f"ch15_ckpt_ppl_{key}", f"{t['ratio_to_bf16'] - 1:+.2%}")
+                prose.glue(f"ch15_ckpt_quantize_s_{key}",
+                           f"{start['seconds_quantize']:.0f} s")
+                prose.glue(f"ch15_ckpt_start_s_{key}", f"{start['value']:.2f} s")
+        at_load = ckpt["start_seconds", key, "rtn_at_load"]["value"]
+        prose.glue(f"ch15_ckpt_at_load_s_{key}", f"{at_load:.2f} s")
+    bf16_start = ckpt["start_seconds", None, None]
+    prose.glue("ch15_ckpt_bf16_start_s", f"{bf16_start['value']:.2f} s")
+    prose.glue("ch15_ckpt_bf16_mb", f"{bf16_start['folder_bytes'] / 1e6:.0f} MB")
+    ckpt_bytes = ckpt["start_seconds", "int8", "gptq"]["folder_bytes"]
+    prose.glue("ch15_ckpt_mb", f"{ckpt_bytes / 1e6:.0f} MB")
+    prose.glue("ch15_ckpt_where", cpu(checkpoint_runs[0]["device"]))
+    stored = ckpt["start_seconds", "int8", "gptq"]["quantization_config"]
+    prose.glue("ch15_ckpt_calibration", f"{stored['calibration_tokens']:,} tokens of "
+               f"{stored['calibration_sequences']} chats")
+    memory_where = sorted({cpu(r["device"]) for r in gptq_runs})
+    where = (f" (the study ran on {', '.join(memory_where)}, this measurement on "
+             f"{cpu(checkpoint_runs[0]['device'])})")
+    if not same:
+        verdict = "not compared: the GPTQ study above is not recorded"
+    elif all(same):
+        verdict = (f"every figure is the same to the last digit{where}: the command "
+                   f"calibrated on the same {stored['calibration_tokens']:,} tokens, "
+                   "GPTQ chose the same codes from them, and the folder gave them back "
+                   "bit for bit")
+    else:
+        verdict = f"{len(same) - sum(same)} of {len(same)} figures differ{where}"
+    prose.glue("ch15_ckpt_same", verdict)
+    embed_bytes = 2 * smollm2.vocab_size * smollm2.hidden_size  # bf16, as the source
+    prose.glue("ch15_ckpt_embed_share", f"{embed_bytes / ckpt_bytes:.0%}")
+    print(f"{sum(same)} of {len(same)} figures equal the in-memory study's")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+Through the loader, GPTQ's int8 checkpoint flips {{ch15_ckpt_sure_int8}} top tokens
+where bf16's margin exceeds 0.5 (the largest margin it flips:
+{{ch15_ckpt_worst_int8}}), with a mean |Δ log p| of {{ch15_ckpt_dlogp_int8}} along the
+answers and the prose's perplexity {{ch15_ckpt_ppl_int8}} from bf16's; the FP8 one
+flips {{ch15_ckpt_sure_fp8}} (largest {{ch15_ckpt_worst_fp8}}), with
+{{ch15_ckpt_dlogp_fp8}} and {{ch15_ckpt_ppl_fp8}}. Against the study above, which
+kept GPTQ's codes in memory, {{ch15_ckpt_same}}.
+
+Making each checkpoint took {{ch15_ckpt_quantize_s_int8}} (int8) and
+{{ch15_ckpt_quantize_s_fp8}} (FP8) on {{ch15_ckpt_where}}, calibration on
+{{ch15_ckpt_calibration}} included. The folder holds {{ch15_ckpt_mb}}, against the
+bf16 folder's {{ch15_ckpt_bf16_mb}}; the embedding, which stays bf16, is
+{{ch15_ckpt_embed_share}} of it. The engine started on it in
+{{ch15_ckpt_start_s_int8}} (int8) and {{ch15_ckpt_start_s_fp8}} (FP8), against
+{{ch15_ckpt_at_load_s_int8}} and {{ch15_ckpt_at_load_s_fp8}} rounding the bf16 folder
+as it loads, and {{ch15_ckpt_bf16_start_s}} in bf16. The NumPy backend widens the
+codes to float32 either way (e4m3's through NumPy's arithmetic, which is why FP8
+starts slower than int8), so on the CPU a checkpoint saves the rounding, the
+difference between the two starts, and GPTQ's minutes, which no start could pay. On
+a GPU the codes go to the device as they are stored, half of bf16's bytes to copy;
+that start has not been timed here.
+""")
+
+# %% [markdown]
 # ## GEMVs that read 8 bits
 #
 # Now the GPU. At batch 1 (and up to a few tokens) every projection is a GEMV, and
