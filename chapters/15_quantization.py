@@ -1606,6 +1606,7 @@ def quantize_command(args: argparse.Namespace) -> int:
 
 # %%
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -1667,6 +1668,7 @@ if can_launch():
     assert np.array_equal(on_device, in_file)
     print(f"layers.1.qkv_proj on the device: {on_device.dtype} {on_device.shape}, "
           "the file's q, k and v codes stacked")
+shutil.rmtree(work)  # the tiny folders are done with
 
 # %% [markdown]
 # On SmolLM2, `bench/ch15_checkpoint_cpu.py` runs the command's function for both
