@@ -25,12 +25,13 @@ import numpy as np
 from ch08_decode_cpu import cpu_device_info
 
 import tinyvllm_lib.measure as measure
-from tinyvllm_lib import LLM, SamplingParams
+from tinyvllm_lib import LLM
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 from tinyvllm_lib.models.llama_quantized import QuantizedLlamaNumpy
 from tinyvllm_lib.models.loader import load_weights
 from tinyvllm_lib.models.smollm2 import resolve_model
+from tinyvllm_lib.quantization.calibration import greedy_chats
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT_SOURCE = "chapters/01_bf16.py"
@@ -80,6 +81,17 @@ def flips_against(answers: list[dict], ref_answers: list[dict]) -> list[dict]:
             for i, (got, ref) in enumerate(zip(answers, ref_answers)) for t in np.flatnonzero(got["top"] != ref["top"])]
 
 
+def study(model, text_ids: np.ndarray, chats: list[tuple[list[int], list[int]]]) -> tuple[dict, list[dict]]:
+    """summarize() over the text's next tokens, and over each answer's positions (each chat teacher-forced alone)."""
+    text = summarize(model.forward(text_ids)[:-1], text_ids[1:])
+    answers = []
+    for prompt, answer in chats:
+        ids = np.array(prompt + answer)
+        logits = model.forward(ids)[len(prompt) - 1 : len(ids) - 1]  # the rows that predict the answer
+        answers.append(summarize(logits, np.array(answer)))
+    return text, answers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text-tokens", type=int, default=2048)
@@ -93,26 +105,14 @@ def main() -> None:
 
     # bf16's greedy answers, from the engine as a user gets them
     llm = LLM(folder, device="cpu", max_model_len=512, max_num_seqs=len(QUESTIONS))
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens)
-    outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], greedy, use_tqdm=False)
-    chats = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+    chats = greedy_chats(llm, QUESTIONS, args.answer_tokens)
     text = chapter_prose(ROOT / TEXT_SOURCE)
     text_ids = np.array(llm.get_tokenizer().encode(text)[: args.text_tokens])
     print(f"{len(chats)} bf16 answers ({sum(len(a) for _, a in chats)} tokens); text: {text_ids.size} tokens of "
           f"{TEXT_SOURCE}'s prose", flush=True)
 
-    def study(model) -> tuple[dict, list[dict]]:
-        """summarize() over the text's next tokens, and over each answer's positions (teacher-forced)."""
-        text = summarize(model.forward(text_ids)[:-1], text_ids[1:])
-        answers = []
-        for prompt, answer in chats:
-            ids = np.array(prompt + answer)
-            logits = model.forward(ids)[len(prompt) - 1 : len(ids) - 1]  # the rows that predict the answer
-            answers.append(summarize(logits, np.array(answer)))
-        return text, answers
-
     t0 = time.perf_counter()
-    ref_text, ref_answers = study(LlamaNumpy(config, weights))
+    ref_text, ref_answers = study(LlamaNumpy(config, weights), text_ids, chats)
     print(f"bf16 studied in {time.perf_counter() - t0:.0f} s", flush=True)
     num_targets = text_ids.size - 1
     ref_ppl = float(np.exp(-ref_text["target_lp"].mean()))
@@ -132,7 +132,7 @@ def main() -> None:
           f"{greedy_agrees} of {num_positions} answer positions", flush=True)
     for label, method, head in VARIANTS:
         t0 = time.perf_counter()
-        text, answers = study(QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head))
+        text, answers = study(QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head), text_ids, chats)
         ppl = float(np.exp(-text["target_lp"].mean()))
         delta = np.abs(text["target_lp"] - ref_text["target_lp"])
         text_top1 = float(np.mean(text["top"] == ref_text["top"]))

@@ -2521,7 +2521,7 @@ class EngineConfig:
     # tensor cores; "auto": the tensor cores on a GPU where the head size allows
     attention_backend: str = "auto"
     # chapter 15: "int8" or "fp8" weights, quantized from the bf16 folder as they are
-    # loaded; None: bf16
+    # loaded; None: bf16, or the format of a folder quantized offline (its own codes)
     quantization: str | None = None
 
     def __post_init__(self):
@@ -3050,8 +3050,9 @@ class ModelRunner:
         self.max_model_len = config.max_model_len
         self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
         if model is None and config.quantization is not None:
-            # chapter 15: 8-bit weights, quantized as the folder's are loaded
-            from tinyvllm_lib.models.llama_quantized import load_quantized_model
+            # chapter 15: 8-bit weights, quantized as the folder's are loaded, or a
+            # checkpoint's codes and scales, loaded as they are
+            from tinyvllm_lib.quantization.checkpoint import load_quantized_model
 
             model = load_quantized_model(folder, device, config.quantization)
         # the device picks the model, the cache, the attention and the sampler

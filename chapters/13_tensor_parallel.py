@@ -271,7 +271,8 @@ def shard_llama_weights(
 ) -> dict[str, np.ndarray]:
     """Rank's tensors of a Llama checkpoint (Hugging Face names), Megatron's way: q, k,
     v, gate and up by rows (whole heads), o and down by columns, the head by the
-    vocabulary; the embedding too where split_embedding, else whole.
+    vocabulary; the embedding too where split_embedding, else whole. An 8-bit
+    matrix's row scales (chapter 15's checkpoints) go with its rows.
     """
     check_tensor_parallel(config, world_size)
 
@@ -285,8 +286,8 @@ def shard_llama_weights(
         kind = name.split(".")[-2]  # "model.layers.0.self_attn.q_proj.weight"
         if kind in COLUMN_PARALLEL:  # (out, in): a rank's output features
             shard[name] = part(w, 0)
-        elif kind in ROW_PARALLEL:  # a rank's input features
-            shard[name] = part(w, 1)
+        elif kind in ROW_PARALLEL:  # a rank's input features (row scales: whole)
+            shard[name] = part(w, 1) if w.ndim == 2 else w
         elif kind not in ("embed_tokens", "lm_head"):
             shard[name] = w  # the norms: every rank has them whole
     embed = weights["model.embed_tokens.weight"]
@@ -616,11 +617,18 @@ def make_rank_runner(folder, config: EngineConfig, comm, sampler=None) -> ModelR
     from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
     full = ModelConfig.from_folder(folder)
+    if config.quantization is None:
+        tensors = load_weights(folder, full, progress=False)
+    else:  # chapter 15: a checkpoint's 8-bit codes and row scales, or bf16 weights
+        from tinyvllm_lib.quantization.checkpoint import load_quantized_weights
+
+        tensors = load_quantized_weights(folder, full)
     weights = shard_llama_weights(
-        load_weights(folder, full, progress=False), full, comm.rank, comm.world_size,
+        tensors, full, comm.rank, comm.world_size,
         split_embedding=config.device == "cpu",  # the GPU looks rows up whole
     )
     if config.quantization is not None:  # chapter 15: each rank quantizes its shard
+        # (or takes its shard of a checkpoint's codes)
         from tinyvllm_lib.models.llama_quantized import quantized_model
 
         model = quantized_model(config.device, shard_config(full, comm.world_size),

@@ -33,6 +33,9 @@
 #   SmolLM2's own 4-bit past means for that comparison;
 # - what 8 bits do to a **model's predictions**: perplexity on this book's prose and
 #   the tokens of 20 chat answers, measured on the CPU;
+# - **GPTQ**, rounding that knows the inputs, and a **checkpoint** of 8-bit codes and
+#   scales written once, offline (`python -m tinyvllm_lib quantize`), which the engine
+#   loads as it is, as vLLM loads one made by llm-compressor;
 # - **GEMVs that read 8-bit weights** and their scales, with chapter 11's residual-add
 #   and norm fusions kept, and what halving the matrices' bytes predicts for a decode
 #   step.
@@ -48,6 +51,7 @@ import matplotlib.pyplot as plt
 import ml_dtypes
 import numpy as np
 
+from tinyvllm_lib.cli import command, main
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -603,16 +607,26 @@ import math
 
 import numpy as np
 
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
-from tinyvllm_lib.models.loader import load_weights
-from tinyvllm_lib.quantization.formats import check_quantization, quantize
+from tinyvllm_lib.quantization.formats import (
+    QuantizedTensor,
+    check_quantization,
+    quantize,
+)
 
-# the fused matrices of every layer that are stored in 8 bits (chapter 7's names)
-QUANTIZED_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# the fused matrices of every layer that are stored in 8 bits (chapter 7's names), and
+# the Hugging Face matrices whose rows each stacks, in order
+HF_MATRICES = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "o_proj": ("self_attn.o_proj",),
+               "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+               "down_proj": ("mlp.down_proj",)}
+QUANTIZED_MATRICES = tuple(HF_MATRICES)
 # the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding) stays bf16, as in
 # most FP8 checkpoints made for vLLM; chapter 15 counts and measures the other choice
 QUANTIZE_LM_HEAD = False
+CODE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(np.uint8)}  # e4m3's bits
 
 
 def is_quantized(name: str, lm_head: bool = QUANTIZE_LM_HEAD) -> bool:
@@ -655,11 +669,52 @@ def decode_weight_bytes(
     return c.num_hidden_layers * per_layer + bf16 * H + head + embed_row
 
 
+def stored_scales(weights: dict[str, np.ndarray],
+                  config: ModelConfig) -> dict[str, np.ndarray]:
+    """The row scales of the matrices that `weights` holds as 8-bit codes already (a
+    checkpoint's: "<name>.weight_scale" beside the codes, "<name>.weight"), by fused
+    name, stacked as chapter 7 stacks their rows.
+    """
+    scales = {}
+    for i in range(config.num_hidden_layers):
+        for fused, parts in HF_MATRICES.items():
+            names = [f"model.layers.{i}.{part}.weight_scale" for part in parts]
+            missing = [n for n in names if n not in weights]
+            if len(missing) == len(names):
+                continue  # bf16: quantized as it loads
+            if missing:
+                raise ValueError(f"{missing[0]} is missing: the rows of layers.{i}."
+                                 f"{fused} must all come in 8 bits or none")
+            scales[f"layers.{i}.{fused}"] = np.concatenate([weights[n] for n in names])
+    return scales
+
+
+def quantized_tensor(name: str, array: np.ndarray, method: str,
+                     scales: dict, tensors: dict) -> QuantizedTensor:
+    """The fused matrix `name` in 8 bits: tensors[name] where given (made elsewhere:
+    GPTQ's, below); else `array` as codes under scales[name], where the weights
+    brought them; else `array`, bf16 bits, rounded to nearest now.
+    """
+    if name in tensors:
+        q = tensors[name]
+    elif name in scales:
+        q = QuantizedTensor(method, array, scales[name])
+    else:
+        q = quantize(bf16_bits_to_f32(array), method)
+    want = (array.shape, CODE_DTYPES[method], (len(array),))
+    if q.method != method or (q.shape, q.codes.dtype, q.scales.shape) != want:
+        raise ValueError(f"{name}: need {method} codes ({want[1]}) {want[0]} and "
+                         f"scales {want[2]}, got {q.method} codes ({q.codes.dtype}) "
+                         f"{q.shape} and scales {q.scales.shape}")
+    return q
+
+
 class QuantizedLlamaNumpy(LlamaNumpy):
-    """Chapter 7's NumPy model on 8-bit weights: each matrix quantized as it is loaded
-    (a rank's shard: its own rows' scales), then kept as the float32 values its codes
-    stand for, scale times value, for NumPy's float32 matrix products. tensors: 8-bit
-    weights made elsewhere (GPTQ, below), by fused name, used as they are.
+    """Chapter 7's NumPy model on 8-bit weights, each matrix kept as the float32
+    values its codes stand for, scale times value, for NumPy's float32 matrix
+    products. The codes: tensors[name] where given (by fused name), else the
+    weights' own codes and row scales where they bring them, else rounded to nearest
+    as the matrix loads (a rank's shard: its own rows' scales).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
@@ -667,16 +722,16 @@ class QuantizedLlamaNumpy(LlamaNumpy):
                  tensors: dict | None = None, **kwargs):
         if check_quantization(quantization) is None:
             raise ValueError("QuantizedLlamaNumpy needs quantization 'int8' or 'fp8'")
-        super().__init__(config, weights, **kwargs)
         self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
-        tensors = tensors or {}
-        for name, matrix in self.matrices.items():  # float32, widened from bf16
-            if is_quantized(name, quantize_lm_head):
-                q = tensors.get(name) or quantize(matrix, quantization)
-                if q.method != quantization or q.shape != matrix.shape:
-                    raise ValueError(f"{name}: need {quantization} {matrix.shape}, "
-                                     f"got {q.method} {q.shape}")
-                self.matrices[name] = q.dequantize()
+        self._given = (stored_scales(weights, config), tensors or {})  # while loading
+        super().__init__(config, weights, **kwargs)
+        del self._given
+
+    def load_matrix(self, name: str, array: np.ndarray) -> np.ndarray:
+        if not is_quantized(name, self.quantize_lm_head):
+            return super().load_matrix(name, array)
+        q = quantized_tensor(name, array, self.quantization, *self._given)
+        return q.dequantize()
 
 
 def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
@@ -687,14 +742,6 @@ def quantized_model(device: str, config: ModelConfig, weights: dict, quantizatio
     from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
 
     return QuantizedLlamaCuda(config, weights, quantization, comm=comm)
-
-
-def load_quantized_model(folder, device: str, quantization: str):
-    """A Hugging Face Llama folder's model with its matrices quantized as they load."""
-    check_quantization(quantization)
-    config = ModelConfig.from_folder(folder)
-    return quantized_model(device, config, load_weights(folder, config, progress=False),
-                           quantization)
 
 
 # %%
@@ -730,10 +777,14 @@ engine reached {{ch15_share_of_limit}} of its bf16 limit, and the rest of its st
 # it does not, because NumPy has no matrix product of int8 by float32 that is faster
 # than its float32 one (BLAS's), and the two compute the same sums up to float32's
 # rounding: $\sum_k x_k (s_n q_{nk})$ against $s_n \sum_k x_k q_{nk}$. So
-# `QuantizedLlamaNumpy` quantizes each matrix as it loads and keeps the float32 values
-# the codes stand for, $s_n q_{nk}$: the CPU model has exactly the 8-bit model's
-# weights, and chapter 7's speed. It is the reference the kernels are tested against,
-# and what the accuracy study below runs.
+# `QuantizedLlamaNumpy` — chapter 7's model with the one method that loads each fused
+# matrix, `load_matrix`, overridden — quantizes each matrix as it loads and keeps the
+# float32 values the codes stand for, $s_n q_{nk}$: the CPU model has exactly the
+# 8-bit model's weights, and chapter 7's speed. It is the reference the kernels are
+# tested against, and what the accuracy study below runs. (It also takes codes made
+# elsewhere, `tensors=`, and weights that come as codes already, with
+# `<name>.weight_scale` beside them: the GPTQ section and the checkpoint section below
+# use those.)
 #
 # Here is SmolLM2 answering one question three ways on the CPU:
 
@@ -1117,8 +1168,614 @@ down by less than 1% rounds nearly every weight differently (and clips each row'
 largest a little, which costs the prose's perplexity a few tenths of a percent); it
 gives int8 {{ch15_gptq_jitter_int8}} such flips and FP8 {{ch15_gptq_jitter_fp8}}: read a
 flip more or less as noise, and the |Δ log p| as the steadier measure. The kernels
-did not change; the engine loads round-to-nearest, and a GPTQ checkpoint (codes and
-scales made once, offline) is what it would take to serve these.
+did not change; what serving these takes is a checkpoint, codes and scales made
+once, offline, which the next section builds.
+""")
+
+# %% [markdown]
+# ## A checkpoint: quantized once, loaded as it is
+#
+# GPTQ took minutes a format on SmolLM2, and it needs the bf16 model and calibration
+# text: nothing an engine should redo each time it starts. vLLM's users quantize once,
+# offline — llm-compressor's `oneshot` with a `GPTQModifier` — and save a folder that
+# vLLM loads as it is: its `config.json` carries a `quantization_config`, from which
+# vLLM picks each layer's method with no `quantization=` argument, and its safetensors
+# hold each matrix's 8-bit codes and scales, which vLLM loads without rounding again.
+# This section builds the same pair for this engine: `python -m tinyvllm_lib quantize
+# SRC DST --quantization int8 --rounding gptq` writes a folder, and `LLM(DST)` loads
+# it.
+#
+# The folder holds:
+#
+# - `config.json`: the source's, with a `quantization_config`: `quant_method`
+#   `"tinyvllm"`, `format` (`"int8"` or `"fp8"`), `rounding` (`"gptq"` or `"rtn"`),
+#   `lm_head` (`false`: the head stays bf16) and `calibration_tokens` (0 for
+#   round-to-nearest);
+# - the tokenizer's files and `generation_config.json`, copied;
+# - `model.safetensors`: each 8-bit matrix as `<name>.weight`, its codes `(out, in)`
+#   — `I8`, or e4m3's bits as `F8_E4M3` — and `<name>.weight_scale`, one `F32` a row,
+#   `(out,)`; every other tensor `BF16`, as in the source.
+#
+# The tensor names are compressed-tensors' (the format llm-compressor writes and vLLM
+# reads), but the folder is not a compressed-tensors checkpoint: its config names the
+# book's own `quant_method`, and compressed-tensors keeps a channel's scales as
+# `(out, 1)` beside a `config_groups` scheme. vLLM would not load it as it is; this
+# engine loads only it (a `quant_method` it does not know is a `ValueError`).
+#
+# **Fused or not?** The engine multiplies chapter 7's fused matrices, and the quantizer
+# runs GPTQ on them: q, k and v (gate and up) read the same input, so they share one
+# $X^\top X$. The file stores them apart, under their Hugging Face names. A row's
+# scale belongs to that row alone, so cutting the fused codes into their parts by rows
+# loses nothing, and chapter 7's stacking puts them back bit for bit. Stored that way,
+# the checkpoint is read by everything that reads a Hugging Face folder: chapter 2's
+# name and shape checks, chapter 7's fusing, chapter 13's sharding. vLLM's FP8
+# checkpoints store them apart too, and vLLM stacks them as it loads; where their
+# scale is one per tensor, the stacked matrix has three, so vLLM either re-quantizes
+# q, k and v to the largest (`requantize_with_max_scale`) or spreads each part's scale
+# over its rows (`convert_to_channelwise`). One scale a row needs neither.
+#
+# **Tensor parallelism.** Chapter 13 cuts q, k, v, gate and up by rows: a rank takes
+# its rows' codes and their scales. It cuts o and down by columns: a rank takes its
+# columns' codes and every row's scale, since a row's scale is the whole row's. Each
+# rank's values are then exactly the one-rank model's, unlike quantizing as the model
+# loads, where each rank's scale of a column-cut row is the largest of its own
+# columns (exercise 5). Chapter 13's sharding changes by that one rule: a scale, a
+# vector, stays whole where its matrix is cut by columns.
+#
+# **Calibration** is what `bench/ch15_gptq_cpu.py` used, moved into the library: 38
+# chat questions (none of the 20 the accuracy study asks), each in the model's chat
+# template with bf16's greedy answer, teacher-forced through `HessianProbe`.
+
+# %%
+#| export quantization.calibration
+import numpy as np
+from tqdm import tqdm
+
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.engine.sampling_params import SamplingParams
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.quantization.gptq import HessianProbe
+
+# chat questions GPTQ calibrates on: none of the accuracy study's 20 test questions
+# (bench/ch15_accuracy_cpu.py's; bench/ch15_gptq_cpu.py checks they stay apart)
+CALIBRATION_QUESTIONS = [
+    "How do I make a cup of tea?", "What is the tallest mountain in the world?",
+    "Translate 'good morning' into Spanish.", "List four musical instruments.",
+    "What does a doctor do?", "Write a short poem about the moon.",
+    "How many legs does a spider have?", "What is 15 plus 27?",
+    "Explain gravity to a child.", "What is the chemical symbol for gold?",
+    "Give me a tip for studying.", "Who painted the Mona Lisa?",
+    "What is the difference between weather and climate?", "Describe a rainbow.",
+    "Suggest a healthy breakfast.", "What is the main ingredient of bread?",
+    "How does a bicycle work?", "Name a famous scientist.",
+    "Why is exercise important?", "What is an adjective?", "Tell me a joke.",
+    "How do bees make honey?", "What is the currency of Japan?",
+    "Write one sentence about friendship.", "What are the three states of matter?",
+    "How do I say thank you in French?", "What is a volcano?",
+    "Recommend a book for children.", "What is the square root of 81?",
+    "How many continents are there?", "What is the internet?",
+    "Give an example of a mammal.", "How can I save money?", "What causes thunder?",
+    "Explain what a noun is.", "What do plants need to grow?",
+    "Describe a typical day at school.", "What is the speed of light?"]
+CALIBRATION_ANSWER_TOKENS = 64  # bf16's greedy answer to each question, at most
+CALIBRATION_MAX_MODEL_LEN = 512
+
+
+def greedy_chats(llm: LLM, questions: list[str],
+                 max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """Each question as a user message in the model's chat template and the engine's
+    greedy answer to it (max_tokens at most): (prompt ids, answer ids).
+    """
+    outs = llm.chat([[{"role": "user", "content": q}] for q in questions],
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                    use_tqdm=False)
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+
+
+def chat_calibration(
+    folder, num_samples: int | None = None,
+    answer_tokens: int = CALIBRATION_ANSWER_TOKENS,
+) -> list[np.ndarray]:
+    """GPTQ's calibration text, as token ids: the first num_samples of
+    CALIBRATION_QUESTIONS (all by default), each chat-templated and followed by the
+    folder's bf16 greedy answer, from the engine on the CPU.
+    """
+    questions = CALIBRATION_QUESTIONS[:num_samples]
+    if not questions:
+        raise ValueError(f"num_samples must be at least 1, got {num_samples!r}")
+    llm = LLM(folder, device="cpu", max_model_len=CALIBRATION_MAX_MODEL_LEN,
+              max_num_seqs=len(questions))
+    if llm.get_tokenizer() is None:
+        raise ValueError(f"{folder}: no tokenizer.json, so no chat to calibrate on; "
+                         "give the calibration as token ids")
+    return [np.array(p + a) for p, a in greedy_chats(llm, questions, answer_tokens)]
+
+
+def collect_hessians(config: ModelConfig, weights: dict, sequences,
+                     progress: bool = False) -> dict[str, np.ndarray]:
+    """XᵀX (float64) at the input of every 8-bit matrix, by fused name, summed over
+    the sequences, each teacher-forced alone through the bf16 model (HessianProbe).
+    """
+    probe = HessianProbe(config, weights)
+    for ids in tqdm(sequences, desc="calibrating", unit="sequence",
+                    disable=not progress):
+        probe.forward(np.asarray(ids))
+    return probe.hessians
+
+# %% [markdown]
+# The writer cuts each fused matrix back into its Hugging Face matrices by rows, each
+# row with its own scale, and stores the codes as they are: int8 as `I8`, e4m3's bits
+# under safetensors' `F8_E4M3` (written through `ml_dtypes`' type of the same bits,
+# as chapter 2 wrote bf16). Chapter 2's reader already knows both: it returns `I8` as
+# `int8` and every FP8 type as its `uint8` bits, so chapter 2's code needs no change.
+
+# %%
+#| export quantization.checkpoint
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.llama_quantized import HF_MATRICES
+from tinyvllm_lib.models.loader import llama_weight_shapes, load_weights
+from tinyvllm_lib.quantization.formats import QUANTIZATIONS, QuantizedTensor
+
+QUANT_METHOD = "tinyvllm"  # quantization_config's quant_method: the book's own format
+ROUNDINGS = ("gptq", "rtn")  # how the codes were chosen (rtn: round to nearest)
+STORED_DTYPES = {"int8": "I8", "fp8": "F8_E4M3"}  # the codes' safetensors dtype
+# copied as they are (whichever the source has)
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "chat_template.jinja", "generation_config.json")
+
+
+def checkpoint_format(folder) -> str | None:
+    """The 8-bit format ("int8" or "fp8") that a folder quantized offline names in
+    its config.json's quantization_config; None where there is none (bf16 weights).
+    """
+    path = Path(folder) / "config.json"
+    qc = json.loads(path.read_text(encoding="utf-8")).get("quantization_config")
+    if qc is None:
+        return None
+    where = f"{path}: quantization_config"
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if method != QUANT_METHOD:
+        raise ValueError(f"{where} has quant_method {method!r}; this engine reads its "
+                         f"own, {QUANT_METHOD!r} (python -m tinyvllm_lib quantize)")
+    if qc.get("format") not in QUANTIZATIONS or qc.get("lm_head", False) is not False:
+        raise ValueError(f"{where} needs a format of {' or '.join(QUANTIZATIONS)} and "
+                         f"lm_head false, got {qc.get('format')!r} and "
+                         f"{qc.get('lm_head')!r}")
+    return qc["format"]
+
+
+def resolve_quantization(folder, requested: str | None) -> str | None:
+    """The engine's quantization for folder: its checkpoint's format (requested may
+    repeat it, not contradict it), else requested (None: bf16).
+    """
+    stored = checkpoint_format(folder)
+    if stored is None or requested in (None, stored):
+        return stored or requested
+    raise ValueError(f"{folder} holds {stored} weights (its config.json's "
+                     f"quantization_config), but quantization={requested!r}: leave "
+                     f"quantization out, or give {stored!r}")
+
+
+def split_rows(tensors: dict[str, QuantizedTensor],
+               config: ModelConfig) -> dict[str, QuantizedTensor]:
+    """Each layer's fused 8-bit matrices (by fused name) cut by rows into the Hugging
+    Face matrices they stack, by those names ("model.layers.0.self_attn.q_proj").
+    """
+    shapes, parts = llama_weight_shapes(config), {}
+    for i in range(config.num_hidden_layers):
+        for fused, names in HF_MATRICES.items():
+            q, start = tensors[f"layers.{i}.{fused}"], 0
+            for name in names:
+                name = f"model.layers.{i}.{name}"
+                rows = slice(start, start + shapes[name + ".weight"][0])
+                parts[name] = QuantizedTensor(q.method, q.codes[rows], q.scales[rows])
+                start = rows.stop
+            if start != len(q.codes):
+                raise ValueError(f"layers.{i}.{fused} has {len(q.codes)} rows, the "
+                                 f"config implies {start}")
+    return parts
+
+
+def save_checkpoint(src, dst, tensors: dict[str, QuantizedTensor], rounding: str,
+                    **details) -> Path:
+    """Write dst, a folder of src's model with each layer's matrices in 8 bits
+    (tensors, by fused name): codes ("<name>.weight") and row scales
+    ("<name>.weight_scale") by Hugging Face name, every other tensor bf16 as in src;
+    src's config.json with a quantization_config (details added to it); its
+    tokenizer's files.
+    """
+    src, dst = Path(src), Path(dst)
+    config = ModelConfig.from_folder(src)
+    methods = {q.method for q in tensors.values()}
+    if len(methods) != 1 or rounding not in ROUNDINGS:
+        raise ValueError(f"a checkpoint holds one format, rounded one of "
+                         f"{', '.join(ROUNDINGS)}; got {methods} and {rounding!r}")
+    (method,) = methods
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{dst} is not empty: a checkpoint goes into a new folder")
+    # bf16 bits, Hugging Face names
+    weights = load_weights(src, config, progress=False)
+    out = {name: bits.view(ml_dtypes.bfloat16) for name, bits in weights.items()}
+    for name, q in split_rows(tensors, config).items():
+        codes = q.codes if method == "int8" else q.codes.view(ml_dtypes.float8_e4m3fn)
+        out[name + ".weight"], out[name + ".weight_scale"] = codes, q.scales
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    raw["quantization_config"] = {"quant_method": QUANT_METHOD, "format": method,
+                                  "rounding": rounding, "lm_head": False, **details}
+    (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    return dst
+
+
+# %% [markdown]
+# The reader takes a checkpoint's tensors as they are stored, checked against the
+# config as chapter 2 checks a bf16 folder's: each 8-bit matrix's codes in its
+# format's dtype and shape, a finite scale for every row, every other tensor bf16
+# (or F16, F32). What it returns is a Hugging Face folder's dictionary with the codes
+# where the weights were, and the scales beside them; chapter 7's fusing stacks the
+# codes as it stacked bf16, `stored_scales` stacks the scales, and chapter 13's
+# sharding cuts both. A folder without a `quantization_config` is read as before, and
+# quantized as it loads.
+
+# %%
+#| export quantization.checkpoint
+from tinyvllm_lib.models.llama_quantized import quantized_model
+from tinyvllm_lib.models.loader import WEIGHT_DTYPES, convert_weight, open_checkpoint
+from tinyvllm_lib.quantization.formats import check_quantization
+
+
+def load_quantized_weights(folder, config: ModelConfig) -> dict[str, np.ndarray]:
+    """A folder's tensors by Hugging Face name for an 8-bit model: a checkpoint's
+    8-bit matrices as stored (codes under "<name>.weight", row scales under
+    "<name>.weight_scale"), checked against config; every other tensor, and every
+    tensor of a bf16 folder, as bf16 bits, as chapter 2's load_weights reads them.
+    """
+    method = checkpoint_format(folder)
+    if method is None:
+        return load_weights(folder, config, progress=False)
+    files = open_checkpoint(folder)
+
+    def read(name: str, dtypes: tuple[str, ...], shape: tuple) -> np.ndarray:
+        if name not in files:
+            raise ValueError(f"{folder}: tensor {name!r} is missing")
+        info = files[name].header[name]
+        if info.dtype not in dtypes or info.shape != shape:
+            raise ValueError(
+                f"{files[name].where}: tensor {name!r} is {info.dtype} "
+                f"{list(info.shape)}; a {method} checkpoint needs "
+                f"{' or '.join(dtypes)} {list(shape)}")
+        return files[name].get(name)
+
+    eight_bit = {f"model.layers.{i}.{name}.weight"
+                 for i in range(config.num_hidden_layers)
+                 for names in HF_MATRICES.values() for name in names}
+    weights = {}
+    for name, shape in llama_weight_shapes(config).items():
+        if name not in eight_bit:
+            bits = read(name, WEIGHT_DTYPES, shape)
+            weights[name] = convert_weight(bits, files[name].header[name].dtype, "bf16")
+            continue
+        weights[name] = read(name, (STORED_DTYPES[method],), shape)
+        scales = read(name + "_scale", ("F32",), shape[:1])
+        if not np.all(np.isfinite(scales)):
+            raise ValueError(f"{folder}: {name}_scale holds NaN or infinity")
+        weights[name + "_scale"] = scales
+    if extra := [n for n in files if n.endswith("_scale") and n not in weights]:
+        raise ValueError(f"{folder}: {extra[0]!r} scales a tensor this engine keeps "
+                         "in bf16")
+    return weights
+
+
+def load_quantized_model(folder, device: str, quantization: str):
+    """A Llama folder's model in 8 bits on device ("cpu" or "cuda"): a checkpoint's
+    codes and scales as they are stored, a bf16 folder's matrices rounded to nearest
+    as they load.
+    """
+    quantization = resolve_quantization(folder, check_quantization(quantization))
+    config = ModelConfig.from_folder(folder)
+    return quantized_model(device, config, load_quantized_weights(folder, config),
+                           quantization)
+
+# %% [markdown]
+# The quantizer is the bench's recipe as a function: read the bf16 folder, calibrate
+# where GPTQ needs it, quantize each layer's four fused matrices (a progress bar over
+# the layers: GPTQ on SmolLM2 takes minutes a format on two CPU cores), and write the
+# folder. `calibration` takes token ids instead of the chat, for a model without a
+# tokenizer (the tests' tiny random Llama).
+
+# %%
+#| export quantization.quantizer
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
+from tinyvllm_lib.models.config import ModelConfig
+from tinyvllm_lib.models.llama_numpy import fuse_llama_weights
+from tinyvllm_lib.models.llama_quantized import QUANTIZED_MATRICES
+from tinyvllm_lib.models.loader import load_weights
+from tinyvllm_lib.quantization.calibration import chat_calibration, collect_hessians
+from tinyvllm_lib.quantization.checkpoint import (
+    ROUNDINGS,
+    checkpoint_format,
+    save_checkpoint,
+)
+from tinyvllm_lib.quantization.formats import check_quantization, quantize
+from tinyvllm_lib.quantization.gptq import gptq_quantize
+
+
+def quantize_folder(src, dst, quantization: str, rounding: str = "gptq",
+                    calibration=None, num_calibration_samples: int | None = None,
+                    dampening_frac: float = 0.01, progress: bool = True) -> Path:
+    """Write dst, an 8-bit checkpoint of the bf16 Llama folder src: every layer's
+    matrices rounded to nearest ("rtn") or by GPTQ ("gptq") against XᵀX of the
+    calibration (token id sequences; None: chat_calibration's, from
+    num_calibration_samples questions, all by default).
+    """
+    if check_quantization(quantization) is None or rounding not in ROUNDINGS:
+        raise ValueError(f"quantize_folder needs quantization 'int8' or 'fp8' and "
+                         f"rounding one of {', '.join(ROUNDINGS)}, got "
+                         f"{quantization!r} and {rounding!r}")
+    if checkpoint_format(src) is not None:
+        raise ValueError(f"{src} holds 8-bit weights already: quantize a bf16 folder")
+    config = ModelConfig.from_folder(src)
+    weights = load_weights(src, config, progress=False)
+    fused = fuse_llama_weights(weights, config)
+    details = {"calibration_tokens": 0}
+    if rounding == "gptq":
+        if calibration is None:
+            calibration = chat_calibration(src, num_calibration_samples)
+        hessians = collect_hessians(config, weights, calibration, progress)
+        details = {"calibration_tokens": int(sum(len(ids) for ids in calibration)),
+                   "calibration_sequences": len(calibration),
+                   "dampening_frac": dampening_frac}
+    tensors = {}
+    for i in tqdm(range(config.num_hidden_layers), desc=f"{rounding} {quantization}",
+                  unit="layer", disable=not progress):
+        for matrix in QUANTIZED_MATRICES:
+            name = f"layers.{i}.{matrix}"
+            w = bf16_bits_to_f32(fused[name])
+            tensors[name] = (
+                gptq_quantize(w, hessians[name], quantization, dampening_frac)
+                if rounding == "gptq" else quantize(w, quantization))
+    return save_checkpoint(src, dst, tensors, rounding, **details)
+
+
+# %% [markdown]
+# The command line (vLLM has none for this; llm-compressor is a library, and its
+# names are kept where they exist: `--num-calibration-samples`, `--dampening-frac`):
+
+# %%
+#| export cli
+import argparse
+
+
+def _quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    from tinyvllm_lib.quantization.checkpoint import ROUNDINGS
+    from tinyvllm_lib.quantization.formats import QUANTIZATIONS
+
+    parser.add_argument("src", help="a Hugging Face Llama folder of bf16 weights "
+                        "(or smollm2)")
+    parser.add_argument("dst", help="the checkpoint's folder (new, or empty)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, required=True)
+    parser.add_argument("--rounding", choices=ROUNDINGS, default="gptq",
+                        help="gptq (calibrated on chat, on the CPU) or rtn (round to "
+                        "nearest, what quantization= does as a folder loads)")
+    parser.add_argument("--num-calibration-samples", type=int,
+                        help="chat questions GPTQ calibrates on (default: all 38)")
+    parser.add_argument("--dampening-frac", type=float, default=0.01,
+                        help="GPTQ's damping, a share of XᵀX's mean diagonal")
+
+
+@command(
+    "quantize",
+    "write an 8-bit checkpoint of a bf16 folder (GPTQ or round to nearest) that "
+    "LLM(folder) loads as it is",
+    _quantize_arguments,
+)
+def quantize_command(args: argparse.Namespace) -> int:
+    from tinyvllm_lib.models.smollm2 import resolve_model
+    from tinyvllm_lib.quantization.quantizer import quantize_folder
+
+    try:
+        dst = quantize_folder(resolve_model(args.src), args.dst, args.quantization,
+                              args.rounding, num_calibration_samples=(
+                                  args.num_calibration_samples),
+                              dampening_frac=args.dampening_frac)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    print(dst, flush=True)
+    return 0
+
+# %% [markdown]
+# A round trip at the tests' size: chapter 7's tiny random Llama, quantized to nearest
+# by the command, then loaded. The checkpoint's tensors outside the layers and those
+# of layer 0, as its header lists them:
+
+# %%
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+from tinyvllm_lib.models.safetensors_io import SafetensorsFile
+
+work = Path(tempfile.mkdtemp(prefix="ch15_checkpoint_"))  # never inside the book
+tiny_bf16 = make_random_llama(work / "bf16", tiny_llama_config(), seed=15)
+tiny_int8 = work / "int8"
+main(["quantize", str(tiny_bf16), str(tiny_int8), "--quantization", "int8",
+      "--rounding", "rtn"])
+header = SafetensorsFile(tiny_int8 / "model.safetensors").header
+for name, info in sorted(header.items()):
+    if name.startswith("model.layers.0.") or not name.startswith("model.layers."):
+        print(f"{name:44} {info.dtype:>4} {list(info.shape)}")
+stored = json.loads((tiny_int8 / "config.json").read_text())["quantization_config"]
+print("quantization_config:", stored)
+assert header["model.layers.0.self_attn.q_proj.weight"].dtype == "I8"
+assert header["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64,)
+
+# %% [markdown]
+# `LLM(folder)` reads the format from the folder. Loading the codes as they are gives
+# exactly what rounding the bf16 folder to nearest as it loads gives — the same codes,
+# the same scales, so the same log-probabilities to the last bit — and a
+# `quantization=` that contradicts the folder is refused:
+
+# %%
+tiny_prompt = [3, 14, 15, 92, 65, 35]
+tiny_params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1,
+                             ignore_eos=True)
+tiny_runs = {}
+for label, tiny_folder, method in (("the checkpoint", tiny_int8, None),
+                                   ("quantized as it loads", tiny_bf16, "int8")):
+    llm = LLM(str(tiny_folder), device="cpu", max_num_seqs=1, quantization=method)
+    tiny_runs[label] = llm.generate([tiny_prompt], tiny_params, use_tqdm=False)[0]
+    print(f"{label:>21}: quantization={llm.llm_engine.engine_config.quantization!r}, "
+          f"tokens {tiny_runs[label].outputs[0].token_ids}")
+from_file, at_load = (run.outputs[0] for run in tiny_runs.values())
+assert from_file.token_ids == at_load.token_ids
+assert from_file.logprobs == at_load.logprobs  # bit for bit
+try:
+    LLM(str(tiny_int8), device="cpu", quantization="fp8")
+except ValueError as error:
+    print("quantization='fp8':", error)
+
+# %% [markdown]
+# On the GPU (here the simulator where there is none) the codes go from the file to
+# the device as they are: each `QuantizedLinear` holds the file's bytes, stacked.
+
+# %%
+if can_launch():
+    from tinyvllm_lib.quantization.checkpoint import load_quantized_model
+
+    gpu_model = load_quantized_model(tiny_int8, "cuda", "int8")
+    on_device = gpu_model.weights["layers.1.qkv_proj"].codes.copy_to_host()
+    f = SafetensorsFile(tiny_int8 / "model.safetensors")
+    in_file = np.concatenate([f.get(f"model.layers.1.self_attn.{p}_proj.weight")
+                              for p in "qkv"])
+    assert np.array_equal(on_device, in_file)
+    print(f"layers.1.qkv_proj on the device: {on_device.dtype} {on_device.shape}, "
+          "the file's q, k and v codes stacked")
+shutil.rmtree(work)  # the tiny folders are done with
+
+# %% [markdown]
+# On SmolLM2, `bench/ch15_checkpoint_cpu.py` runs the command's function for both
+# formats, GPTQ (calibrating on its own, as the bench above did) and round-to-nearest,
+# loads each folder with `LLM(folder, device="cpu")`, and measures the model the engine
+# built exactly as the GPTQ study measured the codes it kept in memory: the same 20
+# answers, the same prose (`book/data/ch15_checkpoint.json`). It also times the
+# engine's start on each folder, the best of three.
+
+# %%
+CKPT_GLUES = [f"ch15_ckpt_{what}_{key}" for key in ("int8", "fp8") for what in
+              ("sure", "worst", "dlogp", "ppl", "quantize_s", "start_s", "at_load_s")]
+CKPT_GLUES += ["ch15_ckpt_where", "ch15_ckpt_calibration", "ch15_ckpt_mb",
+               "ch15_ckpt_bf16_mb", "ch15_ckpt_bf16_start_s", "ch15_ckpt_same",
+               "ch15_ckpt_embed_share"]
+checkpoint_runs = load_records("ch15_checkpoint")
+
+
+def cpu(device: dict) -> str:
+    """A CPU record's device, as the prose names it."""
+    return f"{device.get('cpu', device['name'])} ({device.get('cores', '?')} cores)"
+
+
+if not checkpoint_runs:
+    print("not yet recorded: run python bench/ch15_checkpoint_cpu.py")
+    for key in CKPT_GLUES:
+        prose.glue(key, "not yet recorded")
+else:
+    ckpt = {(r["name"], r["quantization"], r["rounding"]): r for r in checkpoint_runs}
+    in_memory = {(r["name"], r["quantization"], r["rounding"]): r for r in gptq_runs}
+    compared = {"text_perplexity": ("value", "mean_abs_dlogp"),
+                "chat_flips": ("value", "largest_flip_margin", "mean_abs_dlogp")}
+    same = [r[f] == in_memory[key][f] for key, r in ckpt.items()
+            if key in in_memory for f in compared.get(key[0], ())]
+    same += [[(f["question"], f["position"]) for f in r["flips"]]
+             == [(f["question"], f["position"]) for f in in_memory[key]["flips"]]
+             for key, r in ckpt.items() if key[0] == "chat_flips" and key in in_memory]
+    print(f"{'':>10} {'flips':>5} {'> 0.5':>5} {'largest':>7} {'|Δ log p|':>9} "
+          f"{'prose':>7} {'MB':>5} {'made in':>7} {'starts in':>9}")
+    for key in ("int8", "fp8"):
+        for how in ("gptq", "rtn"):
+            c, t = ckpt["chat_flips", key, how], ckpt["text_perplexity", key, how]
+            start = ckpt["start_seconds", key, how]
+            sure = sum(f["bf16_margin"] > 0.5 for f in c["flips"])
+            print(f"{key + ' ' + how:>10} {c['value']:5.0f} {sure:5} "
+                  f"{c['largest_flip_margin']:7.2f} {c['mean_abs_dlogp']:9.4f} "
+                  f"{t['ratio_to_bf16'] - 1:+7.2%} {start['folder_bytes'] / 1e6:5.0f} "
+                  f"{start['seconds_quantize']:6.0f}s {start['value']:8.2f}s")
+            if how == "gptq":
+                prose.glue(f"ch15_ckpt_sure_{key}", f"{sure}")
+                prose.glue(f"ch15_ckpt_worst_{key}", f"{c['largest_flip_margin']:.2f}")
+                prose.glue(f"ch15_ckpt_dlogp_{key}", f"{c['mean_abs_dlogp']:.3f}")
+                prose.glue(f"ch15_ckpt_ppl_{key}", f"{t['ratio_to_bf16'] - 1:+.2%}")
+                prose.glue(f"ch15_ckpt_quantize_s_{key}",
+                           f"{start['seconds_quantize']:.0f} s")
+                prose.glue(f"ch15_ckpt_start_s_{key}", f"{start['value']:.2f} s")
+        at_load = ckpt["start_seconds", key, "rtn_at_load"]["value"]
+        prose.glue(f"ch15_ckpt_at_load_s_{key}", f"{at_load:.2f} s")
+    bf16_start = ckpt["start_seconds", None, None]
+    prose.glue("ch15_ckpt_bf16_start_s", f"{bf16_start['value']:.2f} s")
+    prose.glue("ch15_ckpt_bf16_mb", f"{bf16_start['folder_bytes'] / 1e6:.0f} MB")
+    ckpt_bytes = ckpt["start_seconds", "int8", "gptq"]["folder_bytes"]
+    prose.glue("ch15_ckpt_mb", f"{ckpt_bytes / 1e6:.0f} MB")
+    prose.glue("ch15_ckpt_where", cpu(checkpoint_runs[0]["device"]))
+    stored = ckpt["start_seconds", "int8", "gptq"]["quantization_config"]
+    prose.glue("ch15_ckpt_calibration", f"{stored['calibration_tokens']:,} tokens of "
+               f"{stored['calibration_sequences']} chats")
+    memory_where = sorted({cpu(r["device"]) for r in gptq_runs})
+    where = (f" (the study ran on {', '.join(memory_where)}, this measurement on "
+             f"{cpu(checkpoint_runs[0]['device'])})")
+    if not same:
+        verdict = "not compared: the GPTQ study above is not recorded"
+    elif all(same):
+        verdict = (f"every figure is the same to the last digit{where}: the command "
+                   f"calibrated on the same {stored['calibration_tokens']:,} tokens, "
+                   "GPTQ chose the same codes from them, and the folder gave them back "
+                   "bit for bit")
+    else:
+        verdict = f"{len(same) - sum(same)} of {len(same)} figures differ{where}"
+    prose.glue("ch15_ckpt_same", verdict)
+    embed_bytes = 2 * smollm2.vocab_size * smollm2.hidden_size  # bf16, as the source
+    prose.glue("ch15_ckpt_embed_share", f"{embed_bytes / ckpt_bytes:.0%}")
+    print(f"{sum(same)} of {len(same)} figures equal the in-memory study's")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+prose.show("""
+Through the loader, GPTQ's int8 checkpoint flips {{ch15_ckpt_sure_int8}} top tokens
+where bf16's margin exceeds 0.5 (the largest margin it flips:
+{{ch15_ckpt_worst_int8}}), with a mean |Δ log p| of {{ch15_ckpt_dlogp_int8}} along the
+answers and the prose's perplexity {{ch15_ckpt_ppl_int8}} from bf16's; the FP8 one
+flips {{ch15_ckpt_sure_fp8}} (largest {{ch15_ckpt_worst_fp8}}), with
+{{ch15_ckpt_dlogp_fp8}} and {{ch15_ckpt_ppl_fp8}}. Against the study above, which
+kept GPTQ's codes in memory, {{ch15_ckpt_same}}.
+
+Making each checkpoint took {{ch15_ckpt_quantize_s_int8}} (int8) and
+{{ch15_ckpt_quantize_s_fp8}} (FP8) on {{ch15_ckpt_where}}, calibration on
+{{ch15_ckpt_calibration}} included. The folder holds {{ch15_ckpt_mb}}, against the
+bf16 folder's {{ch15_ckpt_bf16_mb}}; the embedding, which stays bf16, is
+{{ch15_ckpt_embed_share}} of it. The engine started on it in
+{{ch15_ckpt_start_s_int8}} (int8) and {{ch15_ckpt_start_s_fp8}} (FP8), against
+{{ch15_ckpt_at_load_s_int8}} and {{ch15_ckpt_at_load_s_fp8}} rounding the bf16 folder
+as it loads, and {{ch15_ckpt_bf16_start_s}} in bf16. The NumPy backend widens the
+codes to float32 either way (e4m3's through NumPy's arithmetic, which is why FP8
+starts slower than int8), so on the CPU a checkpoint saves the rounding, the
+difference between the two starts, and GPTQ's minutes, which no start could pay. On
+a GPU the codes go to the device as they are stored, half of bf16's bytes to copy;
+that start has not been timed here.
 """)
 
 # %% [markdown]
@@ -2216,7 +2873,6 @@ class QuantizedLinear:
 import numpy as np
 from numba import cuda
 
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
@@ -2224,8 +2880,10 @@ from tinyvllm_lib.models.llama_quantized import (
     QUANTIZE_LM_HEAD,
     is_quantized,
     quantized_shapes,
+    quantized_tensor,
+    stored_scales,
 )
-from tinyvllm_lib.quantization.formats import check_quantization, quantize
+from tinyvllm_lib.quantization.formats import check_quantization
 
 
 def check_quantizable(config: ModelConfig, lm_head: bool = QUANTIZE_LM_HEAD) -> None:
@@ -2242,12 +2900,14 @@ def check_quantizable(config: ModelConfig, lm_head: bool = QUANTIZE_LM_HEAD) -> 
 
 class QuantizedLlamaCuda(LlamaCuda):
     """Chapter 7's GPU model with its layers' matrices (and, with quantize_lm_head,
-    its LM head) in 8 bits: codes and row scales on the GPU, each a QuantizedLinear.
+    its LM head) in 8 bits: codes and row scales on the GPU, each a QuantizedLinear;
+    the codes chosen as QuantizedLlamaNumpy's (tensors, the weights' own, or rounded
+    to nearest as they load).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  quantization: str, quantize_lm_head: bool = QUANTIZE_LM_HEAD,
-                 comm=None):
+                 comm=None, tensors: dict | None = None):
         if check_quantization(quantization) is None:
             raise ValueError("QuantizedLlamaCuda needs quantization 'int8' or 'fp8'")
         check_quantizable(config, quantize_lm_head)
@@ -2255,17 +2915,19 @@ class QuantizedLlamaCuda(LlamaCuda):
         largest = max(n * k for n, k in quantized_shapes(config, quantize_lm_head)
                       .values())
         self.scratch = cuda.device_array(largest, np.uint16)  # the GEMM path's bf16
+        self._given = (stored_scales(weights, config), tensors or {})  # while loading
         super().__init__(config, weights, comm=comm)
         head = self.weights["lm_head"]
         if quantize_lm_head and not isinstance(head, QuantizedLinear):  # tied
-            table = bf16_bits_to_f32(head.copy_to_host())
-            self.weights["lm_head"] = QuantizedLinear(quantize(table, quantization),
-                                                      self.scratch)
+            q = quantized_tensor("lm_head", head.copy_to_host(), quantization,
+                                 *self._given)
+            self.weights["lm_head"] = QuantizedLinear(q, self.scratch)
+        del self._given
 
     def to_device(self, name: str, bits: np.ndarray):
         if not is_quantized(name, self.quantize_lm_head):
             return super().to_device(name, bits)
-        q = quantize(bf16_bits_to_f32(bits), self.quantization)
+        q = quantized_tensor(name, bits, self.quantization, *self._given)
         return QuantizedLinear(q, self.scratch)
 
 # %% [markdown]
@@ -2611,6 +3273,13 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 #   NumPy backend keeps the dequantized values, the GPU the codes and scales, read by
 #   GEMVs that keep chapter 11's fusions; prefill dequantizes into a bf16 scratch for
 #   chapter 6's GEMM. The tied LM head stays bf16 for now.
+# - **GPTQ** keeps the grid and the scales and chooses the codes against the inputs'
+#   $X^\top X$, each column's rounding error moved onto the columns not yet rounded.
+#   `python -m tinyvllm_lib quantize` does it once, offline, into a **checkpoint**: the
+#   Hugging Face matrices' codes (`<name>.weight`) and row scales
+#   (`<name>.weight_scale`), a `quantization_config` in `config.json`. `LLM(folder)`
+#   loads it as it is, on either backend and on any number of ranks: a row's scale
+#   belongs to its row, so cutting and stacking rows is exact.
 # - On the H200 the first 8-bit GEMV was bound by the instructions it issued, not by
 #   the bytes it read, and made batch 1 slower than bf16. The second widens int8 with
 #   no conversion (the byte inside $2^{23}$'s mantissa) and e4m3 in units of
@@ -2637,6 +3306,8 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 # 5. Under tensor parallelism (chapter 13) each rank quantizes its own shard. For a
 #    matrix cut by input features, why are a rank's row scales not the whole row's,
 #    and does that make the two-rank model's error larger or smaller than one rank's?
+#    A checkpoint's ranks keep the whole row's scale instead: which of the two
+#    two-rank models has one rank's answers?
 # 6. Put the second version's e4m3 widening (the bits moved into place, in units of
 #    $2^{-120}$) back into the fourth version's loop in place of the hardware's
 #    conversion. Count both loops with `bench/ch15_sass.py`: which instructions does
@@ -2647,3 +3318,8 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 #    int8 products summed into an int32 in one instruction) for four codes at a time.
 #    What does it cost in accuracy on SmolLM2 (the section on real weights), and how
 #    many instructions a code are left?
+# 8. Store the checkpoint's q, k and v as one fused `qkv_proj`. What changes in the
+#    reader, in chapter 13's sharding, and for a tool that expects Hugging Face names?
+#    Then give each matrix one scale instead of one a row, as many FP8 checkpoints do:
+#    what must the loader do when it stacks q, k and v, and what does that cost in
+#    accuracy on SmolLM2?

@@ -41,11 +41,18 @@ def make_rank_runner(folder, config: EngineConfig, comm, sampler=None) -> ModelR
     from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 
     full = ModelConfig.from_folder(folder)
+    if config.quantization is None:
+        tensors = load_weights(folder, full, progress=False)
+    else:  # chapter 15: a checkpoint's 8-bit codes and row scales, or bf16 weights
+        from tinyvllm_lib.quantization.checkpoint import load_quantized_weights
+
+        tensors = load_quantized_weights(folder, full)
     weights = shard_llama_weights(
-        load_weights(folder, full, progress=False), full, comm.rank, comm.world_size,
+        tensors, full, comm.rank, comm.world_size,
         split_embedding=config.device == "cpu",  # the GPU looks rows up whole
     )
     if config.quantization is not None:  # chapter 15: each rank quantizes its shard
+        # (or takes its shard of a checkpoint's codes)
         from tinyvllm_lib.models.llama_quantized import quantized_model
 
         model = quantized_model(config.device, shard_config(full, comm.world_size),

@@ -70,7 +70,8 @@ def shard_llama_weights(
 ) -> dict[str, np.ndarray]:
     """Rank's tensors of a Llama checkpoint (Hugging Face names), Megatron's way: q, k,
     v, gate and up by rows (whole heads), o and down by columns, the head by the
-    vocabulary; the embedding too where split_embedding, else whole.
+    vocabulary; the embedding too where split_embedding, else whole. An 8-bit
+    matrix's row scales (chapter 15's checkpoints) go with its rows.
     """
     check_tensor_parallel(config, world_size)
 
@@ -84,8 +85,8 @@ def shard_llama_weights(
         kind = name.split(".")[-2]  # "model.layers.0.self_attn.q_proj.weight"
         if kind in COLUMN_PARALLEL:  # (out, in): a rank's output features
             shard[name] = part(w, 0)
-        elif kind in ROW_PARALLEL:  # a rank's input features
-            shard[name] = part(w, 1)
+        elif kind in ROW_PARALLEL:  # a rank's input features (row scales: whole)
+            shard[name] = part(w, 1) if w.ndim == 2 else w
         elif kind not in ("embed_tokens", "lm_head"):
             shard[name] = w  # the norms: every rank has them whole
     embed = weights["model.embed_tokens.weight"]

@@ -43,7 +43,7 @@ class EngineConfig:
     # tensor cores; "auto": the tensor cores on a GPU where the head size allows
     attention_backend: str = "auto"
     # chapter 15: "int8" or "fp8" weights, quantized from the bf16 folder as they are
-    # loaded; None: bf16
+    # loaded; None: bf16, or the format of a folder quantized offline (its own codes)
     quantization: str | None = None
 
     def __post_init__(self):

@@ -63,6 +63,11 @@ class LLMEngine:
             c = EngineConfig(model, device, **engine_args)
         self.folder = resolve_model(c.model)
         self.config = ModelConfig.from_folder(self.folder)
+        # chapter 15: a folder of 8-bit weights names its format, which quantization=
+        # may repeat but not contradict
+        from tinyvllm_lib.quantization.checkpoint import resolve_quantization
+
+        c = replace(c, quantization=resolve_quantization(self.folder, c.quantization))
         # None: prompts are token ids
         self.tokenizer = Tokenizer.from_folder(self.folder, missing_ok=True)
         limit = self.config.max_position_embeddings

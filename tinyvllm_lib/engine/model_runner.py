@@ -87,8 +87,9 @@ class ModelRunner:
         self.max_model_len = config.max_model_len
         self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
         if model is None and config.quantization is not None:
-            # chapter 15: 8-bit weights, quantized as the folder's are loaded
-            from tinyvllm_lib.models.llama_quantized import load_quantized_model
+            # chapter 15: 8-bit weights, quantized as the folder's are loaded, or a
+            # checkpoint's codes and scales, loaded as they are
+            from tinyvllm_lib.quantization.checkpoint import load_quantized_model
 
             model = load_quantized_model(folder, device, config.quantization)
         # the device picks the model, the cache, the attention and the sampler

@@ -5,7 +5,6 @@
 import numpy as np
 from numba import cuda
 
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
@@ -13,8 +12,10 @@ from tinyvllm_lib.models.llama_quantized import (
     QUANTIZE_LM_HEAD,
     is_quantized,
     quantized_shapes,
+    quantized_tensor,
+    stored_scales,
 )
-from tinyvllm_lib.quantization.formats import check_quantization, quantize
+from tinyvllm_lib.quantization.formats import check_quantization
 
 
 def check_quantizable(config: ModelConfig, lm_head: bool = QUANTIZE_LM_HEAD) -> None:
@@ -31,12 +32,14 @@ def check_quantizable(config: ModelConfig, lm_head: bool = QUANTIZE_LM_HEAD) -> 
 
 class QuantizedLlamaCuda(LlamaCuda):
     """Chapter 7's GPU model with its layers' matrices (and, with quantize_lm_head,
-    its LM head) in 8 bits: codes and row scales on the GPU, each a QuantizedLinear.
+    its LM head) in 8 bits: codes and row scales on the GPU, each a QuantizedLinear;
+    the codes chosen as QuantizedLlamaNumpy's (tensors, the weights' own, or rounded
+    to nearest as they load).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  quantization: str, quantize_lm_head: bool = QUANTIZE_LM_HEAD,
-                 comm=None):
+                 comm=None, tensors: dict | None = None):
         if check_quantization(quantization) is None:
             raise ValueError("QuantizedLlamaCuda needs quantization 'int8' or 'fp8'")
         check_quantizable(config, quantize_lm_head)
@@ -44,15 +47,17 @@ class QuantizedLlamaCuda(LlamaCuda):
         largest = max(n * k for n, k in quantized_shapes(config, quantize_lm_head)
                       .values())
         self.scratch = cuda.device_array(largest, np.uint16)  # the GEMM path's bf16
+        self._given = (stored_scales(weights, config), tensors or {})  # while loading
         super().__init__(config, weights, comm=comm)
         head = self.weights["lm_head"]
         if quantize_lm_head and not isinstance(head, QuantizedLinear):  # tied
-            table = bf16_bits_to_f32(head.copy_to_host())
-            self.weights["lm_head"] = QuantizedLinear(quantize(table, quantization),
-                                                      self.scratch)
+            q = quantized_tensor("lm_head", head.copy_to_host(), quantization,
+                                 *self._given)
+            self.weights["lm_head"] = QuantizedLinear(q, self.scratch)
+        del self._given
 
     def to_device(self, name: str, bits: np.ndarray):
         if not is_quantized(name, self.quantize_lm_head):
             return super().to_device(name, bits)
-        q = quantize(bf16_bits_to_f32(bits), self.quantization)
+        q = quantized_tensor(name, bits, self.quantization, *self._given)
         return QuantizedLinear(q, self.scratch)

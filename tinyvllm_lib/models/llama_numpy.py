@@ -90,9 +90,15 @@ class LlamaNumpy:
             if n == "norm" or n.endswith("layernorm")
         }
         # float32, widened once
-        self.matrices = {name: bf16_bits_to_f32(bits) for name, bits in fused.items()}
+        self.matrices = {name: self.load_matrix(name, w) for name, w in fused.items()}
         # cos and sin for positions 0 .. max_position_embeddings - 1
         self.rope = rope_table_from_config(config)
+
+    def load_matrix(self, name: str, bits: np.ndarray) -> np.ndarray:
+        """One fused matrix as linear multiplies it: its bf16 bits widened to float32
+        (chapter 15's 8-bit model keeps its matrices otherwise).
+        """
+        return bf16_bits_to_f32(bits)
 
     @classmethod
     def from_folder(cls, folder, **kwargs) -> "LlamaNumpy":

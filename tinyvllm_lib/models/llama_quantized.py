@@ -6,16 +6,26 @@ import math
 
 import numpy as np
 
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
-from tinyvllm_lib.models.loader import load_weights
-from tinyvllm_lib.quantization.formats import check_quantization, quantize
+from tinyvllm_lib.quantization.formats import (
+    QuantizedTensor,
+    check_quantization,
+    quantize,
+)
 
-# the fused matrices of every layer that are stored in 8 bits (chapter 7's names)
-QUANTIZED_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# the fused matrices of every layer that are stored in 8 bits (chapter 7's names), and
+# the Hugging Face matrices whose rows each stacks, in order
+HF_MATRICES = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "o_proj": ("self_attn.o_proj",),
+               "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+               "down_proj": ("mlp.down_proj",)}
+QUANTIZED_MATRICES = tuple(HF_MATRICES)
 # the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding) stays bf16, as in
 # most FP8 checkpoints made for vLLM; chapter 15 counts and measures the other choice
 QUANTIZE_LM_HEAD = False
+CODE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(np.uint8)}  # e4m3's bits
 
 
 def is_quantized(name: str, lm_head: bool = QUANTIZE_LM_HEAD) -> bool:
@@ -58,11 +68,52 @@ def decode_weight_bytes(
     return c.num_hidden_layers * per_layer + bf16 * H + head + embed_row
 
 
+def stored_scales(weights: dict[str, np.ndarray],
+                  config: ModelConfig) -> dict[str, np.ndarray]:
+    """The row scales of the matrices that `weights` holds as 8-bit codes already (a
+    checkpoint's: "<name>.weight_scale" beside the codes, "<name>.weight"), by fused
+    name, stacked as chapter 7 stacks their rows.
+    """
+    scales = {}
+    for i in range(config.num_hidden_layers):
+        for fused, parts in HF_MATRICES.items():
+            names = [f"model.layers.{i}.{part}.weight_scale" for part in parts]
+            missing = [n for n in names if n not in weights]
+            if len(missing) == len(names):
+                continue  # bf16: quantized as it loads
+            if missing:
+                raise ValueError(f"{missing[0]} is missing: the rows of layers.{i}."
+                                 f"{fused} must all come in 8 bits or none")
+            scales[f"layers.{i}.{fused}"] = np.concatenate([weights[n] for n in names])
+    return scales
+
+
+def quantized_tensor(name: str, array: np.ndarray, method: str,
+                     scales: dict, tensors: dict) -> QuantizedTensor:
+    """The fused matrix `name` in 8 bits: tensors[name] where given (made elsewhere:
+    GPTQ's, below); else `array` as codes under scales[name], where the weights
+    brought them; else `array`, bf16 bits, rounded to nearest now.
+    """
+    if name in tensors:
+        q = tensors[name]
+    elif name in scales:
+        q = QuantizedTensor(method, array, scales[name])
+    else:
+        q = quantize(bf16_bits_to_f32(array), method)
+    want = (array.shape, CODE_DTYPES[method], (len(array),))
+    if q.method != method or (q.shape, q.codes.dtype, q.scales.shape) != want:
+        raise ValueError(f"{name}: need {method} codes ({want[1]}) {want[0]} and "
+                         f"scales {want[2]}, got {q.method} codes ({q.codes.dtype}) "
+                         f"{q.shape} and scales {q.scales.shape}")
+    return q
+
+
 class QuantizedLlamaNumpy(LlamaNumpy):
-    """Chapter 7's NumPy model on 8-bit weights: each matrix quantized as it is loaded
-    (a rank's shard: its own rows' scales), then kept as the float32 values its codes
-    stand for, scale times value, for NumPy's float32 matrix products. tensors: 8-bit
-    weights made elsewhere (GPTQ, below), by fused name, used as they are.
+    """Chapter 7's NumPy model on 8-bit weights, each matrix kept as the float32
+    values its codes stand for, scale times value, for NumPy's float32 matrix
+    products. The codes: tensors[name] where given (by fused name), else the
+    weights' own codes and row scales where they bring them, else rounded to nearest
+    as the matrix loads (a rank's shard: its own rows' scales).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
@@ -70,16 +121,16 @@ class QuantizedLlamaNumpy(LlamaNumpy):
                  tensors: dict | None = None, **kwargs):
         if check_quantization(quantization) is None:
             raise ValueError("QuantizedLlamaNumpy needs quantization 'int8' or 'fp8'")
-        super().__init__(config, weights, **kwargs)
         self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
-        tensors = tensors or {}
-        for name, matrix in self.matrices.items():  # float32, widened from bf16
-            if is_quantized(name, quantize_lm_head):
-                q = tensors.get(name) or quantize(matrix, quantization)
-                if q.method != quantization or q.shape != matrix.shape:
-                    raise ValueError(f"{name}: need {quantization} {matrix.shape}, "
-                                     f"got {q.method} {q.shape}")
-                self.matrices[name] = q.dequantize()
+        self._given = (stored_scales(weights, config), tensors or {})  # while loading
+        super().__init__(config, weights, **kwargs)
+        del self._given
+
+    def load_matrix(self, name: str, array: np.ndarray) -> np.ndarray:
+        if not is_quantized(name, self.quantize_lm_head):
+            return super().load_matrix(name, array)
+        q = quantized_tensor(name, array, self.quantization, *self._given)
+        return q.dequantize()
 
 
 def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
@@ -90,11 +141,3 @@ def quantized_model(device: str, config: ModelConfig, weights: dict, quantizatio
     from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
 
     return QuantizedLlamaCuda(config, weights, quantization, comm=comm)
-
-
-def load_quantized_model(folder, device: str, quantization: str):
-    """A Hugging Face Llama folder's model with its matrices quantized as they load."""
-    check_quantization(quantization)
-    config = ModelConfig.from_folder(folder)
-    return quantized_model(device, config, load_weights(folder, config, progress=False),
-                           quantization)
