@@ -2655,8 +2655,8 @@ if can_launch():
 # GEMV — become one, and the float32 `[gate | up]` row is never written. The layer
 # loop asks for that half through chapter 7's `rmsnorm_linear_silu_mul`, which an
 # 8-bit weight answers itself (`QuantizedLinear.apply_rmsnorm_silu_mul`, below) — in
-# one kernel where the GEMV runs (`GATED_GEMV_8BIT`, on since an H100 ran the engine
-# both ways in one run, at batch 1 in int8 and FP8, and the one kernel was faster). A
+# one kernel where the GEMV runs (`GATED_GEMV_8BIT`, on from version 5 of the GEMV:
+# the batch-1 records below are that version's; `False` launches the three). A
 # thread meets its words in the same order whether its group holds one row or a pair,
 # so the check is exact: the gated kernel's bits equal those of the same GEMV into
 # float32 followed by `silu_mul`.
