@@ -31,7 +31,7 @@ def capture(runner, prefill: bool) -> tuple[float, float, int]:
     runner.stream.synchronize()
     seconds = time.perf_counter() - t0
     held = (free - context.get_memory_info().free) / 2**20
-    count = len(graphs.graphs) + len(graphs.prefill_graphs)
+    count = len(graphs.graphs) + len(graphs.argmax_graphs) + len(graphs.prefill_graphs)
     del graphs
     gc.collect()
     return seconds, held, count

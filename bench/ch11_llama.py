@@ -25,7 +25,7 @@ from numba import cuda
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.cuda_graph import CudaGraph
 from tinyvllm_lib.engine.cuda_graphs import padding_batch
-from tinyvllm_lib.engine.input_batch import PADDING
+from tinyvllm_lib.engine.input_batch import PADDING, StepShape
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.measure import DATA_DIR, Recorder, bandwidth_ceiling
 from tinyvllm_lib.models.config import ModelConfig
@@ -45,9 +45,16 @@ def batch1_ceiling(folder) -> tuple[float, float, float, str]:
     return gb_s * 1e9 / nbytes, nbytes, gb_s, name
 
 
-def graph_kernel_ms(runner, rows: int, context: int, replays: int = 50) -> float:
+def decode_graphs(runner, argmax_only: bool) -> dict:
+    """The runner's decode graphs by rows: those a greedy batch replays (argmax_only, where captured), or those
+    that launch every sampling kernel."""
+    return runner.graphs.argmax_graphs if argmax_only else runner.graphs.graphs
+
+
+def graph_kernel_ms(runner, rows: int, context: int, replays: int = 50, argmax_only: bool = False) -> float:
     """The decode graph of `rows` replayed back to back on rows of `context` tokens each (distinct
     cache blocks, random ids, greedy, writing no slot): the GPU's time per step, no host work between.
+    argmax_only: the graph a greedy batch replays (its sampler the argmax alone).
     """
     host, _, (to, source) = runner.packed.layout(rows, rows, turn=0)  # the layout the graph of `rows` reads
     for name, value in PADDING.items():
@@ -60,7 +67,7 @@ def graph_kernel_ms(runner, rows: int, context: int, replays: int = 50) -> float
     host["seq_lens"][:], host["positions"][:] = context, context - 1
     host["token_ids"][:] = np.random.default_rng(rows).integers(0, runner.config.vocab_size, rows)
     to.copy_to_device(source, stream=runner.stream)
-    graph, start, end = runner.graphs.graphs[rows], cuda.event(), cuda.event()
+    graph, start, end = decode_graphs(runner, argmax_only)[rows], cuda.event(), cuda.event()
     graph.replay()
     start.record(graph.stream)
     for _ in range(replays):
@@ -70,11 +77,11 @@ def graph_kernel_ms(runner, rows: int, context: int, replays: int = 50) -> float
     return cuda.event_elapsed_time(start, end) / replays
 
 
-def graph_num_nodes(runner, rows: int) -> int | None:
+def graph_num_nodes(runner, rows: int, argmax_only: bool = False) -> int | None:
     try:
         from cuda.bindings import driver
 
-        err, _, count = driver.cuGraphGetNodes(runner.graphs.graphs[rows]._graph, 0)
+        err, _, count = driver.cuGraphGetNodes(decode_graphs(runner, argmax_only)[rows]._graph, 0)
         return int(count) if int(err) == 0 else None
     except Exception:
         return None
@@ -134,24 +141,32 @@ def engine_part(rec: Recorder, folder, extra: dict) -> None:
         save_part(rec, "engine")
         if suffix == "":
             runner = llm.llm_engine.model_runner
-            kernels = graph_kernel_ms(runner, 1, 256)
-            nodes = graph_num_nodes(runner, 1)
+            # greedy batch 1 replays the argmax_only graph; a sampled one the graph of every sampling kernel
+            kernels = graph_kernel_ms(runner, 1, 256, argmax_only=True)
+            nodes, graph = graph_num_nodes(runner, 1, argmax_only=True), runner.graphs.argmax_graphs[1]
             rec.add("bs1_graph_replay", [1], "ms", kernels, part="engine", graph_nodes=nodes,
-                    context=256, note="the batch-1 decode graph replayed 50 times back to back at 256 tokens "
-                    "of context: GPU time per step", **extra)
+                    context=256, argmax_only=True, programmatic_edges=graph.programmatic_edges,
+                    note="the batch-1 decode graph a greedy step replays (its sampler the argmax alone), replayed "
+                    "50 times back to back at 256 tokens of context: GPU time per step", **extra)
             print(f"bs1 graph replayed back to back: {kernels:.3f} ms per step, {nodes} nodes, "
-                  f"{runner.graphs.graphs[1].programmatic_edges} programmatic edges", flush=True)
-            rec.records[-1]["programmatic_edges"] = runner.graphs.graphs[1].programmatic_edges
+                  f"{graph.programmatic_edges} programmatic edges", flush=True)
+            sampling = graph_kernel_ms(runner, 1, 256)
+            rec.add("bs1_graph_replay_sampling", [1], "ms", sampling, part="engine",
+                    graph_nodes=graph_num_nodes(runner, 1), context=256, argmax_only=False,
+                    note="as bs1_graph_replay, the graph that launches every sampling kernel (a sampled, "
+                    "penalized or log-probs step replays it)", **extra)
+            print(f"bs1 graph with every sampling kernel: {sampling:.3f} ms per step", flush=True)
             # the same engine with the graph's edges left plain (each kernel launched once the one before has
             # finished): what chapter 1's programmatic edges buy
             with cuda.defer_cleanup():
+                shape = StepShape(1, 1, 1, argmax_only=True)
                 batch = padding_batch(1, runner.block_size)
-                runner.packed.pack(batch, turn=0, pad_to=1)
+                runner.packed.pack(batch, turn=0, pad_to=shape)
                 runner.packed.copy(batch, runner.stream)
                 step = runner.graphs.step_function(batch)
-                runner.graphs.graphs[1] = CudaGraph(step, runner.stream, programmatic=False)
+                runner.graphs.argmax_graphs[1] = CudaGraph(step, runner.stream, programmatic=False)
                 runner.stream.synchronize()
-            plain = graph_kernel_ms(runner, 1, 256)
+            plain = graph_kernel_ms(runner, 1, 256, argmax_only=True)
             lat_plain = benchmark.latency(llm, 128, 256, repeats=3)
             print(f"bs1 with plain edges: {lat_plain['decode_tok_s']:.0f} decode tok/s; graph replayed back to back "
                   f"{plain:.3f} ms per step", flush=True)

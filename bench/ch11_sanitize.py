@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tinyvllm_lib.engine.input_batch import StepShape
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
@@ -26,7 +27,8 @@ def main() -> None:
     # a 256-token budget: the four prompts' 262 tokens take a prefill step and a mixed one
     llm = LLM(folder, device="cuda", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256)
     runner = llm.llm_engine.model_runner
-    graphs = {**runner.graphs.graphs, **runner.graphs.prefill_graphs}
+    graphs = {**runner.graphs.graphs, **runner.graphs.prefill_graphs,
+              **{("argmax_only", n): g for n, g in runner.graphs.argmax_graphs.items()}}
     replays = dict.fromkeys(graphs, 0)
     for key, graph in graphs.items():
         def counted(graph=graph, key=key, replay=graph.replay):
@@ -44,11 +46,16 @@ def main() -> None:
                        frequency_penalty=0.2, seed=3, max_tokens=args.max_tokens, ignore_eos=True),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
+    # then one greedy request alone: its decode steps replay the argmax_only graph
+    outs += llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
+                         use_tqdm=False)
     for o in outs:
         print(len(o.outputs[0].token_ids), "tokens:", o.outputs[0].token_ids)
     print("graph replays:", {key: n for key, n in replays.items() if n})
     assert sum(n for key, n in replays.items() if isinstance(key, int)), "no decode step replayed a graph"
-    assert sum(n for key, n in replays.items() if not isinstance(key, int)) >= 2, "prefill graphs replayed < 2"
+    assert sum(n for key, n in replays.items() if isinstance(key, StepShape)) >= 2, "prefill graphs replayed < 2"
+    assert sum(n for key, n in replays.items() if isinstance(key, tuple) and key[:1] == ("argmax_only",)), \
+        "no argmax_only graph replayed"
 
 
 if __name__ == "__main__":

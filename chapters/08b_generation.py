@@ -470,6 +470,17 @@ class SamplingMetadata:
             or self.presence_penalty.any()
         )
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every row's token is its argmax and nothing else is asked: all
+        greedy (vLLM's all_greedy), no penalties, no log-probs.
+        """
+        return bool(
+            not (self.temperature > 0).any()
+            and not self.has_penalties
+            and self.num_logprobs.max(initial=-1) < 0
+        )
+
     @classmethod
     def from_params(
         cls,
@@ -2673,13 +2684,16 @@ class StepShape(NamedTuple):
     """The shape a step is padded to when it replays a CUDA graph (chapter 11):
     `tokens` token rows of `rows` requests, the head and the sampler on `sampled` rows;
     `prefill`: its attention is the prefill kernel's (a step with prompt tokens), else
-    decode attention's.
+    decode attention's. `argmax_only`: the sampler launches its argmax and nothing else
+    (every row greedy, no penalties, no log-probs), where a graph otherwise launches
+    every sampling kernel whatever its rows ask.
     """
 
     tokens: int
     rows: int
     sampled: int
     prefill: bool = False
+    argmax_only: bool = False
 
 
 @dataclass
@@ -3237,12 +3251,16 @@ class ModelRunner:
         self.model.compute_logits(hidden, logits, stream, self.cublas_workspace)
         if num_sampled:
             rows = {name: v[name][:num_sampled] for name in SAMPLING_FIELDS}
-            # eagerly, the steps the rows need; captured, every step
-            graph = shape is not None  # a graph serves every row's settings
+            # eagerly, the steps the rows need; captured, every step (a graph serves
+            # every row's settings), or the argmax alone in an argmax_only graph
+            graph = shape is not None and not shape.argmax_only
             steps = (range(NUM_STEPS) if graph
+                     else [0] if shape is not None
                      else self.sampler.steps_for(batch.sampling))
-            penalize = graph or batch.sampling.has_penalties
-            logprobs = graph or bool(batch.sampling.num_logprobs.max(initial=-1) >= 0)
+            penalize = graph or shape is None and batch.sampling.has_penalties
+            logprobs = graph or shape is None and bool(
+                batch.sampling.num_logprobs.max(initial=-1) >= 0
+            )
             self.sampler.launch(logits[:num_sampled], stream, rows, steps, penalize,
                                 logprobs)
         return logits

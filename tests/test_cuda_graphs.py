@@ -3,6 +3,8 @@ runner against the eager one. In the simulator a replay launches again, so these
 padding and the packing; the GPU-marked tests check real captures, replayed while positions,
 context lengths and sampling settings change."""
 
+from dataclasses import replace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -380,6 +382,32 @@ def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, 
         assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
     # decode 1 launched, decode 2 (the second request alone) launched ahead of it; the pool empty again
     assert ahead == [False, True] and engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
+def test_greedy_steps_replay_the_argmax_only_graph(small_folder, monkeypatch, rng):
+    """Decode steps whose rows are all greedy and ask for nothing more replay their size's argmax_only graph (the
+    sampler's argmax alone); where one row asks for log-probs, the graph of every sampling kernel. Both give the
+    NumPy engine's tokens (its log-probs, asked of it alone, mark near ties)."""
+    monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
+    prompts = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    cpu = LLM(small_folder, device="cpu", max_model_len=64)
+    llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
+    graphs = llm.llm_engine.model_runner.graphs
+    assert sorted(graphs.argmax_graphs) == sorted(graphs.graphs) == [1, 2]
+    shapes, replay = [], graphs.replay
+    monkeypatch.setattr(graphs, "replay", lambda shape: (shapes.append(shape), replay(shape))[1])
+    for params, argmax_only in (([plain, plain], True), ([plain, replace(plain, logprobs=1)], False)):
+        shapes.clear()
+        want = [o.outputs[0] for o in cpu.generate(prompts, [replace(p, logprobs=2) for p in params],
+                                                     use_tqdm=False)]
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        decode = [s for s in shapes if not s.prefill]
+        assert decode and all(s.argmax_only == argmax_only for s in decode), shapes
+        for w, g in zip(want, got):
+            same, _ = agrees(w.token_ids, w.logprobs, g.token_ids, tie=0.02)
+            assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
 
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")

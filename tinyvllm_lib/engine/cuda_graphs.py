@@ -179,11 +179,19 @@ def padding_batch(rows: int, block_size: int, num_prefills: int = 0) -> InputBat
                       np.arange(rows, dtype=np.int64), {}, {}, sampling)
 
 
+# Up to this many rows a decode size also gets an argmax_only graph (`argmax_graphs`):
+# a greedy batch's sampler is then its argmax alone, not the seven sampling launches,
+# the penalties' two and the log-probs' one that return at once for greedy rows — about
+# a microsecond each, which shows where a step takes about a millisecond (batch 1)
+ARGMAX_GRAPH_MAX_ROWS = 16
+
+
 class CudaGraphs:
     """A runner's steps as CUDA graphs, captured over its buffers and KV cache: a decode
-    graph per size of cuda_graph_sizes(max_num_seqs) (`graphs`, by rows), a prefill
-    graph per shape of prefill_graph_shapes (`prefill_graphs`, by shape; prefill=False:
-    none); shape_for decides which steps replay one.
+    graph per size of cuda_graph_sizes(max_num_seqs) (`graphs`, by rows), and for
+    sizes up to ARGMAX_GRAPH_MAX_ROWS an argmax_only one (`argmax_graphs`, by rows); a
+    prefill graph per shape of prefill_graph_shapes (`prefill_graphs`, by shape;
+    prefill=False: none); shape_for decides which steps replay one.
     """
 
     def __init__(self, runner, progress: bool = True, prefill: bool = True):
@@ -195,8 +203,14 @@ class CudaGraphs:
             if prefill else []
         )
         self.graphs: dict[int, CudaGraph] = {}
+        self.argmax_graphs: dict[int, CudaGraph] = {}
         self.prefill_graphs: dict[StepShape, CudaGraph] = {}
-        shapes = [StepShape(n, n, n) for n in self.sizes] + self.prefill_shapes
+        shapes = (
+            [StepShape(n, n, n) for n in self.sizes]
+            + [StepShape(n, n, n, argmax_only=True)
+               for n in self.sizes if n <= ARGMAX_GRAPH_MAX_ROWS]
+            + self.prefill_shapes
+        )
         bar = tqdm(shapes, desc="Capturing CUDA graphs", unit="graph",
                    disable=not progress)
         # no memory may be freed while a stream is being captured
@@ -210,6 +224,8 @@ class CudaGraphs:
                 graph = CudaGraph(self.step_function(batch), runner.stream)
                 if shape.prefill:
                     self.prefill_graphs[shape] = graph
+                elif shape.argmax_only:
+                    self.argmax_graphs[shape.rows] = graph
                 else:
                     self.graphs[shape.rows] = graph
             runner.stream.synchronize()
@@ -233,7 +249,10 @@ class CudaGraphs:
         """
         if batch.is_uniform_decode:
             size = graph_size_for(batch.num_reqs, self.sizes)
-            return None if size is None else StepShape(size, size, size)
+            if size is None:
+                return None
+            argmax = size in self.argmax_graphs and batch.sampling.argmax_only
+            return StepShape(size, size, size, argmax_only=argmax)
         if not batch.metadata.num_prefills or batch.num_logits != batch.num_sampled:
             return None
         return prefill_shape_for(batch.num_tokens, batch.num_reqs, batch.num_sampled,
@@ -241,5 +260,6 @@ class CudaGraphs:
 
     def replay(self, shape: StepShape) -> None:
         graph = (self.prefill_graphs[shape] if shape.prefill
+                 else self.argmax_graphs[shape.rows] if shape.argmax_only
                  else self.graphs[shape.rows])
         graph.replay()

@@ -22,13 +22,16 @@ class StepShape(NamedTuple):
     """The shape a step is padded to when it replays a CUDA graph (chapter 11):
     `tokens` token rows of `rows` requests, the head and the sampler on `sampled` rows;
     `prefill`: its attention is the prefill kernel's (a step with prompt tokens), else
-    decode attention's.
+    decode attention's. `argmax_only`: the sampler launches its argmax and nothing else
+    (every row greedy, no penalties, no log-probs), where a graph otherwise launches
+    every sampling kernel whatever its rows ask.
     """
 
     tokens: int
     rows: int
     sampled: int
     prefill: bool = False
+    argmax_only: bool = False
 
 
 @dataclass

@@ -166,6 +166,17 @@ class SamplingMetadata:
             or self.presence_penalty.any()
         )
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every row's token is its argmax and nothing else is asked: all
+        greedy (vLLM's all_greedy), no penalties, no log-probs.
+        """
+        return bool(
+            not (self.temperature > 0).any()
+            and not self.has_penalties
+            and self.num_logprobs.max(initial=-1) < 0
+        )
+
     @classmethod
     def from_params(
         cls,
