@@ -263,23 +263,17 @@ from tinyvllm_lib.kernels.bf16 import bf16_to_f32
 from tinyvllm_lib.kernels.checks import is_c_contiguous
 
 
-def check_linear_args(
-    name: str, x, w, out, out_bf16: bool = False
-) -> tuple[int, int, int]:
+def check_linear_args(name: str, x, w, out) -> tuple[int, int, int]:
     """Check y = x · Wᵀ operands: x (M, K) bf16 bits, w (N, K) bf16 bits, out (M, N)
-    float32 (or, out_bf16: bf16 bits too); return M, N, K.
+    float32; return M, N, K.
     """
     for label, a, dtype in (
         ("x", x, np.uint16),
         ("w", w, np.uint16),
         ("out", out, np.float32),
     ):
-        if label == "out" and out_bf16 and a.dtype == np.uint16:
-            dtype = np.uint16
         if a.dtype != dtype:
             what = "bf16 bits as uint16" if dtype == np.uint16 else "float32"
-            if label == "out" and out_bf16:
-                what = "float32 or bf16 bits as uint16"
             raise TypeError(f"{name}: {label} must hold {what}, got {a.dtype}")
         if a.ndim != 2 or not is_c_contiguous(a):
             raise ValueError(
@@ -1392,7 +1386,7 @@ class CublasGemm:
             K,
             (self.beta_add if accumulate else self.beta).ctypes.data,
             device_pointer(out),
-            self.bf16 if out.dtype == np.uint16 else self.f32,
+            self.f32,
             N,
             self.compute,
             self.algo,
@@ -1431,9 +1425,9 @@ def cublas_unavailable_reason() -> str | None:
 
 def gemm_cublas(x, w, out, stream=0, workspace=None, accumulate: bool = False):
     """out (M, N) = x (M, K) · wᵀ (accumulate: out +=) by cuBLAS gemmEx (bf16 in, f32
-    accumulate; out float32, or bf16 bits rounded from the float32 sums), on `stream`.
+    accumulate and out), on `stream`.
     """
-    M, N, K = check_linear_args("gemm_cublas", x, w, out, out_bf16=True)
+    M, N, K = check_linear_args("gemm_cublas", x, w, out)
     if not all(is_device_array(a) for a in (x, w, out)):
         raise TypeError("gemm_cublas: x, w and out must be device arrays")
     gemm = get_cublas()
@@ -1478,8 +1472,6 @@ else:
 
 # %%
 #| export layers.linear
-import numpy as np
-
 from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
 from tinyvllm_lib.kernels.cublas import cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked
@@ -1521,16 +1513,13 @@ def linear(x, w, out, *, stream=0, workspace=None, accumulate: bool = False):
     if hasattr(w, "apply"):  # chapter 15: an 8-bit weight makes its own product
         return w.apply(x, out, stream=stream, workspace=workspace,
                        accumulate=accumulate)
-    check_linear_args("linear", x, w, out, out_bf16=True)
+    check_linear_args("linear", x, w, out)
     if not all(is_device_array(a) for a in (x, w, out)):
         raise TypeError(
             "linear: x, w and out must be device arrays (linear allocates and copies "
             "nothing)"
         )
     path = linear_path(x, w)
-    if out.dtype == np.uint16 and path != "cublas":
-        raise TypeError(f"linear: bf16 out is cuBLAS's alone; the {path} path writes "
-                        "float32")
     if path == "gemv":
         return gemv(x, w, out, stream=stream, accumulate=accumulate)
     if path == "cublas":

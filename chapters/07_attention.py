@@ -1301,7 +1301,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from tinyvllm_lib.kernels.activation_store import load_activation, store_activation
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
@@ -1330,8 +1330,7 @@ def silu_mul_kernel(gate_up, out):
     for j in range(SILU_COLUMNS):  # every load first
         c = first + j * step
         if c < width:
-            gate[j] = load_activation(gate_up, t, c)
-            up[j] = load_activation(gate_up, t, width + c)
+            gate[j], up[j] = gate_up[t, c], gate_up[t, width + c]
     for j in range(SILU_COLUMNS):
         c = first + j * step
         if c < width:
@@ -1341,21 +1340,20 @@ def silu_mul_kernel(gate_up, out):
 
 PTX_SIGNATURES = {
     "silu_mul_kernel": [
-        f"void({a}[:, ::1], {b}[:, ::1])"
-        for a in ("float32", "uint16")
-        for b in ("float32", "uint16")
+        "void(float32[:, ::1], float32[:, ::1])",
+        "void(float32[:, ::1], uint16[:, ::1])",
     ]
 }
 
 
 def silu_mul(gate_up, out, stream=0, threads_per_block: int = 256):
-    """out (T, I) = SiLU(gate) * up for gate_up = [gate | up], float32 or bf16 bits
-    (T, 2 I); out float32 or bf16 bits (uint16).
+    """out (T, I) = SiLU(gate) * up for gate_up = [gate | up], float32 (T, 2 I); out
+    float32 or bf16 bits (uint16).
     """
-    if gate_up.dtype not in (np.float32, np.uint16):
+    if gate_up.dtype != np.float32:
         raise TypeError(
-            "silu_mul: gate_up must be float32 or uint16 (bf16 bits: a linear layer's "
-            f"output), got {gate_up.dtype}"
+            "silu_mul: gate_up must be float32 (a linear layer's output), got "
+            f"{gate_up.dtype}"
         )
     if out.dtype not in (np.float32, np.uint16):
         raise TypeError(
@@ -2089,10 +2087,7 @@ to {{ch07_look_word}}: the head has found what the question is about.
 #   weight itself. Elsewhere chapter 4's `rmsnorm` writes bf16 normed rows and the
 #   projection reads them;
 # - the attention kernel and `silu_mul` write **bf16** straight away, the inputs of
-#   `o_proj` and `down_proj`; and where cuBLAS makes gate-up's product (two tokens and
-#   more) it writes bf16 too, into the first half of the float32 `gate_up` buffer's
-#   bytes (`as_bf16_rows`), which `silu_mul` reads: half the bytes of the widest
-#   product written and read back, and the rounding a bf16 model's own MLP makes.
+#   `o_proj` and `down_proj`.
 #
 # (The gated GEMV above is not among them: chapter 11 times it against the two kernels
 # it would replace, and at Llama 3.2 1B's shape it is the slower of the two; chapter 11
@@ -2107,10 +2102,6 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # `compute_logits`.
 
 # %%
-# chapter 6's choice of path, which the function below asks too
-from tinyvllm_lib.layers.linear import linear_path  # noqa: I001
-
-# %%
 #| export layers.linear
 from tinyvllm_lib.kernels.activation import silu_mul
 
@@ -2119,29 +2110,15 @@ def rmsnorm_linear_silu_mul(residual, norm_weight, eps, w, act, gate_up, normed,
                             stream=0, workspace=None):
     """act (num_tokens, I) bf16 bits = SiLU(gate) * up for [gate | up] =
     RMSNorm(residual) · wᵀ: rmsnorm_linear into gate_up (float32, (num_tokens, 2 I)),
-    then silu_mul. Where cuBLAS makes the product it writes bf16 into the first half
-    of gate_up's bytes, and silu_mul reads that: half the bytes written and read
-    back, the rounding a bf16 model's own MLP does. A weight that makes act itself
-    (chapter 15's 8-bit one) is asked to, and may leave gate_up and normed alone.
+    then silu_mul. A weight that makes act itself (chapter 15's 8-bit one) is asked
+    to, and may leave gate_up and normed alone.
     """
     if hasattr(w, "apply_rmsnorm_silu_mul"):
         return w.apply_rmsnorm_silu_mul(residual, norm_weight, eps, act, gate_up,
                                         normed, stream=stream, workspace=workspace)
-    if linear_path(normed, w) == "cublas":
-        gate_up = as_bf16_rows(gate_up)
     rmsnorm_linear(residual, norm_weight, eps, w, gate_up, normed, stream=stream,
                    workspace=workspace)
     return silu_mul(gate_up, act, stream=stream)
-
-
-def as_bf16_rows(a):
-    """A C-contiguous float32 device array (T, N) reused as bf16 bits (T, N): the first
-    half of its bytes.
-    """
-    rows, width = a.shape
-    return a.view(np.uint16).reshape(rows * 2 * width)[: rows * width].reshape(
-        rows, width
-    )
 
 
 # %%

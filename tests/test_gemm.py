@@ -24,13 +24,11 @@ from tinyvllm_lib.layers import linear as linear_module
 from tinyvllm_lib.layers.linear import (
     LINEAR_GEMV_MAX_TOKENS,
     NORM_IN_GEMV_MAX_ROWS,
-    as_bf16_rows,
     gemv_wins_up_to,
     linear,
     linear_path,
     norm_in_gemv,
     rmsnorm_linear,
-    rmsnorm_linear_silu_mul,
 )
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.measure import max_rel_error as rel_error
@@ -354,59 +352,6 @@ def test_bad_input_is_rejected_before_launch():
         gemv(np.zeros(17, np.uint16)[1:].reshape(2, 8), w, out)  # rows start off an 8-byte boundary
     with pytest.raises(ValueError, match="variant"):
         gemv(x, w, out, variant="fast")
-
-
-def test_as_bf16_rows_reuses_the_first_half_of_the_bytes():
-    a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    b = as_bf16_rows(a)
-    assert b.shape == (3, 4) and b.dtype == np.uint16 and np.shares_memory(a, b)
-    assert b.ctypes.data == a.ctypes.data and b.flags.c_contiguous
-    b[:] = 1  # the first 12 bf16 slots are the first 6 float32 values' bytes
-    assert np.all(a.reshape(-1)[:6].view(np.uint16) == 1) and np.array_equal(a.reshape(-1)[6:], np.arange(6, 12))
-
-
-@needs_launch
-def test_linear_writes_bf16_only_through_cublas(rng):
-    x, w = cuda.to_device(random_bf16(rng, (3, 8))), cuda.to_device(random_bf16(rng, (5, 8)))
-    out = cuda.to_device(np.zeros((3, 5), np.uint16))
-    if linear_path(x, w) != "cublas":
-        with pytest.raises(TypeError, match="cuBLAS"):
-            linear(x, w, out)
-    else:
-        linear(x, w, out)
-        assert out.copy_to_host().any()
-
-
-@pytest.mark.gpu
-@needs_cublas
-@pytest.mark.parametrize("M, N, K", [(37, 16384, 2048), (513, 129, 1000)])
-def test_cublas_bf16_out(rng, M, N, K):
-    """cuBLAS writing bf16: the float32 product rounded once, within half a bf16 unit of it (relative to the
-    largest entry, with float32 accumulation's own error on top)."""
-    x, w = random_bf16(rng, (M, K)), random_bf16(rng, (N, K), scale=0.05)
-    out = cuda.to_device(np.full((M, N), 0x7FC0, np.uint16))  # NaN bits
-    gemm_cublas(cuda.to_device(x), cuda.to_device(w), out)
-    assert rel_error(bf16_bits_to_f32(out.copy_to_host()), reference(x, w)) <= 2**-8 + TOL
-
-
-@pytest.mark.gpu
-@needs_cublas
-def test_rmsnorm_linear_silu_mul_through_cublas_rounds_gate_up_to_bf16(rng):
-    """Five rows (cuBLAS's path): gate and up are written as bf16 into gate_up's bytes, then SiLU·up; the result is
-    the reference of the bf16-rounded products, and the float32 products' within a bf16 rounding or two."""
-    M, K, inter = 5, 2048, 8192
-    residual = rng.standard_normal((M, K), dtype=np.float32)
-    norm_weight, w = random_bf16(rng, K), random_bf16(rng, (2 * inter, K), scale=0.05)
-    act = cuda.to_device(np.zeros((M, inter), np.uint16))
-    gate_up = cuda.to_device(np.full((M, 2 * inter), np.nan, np.float32))
-    normed = cuda.to_device(np.zeros((M, K), np.uint16))
-    rmsnorm_linear_silu_mul(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, cuda.to_device(w), act,
-                            gate_up, normed)
-    product = bf16_bits_to_f32(normed.copy_to_host()).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
-    got = bf16_bits_to_f32(act.copy_to_host())
-    rounded = silu_mul_ref(bf16_bits_to_f32(f32_to_bf16_bits(product.astype(np.float32))))
-    assert rel_error(got, rounded) <= 2**-7
-    assert rel_error(got, silu_mul_ref(product.astype(np.float32))) <= 2**-6
 
 
 @pytest.mark.skipif(not is_simulator(), reason="simulator only")

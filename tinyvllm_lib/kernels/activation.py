@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from tinyvllm_lib.kernels.activation_store import load_activation, store_activation
+from tinyvllm_lib.kernels.activation_store import store_activation
 from tinyvllm_lib.kernels.checks import is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 
@@ -36,8 +36,7 @@ def silu_mul_kernel(gate_up, out):
     for j in range(SILU_COLUMNS):  # every load first
         c = first + j * step
         if c < width:
-            gate[j] = load_activation(gate_up, t, c)
-            up[j] = load_activation(gate_up, t, width + c)
+            gate[j], up[j] = gate_up[t, c], gate_up[t, width + c]
     for j in range(SILU_COLUMNS):
         c = first + j * step
         if c < width:
@@ -47,21 +46,20 @@ def silu_mul_kernel(gate_up, out):
 
 PTX_SIGNATURES = {
     "silu_mul_kernel": [
-        f"void({a}[:, ::1], {b}[:, ::1])"
-        for a in ("float32", "uint16")
-        for b in ("float32", "uint16")
+        "void(float32[:, ::1], float32[:, ::1])",
+        "void(float32[:, ::1], uint16[:, ::1])",
     ]
 }
 
 
 def silu_mul(gate_up, out, stream=0, threads_per_block: int = 256):
-    """out (T, I) = SiLU(gate) * up for gate_up = [gate | up], float32 or bf16 bits
-    (T, 2 I); out float32 or bf16 bits (uint16).
+    """out (T, I) = SiLU(gate) * up for gate_up = [gate | up], float32 (T, 2 I); out
+    float32 or bf16 bits (uint16).
     """
-    if gate_up.dtype not in (np.float32, np.uint16):
+    if gate_up.dtype != np.float32:
         raise TypeError(
-            "silu_mul: gate_up must be float32 or uint16 (bf16 bits: a linear layer's "
-            f"output), got {gate_up.dtype}"
+            "silu_mul: gate_up must be float32 (a linear layer's output), got "
+            f"{gate_up.dtype}"
         )
     if out.dtype not in (np.float32, np.uint16):
         raise TypeError(

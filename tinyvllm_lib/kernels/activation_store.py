@@ -5,7 +5,7 @@
 import numpy as np
 from numba import config, cuda
 
-from tinyvllm_lib.kernels.bf16 import bf16_to_f32, f32_to_bf16
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16
 
 if config.ENABLE_CUDASIM:
 
@@ -15,13 +15,6 @@ if config.ENABLE_CUDASIM:
         uint16.
         """
         out[row, col] = f32_to_bf16(value) if out.dtype == np.uint16 else value
-
-    @cuda.jit(device=True)
-    def load_activation(a, row, col):
-        """Simulator: a[row, col] as float32, widened from bf16 bits when a holds
-        uint16.
-        """
-        return bf16_to_f32(a[row, col]) if a.dtype == np.uint16 else a[row, col]
 
 else:
     from numba import types
@@ -47,27 +40,6 @@ else:
                 out[row, col] = value
 
             return store_f32
-
-    def load_activation(a, row, col):
-        """a[row, col] as float32: a float32 value, or widened from bf16 bits (uint16
-        a); compiled per a's type.
-        """
-        raise NotImplementedError("load_activation is called from kernels only")
-
-    @overload(load_activation, target="cuda")
-    def _load_activation(a, row, col):
-        if a.dtype == types.uint16:
-
-            def load_bf16(a, row, col):
-                return bf16_to_f32(a[row, col])
-
-            return load_bf16
-        if a.dtype == types.float32:
-
-            def load_f32(a, row, col):
-                return a[row, col]
-
-            return load_f32
 
 
 # defined in chapters/04_rmsnorm.py

@@ -80,7 +80,7 @@ class CublasGemm:
             K,
             (self.beta_add if accumulate else self.beta).ctypes.data,
             device_pointer(out),
-            self.bf16 if out.dtype == np.uint16 else self.f32,
+            self.f32,
             N,
             self.compute,
             self.algo,
@@ -119,9 +119,9 @@ def cublas_unavailable_reason() -> str | None:
 
 def gemm_cublas(x, w, out, stream=0, workspace=None, accumulate: bool = False):
     """out (M, N) = x (M, K) · wᵀ (accumulate: out +=) by cuBLAS gemmEx (bf16 in, f32
-    accumulate; out float32, or bf16 bits rounded from the float32 sums), on `stream`.
+    accumulate and out), on `stream`.
     """
-    M, N, K = check_linear_args("gemm_cublas", x, w, out, out_bf16=True)
+    M, N, K = check_linear_args("gemm_cublas", x, w, out)
     if not all(is_device_array(a) for a in (x, w, out)):
         raise TypeError("gemm_cublas: x, w and out must be device arrays")
     gemm = get_cublas()

@@ -22,23 +22,17 @@ from tinyvllm_lib.kernels.bf16 import bf16_to_f32
 from tinyvllm_lib.kernels.checks import is_c_contiguous
 
 
-def check_linear_args(
-    name: str, x, w, out, out_bf16: bool = False
-) -> tuple[int, int, int]:
+def check_linear_args(name: str, x, w, out) -> tuple[int, int, int]:
     """Check y = x · Wᵀ operands: x (M, K) bf16 bits, w (N, K) bf16 bits, out (M, N)
-    float32 (or, out_bf16: bf16 bits too); return M, N, K.
+    float32; return M, N, K.
     """
     for label, a, dtype in (
         ("x", x, np.uint16),
         ("w", w, np.uint16),
         ("out", out, np.float32),
     ):
-        if label == "out" and out_bf16 and a.dtype == np.uint16:
-            dtype = np.uint16
         if a.dtype != dtype:
             what = "bf16 bits as uint16" if dtype == np.uint16 else "float32"
-            if label == "out" and out_bf16:
-                what = "float32 or bf16 bits as uint16"
             raise TypeError(f"{name}: {label} must hold {what}, got {a.dtype}")
         if a.ndim != 2 or not is_c_contiguous(a):
             raise ValueError(

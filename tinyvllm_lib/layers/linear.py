@@ -2,8 +2,6 @@
 # not edit: edit the chapter and re-export.
 
 # defined in chapters/06_gemm.py
-import numpy as np
-
 from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
 from tinyvllm_lib.kernels.cublas import cublas_available, gemm_cublas
 from tinyvllm_lib.kernels.gemm import check_linear_args, gemm_blocked
@@ -45,16 +43,13 @@ def linear(x, w, out, *, stream=0, workspace=None, accumulate: bool = False):
     if hasattr(w, "apply"):  # chapter 15: an 8-bit weight makes its own product
         return w.apply(x, out, stream=stream, workspace=workspace,
                        accumulate=accumulate)
-    check_linear_args("linear", x, w, out, out_bf16=True)
+    check_linear_args("linear", x, w, out)
     if not all(is_device_array(a) for a in (x, w, out)):
         raise TypeError(
             "linear: x, w and out must be device arrays (linear allocates and copies "
             "nothing)"
         )
     path = linear_path(x, w)
-    if out.dtype == np.uint16 and path != "cublas":
-        raise TypeError(f"linear: bf16 out is cuBLAS's alone; the {path} path writes "
-                        "float32")
     if path == "gemv":
         return gemv(x, w, out, stream=stream, accumulate=accumulate)
     if path == "cublas":
@@ -120,26 +115,12 @@ def rmsnorm_linear_silu_mul(residual, norm_weight, eps, w, act, gate_up, normed,
                             stream=0, workspace=None):
     """act (num_tokens, I) bf16 bits = SiLU(gate) * up for [gate | up] =
     RMSNorm(residual) · wᵀ: rmsnorm_linear into gate_up (float32, (num_tokens, 2 I)),
-    then silu_mul. Where cuBLAS makes the product it writes bf16 into the first half
-    of gate_up's bytes, and silu_mul reads that: half the bytes written and read
-    back, the rounding a bf16 model's own MLP does. A weight that makes act itself
-    (chapter 15's 8-bit one) is asked to, and may leave gate_up and normed alone.
+    then silu_mul. A weight that makes act itself (chapter 15's 8-bit one) is asked
+    to, and may leave gate_up and normed alone.
     """
     if hasattr(w, "apply_rmsnorm_silu_mul"):
         return w.apply_rmsnorm_silu_mul(residual, norm_weight, eps, act, gate_up,
                                         normed, stream=stream, workspace=workspace)
-    if linear_path(normed, w) == "cublas":
-        gate_up = as_bf16_rows(gate_up)
     rmsnorm_linear(residual, norm_weight, eps, w, gate_up, normed, stream=stream,
                    workspace=workspace)
     return silu_mul(gate_up, act, stream=stream)
-
-
-def as_bf16_rows(a):
-    """A C-contiguous float32 device array (T, N) reused as bf16 bits (T, N): the first
-    half of its bytes.
-    """
-    rows, width = a.shape
-    return a.view(np.uint16).reshape(rows * 2 * width)[: rows * width].reshape(
-        rows, width
-    )
