@@ -23,14 +23,25 @@ from numba import config, cuda
 
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.sampler_cuda import SETTING_DTYPES
-from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
+from tinyvllm_lib.kernels.activation import GEMV_GATED_KERNELS, gemv_silu_mul, silu_mul
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.embedding import embed
-from tinyvllm_lib.kernels.gemv import gemv_rmsnorm
+from tinyvllm_lib.kernels.gemv import (
+    GEMV_BUCKETS,
+    GEMV_THREADS,
+    gemv_rmsnorm,
+    make_gemv_kernel,
+)
 from tinyvllm_lib.kernels.kv_cache_write import rope_and_write_kv_cache, write_kv_cache
 from tinyvllm_lib.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from tinyvllm_lib.kernels.rope import rope_qkv
-from tinyvllm_lib.layers.linear import linear, linear_path, norm_in_gemv, rmsnorm_linear
+from tinyvllm_lib.layers.linear import (
+    GATED_GEMV_MAX_TOKENS,
+    linear,
+    linear_path,
+    norm_in_gemv,
+    rmsnorm_linear,
+)
 from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
@@ -68,7 +79,9 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws, accumulate=add))
     # the projections after a norm: the norm inside the GEMV (where rmsnorm_linear puts it), or a norm kernel
     # (its own entry) then the projection
-    fused = {name: norm_in_gemv(x["normed"], w[f"layers.0.{name}"]) for name in ("qkv_proj", "gate_up_proj")}
+    gated = rows <= GATED_GEMV_MAX_TOKENS and linear_path(x["normed"], w["layers.0.gate_up_proj"]) == "gemv"
+    fused = {name: norm_in_gemv(x["normed"], w[f"layers.0.{name}"]) and not (gated and name == "gate_up_proj")
+             for name in ("qkv_proj", "gate_up_proj")}
     norm_lin = lambda norm, wname, out: (  # noqa: E731
         (lambda i, s: rmsnorm_linear(x["residual"], w[f"layers.{i % L}.{norm}"], 1e-5, w[f"layers.{i % L}.{wname}"],
                                      x[out], x["normed"], stream=s, workspace=ws))
@@ -91,9 +104,15 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
             workspace=runner.workspace, max_context_len=runner.max_model_len), kv_bytes + act_bytes((H * D, 4), (H * D, 2))),
         # the residual add in the projection: out read and written
         ("o_proj", L, lin("attn", "o_proj", "residual", add=True), H * D * hid * 2 + act_bytes((H * D, 2), (hid, 8))),
-        ("gate_up_proj", L, norm_lin("post_attention_layernorm", "gate_up_proj", "gate_up"),
-         2 * inter * hid * 2 + norm_in["gate_up_proj"] + act_bytes((2 * inter, 4))),
-        ("silu_mul", L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s), act_bytes((2 * inter, 4), (inter, 2))),
+        # at one row (GATED_GEMV_MAX_TOKENS) the model's gate-up is the gated GEMV, SiLU·up inside, after its
+        # norm; silu_mul is then not launched (timed all the same, 0 a step)
+        ("gate_up_proj", L, (lambda i, s: gemv_silu_mul(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"],
+                                                         stream=s)) if gated
+         else norm_lin("post_attention_layernorm", "gate_up_proj", "gate_up"),
+         2 * inter * hid * 2 + (act_bytes((hid, 2), (inter, 2)) if gated
+                                else norm_in["gate_up_proj"] + act_bytes((2 * inter, 4)))),
+        ("silu_mul", 0 if gated else L, lambda i, s: silu_mul(x["gate_up"], x["act"], stream=s),
+         act_bytes((2 * inter, 4), (inter, 2))),
         ("down_proj", L, lin("act", "down_proj", "residual", add=True), inter * hid * 2 + act_bytes((inter, 2), (hid, 8))),
         ("lm_head", 1, lambda i, s: linear(x["normed"], w["lm_head"], logits, stream=s, workspace=ws),
          vocab * hid * 2 + act_bytes((hid, 2), (vocab, 4))),
@@ -105,7 +124,7 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
 def fusions(runner, rows: int, context: int, rng) -> list:
     """[(fusion, separate(i, stream), fused(i, stream))]: fused kernels against the kernels they replace, on the
     same buffers (filled by decode_kernels): RoPE with the KV write (the model's); at one row the gated GEMV
-    (chapter 7's, which the model does not use), the residual add inside the output and down projections (the
+    (chapter 7's, the model's at one token), the residual add inside the output and down projections (the
     model's: they write what chapter 4's add + norm kernel added, leaving a plain norm), and the norm inside QKV's
     and gate-up's GEMVs (the model's for QKV; for gate-up, which runs a warp a row, also with blocks sharing each
     row)."""
@@ -161,6 +180,36 @@ def fusions(runner, rows: int, context: int, rng) -> list:
     return out
 
 
+def gated_sweep(runner, rows: int, rec: Recorder) -> None:
+    """The gated GEMV's one knob, the steps of its (gate, up) pair of rows each warp keeps in flight, at `rows`
+    tokens: each setting against gate-up's GEMV + silu_mul, on the buffers decode_kernels filled (records
+    "gated_sweep"; chapter 7 keeps the fastest at one token)."""
+    w, L = runner.model.weights, runner.config.num_hidden_layers
+    x = {name: buf[:rows] for name, buf in runner.activations.items()}
+    repeats = 1 if config.ENABLE_CUDASIM else 10
+
+    def separate(i, s):
+        linear(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["gate_up"], stream=s,
+               workspace=runner.cublas_workspace)
+        silu_mul(x["gate_up"], x["act"], stream=s)
+
+    t_sep = time_launches(separate, 16, repeats=repeats) * 1e6
+    bucket = next(b for b in GEMV_BUCKETS if b >= rows)
+    for unroll in (1, 2, 4, 8):
+        kernel = make_gemv_kernel(bucket, 1, 2, unroll, gated=True)
+        blocks = -(-runner.config.intermediate_size // kernel.rows_per_block)
+
+        def gated(i, s, kernel=kernel, blocks=blocks):
+            kernel[blocks, GEMV_THREADS, s](x["normed"].view(np.uint64),
+                                            w[f"layers.{i % L}.gate_up_proj"].view(np.uint64), x["act"])
+
+        us = time_launches(gated, 16, repeats=repeats) * 1e6
+        rec.add("gated_sweep", [rows, runner.config.intermediate_size], "us", us, unroll=unroll, separate_us=t_sep,
+                is_model=rows <= GATED_GEMV_MAX_TOKENS and unroll == GEMV_GATED_KERNELS[bucket].unroll)
+        print(f"{rows:>3} rows  gated GEMV, {unroll} step(s) in flight: {us:.2f} us (gate-up + silu_mul "
+              f"{t_sep:.2f} us)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
@@ -193,6 +242,9 @@ def main() -> None:
                   f"{gb_s:7.0f} GB/s ({gb_s / ceiling:5.1%} of the ceiling)", flush=True)
         rec.add("decode_kernels_sum", [rows, args.context], "us", total, ceiling_gb_s=ceiling)
         print(f"{rows:>3} rows: {total:.0f} us per step, summed over kernels", flush=True)
+        if rows in (1, 2, 4) and linear_path(runner.activations["normed"][:rows],
+                                             runner.model.weights["layers.0.gate_up_proj"]) == "gemv":
+            gated_sweep(runner, rows, rec)
         for name, separate, fused in fusions(runner, rows, args.context, rng):
             repeats = 1 if config.ENABLE_CUDASIM else 10
             t_sep, t_fused = (time_launches(f, 16, repeats=repeats) * 1e6 for f in (separate, fused))

@@ -995,6 +995,7 @@ def make_gemv_kernel(
             gemv_body(x64, w64, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
+    kernel.unroll = unroll  # steps of k in flight (chapter 11 sweeps the gated kernel)
     kernel.reads_before_wait = True  # w's first step (tests/test_ptx.py)
     return kernel
 

@@ -1410,8 +1410,12 @@ if can_launch():
 # $\operatorname{SiLU}(g_n) \cdot u_n$ in bf16 instead of the two products. The weights
 # are read as before; what goes is the float32 row (8 bytes an element written and read
 # back) and one launch per layer. Whether that pays is a measurement: chapter 11 times
-# it against the GEMV and `silu_mul` it would replace, and the model keeps the two
-# kernels.
+# it against the GEMV and `silu_mul` it would replace. With four steps of each row in
+# flight a warp (as the plain GEMV keeps eight of its one row) it lost; chapter 11's
+# sweep of that one knob (`bench/ch11_kernels.py`, on an H200) found one step in flight
+# the fastest at one token, and faster than the two kernels, while at two and four
+# tokens every setting lost to them. So one token's gated kernel keeps one step in
+# flight, and the model uses it at one token only.
 
 # %%
 #| export kernels.activation
@@ -1423,12 +1427,13 @@ from tinyvllm_lib.kernels.gemv import (
     make_gemv_kernel,
 )
 
-# tokens -> a gated kernel: a warp per (gate, up) pair, four steps in flight
+# tokens -> a gated kernel: a warp per (gate, up) pair, one step in flight at one
+# token (chapter 11's sweep), four at more
 GEMV_GATED_KERNELS = {}
 for _tokens in GEMV_BUCKETS:
     _name = f"gemv_gated_t{_tokens}_kernel"
     GEMV_GATED_KERNELS[_tokens] = globals()[_name] = make_gemv_kernel(
-        _tokens, 1, 2, 4, gated=True
+        _tokens, 1, 2, 1 if _tokens == 1 else 4, gated=True
     )
     PTX_SIGNATURES[_name] = [
         f"void(uint64[:, ::1], uint64[:, ::1], {out}[:, ::1])"
@@ -2087,35 +2092,49 @@ to {{ch07_look_word}}: the head has found what the question is about.
 #   weight itself. Elsewhere chapter 4's `rmsnorm` writes bf16 normed rows and the
 #   projection reads them;
 # - the attention kernel and `silu_mul` write **bf16** straight away, the inputs of
-#   `o_proj` and `down_proj`.
+#   `o_proj` and `down_proj`; at one token on the GEMV's path the gated GEMV above
+#   writes SiLU·up itself, where gate and up are made (`GATED_GEMV_MAX_TOKENS`:
+#   chapter 11's sweep), after chapter 4's norm.
 #
-# (The gated GEMV above is not among them: chapter 11 times it against the two kernels
-# it would replace, and at Llama 3.2 1B's shape it is the slower of the two; chapter 11
-# times the norm inside the gate-up GEMV too. The loop still asks for the MLP's first
-# half in one call, `rmsnorm_linear_silu_mul`, so that a weight with a faster way can
-# take it: chapter 15's 8-bit one can do all three in one kernel.)
+# (Chapter 11 times each fusion against the kernels it replaces, the norm inside the
+# gate-up GEMV too. The loop asks for the MLP's first half in one call,
+# `rmsnorm_linear_silu_mul`, so that a weight with a faster way can take it: chapter
+# 15's 8-bit one can do all three in one kernel.)
 #
 # Per layer that is seven to nine launches: norm (where it is not inside the QKV
 # projection), QKV projection, RoPE, attention, o projection (+ add), norm (likewise),
-# gate/up projection, SiLU·up, down projection (+ add) — eight at one token on the
-# H200 — and around them the embedding and the final norm; the head is
-# `compute_logits`.
+# gate/up projection, SiLU·up (inside the gated GEMV at one token), down projection
+# (+ add) — seven at one token on the H200 — and around them the embedding and the
+# final norm; the head is `compute_logits`.
+
+# %%
+# chapter 6's choice of path, which the function below asks too
+from tinyvllm_lib.layers.linear import linear_path  # noqa: I001
 
 # %%
 #| export layers.linear
-from tinyvllm_lib.kernels.activation import silu_mul
+from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
+
+# Up to how many tokens the MLP's first half is the gated GEMV (SiLU·up made where gate
+# and up are), where the GEMV runs: one, from chapter 11's sweep on an H200
+GATED_GEMV_MAX_TOKENS = 1
 
 
 def rmsnorm_linear_silu_mul(residual, norm_weight, eps, w, act, gate_up, normed, *,
                             stream=0, workspace=None):
     """act (num_tokens, I) bf16 bits = SiLU(gate) * up for [gate | up] =
-    RMSNorm(residual) · wᵀ: rmsnorm_linear into gate_up (float32, (num_tokens, 2 I)),
-    then silu_mul. A weight that makes act itself (chapter 15's 8-bit one) is asked
-    to, and may leave gate_up and normed alone.
+    RMSNorm(residual) · wᵀ. Up to GATED_GEMV_MAX_TOKENS tokens on the GEMV's path:
+    chapter 4's norm into normed, then the gated GEMV into act (gate_up untouched);
+    else rmsnorm_linear into gate_up (float32, (num_tokens, 2 I)), then silu_mul. A
+    weight that makes act itself (chapter 15's 8-bit one) is asked to, and may leave
+    gate_up and normed alone.
     """
     if hasattr(w, "apply_rmsnorm_silu_mul"):
         return w.apply_rmsnorm_silu_mul(residual, norm_weight, eps, act, gate_up,
                                         normed, stream=stream, workspace=workspace)
+    if normed.shape[0] <= GATED_GEMV_MAX_TOKENS and linear_path(normed, w) == "gemv":
+        rmsnorm(residual, norm_weight, eps, normed, stream=stream)
+        return gemv_silu_mul(normed, w, act, stream=stream)
     rmsnorm_linear(residual, norm_weight, eps, w, gate_up, normed, stream=stream,
                    workspace=workspace)
     return silu_mul(gate_up, act, stream=stream)

@@ -99,12 +99,13 @@ from tinyvllm_lib.kernels.gemv import (
     make_gemv_kernel,
 )
 
-# tokens -> a gated kernel: a warp per (gate, up) pair, four steps in flight
+# tokens -> a gated kernel: a warp per (gate, up) pair, one step in flight at one
+# token (chapter 11's sweep), four at more
 GEMV_GATED_KERNELS = {}
 for _tokens in GEMV_BUCKETS:
     _name = f"gemv_gated_t{_tokens}_kernel"
     GEMV_GATED_KERNELS[_tokens] = globals()[_name] = make_gemv_kernel(
-        _tokens, 1, 2, 4, gated=True
+        _tokens, 1, 2, 1 if _tokens == 1 else 4, gated=True
     )
     PTX_SIGNATURES[_name] = [
         f"void(uint64[:, ::1], uint64[:, ::1], {out}[:, ::1])"
