@@ -249,8 +249,9 @@ def main() -> None:
             repeats = 1 if config.ENABLE_CUDASIM else 10
             t_sep, t_fused = (time_launches(f, 16, repeats=repeats) * 1e6 for f in (separate, fused))
             saved = (t_sep - t_fused) * runner.config.num_hidden_layers  # one launch a layer
+            extra = {"unroll": GEMV_GATED_KERNELS[1].unroll} if name == "gate_up_silu" else {}
             rec.add("fusion", [rows, args.context], "us", t_fused, kernel=name, separate_us=t_sep,
-                    saved_per_step_us=saved)
+                    saved_per_step_us=saved, **extra)
             print(f"{rows:>3} rows  fusion {name}: {t_sep:.2f} us separate, {t_fused:.2f} us fused "
                   f"({saved:.0f} us a step)", flush=True)
     if not config.ENABLE_CUDASIM:

@@ -2046,6 +2046,8 @@ if fused and 1 in before and 1 in after and ("gate_up_silu", 1) in fused:
     prose.glue("ch11_gs_verdict", verdict(gs["separate_us"], gs["value"]))
     prose.glue("ch11_gs_saved", f"{gs['saved_per_step_us']:.0f} µs")
     gs_paid = prose.values["ch11_gs_verdict"].startswith("faster")
+    # records made before the gated kernel kept one step in flight have no "unroll"
+    gs_current = gs.get("unroll") == 1
     sweep = {(r["shape"][0], r["unroll"]): r for r in load_records("ch11_kernels")
              if r["name"] == "gated_sweep"}
     swept = all((n, u) in sweep for n in (1, 2, 4) for u in (1, 4))
@@ -2059,7 +2061,7 @@ if fused and 1 in before and 1 in after and ("gate_up_silu", 1) in fused:
         for u in (1, 4):
             prose.glue(f"ch11_gated_u{u}", f"{sweep[(1, u)]['value']:.1f} µs")
     # the model uses the gated GEMV at one token: the records must not say it lost
-    assert not prose.values["ch11_gs_verdict"].startswith("slower")
+    assert not (gs_current and prose.values["ch11_gs_verdict"].startswith("slower"))
     epilogues = (
         "add_in_o_proj",
         "add_in_down_proj",
@@ -2101,10 +2103,18 @@ and four rows the best setting ({{ch11_gated_best_2_unroll}} and
 {{ch11_gated_best_4_unroll}} steps) took {{ch11_gated_best_2}} and
 {{ch11_gated_best_4}} against {{ch11_gated_sep_2}} and {{ch11_gated_sep_4}} for the two
 kernels, so it stops at one row.""" if swept else "") + """
-""" if gs_paid else """The gated GEMV, each warp keeping one step of its (gate, up) pair
-of rows in flight (chapter 7's sweep of that knob), takes {{ch11_gs_fused}} against
-{{ch11_gs_sep}} for the GEMV and the {{ch11_silu_1}} SiLU kernel, {{ch11_gs_verdict}};
-the model uses it at one token, where that sweep had it the faster by a microsecond.
+""" if gs_paid and gs_current else """The gated GEMV, each warp keeping one step of its
+(gate, up) pair of rows in flight (chapter 7's sweep of that knob), takes
+{{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and the {{ch11_silu_1}} SiLU
+kernel, {{ch11_gs_verdict}}; the model uses it at one token, where that sweep had it
+the faster.
+""" if gs_current else """The gated GEMV was last timed on this GPU as it was before,
+each warp keeping four steps of its (gate, up) pair of rows in flight:
+{{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and the {{ch11_silu_1}} SiLU
+kernel, {{ch11_gs_verdict}}. Chapter 7's kernel now keeps one step in flight, which
+the sweep in `bench/ch11_kernels.py` found faster than the two kernels on an H100 (its
+records are in `book/data/h100/`), and the model uses it at one token; neither the
+sweep nor the new kernel is recorded on this GPU yet.
 """))
     if epilogues_recorded:
         # the paragraph below says the norm inside gate-up's GEMV lost, both ways
