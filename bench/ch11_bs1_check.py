@@ -24,7 +24,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(prepare_llama_standin(wheel=args.wheel), device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1)
     lat = benchmark.latency(llm, 128, 256, repeats=3)
-    replay = graph_kernel_ms(llm.llm_engine.model_runner, 1, 256)
+    replay = graph_kernel_ms(llm.llm_engine.model_runner, 1, 256, argmax_only=True)
     print(json.dumps({"label": args.label, "decode_tok_s": round(lat["decode_tok_s"], 1),
                       "graph_replay_ms": round(replay, 4)}))
 

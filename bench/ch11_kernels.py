@@ -21,6 +21,7 @@ import tempfile
 import numpy as np
 from numba import config, cuda
 
+from tinyvllm_lib.engine.cuda_graphs import ARGMAX_GRAPH_MAX_ROWS
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.engine.sampler_cuda import SETTING_DTYPES
 from tinyvllm_lib.kernels.activation import GEMV_GATED_KERNELS, gemv_silu_mul, silu_mul
@@ -117,7 +118,11 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         ("down_proj", L, lin("act", "down_proj", "residual", add=True), inter * hid * 2 + act_bytes((inter, 2), (hid, 8))),
         ("lm_head", 1, lambda i, s: linear(x["normed"], w["lm_head"], logits, stream=s, workspace=ws),
          vocab * hid * 2 + act_bytes((hid, 2), (vocab, 4))),
-        ("sample", 1, lambda i, s: runner.sampler.launch(logits, s, rows=r), act_bytes((vocab, 4))),
+        # greedy rows: up to ARGMAX_GRAPH_MAX_ROWS a step replays the argmax_only graph (the argmax alone), past it
+        # the graph of every sampling, penalty and log-prob kernel
+        ("sample", 1, (lambda i, s: runner.sampler.launch(logits, s, rows=r, steps=[0], penalize=False,
+                                                          logprobs=False)) if rows <= ARGMAX_GRAPH_MAX_ROWS
+         else (lambda i, s: runner.sampler.launch(logits, s, rows=r)), act_bytes((vocab, 4))),
     ]
     return kernels
 

@@ -1411,11 +1411,13 @@ if can_launch():
 # are read as before; what goes is the float32 row (8 bytes an element written and read
 # back) and one launch per layer. Whether that pays is a measurement: chapter 11 times
 # it against the GEMV and `silu_mul` it would replace. With four steps of each row in
-# flight a warp (as the plain GEMV keeps eight of its one row) it lost; chapter 11's
-# sweep of that one knob (`bench/ch11_kernels.py`, on an H200) found one step in flight
-# the fastest at one token, and faster than the two kernels, while at two and four
-# tokens every setting lost to them. So one token's gated kernel keeps one step in
-# flight, and the model uses it at one token only.
+# flight a warp it lost; chapter 11's sweep of that one knob (`bench/ch11_kernels.py`)
+# found one step in flight the fastest at one token, and faster than the two kernels.
+# So one token's gated kernel keeps one step in flight, and the model uses it at one
+# token, where the norm is not already inside gate-up's GEMV (chapter 6's
+# `norm_in_gemv`: there the two kernels are the norm-and-GEMV and `silu_mul`, and the
+# gated GEMV would save no launch); at two tokens and more cuBLAS makes the product,
+# and the sweep times the gated GEMV against it too.
 
 # %%
 #| export kernels.activation
@@ -2092,9 +2094,9 @@ to {{ch07_look_word}}: the head has found what the question is about.
 #   weight itself. Elsewhere chapter 4's `rmsnorm` writes bf16 normed rows and the
 #   projection reads them;
 # - the attention kernel and `silu_mul` write **bf16** straight away, the inputs of
-#   `o_proj` and `down_proj`; at one token on the GEMV's path the gated GEMV above
-#   writes SiLU·up itself, where gate and up are made (`GATED_GEMV_MAX_TOKENS`:
-#   chapter 11's sweep), after chapter 4's norm.
+#   `o_proj` and `down_proj`; at one token on the GEMV's path, where the norm is not
+#   inside gate-up's GEMV, the gated GEMV above writes SiLU·up itself, where gate and
+#   up are made (`GATED_GEMV_MAX_TOKENS`: chapter 11's sweep), after chapter 4's norm.
 #
 # (Chapter 11 times each fusion against the kernels it replaces, the norm inside the
 # gate-up GEMV too. The loop asks for the MLP's first half in one call,
@@ -2108,31 +2110,33 @@ to {{ch07_look_word}}: the head has found what the question is about.
 # final norm; the head is `compute_logits`.
 
 # %%
-# chapter 6's choice of path, which the function below asks too
-from tinyvllm_lib.layers.linear import linear_path  # noqa: I001
+# chapter 6's choices of path, which the function below asks too
+from tinyvllm_lib.layers.linear import linear_path, norm_in_gemv  # noqa: I001
 
 # %%
 #| export layers.linear
 from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
 
 # Up to how many tokens the MLP's first half is the gated GEMV (SiLU·up made where gate
-# and up are), where the GEMV runs: one, from chapter 11's sweep on an H200
+# and up are), where the GEMV runs: one, from chapter 11's sweep
 GATED_GEMV_MAX_TOKENS = 1
 
 
 def rmsnorm_linear_silu_mul(residual, norm_weight, eps, w, act, gate_up, normed, *,
                             stream=0, workspace=None):
     """act (num_tokens, I) bf16 bits = SiLU(gate) * up for [gate | up] =
-    RMSNorm(residual) · wᵀ. Up to GATED_GEMV_MAX_TOKENS tokens on the GEMV's path:
-    chapter 4's norm into normed, then the gated GEMV into act (gate_up untouched);
-    else rmsnorm_linear into gate_up (float32, (num_tokens, 2 I)), then silu_mul. A
+    RMSNorm(residual) · wᵀ. Up to GATED_GEMV_MAX_TOKENS tokens on the GEMV's path,
+    where the norm is not inside the GEMV (norm_in_gemv): chapter 4's norm into
+    normed, then the gated GEMV into act (gate_up untouched); else rmsnorm_linear into
+    gate_up (float32, (num_tokens, 2 I)), then silu_mul. A
     weight that makes act itself (chapter 15's 8-bit one) is asked to, and may leave
     gate_up and normed alone.
     """
     if hasattr(w, "apply_rmsnorm_silu_mul"):
         return w.apply_rmsnorm_silu_mul(residual, norm_weight, eps, act, gate_up,
                                         normed, stream=stream, workspace=workspace)
-    if normed.shape[0] <= GATED_GEMV_MAX_TOKENS and linear_path(normed, w) == "gemv":
+    if (normed.shape[0] <= GATED_GEMV_MAX_TOKENS and linear_path(normed, w) == "gemv"
+            and not norm_in_gemv(normed, w)):
         rmsnorm(residual, norm_weight, eps, normed, stream=stream)
         return gemv_silu_mul(normed, w, act, stream=stream)
     rmsnorm_linear(residual, norm_weight, eps, w, gate_up, normed, stream=stream,

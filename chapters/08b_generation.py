@@ -1046,7 +1046,8 @@ assert kept.sum() == 50 and example[kept].min() == np.partition(example, -50)[-5
 # a ticket; the row's last block reads the row's histogram (and sets it back to zero),
 # picks the bin, and writes the row's state — the prefix so far, what is still wanted —
 # for the next launch. Seven launches make a sample, always the same seven, so that a
-# CUDA graph can capture them:
+# CUDA graph can capture them (chapter 11 adds graphs for greedy batches that launch
+# the first alone):
 #
 # | step | every block of the row | the row's last block |
 # | --- | --- | --- |
@@ -1778,7 +1779,8 @@ class CudaSampler:
 
     def steps_for(self, metadata: SamplingMetadata) -> list[int]:
         """The steps some row of metadata needs (where the host knows the settings:
-        a graph launches them all, whatever its rows ask).
+        a graph launches them all whatever its rows ask, but chapter 11's argmax_only
+        graphs, step 0 alone).
         """
         return needed_steps(
             metadata.temperature, metadata.top_k, metadata.top_p, self.vocab_size
@@ -1787,7 +1789,8 @@ class CudaSampler:
     def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS),
                penalize: bool = True, logprobs: bool = True) -> None:
         """The sampling kernels over logits' rows, on `stream` (what a CUDA graph can
-        capture: every step, whatever the rows ask): ids on the GPU. rows: the
+        capture: every step, whatever the rows ask, or step 0 alone for chapter 11's
+        argmax_only graphs): ids on the GPU. rows: the
         settings' device arrays (SETTING_DTYPES). penalize: the penalties first (in
         place) and the sampled ids counted after (False: the host knows no row has a
         slot). logprobs: whether a row may ask for log-probs; this sampler takes them
@@ -3545,7 +3548,8 @@ all — CUDA graphs, chapter 11.
 #   The GPU sampler takes the same metadata and finds top-k and top-p thresholds by a
 #   radix select over the float order — three passes of 2,048-bin histograms, each row
 #   spread over several blocks — in the same seven launches for greedy and sampled rows
-#   alike; min-p is a test on $z/T - m$, and ties at a threshold are kept whole.
+#   alike (chapter 11 gives all-greedy batches graphs with the first alone); min-p is a
+#   test on $z/T - m$, and ties at a threshold are kept whole.
 # - The repetition, frequency and presence penalties come first, on the raw logits.
 #   On the GPU each request with penalties holds a slot of token counts and prompt
 #   marks (`max_num_seqs` slots, 5 bytes a vocabulary entry each): a kernel applies

@@ -647,7 +647,9 @@ row, {{ch11_lp5_old_256}} against {{ch11_lp5_new_256}} at 256.
 # sampler). Its `launch` runs `gpu_logprobs` after the sampling kernels, on the sampled
 # ids, with each row's k read from the step's batch (`num_logprobs`, −1 for a row that
 # asked for none, whose blocks leave at once): so a captured step computes log-probs
-# too, and a request that asks for them replays the same graph as one that does not.
+# too, and a request that asks for them replays the same graph as a sampled one that
+# does not (only a batch of greedy rows asking nothing more replays a leaner graph: see
+# `shape_for` below).
 # The host receives ids and the asked-for numbers only: `enqueue` queues the copies
 # into one of two pinned host buffers and returns at once; `finish` reads the buffer
 # once the stream has passed the copies. More than `MAX_LOGPROBS` goes chapter 8b's
@@ -766,7 +768,11 @@ class GpuLogprobsSampler(CudaSampler):
 # `shape_for` is the one place that decides whether a step replays: a batch whose every
 # request has one new token and is due its next one (`is_uniform_decode`) and a size
 # that holds it, or a step with prompt tokens, no prompt rows to keep, and a prefill
-# shape that holds it. The runner's `execute_async` asks it, packs the batch padded to
+# shape that holds it. Up to `ARGMAX_GRAPH_MAX_ROWS` rows a decode size has two graphs:
+# the one that launches every sampling, penalty and log-prob kernel whatever its rows
+# ask, and an `argmax_only` one whose sampler is the argmax alone, which `shape_for`
+# picks when every row is greedy with no penalty and no log-probs. The runner's
+# `execute_async` asks it, packs the batch padded to
 # that shape, queues the one copy, and replays instead of running; the sampler's
 # log-probabilities and the copies back are queued after, as for any step. Nothing else
 # changes: the scheduler and the cache do not know whether a step was replayed.
@@ -1872,8 +1878,9 @@ engine.
 # The kernels are the model's as it launches them after the next section's changes:
 # RoPE and the KV write are one kernel, attention combines its splits itself, the
 # residual adds are inside the output and down projections, and at one row the first
-# norm is inside QKV's GEMV; `rmsnorm` counts the norms that are still kernels of their
-# own.
+# norm is inside QKV's GEMV and SiLU·up inside gate-up's (the gated GEMV, so `silu_mul`
+# is not launched) and the sampler is the argmax alone (a greedy step's argmax_only
+# graph); `rmsnorm` counts the norms that are still kernels of their own.
 
 # %% tags=["hide-input"]
 kernel_records = [
@@ -1946,7 +1953,7 @@ reads at {{ch11_attn_64_copy}} of that.
 # ### Fewer kernels: what each change bought
 #
 # Chapters 6, 7 and 8 introduced changes that the table above called for; here is what
-# each bought, timed against what it replaced at the same shapes (two were not
+# each bought, timed against what it replaced at the same shapes (one was not
 # adopted):
 #
 # - **attention combines its own splits** (chapter 8): the last block of a sequence's
@@ -2060,6 +2067,9 @@ if fused and 1 in before and 1 in after and ("gate_up_silu", 1) in fused:
             prose.glue(f"ch11_gated_sep_{n}", f"{best['separate_us']:.1f} µs")
         for u in (1, 4):
             prose.glue(f"ch11_gated_u{u}", f"{sweep[(1, u)]['value']:.1f} µs")
+        # the paragraph says the gated GEMV stops at one row: at 2 and 4 no setting won
+        assert all(r["value"] >= r["separate_us"] for (rows, _), r in sweep.items()
+                   if rows > 1)
     # the model uses the gated GEMV at one token: the records must not say it lost
     assert not (gs_current and prose.values["ch11_gs_verdict"].startswith("slower"))
     epilogues = (
@@ -2095,19 +2105,19 @@ a launch is saved at every size, and the fused kernel reads k once where the pai
 wrote it and read it back, which counts for more as the rows grow. """ + ("""The gated
 GEMV pays at one row: {{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and the
 {{ch11_silu_1}} SiLU kernel, {{ch11_gs_verdict}}, {{ch11_gs_saved}} a step. It lost
-while each warp kept four steps of its (gate, up) pair of rows in flight, twice the
-loads of the plain GEMV's eight steps of one row; a sweep of that one knob found one
-step the fastest, and the model uses the gated GEMV at one token.""" + ("""
+while each warp kept four steps of its (gate, up) pair of rows in flight; a sweep of
+that one knob found one step the fastest, and the model uses the gated GEMV at one
+token.""" + ("""
 At one row one step in flight took {{ch11_gated_u1}} and four {{ch11_gated_u4}}; at two
 and four rows the best setting ({{ch11_gated_best_2_unroll}} and
 {{ch11_gated_best_4_unroll}} steps) took {{ch11_gated_best_2}} and
 {{ch11_gated_best_4}} against {{ch11_gated_sep_2}} and {{ch11_gated_sep_4}} for the two
 kernels, so it stops at one row.""" if swept else "") + """
 """ if gs_paid and gs_current else """The gated GEMV, each warp keeping one step of its
-(gate, up) pair of rows in flight (chapter 7's sweep of that knob), takes
-{{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and the {{ch11_silu_1}} SiLU
-kernel, {{ch11_gs_verdict}}; the model uses it at one token, where that sweep had it
-the faster.
+(gate, up) pair of rows in flight (the sweep of that knob in `bench/ch11_kernels.py`),
+takes {{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and the {{ch11_silu_1}}
+SiLU kernel, {{ch11_gs_verdict}}; the model uses it at one token, where that sweep had
+it the faster.
 """ if gs_current else """The gated GEMV was last timed on this GPU as it was before,
 each warp keeping four steps of its (gate, up) pair of rows in flight:
 {{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and the {{ch11_silu_1}} SiLU
@@ -2766,7 +2776,8 @@ user who waits for a first token.
 # - A CUDA graph freezes pointers and host scalars. The decode step qualifies because
 #   chapter 8b made every buffer once and chapter 8 made attention's grid depend only on
 #   the batch size and a fixed bound; cuBLAS gets a fixed workspace.
-# - One graph per batch size, vLLM's buckets; a step pads up to the next size with rows
+# - A graph per batch size, vLLM's buckets (and up to 16 rows a second, argmax_only one
+#   for greedy batches that ask nothing more); a step pads up to the next size with rows
 #   that read real memory and write no slot; prefill and mixed steps pad to buckets of
 #   tokens, their attention one tile schedule.
 # - The graphs are a part the runner holds (`CudaGraphs`), captured over chapter 8b's

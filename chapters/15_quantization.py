@@ -2643,16 +2643,18 @@ if can_launch():
 # %% [markdown]
 # **The MLP's first half in one kernel.** Chapter 7's `gemv_silu_mul` gave each warp a
 # gate row and its up row and wrote $\operatorname{SiLU}(g)\cdot u$ where the two
-# products are made; for bf16 it did not pay (chapter 11: half as many warps, each
-# with twice the loads). This kernel's blocks already take groups of rows in turn, as
+# products are made; for bf16 it paid only once each warp kept one step of its pair
+# of rows in flight (chapter 11's sweep), and the bf16 model uses it at one token.
+# This kernel's blocks already take groups of rows in turn, as
 # many of them as the GPU holds whatever rows they take, so pairing rows costs no
 # warps. With `gated=True` half of a group's rows are gate rows and the other half the
 # up rows $I$ below them; each thread keeps as many words in flight (where a warp had
 # one row it takes a pair and loads half as many words ahead), and the row's sums end
 # as SiLU·up in bf16, the input of `down_proj`.
-# With the norm inside as well, the norm, the gate-up GEMV and SiLU·up — three kernels
-# in the bf16 model at one token, where chapter 6 keeps the norm out of a 16,384-row
-# GEMV — become one, and the float32 `[gate | up]` row is never written. The layer
+# With the norm inside as well, the norm, the gate-up GEMV and SiLU·up — two kernels
+# in the bf16 model at one token (the norm, which chapter 6 keeps out of a 16,384-row
+# GEMV, then the gated GEMV) — become one, and the float32 `[gate | up]` row is never
+# written. The layer
 # loop asks for that half through chapter 7's `rmsnorm_linear_silu_mul`, which an
 # 8-bit weight answers itself (`QuantizedLinear.apply_rmsnorm_silu_mul`, below) — in
 # one kernel where the GEMV runs (`GATED_GEMV_8BIT`, on from version 5 of the GEMV:

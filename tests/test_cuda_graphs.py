@@ -28,6 +28,7 @@ from tinyvllm_lib.engine.sampling_params import SamplingParams
 from tinyvllm_lib.engine.step_outputs import SchedulerOutput
 from tinyvllm_lib.kernels.decode_splits import split_rows
 from tinyvllm_lib.kernels.logprobs import MAX_LOGPROBS
+from tinyvllm_lib.kernels.sampling_radix import NUM_STEPS
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.runtime import can_launch, has_gpu
 
@@ -394,17 +395,40 @@ def test_greedy_steps_replay_the_argmax_only_graph(small_folder, monkeypatch, rn
     plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     cpu = LLM(small_folder, device="cpu", max_model_len=64)
     llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
-    graphs = llm.llm_engine.model_runner.graphs
+    runner = llm.llm_engine.model_runner
+    graphs, sampler = runner.graphs, runner.sampler
     assert sorted(graphs.argmax_graphs) == sorted(graphs.graphs) == [1, 2]
-    shapes, replay = [], graphs.replay
-    monkeypatch.setattr(graphs, "replay", lambda shape: (shapes.append(shape), replay(shape))[1])
+    # in the simulator a replay runs the step again: record what the sampler launches inside each replay
+    shapes, replaying, launched = [], [], []
+    replay, launch = graphs.replay, sampler.launch
+
+    def counted_replay(shape):
+        shapes.append(shape)
+        replaying.append(shape)
+        try:
+            return replay(shape)
+        finally:
+            replaying.pop()
+
+    def counted_launch(logits, stream, rows, steps=range(NUM_STEPS), penalize=True, logprobs=True):
+        if replaying:
+            launched.append((replaying[-1], list(steps), penalize, logprobs))
+        return launch(logits, stream, rows, steps, penalize, logprobs)
+
+    monkeypatch.setattr(graphs, "replay", counted_replay)
+    monkeypatch.setattr(sampler, "launch", counted_launch)
     for params, argmax_only in (([plain, plain], True), ([plain, replace(plain, logprobs=1)], False)):
         shapes.clear()
+        launched.clear()
         want = [o.outputs[0] for o in cpu.generate(prompts, [replace(p, logprobs=2) for p in params],
                                                      use_tqdm=False)]
         got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         decode = [s for s in shapes if not s.prefill]
         assert decode and all(s.argmax_only == argmax_only for s in decode), shapes
+        # the argmax graph's sampler is step 0 alone, no penalties, no log-probs; the other every kernel
+        want_launch = ([0], False, False) if argmax_only else (list(range(NUM_STEPS)), True, True)
+        decode_launches = [args for shape, *args in launched if not shape.prefill]
+        assert len(decode_launches) == len(decode) and all(tuple(a) == want_launch for a in decode_launches)
         for w, g in zip(want, got):
             same, _ = agrees(w.token_ids, w.logprobs, g.token_ids, tie=0.02)
             assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)

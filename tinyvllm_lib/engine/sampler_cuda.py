@@ -83,7 +83,8 @@ class CudaSampler:
 
     def steps_for(self, metadata: SamplingMetadata) -> list[int]:
         """The steps some row of metadata needs (where the host knows the settings:
-        a graph launches them all, whatever its rows ask).
+        a graph launches them all whatever its rows ask, but chapter 11's argmax_only
+        graphs, step 0 alone).
         """
         return needed_steps(
             metadata.temperature, metadata.top_k, metadata.top_p, self.vocab_size
@@ -92,7 +93,8 @@ class CudaSampler:
     def launch(self, logits, stream, rows: dict, steps=range(NUM_STEPS),
                penalize: bool = True, logprobs: bool = True) -> None:
         """The sampling kernels over logits' rows, on `stream` (what a CUDA graph can
-        capture: every step, whatever the rows ask): ids on the GPU. rows: the
+        capture: every step, whatever the rows ask, or step 0 alone for chapter 11's
+        argmax_only graphs): ids on the GPU. rows: the
         settings' device arrays (SETTING_DTYPES). penalize: the penalties first (in
         place) and the sampled ids counted after (False: the host knows no row has a
         slot). logprobs: whether a row may ask for log-probs; this sampler takes them

@@ -111,23 +111,25 @@ def gemv_wins_up_to(records: list[dict]) -> int | None:
 from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
 
 # Up to how many tokens the MLP's first half is the gated GEMV (SiLU·up made where gate
-# and up are), where the GEMV runs: one, from chapter 11's sweep on an H200
+# and up are), where the GEMV runs: one, from chapter 11's sweep
 GATED_GEMV_MAX_TOKENS = 1
 
 
 def rmsnorm_linear_silu_mul(residual, norm_weight, eps, w, act, gate_up, normed, *,
                             stream=0, workspace=None):
     """act (num_tokens, I) bf16 bits = SiLU(gate) * up for [gate | up] =
-    RMSNorm(residual) · wᵀ. Up to GATED_GEMV_MAX_TOKENS tokens on the GEMV's path:
-    chapter 4's norm into normed, then the gated GEMV into act (gate_up untouched);
-    else rmsnorm_linear into gate_up (float32, (num_tokens, 2 I)), then silu_mul. A
+    RMSNorm(residual) · wᵀ. Up to GATED_GEMV_MAX_TOKENS tokens on the GEMV's path,
+    where the norm is not inside the GEMV (norm_in_gemv): chapter 4's norm into
+    normed, then the gated GEMV into act (gate_up untouched); else rmsnorm_linear into
+    gate_up (float32, (num_tokens, 2 I)), then silu_mul. A
     weight that makes act itself (chapter 15's 8-bit one) is asked to, and may leave
     gate_up and normed alone.
     """
     if hasattr(w, "apply_rmsnorm_silu_mul"):
         return w.apply_rmsnorm_silu_mul(residual, norm_weight, eps, act, gate_up,
                                         normed, stream=stream, workspace=workspace)
-    if normed.shape[0] <= GATED_GEMV_MAX_TOKENS and linear_path(normed, w) == "gemv":
+    if (normed.shape[0] <= GATED_GEMV_MAX_TOKENS and linear_path(normed, w) == "gemv"
+            and not norm_in_gemv(normed, w)):
         rmsnorm(residual, norm_weight, eps, normed, stream=stream)
         return gemv_silu_mul(normed, w, act, stream=stream)
     rmsnorm_linear(residual, norm_weight, eps, w, gate_up, normed, stream=stream,
