@@ -347,9 +347,9 @@ def test_gpu_prompt_logprobs_are_the_hosts(rng, k):
         np.testing.assert_allclose(got[2], want[2], atol=2e-5, rtol=1e-5)
 
 
-def generate_counting_replays(llm, prompts, params) -> tuple[list, list[bool]]:
+def generate_counting_replays(llm, prompts, params, shapes: list | None = None) -> tuple[list, list[bool]]:
     """llm.generate's first completions, and for each replayed step whether it was planned ahead of its tokens
-    (engine with graphs and the overlap)."""
+    (engine with graphs and the overlap); shapes, if given, gets each replayed step's shape."""
     engine, ahead = llm.llm_engine, []
     assert engine.async_scheduling and engine.model_runner.graphs is not None
     launch = engine.model_runner.execute_async
@@ -358,6 +358,8 @@ def generate_counting_replays(llm, prompts, params) -> tuple[list, list[bool]]:
         out = launch(step)
         if out.cudagraph_size is not None:
             ahead.append(step.prev_rows is not None)
+            if shapes is not None:
+                shapes.append(out.cudagraph_shape)
         return out
 
     engine.model_runner.execute_async = counted
@@ -376,20 +378,23 @@ def test_llm_with_graphs_and_overlap_gives_the_cpu_engines_tokens(small_folder, 
               SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)]
     want = [o.outputs[0] for o in LLM(small_folder, device="cpu", max_model_len=64).generate(prompts, params, use_tqdm=False)]
     llm = LLM(small_folder, device="cuda", max_model_len=64, max_num_seqs=2, num_kv_blocks=8)
-    engine = llm.llm_engine
-    got, ahead = generate_counting_replays(llm, prompts, params)
+    engine, shapes = llm.llm_engine, []
+    got, ahead = generate_counting_replays(llm, prompts, params, shapes)
     for w, g in zip(want, got):
         same, _ = agrees(w.token_ids, w.logprobs, g.token_ids, tie=0.02)
         assert same and len(g.token_ids) == len(w.token_ids), (w.token_ids, g.token_ids)
     # decode 1 launched, decode 2 (the second request alone) launched ahead of it; the pool empty again
     assert ahead == [False, True] and engine.block_manager.num_used_blocks == 0
+    # greedy rows that ask for log-probs: the graph of every sampling kernel, not the argmax_only one
+    assert shapes and not any(s.argmax_only for s in shapes)
 
 
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
 def test_greedy_steps_replay_the_argmax_only_graph(small_folder, monkeypatch, rng):
-    """Decode steps whose rows are all greedy and ask for nothing more replay their size's argmax_only graph (the
-    sampler's argmax alone); where one row asks for log-probs, the graph of every sampling kernel. Both give the
-    NumPy engine's tokens (its log-probs, asked of it alone, mark near ties)."""
+    """Decode steps whose rows are all greedy and ask for nothing more replay their size's argmax_only graph, whose
+    sampler launches the argmax alone, and give the NumPy engine's tokens (its log-probs, asked of it alone, mark
+    near ties). Rows that ask for log-probs replay the other graph: test_llm_with_graphs_and_overlap_... checks that
+    (every sampling kernel of a replay costs minutes in the simulator's threads)."""
     monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")
     prompts = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
     plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -417,7 +422,7 @@ def test_greedy_steps_replay_the_argmax_only_graph(small_folder, monkeypatch, rn
 
     monkeypatch.setattr(graphs, "replay", counted_replay)
     monkeypatch.setattr(sampler, "launch", counted_launch)
-    for params, argmax_only in (([plain, plain], True), ([plain, replace(plain, logprobs=1)], False)):
+    for params, argmax_only in (([plain, plain], True),):
         shapes.clear()
         launched.clear()
         want = [o.outputs[0] for o in cpu.generate(prompts, [replace(p, logprobs=2) for p in params],
