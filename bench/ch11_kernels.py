@@ -29,7 +29,6 @@ from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.embedding import embed
 from tinyvllm_lib.kernels.gemv import (
     GEMV_BUCKETS,
-    GEMV_THREADS,
     can_gemv,
     gemv_rmsnorm,
     make_gemv_kernel,
@@ -43,6 +42,7 @@ from tinyvllm_lib.layers.linear import (
     linear_path,
     norm_in_gemv,
     rmsnorm_linear,
+    silu_in_gemv,
 )
 from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
@@ -81,9 +81,8 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
         x[name], w[f"layers.{i % L}.{wname}"], x[out], stream=s, workspace=ws, accumulate=add))
     # the projections after a norm: the norm inside the GEMV (where rmsnorm_linear puts it), or a norm kernel
     # (its own entry) then the projection
-    gated = rows <= GATED_GEMV_MAX_TOKENS and linear_path(x["normed"], w["layers.0.gate_up_proj"]) == "gemv"
-    fused = {name: norm_in_gemv(x["normed"], w[f"layers.0.{name}"]) and not (gated and name == "gate_up_proj")
-             for name in ("qkv_proj", "gate_up_proj")}
+    gated = silu_in_gemv(x["normed"], w["layers.0.gate_up_proj"])  # the model's choice (chapter 7)
+    fused = {name: norm_in_gemv(x["normed"], w[f"layers.0.{name}"]) for name in ("qkv_proj", "gate_up_proj")}
     norm_lin = lambda norm, wname, out: (  # noqa: E731
         (lambda i, s: rmsnorm_linear(x["residual"], w[f"layers.{i % L}.{norm}"], 1e-5, w[f"layers.{i % L}.{wname}"],
                                      x[out], x["normed"], stream=s, workspace=ws))
@@ -106,7 +105,7 @@ def decode_kernels(runner, rows: int, context: int, rng) -> list:
             workspace=runner.workspace, max_context_len=runner.max_model_len), kv_bytes + act_bytes((H * D, 4), (H * D, 2))),
         # the residual add in the projection: out read and written
         ("o_proj", L, lin("attn", "o_proj", "residual", add=True), H * D * hid * 2 + act_bytes((H * D, 2), (hid, 8))),
-        # at one row (GATED_GEMV_MAX_TOKENS) the model's gate-up is the gated GEMV, SiLU·up inside, after its
+        # where silu_in_gemv (one row of the 1B) the model's gate-up is the gated GEMV, SiLU·up inside, after its
         # norm; silu_mul is then not launched (timed all the same, 0 a step)
         ("gate_up_proj", L, (lambda i, s: gemv_silu_mul(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"],
                                                          stream=s)) if gated
@@ -201,17 +200,19 @@ def gated_sweep(runner, rows: int, rec: Recorder) -> None:
 
     t_sep = time_launches(separate, 16, repeats=repeats) * 1e6
     bucket = next(b for b in GEMV_BUCKETS if b >= rows)
+    model_kernel = GEMV_GATED_KERNELS[bucket]
+
+    def gated(i, s):  # chapter 7's launcher, with this setting's kernel in its table
+        gemv_silu_mul(x["normed"], w[f"layers.{i % L}.gate_up_proj"], x["act"], stream=s)
+
     for unroll in (1, 2, 4, 8):
-        kernel = make_gemv_kernel(bucket, 1, 2, unroll, gated=True)
-        blocks = -(-runner.config.intermediate_size // kernel.rows_per_block)
-
-        def gated(i, s, kernel=kernel, blocks=blocks):
-            kernel[blocks, GEMV_THREADS, s](x["normed"].view(np.uint64),
-                                            w[f"layers.{i % L}.gate_up_proj"].view(np.uint64), x["act"])
-
-        us = time_launches(gated, 16, repeats=repeats) * 1e6
+        GEMV_GATED_KERNELS[bucket] = make_gemv_kernel(bucket, 1, 2, unroll, gated=True)
+        try:
+            us = time_launches(gated, 16, repeats=repeats) * 1e6
+        finally:
+            GEMV_GATED_KERNELS[bucket] = model_kernel
         rec.add("gated_sweep", [rows, runner.config.intermediate_size], "us", us, unroll=unroll, separate_us=t_sep,
-                is_model=rows <= GATED_GEMV_MAX_TOKENS and unroll == GEMV_GATED_KERNELS[bucket].unroll)
+                is_model=rows <= GATED_GEMV_MAX_TOKENS and unroll == model_kernel.unroll)
         print(f"{rows:>3} rows  gated GEMV, {unroll} step(s) in flight: {us:.2f} us (gate-up + silu_mul "
               f"{t_sep:.2f} us)", flush=True)
 

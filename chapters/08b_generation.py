@@ -3255,15 +3255,13 @@ class ModelRunner:
         if num_sampled:
             rows = {name: v[name][:num_sampled] for name in SAMPLING_FIELDS}
             # eagerly, the steps the rows need; captured, every step (a graph serves
-            # every row's settings), or the argmax alone in an argmax_only graph
+            # every row's settings) — but chapter 11's argmax_only graphs, whose rows
+            # need the argmax alone, launch what their rows need too
             graph = shape is not None and not shape.argmax_only
             steps = (range(NUM_STEPS) if graph
-                     else [0] if shape is not None
                      else self.sampler.steps_for(batch.sampling))
-            penalize = graph or shape is None and batch.sampling.has_penalties
-            logprobs = graph or shape is None and bool(
-                batch.sampling.num_logprobs.max(initial=-1) >= 0
-            )
+            penalize = graph or batch.sampling.has_penalties
+            logprobs = graph or bool(batch.sampling.num_logprobs.max(initial=-1) >= 0)
             self.sampler.launch(logits[:num_sampled], stream, rows, steps, penalize,
                                 logprobs)
         return logits

@@ -59,7 +59,12 @@ import numpy as np
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.cli import command, main
 from tinyvllm_lib.engine.llm import LLM
-from tinyvllm_lib.measure import bandwidth_ceiling, ceiling_phrase, load_records
+from tinyvllm_lib.measure import (
+    DATA_DIR,
+    bandwidth_ceiling,
+    ceiling_phrase,
+    load_records,
+)
 from tinyvllm_lib.plots import Prose, new_figure, plain_log_ticks, verdict
 from tinyvllm_lib.runtime import can_launch, has_gpu, where_kernels_run
 
@@ -909,8 +914,9 @@ def padding_batch(rows: int, block_size: int, num_prefills: int = 0) -> InputBat
 
 # Up to this many rows a decode size also gets an argmax_only graph (`argmax_graphs`):
 # a greedy batch's sampler is then its argmax alone, not the seven sampling launches,
-# the penalties' two and the log-probs' one that return at once for greedy rows — about
-# a microsecond each, which shows where a step takes about a millisecond (batch 1)
+# the penalties' two and the log-probs' one that return at once for greedy rows; each
+# still costs a launch, which shows where the whole step is short (batch 1: the two
+# graphs' times are recorded by bench/ch11_llama.py)
 ARGMAX_GRAPH_MAX_ROWS = 16
 
 
@@ -2070,6 +2076,15 @@ if fused and 1 in before and 1 in after and ("gate_up_silu", 1) in fused:
         # the paragraph says the gated GEMV stops at one row: at 2 and 4 no setting won
         assert all(r["value"] >= r["separate_us"] for (rows, _), r in sweep.items()
                    if rows > 1)
+    # the sweep on an H100 (book/data/h100/): cited until this GPU has one
+    h100_u1 = [r for r in load_records("ch11_kernels", DATA_DIR / "h100")
+               if r["name"] == "gated_sweep" and r["shape"][0] == 1
+               and r["unroll"] == 1]
+    if h100_u1:
+        prose.glue("ch11_h100_u1", f"{h100_u1[-1]['value']:.1f} µs")
+        prose.glue("ch11_h100_sep", f"{h100_u1[-1]['separate_us']:.1f} µs")
+        prose.glue("ch11_h100_verdict",
+                   verdict(h100_u1[-1]["separate_us"], h100_u1[-1]["value"]))
     # the model uses the gated GEMV at one token: the records must not say it lost
     assert not (gs_current and prose.values["ch11_gs_verdict"].startswith("slower"))
     epilogues = (
@@ -2116,15 +2131,17 @@ kernels, so it stops at one row.""" if swept else "") + """
 """ if gs_paid and gs_current else """The gated GEMV, each warp keeping one step of its
 (gate, up) pair of rows in flight (the sweep of that knob in `bench/ch11_kernels.py`),
 takes {{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and the {{ch11_silu_1}}
-SiLU kernel, {{ch11_gs_verdict}}; the model uses it at one token, where that sweep had
-it the faster.
+SiLU kernel, {{ch11_gs_verdict}}, and the model uses it at one token.""" + ("""
+At one row the sweep timed one step in flight at {{ch11_gated_u1}} and four at
+{{ch11_gated_u4}}.""" if swept else "") + """
 """ if gs_current else """The gated GEMV was last timed on this GPU as it was before,
 each warp keeping four steps of its (gate, up) pair of rows in flight:
 {{ch11_gs_fused}} against {{ch11_gs_sep}} for the GEMV and the {{ch11_silu_1}} SiLU
-kernel, {{ch11_gs_verdict}}. Chapter 7's kernel now keeps one step in flight, which
-the sweep in `bench/ch11_kernels.py` found faster than the two kernels on an H100 (its
-records are in `book/data/h100/`), and the model uses it at one token; neither the
-sweep nor the new kernel is recorded on this GPU yet.
+kernel, {{ch11_gs_verdict}}. Chapter 7's kernel now keeps one step in flight""" + ((""",
+which the sweep in `bench/ch11_kernels.py` timed on an H100 at {{ch11_h100_u1}}
+against {{ch11_h100_sep}} for the two kernels ({{ch11_h100_verdict}}; its records are in
+`book/data/h100/`)""") if h100_u1 else "") + """, and the model uses it at one token;
+neither the sweep nor the new kernel is recorded on this GPU yet.
 """))
     if epilogues_recorded:
         # the paragraph below says the norm inside gate-up's GEMV lost, both ways

@@ -29,6 +29,8 @@ from tinyvllm_lib.layers.linear import (
     linear_path,
     norm_in_gemv,
     rmsnorm_linear,
+    rmsnorm_linear_silu_mul,
+    silu_in_gemv,
 )
 from tinyvllm_lib.measure import load_records
 from tinyvllm_lib.measure import max_rel_error as rel_error
@@ -174,6 +176,28 @@ def test_rmsnorm_linear_on_every_path(rng, monkeypatch, M, max_rows):
     else:  # the normed rows were rounded to bf16 on their way through `normed`
         assert normed.copy_to_host().any()
         assert rel_error(got, want) <= 2**-7
+
+
+@needs_launch
+@pytest.mark.parametrize("M", [1, 3])  # one token: the gated GEMV where silu_in_gemv; three: GEMV or GEMM + silu_mul
+@pytest.mark.parametrize("max_rows", [NORM_IN_GEMV_MAX_ROWS, 8])  # 8: the norm stays out of w's 10 rows' GEMV
+def test_rmsnorm_linear_silu_mul_on_every_path(rng, monkeypatch, M, max_rows):
+    """The MLP's first half as the model calls it: where silu_in_gemv (one token, the norm not inside the GEMV) the
+    norm kernel then the gated GEMV, gate_up left alone; elsewhere the product into gate_up, then silu_mul. Each
+    within bf16 roundings of the reference (normed rows, act)."""
+    monkeypatch.setattr(linear_module, "NORM_IN_GEMV_MAX_ROWS", max_rows)
+    K, inter = 64, 5
+    residual = rng.standard_normal((M, K), dtype=np.float32)
+    norm_weight, w = random_bf16(rng, K), random_bf16(rng, (2 * inter, K), scale=0.3)
+    d_w, normed = cuda.to_device(w), cuda.to_device(np.zeros((M, K), np.uint16))
+    gate_up = cuda.to_device(np.full((M, 2 * inter), np.nan, np.float32))
+    act = cuda.to_device(np.zeros((M, inter), np.uint16))
+    gated = silu_in_gemv(normed, d_w)
+    assert gated == (M == 1 and linear_path(normed, d_w) == "gemv" and not norm_in_gemv(normed, d_w))
+    rmsnorm_linear_silu_mul(cuda.to_device(residual), cuda.to_device(norm_weight), 1e-5, d_w, act, gate_up, normed)
+    assert np.isnan(gate_up.copy_to_host()).all() == gated  # the gated GEMV writes act alone
+    want = silu_mul_ref(rmsnorm_reference(residual, norm_weight, w).astype(np.float32))
+    assert rel_error(bf16_bits_to_f32(act.copy_to_host()), want) <= 2**-6
 
 
 def test_gemv_rmsnorm_rejects_bad_input():

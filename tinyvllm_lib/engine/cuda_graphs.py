@@ -181,8 +181,9 @@ def padding_batch(rows: int, block_size: int, num_prefills: int = 0) -> InputBat
 
 # Up to this many rows a decode size also gets an argmax_only graph (`argmax_graphs`):
 # a greedy batch's sampler is then its argmax alone, not the seven sampling launches,
-# the penalties' two and the log-probs' one that return at once for greedy rows — about
-# a microsecond each, which shows where a step takes about a millisecond (batch 1)
+# the penalties' two and the log-probs' one that return at once for greedy rows; each
+# still costs a launch, which shows where the whole step is short (batch 1: the two
+# graphs' times are recorded by bench/ch11_llama.py)
 ARGMAX_GRAPH_MAX_ROWS = 16
 
 

@@ -115,21 +115,31 @@ from tinyvllm_lib.kernels.activation import gemv_silu_mul, silu_mul
 GATED_GEMV_MAX_TOKENS = 1
 
 
+def silu_in_gemv(normed, w) -> bool:
+    """Whether rmsnorm_linear_silu_mul makes SiLU·up inside gate-up's GEMV (the gated
+    GEMV) for these operands: up to GATED_GEMV_MAX_TOKENS tokens on the GEMV's path,
+    where the norm is not already inside that GEMV (norm_in_gemv: there the gated GEMV
+    would save no launch).
+    """
+    return (
+        normed.shape[0] <= GATED_GEMV_MAX_TOKENS
+        and linear_path(normed, w) == "gemv"
+        and not norm_in_gemv(normed, w)
+    )
+
+
 def rmsnorm_linear_silu_mul(residual, norm_weight, eps, w, act, gate_up, normed, *,
                             stream=0, workspace=None):
     """act (num_tokens, I) bf16 bits = SiLU(gate) * up for [gate | up] =
-    RMSNorm(residual) · wᵀ. Up to GATED_GEMV_MAX_TOKENS tokens on the GEMV's path,
-    where the norm is not inside the GEMV (norm_in_gemv): chapter 4's norm into
-    normed, then the gated GEMV into act (gate_up untouched); else rmsnorm_linear into
-    gate_up (float32, (num_tokens, 2 I)), then silu_mul. A
-    weight that makes act itself (chapter 15's 8-bit one) is asked to, and may leave
-    gate_up and normed alone.
+    RMSNorm(residual) · wᵀ. Where silu_in_gemv: chapter 4's norm into normed, then the
+    gated GEMV into act (gate_up untouched); else rmsnorm_linear into gate_up (float32,
+    (num_tokens, 2 I)), then silu_mul. A weight that makes act itself (chapter 15's
+    8-bit one) is asked to, and may leave gate_up and normed alone.
     """
     if hasattr(w, "apply_rmsnorm_silu_mul"):
         return w.apply_rmsnorm_silu_mul(residual, norm_weight, eps, act, gate_up,
                                         normed, stream=stream, workspace=workspace)
-    if (normed.shape[0] <= GATED_GEMV_MAX_TOKENS and linear_path(normed, w) == "gemv"
-            and not norm_in_gemv(normed, w)):
+    if silu_in_gemv(normed, w):
         rmsnorm(residual, norm_weight, eps, normed, stream=stream)
         return gemv_silu_mul(normed, w, act, stream=stream)
     rmsnorm_linear(residual, norm_weight, eps, w, gate_up, normed, stream=stream,
