@@ -2202,8 +2202,10 @@ STAGE_WORDS = 4096
 # conversion for e4m3, the input staged in shared memory by each block of a group of
 # rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
 # once for the groups it takes in turn (the bench records which kernel it timed);
-# 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT)
-GEMV_8BIT_VERSION = 5
+# 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
+# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS) and the LM head's
+# norm inside its GEMV
+GEMV_8BIT_VERSION = 6
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
@@ -2458,25 +2460,38 @@ _EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True}
               "rmsnorm_gated": {"rms_norm": True, "gated": True}}
 
 
-def gemv_8bit_config(variant: str, tokens: int, gated: bool) -> tuple:
-    """(warps a row, rows a group, words loaded ahead): chapter 6's knobs; gated, rows
-    come in (gate, up) pairs, so an odd count doubles and the words ahead halve (as
-    many bytes in flight)."""
+# One token on the block variant (fewer rows than chapter 6's GEMV_WARP_MIN_ROWS):
+# chapter 6's block shares 4 rows, each thread a word of each, and a row of codes is
+# half as many words as a bf16 row — half the work a block, for the same start and
+# the same sums to meet. The knobs bench/ch15_quantization.py's sweep chose for the
+# shapes the engine launches (plotted below): 8 rows a block, two words ahead, one
+# with the norm inside (the staging's registers)
+ONE_TOKEN_BLOCK_KNOBS = {"": (GEMV_WARPS, 8, 2), "add": (GEMV_WARPS, 8, 2),
+                         "rmsnorm": (GEMV_WARPS, 8, 1)}
+
+
+def gemv_8bit_config(variant: str, tokens: int, kind: str = "") -> tuple:
+    """(warps a row, rows a group, words loaded ahead) for the epilogue `kind`:
+    chapter 6's knobs but at one token on the block variant (ONE_TOKEN_BLOCK_KNOBS);
+    gated, rows come in (gate, up) pairs, so an odd count doubles and the words ahead
+    halve (as many bytes in flight)."""
+    if variant == "block" and tokens == 1 and kind in ONE_TOKEN_BLOCK_KNOBS:
+        return ONE_TOKEN_BLOCK_KNOBS[kind]
     warps, rows, unroll = GEMV_VARIANTS[variant](tokens)
-    if gated and rows % 2:
+    if "gated" in kind and rows % 2:
         rows, unroll = 2 * rows, max(1, unroll // 2)
     return warps, rows, unroll
 
 
 for _method in ("int8", "fp8"):
-    # chapter 6's two shapes at the knobs chapter 11 tuned for bf16: a word is 8 bytes
-    # in both, so the same knobs keep as many bytes in flight
+    # chapter 6's two shapes at the knobs chapter 11 tuned for bf16 (a word is 8 bytes
+    # in both, so the same knobs keep as many bytes in flight), one token's block aside
     for _variant in GEMV_VARIANTS:
         for _tokens in GEMV_BUCKETS:
             for _kind, _flags in _EPILOGUES.items():
                 _name = (f"gemv_{_method}_{_variant}_t{_tokens}"
                          f"{'_' * bool(_kind)}{_kind}_kernel")
-                _config = gemv_8bit_config(_variant, _tokens, "gated" in _kind)
+                _config = gemv_8bit_config(_variant, _tokens, _kind)
                 GEMV_8BIT_KERNELS[_method, _variant, _tokens, _kind] = \
                     globals()[_name] = make_gemv_8bit_kernel(
                         _method, _tokens, *_config, **_flags)
@@ -2788,7 +2803,7 @@ from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
-from tinyvllm_lib.layers.linear import NORM_IN_GEMV_MAX_ROWS, linear
+from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
 # up to how many token vectors the 8-bit GEMV runs (beyond: dequantize, then a GEMM);
@@ -2837,11 +2852,13 @@ class QuantizedLinear:
 
     def apply_rmsnorm(self, residual, norm_weight, eps, out, normed, *, stream=0,
                       workspace=None):
-        """out = RMSNorm(residual) · Wᵀ: one kernel where the GEMV runs and w has
-        fewer than chapter 6's NORM_IN_GEMV_MAX_ROWS rows; else the norm into
+        """out = RMSNorm(residual) · Wᵀ: one kernel where the GEMV runs, whatever
+        its rows (the LM head's too: its blocks, no more than the GPU holds, each norm
+        the input once as they stage it, where chapter 6's bf16 GEMV norms it in
+        every warp and so keeps 16,384 rows and more apart); else the norm into
         `normed`, then apply.
         """
-        if self.uses_gemv(normed) and self.shape[0] < NORM_IN_GEMV_MAX_ROWS:
+        if self.uses_gemv(normed):
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
                                      self.scales, out, self.method, stream)
         rmsnorm(residual, norm_weight, eps, normed, stream=stream)
@@ -3260,6 +3277,86 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 """)
 
 # %% [markdown]
+# **One token's knobs (version 6).** Chapter 6's knobs came from bf16, whose rows are
+# twice as many words: with the block's 8 warps sharing 4 rows, each thread of an
+# 8-bit GEMV widens a single word of each row, so a block does half a bf16 block's
+# work for the same start, the same staging and the same sums to meet. The sweep part
+# of the benchmark script times each setting below on a layer's four shapes at one
+# token, each with the epilogue the engine launches there (QKV's norm, gate-up's norm
+# and SiLU·up, O's and down's residual add) and as many blocks as the launcher gives.
+# The launcher's knobs are the filled markers — `ONE_TOKEN_BLOCK_KNOBS` where the block
+# variant runs, chapter 6's warp a row for gate-up's 16,384 rows — and version 5's
+# the rings.
+
+# %%
+sweep = [r for r in gpu if r["name"] == "gemv_sweep"]
+
+
+def version5_knobs(warps_per_row: int, kind: str) -> tuple:
+    """What version 5 launched at one token: chapter 6's knobs for the variant (the
+    chosen knobs' warps say which), pairs of rows where gated."""
+    warps, rows, unroll = GEMV_VARIANTS["warp" if warps_per_row == 1 else "block"](1)
+    if "gated" in kind and rows % 2:
+        rows, unroll = 2 * rows, max(1, unroll // 2)
+    return warps, rows, unroll
+
+
+if not sweep:
+    print("the sweep is not yet recorded on a GPU: python bench/ch15_quantization.py "
+          "--only sweep")
+else:
+    sweep_version = max(r["gemv_8bit_version"] for r in sweep)
+    sweep = [r for r in sweep if r["gemv_8bit_version"] == sweep_version]
+    sweep_layers = list(dict.fromkeys(r["layer"] for r in sweep))
+    sweep_methods = [m for m in ("int8", "fp8") if any(r["quantization"] == m
+                                                       for r in sweep)]
+    knobs_of = lambda r: (r["warps_per_row"], r["rows"], r["unroll"])  # noqa: E731
+    layer_us = {m: {"chosen": 0.0, "v5": 0.0, "best": 0.0} for m in sweep_methods}
+    fig, ax = new_figure(width=8, height=3.2)
+    for j, m in enumerate(sweep_methods):
+        for i, layer in enumerate(sweep_layers):
+            rs = [r for r in sweep if r["layer"] == layer and r["quantization"] == m]
+            chosen = next(r for r in rs if r["chosen"])
+            old = next(r for r in rs
+                       if knobs_of(r) == version5_knobs(chosen["warps_per_row"],
+                                                        chosen["kind"]))
+            x = i + (j - 0.5) * 0.3
+            ax.scatter([x] * len(rs), [r["us"] for r in rs], s=12, color="#bbbbbb")
+            ax.scatter([x], [chosen["us"]], s=45, color=COLORS[m],
+                       label=f"{m}: the launcher's" if i == 0 else None)
+            ax.scatter([x], [old["us"]], s=90, facecolors="none", edgecolors=COLORS[m],
+                       label=f"{m}: version 5's" if i == 0 else None)
+            best = min(rs, key=lambda r: r["us"])
+            layer_us[m]["chosen"] += chosen["us"]
+            layer_us[m]["v5"] += old["us"]
+            layer_us[m]["best"] += best["us"]
+            print(f"{layer:>13} {m}: launcher {knobs_of(chosen)} "
+                  f"{chosen['us']:.2f} µs, version 5 {knobs_of(old)} {old['us']:.2f}, "
+                  f"best {knobs_of(best)} {best['us']:.2f}")
+    ax.set_xticks(range(len(sweep_layers)), sweep_layers)
+    ax.set_ylabel("µs, one token")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title("grey: the other settings (warps a row, rows, words ahead)",
+                 fontsize=9)
+    plt.show()
+    prose.glue("ch15_sweep_device", sweep[0]["device"]["name"])
+    for m in sweep_methods:
+        for what, us in layer_us[m].items():
+            prose.glue(f"ch15_sweep_{what}_{m}", f"{us:.1f} µs")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if sweep and sweep_methods == ["int8", "fp8"]:
+    prose.show("""
+On the {{ch15_sweep_device}}, a layer's four GEMVs take {{ch15_sweep_chosen_int8}} in
+int8 with the launcher's knobs against {{ch15_sweep_v5_int8}} with version 5's
+({{ch15_sweep_chosen_fp8}} against {{ch15_sweep_v5_fp8}} in FP8); the best setting
+of each shape alone would take {{ch15_sweep_best_int8}} and
+{{ch15_sweep_best_fp8}}. A block of 8 rows of codes reads the bytes a bf16 block
+reads with 4.
+""")
+
+# %% [markdown]
 # ## Summary
 #
 # - A decode step at batch 1 reads every weight; in bf16 that caps any engine on one
@@ -3289,7 +3386,8 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 #   four rows. The third and fourth put an int8 code under $2^{23}$ with one byte
 #   permute, widen e4m3 two codes at a time with the hardware's conversion, stage the
 #   input once in shared memory (normed there for the fused variant), and launch no
-#   more blocks than the GPU holds. The measurement section counts each version's
+#   more blocks than the GPU holds; the sixth shares 8 rows a block at one token, the
+#   knobs a sweep of each shape chose. The measurement section counts each version's
 #   instructions a word of codes in its SASS and says what each bought. At batch 256
 #   the GEMM path's bf16 scratch costs throughput.
 #

@@ -99,10 +99,12 @@ def test_fp8_nan_code_poisons_exactly_its_output():
 
 @needs_launch
 @pytest.mark.parametrize("method", METHODS)
-def test_gemv_8bit_block_variant(rng, method):
-    """The variant a GPU runs for fewer than 16,384 rows (the block's 8 warps share 4 rows; the simulator's "auto"
-    takes a warp a row): plain, residual add and RMSNorm, two blocks, the second half empty."""
-    M, N, K = 3, 6, 72
+@pytest.mark.parametrize("M", [1, 3])
+def test_gemv_8bit_block_variant(rng, method, M):
+    """The variant a GPU runs for fewer than 16,384 rows (the simulator's "auto" takes a warp a row): plain,
+    residual add and RMSNorm. One token: the block's 8 warps share 8 rows, two words ahead (one with the norm),
+    so 10 rows are two groups, the second short; three tokens: 4 rows, so three groups, the last half empty."""
+    N, K = 10, 72
     x, q = random_bf16(rng, (M, K)), random_weight(rng, method, N, K)
     codes, scales = cuda.to_device(q.codes), cuda.to_device(q.scales)
     plain = cuda.to_device(np.full((M, N), np.nan, np.float32))

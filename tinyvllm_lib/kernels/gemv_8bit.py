@@ -39,8 +39,10 @@ STAGE_WORDS = 4096
 # conversion for e4m3, the input staged in shared memory by each block of a group of
 # rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
 # once for the groups it takes in turn (the bench records which kernel it timed);
-# 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT)
-GEMV_8BIT_VERSION = 5
+# 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
+# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS) and the LM head's
+# norm inside its GEMV
+GEMV_8BIT_VERSION = 6
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
@@ -295,25 +297,38 @@ _EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True}
               "rmsnorm_gated": {"rms_norm": True, "gated": True}}
 
 
-def gemv_8bit_config(variant: str, tokens: int, gated: bool) -> tuple:
-    """(warps a row, rows a group, words loaded ahead): chapter 6's knobs; gated, rows
-    come in (gate, up) pairs, so an odd count doubles and the words ahead halve (as
-    many bytes in flight)."""
+# One token on the block variant (fewer rows than chapter 6's GEMV_WARP_MIN_ROWS):
+# chapter 6's block shares 4 rows, each thread a word of each, and a row of codes is
+# half as many words as a bf16 row — half the work a block, for the same start and
+# the same sums to meet. The knobs bench/ch15_quantization.py's sweep chose for the
+# shapes the engine launches (plotted below): 8 rows a block, two words ahead, one
+# with the norm inside (the staging's registers)
+ONE_TOKEN_BLOCK_KNOBS = {"": (GEMV_WARPS, 8, 2), "add": (GEMV_WARPS, 8, 2),
+                         "rmsnorm": (GEMV_WARPS, 8, 1)}
+
+
+def gemv_8bit_config(variant: str, tokens: int, kind: str = "") -> tuple:
+    """(warps a row, rows a group, words loaded ahead) for the epilogue `kind`:
+    chapter 6's knobs but at one token on the block variant (ONE_TOKEN_BLOCK_KNOBS);
+    gated, rows come in (gate, up) pairs, so an odd count doubles and the words ahead
+    halve (as many bytes in flight)."""
+    if variant == "block" and tokens == 1 and kind in ONE_TOKEN_BLOCK_KNOBS:
+        return ONE_TOKEN_BLOCK_KNOBS[kind]
     warps, rows, unroll = GEMV_VARIANTS[variant](tokens)
-    if gated and rows % 2:
+    if "gated" in kind and rows % 2:
         rows, unroll = 2 * rows, max(1, unroll // 2)
     return warps, rows, unroll
 
 
 for _method in ("int8", "fp8"):
-    # chapter 6's two shapes at the knobs chapter 11 tuned for bf16: a word is 8 bytes
-    # in both, so the same knobs keep as many bytes in flight
+    # chapter 6's two shapes at the knobs chapter 11 tuned for bf16 (a word is 8 bytes
+    # in both, so the same knobs keep as many bytes in flight), one token's block aside
     for _variant in GEMV_VARIANTS:
         for _tokens in GEMV_BUCKETS:
             for _kind, _flags in _EPILOGUES.items():
                 _name = (f"gemv_{_method}_{_variant}_t{_tokens}"
                          f"{'_' * bool(_kind)}{_kind}_kernel")
-                _config = gemv_8bit_config(_variant, _tokens, "gated" in _kind)
+                _config = gemv_8bit_config(_variant, _tokens, _kind)
                 GEMV_8BIT_KERNELS[_method, _variant, _tokens, _kind] = \
                     globals()[_name] = make_gemv_8bit_kernel(
                         _method, _tokens, *_config, **_flags)

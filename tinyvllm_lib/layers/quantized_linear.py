@@ -9,7 +9,7 @@ from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
-from tinyvllm_lib.layers.linear import NORM_IN_GEMV_MAX_ROWS, linear
+from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
 # up to how many token vectors the 8-bit GEMV runs (beyond: dequantize, then a GEMM);
@@ -58,11 +58,13 @@ class QuantizedLinear:
 
     def apply_rmsnorm(self, residual, norm_weight, eps, out, normed, *, stream=0,
                       workspace=None):
-        """out = RMSNorm(residual) · Wᵀ: one kernel where the GEMV runs and w has
-        fewer than chapter 6's NORM_IN_GEMV_MAX_ROWS rows; else the norm into
+        """out = RMSNorm(residual) · Wᵀ: one kernel where the GEMV runs, whatever
+        its rows (the LM head's too: its blocks, no more than the GPU holds, each norm
+        the input once as they stage it, where chapter 6's bf16 GEMV norms it in
+        every warp and so keeps 16,384 rows and more apart); else the norm into
         `normed`, then apply.
         """
-        if self.uses_gemv(normed) and self.shape[0] < NORM_IN_GEMV_MAX_ROWS:
+        if self.uses_gemv(normed):
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
                                      self.scales, out, self.method, stream)
         rmsnorm(residual, norm_weight, eps, normed, stream=stream)
