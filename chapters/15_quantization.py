@@ -2152,12 +2152,14 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 # `unroll` words before widening any; for fewer rows, the block's 8 warps share 4 rows,
 # so each thread widens one word of each row, and the warps' sums meet in shared
 # memory. The knobs are the ones chapter 11 tuned for bf16 on the H200: a word is 8
-# bytes in both, so they keep as many bytes in flight. Like the bf16 one it loads its
-# first words, which no kernel writes, before it waits for the kernel before it —
-# and before it stages the input, which that kernel writes — and it keeps the two
-# fusions chapter 11 measured, the **residual add** (`out += `, the projection's
-# epilogue) and the **RMSNorm** of its input; a third, SiLU·up in the gate-up GEMV,
-# follows the checks below.
+# bytes in both, so they keep as many bytes in flight — except at one token on the
+# block variant, where a sweep (version 6, measured at the end of the chapter) chose
+# 8 rows a block: a row of codes is half as many words as a bf16 row. Like the bf16
+# one it loads its first words, which no kernel writes, before it waits for the
+# kernel before it — and before it stages the input, which that kernel writes — and it
+# keeps the two fusions chapter 11 measured, the **residual add** (`out += `, the
+# projection's epilogue) and the **RMSNorm** of its input; a third, SiLU·up in the
+# gate-up GEMV, follows the checks below.
 #
 # The staged rows are laid out so that a warp's 32 lanes, reading 32 neighbouring
 # words of codes, read 32 neighbouring 8-byte pairs of floats: for token $m$ and code
