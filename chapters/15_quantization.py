@@ -1986,8 +1986,9 @@ norm-fused int8 loop {{ch15_sass_v2_fused}}. The version below issues
 #   a read of the input and a wait for all its threads before any dot product; with a
 #   block for every 8 rows, the LM head's 16,000 blocks paid it 16,000 times, and the
 #   norm-fused one read the float32 residual and the norm's weight each time. Now the
-#   launch makes at most 4 blocks an SM (what 32 KiB of shared memory and 64 registers
-#   a thread let one SM hold at once), and each takes groups of rows in turn,
+#   launch makes no more blocks than the SMs hold at once (the driver's occupancy
+#   calculator, asked of the compiled kernel: its registers and 32 KiB of shared
+#   memory decide), and each takes groups of rows in turn,
 #   staging its input once where it fits one piece (and loading the next group's
 #   first words while the last group's sums meet).
 #
@@ -2153,7 +2154,7 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 # so each thread widens one word of each row, and the warps' sums meet in shared
 # memory. The knobs are the ones chapter 11 tuned for bf16 on the H200: a word is 8
 # bytes in both, so they keep as many bytes in flight — except at one token on the
-# block variant, where a sweep (version 6, measured at the end of the chapter) chose
+# block variant, where a sweep on an H100 (version 6, at the end of the chapter) chose
 # 8 rows a block: a row of codes is half as many words as a bf16 row. Like the bf16
 # one it loads its first words, which no kernel writes, before it waits for the
 # kernel before it — and before it stages the input, which that kernel writes — and it
@@ -2206,8 +2207,9 @@ STAGE_WORDS = 4096
 # rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
 # once for the groups it takes in turn (the bench records which kernel it timed);
 # 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
-# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS) and the LM head's
-# norm inside its GEMV
+# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS), the resident
+# blocks from the driver's occupancy calculator, and the norm inside the GEMV
+# whatever its rows (gate-up's, with GATED_GEMV_8BIT off)
 GEMV_8BIT_VERSION = 6
 
 
@@ -2448,8 +2450,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             gemv_body(x64, w64, scales, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
-    # blocks an SM holds at once: 32 KiB of staged input each, and at most 64
-    # registers a thread (at 128, for the block's 4 rows x 4 or 8 tokens, two)
+    # blocks an SM holds at once, until the kernel is compiled and the driver can say
+    # (resident_blocks): a bound from 32 KiB of staged input each and the
+    # accumulators' registers (4 rows x 4 or 8 tokens: two)
     kernel.blocks_per_sm = 4 if acc_size <= 8 else 2
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
     return require_lto(kernel)  # the widening's C, inlined
@@ -2464,11 +2467,13 @@ _EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True}
 
 
 # One token on the block variant (fewer rows than chapter 6's GEMV_WARP_MIN_ROWS):
-# chapter 6's block shares 4 rows, each thread a word of each, and a row of codes is
-# half as many words as a bf16 row — half the work a block, for the same start and
-# the same sums to meet. The knobs bench/ch15_quantization.py's sweep chose for the
-# shapes the engine launches (plotted below): 8 rows a block, two words ahead, one
-# with the norm inside (the staging's registers)
+# chapter 6's block shares 4 rows, and a row of codes is half as many words as a bf16
+# row — half the work a block, for the same start and the same sums to meet. The
+# knobs bench/ch15_quantization.py's sweep on an H100 found fastest for the shapes
+# the engine launches (plotted below): 8 rows a block, two words ahead — but one with
+# the norm inside, which on the 1B is QKV, whose 384 groups of 8 rows the GPU holds
+# at once only with one word's registers (3 blocks an SM, against 2). The plain
+# kernel was not swept: it takes the add's knobs
 ONE_TOKEN_BLOCK_KNOBS = {"": (GEMV_WARPS, 8, 2), "add": (GEMV_WARPS, 8, 2),
                          "rmsnorm": (GEMV_WARPS, 8, 1)}
 
@@ -2546,10 +2551,25 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
     bucket = next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
     kernel = GEMV_8BIT_KERNELS[method, variant, bucket, kind]
     # no more blocks than the GPU holds at once: each stages its input once and takes
-    # groups of rows in turn (in the simulator one block, so the tests take turns too)
-    resident = 1 if config.ENABLE_CUDASIM else kernel.blocks_per_sm * multiprocessors()
+    # groups of rows in turn
     out_rows = N // 2 if "gated" in kind else N
-    return kernel, min(cdiv(out_rows, kernel.rows_per_block), resident)
+    return kernel, min(cdiv(out_rows, kernel.rows_per_block), resident_blocks(kernel))
+
+
+def resident_blocks(kernel) -> int:
+    """Blocks of `kernel` the GPU holds at once: the driver's occupancy calculator on
+    its compiled code (each kernel has one signature), found once; before its first
+    launch compiles it, kernel.blocks_per_sm an SM; in the simulator one block (the
+    tests' blocks take groups in turn too).
+    """
+    if config.ENABLE_CUDASIM:
+        return 1
+    if getattr(kernel, "resident", None) is None:
+        compiled = next(iter(kernel.overloads.values()), None)
+        if compiled is None:
+            return kernel.blocks_per_sm * multiprocessors()
+        kernel.resident = compiled.max_cooperative_grid_blocks(GEMV_THREADS)
+    return kernel.resident
 
 
 @functools.cache
@@ -2676,7 +2696,8 @@ if can_launch():
 # loop asks for that half through chapter 7's `rmsnorm_linear_silu_mul`, which an
 # 8-bit weight answers itself (`QuantizedLinear.apply_rmsnorm_silu_mul`, below) — in
 # one kernel where the GEMV runs (`GATED_GEMV_8BIT`, on from version 5 of the GEMV:
-# the batch-1 records below are that version's; `False` launches the three). A
+# the batch-1 records below are that version's; `False` launches two: the norm inside
+# gate-up's GEMV into float32, then `silu_mul`). A
 # thread meets its words in the same order whether its group holds one row or a pair,
 # so the check is exact: the gated kernel's bits equal those of the same GEMV into
 # float32 followed by `silu_mul`.
@@ -2791,7 +2812,7 @@ def dequantize_to_bf16(codes, scales, out, method: str, stream=0):
 # fused weight on the GPU through one method, `to_device`, which the 8-bit model
 # overrides for the matrices it quantizes. A `QuantizedLinear` holds the codes and the
 # scales on the GPU and picks its path by the number of token vectors: the 8-bit GEMV
-# (norm fused in where chapter 6's rule fuses it for bf16) up to
+# (with the norm inside whatever its rows: see `apply_rmsnorm`) up to
 # `QUANTIZED_GEMV_MAX_TOKENS`, else the dequantized scratch and chapter 6's `linear`.
 # That limit is a guess (8), not yet measured: where the 8-bit GEMV stops beating a
 # dequantize plus cuBLAS; for bf16 chapter 6 measured 1, but there the other side
@@ -2813,7 +2834,7 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
 # the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
-# epilogue) where the GEMV runs; False launches the norm, the GEMV and silu_mul
+# epilogue) where the GEMV runs; False launches the normed GEMV, then silu_mul
 GATED_GEMV_8BIT = True
 
 
@@ -2856,10 +2877,10 @@ class QuantizedLinear:
     def apply_rmsnorm(self, residual, norm_weight, eps, out, normed, *, stream=0,
                       workspace=None):
         """out = RMSNorm(residual) · Wᵀ: one kernel where the GEMV runs, whatever
-        its rows (the LM head's too: its blocks, no more than the GPU holds, each norm
-        the input once as they stage it, where chapter 6's bf16 GEMV norms it in
-        every warp and so keeps 16,384 rows and more apart); else the norm into
-        `normed`, then apply.
+        its rows — gate-up's 16,384 too, where GATED_GEMV_8BIT is off (its blocks, no
+        more than the GPU holds, each norm the input once as they stage it, where
+        chapter 6's bf16 GEMV norms it in every warp and so keeps 16,384 rows and
+        more apart); else the norm into `normed`, then apply.
         """
         if self.uses_gemv(normed):
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
@@ -3282,15 +3303,16 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 # %% [markdown]
 # **One token's knobs (version 6).** Chapter 6's knobs came from bf16, whose rows are
 # twice as many words: with the block's 8 warps sharing 4 rows, each thread of an
-# 8-bit GEMV widens a single word of each row, so a block does half a bf16 block's
-# work for the same start, the same staging and the same sums to meet. The sweep part
-# of the benchmark script times each setting below on a layer's four shapes at one
-# token, each with the epilogue the engine launches there (QKV's norm, gate-up's norm
-# and SiLU·up, O's and down's residual add) and as many blocks as the launcher gives.
-# The launcher's knobs are the filled markers — `ONE_TOKEN_BLOCK_KNOBS` where the block
-# variant runs, chapter 6's warp a row for gate-up's 16,384 rows — and version 5's
-# the rings. Where this GPU has no sweep yet, the page draws an H100's
-# (`book/data/h100/`, with that run's batch-1 figures).
+# 8-bit GEMV widens one word of each row at the model's 2,048 inputs (a bf16 thread,
+# two), so a block does half a bf16 block's work for the same start, the same staging
+# and the same sums to meet. The sweep part of the benchmark script times each setting
+# below on a layer's four shapes at one token, each with the epilogue the engine
+# launches there (QKV's norm, gate-up's norm and SiLU·up, O's and down's residual add)
+# and as many blocks as the launcher gives. The launcher's knobs are the filled
+# markers — `ONE_TOKEN_BLOCK_KNOBS` where the block variant runs, chapter 6's warp a
+# (gate, up) pair of rows for gate-up's 16,384 — and version 5's the rings. Where this
+# GPU has no sweep yet, the page draws an H100's (`book/data/h100/`, with that
+# commit's batch-1 figures), the GPU the knobs were chosen on.
 
 # %%
 sweep = [r for r in gpu if r["name"] == "gemv_sweep"]
@@ -3308,50 +3330,64 @@ def version5_knobs(warps_per_row: int, kind: str) -> tuple:
     return warps, rows, unroll
 
 
+def knobs_of(r: dict) -> tuple:
+    return r["warps_per_row"], r["rows"], r["unroll"]
+
+
 if not sweep:
     print("the sweep is not yet recorded on a GPU: python bench/ch15_quantization.py "
           "--only sweep")
-else:
+else:  # the newest version's sweep, of one GPU
     sweep_version = max(r["gemv_8bit_version"] for r in sweep)
-    sweep = [r for r in sweep if r["gemv_8bit_version"] == sweep_version]
+    sweep_device = sweep[-1]["device"]["name"]
+    sweep = [r for r in sweep if r["gemv_8bit_version"] == sweep_version
+             and r["device"]["name"] == sweep_device]
     sweep_layers = list(dict.fromkeys(r["layer"] for r in sweep))
     sweep_methods = [m for m in ("int8", "fp8") if any(r["quantization"] == m
                                                        for r in sweep)]
-    knobs_of = lambda r: (r["warps_per_row"], r["rows"], r["unroll"])  # noqa: E731
     layer_us = {m: {"chosen": 0.0, "v5": 0.0, "best": 0.0} for m in sweep_methods}
+    margins = []  # (how much slower the runner-up is, the shape, the format)
+    table = {}  # (shape, format) -> {knobs: µs}
     fig, ax = new_figure(width=8, height=3.2)
     for j, m in enumerate(sweep_methods):
         for i, layer in enumerate(sweep_layers):
-            rs = [r for r in sweep if r["layer"] == layer and r["quantization"] == m]
+            rs = sorted((r for r in sweep if r["layer"] == layer
+                         and r["quantization"] == m), key=lambda r: r["us"])
+            table[layer, m] = {knobs_of(r): r["us"] for r in rs}
             chosen = next(r for r in rs if r["chosen"])
             old = next(r for r in rs
                        if knobs_of(r) == version5_knobs(chosen["warps_per_row"],
                                                         chosen["kind"]))
             x = i + (j - 0.5) * 0.3
-            ax.scatter([x] * len(rs), [r["us"] for r in rs], s=12, color="#bbbbbb")
+            ax.scatter([x] * len(rs), [r["us"] for r in rs], s=12, color="#bbbbbb",
+                       label="the other settings" if i == j == 0 else None)
             ax.scatter([x], [chosen["us"]], s=45, color=COLORS[m],
                        label=f"{m}: the launcher's" if i == 0 else None)
             ax.scatter([x], [old["us"]], s=90, facecolors="none", edgecolors=COLORS[m],
                        label=f"{m}: version 5's" if i == 0 else None)
-            best = min(rs, key=lambda r: r["us"])
             layer_us[m]["chosen"] += chosen["us"]
             layer_us[m]["v5"] += old["us"]
-            layer_us[m]["best"] += best["us"]
-            print(f"{layer:>13} {m}: launcher {knobs_of(chosen)} "
-                  f"{chosen['us']:.2f} µs, version 5 {knobs_of(old)} {old['us']:.2f}, "
-                  f"best {knobs_of(best)} {best['us']:.2f}")
+            layer_us[m]["best"] += rs[0]["us"]
+            if rs[0] is chosen and len(rs) > 1:
+                margins.append((rs[1]["us"] / chosen["us"] - 1, layer, m))
     ax.set_xticks(range(len(sweep_layers)), sweep_layers)
     ax.set_ylabel("µs, one token")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    ax.set_title("grey: the other settings (warps a row, rows, words ahead)",
+    ax.set_title(f"{sweep_device}: each setting of (warps a row, rows, words ahead)",
                  fontsize=9)
     plt.show()
-    prose.glue("ch15_sweep_device", sweep[0]["device"]["name"])
-    # that device's batch-1 run of the same version, if any
+    settings = sorted({k for row in table.values() for k in row})
+    print("µs at one token; columns: (warps a row, rows, words ahead)")
+    print(f"{'':>18}" + "".join(f"{str(k):>12}" for k in settings))
+    for (layer, m), row in table.items():
+        print(f"{layer + ' ' + m:>18}" + "".join(
+            f"{row[k]:12.2f}" if k in row else f"{'':>12}" for k in settings))
+    prose.glue("ch15_sweep_device", sweep_device)
+    # that device's engine run of the same version, if any
     same = [r for r in gpu + h100 if r["name"] == "bs1_decode"
             and r.get("gemv_8bit_version") == sweep_version
-            and r["device"]["name"] == sweep[0]["device"]["name"]]
+            and r["device"]["name"] == sweep_device]
     bs1_v6 = {r["quantization"]: r["value"] for r in same}
     if {None, "int8", "fp8"} <= set(bs1_v6):
         prose.glue("ch15_sweep_bs1", f"{bs1_v6['int8']:,.0f} tok/s in int8 and "
@@ -3359,12 +3395,19 @@ else:
     for m in sweep_methods:
         for what, us in layer_us[m].items():
             prose.glue(f"ch15_sweep_{what}_{m}", f"{us:.1f} µs")
-    no_better = all(abs(layer_us[m]["best"] - layer_us[m]["chosen"]) < 1e-9
-                    for m in sweep_methods)
-    prose.glue("ch15_sweep_best", "no setting of the sweep beats the launcher's on any "
-               "shape" if no_better else "the best setting of each shape alone would "
-               "take " + " and ".join(f"{layer_us[m]['best']:.1f} µs ({m})"
-                                      for m in sweep_methods))
+    if len(margins) == len(table):  # the launcher's is the fastest everywhere
+        closest = min(margins)
+        prose.glue("ch15_sweep_best", "on every shape the launcher's setting is the "
+                   f"sweep's fastest, the closest runner-up {closest[0]:.0%} slower "
+                   f"({closest[1]}, {closest[2]}; one run of each)")
+    else:
+        prose.glue("ch15_sweep_best", "the best setting of each shape alone would "
+                   "take " + " and ".join(f"{layer_us[m]['best']:.1f} µs ({m})"
+                                          for m in sweep_methods))
+    rows_8bit = ONE_TOKEN_BLOCK_KNOBS["add"][1]
+    rows_bf16 = GEMV_VARIANTS["block"](1)[1]
+    prose.glue("ch15_sweep_rows", f"{rows_8bit} rows of codes reads the bytes a bf16 "
+               f"block reads with {rows_bf16}")
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 if sweep and sweep_methods == ["int8", "fp8"]:
@@ -3372,10 +3415,9 @@ if sweep and sweep_methods == ["int8", "fp8"]:
 On the {{ch15_sweep_device}}, a layer's four GEMVs take {{ch15_sweep_chosen_int8}} in
 int8 with the launcher's knobs against {{ch15_sweep_v5_int8}} with version 5's
 ({{ch15_sweep_chosen_fp8}} against {{ch15_sweep_v5_fp8}} in FP8); {{ch15_sweep_best}}.
-A block of 8 rows of codes reads the bytes a bf16 block
-reads with 4.""" + ("""
-With these knobs the engine on that GPU decodes at batch 1 at {{ch15_sweep_bs1}} in
-the same run.""" if {None, "int8", "fp8"} <= set(bs1_v6) else "") + "\n")
+A block of {{ch15_sweep_rows}}.""" + ("""
+With these knobs the engine on that GPU, at the same commit, decodes at batch 1 at
+{{ch15_sweep_bs1}}.""" if {None, "int8", "fp8"} <= set(bs1_v6) else "") + "\n")
 
 # %% [markdown]
 # ## Summary
@@ -3407,10 +3449,11 @@ the same run.""" if {None, "int8", "fp8"} <= set(bs1_v6) else "") + "\n")
 #   four rows. The third and fourth put an int8 code under $2^{23}$ with one byte
 #   permute, widen e4m3 two codes at a time with the hardware's conversion, stage the
 #   input once in shared memory (normed there for the fused variant), and launch no
-#   more blocks than the GPU holds; the sixth shares 8 rows a block at one token, the
-#   knobs a sweep of each shape chose. The measurement section counts each version's
-#   instructions a word of codes in its SASS and says what each bought. At batch 256
-#   the GEMM path's bf16 scratch costs throughput.
+#   more blocks than the GPU holds. The fifth puts SiLU·up inside gate-up's GEMV; the
+#   sixth shares 8 rows a block at one token, the knobs a sweep of each shape chose on
+#   an H100, and asks the driver how many blocks the GPU holds. The measurement
+#   section counts each version's instructions a word of codes in its SASS and says
+#   what each bought. At batch 256 the GEMM path's bf16 scratch costs throughput.
 #
 # ## Exercises
 #

@@ -8,7 +8,12 @@ from numba import cuda
 from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
-from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
+from tinyvllm_lib.kernels.gemv_8bit import (
+    ONE_TOKEN_BLOCK_KNOBS,
+    gemv_8bit,
+    gemv_8bit_rmsnorm,
+    pick_gemv_8bit_kernel,
+)
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.measure import max_rel_error as rel_error
 from tinyvllm_lib.quantization.formats import quantize
@@ -102,9 +107,13 @@ def test_fp8_nan_code_poisons_exactly_its_output():
 @pytest.mark.parametrize("M", [1, 3])
 def test_gemv_8bit_block_variant(rng, method, M):
     """The variant a GPU runs for fewer than 16,384 rows (the simulator's "auto" takes a warp a row): plain,
-    residual add and RMSNorm. One token: the block's 8 warps share 8 rows, two words ahead (one with the norm),
-    so 10 rows are two groups, the second short; three tokens: 4 rows, so three groups, the last half empty."""
-    N, K = 10, 72
+    residual add and RMSNorm, with two rows more than a block's group, so the second group is short. int8 with
+    K = 4,104 (513 words): a whole pass of every thread's words ahead, then a short one (FP8 widens a code at a time
+    in the simulator's Python: a short row)."""
+    kernel, _ = pick_gemv_8bit_kernel("test", method, M, 10, "", variant="block")
+    if M == 1:  # one token's knobs: 8 rows a group
+        assert kernel.rows_per_block == ONE_TOKEN_BLOCK_KNOBS[""][1] == 8
+    N, K = kernel.rows_per_block + 2, 4104 if method == "int8" else 72
     x, q = random_bf16(rng, (M, K)), random_weight(rng, method, N, K)
     codes, scales = cuda.to_device(q.codes), cuda.to_device(q.scales)
     plain = cuda.to_device(np.full((M, N), np.nan, np.float32))

@@ -40,8 +40,9 @@ STAGE_WORDS = 4096
 # rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
 # once for the groups it takes in turn (the bench records which kernel it timed);
 # 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
-# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS) and the LM head's
-# norm inside its GEMV
+# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS), the resident
+# blocks from the driver's occupancy calculator, and the norm inside the GEMV
+# whatever its rows (gate-up's, with GATED_GEMV_8BIT off)
 GEMV_8BIT_VERSION = 6
 
 
@@ -282,8 +283,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             gemv_body(x64, w64, scales, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
-    # blocks an SM holds at once: 32 KiB of staged input each, and at most 64
-    # registers a thread (at 128, for the block's 4 rows x 4 or 8 tokens, two)
+    # blocks an SM holds at once, until the kernel is compiled and the driver can say
+    # (resident_blocks): a bound from 32 KiB of staged input each and the
+    # accumulators' registers (4 rows x 4 or 8 tokens: two)
     kernel.blocks_per_sm = 4 if acc_size <= 8 else 2
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
     return require_lto(kernel)  # the widening's C, inlined
@@ -298,11 +300,13 @@ _EPILOGUES = {"": {}, "add": {"accumulate": True}, "rmsnorm": {"rms_norm": True}
 
 
 # One token on the block variant (fewer rows than chapter 6's GEMV_WARP_MIN_ROWS):
-# chapter 6's block shares 4 rows, each thread a word of each, and a row of codes is
-# half as many words as a bf16 row — half the work a block, for the same start and
-# the same sums to meet. The knobs bench/ch15_quantization.py's sweep chose for the
-# shapes the engine launches (plotted below): 8 rows a block, two words ahead, one
-# with the norm inside (the staging's registers)
+# chapter 6's block shares 4 rows, and a row of codes is half as many words as a bf16
+# row — half the work a block, for the same start and the same sums to meet. The
+# knobs bench/ch15_quantization.py's sweep on an H100 found fastest for the shapes
+# the engine launches (plotted below): 8 rows a block, two words ahead — but one with
+# the norm inside, which on the 1B is QKV, whose 384 groups of 8 rows the GPU holds
+# at once only with one word's registers (3 blocks an SM, against 2). The plain
+# kernel was not swept: it takes the add's knobs
 ONE_TOKEN_BLOCK_KNOBS = {"": (GEMV_WARPS, 8, 2), "add": (GEMV_WARPS, 8, 2),
                          "rmsnorm": (GEMV_WARPS, 8, 1)}
 
@@ -374,10 +378,25 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
     bucket = next((b for b in GEMV_BUCKETS if b >= M), GEMV_BUCKETS[-1])
     kernel = GEMV_8BIT_KERNELS[method, variant, bucket, kind]
     # no more blocks than the GPU holds at once: each stages its input once and takes
-    # groups of rows in turn (in the simulator one block, so the tests take turns too)
-    resident = 1 if config.ENABLE_CUDASIM else kernel.blocks_per_sm * multiprocessors()
+    # groups of rows in turn
     out_rows = N // 2 if "gated" in kind else N
-    return kernel, min(cdiv(out_rows, kernel.rows_per_block), resident)
+    return kernel, min(cdiv(out_rows, kernel.rows_per_block), resident_blocks(kernel))
+
+
+def resident_blocks(kernel) -> int:
+    """Blocks of `kernel` the GPU holds at once: the driver's occupancy calculator on
+    its compiled code (each kernel has one signature), found once; before its first
+    launch compiles it, kernel.blocks_per_sm an SM; in the simulator one block (the
+    tests' blocks take groups in turn too).
+    """
+    if config.ENABLE_CUDASIM:
+        return 1
+    if getattr(kernel, "resident", None) is None:
+        compiled = next(iter(kernel.overloads.values()), None)
+        if compiled is None:
+            return kernel.blocks_per_sm * multiprocessors()
+        kernel.resident = compiled.max_cooperative_grid_blocks(GEMV_THREADS)
+    return kernel.resident
 
 
 @functools.cache

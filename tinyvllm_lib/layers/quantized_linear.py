@@ -16,7 +16,7 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
 # the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
-# epilogue) where the GEMV runs; False launches the norm, the GEMV and silu_mul
+# epilogue) where the GEMV runs; False launches the normed GEMV, then silu_mul
 GATED_GEMV_8BIT = True
 
 
@@ -59,10 +59,10 @@ class QuantizedLinear:
     def apply_rmsnorm(self, residual, norm_weight, eps, out, normed, *, stream=0,
                       workspace=None):
         """out = RMSNorm(residual) · Wᵀ: one kernel where the GEMV runs, whatever
-        its rows (the LM head's too: its blocks, no more than the GPU holds, each norm
-        the input once as they stage it, where chapter 6's bf16 GEMV norms it in
-        every warp and so keeps 16,384 rows and more apart); else the norm into
-        `normed`, then apply.
+        its rows — gate-up's 16,384 too, where GATED_GEMV_8BIT is off (its blocks, no
+        more than the GPU holds, each norm the input once as they stage it, where
+        chapter 6's bf16 GEMV norms it in every warp and so keeps 16,384 rows and
+        more apart); else the norm into `normed`, then apply.
         """
         if self.uses_gemv(normed):
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
