@@ -207,7 +207,7 @@ def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, form
             kernel = make_gemv_8bit_kernel(method, 1, warps, rows, unroll, accumulate=add, rms_norm=normed,
                                            gated=gated)
             groups = -(-(N // 2 if gated else N) // kernel.rows_per_block)
-            blocks = min(groups, resident_blocks(kernel))  # not yet compiled: the kernel's bound
+            blocks = min(groups, resident_blocks(kernel))  # the launcher's count
 
             def launch(i, s, kernel=kernel):
                 codes, scales = weights[i % len(weights)]
@@ -222,8 +222,7 @@ def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, form
             got = out.copy_to_host()
             check(bf16_bits_to_f32(got) if gated else got, want, f"{method} {name} {kind} {knobs}",
                   2.0**-8 if gated else 1e-4)
-            blocks = min(groups, resident_blocks(kernel))  # compiled: the driver's count, as the launcher's
-            registers = None if tiny else int(next(iter(kernel.overloads.values())).regs_per_thread)
+            registers = None if tiny else max(kernel.get_regs_per_thread().values())
             seconds = time_launches(launch, len(weights), repeats=1 if tiny else 10)
             rec.add("gemv_sweep", [1, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name,
                     quantization=method, kind=kind, warps_per_row=warps, rows=rows, unroll=unroll, blocks=blocks,

@@ -1986,9 +1986,9 @@ norm-fused int8 loop {{ch15_sass_v2_fused}}. The version below issues
 #   a read of the input and a wait for all its threads before any dot product; with a
 #   block for every 8 rows, the LM head's 16,000 blocks paid it 16,000 times, and the
 #   norm-fused one read the float32 residual and the norm's weight each time. Now the
-#   launch makes no more blocks than the SMs hold at once (the driver's occupancy
-#   calculator, asked of the compiled kernel: its registers and 32 KiB of shared
-#   memory decide), and each takes groups of rows in turn,
+#   launch makes no more blocks than the SMs hold at once (what 32 KiB of shared
+#   memory and the kernel's registers let one SM hold: 4 for version 4's knobs), and
+#   each takes groups of rows in turn,
 #   staging its input once where it fits one piece (and loading the next group's
 #   first words while the last group's sums meet).
 #
@@ -2207,9 +2207,9 @@ STAGE_WORDS = 4096
 # rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
 # once for the groups it takes in turn (the bench records which kernel it timed);
 # 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
-# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS), the resident
-# blocks from the driver's occupancy calculator, and the norm inside the GEMV
-# whatever its rows (gate-up's, with GATED_GEMV_8BIT off)
+# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS, with the blocks an
+# SM holds of them), and the norm inside the GEMV whatever its rows (gate-up's, with
+# GATED_GEMV_8BIT off)
 GEMV_8BIT_VERSION = 6
 
 
@@ -2450,10 +2450,13 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             gemv_body(x64, w64, scales, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
-    # blocks an SM holds at once, until the kernel is compiled and the driver can say
-    # (resident_blocks): a bound from 32 KiB of staged input each and the
-    # accumulators' registers (4 rows x 4 or 8 tokens: two)
-    kernel.blocks_per_sm = 4 if acc_size <= 8 else 2
+    # blocks an SM holds at once: 32 KiB of staged input each, and the registers,
+    # which grow with the words in flight and the sums (4 rows x 4 or 8 tokens: two
+    # blocks); one token's 8-row block knobs compile to 80 registers with one word
+    # ahead (three blocks) and 96 with two (two blocks), counted from their SASS
+    in_flight = rows * unroll
+    kernel.blocks_per_sm = (2 if acc_size > 8 or in_flight >= 16 else
+                            3 if rows >= 8 else 4)
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
     return require_lto(kernel)  # the widening's C, inlined
 
@@ -2557,19 +2560,10 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
 
 
 def resident_blocks(kernel) -> int:
-    """Blocks of `kernel` the GPU holds at once: the driver's occupancy calculator on
-    its compiled code (each kernel has one signature), found once; before its first
-    launch compiles it, kernel.blocks_per_sm an SM; in the simulator one block (the
-    tests' blocks take groups in turn too).
+    """Blocks of `kernel` the GPU holds at once (kernel.blocks_per_sm an SM); in the
+    simulator one block, so that the tests' blocks take groups in turn too.
     """
-    if config.ENABLE_CUDASIM:
-        return 1
-    if getattr(kernel, "resident", None) is None:
-        compiled = next(iter(kernel.overloads.values()), None)
-        if compiled is None:
-            return kernel.blocks_per_sm * multiprocessors()
-        kernel.resident = compiled.max_cooperative_grid_blocks(GEMV_THREADS)
-    return kernel.resident
+    return 1 if config.ENABLE_CUDASIM else kernel.blocks_per_sm * multiprocessors()
 
 
 @functools.cache
@@ -3451,7 +3445,7 @@ With these knobs the engine on that GPU, at the same commit, decodes at batch 1 
 #   input once in shared memory (normed there for the fused variant), and launch no
 #   more blocks than the GPU holds. The fifth puts SiLU·up inside gate-up's GEMV; the
 #   sixth shares 8 rows a block at one token, the knobs a sweep of each shape chose on
-#   an H100, and asks the driver how many blocks the GPU holds. The measurement
+#   an H100, with as many blocks as the GPU holds of them. The measurement
 #   section counts each version's instructions a word of codes in its SASS and says
 #   what each bought. At batch 256 the GEMM path's bf16 scratch costs throughput.
 #

@@ -40,9 +40,9 @@ STAGE_WORDS = 4096
 # rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
 # once for the groups it takes in turn (the bench records which kernel it timed);
 # 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
-# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS), the resident
-# blocks from the driver's occupancy calculator, and the norm inside the GEMV
-# whatever its rows (gate-up's, with GATED_GEMV_8BIT off)
+# with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS, with the blocks an
+# SM holds of them), and the norm inside the GEMV whatever its rows (gate-up's, with
+# GATED_GEMV_8BIT off)
 GEMV_8BIT_VERSION = 6
 
 
@@ -283,10 +283,13 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             gemv_body(x64, w64, scales, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
-    # blocks an SM holds at once, until the kernel is compiled and the driver can say
-    # (resident_blocks): a bound from 32 KiB of staged input each and the
-    # accumulators' registers (4 rows x 4 or 8 tokens: two)
-    kernel.blocks_per_sm = 4 if acc_size <= 8 else 2
+    # blocks an SM holds at once: 32 KiB of staged input each, and the registers,
+    # which grow with the words in flight and the sums (4 rows x 4 or 8 tokens: two
+    # blocks); one token's 8-row block knobs compile to 80 registers with one word
+    # ahead (three blocks) and 96 with two (two blocks), counted from their SASS
+    in_flight = rows * unroll
+    kernel.blocks_per_sm = (2 if acc_size > 8 or in_flight >= 16 else
+                            3 if rows >= 8 else 4)
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
     return require_lto(kernel)  # the widening's C, inlined
 
@@ -384,19 +387,10 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
 
 
 def resident_blocks(kernel) -> int:
-    """Blocks of `kernel` the GPU holds at once: the driver's occupancy calculator on
-    its compiled code (each kernel has one signature), found once; before its first
-    launch compiles it, kernel.blocks_per_sm an SM; in the simulator one block (the
-    tests' blocks take groups in turn too).
+    """Blocks of `kernel` the GPU holds at once (kernel.blocks_per_sm an SM); in the
+    simulator one block, so that the tests' blocks take groups in turn too.
     """
-    if config.ENABLE_CUDASIM:
-        return 1
-    if getattr(kernel, "resident", None) is None:
-        compiled = next(iter(kernel.overloads.values()), None)
-        if compiled is None:
-            return kernel.blocks_per_sm * multiprocessors()
-        kernel.resident = compiled.max_cooperative_grid_blocks(GEMV_THREADS)
-    return kernel.resident
+    return 1 if config.ENABLE_CUDASIM else kernel.blocks_per_sm * multiprocessors()
 
 
 @functools.cache
