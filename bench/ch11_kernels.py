@@ -44,7 +44,7 @@ from tinyvllm_lib.layers.linear import (
     rmsnorm_linear,
     silu_in_gemv,
 )
-from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, time_launches
+from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, device_info, time_launches
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 
@@ -231,7 +231,7 @@ def main() -> None:
     llm = LLM(folder, device="cuda", max_model_len=2 * args.context, max_num_seqs=rows_max, enforce_eager=True,
               num_kv_blocks=(2 * args.context // 16) * rows_max * 2)
     runner = llm.llm_engine.model_runner
-    ceiling, ceiling_name = bandwidth_ceiling()  # chapter 1's best measured rate on this GPU kind
+    ceiling, ceiling_name = bandwidth_ceiling(device_info()["name"])  # chapter 1's best rate on this GPU
     rec = Recorder("ch11_kernels")
     for rows in args.rows:
         total, table = 0.0, []

@@ -27,7 +27,7 @@ from tinyvllm_lib.cuda_graph import CudaGraph
 from tinyvllm_lib.engine.cuda_graphs import padding_batch
 from tinyvllm_lib.engine.input_batch import PADDING, StepShape
 from tinyvllm_lib.engine.llm import LLM
-from tinyvllm_lib.measure import DATA_DIR, Recorder, bandwidth_ceiling
+from tinyvllm_lib.measure import DATA_DIR, Recorder, bandwidth_ceiling, device_info
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.loader import llama_weight_shapes
@@ -41,7 +41,7 @@ def batch1_ceiling(folder) -> tuple[float, float, float, str]:
     head once), at best at chapter 1's bandwidth ceiling (the best rate it measured on this GPU)."""
     config = ModelConfig.from_folder(folder)
     nbytes = 2 * sum(math.prod(s) for s in llama_weight_shapes(config).values())
-    gb_s, name = bandwidth_ceiling()  # chapter 1's GPU: this kind
+    gb_s, name = bandwidth_ceiling(device_info()["name"])  # chapter 1's on this GPU (none recorded: nan)
     return gb_s * 1e9 / nbytes, nbytes, gb_s, name
 
 

@@ -53,6 +53,7 @@ from tinyvllm_lib.measure import (
     DATA_DIR,
     Recorder,
     bandwidth_ceiling,
+    device_info,
     num_rotations,
     time_launches,
 )
@@ -70,7 +71,7 @@ MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
 def engine_part(rec: Recorder, folder, extra: dict, tiny: bool, formats=FORMATS, throughput: bool = True,
                 latency: bool = True) -> None:
     config = ModelConfig.from_folder(folder)
-    gb_s, ceiling_name = bandwidth_ceiling()
+    gb_s, ceiling_name = bandwidth_ceiling(device_info()["name"])  # this GPU's (none recorded: nan)
     for method in formats:
         nbytes = decode_weight_bytes(config, method)
         limit = gb_s * 1e9 / nbytes
@@ -112,7 +113,7 @@ def check(got: np.ndarray, want: np.ndarray, what: str, tol: float = 1e-4) -> No
 
 def gemv_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> None:
     """Each format's GEMV on every decode shape, one token, weights rotated past L2; bytes read / time."""
-    gb_s, ceiling_name = bandwidth_ceiling()
+    gb_s, ceiling_name = bandwidth_ceiling(device_info()["name"])  # this GPU's (none recorded: nan)
     rng = np.random.default_rng(0)
     shapes = quantized_shapes(config, lm_head=True)
 
@@ -180,7 +181,7 @@ def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, form
     """One token: each knob setting of the 8-bit GEMV on each shape, with the epilogue the engine launches there,
     launched as the launcher does (no more blocks than the GPU holds of it: resident_blocks), weights rotated past
     L2; each checked first (a first launch, which also compiles it)."""
-    gb_s, ceiling_name = bandwidth_ceiling()
+    gb_s, ceiling_name = bandwidth_ceiling(device_info()["name"])  # this GPU's (none recorded: nan)
     rng = np.random.default_rng(0)
     for (name, (N, K)), method in ((item, m) for item in quantized_shapes(config, lm_head=False).items()
                                    for m in formats):
