@@ -39,14 +39,15 @@ from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.kernels.gemv import GEMV_THREADS, GEMV_WARPS, gemv, gemv_variant
+from tinyvllm_lib.kernels.gemv import GEMV_WARPS, gemv, gemv_variant
 from tinyvllm_lib.kernels.gemv_8bit import (
+    GEMV_8BIT_KERNELS,
     GEMV_8BIT_VERSION,
     gemv_8bit,
     gemv_8bit_config,
     gemv_8bit_rmsnorm,
     make_gemv_8bit_kernel,
-    resident_blocks,
+    pick_gemv_8bit_kernel,
 )
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.measure import (
@@ -179,56 +180,59 @@ SWEEP_KNOBS = ([(GEMV_WARPS, rows, unroll) for rows in (4, 8) for unroll in (1, 
 
 def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, formats=("int8", "fp8")) -> None:
     """One token: each knob setting of the 8-bit GEMV on each shape, with the epilogue the engine launches there,
-    launched as the launcher does (no more blocks than the GPU holds of it: resident_blocks), weights rotated past
-    L2; each checked first (a first launch, which also compiles it)."""
+    through chapter 15's launcher with the setting's kernel in its table (so with the blocks it gives: no more than
+    the GPU holds of that kernel), weights rotated past L2; each checked first (a first launch, which compiles it)."""
     gb_s, ceiling_name = bandwidth_ceiling(device_info()["name"])  # this GPU's (none recorded: nan)
     rng = np.random.default_rng(0)
     for (name, (N, K)), method in ((item, m) for item in quantized_shapes(config, lm_head=False).items()
                                    for m in formats):
         q = quantize(rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02), method)
-        weights = [(cuda.to_device(q.codes).view(np.uint64), cuda.to_device(q.scales))
+        weights = [(cuda.to_device(q.codes), cuda.to_device(q.scales))
                    for _ in range(2 if tiny else num_rotations(q.nbytes))]
         x_bits = f32_to_bf16_bits(rng.standard_normal((1, K), dtype=np.float32))
         residual = rng.standard_normal((1, K), dtype=np.float32)
         norm = f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32))
         prior = rng.standard_normal((1, N), dtype=np.float32)
-        d_x, d_residual, d_norm = (cuda.to_device(a.view(np.uint64)) for a in (x_bits, residual, norm))
+        d_x, d_residual, d_norm = (cuda.to_device(a) for a in (x_bits, residual, norm))
         kind = SWEEP_KINDS[name]
         gated, normed, add = "gated" in kind, "rmsnorm" in kind, kind == "add"
         product = (rmsnorm_ref(residual, norm, 1e-5) if normed else bf16_bits_to_f32(x_bits)) @ q.dequantize().T
         want = silu_mul_ref(product) if gated else product + prior if add else product
         out = cuda.device_array((1, N // 2), np.uint16) if gated else cuda.device_array((1, N), np.float32)
         nbytes = q.nbytes + (residual.nbytes + norm.nbytes if normed else x_bits.nbytes)
-        variant = "warp" if tiny else gemv_variant(1, N)
-        chosen = gemv_8bit_config(variant, 1, kind)
+        variant = "warp" if tiny else gemv_variant(1, N)  # the launcher's "auto"
+        chosen, key = gemv_8bit_config(variant, 1, kind), (method, variant, 1, kind)
+        model_kernel = GEMV_8BIT_KERNELS[key]
+
+        def launch(i, s):  # as the engine launches it
+            codes, scales = weights[i % len(weights)]
+            if normed:
+                gemv_8bit_rmsnorm(d_residual, d_norm, 1e-5, codes, scales, out, method, stream=s, gated=gated)
+            else:
+                gemv_8bit(d_x, codes, scales, out, method, stream=s, accumulate=add)
+
         for knobs in SWEEP_KNOBS:
             warps, rows, unroll = knobs
             if gated and rows % 2:
                 continue
-            kernel = make_gemv_8bit_kernel(method, 1, warps, rows, unroll, accumulate=add, rms_norm=normed,
-                                           gated=gated)
-            groups = -(-(N // 2 if gated else N) // kernel.rows_per_block)
-            blocks = min(groups, resident_blocks(kernel))  # the launcher's count
-
-            def launch(i, s, kernel=kernel):
-                codes, scales = weights[i % len(weights)]
-                if normed:
-                    kernel[blocks, GEMV_THREADS, s](d_residual, codes, scales, out, d_norm, np.float32(1e-5))
-                else:
-                    kernel[blocks, GEMV_THREADS, s](d_x, codes, scales, out)
-
-            if add:
-                out.copy_to_device(prior)
-            launch(0, 0)
-            got = out.copy_to_host()
-            check(bf16_bits_to_f32(got) if gated else got, want, f"{method} {name} {kind} {knobs}",
-                  2.0**-8 if gated else 1e-4)
-            registers = None if tiny else max(kernel.get_regs_per_thread().values())
-            seconds = time_launches(launch, len(weights), repeats=1 if tiny else 10)
+            GEMV_8BIT_KERNELS[key] = make_gemv_8bit_kernel(method, 1, warps, rows, unroll, accumulate=add,
+                                                           rms_norm=normed, gated=gated)
+            try:
+                if add:
+                    out.copy_to_device(prior)
+                launch(0, 0)
+                got = out.copy_to_host()
+                check(bf16_bits_to_f32(got) if gated else got, want, f"{method} {name} {kind} {knobs}",
+                      2.0**-8 if gated else 1e-4)
+                kernel, blocks = pick_gemv_8bit_kernel("sweep", method, 1, N, kind)
+                registers = None if tiny else max(kernel.get_regs_per_thread().values())
+                seconds = time_launches(launch, len(weights), repeats=1 if tiny else 10)
+            finally:
+                GEMV_8BIT_KERNELS[key] = model_kernel
             rec.add("gemv_sweep", [1, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name,
                     quantization=method, kind=kind, warps_per_row=warps, rows=rows, unroll=unroll, blocks=blocks,
-                    registers=registers, chosen=knobs == chosen, us=seconds * 1e6, bytes=nbytes, ceiling_name=ceiling_name,
-                    part="sweep", **extra)
+                    registers=registers, chosen=knobs == chosen, us=seconds * 1e6, bytes=nbytes,
+                    ceiling_name=ceiling_name, part="sweep", **extra)
             print(f"{name} {method} {kind or 'plain'} {knobs}{' (chosen)' * (knobs == chosen)}: "
                   f"{seconds * 1e6:.2f} us", flush=True)
         save_part(rec, "sweep", tiny)  # shape by shape: a run cut short keeps what it timed

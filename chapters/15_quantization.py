@@ -2481,17 +2481,22 @@ ONE_TOKEN_BLOCK_KNOBS = {"": (GEMV_WARPS, 8, 2), "add": (GEMV_WARPS, 8, 2),
                          "rmsnorm": (GEMV_WARPS, 8, 1)}
 
 
-def gemv_8bit_config(variant: str, tokens: int, kind: str = "") -> tuple:
-    """(warps a row, rows a group, words loaded ahead) for the epilogue `kind`:
-    chapter 6's knobs but at one token on the block variant (ONE_TOKEN_BLOCK_KNOBS);
-    gated, rows come in (gate, up) pairs, so an odd count doubles and the words ahead
-    halve (as many bytes in flight)."""
-    if variant == "block" and tokens == 1 and kind in ONE_TOKEN_BLOCK_KNOBS:
-        return ONE_TOKEN_BLOCK_KNOBS[kind]
+def chapter6_knobs(variant: str, tokens: int, gated: bool) -> tuple:
+    """(warps a row, rows a group, words loaded ahead): chapter 6's knobs (every
+    kernel's up to version 5); gated, rows come in (gate, up) pairs, so an odd count
+    doubles and the words ahead halve (as many bytes in flight)."""
     warps, rows, unroll = GEMV_VARIANTS[variant](tokens)
-    if "gated" in kind and rows % 2:
+    if gated and rows % 2:
         rows, unroll = 2 * rows, max(1, unroll // 2)
     return warps, rows, unroll
+
+
+def gemv_8bit_config(variant: str, tokens: int, kind: str = "") -> tuple:
+    """The knobs of the kernel for the epilogue `kind`: chapter 6's, but at one token
+    on the block variant ONE_TOKEN_BLOCK_KNOBS."""
+    if variant == "block" and tokens == 1 and kind in ONE_TOKEN_BLOCK_KNOBS:
+        return ONE_TOKEN_BLOCK_KNOBS[kind]
+    return chapter6_knobs(variant, tokens, "gated" in kind)
 
 
 for _method in ("int8", "fp8"):
@@ -3315,13 +3320,10 @@ if not sweep:  # an H100's, until this GPU has one
     sweep = [r for r in h100 if r["name"] == "gemv_sweep"]
 
 
-def version5_knobs(warps_per_row: int, kind: str) -> tuple:
-    """What version 5 launched at one token: chapter 6's knobs for the variant (the
-    chosen knobs' warps say which), pairs of rows where gated."""
-    warps, rows, unroll = GEMV_VARIANTS["warp" if warps_per_row == 1 else "block"](1)
-    if "gated" in kind and rows % 2:
-        rows, unroll = 2 * rows, max(1, unroll // 2)
-    return warps, rows, unroll
+def version5_knobs(r: dict) -> tuple:
+    """What version 5 launched at one token for a sweep record's shape and epilogue:
+    chapter 6's knobs for the variant the launcher picks there."""
+    return chapter6_knobs(gemv_variant(1, r["shape"][1]), 1, "gated" in r["kind"])
 
 
 def knobs_of(r: dict) -> tuple:
@@ -3349,9 +3351,7 @@ else:  # the newest version's sweep, of one GPU
                          and r["quantization"] == m), key=lambda r: r["us"])
             table[layer, m] = {knobs_of(r): r["us"] for r in rs}
             chosen = next(r for r in rs if r["chosen"])
-            old = next(r for r in rs
-                       if knobs_of(r) == version5_knobs(chosen["warps_per_row"],
-                                                        chosen["kind"]))
+            old = next(r for r in rs if knobs_of(r) == version5_knobs(r))
             x = i + (j - 0.5) * 0.3
             ax.scatter([x] * len(rs), [r["us"] for r in rs], s=12, color="#bbbbbb",
                        label="the other settings" if i == j == 0 else None)

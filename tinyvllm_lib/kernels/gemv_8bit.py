@@ -314,17 +314,22 @@ ONE_TOKEN_BLOCK_KNOBS = {"": (GEMV_WARPS, 8, 2), "add": (GEMV_WARPS, 8, 2),
                          "rmsnorm": (GEMV_WARPS, 8, 1)}
 
 
-def gemv_8bit_config(variant: str, tokens: int, kind: str = "") -> tuple:
-    """(warps a row, rows a group, words loaded ahead) for the epilogue `kind`:
-    chapter 6's knobs but at one token on the block variant (ONE_TOKEN_BLOCK_KNOBS);
-    gated, rows come in (gate, up) pairs, so an odd count doubles and the words ahead
-    halve (as many bytes in flight)."""
-    if variant == "block" and tokens == 1 and kind in ONE_TOKEN_BLOCK_KNOBS:
-        return ONE_TOKEN_BLOCK_KNOBS[kind]
+def chapter6_knobs(variant: str, tokens: int, gated: bool) -> tuple:
+    """(warps a row, rows a group, words loaded ahead): chapter 6's knobs (every
+    kernel's up to version 5); gated, rows come in (gate, up) pairs, so an odd count
+    doubles and the words ahead halve (as many bytes in flight)."""
     warps, rows, unroll = GEMV_VARIANTS[variant](tokens)
-    if "gated" in kind and rows % 2:
+    if gated and rows % 2:
         rows, unroll = 2 * rows, max(1, unroll // 2)
     return warps, rows, unroll
+
+
+def gemv_8bit_config(variant: str, tokens: int, kind: str = "") -> tuple:
+    """The knobs of the kernel for the epilogue `kind`: chapter 6's, but at one token
+    on the block variant ONE_TOKEN_BLOCK_KNOBS."""
+    if variant == "block" and tokens == 1 and kind in ONE_TOKEN_BLOCK_KNOBS:
+        return ONE_TOKEN_BLOCK_KNOBS[kind]
+    return chapter6_knobs(variant, tokens, "gated" in kind)
 
 
 for _method in ("int8", "fp8"):
