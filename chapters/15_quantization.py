@@ -608,7 +608,7 @@ import math
 
 import numpy as np
 
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 from tinyvllm_lib.quantization.formats import (
@@ -720,10 +720,15 @@ class QuantizedLlamaNumpy(LlamaNumpy):
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  quantization: str, quantize_lm_head: bool = QUANTIZE_LM_HEAD,
-                 tensors: dict | None = None, **kwargs):
+                 tensors: dict | None = None, fp8_gemm_tokens: int | None = None,
+                 **kwargs):
+        """fp8_gemm_tokens: as the GPU's FP8 GEMM path does (W8A8, later in this
+        chapter), past that many token vectors round each FP8 matrix's input to bf16,
+        then to e4m3 codes with one scale a token; None (the default): never."""
         if check_quantization(quantization) is None:
             raise ValueError("QuantizedLlamaNumpy needs quantization 'int8' or 'fp8'")
         self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
+        self.fp8_gemm_tokens = fp8_gemm_tokens if quantization == "fp8" else None
         self._given = (stored_scales(weights, config), tensors or {})  # while loading
         super().__init__(config, weights, **kwargs)
         del self._given
@@ -733,6 +738,20 @@ class QuantizedLlamaNumpy(LlamaNumpy):
             return super().load_matrix(name, array)
         q = quantized_tensor(name, array, self.quantization, *self._given)
         return q.dequantize()
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        if (self.fp8_gemm_tokens is not None and len(x) > self.fp8_gemm_tokens
+                and is_quantized(name, self.quantize_lm_head)
+                and takes_fp8_gemm(self.matrices[name].shape)):
+            x = quantize(bf16_bits_to_f32(f32_to_bf16_bits(x)), "fp8").dequantize()
+            return x @ self.matrices[name].T
+        return super().linear(x, name)
+
+
+def takes_fp8_gemm(shape: tuple[int, int]) -> bool:
+    """Whether an (out, in) FP8 matrix suits the FP8 GEMM (cuBLASLt's 16-byte rule
+    for both sizes)."""
+    return shape[0] % 16 == 0 and shape[1] % 16 == 0
 
 
 def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
@@ -2734,10 +2753,10 @@ if can_launch():
 # scale, rounded to bf16), and chapter 6's `linear` runs on that. It costs a write of
 # the bf16 weight and a read of the 8-bit one before cuBLAS reads the bf16 one, so an
 # 8-bit GEMM moves about 2.5 times the bytes of a bf16 one; the next section counts
-# what that predicts. (The better choices — dequantizing tile by tile inside chapter
-# 14's tensor-core GEMM, or Hopper's FP8 tensor cores through cuBLASLt, which would
-# quantize the activations too — are not built here; the measurement at the end of
-# the chapter says what this one costs.)
+# what that predicts. For `fp8` the next subsection replaces it with Hopper's FP8
+# tensor cores, which quantize the activations too; `int8` keeps it (dequantizing
+# tile by tile inside chapter 14's tensor-core GEMM, which would not need it, is not
+# built here), and the measurement at the end of the chapter says what each costs.
 # Its second rounding, of $s_n q_{nk}$ to bf16, moves a weight by at most $2^{-8}$ of
 # itself, as bf16 weights
 # always have.
@@ -2803,6 +2822,300 @@ def dequantize_to_bf16(codes, scales, out, method: str, stream=0):
     return out
 
 # %% [markdown]
+# ### FP8 tensor cores: quantize the activations too
+#
+# The scratch is the honest first step, not the last one. Hopper's tensor cores
+# multiply FP8 operands at twice bf16's rate, and cuBLASLt (the "light" cuBLAS that
+# takes descriptors instead of arguments) runs such a GEMM with **a scale for every
+# row of each operand**, applied in the GEMM's epilogue — NVIDIA calls them
+# outer-vector scales. Both operands must be FP8, so the activations are quantized
+# too, as vLLM does for its FP8 models: each token vector gets its own scale
+# ($s_m = \max_k |x_{mk}| / 448$), its own e4m3 codes, and
+#
+# $$\text{out}_{mn} = s_m\, s_n \sum_k \hat x_{mk}\, \hat w_{nk},$$
+#
+# with the products summed in float32 inside the tensor cores. This is **W8A8**
+# where the GEMV was W8A16: the GEMM path rounds each activation to 3 mantissa bits
+# as well (the token's largest value sets the scale, the smaller ones lose the
+# most). It applies only to `fp8`: Hopper has no int8 × bf16 or int8 × FP8 tensor
+# core, so `int8` keeps the scratch. The NumPy model can do the same rounding
+# (`QuantizedLlamaNumpy(..., fp8_gemm_tokens=...)`), so the GPU's path has a
+# reference on the CPU.
+#
+# The activations' quantizer is one block a token vector: the block finds the
+# absolute maximum of its row (a warp's butterfly, then the warps'), divides each
+# value by the scale in float32 — as `quantize` does, so the codes are the same
+# bits — and rounds it to e4m3 with chapter 1's integer recipe (keep 3 mantissa
+# bits, ties to even; saturate at 448).
+
+# %%
+#| export kernels.quantize_tokens
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from tinyvllm_lib.kernels.bf16 import _f32_bits, bf16_to_f32, device_function
+from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
+from tinyvllm_lib.quantization.formats import FP8_E4M3_MAX
+
+QUANTIZE_TOKENS_THREADS = 256
+_E4M3_MAX = float32(FP8_E4M3_MAX)
+
+
+@device_function
+def f32_to_e4m3(x):
+    """Round one float32 to e4m3fn bits (as fp8_e4m3_encode does): nearest, ties to
+    even; past ±448 saturate; NaN -> S.1111.111."""
+    u = _f32_bits(x)
+    sign = (u >> uint32(24)) & uint32(0x80)
+    magnitude = u & uint32(0x7FFFFFFF)
+    if magnitude > uint32(0x7F800000):  # NaN
+        return uint32(0x7F) | sign
+    if magnitude < uint32(0x3C800000):  # below 2^-6: steps of 2^-9, ties to even
+        steps = abs(x) * float32(512.0)
+        n = uint32(steps)
+        frac = steps - float32(n)
+        if frac > float32(0.5) or (frac == float32(0.5) and n & uint32(1)):
+            n += uint32(1)
+        return n | sign
+    top = (magnitude + uint32(0x7FFFF) + ((magnitude >> uint32(20)) & uint32(1))) \
+        >> uint32(20)
+    return min(top - uint32(120 << 3), uint32(0x7E)) | sign
+
+
+@cuda.jit
+def quantize_tokens_fp8_kernel(x64, codes32, scales):
+    """Block m: row m of x (bf16 bits, viewed as uint64 words of 4) -> its scale
+    (absmax / 448) and e4m3 codes (viewed as uint32 words of 4)."""
+    wait_for_previous_kernel()
+    scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)
+    warp_max = cuda.shared.array(32, float32)
+    m, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    num_words = x64.shape[1]
+    largest = float32(0.0)
+    for j in range(tid, num_words, cuda.blockDim.x):
+        word = x64[m, j]
+        for b in range(4):
+            v = abs(bf16_to_f32(uint32((word >> uint64(16 * b)) & uint64(0xFFFF))))
+            if v > largest:  # never true for a NaN: skipped here, coded NaN below
+                largest = v
+    lane_mask = WARP_SIZE // 2
+    while lane_mask > 0:
+        other = shfl_xor(largest, lane_mask, scratch)
+        if other > largest:
+            largest = other
+        lane_mask //= 2
+    if tid % WARP_SIZE == 0:
+        warp_max[tid // WARP_SIZE] = largest
+    cuda.syncthreads()
+    largest = float32(0.0)
+    for w in range(cuda.blockDim.x // WARP_SIZE):
+        if warp_max[w] > largest:
+            largest = warp_max[w]
+    scale = largest / _E4M3_MAX
+    if tid == 0:
+        scales[m] = scale
+    divide = scale if scale > float32(0.0) else float32(1.0)  # an all-zero row
+    for j in range(tid, num_words, cuda.blockDim.x):
+        word = x64[m, j]
+        packed = uint32(0)
+        for b in range(4):
+            v = bf16_to_f32(uint32((word >> uint64(16 * b)) & uint64(0xFFFF)))
+            packed |= f32_to_e4m3(v / divide) << uint32(8 * b)
+        codes32[m, j] = packed
+
+
+PTX_SIGNATURES = {"quantize_tokens_fp8_kernel":
+                  ["void(uint64[:, ::1], uint32[:, ::1], float32[::1])"]}
+
+
+def quantize_tokens_fp8(x, codes, scales, stream=0):
+    """Launch: each row of x (M, K) bf16 bits -> its float32 scale and e4m3 codes
+    (codes (M, K) uint8), as quantize(x, "fp8") makes them. K a multiple of 4."""
+    M, K = x.shape if x.ndim == 2 else (0, 0)
+    if (x.dtype != np.uint16 or codes.dtype != np.uint8 or tuple(codes.shape) != (M, K)
+            or scales.dtype != np.float32 or scales.shape[0] < M or K % 4 or M == 0
+            or not (is_c_contiguous(x) and is_c_contiguous(codes))
+            or device_pointer(x) % 8 or device_pointer(codes) % 4):
+        raise ValueError(
+            f"quantize_tokens_fp8: need x (M, K) bf16 bits and codes (M, K) uint8 with "
+            f"K a multiple of 4, aligned, scales (M,) float32; got {x.dtype} "
+            f"{tuple(x.shape)}, {codes.dtype} {tuple(codes.shape)}, {scales.dtype} "
+            f"{tuple(scales.shape)}")
+    quantize_tokens_fp8_kernel[M, QUANTIZE_TOKENS_THREADS, stream](
+        x.view(np.uint64), codes.view(np.uint32), scales)
+    return codes, scales
+
+
+# %% [markdown]
+# The check is exact: the kernel's codes and scales are the bits `quantize` gives
+# the same bf16 rows — rows of every size of value, a row of zeros, values that
+# land on a tie between two codes, and values past 448 times the scale (none can be:
+# the largest is 448 exactly).
+
+# %%
+from tinyvllm_lib.kernels.quantize_tokens import quantize_tokens_fp8
+
+
+def check_quantize_tokens(M: int = 5, K: int = 72) -> None:
+    from numba import cuda
+
+    x = rng.standard_normal((M, K)).astype(np.float32) * np.logspace(-3, 2, M)[:, None]
+    x[1] = 0.0  # an all-zero token
+    x[2, :8] = [2.0**-8 * 1.5, -(2.0**-9) * 3, 448.0, 1e-30, -0.0, 3.25, 6.5, 13.0]
+    bits = f32_to_bf16_bits(x)
+    want = quantize(bf16_bits_to_f32(bits), "fp8")
+    codes = cuda.device_array((M, K), np.uint8)
+    scales = cuda.device_array(M, np.float32)
+    quantize_tokens_fp8(cuda.to_device(bits), codes, scales)
+    assert np.array_equal(scales.copy_to_host(), want.scales)
+    assert np.array_equal(codes.copy_to_host(), want.codes)
+
+
+if can_launch():
+    check_quantize_tokens()
+    print("quantize_tokens_fp8: the codes and scales quantize() gives, bit for bit")
+
+# %% [markdown]
+# The GEMM itself is a cuBLASLt call through nvmath-python's bindings. cuBLAS is
+# column-major; as chapter 6 did, the row-major product $\text{out} = x W^\top$ is
+# computed as its transpose, $\text{out}^\top = W x^\top$, which reads $W$ (N × K,
+# row-major) as a K × N column-major matrix transposed and $x$ (M × K) as a K × M one
+# untransposed — the "TN" layout, the only one FP8 GEMMs take. The weight's row
+# scales are the A operand's outer vector, the tokens' scales the B operand's. A
+# plan (descriptor, layouts, and the algorithm cuBLASLt's heuristic picks) is made
+# once per shape and kept; each call sets the two scale pointers and launches, so a
+# CUDA graph can capture it (the workspace is the model's, not cuBLASLt's own).
+
+# %%
+#| export kernels.cublaslt_fp8
+import numpy as np
+from numba import config, cuda
+
+from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
+
+_STATE = {"gemm": None, "error": None}
+
+
+class CublasLtFp8:
+    """One cuBLASLt handle and a plan per (M, N, K, accumulate): out (M, N) float32
+    (= or +=) (s_x[m] s_w[n]) · Σ_k x[m, k] w[n, k], x and w e4m3 codes."""
+
+    def __init__(self, lt=None, types=None):
+        if lt is None:
+            import nvmath
+            from nvmath.bindings import cublas
+            from nvmath.bindings import cublasLt as lt
+
+            cuda.current_context()  # bind to numba's context
+            types = {"e4m3": int(nvmath.CudaDataType.CUDA_R_8F_E4M3),
+                     "f32": int(nvmath.CudaDataType.CUDA_R_32F),
+                     "compute": int(cublas.ComputeType.COMPUTE_32F),
+                     "outer": int(lt.MatmulMatrixScale.OUTER_VEC_32F)}
+        self.lt, self.types = lt, types
+        self.handle = lt.create()
+        self.alpha, self.beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+        self.beta_add = np.ones(1, np.float32)
+        self.plans = {}
+
+    def _set(self, desc, attr, value, dtype) -> None:
+        buf = np.array([value], dtype)
+        self.lt.matmul_desc_set_attribute(desc, int(attr), buf.ctypes.data, buf.nbytes)
+
+    def plan(self, M: int, N: int, K: int, accumulate: bool, workspace_bytes: int):
+        """(desc, a, b, d, heuristic result) for this shape and workspace, made on
+        first use."""
+        key = (M, N, K, accumulate, workspace_bytes)
+        if key not in self.plans:
+            lt, t, A = self.lt, self.types, self.lt.MatmulDescAttribute
+            desc = lt.matmul_desc_create(t["compute"], t["f32"])
+            self._set(desc, A.TRANSA, 1, np.int32)  # op(A) = T: W read as (K, N)ᵀ
+            self._set(desc, A.TRANSB, 0, np.int32)
+            self._set(desc, A.A_SCALE_MODE, t["outer"], np.int32)
+            self._set(desc, A.B_SCALE_MODE, t["outer"], np.int32)
+            a = lt.matrix_layout_create(t["e4m3"], K, N, K)
+            b = lt.matrix_layout_create(t["e4m3"], K, M, K)
+            d = lt.matrix_layout_create(t["f32"], N, M, N)
+            pref = lt.matmul_preference_create()
+            limit = np.array([workspace_bytes], np.uint64)
+            lt.matmul_preference_set_attribute(
+                pref, int(lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES),
+                limit.ctypes.data, 8)
+            results, found = lt.MatmulHeuristicResult(1), np.zeros(1, np.int32)
+            lt.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, pref, 1,
+                                         results.ptr, found.ctypes.data)
+            lt.matmul_preference_destroy(pref)
+            if found[0] == 0:
+                raise RuntimeError(f"cuBLASLt has no FP8 algorithm for M={M}, N={N}, "
+                                   f"K={K} with outer-vector scales on this GPU")
+            # the result's first field is the algorithm: keep the struct alive
+            self.plans[key] = (desc, a, b, d, results)
+        return self.plans[key]
+
+    def gemm(self, x_codes, x_scales, w_codes, w_scales, out, M: int, N: int, K: int,
+             accumulate: bool, stream: int, workspace) -> None:
+        ws_ptr, ws_bytes = (0, 0) if workspace is None else \
+            (device_pointer(workspace), workspace.nbytes)
+        desc, a, b, d, results = self.plan(M, N, K, accumulate, ws_bytes)
+        A = self.lt.MatmulDescAttribute
+        self._set(desc, A.A_SCALE_POINTER, device_pointer(w_scales), np.uint64)
+        self._set(desc, A.B_SCALE_POINTER, device_pointer(x_scales), np.uint64)
+        self.lt.matmul(self.handle, desc, self.alpha.ctypes.data,
+                       device_pointer(w_codes), a, device_pointer(x_codes), b,
+                       (self.beta_add if accumulate else self.beta).ctypes.data,
+                       device_pointer(out), d, device_pointer(out), d, results.ptr,
+                       ws_ptr, ws_bytes, stream)
+
+
+def get_cublaslt_fp8() -> CublasLtFp8 | None:
+    """The process's cuBLASLt FP8 GEMM, made on first use; None in the simulator,
+    without nvmath-python, or on a GPU with no FP8 tensor cores (before Ada/Hopper)."""
+    if _STATE["gemm"] is None and _STATE["error"] is None:
+        if config.ENABLE_CUDASIM or not cuda.is_available():
+            _STATE["error"] = "no GPU (cuBLASLt does not run in the simulator)"
+        elif cuda.get_current_device().compute_capability < (8, 9):
+            _STATE["error"] = "no FP8 tensor cores (compute capability below 8.9)"
+        else:
+            try:
+                _STATE["gemm"] = CublasLtFp8()
+            except Exception as err:  # not installed, or no libcublasLt
+                _STATE["error"] = (f"{type(err).__name__}: {err} "
+                                   "(pip install nvmath-python[cu13])")
+    return _STATE["gemm"]
+
+
+def fp8_gemm_unavailable_reason() -> str | None:
+    get_cublaslt_fp8()
+    return _STATE["error"]
+
+
+def gemm_fp8(x_codes, x_scales, w_codes, w_scales, out, stream=0, workspace=None,
+             accumulate: bool = False, gemm: CublasLtFp8 | None = None):
+    """out (M, N) float32 (= or +=) x · wᵀ with x = s_x ⊙ x_codes (per token) and
+    w = s_w ⊙ w_codes (per row), e4m3 codes (uint8), by cuBLASLt on `stream`."""
+    M, K = x_codes.shape
+    N = w_codes.shape[0]
+    if (x_codes.dtype != np.uint8 or w_codes.dtype != np.uint8 or w_codes.shape[1] != K
+            or tuple(out.shape) != (M, N) or out.dtype != np.float32
+            or x_scales.shape[0] < M or w_scales.shape[0] != N or K % 16):
+        raise ValueError(
+            f"gemm_fp8: need x codes (M, K) and w codes (N, K) uint8 with K a multiple "
+            f"of 16, out (M, N) float32; got {tuple(x_codes.shape)}, "
+            f"{tuple(w_codes.shape)}, {out.dtype} {tuple(out.shape)}")
+    if gemm is None:  # (a test passes a stand-in working on host buffers)
+        if not all(is_device_array(a) for a in (x_codes, x_scales, w_codes, out)):
+            raise TypeError("gemm_fp8: operands must be device arrays")
+        gemm = get_cublaslt_fp8()
+        if gemm is None:
+            raise RuntimeError(f"gemm_fp8: unavailable: {_STATE['error']}")
+    stream_ptr = 0 if stream is None or isinstance(stream, int) and stream == 0 \
+        else int(stream)
+    gemm.gemm(x_codes, x_scales, w_codes, w_scales, out, M, N, K, accumulate,
+              stream_ptr, workspace)
+    return out
+
+# %% [markdown]
 # ## The 8-bit model on the GPU
 #
 # The model's layer loop does not change. Chapter 6's `linear` and `rmsnorm_linear`
@@ -2812,26 +3125,35 @@ def dequantize_to_bf16(codes, scales, out, method: str, stream=0):
 # overrides for the matrices it quantizes. A `QuantizedLinear` holds the codes and the
 # scales on the GPU and picks its path by the number of token vectors: the 8-bit GEMV
 # (with the norm inside whatever its rows: see `apply_rmsnorm`) up to
-# `QUANTIZED_GEMV_MAX_TOKENS`, else the dequantized scratch and chapter 6's `linear`.
+# `QUANTIZED_GEMV_MAX_TOKENS`, else the GEMM path — for FP8 the tensor cores above
+# (`apply_fp8`, where the GPU has them), for int8 the dequantized scratch and chapter
+# 6's `linear`.
 # That limit is a guess (8), not yet measured: where the 8-bit GEMV stops beating a
 # dequantize plus cuBLAS; for bf16 chapter 6 measured 1, but there the other side
 # needed no dequantizing.
 
 # %%
 #| export layers.quantized_linear
+import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.checks import is_device_array
+from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8, get_cublaslt_fp8
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
+from tinyvllm_lib.kernels.quantize_tokens import quantize_tokens_fp8
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.layers.linear import linear
+from tinyvllm_lib.models.llama_quantized import takes_fp8_gemm
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
-# up to how many token vectors the 8-bit GEMV runs (beyond: dequantize, then a GEMM);
+# up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path);
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
+# FP8 weights' GEMM path: cuBLASLt on FP8 tensor cores, the activations quantized per
+# token (W8A8), where the GPU has them; False: the bf16 scratch, as int8's
+FP8_TENSOR_CORE_GEMM = True
 # the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
 # epilogue) where the GEMV runs; False launches the normed GEMV, then silu_mul
 GATED_GEMV_8BIT = True
@@ -2857,6 +3179,36 @@ class QuantizedLinear:
     def uses_gemv(self, x) -> bool:
         return x.shape[0] <= QUANTIZED_GEMV_MAX_TOKENS
 
+    def gemm_path(self, x) -> str:
+        """How x's product is made: "gemv" (the 8-bit GEMV), "fp8" (FP8 tensor cores,
+        the activations quantized per token) or "scratch" (dequantize, then bf16)."""
+        if self.uses_gemv(x):
+            return "gemv"
+        if (self.method == "fp8" and FP8_TENSOR_CORE_GEMM and takes_fp8_gemm(self.shape)
+                and get_cublaslt_fp8() is not None):
+            return "fp8"
+        return "scratch"
+
+    def apply_fp8(self, x, out, stream=0, workspace=None, accumulate=False):
+        """out (= or +=) x · Wᵀ on FP8 tensor cores: each token vector's e4m3 codes
+        and scale in the scratch (free on this path), as many tokens at a time as it
+        holds."""
+        M, K = x.shape
+        room = self.scratch.view(np.uint8)
+        rows = min(M, (room.size - 256) // (K + 4) // 16 * 16)
+        if rows < 1:
+            raise ValueError(f"the scratch ({room.size} bytes) holds no 16 tokens' "
+                             f"codes of {K}")
+        codes = room[: rows * K].reshape(rows, K)
+        start = (rows * K + 255) // 256 * 256
+        scales = room[start : start + 4 * rows].view(np.float32)
+        for s in range(0, M, rows):
+            e = min(M, s + rows)
+            quantize_tokens_fp8(x[s:e], codes[: e - s], scales, stream)
+            gemm_fp8(codes[: e - s], scales, self.codes, self.scales, out[s:e],
+                     stream, workspace, accumulate)
+        return out
+
     def dequantized(self, stream=0):
         """The weight as bf16 bits in the scratch (valid until the next weight's)."""
         N, K = self.shape
@@ -2867,9 +3219,12 @@ class QuantizedLinear:
         """out (= or +=) x · Wᵀ, x bf16 bits (num_tokens, in) on the GPU."""
         if not (is_device_array(x) and is_device_array(out)):
             raise TypeError("QuantizedLinear: x and out must be device arrays")
-        if self.uses_gemv(x):
+        path = self.gemm_path(x)
+        if path == "gemv":
             return gemv_8bit(x, self.codes, self.scales, out, self.method, stream,
                              accumulate)
+        if path == "fp8":
+            return self.apply_fp8(x, out, stream, workspace, accumulate)
         return linear(x, self.dequantized(stream), out, stream=stream,
                       workspace=workspace, accumulate=accumulate)
 

@@ -262,7 +262,7 @@ def log_softmax(x):
 @pytest.mark.parametrize("method, head, num_tokens", [("int8", False, 3), ("fp8", True, 10)])
 def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_tokens):
     """3 tokens: the 8-bit GEMVs (the norm fused into qkv's; into gate-up's with SiLU·up, GATED_GEMV_8BIT); 10: past QUANTIZED_GEMV_MAX_TOKENS, the
-    dequantized scratch and chapter 6's GEMM. Against QuantizedLlamaNumpy with bf16 linear inputs, as chapter 7's
+    GEMM path (the dequantized scratch and chapter 6's GEMM; FP8 on FP8 tensor cores where the GPU has them). Against QuantizedLlamaNumpy with bf16 linear inputs, as chapter 7's
     kernel model is against LlamaNumpy (same measure, same tolerance)."""
     from test_llama_forward import assert_kernel_model_matches
 
@@ -287,7 +287,10 @@ def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_t
     assert not isinstance(gpu.weights["embed_tokens"], QuantizedLinear)
     ids, positions = rng.integers(0, 64, num_tokens), np.arange(5, 5 + num_tokens)
     ours = log_softmax(gpu.forward(ids, positions))
-    ref = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head, bf16_activations=True)
+    # past the GEMV's tokens FP8 matrices take the FP8 GEMM where the GPU has it: the mirror rounds their inputs too
+    fp8_gemm = method == "fp8" and gpu.weights["layers.0.gate_up_proj"].gemm_path(np.zeros((num_tokens, 1))) == "fp8"
+    ref = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head, bf16_activations=True,
+                              fp8_gemm_tokens=QUANTIZED_GEMV_MAX_TOKENS if fp8_gemm else None)
     assert_kernel_model_matches(ours, log_softmax(ref.forward(ids, positions)))
 
 

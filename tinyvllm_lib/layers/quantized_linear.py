@@ -2,19 +2,26 @@
 # the chapter and re-export.
 
 # defined in chapters/15_quantization.py
+import numpy as np
 from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.checks import is_device_array
+from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8, get_cublaslt_fp8
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
+from tinyvllm_lib.kernels.quantize_tokens import quantize_tokens_fp8
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.layers.linear import linear
+from tinyvllm_lib.models.llama_quantized import takes_fp8_gemm
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
-# up to how many token vectors the 8-bit GEMV runs (beyond: dequantize, then a GEMM);
+# up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path);
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
+# FP8 weights' GEMM path: cuBLASLt on FP8 tensor cores, the activations quantized per
+# token (W8A8), where the GPU has them; False: the bf16 scratch, as int8's
+FP8_TENSOR_CORE_GEMM = True
 # the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
 # epilogue) where the GEMV runs; False launches the normed GEMV, then silu_mul
 GATED_GEMV_8BIT = True
@@ -40,6 +47,36 @@ class QuantizedLinear:
     def uses_gemv(self, x) -> bool:
         return x.shape[0] <= QUANTIZED_GEMV_MAX_TOKENS
 
+    def gemm_path(self, x) -> str:
+        """How x's product is made: "gemv" (the 8-bit GEMV), "fp8" (FP8 tensor cores,
+        the activations quantized per token) or "scratch" (dequantize, then bf16)."""
+        if self.uses_gemv(x):
+            return "gemv"
+        if (self.method == "fp8" and FP8_TENSOR_CORE_GEMM and takes_fp8_gemm(self.shape)
+                and get_cublaslt_fp8() is not None):
+            return "fp8"
+        return "scratch"
+
+    def apply_fp8(self, x, out, stream=0, workspace=None, accumulate=False):
+        """out (= or +=) x · Wᵀ on FP8 tensor cores: each token vector's e4m3 codes
+        and scale in the scratch (free on this path), as many tokens at a time as it
+        holds."""
+        M, K = x.shape
+        room = self.scratch.view(np.uint8)
+        rows = min(M, (room.size - 256) // (K + 4) // 16 * 16)
+        if rows < 1:
+            raise ValueError(f"the scratch ({room.size} bytes) holds no 16 tokens' "
+                             f"codes of {K}")
+        codes = room[: rows * K].reshape(rows, K)
+        start = (rows * K + 255) // 256 * 256
+        scales = room[start : start + 4 * rows].view(np.float32)
+        for s in range(0, M, rows):
+            e = min(M, s + rows)
+            quantize_tokens_fp8(x[s:e], codes[: e - s], scales, stream)
+            gemm_fp8(codes[: e - s], scales, self.codes, self.scales, out[s:e],
+                     stream, workspace, accumulate)
+        return out
+
     def dequantized(self, stream=0):
         """The weight as bf16 bits in the scratch (valid until the next weight's)."""
         N, K = self.shape
@@ -50,9 +87,12 @@ class QuantizedLinear:
         """out (= or +=) x · Wᵀ, x bf16 bits (num_tokens, in) on the GPU."""
         if not (is_device_array(x) and is_device_array(out)):
             raise TypeError("QuantizedLinear: x and out must be device arrays")
-        if self.uses_gemv(x):
+        path = self.gemm_path(x)
+        if path == "gemv":
             return gemv_8bit(x, self.codes, self.scales, out, self.method, stream,
                              accumulate)
+        if path == "fp8":
+            return self.apply_fp8(x, out, stream, workspace, accumulate)
         return linear(x, self.dequantized(stream), out, stream=stream,
                       workspace=workspace, accumulate=accumulate)
 

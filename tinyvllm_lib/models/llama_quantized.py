@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
 from tinyvllm_lib.quantization.formats import (
@@ -118,10 +118,15 @@ class QuantizedLlamaNumpy(LlamaNumpy):
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  quantization: str, quantize_lm_head: bool = QUANTIZE_LM_HEAD,
-                 tensors: dict | None = None, **kwargs):
+                 tensors: dict | None = None, fp8_gemm_tokens: int | None = None,
+                 **kwargs):
+        """fp8_gemm_tokens: as the GPU's FP8 GEMM path does (W8A8, later in this
+        chapter), past that many token vectors round each FP8 matrix's input to bf16,
+        then to e4m3 codes with one scale a token; None (the default): never."""
         if check_quantization(quantization) is None:
             raise ValueError("QuantizedLlamaNumpy needs quantization 'int8' or 'fp8'")
         self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
+        self.fp8_gemm_tokens = fp8_gemm_tokens if quantization == "fp8" else None
         self._given = (stored_scales(weights, config), tensors or {})  # while loading
         super().__init__(config, weights, **kwargs)
         del self._given
@@ -131,6 +136,20 @@ class QuantizedLlamaNumpy(LlamaNumpy):
             return super().load_matrix(name, array)
         q = quantized_tensor(name, array, self.quantization, *self._given)
         return q.dequantize()
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        if (self.fp8_gemm_tokens is not None and len(x) > self.fp8_gemm_tokens
+                and is_quantized(name, self.quantize_lm_head)
+                and takes_fp8_gemm(self.matrices[name].shape)):
+            x = quantize(bf16_bits_to_f32(f32_to_bf16_bits(x)), "fp8").dequantize()
+            return x @ self.matrices[name].T
+        return super().linear(x, name)
+
+
+def takes_fp8_gemm(shape: tuple[int, int]) -> bool:
+    """Whether an (out, in) FP8 matrix suits the FP8 GEMM (cuBLASLt's 16-byte rule
+    for both sizes)."""
+    return shape[0] % 16 == 0 and shape[1] % 16 == 0
 
 
 def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
