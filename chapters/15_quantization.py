@@ -3270,7 +3270,8 @@ class QuantizedLinear:
 import numpy as np
 from numba import cuda
 
-from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
+from tinyvllm_lib.kernels.cublaslt_fp8 import get_cublaslt_fp8
+from tinyvllm_lib.layers.quantized_linear import FP8_TENSOR_CORE_GEMM, QuantizedLinear
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_cuda import LlamaCuda
 from tinyvllm_lib.models.llama_quantized import (
@@ -3312,6 +3313,8 @@ class QuantizedLlamaCuda(LlamaCuda):
         largest = max(n * k for n, k in quantized_shapes(config, quantize_lm_head)
                       .values())
         self.scratch = cuda.device_array(largest, np.uint16)  # the GEMM path's bf16
+        if quantization == "fp8" and FP8_TENSOR_CORE_GEMM:
+            get_cublaslt_fp8()  # its handle now, not inside a CUDA graph's capture
         self._given = (stored_scales(weights, config), tensors or {})  # while loading
         super().__init__(config, weights, comm=comm)
         head = self.weights["lm_head"]
