@@ -214,7 +214,10 @@ def test_numpy_model_quantizes_fp8_inputs_only_past_the_tokens(tiny, rng):
 
 def test_gemm_path_without_fp8_tensor_cores_is_the_scratch(tiny):
     """int8 always, FP8 where cuBLASLt's FP8 GEMM is unavailable (here: the simulator or a GPU without it)."""
-    from tinyvllm_lib.layers.quantized_linear import QUANTIZED_GEMV_MAX_TOKENS, QuantizedLinear
+    from tinyvllm_lib.layers.quantized_linear import (
+        QUANTIZED_GEMV_MAX_TOKENS,
+        QuantizedLinear,
+    )
 
     config, weights = tiny
     many = types.SimpleNamespace(shape=(QUANTIZED_GEMV_MAX_TOKENS + 1, 32))
