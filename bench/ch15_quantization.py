@@ -77,7 +77,7 @@ def engine_part(rec: Recorder, folder, extra: dict, tiny: bool, formats=FORMATS,
         nbytes = decode_weight_bytes(config, method)
         limit = gb_s * 1e9 / nbytes
         common = extra | {"quantization": method, "weight_bytes": nbytes, "ceiling_gb_s": gb_s,
-                          "ceiling_name": ceiling_name, "part": "engine"}
+                          "ceiling_name": ceiling_name, "part": "engine", "gemm_path": gemm_path_of(method)}
         max_model_len = 256 if tiny else MAX_MODEL_LEN
         if latency:
             latency_run(rec, folder, method, max_model_len, limit, common, tiny)
@@ -89,6 +89,18 @@ def engine_part(rec: Recorder, folder, extra: dict, tiny: bool, formats=FORMATS,
         rec.add("throughput", [256], "tok/s", t["output_tok_s"], **t, **(common | {"part": "throughput"}))
         save_part(rec, "throughput", tiny)
         del llm
+
+
+def gemm_path_of(method) -> str:
+    """What the format's matrices take past the GEMV's tokens (chapter 15's QuantizedLinear.gemm_path)."""
+    if method is None:
+        return "bf16 cuBLAS"
+    from tinyvllm_lib.kernels.cublaslt_fp8 import get_cublaslt_fp8
+    from tinyvllm_lib.layers import quantized_linear
+
+    if method == "fp8" and quantized_linear.FP8_TENSOR_CORE_GEMM and get_cublaslt_fp8() is not None:
+        return "fp8 tensor cores (W8A8)"
+    return "dequantized scratch + bf16 cuBLAS"
 
 
 def latency_run(rec: Recorder, folder, method, max_model_len: int, limit: float, common: dict, tiny: bool) -> None:
