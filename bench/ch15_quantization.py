@@ -1,6 +1,6 @@
 """Chapter 15 on the GPU: 8-bit weights (int8, FP8 e4m3) against bf16 on the Llama 3.2 1B stand-in, one run.
 
-    python bench/ch15_quantization.py [--only engine|throughput|gemv|sweep|drift] [--wheel TOKENIZER_WHEEL]
+    python bench/ch15_quantization.py [--only engine|throughput|gemv|sweep|drift|gemm] [--wheel TOKENIZER_WHEEL]
         # on an H200: gemv about 70 s, engine (batch 1, three formats) about 80 s; on an H100 the sweep about 130 s;
         # throughput and drift longer
     NUMBA_ENABLE_CUDASIM=1 python bench/ch15_quantization.py --tiny [--formats int8 fp8]
@@ -10,9 +10,11 @@
 engine: for bf16, int8 and fp8 in turn, with CUDA graphs and the overlap (chapter 11's defaults): decode at batch 1 (128
 random prompt ids, 256 new tokens, greedy; the median of three runs after a warm-up, chapter 11's benchmark.latency),
 each against its batch-1 limit (chapter 1's bandwidth ceiling over the bytes a step reads,
-llama_quantized.decode_weight_bytes), with its time to first token (a 128-token prefill: the 8-bit model's GEMMs run
-on dequantized bf16 scratch).
+llama_quantized.decode_weight_bytes), with its time to first token (a 128-token prefill: the 8-bit model's GEMM path,
+int8's on dequantized bf16 scratch, FP8's on FP8 tensor cores where the GPU has them; each record says which).
 throughput: for each format, nano-vllm's throughput workload (256 requests, the median of three runs).
+gemm: past the GEMV's tokens (16 to 4,096), each layer's product as the engine makes it — bf16 cuBLAS, int8's
+dequantized scratch, FP8's quantizer + cuBLASLt, and cuBLASLt alone — replayed from a CUDA graph, weights rotated.
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant (gate-up's also with SiLU·up inside, the engine's MLP kernel), replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
@@ -64,7 +66,7 @@ from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.quantization.formats import quantize
 
-PARTS = ("engine", "throughput", "gemv", "sweep", "drift")
+PARTS = ("engine", "throughput", "gemv", "sweep", "drift", "gemm")
 FORMATS = (None, "int8", "fp8")
 MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
 
@@ -181,6 +183,64 @@ def gemv_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
             print(f"{name} ({N}x{K}) {method}: {plain * 1e6:.1f} us, {(q.nbytes + x_bits.nbytes) / plain / 1e9:.0f} "
                   f"GB/s; with the norm {normed * 1e6:.1f} us", flush=True)
         save_part(rec, "gemv", tiny)
+
+
+GEMM_TOKENS = (16, 64, 256, 1024, 4096)
+
+
+def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> None:
+    """Past the GEMV's tokens: each layer's product as the engine makes it (QuantizedLinear.apply), bf16 cuBLAS against
+    int8's dequantized scratch and FP8's path (the tensor cores where the GPU has them: the tokens' quantizer, then
+    cuBLASLt), and FP8's cuBLASLt call alone on codes quantized beforehand; each checked against NumPy first, timed
+    in a replayed CUDA graph, weights rotated past L2."""
+    from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8
+    from tinyvllm_lib.layers.linear import linear
+    from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
+
+    rng = np.random.default_rng(0)
+    tokens = (16,) if tiny else GEMM_TOKENS
+    workspace = cuda.device_array(32 << 20, np.uint8)
+    for name, (N, K) in quantized_shapes(config, lm_head=False).items():
+        w = rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02)
+        bits = f32_to_bf16_bits(w)
+        n_rot = 2 if tiny else num_rotations(N * K)
+        scratch = cuda.device_array(N * K, np.uint16)
+        layers = {None: [cuda.to_device(bits) for _ in range(n_rot)]}
+        quantized = {m: quantize(w, m) for m in ("int8", "fp8")}
+        for m, q in quantized.items():
+            layers[m] = [QuantizedLinear(q, scratch) for _ in range(n_rot)]
+        for M in tokens:
+            x_f32 = rng.standard_normal((M, K), dtype=np.float32)
+            x_bits = f32_to_bf16_bits(x_f32)
+            x = cuda.to_device(x_bits)
+            out = cuda.device_array((M, N), np.float32)
+            flops = 2.0 * M * N * K
+            for m, ws in layers.items():
+                path = "bf16 cuBLAS" if m is None else ws[0].gemm_path(x)
+                linear(x, ws[0], out, workspace=workspace)
+                rows = x_bits[:64]  # checked on the first 64 token vectors (NumPy's time)
+                if path == "fp8":  # W8A8: against the product of what both codes stand for
+                    want = quantize(bf16_bits_to_f32(rows), "fp8").dequantize() @ quantized[m].dequantize().T
+                else:
+                    wq = bits if m is None else f32_to_bf16_bits(quantized[m].dequantize())  # the scratch's bf16
+                    want = bf16_bits_to_f32(rows) @ bf16_bits_to_f32(wq).T
+                check(out.copy_to_host()[:64], want, f"{m or 'bf16'} {name} M={M}", 1e-3)
+                seconds = time_launches(lambda i, st: linear(x, ws[i % len(ws)], out, stream=st, workspace=workspace),
+                                        len(ws), repeats=1 if tiny else 10)
+                rec.add("gemm", [M, N, K], "TFLOP/s", flops / seconds / 1e12, layer=name, quantization=m, path=path,
+                        us=seconds * 1e6, part="gemm", **extra)
+                print(f"{name} M={M} {m or 'bf16'} ({path}): {seconds * 1e6:.1f} us, {flops / seconds / 1e12:.0f} "
+                      "TFLOP/s", flush=True)
+            if layers["fp8"][0].gemm_path(x) == "fp8":  # the cuBLASLt call alone, the codes made beforehand
+                xq = quantize(bf16_bits_to_f32(x_bits), "fp8")
+                xc, xs = cuda.to_device(xq.codes), cuda.to_device(xq.scales)
+                ws = layers["fp8"]
+                seconds = time_launches(lambda i, st: gemm_fp8(xc, xs, ws[i % len(ws)].codes, ws[i % len(ws)].scales,
+                                                               out, st, workspace), len(ws), repeats=10)
+                rec.add("gemm", [M, N, K], "TFLOP/s", flops / seconds / 1e12, layer=name, quantization="fp8",
+                        path="fp8 cuBLASLt alone", us=seconds * 1e6, part="gemm", **extra)
+                print(f"{name} M={M} fp8 cuBLASLt alone: {seconds * 1e6:.1f} us", flush=True)
+        save_part(rec, "gemm", tiny)
 
 
 # the epilogue the engine launches for each layer's shape at one token (the LM head stays bf16: QUANTIZE_LM_HEAD);
@@ -337,6 +397,8 @@ def main() -> None:
                    [f for f in args.formats if f != "bf16"])
     if args.only in (None, "drift"):
         drift_part(rec, folder, extra, args.tiny)
+    if args.only in (None, "gemm"):
+        gemm_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
     if args.only in (None, "engine", "throughput"):
         formats = [None if f == "bf16" else f for f in args.formats]
         engine_part(rec, folder, extra, args.tiny, formats, throughput=args.only in (None, "throughput"),
