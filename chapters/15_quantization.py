@@ -3772,6 +3772,126 @@ With these knobs the engine on that GPU, at the same commit, decodes at batch 1 
 {{ch15_sweep_bs1}}.""" if {None, "int8", "fp8"} <= set(bs1_v6) else "") + "\n")
 
 # %% [markdown]
+# **The GEMM path on FP8 tensor cores.** The benchmark's gemm part times each
+# layer's product past the GEMV's tokens as the engine makes it: bf16 through
+# cuBLAS, int8 through its dequantized scratch, FP8 through the tokens' quantizer and
+# cuBLASLt — and cuBLASLt alone on codes made beforehand, to show what the quantizer
+# costs. Before the run, the prediction: at 256 tokens a layer's bf16 products are
+# about as much reading as multiplying, so FP8, with half the bytes and twice the
+# tensor cores' rate, should take a little over half bf16's time, less the
+# quantizer's launch; int8's scratch should take bf16's time plus the scratch's
+# three bytes a weight. The engine records beside them say what this buys
+# nano-vllm's workload and the first token of a 128-token prompt, each with the
+# bf16 engine of the same run. Where this GPU has no record yet, an H100's is drawn,
+# named as such.
+
+# %%
+def newest_run(records: list[dict], name: str) -> list[dict]:
+    """The records called `name` of the newest commit (and device) that made any."""
+    mine = [r for r in records if r["name"] == name]
+    if not mine:
+        return []
+    key = (mine[-1].get("engine_commit"), mine[-1]["device"]["name"])
+    return [r for r in mine if (r.get("engine_commit"), r["device"]["name"]) == key]
+
+
+gemm_runs = newest_run(gpu, "gemm") or newest_run(h100, "gemm")
+GEMM_STYLES = {"bf16 cuBLAS": ("#7f7f7f", "-"), "scratch": ("#1f77b4", "-"),
+               "fp8": ("#ff7f0e", "-"), "fp8 cuBLASLt alone": ("#ff7f0e", ":")}
+GEMM_LABELS = {"bf16 cuBLAS": "bf16, cuBLAS", "scratch": "int8, dequantized scratch",
+               "fp8": "FP8: quantizer + cuBLASLt",
+               "fp8 cuBLASLt alone": "FP8: cuBLASLt alone"}
+if not gemm_runs:
+    print("the GEMM path is not yet recorded on a GPU: "
+          "python bench/ch15_quantization.py --only gemm")
+else:
+    gemm_device = gemm_runs[0]["device"]["name"]
+    gemm_layers = list(dict.fromkeys(r["layer"] for r in gemm_runs))
+    fig, axes = new_figure(1, len(gemm_layers), width=10, height=3.0)
+    for ax, layer in zip(axes, gemm_layers):
+        for path, (color, style) in GEMM_STYLES.items():
+            rs = sorted((r for r in gemm_runs
+                         if r["layer"] == layer and r["path"] == path
+                         and (path != "scratch" or r["quantization"] == "int8")),
+                        key=lambda r: r["shape"][0])
+            if rs:
+                ax.plot([r["shape"][0] for r in rs], [r["us"] for r in rs], "o" + style,
+                        color=color, ms=3, label=GEMM_LABELS[path])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        N, K = next(r["shape"][1:] for r in gemm_runs if r["layer"] == layer)
+        ax.set_title(f"{layer} ({N} × {K})", fontsize=9)
+        ax.set_xlabel("tokens")
+    axes[0].set_ylabel("µs")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"{gemm_device}: a layer's products past the GEMV", fontsize=9)
+    plt.show()
+    at = {(r["layer"], r["path"], r["quantization"], r["shape"][0]): r
+          for r in gemm_runs}
+    M_256 = 256 if any(k[3] == 256 for k in at) else max(k[3] for k in at)
+    layer_256 = {}
+    for path, m in (("bf16 cuBLAS", None), ("scratch", "int8"), ("fp8", "fp8"),
+                    ("fp8 cuBLASLt alone", "fp8")):
+        us = [at[layer, path, m, M_256]["us"] for layer in gemm_layers
+              if (layer, path, m, M_256) in at]
+        if len(us) == len(gemm_layers):
+            layer_256[path] = sum(us)
+            print(f"{GEMM_LABELS[path]:>28}: a layer's four products at {M_256} tokens "
+                  f"{sum(us):.1f} µs")
+    prose.glue("ch15_gemm_device", gemm_device)
+    prose.glue("ch15_gemm_tokens", f"{M_256}")
+    for path, key in (("bf16 cuBLAS", "bf16"), ("scratch", "int8"), ("fp8", "fp8"),
+                      ("fp8 cuBLASLt alone", "lt")):
+        if path in layer_256:
+            prose.glue(f"ch15_gemm_{key}", f"{layer_256[path]:.1f} µs")
+    if {"fp8", "bf16 cuBLAS"} <= set(layer_256):
+        prose.glue("ch15_gemm_fp8_share",
+                   f"{layer_256['fp8'] / layer_256['bf16 cuBLAS']:.0%}")
+
+    # the engine: nano-vllm's workload and the first token, FP8 on tensor cores
+    # against bf16 of the same run (the same commit and GPU)
+    def engine_pair(name: str) -> dict:
+        tagged = [r for r in gpu + h100 if r["name"] == name
+                  and r.get("gemm_path", "").startswith("fp8 tensor cores")]
+        if not tagged:
+            return {}
+        key = (tagged[-1].get("engine_commit"), tagged[-1]["device"]["name"])
+        same = [r for r in gpu + h100 if r["name"] == name
+                and (r.get("engine_commit"), r["device"]["name"]) == key]
+        return {r["quantization"]: r for r in same}
+
+    tput, ttft = engine_pair("throughput"), engine_pair("bs1_ttft")
+    for what, pair, unit in (("tput", tput, "tok/s"), ("ttft", ttft, "ms")):
+        if {None, "fp8"} <= set(pair):
+            fmt = "{:,.0f} " if unit == "tok/s" else "{:.2f} "
+            prose.glue(f"ch15_fp8tc_{what}", fmt.format(pair["fp8"]["value"]) + unit)
+            prose.glue(f"ch15_fp8tc_{what}_bf16",
+                       fmt.format(pair[None]["value"]) + unit)
+            prose.glue(f"ch15_fp8tc_{what}_device", pair["fp8"]["device"]["name"])
+            print(f"{what}: FP8 on tensor cores {pair['fp8']['value']:,.2f} {unit}, "
+                  f"bf16 {pair[None]['value']:,.2f} ({pair['fp8']['device']['name']}, "
+                  f"commit {pair['fp8'].get('engine_commit')})")
+    if {None, "fp8"} <= set(tput):
+        ratio = tput["fp8"]["value"] / tput[None]["value"]
+        prose.glue("ch15_fp8tc_tput_verdict", (
+            f"{ratio - 1:.0%} more than bf16's" if ratio > 1.005 else
+            f"{1 - ratio:.0%} less than bf16's" if ratio < 0.995
+            else "bf16's, within 1%"))
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if gemm_runs and {"fp8", "bf16 cuBLAS", "scratch"} <= set(layer_256):
+    prose.show("""
+On the {{ch15_gemm_device}}, a layer's four products at {{ch15_gemm_tokens}} tokens
+take {{ch15_gemm_bf16}} in bf16, {{ch15_gemm_int8}} through int8's scratch and
+{{ch15_gemm_fp8}} on FP8 tensor cores with the quantizer
+({{ch15_gemm_fp8_share}} of bf16's; cuBLASLt alone {{ch15_gemm_lt}}).""" + ("""
+On nano-vllm's workload the FP8 engine served {{ch15_fp8tc_tput}}
+({{ch15_fp8tc_tput_device}}), {{ch15_fp8tc_tput_verdict}} {{ch15_fp8tc_tput_bf16}}
+in the same run.""" if "fp8" in tput and None in tput else "") + ("""
+Its first token after a 128-token prompt took {{ch15_fp8tc_ttft}} against bf16's
+{{ch15_fp8tc_ttft_bf16}}.""" if "fp8" in ttft and None in ttft else "") + "\n")
+
+# %% [markdown]
 # ## Summary
 #
 # - A decode step at batch 1 reads every weight; in bf16 that caps any engine on one
