@@ -3389,13 +3389,15 @@ limit, as this chapter's target asks, needs that part smaller too (the GEMVs clo
 to the ceiling, fewer kernels a layer), or the GPU will show that some of it does
 shrink with the bytes (the GEMVs' distance from the ceiling may).
 
-At batch 256 a step took {{ch15_step_256_ms}}; the scratch adds at least
+At batch 256 a step took {{ch15_step_256_ms}}; int8's scratch adds at least
 {{ch15_extra_ms}} to it, which predicts {{ch15_pred_256}} against bf16's
-{{ch15_tp_bf16}}: with this GEMM path — prefill, and every step of more than 8 tokens
-— **8-bit weights cost throughput**. Reading the
-codes inside the GEMM's tiles, with no scratch (chapter 14's tensor-core GEMM is where
-that belongs), would remove the cost; until then an engine serving many requests at
-once should keep bf16.
+{{ch15_tp_bf16}}: with that GEMM path — prefill, and every step of more than 8
+tokens — **int8 weights cost throughput**. Reading the codes inside the GEMM's
+tiles, with no scratch (chapter 14's tensor-core GEMM is where that belongs), would
+remove the cost; until then an engine serving many requests at once in int8 pays it.
+FP8's GEMM path has no scratch: its products read half of bf16's weight bytes on
+tensor cores of twice the rate, so it should cost less than bf16's, not more — the
+measurement at the end of the chapter says how much.
 """)
 
 # %% [markdown]
@@ -3905,8 +3907,11 @@ Its first token after a 128-token prompt took {{ch15_fp8tc_ttft}} against bf16's
 #   change *that* model.
 # - `LLM(model, quantization="int8" | "fp8")` quantizes as the bf16 folder loads; the
 #   NumPy backend keeps the dequantized values, the GPU the codes and scales, read by
-#   GEMVs that keep chapter 11's fusions; prefill dequantizes into a bf16 scratch for
-#   chapter 6's GEMM. The tied LM head stays bf16 for now.
+#   GEMVs that keep chapter 11's fusions. Past the GEMV's 8 tokens (prefill, large
+#   batches) int8 dequantizes into a bf16 scratch for chapter 6's GEMM; FP8 quantizes
+#   each token vector too (one scale each, W8A8, as vLLM's FP8 models do) and runs
+#   cuBLASLt on Hopper's FP8 tensor cores, both scales applied in its epilogue. The
+#   tied LM head stays bf16 for now.
 # - **GPTQ** keeps the grid and the scales and chooses the codes against the inputs'
 #   $X^\top X$, each column's rounding error moved onto the columns not yet rounded.
 #   `python -m tinyvllm_lib quantize` does it once, offline, into a **checkpoint**: the
@@ -3925,7 +3930,8 @@ Its first token after a 128-token prompt took {{ch15_fp8tc_ttft}} against bf16's
 #   sixth shares 8 rows a block at one token, the knobs a sweep of each shape chose on
 #   an H100, with as many blocks as the GPU holds of them. The measurement
 #   section counts each version's instructions a word of codes in its SASS and says
-#   what each bought. At batch 256 the GEMM path's bf16 scratch costs throughput.
+#   what each bought. At batch 256 int8's bf16 scratch costs throughput; FP8's tensor
+#   cores are measured against bf16 in the same run.
 #
 # ## Exercises
 #
