@@ -3070,7 +3070,8 @@ class CublasLtFp8:
 
 def get_cublaslt_fp8() -> CublasLtFp8 | None:
     """The process's cuBLASLt FP8 GEMM, made on first use; None in the simulator,
-    without nvmath-python, or on a GPU with no FP8 tensor cores (before Ada/Hopper)."""
+    without nvmath-python, or where this GPU and cuBLASLt have no FP8 GEMM with
+    outer-vector scales (Hopper has; Ada and Blackwell, as of cuBLAS 13, do not)."""
     if _STATE["gemm"] is None and _STATE["error"] is None:
         if config.ENABLE_CUDASIM or not cuda.is_available():
             _STATE["error"] = "no GPU (cuBLASLt does not run in the simulator)"
@@ -3078,10 +3079,13 @@ def get_cublaslt_fp8() -> CublasLtFp8 | None:
             _STATE["error"] = "no FP8 tensor cores (compute capability below 8.9)"
         else:
             try:
-                _STATE["gemm"] = CublasLtFp8()
-            except Exception as err:  # not installed, or no libcublasLt
-                _STATE["error"] = (f"{type(err).__name__}: {err} "
-                                   "(pip install nvmath-python[cu13])")
+                gemm = CublasLtFp8()
+                gemm.plan(16, 16, 16, False, 0)  # raises where the scales are refused
+                _STATE["gemm"] = gemm
+            except Exception as err:  # not installed, no libcublasLt, or refused
+                _STATE["error"] = (f"{type(err).__name__}: {err} (FP8 GEMMs with "
+                                   "outer-vector scales need a Hopper GPU and "
+                                   "nvmath-python[cu13])")
     return _STATE["gemm"]
 
 
@@ -3185,9 +3189,15 @@ class QuantizedLinear:
         if self.uses_gemv(x):
             return "gemv"
         if (self.method == "fp8" and FP8_TENSOR_CORE_GEMM and takes_fp8_gemm(self.shape)
+                and self.fp8_chunk_rows(self.shape[1]) >= 16
                 and get_cublaslt_fp8() is not None):
             return "fp8"
         return "scratch"
+
+    def fp8_chunk_rows(self, K: int) -> int:
+        """How many token vectors' codes (K each) and scales the scratch holds at
+        once, a multiple of 16."""
+        return (2 * self.scratch.size - 256) // (K + 4) // 16 * 16
 
     def apply_fp8(self, x, out, stream=0, workspace=None, accumulate=False):
         """out (= or +=) x · Wᵀ on FP8 tensor cores: each token vector's e4m3 codes
@@ -3195,10 +3205,7 @@ class QuantizedLinear:
         holds."""
         M, K = x.shape
         room = self.scratch.view(np.uint8)
-        rows = min(M, (room.size - 256) // (K + 4) // 16 * 16)
-        if rows < 1:
-            raise ValueError(f"the scratch ({room.size} bytes) holds no 16 tokens' "
-                             f"codes of {K}")
+        rows = min(M, self.fp8_chunk_rows(K))  # gemm_path saw to at least 16
         codes = room[: rows * K].reshape(rows, K)
         start = (rows * K + 255) // 256 * 256
         scales = room[start : start + 4 * rows].view(np.float32)

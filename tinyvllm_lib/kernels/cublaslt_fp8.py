@@ -82,7 +82,8 @@ class CublasLtFp8:
 
 def get_cublaslt_fp8() -> CublasLtFp8 | None:
     """The process's cuBLASLt FP8 GEMM, made on first use; None in the simulator,
-    without nvmath-python, or on a GPU with no FP8 tensor cores (before Ada/Hopper)."""
+    without nvmath-python, or where this GPU and cuBLASLt have no FP8 GEMM with
+    outer-vector scales (Hopper has; Ada and Blackwell, as of cuBLAS 13, do not)."""
     if _STATE["gemm"] is None and _STATE["error"] is None:
         if config.ENABLE_CUDASIM or not cuda.is_available():
             _STATE["error"] = "no GPU (cuBLASLt does not run in the simulator)"
@@ -90,10 +91,13 @@ def get_cublaslt_fp8() -> CublasLtFp8 | None:
             _STATE["error"] = "no FP8 tensor cores (compute capability below 8.9)"
         else:
             try:
-                _STATE["gemm"] = CublasLtFp8()
-            except Exception as err:  # not installed, or no libcublasLt
-                _STATE["error"] = (f"{type(err).__name__}: {err} "
-                                   "(pip install nvmath-python[cu13])")
+                gemm = CublasLtFp8()
+                gemm.plan(16, 16, 16, False, 0)  # raises where the scales are refused
+                _STATE["gemm"] = gemm
+            except Exception as err:  # not installed, no libcublasLt, or refused
+                _STATE["error"] = (f"{type(err).__name__}: {err} (FP8 GEMMs with "
+                                   "outer-vector scales need a Hopper GPU and "
+                                   "nvmath-python[cu13])")
     return _STATE["gemm"]
 
 

@@ -53,9 +53,15 @@ class QuantizedLinear:
         if self.uses_gemv(x):
             return "gemv"
         if (self.method == "fp8" and FP8_TENSOR_CORE_GEMM and takes_fp8_gemm(self.shape)
+                and self.fp8_chunk_rows(self.shape[1]) >= 16
                 and get_cublaslt_fp8() is not None):
             return "fp8"
         return "scratch"
+
+    def fp8_chunk_rows(self, K: int) -> int:
+        """How many token vectors' codes (K each) and scales the scratch holds at
+        once, a multiple of 16."""
+        return (2 * self.scratch.size - 256) // (K + 4) // 16 * 16
 
     def apply_fp8(self, x, out, stream=0, workspace=None, accumulate=False):
         """out (= or +=) x · Wᵀ on FP8 tensor cores: each token vector's e4m3 codes
@@ -63,10 +69,7 @@ class QuantizedLinear:
         holds."""
         M, K = x.shape
         room = self.scratch.view(np.uint8)
-        rows = min(M, (room.size - 256) // (K + 4) // 16 * 16)
-        if rows < 1:
-            raise ValueError(f"the scratch ({room.size} bytes) holds no 16 tokens' "
-                             f"codes of {K}")
+        rows = min(M, self.fp8_chunk_rows(K))  # gemm_path saw to at least 16
         codes = room[: rows * K].reshape(rows, K)
         start = (rows * K + 255) // 256 * 256
         scales = room[start : start + 4 * rows].view(np.float32)
