@@ -3023,9 +3023,11 @@ class CublasLtFp8:
         buf = np.array([value], dtype)
         self.lt.matmul_desc_set_attribute(desc, int(attr), buf.ctypes.data, buf.nbytes)
 
-    def plan(self, M: int, N: int, K: int, accumulate: bool, workspace_bytes: int):
+    def plan(self, M: int, N: int, K: int, accumulate: bool, workspace_bytes: int,
+             w_scales, x_scales):
         """(desc, a, b, d, heuristic result) for this shape and workspace, made on
-        first use."""
+        first use (the heuristic wants the scales' pointers set; each call sets its
+        own)."""
         key = (M, N, K, accumulate, workspace_bytes)
         if key not in self.plans:
             lt, t, A = self.lt, self.types, self.lt.MatmulDescAttribute
@@ -3034,6 +3036,8 @@ class CublasLtFp8:
             self._set(desc, A.TRANSB, 0, np.int32)
             self._set(desc, A.A_SCALE_MODE, t["outer"], np.int32)
             self._set(desc, A.B_SCALE_MODE, t["outer"], np.int32)
+            self._set(desc, A.A_SCALE_POINTER, device_pointer(w_scales), np.uint64)
+            self._set(desc, A.B_SCALE_POINTER, device_pointer(x_scales), np.uint64)
             a = lt.matrix_layout_create(t["e4m3"], K, N, K)
             b = lt.matrix_layout_create(t["e4m3"], K, M, K)
             d = lt.matrix_layout_create(t["f32"], N, M, N)
@@ -3057,7 +3061,8 @@ class CublasLtFp8:
              accumulate: bool, stream: int, workspace) -> None:
         ws_ptr, ws_bytes = (0, 0) if workspace is None else \
             (device_pointer(workspace), workspace.nbytes)
-        desc, a, b, d, results = self.plan(M, N, K, accumulate, ws_bytes)
+        desc, a, b, d, results = self.plan(M, N, K, accumulate, ws_bytes, w_scales,
+                                           x_scales)
         A = self.lt.MatmulDescAttribute
         self._set(desc, A.A_SCALE_POINTER, device_pointer(w_scales), np.uint64)
         self._set(desc, A.B_SCALE_POINTER, device_pointer(x_scales), np.uint64)
@@ -3080,7 +3085,8 @@ def get_cublaslt_fp8() -> CublasLtFp8 | None:
         else:
             try:
                 gemm = CublasLtFp8()
-                gemm.plan(16, 16, 16, False, 0)  # raises where the scales are refused
+                ones = cuda.to_device(np.ones(16, np.float32))
+                gemm.plan(16, 16, 16, False, 0, ones, ones)  # raises where refused
                 _STATE["gemm"] = gemm
             except Exception as err:  # not installed, no libcublasLt, or refused
                 _STATE["error"] = (f"{type(err).__name__}: {err} (FP8 GEMMs with "
