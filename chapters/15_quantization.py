@@ -2753,8 +2753,9 @@ if can_launch():
 # scale, rounded to bf16), and chapter 6's `linear` runs on that. It costs a write of
 # the bf16 weight and a read of the 8-bit one before cuBLAS reads the bf16 one, so an
 # 8-bit GEMM moves about 2.5 times the bytes of a bf16 one; the next section counts
-# what that predicts. For `fp8` the next subsection replaces it with Hopper's FP8
-# tensor cores, which quantize the activations too; `int8` keeps it (dequantizing
+# what that predicts. For `fp8` the next subsection builds the alternative, Hopper's
+# FP8 tensor cores, which quantize the activations too (behind a switch, off by
+# default until its GPU tests all pass); `int8` keeps the scratch (dequantizing
 # tile by tile inside chapter 14's tensor-core GEMM, which would not need it, is not
 # built here), and the measurement at the end of the chapter says what each costs.
 # Its second rounding, of $s_n q_{nk}$ to bf16, moves a weight by at most $2^{-8}$ of
@@ -3135,9 +3136,11 @@ def gemm_fp8(x_codes, x_scales, w_codes, w_scales, out, stream=0, workspace=None
 # overrides for the matrices it quantizes. A `QuantizedLinear` holds the codes and the
 # scales on the GPU and picks its path by the number of token vectors: the 8-bit GEMV
 # (with the norm inside whatever its rows: see `apply_rmsnorm`) up to
-# `QUANTIZED_GEMV_MAX_TOKENS`, else the GEMM path — for FP8 the tensor cores above
-# (`apply_fp8`, where the GPU has them), for int8 the dequantized scratch and chapter
-# 6's `linear`.
+# `QUANTIZED_GEMV_MAX_TOKENS`, else the GEMM path — the dequantized scratch and
+# chapter 6's `linear`, or for FP8 with `FP8_TENSOR_CORE_GEMM` on the tensor cores
+# above (`apply_fp8`, where the GPU has them). The switch is off for now: on the one
+# GPU run so far, an H100's, one of the path's tests failed (the others, and the
+# engine runs measured at the end of the chapter, ran with it on).
 # That limit is a guess (8), not yet measured: where the 8-bit GEMV stops beating a
 # dequantize plus cuBLAS; for bf16 chapter 6 measured 1, but there the other side
 # needed no dequantizing.
@@ -3161,9 +3164,12 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 # up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path);
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
-# FP8 weights' GEMM path: cuBLASLt on FP8 tensor cores, the activations quantized per
-# token (W8A8), where the GPU has them; False: the bf16 scratch, as int8's
-FP8_TENSOR_CORE_GEMM = True
+# FP8 weights' GEMM path: True, cuBLASLt on FP8 tensor cores with the activations
+# quantized per token (W8A8), where the GPU has them; False, the bf16 scratch, as
+# int8's. Off by default for now: on the one GPU run so far (an H100) one of its
+# tests (a matrix-by-matrix comparison with the NumPy mirror) failed, not yet
+# explained; the engine runs measured below set it on
+FP8_TENSOR_CORE_GEMM = False
 # the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
 # epilogue) where the GEMV runs; False launches the normed GEMV, then silu_mul
 GATED_GEMV_8BIT = True
@@ -3859,6 +3865,12 @@ else:
                       ("fp8 cuBLASLt alone", "lt")):
         if path in layer_256:
             prose.glue(f"ch15_gemm_{key}", f"{layer_256[path]:.1f} µs")
+    for layer in ("gate_up_proj", "o_proj"):
+        for path, m, key in (("bf16 cuBLAS", None, "bf16"), ("fp8", "fp8", "fp8"),
+                             ("fp8 cuBLASLt alone", "fp8", "lt")):
+            if (layer, path, m, M_256) in at:
+                prose.glue(f"ch15_gemm_{layer}_{key}",
+                           f"{at[layer, path, m, M_256]['us']:.1f} µs")
     if {"fp8", "bf16 cuBLAS"} <= set(layer_256):
         prose.glue("ch15_gemm_fp8_share",
                    f"{layer_256['fp8'] / layer_256['bf16 cuBLAS']:.0%}")
@@ -3904,7 +3916,18 @@ On nano-vllm's workload the FP8 engine served {{ch15_fp8tc_tput}}
 ({{ch15_fp8tc_tput_device}}), {{ch15_fp8tc_tput_verdict}} {{ch15_fp8tc_tput_bf16}}
 in the same run.""" if "fp8" in tput and None in tput else "") + ("""
 Its first token after a 128-token prompt took {{ch15_fp8tc_ttft}} against bf16's
-{{ch15_fp8tc_ttft_bf16}}.""" if "fp8" in ttft and None in ttft else "") + "\n")
+{{ch15_fp8tc_ttft_bf16}}.""" if "fp8" in ttft and None in ttft else "") + """
+
+Against the prediction: only the widest product behaved as counted — gate-up took
+{{ch15_gemm_gate_up_proj_fp8}} against bf16's {{ch15_gemm_gate_up_proj_bf16}}. The
+narrow ones lost twice: cuBLASLt's first choice of algorithm took
+{{ch15_gemm_o_proj_lt}} for O's product, which bf16 made in
+{{ch15_gemm_o_proj_bf16}} (too few tiles for the GPU's SMs, a guess the next step is
+to time cuBLASLt's other candidates against), and the quantizer's launch is a
+kernel bf16 does not need ({{ch15_gemm_o_proj_fp8}} with it). These runs set
+`FP8_TENSOR_CORE_GEMM` on; it stays off by default until the path's GPU tests all
+pass.
+""")
 
 # %% [markdown]
 # ## Summary

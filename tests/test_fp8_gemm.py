@@ -225,6 +225,7 @@ def test_numpy_model_quantizes_fp8_inputs_only_past_the_tokens(tiny, rng):
 
 def test_gemm_path_without_fp8_tensor_cores_is_the_scratch(tiny):
     """int8 always, FP8 where cuBLASLt's FP8 GEMM is unavailable (here: the simulator or a GPU without it)."""
+    from tinyvllm_lib.layers import quantized_linear
     from tinyvllm_lib.layers.quantized_linear import (
         QUANTIZED_GEMV_MAX_TOKENS,
         QuantizedLinear,
@@ -237,7 +238,7 @@ def test_gemm_path_without_fp8_tensor_cores_is_the_scratch(tiny):
         layer = object.__new__(QuantizedLinear)  # no GPU copy needed to pick a path
         layer.method, layer.shape, layer.scratch = method, (80, 32), np.zeros(80 * 32, np.uint16)
         assert layer.gemm_path(few) == "gemv"
-        want = "fp8" if method == "fp8" and get_cublaslt_fp8() is not None else "scratch"
+        want = "fp8" if method == "fp8" and quantized_linear.FP8_TENSOR_CORE_GEMM and get_cublaslt_fp8() else "scratch"
         assert layer.gemm_path(many) == want
 
 
@@ -262,11 +263,13 @@ def test_fp8_gemm_on_the_gpu_matches_numpy(rng, M, N, K):
 
 
 @needs_fp8_gemm
-def test_apply_fp8_in_chunks_equals_one_pass(rng):
+def test_apply_fp8_in_chunks_equals_one_pass(rng, monkeypatch):
     """A scratch too small for every token's codes: apply_fp8 quantizes and multiplies a chunk at a time, and gets
     what the NumPy mirror gets."""
+    from tinyvllm_lib.layers import quantized_linear
     from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
 
+    monkeypatch.setattr(quantized_linear, "FP8_TENSOR_CORE_GEMM", True)  # the switch, off by default
     N, K, M = 64, 256, 100
     wq = quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05, "fp8")
     small = cuda.device_array((16 * (K + 4) + 256) // 2 + 8, np.uint16)  # room for 16 tokens at a time
@@ -280,13 +283,15 @@ def test_apply_fp8_in_chunks_equals_one_pass(rng):
 
 
 @needs_fp8_gemm
-def test_every_matrix_of_the_gpu_model_matches_the_numpy_mirror(tiny, rng):
+def test_every_matrix_of_the_gpu_model_matches_the_numpy_mirror(tiny, rng, monkeypatch):
     """At 10 tokens each quantized matrix's product as QuantizedLlamaCuda makes it (FP8's tensor cores where the
     shape suits them, the scratch for down_proj's 40 inputs) against QuantizedLlamaNumpy(fp8_gemm_tokens=8)."""
+    from tinyvllm_lib.layers import quantized_linear
     from tinyvllm_lib.layers.quantized_linear import QUANTIZED_GEMV_MAX_TOKENS
     from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
     from tinyvllm_lib.models.llama_quantized import QuantizedLlamaNumpy
 
+    monkeypatch.setattr(quantized_linear, "FP8_TENSOR_CORE_GEMM", True)  # the switch, off by default
     config, weights = tiny
     gpu = QuantizedLlamaCuda(config, weights, "fp8", quantize_lm_head=True)
     ref = QuantizedLlamaNumpy(config, weights, "fp8", quantize_lm_head=True, bf16_activations=True,

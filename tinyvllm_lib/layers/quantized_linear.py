@@ -19,9 +19,12 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 # up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path);
 # a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
 QUANTIZED_GEMV_MAX_TOKENS = 8
-# FP8 weights' GEMM path: cuBLASLt on FP8 tensor cores, the activations quantized per
-# token (W8A8), where the GPU has them; False: the bf16 scratch, as int8's
-FP8_TENSOR_CORE_GEMM = True
+# FP8 weights' GEMM path: True, cuBLASLt on FP8 tensor cores with the activations
+# quantized per token (W8A8), where the GPU has them; False, the bf16 scratch, as
+# int8's. Off by default for now: on the one GPU run so far (an H100) one of its
+# tests (a matrix-by-matrix comparison with the NumPy mirror) failed, not yet
+# explained; the engine runs measured below set it on
+FP8_TENSOR_CORE_GEMM = False
 # the MLP's norm, gate-up GEMV and SiLU·up as one kernel (gemv_8bit_rmsnorm's gated
 # epilogue) where the GEMV runs; False launches the normed GEMV, then silu_mul
 GATED_GEMV_8BIT = True
