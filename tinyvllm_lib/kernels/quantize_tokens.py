@@ -3,7 +3,7 @@
 
 # defined in chapters/15_quantization.py
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.bf16 import _f32_bits, bf16_to_f32, device_function
 from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
@@ -34,6 +34,29 @@ def f32_to_e4m3(x):
     top = (magnitude + uint32(0x7FFFF) + ((magnitude >> uint32(20)) & uint32(1))) \
         >> uint32(20)
     return min(top - uint32(120 << 3), uint32(0x7E)) | sign
+
+
+if config.ENABLE_CUDASIM:
+
+    def f32x2_to_e4m3x2(high, low):
+        """Two float32 -> two e4m3 codes in a uint32's low 16 bits, high's above."""
+        return (f32_to_e4m3(high) << uint32(8)) | f32_to_e4m3(low)
+
+else:  # the hardware's conversion: one instruction for two (rounded to nearest
+    # even, saturated at ±448, NaN to a NaN code), as f32_to_e4m3 rounds
+    from numba import types
+    from numba.cuda import CUSource
+
+    E4M3_SOURCE = r"""
+extern "C" __device__ unsigned f32x2_to_e4m3x2(float high, float low) {
+  unsigned short pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(high), "f"(low));
+  return pair;
+}
+"""
+    f32x2_to_e4m3x2 = cuda.declare_device(
+        "f32x2_to_e4m3x2", types.uint32(types.float32, types.float32),
+        link=CUSource(E4M3_SOURCE), abi="c")
 
 
 @cuda.jit
@@ -71,11 +94,12 @@ def quantize_tokens_fp8_kernel(x64, codes32, scales):
     divide = scale if scale > float32(0.0) else float32(1.0)  # an all-zero row
     for j in range(tid, num_words, cuda.blockDim.x):
         word = x64[m, j]
-        packed = uint32(0)
-        for b in range(4):
-            v = bf16_to_f32(uint32((word >> uint64(16 * b)) & uint64(0xFFFF)))
-            packed |= f32_to_e4m3(v / divide) << uint32(8 * b)
-        codes32[m, j] = packed
+        v0 = bf16_to_f32(uint32(word & uint64(0xFFFF))) / divide
+        v1 = bf16_to_f32(uint32((word >> uint64(16)) & uint64(0xFFFF))) / divide
+        v2 = bf16_to_f32(uint32((word >> uint64(32)) & uint64(0xFFFF))) / divide
+        v3 = bf16_to_f32(uint32(word >> uint64(48))) / divide
+        low, high = f32x2_to_e4m3x2(v1, v0), f32x2_to_e4m3x2(v3, v2)
+        codes32[m, j] = low | (high << uint32(16))
 
 
 PTX_SIGNATURES = {"quantize_tokens_fp8_kernel":
