@@ -2854,13 +2854,27 @@ def dequantize_to_bf16(codes, scales, out, method: str, stream=0):
 
 # %%
 #| export kernels.quantize_tokens
+import math
+
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
-from tinyvllm_lib.kernels.bf16 import _f32_bits, bf16_to_f32, device_function
+from tinyvllm_lib.kernels.activation_store import unpack_f32_pair
+from tinyvllm_lib.kernels.bf16 import (
+    _f32_bits,
+    bf16_to_f32,
+    device_function,
+    f32_to_bf16,
+)
 from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
+from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, block_sum, shfl_xor
+from tinyvllm_lib.kernels.rmsnorm import (
+    can_go_wide,
+    check_weight_eps,
+    wide_block_threads,
+)
+from tinyvllm_lib.kernels.rmsnorm_kernels import WIDE_ITEMS, WIDE_WORDS, first_word
 from tinyvllm_lib.quantization.formats import FP8_E4M3_MAX
 
 QUANTIZE_TOKENS_THREADS = 256
@@ -2911,6 +2925,27 @@ extern "C" __device__ unsigned f32x2_to_e4m3x2(float high, float low) {
         link=CUSource(E4M3_SOURCE), abi="c")
 
 
+@cuda.jit(device=True)
+def block_max(largest, warp_max, scratch):
+    """The largest of the block's values (1-D, whole warps), a NaN never taken
+    (`other > largest` is false for it); every thread gets it. warp_max: shared
+    float32[32]."""
+    lane_mask = WARP_SIZE // 2
+    while lane_mask > 0:
+        other = shfl_xor(largest, lane_mask, scratch)
+        if other > largest:
+            largest = other
+        lane_mask //= 2
+    if cuda.threadIdx.x % WARP_SIZE == 0:
+        warp_max[cuda.threadIdx.x // WARP_SIZE] = largest
+    cuda.syncthreads()
+    largest = float32(0.0)
+    for w in range(cuda.blockDim.x // WARP_SIZE):
+        if warp_max[w] > largest:
+            largest = warp_max[w]
+    return largest
+
+
 @cuda.jit
 def quantize_tokens_fp8_kernel(x64, codes32, scales):
     """Block m: row m of x (bf16 bits, viewed as uint64 words of 4) -> its scale
@@ -2927,20 +2962,7 @@ def quantize_tokens_fp8_kernel(x64, codes32, scales):
             v = abs(bf16_to_f32(uint32((word >> uint64(16 * b)) & uint64(0xFFFF))))
             if v > largest:  # never true for a NaN: skipped here, coded NaN below
                 largest = v
-    lane_mask = WARP_SIZE // 2
-    while lane_mask > 0:
-        other = shfl_xor(largest, lane_mask, scratch)
-        if other > largest:
-            largest = other
-        lane_mask //= 2
-    if tid % WARP_SIZE == 0:
-        warp_max[tid // WARP_SIZE] = largest
-    cuda.syncthreads()
-    largest = float32(0.0)
-    for w in range(cuda.blockDim.x // WARP_SIZE):
-        if warp_max[w] > largest:
-            largest = warp_max[w]
-    scale = largest / _E4M3_MAX
+    scale = block_max(largest, warp_max, scratch) / _E4M3_MAX
     if tid == 0:
         scales[m] = scale
     divide = scale if scale > float32(0.0) else float32(1.0)  # an all-zero row
@@ -2976,11 +2998,104 @@ def quantize_tokens_fp8(x, codes, scales, stream=0):
     return codes, scales
 
 
+# the norm and the quantizer as one kernel, for the products that read a norm's
+# output (QKV and gate-up): the bf16 rows are never written
+@cuda.jit
+def rmsnorm_quantize_fp8_kernel(x64, weight32, eps, codes16, scales):
+    """Block m: row m of x (float32 pairs) normed as chapter 4's rung 6 norms it (the
+    same words a thread, the same sum), each value rounded to bf16 as rmsnorm would
+    store it, then quantized as quantize_tokens_fp8_kernel quantizes a row: its scale
+    and e4m3 codes (uint16 words of 2)."""
+    wait_for_previous_kernel()
+    row = cuda.blockIdx.x
+    x_row, code_row = x64[row], codes16[row]
+    num_words = uint64(x64.shape[1])
+    start = first_word()
+    warp_sums = cuda.shared.array(WARP_SIZE, float32)
+    warp_max = cuda.shared.array(WARP_SIZE, float32)
+    scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)
+    values = cuda.local.array(WIDE_ITEMS, float32)  # registers: constant indices
+    weights = cuda.local.array(WIDE_WORDS, uint32)
+    sum_squares = float32(0.0)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        is_in_row = j < num_words
+        j = min(j, num_words - uint64(1))
+        first, second = unpack_f32_pair(x_row[j])
+        weights[k] = weight32[j]
+        first = first if is_in_row else float32(0.0)
+        second = second if is_in_row else float32(0.0)
+        values[2 * k] = first
+        values[2 * k + 1] = second
+        sum_squares += first * first + second * second
+    total = block_sum(sum_squares, warp_sums, scratch)
+    norm = float32(1.0) / math.sqrt(total / float32(2 * x64.shape[1]) + eps)
+    largest = float32(0.0)
+    for k in range(WIDE_WORDS):
+        w = weights[k]
+        first = bf16_to_f32(f32_to_bf16(
+            values[2 * k] * norm * bf16_to_f32(w & uint32(0xFFFF))))
+        second = bf16_to_f32(f32_to_bf16(
+            values[2 * k + 1] * norm * bf16_to_f32(w >> uint32(16))))
+        if start + uint64(k * WARP_SIZE) < num_words:
+            values[2 * k], values[2 * k + 1] = first, second
+            if abs(first) > largest:  # never for a NaN
+                largest = abs(first)
+            if abs(second) > largest:
+                largest = abs(second)
+    scale = block_max(largest, warp_max, scratch) / _E4M3_MAX
+    if cuda.threadIdx.x == 0:
+        scales[row] = scale
+    divide = scale if scale > float32(0.0) else float32(1.0)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        if j < num_words:
+            code_row[j] = f32x2_to_e4m3x2(values[2 * k + 1] / divide,
+                                          values[2 * k] / divide)
+
+
+PTX_SIGNATURES["rmsnorm_quantize_fp8_kernel"] = [
+    "void(uint64[:, ::1], uint32[::1], float32, uint16[:, ::1], float32[::1])"]
+
+
+def can_norm_quantize(x, weight, codes) -> bool:
+    """rmsnorm_quantize_fp8 takes these: rung 6's rows (see can_go_wide), codes
+    4-byte aligned."""
+    return can_go_wide(x, weight) and device_pointer(codes) % 4 == 0
+
+
+def rmsnorm_quantize_fp8(x, weight, eps: float, codes, scales, stream=0):
+    """Launch: each row of x (M, K) float32 -> RMSNorm(row) * weight, rounded to bf16,
+    quantized per row to e4m3 codes (M, K) uint8 and a float32 scale: the bits
+    rmsnorm, then quantize_tokens_fp8, give."""
+    M, K = x.shape if x.ndim == 2 else (0, 0)
+    eps32 = check_weight_eps("rmsnorm_quantize_fp8", weight, K, eps)
+    if (x.dtype != np.float32 or codes.dtype != np.uint8
+            or tuple(codes.shape) != (M, K) or scales.dtype != np.float32
+            or scales.shape[0] < M or K % 4 or M == 0
+            or not (is_c_contiguous(x) and is_c_contiguous(codes))
+            or not can_norm_quantize(x, weight, codes)):
+        raise ValueError(
+            f"rmsnorm_quantize_fp8: need x (M, K) float32 and codes (M, K) uint8 with "
+            f"K a multiple of 4 (at most rung 6's), aligned, scales (M,) float32; got "
+            f"{x.dtype} {tuple(x.shape)}, {codes.dtype} {tuple(codes.shape)}, "
+            f"{scales.dtype} {tuple(scales.shape)}")
+    rmsnorm_quantize_fp8_kernel[M, wide_block_threads(K), stream](
+        x.view(np.uint64), weight.view(np.uint32), eps32, codes.view(np.uint16), scales)
+    return codes, scales
+
+
 # %% [markdown]
 # The check is exact: the kernel's codes and scales are the bits `quantize` gives
 # the same bf16 rows — rows of every size of value, a row of zeros, values that
 # land on a tie between two codes, and values past 448 times the scale (none can be:
 # the largest is 448 exactly).
+#
+# Two of a layer's four products read a norm's output (QKV and gate-up), so
+# `rmsnorm_quantize_fp8` does both in one kernel: chapter 4's widest norm, its values
+# rounded to bf16 as that norm stores them, then the quantizer's absmax and codes.
+# The bf16 rows are never written and a launch is saved; the check holds it to the
+# bits of the two kernels one after the other.
 
 # %%
 from tinyvllm_lib.kernels.quantize_tokens import quantize_tokens_fp8
@@ -3001,9 +3116,33 @@ def check_quantize_tokens(M: int = 5, K: int = 72) -> None:
     assert np.array_equal(codes.copy_to_host(), want.codes)
 
 
+from tinyvllm_lib.kernels.quantize_tokens import rmsnorm_quantize_fp8
+from tinyvllm_lib.kernels.rmsnorm import rmsnorm
+
+
+def check_rmsnorm_quantize(M: int = 3, K: int = 72) -> None:
+    """The fused kernel's codes and scales against chapter 4's norm, then the
+    quantizer: the same bits."""
+    from numba import cuda
+
+    x = cuda.to_device(rng.standard_normal((M, K)).astype(np.float32) * 3)
+    gains = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    weight = cuda.to_device(f32_to_bf16_bits(gains))
+    normed = cuda.device_array((M, K), np.uint16)
+    rmsnorm(x, weight, 1e-5, normed)
+    want = [cuda.device_array((M, K), np.uint8), cuda.device_array(M, np.float32)]
+    quantize_tokens_fp8(normed, *want)
+    got = [cuda.device_array((M, K), np.uint8), cuda.device_array(M, np.float32)]
+    rmsnorm_quantize_fp8(x, weight, 1e-5, *got)
+    for a, b in zip(got, want):
+        assert np.array_equal(a.copy_to_host(), b.copy_to_host())
+
+
 if can_launch():
     check_quantize_tokens()
     print("quantize_tokens_fp8: the codes and scales quantize() gives, bit for bit")
+    check_rmsnorm_quantize()
+    print("rmsnorm_quantize_fp8: the bits of rmsnorm, then quantize_tokens_fp8")
 
 # %% [markdown]
 # The GEMM itself is a cuBLASLt call through nvmath-python's bindings. cuBLAS is
@@ -3232,7 +3371,11 @@ from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8, get_cublaslt_fp8
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
-from tinyvllm_lib.kernels.quantize_tokens import quantize_tokens_fp8
+from tinyvllm_lib.kernels.quantize_tokens import (
+    can_norm_quantize,
+    quantize_tokens_fp8,
+    rmsnorm_quantize_fp8,
+)
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.llama_quantized import takes_fp8_gemm
@@ -3288,16 +3431,21 @@ class QuantizedLinear:
         once, a multiple of 16."""
         return (2 * self.scratch.size - 256) // (K + 4) // 16 * 16
 
+    def fp8_operands(self, rows: int, K: int):
+        """Room in the scratch for `rows` token vectors' e4m3 codes (rows, K) and
+        their float32 scales (at a 256-byte boundary)."""
+        room = self.scratch.view(np.uint8)
+        start = (rows * K + 255) // 256 * 256
+        return (room[: rows * K].reshape(rows, K),
+                room[start : start + 4 * rows].view(np.float32))
+
     def apply_fp8(self, x, out, stream=0, workspace=None, accumulate=False):
         """out (= or +=) x · Wᵀ on FP8 tensor cores: each token vector's e4m3 codes
         and scale in the scratch (free on this path), as many tokens at a time as it
         holds."""
         M, K = x.shape
-        room = self.scratch.view(np.uint8)
         rows = min(M, self.fp8_chunk_rows(K))  # gemm_path saw to at least 16
-        codes = room[: rows * K].reshape(rows, K)
-        start = (rows * K + 255) // 256 * 256
-        scales = room[start : start + 4 * rows].view(np.float32)
+        codes, scales = self.fp8_operands(rows, K)
         for s in range(0, M, rows):
             e = min(M, s + rows)
             quantize_tokens_fp8(x[s:e], codes[: e - s], scales, stream)
@@ -3330,11 +3478,19 @@ class QuantizedLinear:
         its rows — gate-up's 16,384 too, where GATED_GEMV_8BIT is off (its blocks, no
         more than the GPU holds, each norm the input once as they stage it, where
         chapter 6's bf16 GEMV norms it in every warp and so keeps 16,384 rows and
-        more apart); else the norm into `normed`, then apply.
+        more apart); on FP8's tensor-core path the norm and the tokens' quantizer
+        in one kernel (`normed` untouched); else the norm into `normed`, then apply.
         """
         if self.uses_gemv(normed):
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
                                      self.scales, out, self.method, stream)
+        M, K = normed.shape
+        if self.gemm_path(normed) == "fp8" and M <= self.fp8_chunk_rows(K):
+            codes, scales = self.fp8_operands(M, K)
+            if can_norm_quantize(residual, norm_weight, codes):  # one kernel, no bf16
+                rmsnorm_quantize_fp8(residual, norm_weight, eps, codes, scales, stream)
+                return gemm_fp8(codes, scales, self.codes, self.scales, out, stream,
+                                workspace)
         rmsnorm(residual, norm_weight, eps, normed, stream=stream)
         return self.apply(normed, out, stream=stream, workspace=workspace)
 

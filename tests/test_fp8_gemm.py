@@ -70,6 +70,28 @@ def test_quantize_tokens_refuses_bad_operands():
         quantize_tokens_fp8(x, np.zeros((2, 6), np.uint8), np.zeros(2, np.float32))
 
 
+@needs_launch
+@pytest.mark.parametrize("M, K", [(3, 72), (2, 2048), (1, 4100)])
+def test_rmsnorm_quantize_is_the_norm_then_the_quantizer(rng, M, K):
+    """One kernel, the bits of chapter 4's rmsnorm (bf16 out) followed by quantize_tokens_fp8; a row past the last
+    whole warp's words (4,100: rung 6's threads, some idle) and a row with a NaN too."""
+    from tinyvllm_lib.kernels.quantize_tokens import rmsnorm_quantize_fp8
+    from tinyvllm_lib.kernels.rmsnorm import rmsnorm
+
+    x = rng.standard_normal((M, K)).astype(np.float32) * rng.uniform(0.1, 30, (M, 1)).astype(np.float32)
+    x[-1, K // 3] = np.nan if M > 1 else x[-1, K // 3]
+    d_x = cuda.to_device(x)
+    weight = cuda.to_device(f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32)))
+    normed = cuda.device_array((M, K), np.uint16)
+    rmsnorm(d_x, weight, 1e-5, normed)
+    want = (cuda.device_array((M, K), np.uint8), cuda.device_array(M, np.float32))
+    quantize_tokens_fp8(normed, *want)
+    got = (cuda.device_array((M, K), np.uint8), cuda.device_array(M, np.float32))
+    rmsnorm_quantize_fp8(d_x, weight, 1e-5, *got)
+    assert np.array_equal(got[1].copy_to_host(), want[1].copy_to_host(), equal_nan=True)
+    assert np.array_equal(got[0].copy_to_host(), want[0].copy_to_host())
+
+
 # --- the cuBLASLt wiring, on host buffers -------------------------------------------------------------------------
 
 
@@ -280,6 +302,32 @@ def test_apply_fp8_in_chunks_equals_one_pass(rng, monkeypatch):
     layer.apply(cuda.to_device(x), out, workspace=cuda.device_array(32 << 20, np.uint8))
     xq = quantize(bf16_bits_to_f32(x), "fp8")
     assert rel_error(out.copy_to_host(), quantized_reference(xq, wq)) <= FP8_TOL
+
+
+@needs_fp8_gemm
+def test_apply_rmsnorm_fused_on_the_fp8_path_equals_norm_then_apply(rng, monkeypatch):
+    """QKV's and gate-up's product past the GEMV: the norm and quantizer as one kernel give the same codes, so the
+    same plan's output, bit for bit, as chapter 4's norm into `normed`, then apply; `normed` is left alone."""
+    from tinyvllm_lib.kernels.rmsnorm import rmsnorm
+    from tinyvllm_lib.layers import quantized_linear
+    from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
+
+    monkeypatch.setattr(quantized_linear, "FP8_TENSOR_CORE_GEMM", True)  # the switch, off by default
+    N, K, M = 3072, 2048, 40
+    layer = QuantizedLinear(quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.02, "fp8"),
+                            cuda.device_array(N * K, np.uint16))
+    residual = cuda.to_device(rng.standard_normal((M, K)).astype(np.float32))
+    weight = cuda.to_device(f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32)))
+    workspace = cuda.device_array(32 << 20, np.uint8)
+    normed = cuda.to_device(np.full((M, K), 0x7FC1, np.uint16))  # a marker the fused path must not touch
+    assert layer.gemm_path(normed) == "fp8"
+    fused = cuda.device_array((M, N), np.float32)
+    layer.apply_rmsnorm(residual, weight, 1e-5, fused, normed, workspace=workspace)
+    assert (normed.copy_to_host() == 0x7FC1).all()
+    rmsnorm(residual, weight, 1e-5, normed)
+    apart = cuda.device_array((M, N), np.float32)
+    layer.apply(normed, apart, workspace=workspace)
+    assert np.array_equal(fused.copy_to_host(), apart.copy_to_host())
 
 
 @needs_fp8_gemm

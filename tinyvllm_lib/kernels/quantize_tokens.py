@@ -2,13 +2,27 @@
 # the chapter and re-export.
 
 # defined in chapters/15_quantization.py
+import math
+
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
-from tinyvllm_lib.kernels.bf16 import _f32_bits, bf16_to_f32, device_function
+from tinyvllm_lib.kernels.activation_store import unpack_f32_pair
+from tinyvllm_lib.kernels.bf16 import (
+    _f32_bits,
+    bf16_to_f32,
+    device_function,
+    f32_to_bf16,
+)
 from tinyvllm_lib.kernels.checks import device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
-from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, shfl_xor
+from tinyvllm_lib.kernels.reduce import SHUFFLE_SCRATCH, WARP_SIZE, block_sum, shfl_xor
+from tinyvllm_lib.kernels.rmsnorm import (
+    can_go_wide,
+    check_weight_eps,
+    wide_block_threads,
+)
+from tinyvllm_lib.kernels.rmsnorm_kernels import WIDE_ITEMS, WIDE_WORDS, first_word
 from tinyvllm_lib.quantization.formats import FP8_E4M3_MAX
 
 QUANTIZE_TOKENS_THREADS = 256
@@ -59,6 +73,27 @@ extern "C" __device__ unsigned f32x2_to_e4m3x2(float high, float low) {
         link=CUSource(E4M3_SOURCE), abi="c")
 
 
+@cuda.jit(device=True)
+def block_max(largest, warp_max, scratch):
+    """The largest of the block's values (1-D, whole warps), a NaN never taken
+    (`other > largest` is false for it); every thread gets it. warp_max: shared
+    float32[32]."""
+    lane_mask = WARP_SIZE // 2
+    while lane_mask > 0:
+        other = shfl_xor(largest, lane_mask, scratch)
+        if other > largest:
+            largest = other
+        lane_mask //= 2
+    if cuda.threadIdx.x % WARP_SIZE == 0:
+        warp_max[cuda.threadIdx.x // WARP_SIZE] = largest
+    cuda.syncthreads()
+    largest = float32(0.0)
+    for w in range(cuda.blockDim.x // WARP_SIZE):
+        if warp_max[w] > largest:
+            largest = warp_max[w]
+    return largest
+
+
 @cuda.jit
 def quantize_tokens_fp8_kernel(x64, codes32, scales):
     """Block m: row m of x (bf16 bits, viewed as uint64 words of 4) -> its scale
@@ -75,20 +110,7 @@ def quantize_tokens_fp8_kernel(x64, codes32, scales):
             v = abs(bf16_to_f32(uint32((word >> uint64(16 * b)) & uint64(0xFFFF))))
             if v > largest:  # never true for a NaN: skipped here, coded NaN below
                 largest = v
-    lane_mask = WARP_SIZE // 2
-    while lane_mask > 0:
-        other = shfl_xor(largest, lane_mask, scratch)
-        if other > largest:
-            largest = other
-        lane_mask //= 2
-    if tid % WARP_SIZE == 0:
-        warp_max[tid // WARP_SIZE] = largest
-    cuda.syncthreads()
-    largest = float32(0.0)
-    for w in range(cuda.blockDim.x // WARP_SIZE):
-        if warp_max[w] > largest:
-            largest = warp_max[w]
-    scale = largest / _E4M3_MAX
+    scale = block_max(largest, warp_max, scratch) / _E4M3_MAX
     if tid == 0:
         scales[m] = scale
     divide = scale if scale > float32(0.0) else float32(1.0)  # an all-zero row
@@ -121,4 +143,91 @@ def quantize_tokens_fp8(x, codes, scales, stream=0):
             f"{tuple(scales.shape)}")
     quantize_tokens_fp8_kernel[M, QUANTIZE_TOKENS_THREADS, stream](
         x.view(np.uint64), codes.view(np.uint32), scales)
+    return codes, scales
+
+
+# the norm and the quantizer as one kernel, for the products that read a norm's
+# output (QKV and gate-up): the bf16 rows are never written
+@cuda.jit
+def rmsnorm_quantize_fp8_kernel(x64, weight32, eps, codes16, scales):
+    """Block m: row m of x (float32 pairs) normed as chapter 4's rung 6 norms it (the
+    same words a thread, the same sum), each value rounded to bf16 as rmsnorm would
+    store it, then quantized as quantize_tokens_fp8_kernel quantizes a row: its scale
+    and e4m3 codes (uint16 words of 2)."""
+    wait_for_previous_kernel()
+    row = cuda.blockIdx.x
+    x_row, code_row = x64[row], codes16[row]
+    num_words = uint64(x64.shape[1])
+    start = first_word()
+    warp_sums = cuda.shared.array(WARP_SIZE, float32)
+    warp_max = cuda.shared.array(WARP_SIZE, float32)
+    scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)
+    values = cuda.local.array(WIDE_ITEMS, float32)  # registers: constant indices
+    weights = cuda.local.array(WIDE_WORDS, uint32)
+    sum_squares = float32(0.0)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        is_in_row = j < num_words
+        j = min(j, num_words - uint64(1))
+        first, second = unpack_f32_pair(x_row[j])
+        weights[k] = weight32[j]
+        first = first if is_in_row else float32(0.0)
+        second = second if is_in_row else float32(0.0)
+        values[2 * k] = first
+        values[2 * k + 1] = second
+        sum_squares += first * first + second * second
+    total = block_sum(sum_squares, warp_sums, scratch)
+    norm = float32(1.0) / math.sqrt(total / float32(2 * x64.shape[1]) + eps)
+    largest = float32(0.0)
+    for k in range(WIDE_WORDS):
+        w = weights[k]
+        first = bf16_to_f32(f32_to_bf16(
+            values[2 * k] * norm * bf16_to_f32(w & uint32(0xFFFF))))
+        second = bf16_to_f32(f32_to_bf16(
+            values[2 * k + 1] * norm * bf16_to_f32(w >> uint32(16))))
+        if start + uint64(k * WARP_SIZE) < num_words:
+            values[2 * k], values[2 * k + 1] = first, second
+            if abs(first) > largest:  # never for a NaN
+                largest = abs(first)
+            if abs(second) > largest:
+                largest = abs(second)
+    scale = block_max(largest, warp_max, scratch) / _E4M3_MAX
+    if cuda.threadIdx.x == 0:
+        scales[row] = scale
+    divide = scale if scale > float32(0.0) else float32(1.0)
+    for k in range(WIDE_WORDS):
+        j = start + uint64(k * WARP_SIZE)
+        if j < num_words:
+            code_row[j] = f32x2_to_e4m3x2(values[2 * k + 1] / divide,
+                                          values[2 * k] / divide)
+
+
+PTX_SIGNATURES["rmsnorm_quantize_fp8_kernel"] = [
+    "void(uint64[:, ::1], uint32[::1], float32, uint16[:, ::1], float32[::1])"]
+
+
+def can_norm_quantize(x, weight, codes) -> bool:
+    """rmsnorm_quantize_fp8 takes these: rung 6's rows (see can_go_wide), codes
+    4-byte aligned."""
+    return can_go_wide(x, weight) and device_pointer(codes) % 4 == 0
+
+
+def rmsnorm_quantize_fp8(x, weight, eps: float, codes, scales, stream=0):
+    """Launch: each row of x (M, K) float32 -> RMSNorm(row) * weight, rounded to bf16,
+    quantized per row to e4m3 codes (M, K) uint8 and a float32 scale: the bits
+    rmsnorm, then quantize_tokens_fp8, give."""
+    M, K = x.shape if x.ndim == 2 else (0, 0)
+    eps32 = check_weight_eps("rmsnorm_quantize_fp8", weight, K, eps)
+    if (x.dtype != np.float32 or codes.dtype != np.uint8
+            or tuple(codes.shape) != (M, K) or scales.dtype != np.float32
+            or scales.shape[0] < M or K % 4 or M == 0
+            or not (is_c_contiguous(x) and is_c_contiguous(codes))
+            or not can_norm_quantize(x, weight, codes)):
+        raise ValueError(
+            f"rmsnorm_quantize_fp8: need x (M, K) float32 and codes (M, K) uint8 with "
+            f"K a multiple of 4 (at most rung 6's), aligned, scales (M,) float32; got "
+            f"{x.dtype} {tuple(x.shape)}, {codes.dtype} {tuple(codes.shape)}, "
+            f"{scales.dtype} {tuple(scales.shape)}")
+    rmsnorm_quantize_fp8_kernel[M, wide_block_threads(K), stream](
+        x.view(np.uint64), weight.view(np.uint32), eps32, codes.view(np.uint16), scales)
     return codes, scales

@@ -10,7 +10,11 @@ from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8, get_cublaslt_fp8
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
-from tinyvllm_lib.kernels.quantize_tokens import quantize_tokens_fp8
+from tinyvllm_lib.kernels.quantize_tokens import (
+    can_norm_quantize,
+    quantize_tokens_fp8,
+    rmsnorm_quantize_fp8,
+)
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm
 from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.llama_quantized import takes_fp8_gemm
@@ -66,16 +70,21 @@ class QuantizedLinear:
         once, a multiple of 16."""
         return (2 * self.scratch.size - 256) // (K + 4) // 16 * 16
 
+    def fp8_operands(self, rows: int, K: int):
+        """Room in the scratch for `rows` token vectors' e4m3 codes (rows, K) and
+        their float32 scales (at a 256-byte boundary)."""
+        room = self.scratch.view(np.uint8)
+        start = (rows * K + 255) // 256 * 256
+        return (room[: rows * K].reshape(rows, K),
+                room[start : start + 4 * rows].view(np.float32))
+
     def apply_fp8(self, x, out, stream=0, workspace=None, accumulate=False):
         """out (= or +=) x · Wᵀ on FP8 tensor cores: each token vector's e4m3 codes
         and scale in the scratch (free on this path), as many tokens at a time as it
         holds."""
         M, K = x.shape
-        room = self.scratch.view(np.uint8)
         rows = min(M, self.fp8_chunk_rows(K))  # gemm_path saw to at least 16
-        codes = room[: rows * K].reshape(rows, K)
-        start = (rows * K + 255) // 256 * 256
-        scales = room[start : start + 4 * rows].view(np.float32)
+        codes, scales = self.fp8_operands(rows, K)
         for s in range(0, M, rows):
             e = min(M, s + rows)
             quantize_tokens_fp8(x[s:e], codes[: e - s], scales, stream)
@@ -108,11 +117,19 @@ class QuantizedLinear:
         its rows — gate-up's 16,384 too, where GATED_GEMV_8BIT is off (its blocks, no
         more than the GPU holds, each norm the input once as they stage it, where
         chapter 6's bf16 GEMV norms it in every warp and so keeps 16,384 rows and
-        more apart); else the norm into `normed`, then apply.
+        more apart); on FP8's tensor-core path the norm and the tokens' quantizer
+        in one kernel (`normed` untouched); else the norm into `normed`, then apply.
         """
         if self.uses_gemv(normed):
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
                                      self.scales, out, self.method, stream)
+        M, K = normed.shape
+        if self.gemm_path(normed) == "fp8" and M <= self.fp8_chunk_rows(K):
+            codes, scales = self.fp8_operands(M, K)
+            if can_norm_quantize(residual, norm_weight, codes):  # one kernel, no bf16
+                rmsnorm_quantize_fp8(residual, norm_weight, eps, codes, scales, stream)
+                return gemm_fp8(codes, scales, self.codes, self.scales, out, stream,
+                                workspace)
         rmsnorm(residual, norm_weight, eps, normed, stream=stream)
         return self.apply(normed, out, stream=stream, workspace=workspace)
 
