@@ -13,7 +13,9 @@ float64. Two studies:
   teacher-forced through every model; at each answer position bf16's top token, its top-two log-prob margin, and
   whether the 8-bit model's top token differs.
 
-Each 8-bit format is measured with the LM head (the tied embedding) in bf16, the engine's choice, and in 8 bits.
+Each 8-bit format is measured with the LM head (the tied embedding) in bf16, the engine's choice, and in 8 bits; fp8
+once more with the GPU's tensor-core GEMM path mirrored (its inputs quantized per token past 8 token vectors, W8A8:
+in a teacher-forced pass that is every product, so it bounds what a prompt's prefill sees).
 """
 
 import argparse
@@ -44,9 +46,10 @@ QUESTIONS = [
     "How do airplanes stay in the air?", "What language is spoken in Brazil?", "Tell me a fun fact about owls.",
     "What is a prime number?", "How can I sleep better?",
 ]
-# (label, quantization, the LM head in 8 bits too)
-VARIANTS = [("int8", "int8", False), ("fp8", "fp8", False), ("int8, head 8-bit", "int8", True),
-            ("fp8, head 8-bit", "fp8", True)]
+# (label, quantization, the LM head in 8 bits too, fp8_gemm_tokens: past how many token vectors the products quantize
+# their inputs to FP8 as the GPU's tensor-core path does (W8A8); None: never, the GEMV's W8A16)
+VARIANTS = [("int8", "int8", False, None), ("fp8", "fp8", False, None), ("int8, head 8-bit", "int8", True, None),
+            ("fp8, head 8-bit", "fp8", True, None), ("fp8, W8A8 past 8 tokens", "fp8", False, 8)]
 
 
 def chapter_prose(path: Path) -> str:
@@ -130,9 +133,10 @@ def main() -> None:
             answers=[answer for _, answer in chats], **common)
     print(f"bf16: perplexity {ref_ppl:.4f} over {num_targets} tokens; teacher-forced top = engine's greedy token at "
           f"{greedy_agrees} of {num_positions} answer positions", flush=True)
-    for label, method, head in VARIANTS:
+    for label, method, head, gemm_tokens in VARIANTS:
         t0 = time.perf_counter()
-        text, answers = study(QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head), text_ids, chats)
+        model = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head, fp8_gemm_tokens=gemm_tokens)
+        text, answers = study(model, text_ids, chats)
         ppl = float(np.exp(-text["target_lp"].mean()))
         delta = np.abs(text["target_lp"] - ref_text["target_lp"])
         text_top1 = float(np.mean(text["top"] == ref_text["top"]))
@@ -140,7 +144,7 @@ def main() -> None:
         answer_delta = np.concatenate([np.abs(got["target_lp"] - ref["target_lp"])
                                        for got, ref in zip(answers, ref_answers)])
         worst_flip = max((f["bf16_margin"] for f in flips), default=0.0)
-        extra = {"quantization": method, "lm_head_8bit": head, "label": label, **common}
+        extra = {"quantization": method, "lm_head_8bit": head, "label": label, "fp8_gemm_tokens": gemm_tokens, **common}
         rec.add("text_perplexity", [num_targets], "perplexity", ppl, ratio_to_bf16=ppl / ref_ppl,
                 mean_abs_dlogp=float(delta.mean()), max_abs_dlogp=float(delta.max()), top1_agreement=text_top1,
                 source=TEXT_SOURCE, **extra)

@@ -14,7 +14,8 @@ llama_quantized.decode_weight_bytes), with its time to first token (a 128-token 
 int8's on dequantized bf16 scratch, FP8's on FP8 tensor cores where the GPU has them; each record says which).
 throughput: for each format, nano-vllm's throughput workload (256 requests, the median of three runs).
 gemm: past the GEMV's tokens (16 to 4,096), each layer's product as the engine makes it — bf16 cuBLAS, int8's
-dequantized scratch, FP8's quantizer + cuBLASLt, and cuBLASLt alone — replayed from a CUDA graph, weights rotated.
+dequantized scratch, FP8's quantizer + cuBLASLt, and cuBLASLt alone — replayed from a CUDA graph, weights rotated;
+QKV and gate-up with the norm that feeds them (FP8 fuses its quantizer into it), records marked with_norm.
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant (gate-up's also with SiLU·up inside, the engine's MLP kernel), replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
@@ -194,7 +195,8 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
     cuBLASLt), and FP8's cuBLASLt call alone on codes quantized beforehand; each checked against NumPy first, timed
     in a replayed CUDA graph, weights rotated past L2."""
     from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8
-    from tinyvllm_lib.layers.linear import linear
+    from tinyvllm_lib.kernels.rmsnorm import rmsnorm
+    from tinyvllm_lib.layers.linear import linear, rmsnorm_linear
     from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
 
     rng = np.random.default_rng(0)
@@ -210,15 +212,29 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
         quantized = {m: quantize(w, m) for m in ("int8", "fp8")}
         for m, q in quantized.items():
             layers[m] = [QuantizedLinear(q, scratch) for _ in range(n_rot)]
+        normed_input = name in NORMED_INPUT  # the engine norms this product's input first: time the norm with it
+        norm_weight = cuda.to_device(f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32)))
         for M in tokens:
             x_f32 = rng.standard_normal((M, K), dtype=np.float32)
-            x_bits = f32_to_bf16_bits(x_f32)
+            residual = cuda.to_device(x_f32)
+            normed = cuda.device_array((M, K), np.uint16)
+            if normed_input:  # the product's input: the norm's bf16 rows
+                rmsnorm(residual, norm_weight, EPS, normed)
+                x_bits = normed.copy_to_host()
+            else:
+                x_bits = f32_to_bf16_bits(x_f32)
             x = cuda.to_device(x_bits)
             out = cuda.device_array((M, N), np.float32)
             flops = 2.0 * M * N * K
+
+            def product(w, st=0):
+                if normed_input:  # as the layer loop: rmsnorm_linear (FP8: norm and quantizer one kernel)
+                    return rmsnorm_linear(residual, norm_weight, EPS, w, out, normed, stream=st, workspace=workspace)
+                return linear(x, w, out, stream=st, workspace=workspace)
+
             for m, ws in layers.items():
                 path = "bf16 cuBLAS" if m is None else ws[0].gemm_path(x)
-                linear(x, ws[0], out, workspace=workspace)
+                product(ws[0])
                 rows = x_bits[:64]  # checked on the first 64 token vectors (NumPy's time)
                 if path == "fp8":  # W8A8: against the product of what both codes stand for
                     want = quantize(bf16_bits_to_f32(rows), "fp8").dequantize() @ quantized[m].dequantize().T
@@ -226,10 +242,9 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
                     wq = bits if m is None else f32_to_bf16_bits(quantized[m].dequantize())  # the scratch's bf16
                     want = bf16_bits_to_f32(rows) @ bf16_bits_to_f32(wq).T
                 check(out.copy_to_host()[:64], want, f"{m or 'bf16'} {name} M={M}", 1e-3)
-                seconds = time_launches(lambda i, st: linear(x, ws[i % len(ws)], out, stream=st, workspace=workspace),
-                                        len(ws), repeats=1 if tiny else 10)
+                seconds = time_launches(lambda i, st: product(ws[i % len(ws)], st), len(ws), repeats=1 if tiny else 10)
                 rec.add("gemm", [M, N, K], "TFLOP/s", flops / seconds / 1e12, layer=name, quantization=m, path=path,
-                        us=seconds * 1e6, part="gemm", **extra)
+                        us=seconds * 1e6, part="gemm", with_norm=normed_input, **extra)
                 print(f"{name} M={M} {m or 'bf16'} ({path}): {seconds * 1e6:.1f} us, {flops / seconds / 1e12:.0f} "
                       "TFLOP/s", flush=True)
             if layers["fp8"][0].gemm_path(x) == "fp8":  # the cuBLASLt call alone, the codes made beforehand
@@ -243,6 +258,11 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
                         path="fp8 cuBLASLt alone", us=seconds * 1e6, part="gemm", **extra)
                 print(f"{name} M={M} fp8 cuBLASLt alone: {seconds * 1e6:.1f} us", flush=True)
         save_part(rec, "gemm", tiny)
+
+
+# the products whose input the layer loop norms first (rmsnorm_linear), and the norm's epsilon (Llama 3.2's)
+NORMED_INPUT = ("qkv_proj", "gate_up_proj")
+EPS = 1e-5
 
 
 # the epilogue the engine launches for each layer's shape at one token (the LM head stays bf16: QUANTIZE_LM_HEAD);
