@@ -3145,6 +3145,50 @@ if can_launch():
     print("rmsnorm_quantize_fp8: the bits of rmsnorm, then quantize_tokens_fp8")
 
 # %% [markdown]
+# Rounding the activations costs accuracy that the weights alone did not. The CPU
+# study earlier in this chapter measures it once more with the NumPy model mirroring
+# this path (`fp8_gemm_tokens=8`). A teacher-forced pass feeds every product more
+# than 8 token vectors, so every product there is W8A8: this bounds what a prompt's
+# prefill, and a decode step of more than 8 sequences, see.
+
+# %%
+w8a8_text = next((r for r in accuracy if r["name"] == "text_perplexity"
+                  and r.get("fp8_gemm_tokens")), None)
+w8a8_chat = next((r for r in accuracy if r["name"] == "chat_flips"
+                  and r.get("fp8_gemm_tokens")), None)
+if w8a8_text is None or w8a8_chat is None:
+    print("W8A8 not yet measured: python bench/ch15_accuracy_cpu.py")
+else:
+    w8a16 = text_runs["fp8"]["ratio_to_bf16"] - 1
+    w8a8 = w8a8_text["ratio_to_bf16"] - 1
+    w8a8_sure = [f for f in w8a8_chat["flips"] if f["bf16_margin"] > 0.5]
+    print(f"FP8 weights alone (W8A16): perplexity {w8a16:+.2%} over bf16's; with the "
+          f"activations too (W8A8): {w8a8:+.2%}, {w8a8_chat['value']:.0f} chat flips, "
+          f"{len(w8a8_sure)} past the 0.5 margin (largest "
+          f"{w8a8_chat['largest_flip_margin']:.2f})")
+    prose.glue("ch15_w8a8_ppl", f"{w8a8:+.2%}")
+    prose.glue("ch15_w8a16_ppl", f"{w8a16:+.2%}")
+    prose.glue("ch15_w8a8_verdict", "within" if w8a8 <= TARGETS["fp8"] else "outside")
+    prose.glue("ch15_w8a8_flips", f"{w8a8_chat['value']:.0f}")
+    prose.glue("ch15_w8a8_sure", f"{len(w8a8_sure)}")
+    prose.glue("ch15_w8a16_flips", f"{chat_runs['fp8']['value']:.0f}")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if w8a8_text is not None and w8a8_chat is not None:
+    prose.show("""
+With the activations rounded too, SmolLM2's perplexity on chapter 1's prose rises
+{{ch15_w8a8_ppl}} over bf16's, against {{ch15_w8a16_ppl}} for FP8 weights alone:
+{{ch15_w8a8_verdict}} FP8's 2% target. Along the 20 answers its top token differs
+from bf16's at {{ch15_w8a8_flips}} positions (weights alone: {{ch15_w8a16_flips}}),
+{{ch15_w8a8_sure}} of them where bf16's margin exceeds 0.5. An e4m3 code keeps 3 bits
+of mantissa, and a token vector's small values, scaled by its largest, lose the
+most. The cost falls on prompts and on busy decode steps, not on a lone stream's
+decode, which stays on the GEMV's W8A16. So the switch is a trade of accuracy for
+prefill speed, and it is measured rather than assumed.
+""")
+
+
+# %% [markdown]
 # The GEMM itself is a cuBLASLt call through nvmath-python's bindings. cuBLAS is
 # column-major; as chapter 6 did, the row-major product $\text{out} = x W^\top$ is
 # computed as its transpose, $\text{out}^\top = W x^\top$, which reads $W$ (N × K,
