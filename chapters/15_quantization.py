@@ -3181,8 +3181,8 @@ With the activations rounded too, SmolLM2's perplexity on chapter 1's prose rise
 {{ch15_w8a8_verdict}} FP8's 2% target. Along the 20 answers its top token differs
 from bf16's at {{ch15_w8a8_flips}} positions (weights alone: {{ch15_w8a16_flips}}),
 {{ch15_w8a8_sure}} of them where bf16's margin exceeds 0.5. An e4m3 code keeps 3 bits
-of mantissa, and a token vector's small values, scaled by its largest, lose the
-most. The cost falls on prompts and on busy decode steps, not on a lone stream's
+of mantissa: rounding moves each activation by up to 1/16 of itself, where bf16's
+rounding moved it by 1/256. The cost falls on prompts and on busy decode steps, not on a lone stream's
 decode, which stays on the GEMV's W8A16. So the switch is a trade of accuracy for
 prefill speed, and it is measured rather than assumed.
 """)
