@@ -15,7 +15,8 @@ float64. Two studies:
 
 Each 8-bit format is measured with the LM head (the tied embedding) in bf16, the engine's choice, and in 8 bits; fp8
 once more with the GPU's tensor-core GEMM path mirrored (its inputs quantized per token past 8 token vectors, W8A8:
-in a teacher-forced pass that is every product, so it bounds what a prompt's prefill sees).
+in a teacher-forced pass that is every product, so it bounds what a prompt's prefill sees); and int8 with its inputs
+rounded to int8 per token likewise, a what-if the GPU does not run (int8 tensor cores would need it).
 """
 
 import argparse
@@ -28,12 +29,14 @@ from ch08_decode_cpu import cpu_device_info
 
 import tinyvllm_lib.measure as measure
 from tinyvllm_lib import LLM
+from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.models.config import ModelConfig
 from tinyvllm_lib.models.llama_numpy import LlamaNumpy
-from tinyvllm_lib.models.llama_quantized import QuantizedLlamaNumpy
+from tinyvllm_lib.models.llama_quantized import QuantizedLlamaNumpy, is_quantized
 from tinyvllm_lib.models.loader import load_weights
 from tinyvllm_lib.models.smollm2 import resolve_model
 from tinyvllm_lib.quantization.calibration import greedy_chats
+from tinyvllm_lib.quantization.formats import quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT_SOURCE = "chapters/01_bf16.py"
@@ -49,7 +52,23 @@ QUESTIONS = [
 # (label, quantization, the LM head in 8 bits too, fp8_gemm_tokens: past how many token vectors the products quantize
 # their inputs to FP8 as the GPU's tensor-core path does (W8A8); None: never, the GEMV's W8A16)
 VARIANTS = [("int8", "int8", False, None), ("fp8", "fp8", False, None), ("int8, head 8-bit", "int8", True, None),
-            ("fp8, head 8-bit", "fp8", True, None), ("fp8, W8A8 past 8 tokens", "fp8", False, 8)]
+            ("fp8, head 8-bit", "fp8", True, None), ("fp8, W8A8 past 8 tokens", "fp8", False, 8),
+            ("int8, W8A8 past 8 tokens (not built)", "int8", False, 8)]
+
+
+class Int8ActivationsNumpy(QuantizedLlamaNumpy):
+    """A what-if the GPU does not run: int8 weights whose products past `tokens` token vectors also round their
+    inputs to int8, one scale a token (absmax / 127), as an int8 tensor-core GEMM (W8A8) would need."""
+
+    def __init__(self, *args, tokens: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tokens = tokens
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        if len(x) > self.tokens and is_quantized(name, self.quantize_lm_head):
+            x = quantize(bf16_bits_to_f32(f32_to_bf16_bits(x)), "int8").dequantize()
+            return x @ self.matrices[name].T
+        return super().linear(x, name)
 
 
 def chapter_prose(path: Path) -> str:
@@ -135,7 +154,10 @@ def main() -> None:
           f"{greedy_agrees} of {num_positions} answer positions", flush=True)
     for label, method, head, gemm_tokens in VARIANTS:
         t0 = time.perf_counter()
-        model = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head, fp8_gemm_tokens=gemm_tokens)
+        if method == "int8" and gemm_tokens is not None:
+            model = Int8ActivationsNumpy(config, weights, method, quantize_lm_head=head, tokens=gemm_tokens)
+        else:
+            model = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head, fp8_gemm_tokens=gemm_tokens)
         text, answers = study(model, text_ids, chats)
         ppl = float(np.exp(-text["target_lp"].mean()))
         delta = np.abs(text["target_lp"] - ref_text["target_lp"])
@@ -144,7 +166,7 @@ def main() -> None:
         answer_delta = np.concatenate([np.abs(got["target_lp"] - ref["target_lp"])
                                        for got, ref in zip(answers, ref_answers)])
         worst_flip = max((f["bf16_margin"] for f in flips), default=0.0)
-        extra = {"quantization": method, "lm_head_8bit": head, "label": label, "fp8_gemm_tokens": gemm_tokens, **common}
+        extra = {"quantization": method, "lm_head_8bit": head, "label": label, "w8a8_tokens": gemm_tokens, **common}
         rec.add("text_perplexity", [num_targets], "perplexity", ppl, ratio_to_bf16=ppl / ref_ppl,
                 mean_abs_dlogp=float(delta.mean()), max_abs_dlogp=float(delta.max()), top1_agreement=text_top1,
                 source=TEXT_SOURCE, **extra)
