@@ -4268,10 +4268,13 @@ it).""") + """ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 # - `LLM(model, quantization="int8" | "fp8")` quantizes as the bf16 folder loads; the
 #   NumPy backend keeps the dequantized values, the GPU the codes and scales, read by
 #   GEMVs that keep chapter 11's fusions. Past the GEMV's 8 tokens (prefill, large
-#   batches) int8 dequantizes into a bf16 scratch for chapter 6's GEMM; FP8 quantizes
-#   each token vector too (one scale each, W8A8, as vLLM's FP8 models do) and runs
-#   cuBLASLt on Hopper's FP8 tensor cores, both scales applied in its epilogue. The
-#   tied LM head stays bf16 for now.
+#   batches) int8 dequantizes into a bf16 scratch for chapter 6's GEMM, and so does
+#   FP8 by default. With `FP8_TENSOR_CORE_GEMM` on, FP8 quantizes each token vector
+#   too (one scale each, W8A8, as vLLM's FP8 models do; one kernel with the norm
+#   where a norm feeds the product) and runs cuBLASLt on Hopper's FP8 tensor cores,
+#   both scales applied in its epilogue. Rounding the activations costs SmolLM2 more
+#   perplexity than rounding the weights did, in int8 as in FP8: that switch trades
+#   accuracy for speed. The tied LM head stays bf16 for now.
 # - **GPTQ** keeps the grid and the scales and chooses the codes against the inputs'
 #   $X^\top X$, each column's rounding error moved onto the columns not yet rounded.
 #   `python -m tinyvllm_lib quantize` does it once, offline, into a **checkpoint**: the
