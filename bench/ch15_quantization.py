@@ -194,7 +194,7 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
     int8's dequantized scratch and FP8's path (the tensor cores where the GPU has them: the tokens' quantizer, then
     cuBLASLt), and FP8's cuBLASLt call alone on codes quantized beforehand; each checked against NumPy first, timed
     in a replayed CUDA graph, weights rotated past L2."""
-    from tinyvllm_lib.kernels.cublaslt_fp8 import TUNE_CANDIDATES, gemm_fp8
+    from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8
     from tinyvllm_lib.kernels.rmsnorm import rmsnorm
     from tinyvllm_lib.layers.linear import linear, rmsnorm_linear
     from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
@@ -244,8 +244,7 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
                 check(out.copy_to_host()[:64], want, f"{m or 'bf16'} {name} M={M}", 1e-3)
                 seconds = time_launches(lambda i, st: product(ws[i % len(ws)], st), len(ws), repeats=1 if tiny else 10)
                 rec.add("gemm", [M, N, K], "TFLOP/s", flops / seconds / 1e12, layer=name, quantization=m, path=path,
-                        us=seconds * 1e6, part="gemm", with_norm=normed_input, tune_candidates=TUNE_CANDIDATES,
-                        **extra)
+                        us=seconds * 1e6, part="gemm", with_norm=normed_input, **extra)
                 print(f"{name} M={M} {m or 'bf16'} ({path}): {seconds * 1e6:.1f} us, {flops / seconds / 1e12:.0f} "
                       "TFLOP/s", flush=True)
             if layers["fp8"][0].gemm_path(x) == "fp8":  # the cuBLASLt call alone, the codes made beforehand
@@ -256,8 +255,7 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
                 seconds = time_launches(lambda i, st: gemm_fp8(xc, xs, ws[i % len(ws)].codes, ws[i % len(ws)].scales,
                                                                out, st, workspace), len(ws), repeats=10)
                 rec.add("gemm", [M, N, K], "TFLOP/s", flops / seconds / 1e12, layer=name, quantization="fp8",
-                        path="fp8 cuBLASLt alone", us=seconds * 1e6, part="gemm", with_norm=False,
-                        tune_candidates=TUNE_CANDIDATES, **extra)
+                        path="fp8 cuBLASLt alone", us=seconds * 1e6, part="gemm", with_norm=False, **extra)
                 print(f"{name} M={M} fp8 cuBLASLt alone: {seconds * 1e6:.1f} us", flush=True)
         save_part(rec, "gemm", tiny)
 

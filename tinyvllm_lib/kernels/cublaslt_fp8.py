@@ -10,19 +10,11 @@ from tinyvllm_lib.kernels.checks import device_pointer, is_device_array
 _STATE = {"gemm": None, "error": None}
 
 
-# how many of the heuristic's algorithms a plan times, the first time it runs outside
-# a graph's capture; 1: its first choice, untimed. Timing 8 (an H100) did not beat the
-# first choice on O's product at 256 tokens and cost nano-vllm's workload a tenth of
-# its throughput: each eager prefill of a new length paid for its own timing
-TUNE_CANDIDATES = 1
-
-
 class CublasLtFp8:
     """One cuBLASLt handle and a plan per (M, N, K, workspace): out (M, N) float32
     (= or +=) (s_x[m] s_w[n]) · Σ_k x[m, k] w[n, k], x and w e4m3 codes."""
 
     def __init__(self, lt=None, types=None):
-        self.tunes = lt is None  # a stand-in on host buffers (a test) is not timed
         if lt is None:
             import nvmath
             from nvmath.bindings import cublas
@@ -32,8 +24,7 @@ class CublasLtFp8:
             types = {"e4m3": int(nvmath.CudaDataType.CUDA_R_8F_E4M3),
                      "f32": int(nvmath.CudaDataType.CUDA_R_32F),
                      "compute": int(cublas.ComputeType.COMPUTE_32F),
-                     "outer": int(lt.MatmulMatrixScale.OUTER_VEC_32F),
-                     "result_bytes": lt.matmul_heuristic_result_dtype.itemsize}
+                     "outer": int(lt.MatmulMatrixScale.OUTER_VEC_32F)}
         self.lt, self.types = lt, types
         self.handle = lt.create()
         self.alpha, self.beta = np.ones(1, np.float32), np.zeros(1, np.float32)
@@ -45,9 +36,9 @@ class CublasLtFp8:
         self.lt.matmul_desc_set_attribute(desc, int(attr), buf.ctypes.data, buf.nbytes)
 
     def plan(self, M: int, N: int, K: int, workspace_bytes: int, w_scales, x_scales):
-        """[desc, a, b, d, heuristic results, how many, the one chosen (None: not yet
-        timed)] for this shape and workspace, made on first use (the heuristic wants
-        the scales' pointers set; each call sets its own)."""
+        """(desc, a, b, d, the heuristic's first algorithm) for this shape and
+        workspace, made on first use (the heuristic wants the scales' pointers set;
+        each call sets its own)."""
         key = (M, N, K, workspace_bytes)
         if key not in self.plans:
             lt, t, A = self.lt, self.types, self.lt.MatmulDescAttribute
@@ -66,72 +57,31 @@ class CublasLtFp8:
             lt.matmul_preference_set_attribute(
                 pref, int(lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES),
                 limit.ctypes.data, 8)
-            results = lt.MatmulHeuristicResult(TUNE_CANDIDATES)
+            result = lt.MatmulHeuristicResult(1)
             found = np.zeros(1, np.int32)
-            lt.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, pref,
-                                         TUNE_CANDIDATES, results.ptr,
-                                         found.ctypes.data)
+            lt.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, pref, 1,
+                                         result.ptr, found.ctypes.data)
             lt.matmul_preference_destroy(pref)
             if found[0] == 0:
                 raise RuntimeError(f"cuBLASLt has no FP8 algorithm for M={M}, N={N}, "
                                    f"K={K} with outer-vector scales on this GPU")
-            # each result's first field is its algorithm: keep the structs alive
-            chosen = 0 if found[0] == 1 or not self.tunes else None
-            self.plans[key] = [desc, a, b, d, results, int(found[0]), chosen]
+            # the result's first field is its algorithm: keep the struct alive
+            self.plans[key] = (desc, a, b, d, result)
         return self.plans[key]
-
-    def _matmul(self, plan, i: int, x_codes, w_codes, out, accumulate: bool,
-                stream: int, ws_ptr: int, ws_bytes: int) -> None:
-        desc, a, b, d, results = plan[:5]
-        algo = results.ptr + i * self.types.get("result_bytes", 0)
-        self.lt.matmul(self.handle, desc, self.alpha.ctypes.data,
-                       device_pointer(w_codes), a, device_pointer(x_codes), b,
-                       (self.beta_add if accumulate else self.beta).ctypes.data,
-                       device_pointer(out), d, device_pointer(out), d, algo,
-                       ws_ptr, ws_bytes, stream)
-
-    def _tune(self, plan, x_codes, w_codes, out, stream: int, ws_ptr, ws_bytes) -> int:
-        """The fastest of the plan's algorithms on these operands (into a buffer of
-        its own: out is not touched); the heuristic's first where the stream is
-        being captured into a graph, which nothing may synchronize."""
-        from cuda.bindings import driver
-
-        err, status = driver.cuStreamIsCapturing(driver.CUstream(stream))
-        if int(err) != 0 or int(status) != 0:
-            return 0
-        on = cuda.external_stream(stream) if stream else cuda.default_stream()
-        trial = cuda.device_array(out.shape, np.float32, stream=on)
-        best, best_ms = 0, float("inf")
-        for i in range(plan[5]):
-            try:
-                self._matmul(plan, i, x_codes, w_codes, trial, False, stream, ws_ptr,
-                             ws_bytes)
-                start, end = cuda.event(), cuda.event()
-                start.record(on)
-                for _ in range(3):
-                    self._matmul(plan, i, x_codes, w_codes, trial, False, stream,
-                                 ws_ptr, ws_bytes)
-                end.record(on)
-                end.synchronize()
-                ms = cuda.event_elapsed_time(start, end)
-            except Exception:  # an algorithm that refuses these operands
-                continue
-            if ms < best_ms:
-                best, best_ms = i, ms
-        return best
 
     def gemm(self, x_codes, x_scales, w_codes, w_scales, out, M: int, N: int, K: int,
              accumulate: bool, stream: int, workspace) -> None:
         ws_ptr, ws_bytes = (0, 0) if workspace is None else \
             (device_pointer(workspace), workspace.nbytes)
-        plan = self.plan(M, N, K, ws_bytes, w_scales, x_scales)
+        desc, a, b, d, result = self.plan(M, N, K, ws_bytes, w_scales, x_scales)
         A = self.lt.MatmulDescAttribute
-        self._set(plan[0], A.A_SCALE_POINTER, device_pointer(w_scales), np.uint64)
-        self._set(plan[0], A.B_SCALE_POINTER, device_pointer(x_scales), np.uint64)
-        if plan[6] is None:
-            plan[6] = self._tune(plan, x_codes, w_codes, out, stream, ws_ptr, ws_bytes)
-        self._matmul(plan, plan[6], x_codes, w_codes, out, accumulate, stream, ws_ptr,
-                     ws_bytes)
+        self._set(desc, A.A_SCALE_POINTER, device_pointer(w_scales), np.uint64)
+        self._set(desc, A.B_SCALE_POINTER, device_pointer(x_scales), np.uint64)
+        self.lt.matmul(self.handle, desc, self.alpha.ctypes.data,
+                       device_pointer(w_codes), a, device_pointer(x_codes), b,
+                       (self.beta_add if accumulate else self.beta).ctypes.data,
+                       device_pointer(out), d, device_pointer(out), d, result.ptr,
+                       ws_ptr, ws_bytes, stream)
 
 
 def get_cublaslt_fp8() -> CublasLtFp8 | None:

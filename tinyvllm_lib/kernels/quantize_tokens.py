@@ -23,6 +23,7 @@ from tinyvllm_lib.kernels.rmsnorm import (
     wide_block_threads,
 )
 from tinyvllm_lib.kernels.rmsnorm_kernels import WIDE_ITEMS, WIDE_WORDS, first_word
+from tinyvllm_lib.kernels.tensor_core import require_lto
 from tinyvllm_lib.quantization.formats import FP8_E4M3_MAX
 
 QUANTIZE_TOKENS_THREADS = 256
@@ -57,7 +58,8 @@ if config.ENABLE_CUDASIM:
         return (f32_to_e4m3(high) << uint32(8)) | f32_to_e4m3(low)
 
 else:  # the hardware's conversion: one instruction for two (rounded to nearest
-    # even, saturated at ±448, NaN to a NaN code), as f32_to_e4m3 rounds
+    # even, saturated at ±448, as f32_to_e4m3 rounds; a NaN to a NaN code, its sign
+    # perhaps not kept; sm_89 and later, as the FP8 GEMV's widening)
     from numba import types
     from numba.cuda import CUSource
 
@@ -124,6 +126,7 @@ def quantize_tokens_fp8_kernel(x64, codes32, scales):
         codes32[m, j] = low | (high << uint32(16))
 
 
+require_lto(quantize_tokens_fp8_kernel)  # the conversion's C, inlined
 PTX_SIGNATURES = {"quantize_tokens_fp8_kernel":
                   ["void(uint64[:, ::1], uint32[:, ::1], float32[::1])"]}
 
@@ -146,8 +149,8 @@ def quantize_tokens_fp8(x, codes, scales, stream=0):
     return codes, scales
 
 
-# the norm and the quantizer as one kernel, for the products that read a norm's
-# output (QKV and gate-up): the bf16 rows are never written
+# the norm and the quantizer as one kernel, for a product that reads a norm's
+# output: the bf16 rows are never written
 @cuda.jit
 def rmsnorm_quantize_fp8_kernel(x64, weight32, eps, codes16, scales):
     """Block m: row m of x (float32 pairs) normed as chapter 4's rung 6 norms it (the
@@ -202,6 +205,8 @@ def rmsnorm_quantize_fp8_kernel(x64, weight32, eps, codes16, scales):
                                           values[2 * k] / divide)
 
 
+require_lto(rmsnorm_quantize_fp8_kernel)
+
 PTX_SIGNATURES["rmsnorm_quantize_fp8_kernel"] = [
     "void(uint64[:, ::1], uint32[::1], float32, uint16[:, ::1], float32[::1])"]
 
@@ -217,6 +222,9 @@ def rmsnorm_quantize_fp8(x, weight, eps: float, codes, scales, stream=0):
     quantized per row to e4m3 codes (M, K) uint8 and a float32 scale: the bits
     rmsnorm, then quantize_tokens_fp8, give."""
     M, K = x.shape if x.ndim == 2 else (0, 0)
+    if M == 0:
+        raise ValueError(f"rmsnorm_quantize_fp8: need x (M, K) float32 with M > 0, "
+                         f"got {tuple(x.shape)}")
     eps32 = check_weight_eps("rmsnorm_quantize_fp8", weight, K, eps)
     if (x.dtype != np.float32 or codes.dtype != np.uint8
             or tuple(codes.shape) != (M, K) or scales.dtype != np.float32
