@@ -4171,6 +4171,16 @@ else:
             if (layer, path, m, M_256) in at:
                 prose.glue(f"ch15_gemm_{layer}_{key}",
                            f"{at[layer, path, m, M_256]['us']:.1f} µs")
+    o_lt, o_bf16 = (at.get(("o_proj", p, m, M_256), {}).get("us")
+                    for p, m in (("fp8 cuBLASLt alone", "fp8"), ("bf16 cuBLAS", None)))
+    if o_lt and o_bf16:
+        prose.glue("ch15_gemm_o_verdict", "longer than" if o_lt > o_bf16 else
+                   "no longer than")
+    gu_fp8, gu_bf16 = (at.get(("gate_up_proj", p, m, M_256), {}).get("us")
+                       for p, m in (("fp8", "fp8"), ("bf16 cuBLAS", None)))
+    if gu_fp8 and gu_bf16:
+        prose.glue("ch15_gemm_gate_up_cmp", "against" if gu_fp8 < gu_bf16
+                   else "no less than")
     fp8_us = {lay: at[lay, "fp8", "fp8", M_256]["us"] for lay in gemm_layers
               if (lay, "fp8", "fp8", M_256) in at}
     bf16_us = {lay: at[lay, "bf16 cuBLAS", None, M_256]["us"] for lay in gemm_layers
@@ -4241,6 +4251,12 @@ else:
     if {None, "fp8"} <= set(tuned_tput):
         prose.glue("ch15_tune_tput", f"{tuned_tput['fp8']:,.0f} tok/s against bf16's "
                    f"{tuned_tput[None]:,.0f}")
+    if {None, "fp8"} <= set(tuned_tput) and {None, "fp8"} <= set(tput):
+        kept = tuned_tput["fp8"] / tuned_tput[None]
+        prose.glue("ch15_tune_tput_verdict", (
+            "charged nano-vllm's workload for the timing, one per new prefill length"
+            if kept < tput["fp8"]["value"] / tput[None]["value"]
+            else "did not slow nano-vllm's workload"))
     slower = {None, "fp8"} <= set(tput) and tput["fp8"]["value"] < tput[None]["value"]
     prose.glue("ch15_gemm_switch", "it is now on by default" if FP8_TENSOR_CORE_GEMM
                else "it stays off by default: " + (
@@ -4272,22 +4288,24 @@ Its first token after a 128-token prompt took {{ch15_fp8tc_ttft}} against bf16's
 {{ch15_fp8tc_ttft_bf16}}.""" if "fp8" in ttft and None in ttft else "") + """
 
 Against the prediction ({{ch15_gemm_won}}): gate-up took
-{{ch15_gemm_gate_up_proj_fp8}} against bf16's {{ch15_gemm_gate_up_proj_bf16}}.""" + ("""
+{{ch15_gemm_gate_up_proj_fp8}}, {{ch15_gemm_gate_up_cmp}} bf16's
+{{ch15_gemm_gate_up_proj_bf16}}.""" + ("""
 The second prediction, at most bf16's time for the four, {{ch15_gemm_second}}:
 folding the quantizer into the norm took its launch off QKV and gate-up; timing the
 heuristic's candidates {{ch15_gemm_tune_found}} (O's product {{ch15_gemm_tune_o}})
-and charged nano-vllm's workload for the timing, one per new prefill length
-({{ch15_tune_tput}} in that run), so a plan takes the first choice.""" if
-    gemm_normed and o_pair and {None, "fp8"} <= set(tuned_tput) else "") + ("""
+and {{ch15_tune_tput_verdict}} ({{ch15_tune_tput}} in that run), so a plan takes the
+first choice.""" if
+    gemm_normed and o_pair and {None, "fp8"} <= set(tuned_tput) and {None, "fp8"}
+    <= set(tput) else "") + ("""
 With each plan timing {{ch15_gemm_tuned}} of the heuristic's algorithms, cuBLASLt
 alone took {{ch15_gemm_o_proj_lt}} for O's product, which bf16 made in
 {{ch15_gemm_o_proj_bf16}}; with the quantizer's launch before it (O's input comes
 from attention, not a norm) {{ch15_gemm_o_proj_fp8}}.""" if gemm_tuned else """ On
-the narrow products two costs showed: cuBLASLt's first choice of algorithm took
-{{ch15_gemm_o_proj_lt}} for O's product, which bf16 made in
-{{ch15_gemm_o_proj_bf16}} (too few tiles for the GPU's SMs, a guess), and the
-quantizer's launch is a kernel bf16 does not need ({{ch15_gemm_o_proj_fp8}} with
-it).""") + """ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
+O's narrow product cuBLASLt's first choice of algorithm took
+{{ch15_gemm_o_proj_lt}}, {{ch15_gemm_o_verdict}} bf16's {{ch15_gemm_o_proj_bf16}}
+(few tiles for the GPU's SMs is a guess), and the quantizer's launch is a kernel
+bf16 does not need ({{ch15_gemm_o_proj_fp8}} with it).""") + """
+These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 """)
 
 # %% [markdown]
