@@ -180,14 +180,11 @@ def main() -> None:
         return
     rec = Recorder("ch14_tc_decode")
     extra = {"engine_commit": os.environ.get("ENGINE_COMMIT")}
-    if "kernel" in args.only:
-        kernels(rec, extra)
-    if "rows" in args.only:
-        rows(rec, extra)
-    if "sweep" in args.only:
-        sweep(rec, extra)
-    if "throughput" in args.only:
-        throughput(rec, extra, args.wheel, args.repeats)
+    for part, run in (("kernel", kernels), ("rows", rows), ("sweep", sweep),
+                      ("throughput", functools.partial(throughput, wheel=args.wheel, repeats=args.repeats))):
+        if part in args.only:
+            run(rec, extra)
+            rec.save()  # after each part: a later part cut short keeps the earlier ones
     print("saved", rec.save())
 
 

@@ -1622,12 +1622,14 @@ benchmark script checks.
 # (every Llama is), and chapter 10's kernel in the simulator, where the twins are slow.
 # The measurements below are what keep it: they set the two kernels side by side at
 # every length the benchmark script times, and the engine's tests run with it.
-# Decode-only steps keep chapter 8's split decode kernel under `"auto"`: one query row
-# per sequence leaves a 16-row fragment mostly empty, and a decode step waits on reading
-# the cache, not on arithmetic — the next section tries the tensor cores there anyway,
-# and measures why `"auto"` does not take them. A mixed step's decode rows ride in the
-# prefill kernel as one-token sequences, each a whole tile of `block_q` rows — correct,
-# and wasteful in a way the measurement below can price.
+# Decode-only steps are another matter: one query row per sequence leaves a 16-row
+# fragment mostly empty, and a decode step waits on reading the cache, not on
+# arithmetic. The next section tries the tensor cores there anyway, and measures from
+# how many rows they win: `"auto"` keeps chapter 8's split decode kernel below
+# `TC_DECODE_MIN_ROWS` rows and takes the tensor-core one from there on. A mixed
+# step's decode rows ride in the prefill kernel as one-token sequences, each a whole
+# tile of `block_q` rows — correct, and wasteful in a way the measurement below can
+# price.
 
 # %% [markdown]
 # ## Decode on the tensor cores
@@ -2063,16 +2065,17 @@ if dec:
     ax.set_title("decode attention, one launch")
     ax.legend()
     thr, runs = {}, 0
-    for j, backend in enumerate(("auto", "tensor_cores")):
+    backends = {"simt": "chapter 8's decode", "auto": "\"auto\"",
+                "tensor_cores": "tensor-core decode"}
+    for j, backend in enumerate(backends):
         for i, t in enumerate((0.0, 0.6)):
             rs = [r for r in dec if r["name"] == "throughput"
                   and r["backend"] == backend and r["temperature"] == t]
             thr[backend, t] = rs[-1]["value"] if rs else float("nan")
             runs = len(rs[-1]["runs"]) if rs else runs
-        ax2.bar(np.arange(2) + 0.38 * j, [thr[backend, t] / 1e3 for t in (0.0, 0.6)],
-                0.38, label={"auto": "chapter 8's decode",
-                             "tensor_cores": "tensor-core decode"}[backend])
-    ax2.set_xticks(np.arange(2) + 0.19, ["greedy", "temperature 0.6"])
+        ax2.bar(np.arange(2) + 0.27 * j, [thr[backend, t] / 1e3 for t in (0.0, 0.6)],
+                0.27, label=backends[backend])
+    ax2.set_xticks(np.arange(2) + 0.27, ["greedy", "temperature 0.6"])
     ax2.set_ylabel("thousand output tok/s")
     ax2.set_title("nano-vllm's workload")
     ax2.legend(loc="lower right")
@@ -2082,26 +2085,67 @@ if dec:
     change = {i: gbs["tensor_cores", i] / gbs["simt", i] - 1 for i in range(3)}
     wins = [f"{labels[i]} ({change[i]:+.0%})" for i in range(3) if change[i] > 0]
     losses = [f"{labels[i]} ({change[i]:+.0%})" for i in range(3) if change[i] <= 0]
-    engine = ", ".join(f"{thr['tensor_cores', t] / thr['auto', t] - 1:+.1%} "
-                       f"{'greedy' if t == 0 else f'at temperature {t}'}"
-                       for t in (0.0, 0.6) if thr["auto", t] == thr["auto", t])
+
+    def against_simt(backend):
+        return ", ".join(f"{thr[backend, t] / thr['simt', t] - 1:+.1%} "
+                         f"{'greedy' if t == 0 else f'at temperature {t}'}"
+                         for t in (0.0, 0.6)
+                         if thr["simt", t] == thr["simt", t]
+                         and thr[backend, t] == thr[backend, t])
+    engine = against_simt("tensor_cores")
     prose.glue("ch14_dec_verdict", " ".join([
         f"On the {dev}, against chapter 8's kernel, the tensor-core kernel is",
         f"faster at {' and '.join(wins)}" if wins else "faster nowhere",
         f"and slower at {' and '.join(losses)}." if losses else "and slower nowhere.",
-        f"In the engine: {engine} (medians of {runs})." if engine else
-        "The engine with it is not measured yet."]))
+        f"In the engine, decoding every step with it: {engine} (medians of {runs})."
+        if engine else "The engine with it is not measured yet."]))
     prose.glue("ch14_dec_missed", (
         "So the prediction missed: taking the arithmetic off the warp did not take the "
         "kernel to the ceiling." if losses or max(change.values()) < 0.1 else
         "The prediction held."))
-    prose.glue("ch14_dec_auto", (
-        '`"auto"` keeps chapter 8\'s kernel for decode steps, since the tensor-core '
-        + ("one loses at one sequence, where batch-1 decoding lives"
-           if change[0] <= 0 else "one does not win everywhere")
-        + '; `attention_backend="tensor_cores"` takes it.' if losses else
-        '`"auto"` still takes chapter 8\'s kernel for decode steps: this measurement '
-        'is newer than that choice.'))
+    # from how many rows it wins: the rows sweep, nano-vllm's mixed contexts
+    by_rows = {}
+    for r in dec:
+        if r["name"] == "decode_attention_rows":
+            by_rows.setdefault(r["shape"][0], {})[r["kernel"]] = r["value"]
+    sizes = sorted(n for n in by_rows if len(by_rows[n]) == 2)
+    if sizes:
+        gain = {n: by_rows[n]["tensor_cores"] / by_rows[n]["simt"] - 1 for n in sizes}
+        # the smallest size from which it wins at every size measured
+        start = next((n for n in sizes if all(gain[m] > 0 for m in sizes if m >= n)),
+                     None)
+        fig, ax = new_figure(1, 1, width=7.0, height=2.8)
+        for kern, label in (("simt", "chapter 8 (SIMT)"), ("tensor_cores", "tensor cores")):
+            ax.plot(sizes, [by_rows[n][kern] for n in sizes], "o-", label=label)
+        ax.axvline(TC_DECODE_MIN_ROWS, color="grey", ls=":",
+                   label=f'"auto" takes the tensor cores from here ({TC_DECODE_MIN_ROWS})')
+        ax.set_xlabel("rows of the decode step (contexts of 100 to 2,048 keys)")
+        ax.set_ylabel("GB/s of K and V read")
+        ax.set_title(f"decode attention by rows, {dev}")
+        ax.legend(fontsize=8)
+        plt.show()
+        where = (f"from {start} rows on it wins at every size measured "
+                 f"({gain[start]:+.0%} there, {gain[sizes[-1]]:+.0%} at {sizes[-1]})"
+                 if start is not None else "it wins at no size from which it keeps winning")
+        # the constant agrees when the kernel loses below it and wins from it on
+        agrees = all((gain[n] > 0) == (n >= TC_DECODE_MIN_ROWS) for n in sizes)
+        auto = against_simt("auto")
+        prose.glue("ch14_dec_auto", (
+            f"Across the number of rows (nano-vllm's mixed contexts, the figure): {where}. "
+            f"`\"auto\"` takes chapter 8's kernel for decode steps of fewer than "
+            f"`TC_DECODE_MIN_ROWS` = {TC_DECODE_MIN_ROWS} rows and the tensor-core one "
+            f"from there on"
+            + (", where the measurement puts the crossing." if agrees else
+               ", which this measurement, newer than that choice, does not put there.")
+            + (f" In the engine: {auto} against chapter 8's kernel at every size "
+               f"(medians of {runs})." if auto else "")
+            + " Batch 1 keeps chapter 8's kernel and chapter 11's few-rows policy."))
+    else:
+        prose.glue("ch14_dec_auto", (
+            f'`"auto"` takes the tensor-core kernel for decode steps of '
+            f"`TC_DECODE_MIN_ROWS` = {TC_DECODE_MIN_ROWS} rows or more, chapter 8's "
+            "below; no sweep over the number of rows is recorded on this GPU yet "
+            "(`bench/ch14_tc_decode.py --only rows`)."))
     default = DEFAULT_DECODE_CONFIG
     sweep = [r for r in dec if r["name"] == "decode_attention_sweep"]
     notes = []
