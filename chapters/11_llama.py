@@ -2431,6 +2431,55 @@ longer."""
     )
 
 # %% [markdown]
+# ### Where the GPU's time goes on nano-vllm's workload
+#
+# `bench/ch11_throughput_profile.py` runs the same workload once more under torch's
+# profiler, after the same warm-up, and sums every kernel's time by the module that
+# defines it (cuBLAS's GEMMs as one group): the GPU's busy time, split by what kept it
+# busy. A kernel is charged only for the time after every kernel before it has ended,
+# so the groups add up to the busy time.
+
+# %% tags=["remove-input"]
+profile = [r for r in load_records("ch11_throughput_profile")
+           if r.get("temperature", 0.0) == 0.0]
+groups = [r for r in profile if r["name"] == "kernel_group"]
+busy = [r for r in profile if r["name"] == "gpu_busy"]
+if groups and busy:
+    busy = busy[-1]
+    run = (busy["device"]["name"], busy.get("engine_commit"))
+    groups = [r for r in groups if (r["device"]["name"], r.get("engine_commit")) == run]
+    groups.sort(key=lambda r: -r["value"])
+    big, rest = groups[:6], sum(r["value"] for r in groups[6:])
+    names = [r["group"].removeprefix("kernels.") for r in big] + ["the rest"]
+    ms = [r["value"] for r in big] + [rest]
+    fig, ax = new_figure(1, 1, width=7.5, height=2.8)
+    ax.barh(range(len(ms))[::-1], ms)
+    ax.set_yticks(range(len(ms))[::-1], names)
+    ax.set_xlabel("ms of the timed run")
+    ax.set_title(f"nano-vllm's workload, greedy: GPU time by kernel group, {run[0]}")
+    plt.show()
+    top = big[0]
+    prose.glue("ch11_prof_busy", f"{busy['value'] / busy['wall_ms']:.0%}")
+    prose.glue("ch11_prof_wall", f"{busy['wall_ms'] / 1e3:.2f} s")
+    prose.glue("ch11_prof_top", f"`{names[0]}` ({top['share']:.0%})")
+    prose.glue("ch11_prof_second", f"`{names[1]}` ({big[1]['share']:.0%})")
+    prose.glue("ch11_prof_kernels", f"{busy['kernels']:,}")
+    busy_share = busy["value"] / busy["wall_ms"]
+    prose.glue("ch11_prof_pace", (
+        "the host keeps up, and the kernels set the pace" if busy_share >= 0.9 else
+        "the rest of the time the GPU waited on the host"))
+    prose.show("""
+In a run of {{ch11_prof_wall}} the GPU was busy {{ch11_prof_busy}} of the time, through
+{{ch11_prof_kernels}} kernels: {{ch11_prof_pace}}. The largest share is
+{{ch11_prof_top}}, then {{ch11_prof_second}}. Decode attention reads every sequence's
+cache each step; cuBLAS runs the linear layers' GEMMs of prefill and decode; chapter 14
+takes decode attention to the tensor cores where the batch is large.
+""")
+else:
+    print("no ch11_throughput_profile records yet: bench/ch11_throughput_profile.py "
+          "on a GPU makes them")
+
+# %% [markdown]
 # ### The host's side of a 256-row step, phase by phase
 #
 # With the overlap, a decode step costs the longer of the GPU's replay and the host's

@@ -2115,10 +2115,11 @@ if dec:
         start = next((n for n in sizes if all(gain[m] > 0 for m in sizes if m >= n)),
                      None)
         fig, ax = new_figure(1, 1, width=7.0, height=2.8)
-        for kern, label in (("simt", "chapter 8 (SIMT)"), ("tensor_cores", "tensor cores")):
+        for kern, label in (("simt", "chapter 8 (SIMT)"),
+                            ("tensor_cores", "tensor cores")):
             ax.plot(sizes, [by_rows[n][kern] for n in sizes], "o-", label=label)
         ax.axvline(TC_DECODE_MIN_ROWS, color="grey", ls=":",
-                   label=f'"auto" takes the tensor cores from here ({TC_DECODE_MIN_ROWS})')
+                   label=f'"auto": tensor cores from {TC_DECODE_MIN_ROWS} rows')
         ax.set_xlabel("rows of the decode step (contexts of 100 to 2,048 keys)")
         ax.set_ylabel("GB/s of K and V read")
         ax.set_title(f"decode attention by rows, {dev}")
@@ -2126,12 +2127,14 @@ if dec:
         plt.show()
         where = (f"from {start} rows on it wins at every size measured "
                  f"({gain[start]:+.0%} there, {gain[sizes[-1]]:+.0%} at {sizes[-1]})"
-                 if start is not None else "it wins at no size from which it keeps winning")
+                 if start is not None else
+                 "it wins at no size from which it keeps winning")
         # the constant agrees when the kernel loses below it and wins from it on
         agrees = all((gain[n] > 0) == (n >= TC_DECODE_MIN_ROWS) for n in sizes)
         auto = against_simt("auto")
         prose.glue("ch14_dec_auto", (
-            f"Across the number of rows (nano-vllm's mixed contexts, the figure): {where}. "
+            "Across the number of rows (nano-vllm's mixed contexts, the figure): "
+            f"{where}. "
             f"`\"auto\"` takes chapter 8's kernel for decode steps of fewer than "
             f"`TC_DECODE_MIN_ROWS` = {TC_DECODE_MIN_ROWS} rows and the tensor-core one "
             f"from there on"
