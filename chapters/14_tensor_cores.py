@@ -2093,11 +2093,12 @@ if dec:
                          if thr["simt", t] == thr["simt", t]
                          and thr[backend, t] == thr[backend, t])
     engine = against_simt("tensor_cores")
+    of_runs = f"medians of {runs}" if runs > 1 else "one run each"
     prose.glue("ch14_dec_verdict", " ".join([
         f"On the {dev}, against chapter 8's kernel, the tensor-core kernel is",
         f"faster at {' and '.join(wins)}" if wins else "faster nowhere",
         f"and slower at {' and '.join(losses)}." if losses else "and slower nowhere.",
-        f"In the engine, decoding every step with it: {engine} (medians of {runs})."
+        f"In the engine, decoding every step with it: {engine} ({of_runs})."
         if engine else "The engine with it is not measured yet."]))
     prose.glue("ch14_dec_missed", (
         "So the prediction missed: taking the arithmetic off the warp did not take the "
@@ -2141,7 +2142,7 @@ if dec:
             + (", where the measurement puts the crossing." if agrees else
                ", which this measurement, newer than that choice, does not put there.")
             + (f" In the engine: {auto} against chapter 8's kernel at every size "
-               f"(medians of {runs})." if auto else "")
+               f"({of_runs})." if auto else "")
             + " Batch 1 keeps chapter 8's kernel and chapter 11's few-rows policy."))
     else:
         prose.glue("ch14_dec_auto", (
