@@ -61,16 +61,20 @@ def time_kernel(case: dict, launcher) -> tuple[float, float]:
     return time_launches(call, 2 * len(case["sets"])), err
 
 
+def measure(case: dict, name: str, launcher) -> tuple[float, float, float, bool]:
+    """(seconds a launch, GB/s of K and V read, relative error, within its budget: the tensor-core kernel rounds Q
+    and P to bf16, so 2^-8 of the largest output; the SIMT one 1e-5)."""
+    seconds, err = time_kernel(case, launcher)
+    return seconds, case["kv_bytes"] / seconds / 1e9, err, err < (1e-5 if name == "simt" else 2.0**-8)
+
+
 def kernels(rec: Recorder, extra: dict) -> None:
     ceiling_gbs, ceiling_name = bandwidth_ceiling(rec.device["name"])
     gen = np.random.default_rng(0)
     for n, mixed in ((1, False), (64, False), (256, True)):
         case = make_case(gen, n, mixed)
         for name, launcher in LAUNCHERS.items():
-            seconds, err = time_kernel(case, launcher)
-            gbs = case["kv_bytes"] / seconds / 1e9
-            # the tensor-core kernel rounds Q and P to bf16: 2^-8 of the largest output is its budget
-            ok = err < (1e-5 if name == "simt" else 2.0**-8)
+            seconds, gbs, err, ok = measure(case, name, launcher)
             shape = dict(zip(("warps", "stages"), tc_decode_shape(D))) if name == "tensor_cores" else {}
             rec.add("decode_attention", [n, case["max_len"], H, KVH, D], "GB/s", gbs, us=seconds * 1e6,
                     kernel=name, mixed=mixed, **shape, rel_error=err, correct=ok, ceiling=ceiling_gbs,
@@ -102,9 +106,7 @@ def rows(rec: Recorder, extra: dict) -> None:
         case = make_case(gen, n, True)
         line = []
         for name, launcher in LAUNCHERS.items():
-            seconds, err = time_kernel(case, launcher)
-            gbs = case["kv_bytes"] / seconds / 1e9
-            ok = err < (1e-5 if name == "simt" else 2.0**-8)
+            seconds, gbs, err, ok = measure(case, name, launcher)
             rec.add("decode_attention_rows", [n, case["max_len"], H, KVH, D], "GB/s", gbs, us=seconds * 1e6,
                     kernel=name, mixed=True, rel_error=err, correct=ok, **extra)
             line.append(f"{name} {seconds * 1e6:7.1f} us {gbs:5.0f} GB/s" + ("" if ok else " WRONG"))

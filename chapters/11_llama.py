@@ -2459,12 +2459,12 @@ if groups and busy:
     ax.set_title(f"nano-vllm's workload, greedy: GPU time by kernel group, {run[0]}")
     plt.show()
     top = big[0]
-    prose.glue("ch11_prof_busy", f"{busy['value'] / busy['wall_ms']:.0%}")
+    busy_share = busy["value"] / busy["wall_ms"]
+    prose.glue("ch11_prof_busy", f"{busy_share:.0%}")
     prose.glue("ch11_prof_wall", f"{busy['wall_ms'] / 1e3:.2f} s")
     prose.glue("ch11_prof_top", f"`{names[0]}` ({top['share']:.0%})")
     prose.glue("ch11_prof_second", f"`{names[1]}` ({big[1]['share']:.0%})")
     prose.glue("ch11_prof_kernels", f"{busy['kernels']:,}")
-    busy_share = busy["value"] / busy["wall_ms"]
     prose.glue("ch11_prof_pace", (
         "the host keeps up, and the kernels set the pace" if busy_share >= 0.9 else
         "the rest of the time the GPU waited on the host"))
@@ -2472,8 +2472,8 @@ if groups and busy:
 In a run of {{ch11_prof_wall}} the GPU was busy {{ch11_prof_busy}} of the time, through
 {{ch11_prof_kernels}} kernels: {{ch11_prof_pace}}. The largest share is
 {{ch11_prof_top}}, then {{ch11_prof_second}}. Decode attention reads every sequence's
-cache each step; cuBLAS runs the linear layers' GEMMs of prefill and decode; chapter 14
-takes decode attention to the tensor cores where the batch is large.
+cache each step; cuBLAS runs the linear layers' GEMMs of prefill and decode. Chapter 14
+measures decode attention on the tensor cores against this chapter's kernel.
 """)
 else:
     print("no ch11_throughput_profile records yet: bench/ch11_throughput_profile.py "

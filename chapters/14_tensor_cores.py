@@ -2063,7 +2063,6 @@ if dec:
     change = {i: gbs["tensor_cores", i] / gbs["simt", i] - 1 for i in range(3)}
     wins = [f"{labels[i]} ({change[i]:+.0%})" for i in range(3) if change[i] > 0]
     losses = [f"{labels[i]} ({change[i]:+.0%})" for i in range(3) if change[i] <= 0]
-
     engine = ", ".join(f"{thr['tensor_cores', t] / thr['auto', t] - 1:+.1%} "
                        f"{'greedy' if t == 0 else f'at temperature {t}'}"
                        for t in (0.0, 0.6) if thr["auto", t] == thr["auto", t]

@@ -3237,9 +3237,10 @@ $s_j = \\max|X_j|^\\alpha / \\max|W_j|^{1-\\alpha}$ and multiply the weight's co
 it, so the product is unchanged and the activations' outlier channels hand part of
 their range to the weights. Calibrated on chapter 4's prose and measured on chapter
 1's (`bench/ch15_smoothing_cpu.py`, another what-if), int8 W8A8 smoothed with
-$\\alpha$ = {{ch15_smooth_alpha}} (the best of {{ch15_smooth_alphas}} on that text,
-so a choice the text itself made) gives {{ch15_smooth_ppl}}, {{ch15_smooth_verdict}},
-with a mean |Δ log p| of {{ch15_smooth_dlogp}} against {{ch15_int8_w8a8_dlogp}}
+$\\alpha$ = {{ch15_smooth_alpha}} (of {{ch15_smooth_alphas}}, the one with the
+smallest mean |Δ log p| on that text, so a choice the text itself made) gives
+{{ch15_smooth_ppl}}, {{ch15_smooth_verdict}}, with a mean |Δ log p| of
+{{ch15_smooth_dlogp}} against {{ch15_int8_w8a8_dlogp}}
 unsmoothed and {{ch15_int8_w8a16_dlogp}} for the weights alone. The norms' weights
 and up_proj's rows could carry $1/s$ for free. O's input could carry it only through
 v_proj's rows, which grouped-query attention shares among a group's heads, so those
