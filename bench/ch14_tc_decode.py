@@ -37,7 +37,7 @@ from tinyvllm_lib.kernels.tc_decode import (
     tc_decode_kernel_for,
     tc_decode_shape,
 )
-from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, time_launches
+from tinyvllm_lib.measure import DATA_DIR, Recorder, bandwidth_ceiling, time_launches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ch08_decode_tune import BLOCK, KVH, D, H, make_case  # noqa: E402
@@ -169,7 +169,7 @@ def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
                     temperature=r["temperature"],
                     runs=r["runs_output_tok_s"], seconds=r["seconds"], num_steps=r["num_steps"],
                     model="Llama 3.2 1B stand-in (random bf16 weights)", **extra)
-        rec.save()  # after each engine: a run cut short keeps the engines before
+        save(rec)  # after each engine: a run cut short keeps the engines before
 
 
 def main() -> None:
@@ -191,8 +191,19 @@ def main() -> None:
                                                       backends=args.backends))):
         if part in args.only:
             run(rec, extra)
-            rec.save()  # after each part: a later part cut short keeps the earlier ones
-    print("saved", rec.save())
+            save(rec)  # after each part: a later part cut short keeps the earlier ones
+    print("saved", save(rec))
+
+
+def save(rec: Recorder) -> Path:
+    """Replace this device's records of the kinds this run made (its parts' record names) in
+    ch14_tc_decode.json; keep the rest, so that `--only rows` leaves the kernel part's records."""
+    path = DATA_DIR / "ch14_tc_decode.json"
+    old = json.loads(path.read_text()) if path.exists() else []
+    names = {r["name"] for r in rec.records}
+    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name") and r["name"] in names)]
+    path.write_text(json.dumps(kept + rec.records, indent=1) + "\n")
+    return path
 
 
 if __name__ == "__main__":
