@@ -1,6 +1,7 @@
 """Chapter 15 on the GPU: where a batch-1 decode step's time goes, bf16 against int8 and FP8 weights. The Llama 3.2 1B
 stand-in through LLM (max_num_seqs 1, CUDA graphs and the overlap, chapter 11's defaults): one warm-up request, then
-one request of 128 random prompt ids and 256 new greedy tokens under torch's profiler (bench/kernel_profile.py): each
+one request of 128 random prompt ids and 256 new greedy tokens, its decode steps (not the prefill) under torch's
+profiler (bench/kernel_profile.py): each
 module's kernels' exclusive GPU time a step, how many kernels a step launches, the GPU's busy time against the wall
 time a step. It says what halving the matrices' bytes moved and what it left: the GEMVs' share, and the rest of the
 step (attention, norms, rotary, the sampler, the gaps between kernels), which no weight format shrinks.
@@ -30,11 +31,15 @@ from kernel_profile import print_groups, profile_groups  # noqa: E402
 PROMPT_LEN, NEW_TOKENS, MAX_MODEL_LEN = 128, 256, 2048
 
 
-def one_request(llm, seed: int) -> int:
-    """A 128-token random prompt, 256 greedy tokens through llm's engine; the steps it took."""
+def one_request(llm, seed: int, after_first=None) -> int:
+    """A 128-token random prompt, 256 greedy tokens through llm's engine; the steps it took after the first (the
+    prefill, which also samples the first token). after_first(): called once that step has returned."""
     engine = llm.llm_engine
     prompt = np.random.default_rng(seed).integers(0, llm.config.vocab_size, PROMPT_LEN).tolist()
     engine.add_request(f"profile-{seed}", prompt, benchmark.greedy(NEW_TOKENS))
+    engine.step()
+    if after_first is not None:
+        after_first()
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -51,10 +56,10 @@ def profile_format(folder, method, rec: Recorder, extra: dict) -> None:
     plain_s = time.perf_counter() - t0
     steps_seen = []
 
-    def profiled() -> None:
-        steps_seen.append(one_request(llm, 2))
+    def profiled(start) -> None:  # the decode steps only: recording starts after the prefill's
+        steps_seen.append(one_request(llm, 2, after_first=start))
 
-    prof = profile_groups(profiled)
+    prof = profile_groups(profiled, deferred=True)
     steps = steps_seen[0]
     print_groups(label, prof)
     common = extra | {"quantization": method, "steps": steps}
