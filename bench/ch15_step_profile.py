@@ -31,33 +31,32 @@ from kernel_profile import print_groups, profile_groups  # noqa: E402
 PROMPT_LEN, NEW_TOKENS, MAX_MODEL_LEN = 128, 256, 2048
 
 
-def one_request(llm, seed: int, after_first=None) -> int:
+def one_request(llm, seed: int, after_first=None) -> tuple[int, float]:
     """A 128-token random prompt, 256 greedy tokens through llm's engine; the steps it took after the first (the
-    prefill, which also samples the first token). after_first(): called once that step has returned."""
+    prefill, which also samples the first token) and their wall seconds. after_first(): called once that step has
+    returned."""
     engine = llm.llm_engine
     prompt = np.random.default_rng(seed).integers(0, llm.config.vocab_size, PROMPT_LEN).tolist()
     engine.add_request(f"profile-{seed}", prompt, benchmark.greedy(NEW_TOKENS))
     engine.step()
     if after_first is not None:
         after_first()
-    steps = 0
+    steps, t0 = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-    return steps
+    return steps, time.perf_counter() - t0
 
 
 def profile_format(folder, method, rec: Recorder, extra: dict) -> None:
     label = method or "bf16"
     llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, quantization=method)
     one_request(llm, 0)  # warm-up: the first request of its kind
-    t0 = time.perf_counter()
-    plain_steps = one_request(llm, 1)
-    plain_s = time.perf_counter() - t0
+    plain_steps, plain_s = one_request(llm, 1)
     steps_seen = []
 
     def profiled(start) -> None:  # the decode steps only: recording starts after the prefill's
-        steps_seen.append(one_request(llm, 2, after_first=start))
+        steps_seen.append(one_request(llm, 2, after_first=start)[0])
 
     prof = profile_groups(profiled, deferred=True)
     steps = steps_seen[0]
