@@ -196,12 +196,14 @@ def main() -> None:
 
 
 def save(rec: Recorder) -> Path:
-    """Replace this device's records of the kinds this run made (its parts' record names) in
-    ch14_tc_decode.json; keep the rest, so that `--only rows` leaves the kernel part's records."""
+    """Replace this device's records of the kinds this run made (a part's record name; throughput's, an engine's) in
+    ch14_tc_decode.json; keep the rest, so that `--only rows` leaves the kernel part's records and `--backends auto`
+    the other engines'."""
     path = DATA_DIR / "ch14_tc_decode.json"
     old = json.loads(path.read_text()) if path.exists() else []
-    names = {r["name"] for r in rec.records}
-    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name") and r["name"] in names)]
+    kinds = {(r["name"], r.get("backend")) for r in rec.records}  # throughput's: one kind an engine
+    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name")
+                                   and (r["name"], r.get("backend")) in kinds)]
     path.write_text(json.dumps(kept + rec.records, indent=1) + "\n")
     return path
 
