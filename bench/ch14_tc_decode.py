@@ -37,7 +37,7 @@ from tinyvllm_lib.kernels.tc_decode import (
     tc_decode_kernel_for,
     tc_decode_shape,
 )
-from tinyvllm_lib.measure import DATA_DIR, Recorder, bandwidth_ceiling, time_launches
+from tinyvllm_lib.measure import Recorder, bandwidth_ceiling, time_launches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ch08_decode_tune import BLOCK, KVH, D, H, make_case  # noqa: E402
@@ -195,18 +195,11 @@ def main() -> None:
     print("saved", save(rec))
 
 
-def save(rec: Recorder) -> Path:
-    """Replace this device's records of the kinds this run made (a part's record name; throughput's, an engine's) in
-    ch14_tc_decode.json; keep the rest, so that `--only rows` leaves the kernel part's records and `--backends auto`
-    the other engines'."""
-    path = DATA_DIR / "ch14_tc_decode.json"
-    old = json.loads(path.read_text()) if path.exists() else []
-    kinds = {(r["name"], r.get("backend")) for r in rec.records}  # throughput's: one kind an engine
-    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name")
-                                   and (r["name"], r.get("backend")) in kinds)]
-    path.write_text(json.dumps(kept + rec.records, indent=1) + "\n")
-    return path
 
+def save(rec: Recorder) -> Path:
+    """Replace this device's records of the kinds this run made (a part's record name; throughput's, an engine's);
+    keep the rest, so that `--only rows` leaves the kernel part's records and `--backends auto` the other engines'."""
+    return rec.save(kind=lambda r: (r["name"], r.get("backend")))
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,6 @@ Records to book/data/ch15_step_profile.json (with the engine's commit when ENGIN
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import numpy as np
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.kernels.gemv_8bit import GEMV_8BIT_VERSION
-from tinyvllm_lib.measure import DATA_DIR, Recorder
+from tinyvllm_lib.measure import Recorder
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -90,16 +89,11 @@ def main() -> None:
     print("saved", save(rec))
 
 
-def save(rec: Recorder) -> Path:
-    """Replace this device's records of the formats this run profiled in ch15_step_profile.json; keep the rest
-    (`--formats fp8` leaves bf16's and int8's)."""
-    path = DATA_DIR / "ch15_step_profile.json"
-    old = json.loads(path.read_text()) if path.exists() else []
-    mine = {r["quantization"] for r in rec.records}
-    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name") and r["quantization"] in mine)]
-    path.write_text(json.dumps(kept + rec.records, indent=1) + "\n")
-    return path
 
+def save(rec: Recorder) -> Path:
+    """Replace this device's records of the formats this run profiled; keep the rest (`--formats fp8` leaves bf16's
+    and int8's)."""
+    return rec.save(kind=lambda r: r["quantization"])
 
 if __name__ == "__main__":
     main()

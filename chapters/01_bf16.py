@@ -1024,15 +1024,19 @@ class Recorder:
         self.records.append(rec)
         return rec
 
-    def save(self, data_dir: Path = DATA_DIR) -> Path:
+    def save(self, data_dir: Path = DATA_DIR, kind=None) -> Path:
         """Replace this chapter's records for the same device; keep other devices'
-        records.
+        records. kind(record) -> a hashable: replace only this device's records of the
+        kinds this run made (a script that runs one part at a time keeps the rest).
         """
         path = Path(data_dir) / f"{self.chapter}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         old = json.loads(path.read_text()) if path.exists() else []
+        made = None if kind is None else {kind(r) for r in self.records}
         kept = [
-            r for r in old if r.get("device", {}).get("name") != self.device.get("name")
+            r for r in old
+            if r.get("device", {}).get("name") != self.device.get("name")
+            or (made is not None and kind(r) not in made)
         ]
         path.write_text(json.dumps(kept + self.records, indent=1) + "\n")
         return path

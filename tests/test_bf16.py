@@ -111,6 +111,27 @@ def test_time_launches_and_records(rng, tmp_path):
     assert got["ratio"] == 0.25 and got["command"] == "pytest" and got["device"]["name"] and got["date"]
 
 
+def test_save_replaces_this_devices_records_or_only_their_kinds(tmp_path):
+    """save(): every record of this device is replaced, another device's kept; save(kind=...): only this device's
+    records of the kinds this run made."""
+    from tinyvllm_lib.measure import Recorder, load_records
+
+    other = {"chapter": "test_chapter", "name": "a", "value": 1.0, "device": {"name": "another GPU"}}
+    (tmp_path / "test_chapter.json").write_text(__import__("json").dumps([other]))
+    first = Recorder("test_chapter")
+    first.add("a", [1], "us", 2.0)
+    first.add("b", [1], "us", 3.0)
+    first.save(tmp_path)
+    second = Recorder("test_chapter")
+    second.add("b", [1], "us", 4.0)
+    second.save(tmp_path, kind=lambda r: r["name"])
+    got = {(r["device"]["name"] == "another GPU", r["name"]): r["value"] for r in load_records("test_chapter", tmp_path)}
+    assert got == {(True, "a"): 1.0, (False, "a"): 2.0, (False, "b"): 4.0}
+    second.save(tmp_path)  # no kind: this device's records are this run's alone
+    got = {(r["device"]["name"] == "another GPU", r["name"]): r["value"] for r in load_records("test_chapter", tmp_path)}
+    assert got == {(True, "a"): 1.0, (False, "b"): 4.0}
+
+
 @pytest.mark.skipif(not can_launch(), reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1")
 @pytest.mark.parametrize("n", [1, 333])
 def test_narrow_kernel_matches_host(rng, n):
