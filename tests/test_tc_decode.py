@@ -8,11 +8,14 @@ import pytest
 from numba import cuda
 from test_decode_attention import case
 
+from tinyvllm_lib.kernels import tc_decode
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from tinyvllm_lib.kernels.decode_attention import decode_attention, decode_attention_ref
 from tinyvllm_lib.kernels.decode_attention_config import DecodeAttentionConfig
 from tinyvllm_lib.kernels.decode_splits import decode_splits, workspace_row
 from tinyvllm_lib.kernels.tc_decode import (
+    TC_DECODE_MIN_ROWS,
+    auto_decode_attention,
     decode_attention_for,
     make_tc_decode_kernel,
     tc_decode_attention,
@@ -134,6 +137,27 @@ def test_tc_decode_refuses_what_it_cannot_take():
     assert decode_attention_for("simt", 64, 4) is decode_attention
 
 
+def test_auto_takes_the_tensor_cores_from_its_row_count(monkeypatch):
+    """"auto" on a GPU: chapter 8's kernel below TC_DECODE_MIN_ROWS rows, this
+    chapter's from there on, with every argument passed through; in the simulator
+    chapter 8's for every step (the twins are slow)."""
+    calls = []
+    for name in ("decode_attention", "tc_decode_attention"):
+        monkeypatch.setattr(tc_decode, name,
+                            lambda qkv, *a, _n=name, **kw: calls.append((_n, len(qkv), a, kw)))
+    for rows in (1, TC_DECODE_MIN_ROWS - 1, TC_DECODE_MIN_ROWS, 2 * TC_DECODE_MIN_ROWS):
+        auto_decode_attention(np.zeros((rows, 8), np.float32), "k", "v", stream=3)
+    assert [c[:2] for c in calls] == [
+        ("decode_attention", 1), ("decode_attention", TC_DECODE_MIN_ROWS - 1),
+        ("tc_decode_attention", TC_DECODE_MIN_ROWS),
+        ("tc_decode_attention", 2 * TC_DECODE_MIN_ROWS)]
+    assert all(c[2] == ("k", "v") and c[3] == {"stream": 3} for c in calls)
+    monkeypatch.undo()
+    want = decode_attention if is_simulator() else auto_decode_attention
+    assert decode_attention_for("auto", 64, 4) is want
+    assert decode_attention_for("auto", 72, 4) is decode_attention  # no tensor-core fit
+
+
 def test_linked_decode_ptx_keeps_fragments_in_registers():
     """No GPU needed: 8 mma for S and 8 for O a warp's 16 keys, K and V copies by
     cp.async, no local memory, every C function inlined."""
@@ -147,6 +171,23 @@ def test_linked_decode_ptx_keeps_fragments_in_registers():
     assert counts["ldmatrix"] == 64 // 16 + 64 // 16  # K for S, V (transposed) for O
     assert counts["shared align 16"] == 2  # K and V stages: ldmatrix and cp.async
     assert counts["local memory"] == 0 and counts["call"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+def test_auto_decode_on_the_gpu_is_the_chosen_kernel(rng):
+    """At TC_DECODE_MIN_ROWS - 1 and TC_DECODE_MIN_ROWS rows of Llama 3.2 1B's heads,
+    "auto"'s launcher gives the bits of the kernel its row count picks."""
+    H, KVH, D, bs = 32, 8, 64, 16
+    for rows, picked in ((TC_DECODE_MIN_ROWS - 1, decode_attention),
+                         (TC_DECODE_MIN_ROWS, tc_decode_attention)):
+        qkv, k, v, bt, lens = case(rng, rows, 700, H, KVH, D, bs)
+        kw = dict(splits=32, max_context_len=700, config=DecodeAttentionConfig())
+        got = launch(decode_attention_for("auto", D, H // KVH), qkv, k, v, bt, bs, lens,
+                     H, KVH, D, **kw)
+        assert np.array_equal(got, launch(picked, qkv, k, v, bt, bs, lens, H, KVH, D,
+                                          **kw))
+        check(got, qkv, k, v, bt, bs, lens, H, KVH, D)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@
 # defined in chapters/14_tensor_cores.py
 import math
 
-from numba import cuda, float32, uint32, uint64
+from numba import config, cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.decode_attention import decode_attention
 from tinyvllm_lib.kernels.decode_attention_config import (
@@ -257,10 +257,25 @@ def tc_decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int,
                             kernel_for=tc_decode_kernel_for)
 
 
+# Decode steps of at least this many rows take this kernel under "auto": where
+# bench/ch14_tc_decode.py --only rows found it faster than chapter 8's on an H200
+TC_DECODE_MIN_ROWS = 128
+
+
+def auto_decode_attention(qkv, *args, **kwargs):
+    """decode_attention's arguments: chapter 8's kernel for fewer than
+    TC_DECODE_MIN_ROWS rows, this chapter's from there on (a captured step's size fixes
+    which one its graph holds)."""
+    launcher = (tc_decode_attention if qkv.shape[0] >= TC_DECODE_MIN_ROWS
+                else decode_attention)
+    return launcher(qkv, *args, **kwargs)
+
+
 def decode_attention_for(backend: str, head_dim: int, group: int):
     """The decode launcher of an engine with attention_backend = backend:
-    "tensor_cores" this kernel (a ValueError where the sizes do not fit), "simt" and
-    "auto" chapter 8's."""
+    "tensor_cores" this kernel (a ValueError where the sizes do not fit), "simt"
+    chapter 8's, "auto" auto_decode_attention on a GPU where the sizes fit (else, and
+    in the simulator, chapter 8's)."""
     fits = (head_dim % 16 == 0 and 1 <= group <= TC_DECODE_MAX_GROUP
             and tc_decode_shared_bytes(head_dim, group, *tc_decode_shape(head_dim))
             <= STATIC_SHARED_BYTES)
@@ -270,4 +285,8 @@ def decode_attention_for(backend: str, head_dim: int, group: int):
                          f"query heads a KV head, and tiles within "
                          f"{STATIC_SHARED_BYTES:,} bytes of shared memory; got "
                          f"head_dim {head_dim} and {group} query heads a KV head")
-    return tc_decode_attention if backend == "tensor_cores" else decode_attention
+    if backend == "tensor_cores":
+        return tc_decode_attention
+    if backend == "auto" and fits and not config.ENABLE_CUDASIM:
+        return auto_decode_attention
+    return decode_attention
