@@ -55,7 +55,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.measure import load_records
+from tinyvllm_lib.measure import DATA_DIR, load_records
 from tinyvllm_lib.plots import Prose, new_figure
 from tinyvllm_lib.runtime import can_launch, is_simulator, where_kernels_run
 
@@ -2086,7 +2086,7 @@ if dec:
     wins = [f"{labels[i]} ({change[i]:+.0%})" for i in range(3) if change[i] > 0]
     losses = [f"{labels[i]} ({change[i]:+.0%})" for i in range(3) if change[i] <= 0]
 
-    def against_simt(backend):
+    def against_simt(backend, thr=thr):
         return ", ".join(f"{thr[backend, t] / thr['auto-simt', t] - 1:+.1%} "
                          f"{'greedy' if t == 0 else f'at temperature {t}'}"
                          for t in (0.0, 0.6)
@@ -2104,9 +2104,20 @@ if dec:
         "So the prediction missed: taking the arithmetic off the warp did not take the "
         "kernel to the ceiling." if losses or max(change.values()) < 0.1 else
         "The prediction held."))
-    # from how many rows it wins: the rows sweep, nano-vllm's mixed contexts
+    # from how many rows it wins (the rows sweep, nano-vllm's mixed contexts) and
+    # "auto" in the engine: this GPU's records, else an H100's (book/data/h100/)
+    def of_auto(rs):
+        return [r for r in rs if r["name"] == "decode_attention_rows"
+                or r.get("backend") in ("auto", "auto-simt")]
+    auto_recs = of_auto(dec) or of_auto(load_records("ch14_tc_decode",
+                                                     DATA_DIR / "h100")) or dec
+    auto_dev = auto_recs[-1]["device"]["name"]
+    auto_thr = {(b, t): next((r["value"] for r in reversed(auto_recs)
+                              if r["name"] == "throughput" and r["backend"] == b
+                              and r["temperature"] == t), float("nan"))
+                for b in ("auto", "auto-simt") for t in (0.0, 0.6)}
     by_rows = {}
-    for r in dec:
+    for r in auto_recs:
         if r["name"] == "decode_attention_rows":
             by_rows.setdefault(r["shape"][0], {})[r["kernel"]] = r["value"]
     sizes = sorted(n for n in by_rows if len(by_rows[n]) == 2)
@@ -2123,7 +2134,7 @@ if dec:
                    label=f'"auto": tensor cores from {TC_DECODE_MIN_ROWS} rows')
         ax.set_xlabel("rows of the decode step (contexts of 100 to 2,048 keys)")
         ax.set_ylabel("GB/s of K and V read")
-        ax.set_title(f"decode attention by rows, {dev}")
+        ax.set_title(f"decode attention by rows, {auto_dev}")
         ax.legend(fontsize=8)
         plt.show()
         where = (f"from {start} rows on it wins at every size measured "
@@ -2132,10 +2143,11 @@ if dec:
                  "it wins at no size from which it keeps winning")
         # the constant agrees when the kernel loses below it and wins from it on
         agrees = all((gain[n] > 0) == (n >= TC_DECODE_MIN_ROWS) for n in sizes)
-        auto = against_simt("auto")
+        auto = against_simt("auto", auto_thr)
+        elsewhere = "" if auto_dev == dev else f" on an {auto_dev} (`book/data/h100/`)"
         prose.glue("ch14_dec_auto", (
-            "Across the number of rows (nano-vllm's mixed contexts, the figure): "
-            f"{where}. "
+            f"Across the number of rows (nano-vllm's mixed contexts, the figure"
+            f"{elsewhere}): {where}. "
             f"`\"auto\"` takes chapter 8's kernel for decode steps of fewer than "
             f"`TC_DECODE_MIN_ROWS` = {TC_DECODE_MIN_ROWS} rows and the tensor-core one "
             f"from there on"
@@ -2149,7 +2161,10 @@ if dec:
             f'`"auto"` takes the tensor-core kernel for decode steps of '
             f"`TC_DECODE_MIN_ROWS` = {TC_DECODE_MIN_ROWS} rows or more, chapter 8's "
             "below; no sweep over the number of rows is recorded on this GPU yet "
-            "(`bench/ch14_tc_decode.py --only rows`)."))
+            "(`bench/ch14_tc_decode.py --only rows`)."
+            + (f" In the engine on the {auto_dev}: {against_simt('auto', auto_thr)} "
+               "against chapter 8's kernel at every size."
+               if against_simt("auto", auto_thr) else "")))
     default = DEFAULT_DECODE_CONFIG
     sweep = [r for r in dec if r["name"] == "decode_attention_sweep"]
     notes = []

@@ -4319,10 +4319,14 @@ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 # time, summed by the module that defines it, counting only what no earlier kernel
 # overlaps (chapter 11's programmatic launches start a kernel early). What the GPU is
 # not busy with — the host's work and the gaps between kernels — is the step's wall
-# time, measured in a run without the profiler, less the busy time.
+# time, measured in a run without the profiler, less the busy time. Until the H200 has
+# a profile, the page draws an H100's (`book/data/h100/`), for which chapter 1 has no
+# bandwidth ceiling, so no line of the weights at the ceiling.
 
 # %%
-step_records = load_records("ch15_step_profile")
+# this GPU's records; an H100's (book/data/h100/) until this GPU has one
+step_records = (load_records("ch15_step_profile")
+                or load_records("ch15_step_profile", DATA_DIR / "h100"))
 step_dev = step_records[-1]["device"]["name"] if step_records else None
 step_records = [r for r in step_records if r["device"]["name"] == step_dev]
 GEMV_GROUPS = ("kernels.gemv", "kernels.gemv_8bit")  # every matrix, the LM head too
@@ -4403,6 +4407,14 @@ if profiled:
         prose.glue("ch15_step_rest_bf16", f"{bf16_s['wall'] - bf16_s['GEMVs']:.0f} µs")
         prose.glue("ch15_step_kernels", f"{s['kernels']:.0f}")
         prose.glue("ch15_step_rest_share", f"{rest / s['wall']:.0%}")
+        # the GEMVs' read rate (the step's weights over their time) in each format
+        rate = {k: decode_weight_bytes(llama_1b, k) / (steps_by[k]["GEMVs"] * 1e3)
+                for k in (None, m)}
+        as_bf16 = rest + decode_weight_bytes(llama_1b, m) / (rate[None] * 1e3)
+        prose.glue("ch15_step_rate", f"{rate[m]:,.0f} GB/s")
+        prose.glue("ch15_step_rate_bf16", f"{rate[None]:,.0f} GB/s")
+        prose.glue("ch15_step_as_bf16",
+                   f"{as_bf16:.0f} µs ({1e6 / as_bf16:,.0f} tok/s)")
         if known:
             best_gemvs = decode_weight_bytes(llama_1b, m) / (step_gb_s * 1e3)
             best = 1e6 / (rest + best_gemvs)
@@ -4425,7 +4437,9 @@ bytes{{ch15_step_bytes_why}}), and its step takes {{ch15_step_wall}} against
 cache writes, the sampler, and the time the GPU waits — is {{ch15_step_rest}}
 ({{ch15_step_rest_bf16}} in bf16, where gate-up's norm is a kernel of its own; the
 8-bit GEMV of gate-up does it inside): {{ch15_step_rest_share}} of an 8-bit step,
-across {{ch15_step_kernels}} kernels and copies.""" + ("""
+across {{ch15_step_kernels}} kernels and copies. Counted in the bytes they read, the
+8-bit GEMVs run at {{ch15_step_rate}} and bf16's at {{ch15_step_rate_bf16}}: read as
+fast as bf16's, the 8-bit step would take {{ch15_step_as_bf16}}.""" + ("""
 Were the GEMVs to read at the ceiling ({{ch15_step_best_gemv}} for these weights), the
 step would run at {{ch15_step_best}} against the bf16 limit of {{ch15_step_limit}}:
 {{ch15_step_verdict}}.""" if known else "") + "\n")
