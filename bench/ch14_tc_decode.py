@@ -142,6 +142,7 @@ def child(backend: str, wheel, repeats: int) -> dict:
     from tinyvllm_lib.engine.llm import LLM
     from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
+    label = backend  # what the printed lines say: "auto-simt" runs the engine's "auto"
     if backend == "auto-simt":  # the what-if: "auto" with chapter 8's decode at every size (the choice before)
         from tinyvllm_lib.kernels import tc_decode
 
@@ -152,7 +153,7 @@ def child(backend: str, wheel, repeats: int) -> dict:
     for t in (0.0, 0.6):
         r = benchmark.throughput(llm, repeats=repeats, temperature=t, max_token_id=10_000 if t else None)
         out[f"throughput_t{t}"] = r
-        print(f"{backend}: t {t}: {r['output_tok_s']:.0f} output tok/s (runs {[round(x) for x in r['runs_output_tok_s']]})",
+        print(f"{label}: t {t}: {r['output_tok_s']:.0f} output tok/s (runs {[round(x) for x in r['runs_output_tok_s']]})",
               file=sys.stderr, flush=True)
     return out
 
