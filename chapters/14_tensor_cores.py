@@ -1722,6 +1722,7 @@ from tinyvllm_lib.kernels.decode_combine import split_finish
 from tinyvllm_lib.kernels.decode_splits import (
     num_splits_for_on_device,
     split_length_on_device,
+    split_rows,
     split_rows_on_device,
 )
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
@@ -1964,16 +1965,20 @@ def tc_decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int,
                             kernel_for=tc_decode_kernel_for)
 
 
-# Decode steps of at least this many rows take this kernel under "auto": where
-# bench/ch14_tc_decode.py --only rows found it faster than chapter 8's on an H200
+# Decode steps of at least this many rows (rounded as split_rows rounds them) take
+# this kernel under "auto": on an H200 it led chapter 8's by 17% at 256 rows of mixed
+# contexts and trailed by 5% at 64 full ones; bench/ch14_tc_decode.py --only rows
+# times the sizes between
 TC_DECODE_MIN_ROWS = 128
 
 
 def auto_decode_attention(qkv, *args, **kwargs):
     """decode_attention's arguments: chapter 8's kernel for fewer than
-    TC_DECODE_MIN_ROWS rows, this chapter's from there on (a captured step's size fixes
-    which one its graph holds)."""
-    launcher = (tc_decode_attention if qkv.shape[0] >= TC_DECODE_MIN_ROWS
+    TC_DECODE_MIN_ROWS rows, this chapter's from there on. The rows are rounded up as
+    split_rows rounds them, to a CUDA graph's size: a step run eagerly takes the kernel
+    that its padded, captured twin holds, so the two give the same bits."""
+    launcher = (tc_decode_attention
+                if split_rows(qkv.shape[0]) >= TC_DECODE_MIN_ROWS
                 else decode_attention)
     return launcher(qkv, *args, **kwargs)
 

@@ -138,18 +138,20 @@ def test_tc_decode_refuses_what_it_cannot_take():
 
 
 def test_auto_takes_the_tensor_cores_from_its_row_count(monkeypatch):
-    """"auto" on a GPU: chapter 8's kernel below TC_DECODE_MIN_ROWS rows, this
-    chapter's from there on, with every argument passed through; in the simulator
-    chapter 8's for every step (the twins are slow)."""
+    """"auto" on a GPU: chapter 8's kernel below TC_DECODE_MIN_ROWS rows (rounded up
+    to a multiple of 8, a graph's size), this chapter's from there on, with every
+    argument passed through; in the simulator chapter 8's for every step (the twins
+    are slow)."""
     calls = []
     for name in ("decode_attention", "tc_decode_attention"):
         monkeypatch.setattr(tc_decode, name,
                             lambda qkv, *a, _n=name, **kw: calls.append((_n, len(qkv), a, kw)))
-    for rows in (1, TC_DECODE_MIN_ROWS - 1, TC_DECODE_MIN_ROWS, 2 * TC_DECODE_MIN_ROWS):
+    low, high = TC_DECODE_MIN_ROWS - 8, TC_DECODE_MIN_ROWS - 7  # 120: 120; 121: 128
+    for rows in (1, low, high, TC_DECODE_MIN_ROWS, 2 * TC_DECODE_MIN_ROWS):
         auto_decode_attention(np.zeros((rows, 8), np.float32), "k", "v", stream=3)
     assert [c[:2] for c in calls] == [
-        ("decode_attention", 1), ("decode_attention", TC_DECODE_MIN_ROWS - 1),
-        ("tc_decode_attention", TC_DECODE_MIN_ROWS),
+        ("decode_attention", 1), ("decode_attention", low),
+        ("tc_decode_attention", high), ("tc_decode_attention", TC_DECODE_MIN_ROWS),
         ("tc_decode_attention", 2 * TC_DECODE_MIN_ROWS)]
     assert all(c[2] == ("k", "v") and c[3] == {"stream": 3} for c in calls)
     monkeypatch.undo()
@@ -176,11 +178,12 @@ def test_linked_decode_ptx_keeps_fragments_in_registers():
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 def test_auto_decode_on_the_gpu_is_the_chosen_kernel(rng):
-    """At TC_DECODE_MIN_ROWS - 1 and TC_DECODE_MIN_ROWS rows of Llama 3.2 1B's heads,
-    "auto"'s launcher gives the bits of the kernel its row count picks."""
+    """At TC_DECODE_MIN_ROWS - 8 and - 7 rows of Llama 3.2 1B's heads (the second
+    rounds up to TC_DECODE_MIN_ROWS), "auto"'s launcher gives the bits of the kernel
+    its row count picks."""
     H, KVH, D, bs = 32, 8, 64, 16
-    for rows, picked in ((TC_DECODE_MIN_ROWS - 1, decode_attention),
-                         (TC_DECODE_MIN_ROWS, tc_decode_attention)):
+    for rows, picked in ((TC_DECODE_MIN_ROWS - 8, decode_attention),
+                         (TC_DECODE_MIN_ROWS - 7, tc_decode_attention)):
         qkv, k, v, bt, lens = case(rng, rows, 700, H, KVH, D, bs)
         kw = dict(splits=32, max_context_len=700, config=DecodeAttentionConfig())
         got = launch(decode_attention_for("auto", D, H // KVH), qkv, k, v, bt, bs, lens,
@@ -207,3 +210,46 @@ def test_tc_decode_on_the_gpu(rng, out_dtype, rows):
         check(got, qkv, k, v, bt, bs, lens, H, KVH, D, out_dtype)
         simt = launch(decode_attention, qkv, k, v, bt, bs, lens, H, KVH, D, **kw)
         assert np.abs(got - simt).max() <= 2.0**-6 * np.abs(simt).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+def test_auto_engine_at_many_rows_gives_the_eager_tokens(tmp_path, rng, monkeypatch):
+    """An engine on 1B-shaped heads (two random layers) with "auto": the runner holds
+    auto_decode_attention, and TC_DECODE_MIN_ROWS + 8 greedy requests decoding together
+    (tensor-core steps, then chapter 8's as they finish) give, through captured steps,
+    every token of the eager path."""
+    from tinyvllm_lib.engine.llm import LLM
+    from tinyvllm_lib.engine.sampling_params import SamplingParams
+    from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
+
+    folder = make_random_llama(tmp_path, LLAMA_3_2_1B_CONFIG | {"num_hidden_layers": 2},
+                               seed=3)
+    n = TC_DECODE_MIN_ROWS + 8
+    prompts = [rng.integers(0, 10_000, int(rng.integers(20, 120))).tolist()
+               for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(16, 40)),
+                             ignore_eos=True) for _ in range(n)]
+    launched = []  # the eager steps' tensor-core launches, counted through auto's lookup
+    counted = tc_decode.tc_decode_attention
+
+    def counting(qkv, *args, **kwargs):
+        launched.append(qkv.shape[0])
+        return counted(qkv, *args, **kwargs)
+
+    outs = {}
+    for eager in (True, False):
+        if eager:
+            monkeypatch.setattr(tc_decode, "tc_decode_attention", counting)
+        else:
+            monkeypatch.undo()
+        llm = LLM(folder, device="cuda", max_model_len=512, max_num_seqs=n,
+                  enforce_eager=eager)
+        assert llm.llm_engine.model_runner.decode_attention is auto_decode_attention
+        outs[eager] = [o.outputs[0].token_ids
+                       for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    same = sum(a == b for a, b in zip(outs[True], outs[False]))
+    print(f"{same}/{n} requests with the eager path's tokens; the eager path's "
+          f"tensor-core launches: {len(launched)}, at {sorted(set(launched))} rows")
+    assert launched and min(launched) > TC_DECODE_MIN_ROWS - 8 and same == n
