@@ -217,8 +217,11 @@ def test_tc_decode_on_the_gpu(rng, out_dtype, rows):
 def test_auto_engine_at_many_rows_gives_the_eager_tokens(tmp_path, rng, monkeypatch):
     """An engine on 1B-shaped heads (two random layers) with "auto": the runner holds
     auto_decode_attention, and TC_DECODE_MIN_ROWS + 8 greedy requests decoding together
-    (tensor-core steps, then chapter 8's as they finish) give, through captured steps,
-    every token of the eager path."""
+    (tensor-core steps, then chapter 8's as they finish) give through captured steps
+    the eager path's tokens, or part from them first where the eager path's top two
+    log-probs tie within 0.01: a captured step pads its rows to the graph's size, and
+    cuBLAS may take another algorithm for its GEMMs there (on the H100, 1 request of 816
+    parted from the eager path, 0 of 680 with chapter 8's decode everywhere)."""
     from tinyvllm_lib.engine.llm import LLM
     from tinyvllm_lib.engine.sampling_params import SamplingParams
     from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
@@ -229,7 +232,7 @@ def test_auto_engine_at_many_rows_gives_the_eager_tokens(tmp_path, rng, monkeypa
     prompts = [rng.integers(0, 10_000, int(rng.integers(20, 120))).tolist()
                for _ in range(n)]
     params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(16, 40)),
-                             ignore_eos=True) for _ in range(n)]
+                             ignore_eos=True, logprobs=2) for _ in range(n)]
     launched = []  # the eager steps' tensor-core launches, counted through auto's lookup
     counted = tc_decode.tc_decode_attention
 
@@ -246,10 +249,18 @@ def test_auto_engine_at_many_rows_gives_the_eager_tokens(tmp_path, rng, monkeypa
         llm = LLM(folder, device="cuda", max_model_len=512, max_num_seqs=n,
                   enforce_eager=eager)
         assert llm.llm_engine.model_runner.decode_attention is auto_decode_attention
-        outs[eager] = [o.outputs[0].token_ids
-                       for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs[eager] = [o.outputs[0] for o in llm.generate(prompts, params,
+                                                          use_tqdm=False)]
         del llm
-    same = sum(a == b for a, b in zip(outs[True], outs[False]))
-    print(f"{same}/{n} requests with the eager path's tokens; the eager path's "
-          f"tensor-core launches: {len(launched)}, at {sorted(set(launched))} rows")
-    assert launched and min(launched) > TC_DECODE_MIN_ROWS - 8 and same == n
+    gaps = []  # where a request parts from the eager path: the eager top-two gap
+    for a, b in zip(outs[True], outs[False]):
+        if a.token_ids != b.token_ids:
+            t = next(j for j, pair in enumerate(zip(a.token_ids, b.token_ids))
+                     if pair[0] != pair[1])
+            top = sorted(a.logprobs[t].values(), reverse=True)
+            gaps.append(top[0] - top[1])
+    print(f"{n - len(gaps)}/{n} requests with the eager path's tokens; the others part "
+          f"at top-two gaps {gaps}; the eager path's tensor-core launches: "
+          f"{len(launched)}, at {sorted(set(launched))} rows")
+    assert launched and min(launched) > TC_DECODE_MIN_ROWS - 8
+    assert all(g < 0.01 for g in gaps)
