@@ -113,6 +113,7 @@ def rows(rec: Recorder, extra: dict) -> None:
             line.append(f"{name} {seconds * 1e6:7.1f} us {gbs:5.0f} GB/s" + ("" if ok else " WRONG"))
         print(f"{n:>3} rows mixed: " + "; ".join(line), flush=True)
         del case
+        save(rec)  # after each size: a run cut short keeps the sizes it measured
 
 
 def sweep(rec: Recorder, extra: dict) -> None:

@@ -1967,8 +1967,8 @@ def tc_decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int,
 
 # Decode steps of at least this many rows (rounded as split_rows rounds them) take
 # this kernel under "auto": on an H200 it led chapter 8's by 17% at 256 rows of mixed
-# contexts and trailed by 5% at 64 full ones; bench/ch14_tc_decode.py --only rows
-# times the sizes between
+# contexts and trailed by 5% at 64 full ones. (An H100's rows sweep, later, had it
+# ahead from 16 mixed rows on, by 1 to 6%; with no such sweep on the H200, 128 stays.)
 TC_DECODE_MIN_ROWS = 128
 
 
@@ -2117,10 +2117,13 @@ if dec:
     auto_recs = of_auto(dec) or of_auto(load_records("ch14_tc_decode",
                                                      DATA_DIR / "h100")) or dec
     auto_dev = auto_recs[-1]["device"]["name"]
-    auto_thr = {(b, t): next((r["value"] for r in reversed(auto_recs)
-                              if r["name"] == "throughput" and r["backend"] == b
-                              and r["temperature"] == t), float("nan"))
+    auto_runs = [r for r in auto_recs if r["name"] == "throughput"]
+    auto_thr = {(b, t): next((r["value"] for r in reversed(auto_runs)
+                              if r["backend"] == b and r["temperature"] == t),
+                             float("nan"))
                 for b in ("auto", "auto-simt") for t in (0.0, 0.6)}
+    auto_of_runs = (f"medians of {len(auto_runs[-1]['runs'])}"
+                    if auto_runs and len(auto_runs[-1]["runs"]) > 1 else "one run each")
     by_rows = {}
     for r in auto_recs:
         if r["name"] == "decode_attention_rows":
@@ -2157,9 +2160,14 @@ if dec:
             f"`TC_DECODE_MIN_ROWS` = {TC_DECODE_MIN_ROWS} rows and the tensor-core one "
             f"from there on"
             + (", where the measurement puts the crossing." if agrees else
-               ", which this measurement, newer than that choice, does not put there.")
-            + (f" In the engine: {auto} against chapter 8's kernel at every size "
-               f"({of_runs})." if auto else "")
+               ", which this measurement does not put there"
+               + ("." if auto_dev == dev else
+                  f"; it stays while the {dev} has no rows sweep and its 64 full "
+                  f"contexts run {abs(change[1]):.0%} "
+                  f"{'slower' if change[1] < 0 else 'faster'} on the tensor cores."))
+            + (f" In the engine on the {auto_dev}: {auto} against chapter 8's kernel "
+               f"at every size "
+               f"({auto_of_runs})." if auto else "")
             + " Batch 1 keeps chapter 8's kernel and chapter 11's few-rows policy."))
     else:
         prose.glue("ch14_dec_auto", (
@@ -2168,7 +2176,7 @@ if dec:
             "below; no sweep over the number of rows is recorded on this GPU yet "
             "(`bench/ch14_tc_decode.py --only rows`)."
             + (f" In the engine on the {auto_dev}: {against_simt('auto', auto_thr)} "
-               "against chapter 8's kernel at every size."
+               f"against chapter 8's kernel at every size ({auto_of_runs})."
                if against_simt("auto", auto_thr) else "")))
     default = DEFAULT_DECODE_CONFIG
     sweep = [r for r in dec if r["name"] == "decode_attention_sweep"]
