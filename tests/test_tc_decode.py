@@ -219,9 +219,10 @@ def test_auto_engine_at_many_rows_gives_the_eager_tokens(tmp_path, rng, monkeypa
     auto_decode_attention, and TC_DECODE_MIN_ROWS + 8 greedy requests decoding together
     (tensor-core steps, then chapter 8's as they finish) give through captured steps
     the eager path's tokens, or part from them first where the eager path's top two
-    log-probs tie within 0.01: a captured step pads its rows to the graph's size, and
-    cuBLAS may take another algorithm for its GEMMs there (on the H100, 1 request of 816
-    parted from the eager path, 0 of 680 with chapter 8's decode everywhere)."""
+    log-probs tie within 0.01: a captured step pads its rows to the graph's size, so
+    its products run at another row count than the eager step's. (On the H100, 1
+    request of 816 with "auto" parted from the eager path, none of 680 with chapter 8's
+    decode at every size; which product's bits moved was not found.)"""
     from tinyvllm_lib.engine.llm import LLM
     from tinyvllm_lib.engine.sampling_params import SamplingParams
     from tinyvllm_lib.models.random_llama import LLAMA_3_2_1B_CONFIG, make_random_llama
