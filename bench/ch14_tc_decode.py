@@ -147,7 +147,7 @@ def child(backend: str, wheel, repeats: int) -> dict:
     if backend == "auto-simt":  # the what-if: "auto" with chapter 8's decode at every size (the choice before)
         from tinyvllm_lib.kernels import tc_decode
 
-        tc_decode.TC_DECODE_MIN_ROWS, backend = MAX_NUM_SEQS + 1, "auto"
+        tc_decode.TC_DECODE_MIN_ROWS, backend = 1 << 30, "auto"  # no step's rows reach it
     llm = LLM(prepare_llama_standin(wheel=wheel), device="cuda", max_model_len=MAX_MODEL_LEN,
               max_num_seqs=MAX_NUM_SEQS, attention_backend=backend)
     out = {}
@@ -205,9 +205,11 @@ def main() -> None:
 
 
 def save(rec: Recorder) -> Path:
-    """Replace this device's records of the kinds this run made (a part's record name; throughput's, an engine's);
-    keep the rest, so that `--only rows` leaves the kernel part's records and `--backends auto` the other engines'."""
-    return rec.save(kind=lambda r: (r["name"], r.get("backend")))
+    """Replace this device's records of the kinds this run made (a part's record name; throughput's, an engine's;
+    the rows part's, a row count); keep the rest, so that `--only rows` leaves the kernel part's records,
+    `--backends auto` the other engines', and a rows run cut short the sizes it did not reach."""
+    return rec.save(kind=lambda r: (r["name"], r.get("backend"),
+                                    r["shape"][0] if r["name"] == "decode_attention_rows" else None))
 
 if __name__ == "__main__":
     main()

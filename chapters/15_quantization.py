@@ -4320,8 +4320,9 @@ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 # overlaps (chapter 11's programmatic launches start a kernel early). What the GPU is
 # not busy with — the host's work and the gaps between kernels — is the step's wall
 # time, measured in a run without the profiler, less the busy time. Until the H200 has
-# a profile, the page draws an H100's (`book/data/h100/`), for which chapter 1 has no
-# bandwidth ceiling, so no line of the weights at the ceiling.
+# a profile, the page draws an H100's (`book/data/h100/`); where chapter 1 has no
+# bandwidth ceiling for the GPU drawn, the lines of the weights at the ceiling are left
+# out.
 
 # %%
 # this GPU's records; an H100's (book/data/h100/) until this GPU has one
@@ -4345,7 +4346,7 @@ def step_parts(method) -> dict:
     parts["everything else"] = busy["value"] - parts["GEMVs"] - parts["attention"]
     parts["GPU idle"] = max(0.0, busy["unprofiled_wall_us"] - busy["value"])
     return parts | {"wall": busy["unprofiled_wall_us"],
-                    "kernels": busy["kernels_per_step"]}
+                    "kernels": busy["kernels_per_step"], "groups": groups}
 
 
 profiled = [m for m in METHODS if any(r["quantization"] == m for r in step_records)]
@@ -4407,12 +4408,20 @@ if profiled:
         prose.glue("ch15_step_rest_bf16", f"{bf16_s['wall'] - bf16_s['GEMVs']:.0f} µs")
         prose.glue("ch15_step_kernels", f"{s['kernels']:.0f}")
         prose.glue("ch15_step_rest_share", f"{rest / s['wall']:.0%}")
-        # the GEMVs' read rate (the step's weights over their time) in each format
-        rate = {k: decode_weight_bytes(llama_1b, k) / (steps_by[k]["GEMVs"] * 1e3)
-                for k in (None, m)}
-        as_bf16 = rest + decode_weight_bytes(llama_1b, m) / (rate[None] * 1e3)
+        # the layers' GEMVs' read rate in each format: their matrices' bytes over
+        # their time, the LM head (bf16 in both: the 8-bit step's kernels.gemv, the
+        # one bf16 GEMV it launches) taken out of both
+        head = s["groups"].get("kernels.gemv", 0.0)
+        layer_us = {None: bf16_s["GEMVs"] - head, m: s["GEMVs"] - head}
+        layer_bytes = {k: llama_1b.num_hidden_layers * sum(
+            r * (c + 4) if k else 2 * r * c
+            for r, c in quantized_shapes(llama_1b, lm_head=False).values())
+            for k in (None, m)}
+        rate = {k: layer_bytes[k] / (layer_us[k] * 1e3) for k in (None, m)}
+        as_bf16 = s["wall"] - layer_us[m] + layer_bytes[m] / (rate[None] * 1e3)
         prose.glue("ch15_step_rate", f"{rate[m]:,.0f} GB/s")
         prose.glue("ch15_step_rate_bf16", f"{rate[None]:,.0f} GB/s")
+        prose.glue("ch15_step_head", f"{head:.0f} µs")
         prose.glue("ch15_step_as_bf16",
                    f"{as_bf16:.0f} µs ({1e6 / as_bf16:,.0f} tok/s)")
         if known:
@@ -4437,9 +4446,11 @@ bytes{{ch15_step_bytes_why}}), and its step takes {{ch15_step_wall}} against
 cache writes, the sampler, and the time the GPU waits — is {{ch15_step_rest}}
 ({{ch15_step_rest_bf16}} in bf16, where gate-up's norm is a kernel of its own; the
 8-bit GEMV of gate-up does it inside): {{ch15_step_rest_share}} of an 8-bit step,
-across {{ch15_step_kernels}} kernels and copies. Counted in the bytes they read, the
-8-bit GEMVs run at {{ch15_step_rate}} and bf16's at {{ch15_step_rate_bf16}}: read as
-fast as bf16's, the 8-bit step would take {{ch15_step_as_bf16}}.""" + ("""
+across {{ch15_step_kernels}} kernels and copies. Counted in the bytes of the layers'
+matrices, the LM head's {{ch15_step_head}} taken out of both, the 8-bit GEMVs read at
+{{ch15_step_rate}} and bf16's at {{ch15_step_rate_bf16}} (the 8-bit ones also make the
+norms that bf16 launches apart): read as fast as bf16's, the 8-bit step would take
+{{ch15_step_as_bf16}}.""" + ("""
 Were the GEMVs to read at the ceiling ({{ch15_step_best_gemv}} for these weights), the
 step would run at {{ch15_step_best}} against the bf16 limit of {{ch15_step_limit}}:
 {{ch15_step_verdict}}.""" if known else "") + "\n")

@@ -175,6 +175,25 @@ def test_linked_decode_ptx_keeps_fragments_in_registers():
     assert counts["local memory"] == 0 and counts["call"] == 0
 
 
+@pytest.mark.parametrize("max_num_seqs", [100, 130, 136, 256])
+def test_auto_picks_for_a_step_what_its_padded_graph_holds(max_num_seqs, monkeypatch):
+    """For every row count a decode step may have, "auto" picks the kernel for the
+    step run eagerly that it picks for the step padded to its CUDA graph's size."""
+    from tinyvllm_lib.engine.cuda_graphs import cuda_graph_sizes, graph_size_for
+
+    for name in ("decode_attention", "tc_decode_attention"):
+        monkeypatch.setattr(tc_decode, name, lambda qkv, _n=name: _n)
+    sizes = cuda_graph_sizes(max_num_seqs)
+    picked = {}
+    for rows in range(1, max_num_seqs + 1):
+        padded = graph_size_for(rows, sizes)
+        eager, graph = (auto_decode_attention(np.zeros((n, 1), np.float32))
+                        for n in (rows, padded))
+        assert padded >= rows and eager == graph, (rows, padded, eager, graph)
+        picked[eager] = picked.get(eager, 0) + 1
+    print(f"max_num_seqs {max_num_seqs}: row counts by kernel {picked}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 def test_auto_decode_on_the_gpu_is_the_chosen_kernel(rng):

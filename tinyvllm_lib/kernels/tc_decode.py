@@ -259,9 +259,8 @@ def tc_decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int,
 
 
 # Decode steps of at least this many rows (rounded as split_rows rounds them) take
-# this kernel under "auto": on an H200 it led chapter 8's by 17% at 256 rows of mixed
-# contexts and trailed by 5% at 64 full ones. (An H100's rows sweep, later, had it
-# ahead from 16 mixed rows on, by 1 to 6%; with no such sweep on the H200, 128 stays.)
+# this kernel under "auto": chosen from the H200's runs at 64 and 256 rows; the
+# records' section below says where each GPU's rows sweep puts the crossing
 TC_DECODE_MIN_ROWS = 128
 
 
