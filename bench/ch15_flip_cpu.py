@@ -1,14 +1,15 @@
 """Chapter 15 on the CPU: where GPTQ FP8's flips past bf16's 0.5 margin come from, on SmolLM2. Records to
 book/data/ch15_flip.json under the CPU's name.
 
-    python bench/ch15_flip_cpu.py [--answer-tokens 32] [--calibration-tokens 64]   (about 5 minutes on 2 idle cores)
+    python bench/ch15_flip_cpu.py [--answer-tokens 32] [--calibration-tokens 64]   (about 4 minutes on 2 idle cores)
 
 The model and measure of bench/ch15_gptq_cpu.py: FP8 e4m3 with one scale a row, codes chosen by chapter 15's
 gptq_quantize on the same calibration (38 chats, none of the 20 tested), the 20 answers bf16 gave teacher-forced
 through it. At each answer position where its top token differs from bf16's and bf16's top-two margin exceeds 0.5,
 the lead of bf16's token over the model's best other token (log-probs; below 0: flipped), measured again with some of
 the 8-bit matrices kept bf16:
-- none (every matrix FP8: the flip as chapter 15 records it);
+- none (every matrix FP8: the flip as chapter 15 records it), and all (every matrix bf16: a control that must give
+  bf16's own margin back);
 - each kind of matrix (qkv_proj, o_proj, gate_up_proj, down_proj) kept bf16 in every layer;
 - each layer's four matrices kept bf16, one layer at a time.
 Where one matrix's rounding makes the flip, keeping its kind or its layer restores bf16's token; where the error is
@@ -93,8 +94,10 @@ def main() -> None:
     rec = measure.Recorder("ch15_flip")
     common = {"model": MODEL, "backend": "NumPy float32", "quantization": "fp8", "rounding": "gptq",
               "calibration_tokens": int(sum(map(len, calibration))), "answer_tokens": args.answer_tokens}
+    rec.add("sure_flips", [len(ref.chats)], "positions", len(sure), **common)  # 0 is a result too
     layers = range(config.num_hidden_layers)
-    variants = ([("none", "", frozenset())]
+    everything = frozenset(tensors)
+    variants = ([("none", "", frozenset()), ("all", "", everything)]
                 + [("kind", kind, frozenset(f"layers.{i}.{kind}" for i in layers)) for kind in QUANTIZED_MATRICES]
                 + [("layer", str(i), frozenset(f"layers.{i}.{kind}" for kind in QUANTIZED_MATRICES))
                    for i in layers])
@@ -102,6 +105,8 @@ def main() -> None:
         chat = ref.chats[f["question"]]
         for kept_by, which, kept in variants:
             value = lead(model(kept) if kept else every, chat, f["position"], f["bf16_token"])
+            if kept_by == "all":  # the control: every matrix bf16 is the bf16 model, its lead bf16's margin
+                assert abs(value - f["bf16_margin"]) < 1e-3, (value, f["bf16_margin"])
             rec.add("flip_lead", [f["question"], f["position"]], "log-prob lead of bf16's token", value,
                     kept_bf16=kept_by, which=which, bf16_margin=f["bf16_margin"], bf16_token=f["bf16_token"],
                     flipped_to=f["token"], **common)
@@ -109,7 +114,7 @@ def main() -> None:
                   f"lead {value:+.3f}", flush=True)
     for r in rec.records:
         r["seconds_total"] = round(time.perf_counter() - t_start, 1)
-    if not args.no_save and rec.records:
+    if not args.no_save:
         print(f"recorded {len(rec.records)} measurements in {rec.save()}")
 
 
