@@ -650,6 +650,15 @@ def quantized_shapes(config: ModelConfig,
     return shapes | ({"lm_head": (c.vocab_size, H)} if lm_head else {})
 
 
+def layer_matrix_bytes(config: ModelConfig, quantization: str | None) -> int:
+    """The bytes of every layer's four matrices: 8-bit codes and a float32 scale a
+    row, or bf16."""
+    check_quantization(quantization)
+    return config.num_hidden_layers * sum(
+        rows * (cols + 4) if quantization is not None else 2 * rows * cols
+        for rows, cols in quantized_shapes(config, lm_head=False).values())
+
+
 def decode_weight_bytes(
     config: ModelConfig, quantization: str | None, lm_head: bool = QUANTIZE_LM_HEAD
 ) -> int:
@@ -661,13 +670,11 @@ def decode_weight_bytes(
     c, bf16 = config, 2
     in_8_bits = quantization is not None
     H, V = c.hidden_size, c.vocab_size
-    layer = quantized_shapes(config, lm_head=False)  # (rows, columns), fused
-    per_layer = sum(rows * (cols + 4) if in_8_bits else bf16 * rows * cols
-                    for rows, cols in layer.values()) + 2 * bf16 * H  # and 2 norms
+    norms = c.num_hidden_layers * 2 * bf16 * H + bf16 * H  # 2 a layer, and the last
     head_8_bit = in_8_bits and lm_head
     head = V * (H + 4) if head_8_bit else bf16 * V * H
     embed_row = bf16 * H if head_8_bit or not c.tie_word_embeddings else 0
-    return c.num_hidden_layers * per_layer + bf16 * H + head + embed_row
+    return layer_matrix_bytes(config, quantization) + norms + head + embed_row
 
 
 def stored_scales(weights: dict[str, np.ndarray],
@@ -4516,10 +4523,7 @@ if profiled:
         # one bf16 GEMV it launches) taken out of both
         head = s["groups"].get("kernels.gemv", 0.0)
         layer_us = {None: bf16_s["GEMVs"] - head, m: s["GEMVs"] - head}
-        layer_bytes = {k: llama_1b.num_hidden_layers * sum(
-            r * (c + 4) if k else 2 * r * c
-            for r, c in quantized_shapes(llama_1b, lm_head=False).values())
-            for k in (None, m)}
+        layer_bytes = {k: layer_matrix_bytes(llama_1b, k) for k in (None, m)}
         rate = {k: layer_bytes[k] / (layer_us[k] * 1e3) for k in (None, m)}
         as_bf16 = s["wall"] - layer_us[m] + layer_bytes[m] / (rate[None] * 1e3)
         prose.glue("ch15_step_rate", f"{rate[m]:,.0f} GB/s")
