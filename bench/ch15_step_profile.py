@@ -26,7 +26,7 @@ from tinyvllm_lib.measure import Recorder
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_profile import print_groups, profile_groups  # noqa: E402
+from kernel_profile import positions, print_groups, profile_groups  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, MAX_MODEL_LEN = 128, 256, 2048
 
@@ -70,8 +70,29 @@ def profile_format(folder, method, rec: Recorder, extra: dict) -> None:
             wall_us=1e3 * prof["wall_ms"] / steps, unprofiled_wall_us=1e6 * plain_s / plain_steps,
             kernels_per_step=prof["kernels"] / steps,  # with the copies and memsets the profiler saw
             span_us=1e3 * prof["span_ms"] / steps, **common)
+    launches = step_launches(prof["spans"], steps)
+    if launches:  # one step's launches in order, each a mean over the steps
+        rec.add("step_launches", [1, PROMPT_LEN, NEW_TOKENS], "us", sum(x["own_us"] for x in launches),
+                groups=[x["group"] for x in launches], own_us=[round(x["own_us"], 3) for x in launches],
+                span_us=[round(x["span_us"], 3) for x in launches], gap_us=[round(x["gap_us"], 3) for x in launches],
+                **common)
+        for j, x in enumerate(launches[:16]):  # the first layer's and what comes before it
+            print(f"{label}: launch {j:3d} {x['group']:>34} own {x['own_us']:6.2f} us, span {x['span_us']:6.2f}, "
+                  f"gap {x['gap_us']:6.2f}", flush=True)
     print(f"{label}: {steps} steps; a step {1e3 * prof['busy_ms'] / steps:.1f} us busy, "
           f"{1e6 * plain_s / plain_steps:.1f} us wall unprofiled, {prof['kernels'] / steps:.1f} kernels", flush=True)
+
+
+def step_launches(spans: list, steps: int) -> list[dict] | None:
+    """The decode step's launches folded over the steps (kernel_profile.positions), or None where the steps did not
+    launch the same sequence (a step with a launch more or less would shift the fold)."""
+    period = round(len(spans) / steps)
+    names = [name for _, _, name in spans]
+    same = sum(a == b for a, b in zip(names, names[period:])) / max(1, len(names) - period)
+    if len(spans) != period * steps or same < 1.0:
+        print(f"steps' launches differ ({len(spans)} over {steps} steps, {same:.3f} repeat): not folded", flush=True)
+        return None
+    return positions(spans, period)
 
 
 def main() -> None:

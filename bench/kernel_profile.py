@@ -71,7 +71,7 @@ def profile_groups(fn, deferred: bool = False) -> dict:
         raise RuntimeError("the profiler saw none of numba's kernels: its breakdown would leave them out")
     return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "busy_ms": sum(groups.values()),
             "summed_ms": summed, "span_ms": (max(e for _, e, _ in spans) - spans[0][0]) / 1e3 if spans else 0.0,
-            "wall_ms": 1e3 * wall, "kernels": len(spans)}
+            "wall_ms": 1e3 * wall, "kernels": len(spans), "spans": spans}
 
 
 def exclusive_times(spans: list[tuple]) -> tuple[dict, float]:
@@ -87,6 +87,25 @@ def exclusive_times(spans: list[tuple]) -> tuple[dict, float]:
         groups[g] = groups.get(g, 0.0) + own / 1e3
         summed += (end - start) / 1e3
     return groups, summed
+
+
+def positions(spans: list[tuple], period: int) -> list[dict]:
+    """Where a repeated sequence's time goes, launch by launch: spans (start_us, end_us, name), sorted by start,
+    that repeat every `period` launches (the same decode step, replayed), folded by position in the period —
+    {"group", "own_us": exclusive time (as exclusive_times counts it), "span_us": start to end, "gap_us": from the
+    launch before's end to this one's start (below 0 where it started early)}, each a mean over the repeats. A
+    trailing part-period is left out."""
+    repeats = len(spans) // period
+    out = [{"group": kernel_group(spans[j][2]), "own_us": 0.0, "span_us": 0.0, "gap_us": 0.0} for j in range(period)]
+    covered = float("-inf")
+    for i, (start, end, _) in enumerate(spans[: repeats * period]):
+        slot = out[i % period]
+        slot["own_us"] += max(0.0, end - max(start, covered)) / repeats
+        slot["span_us"] += (end - start) / repeats
+        if i:
+            slot["gap_us"] += (start - spans[i - 1][1]) / repeats
+        covered = max(covered, end)
+    return out
 
 
 def print_groups(label: str, prof: dict) -> None:

@@ -2329,6 +2329,9 @@ from tinyvllm_lib.kernels.widen_8bit import CODE_DTYPES, WIDEN, WIDEN_WORD
 
 # the staged input: 4096 uint64 words (8192 float32, 32 KiB) a block
 STAGE_WORDS = 4096
+# words of codes' worth of bf16 input a thread loads before it stages any (4: a block
+# stages a 8,192-wide input with one round trip, where one a word made it wait 4)
+STAGE_AHEAD = 4
 # 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
 # e4m3 multiplied by 2^120 and tested for NaN); 2: 8 codes a word by moving bits, the
 # input widened by every warp; 3: one byte permute an int8 code, the hardware's
@@ -2343,13 +2346,17 @@ GEMV_8BIT_VERSION = 6
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
-                          rows: int, unroll: int, accumulate: bool = False,
-                          rms_norm: bool = False, gated: bool = False):
+                          rows: int, unroll: int, prefetch: bool = False,
+                          accumulate: bool = False, rms_norm: bool = False,
+                          gated: bool = False, stage_ahead: int = STAGE_AHEAD):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
     The block stages its tokens' input in shared memory as float32, a piece of K at a
     time; a group of warps_per_row warps (one, or the block's eight) shares `rows`
     rows, each thread loading unroll words of each before widening any.
+    prefetch: each pass loads the next pass's words (or the next group's first)
+    before it widens its own, so that they arrive while it computes. stage_ahead:
+    words of codes' worth of bf16 input a thread loads before it stages any.
     accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
     out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
     gated: w stacks [gate | up] (N = 2 I rows) and out (M, I) bf16 bits =
@@ -2367,7 +2374,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     chunk = STAGE_WORDS // (4 * num_tokens)  # code words of K staged at a time
     step = threads_per_row * unroll
     words_size, wf_size = rows * unroll, 8 * rows  # local arrays' sizes: constants
-    split_tail = acc_size <= 8  # 4 rows x 8 tokens: one loop, fewer registers
+    # 4 rows x 8 tokens: one loop, fewer registers (prefetching: one loop always)
+    split_tail = acc_size <= 8 and not prefetch
+    stage_loads = 2 * stage_ahead  # words of x a thread loads before staging them
 
     @device_function(**INLINE)
     def weight_row(n0, r, N):
@@ -2424,13 +2433,21 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         first = at + uint64(2 * q * chunk)
                         staged[first] = pack_f32_pair(a * g0, b * g1)
                         staged[first + uint64(chunk)] = pack_f32_pair(c * g2, d * g3)
-                else:  # bf16, 4 a word: two words of x a word of codes
-                    for q in range(2):
-                        word = x64[row, uint64(2) * col + uint64(q)]
-                        v0, v1, v2, v3 = bf16x4_to_f32(word)
-                        first = at + uint64(2 * q * chunk)
-                        staged[first] = pack_f32_pair(v0, v1)
-                        staged[first + uint64(chunk)] = pack_f32_pair(v2, v3)
+                else:  # bf16, 4 a word: two words of x a word of codes, the loads
+                    # of STAGE_AHEAD words of codes' worth issued before any is used
+                    ahead = cuda.local.array(stage_loads, uint64)
+                    for a in range(stage_loads):
+                        wa = w + uint64(a // 2 * GEMV_THREADS)
+                        ahead[a] = (x64[row, uint64(2) * (c0 + wa) + uint64(a % 2)]
+                                    if wa < width else uint64(0))
+                    for a in range(stage_loads):
+                        v0, v1, v2, v3 = bf16x4_to_f32(ahead[a])
+                        first = (at + uint64(a // 2 * GEMV_THREADS)
+                                 + uint64(a % 2 * 2 * chunk))
+                        if w + uint64(a // 2 * GEMV_THREADS) < width:
+                            staged[first] = pack_f32_pair(v0, v1)
+                            staged[first + uint64(chunk)] = pack_f32_pair(v2, v3)
+                    w += uint64((stage_ahead - 1) * GEMV_THREADS)
                 w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
@@ -2461,6 +2478,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         acc = cuda.local.array(acc_size, float32)
         squares = cuda.local.array(num_tokens, float32)  # rms_norm: this thread's
         words = cuda.local.array(words_size, uint64)
+        ahead = cuda.local.array(words_size, uint64)  # prefetch: the next pass's
         wf = cuda.local.array(wf_size, float32)  # a word of each row's codes, widened
         xf = cuda.local.array(8, float32)  # the 8 inputs they multiply
         # the block takes groups of rows_per_block rows in turn; where its input fits
@@ -2505,14 +2523,28 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         if not loaded:
                             load_words(w64, words, n0, j, end, N, False)
                         loaded = False
+                        if prefetch:  # the next pass's words, or the next group's
+                            if j + uint64(step) < end:
+                                load_words(w64, ahead, n0, j + uint64(step), end, N,
+                                           False)
+                                loaded = True
+                            elif once:
+                                load_words(w64, ahead,
+                                           n0 + stride * uint64(rows_per_block), t,
+                                           first_end, N, False)
                         for u in range(unroll):
                             jj = j + uint64(u * threads_per_row)
                             if jj < end:
                                 dot_word(words, u, jj - c0, staged, wf, xf, acc)
+                        if prefetch:
+                            for i in range(words_size):
+                                words[i] = ahead[i]
                         j += uint64(step)
                     loaded = False  # the next piece loads its own
                     c0 += uint64(chunk)
-                if once:  # the next group's first words, while these sums meet
+                if once and prefetch:  # loaded during the last pass
+                    loaded = True
+                elif once:  # the next group's first words, while these sums meet
                     load_words(w64, words, n0 + stride * uint64(rows_per_block), t,
                                first_end, N, False)
                     loaded = True
@@ -2583,7 +2615,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     # which grow with the words in flight and the sums (4 rows x 4 or 8 tokens: two
     # blocks); one token's 8-row block knobs compile to 80 registers with one word
     # ahead (three blocks) and 96 with two (two blocks), counted from their SASS
-    in_flight = rows * unroll
+    in_flight = rows * unroll * (2 if prefetch else 1)
     kernel.blocks_per_sm = (2 if acc_size > 8 or in_flight >= 16 else
                             3 if rows >= 8 else 4)
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)

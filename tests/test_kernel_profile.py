@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-from kernel_profile import exclusive_times, is_numba_kernel, kernel_group  # noqa: E402
+from kernel_profile import exclusive_times, is_numba_kernel, kernel_group, positions  # noqa: E402
 
 
 @pytest.mark.parametrize("name, group, numba", [
@@ -31,3 +31,12 @@ def test_exclusive_times_count_an_overlap_once():
     assert summed == pytest.approx(0.043)
     busy = 0.020 + 0.015  # [0, 20] and [25, 40]
     assert sum(groups.values()) == pytest.approx(busy)
+
+
+def test_positions_fold_a_repeated_sequence():
+    # two repeats of (a, b): b starts 1 us before a ends the first time, 1 us after the second
+    spans = [(0.0, 4.0, "a"), (3.0, 5.0, "b"), (10.0, 12.0, "a"), (13.0, 16.0, "b"), (20.0, 21.0, "a")]
+    a, b = positions(spans, 2)
+    assert a["own_us"] == pytest.approx((4 + 2) / 2) and b["own_us"] == pytest.approx((1 + 3) / 2)
+    assert b["span_us"] == pytest.approx((2 + 3) / 2) and b["gap_us"] == pytest.approx((-1 + 1) / 2)
+    assert a["gap_us"] == pytest.approx((0 + 5) / 2)  # the first launch has no launch before it
