@@ -2297,12 +2297,10 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 # `(4m + h) * chunk + w`, so no two lanes of a load hit the same shared-memory bank.
 
 # %%
-#| export kernels.gemv_8bit
-import functools
+#| export kernels.gemv_8bit_kernel
 import math
 
-import numpy as np
-from numba import config, cuda, float32, uint32, uint64
+from numba import cuda, float32, uint32, uint64
 
 from tinyvllm_lib.kernels.activation_store import (
     pack_f32_pair,
@@ -2310,22 +2308,16 @@ from tinyvllm_lib.kernels.activation_store import (
     unpack_f32_pair,
 )
 from tinyvllm_lib.kernels.bf16 import device_function, f32_to_bf16
-from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.gemv import (
-    GEMV_BUCKETS,
-    GEMV_MAX_TOKENS,
     GEMV_THREADS,
-    GEMV_VARIANTS,
     GEMV_WARPS,
     INLINE,
     bf16x4_to_f32,
-    gemv_variant,
     warp_sum_all,
 )
-from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
 from tinyvllm_lib.kernels.tensor_core import require_lto
-from tinyvllm_lib.kernels.widen_8bit import CODE_DTYPES, WIDEN, WIDEN_WORD
+from tinyvllm_lib.kernels.widen_8bit import WIDEN, WIDEN_WORD
 
 # the staged input: 4096 uint64 words (8192 float32, 32 KiB) a block
 STAGE_WORDS = 4096
@@ -2621,6 +2613,31 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
     return require_lto(kernel)  # the widening's C, inlined
 
+# %% [markdown]
+# Each format, token bucket, variant and epilogue gets its kernel once, at import:
+
+# %%
+#| export kernels.gemv_8bit
+import functools
+
+import numpy as np
+from numba import config, cuda
+
+from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
+from tinyvllm_lib.kernels.gemv import (
+    GEMV_BUCKETS,
+    GEMV_MAX_TOKENS,
+    GEMV_THREADS,
+    GEMV_VARIANTS,
+    GEMV_WARPS,
+    gemv_variant,
+)
+from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (the version: here too)
+    GEMV_8BIT_VERSION,
+    make_gemv_8bit_kernel,
+)
+from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
+from tinyvllm_lib.kernels.widen_8bit import CODE_DTYPES
 
 # a kernel a (format, variant, bucket, epilogue), each a module-level name so that
 # tests/test_ptx.py compiles it
