@@ -2443,9 +2443,10 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                 w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
-    def store(out, scales, m, n, total, scale):
+    def store(out, scales, m, n, total, scale, prior):
+        # prior: what out[m, n] held (accumulate), read before the sums were made
         y = total * scales[n] * scale  # the row's scale (and 1 / rms), once a sum
-        out[m, n] = out[m, n] + y if accumulate else y
+        out[m, n] = prior + y if accumulate else y
 
     @cuda.jit(device=True, **INLINE)
     def store_gated(out, scales, m, n, half, gate_total, up_total, scale):
@@ -2489,6 +2490,12 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             m0 = uint64(0)
             while m0 < M:  # a pass per num_tokens token vectors
                 stage_now = fresh or not once
+                ups = units * num_tokens  # gated: where the up rows' sums begin
+                # the block shares its rows: thread i < ups stores sum i, and reads
+                # what it adds to now, not after the sums (accumulate)
+                pn, pm = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
+                prior = (out[pm, pn] if accumulate and warps_per_row > 1 and tid < ups
+                         and pn < out_rows and pm < M else float32(0))
                 for i in range(acc_size):
                     acc[i] = float32(0)
                 for m in range(num_tokens):
@@ -2553,7 +2560,6 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         inv_rms[tid] = float32(1.0) / math.sqrt(total / k + eps)
                     cuda.syncthreads()
                 warp_sum_all(acc)  # every lane now holds its warp's sums
-                ups = units * num_tokens  # gated: where the up rows' sums begin
                 if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
                     for i in range(ups):
                         n, m = n0 + uint64(i // num_tokens), i % num_tokens
@@ -2563,7 +2569,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                                 store_gated(out, scales, m0 + uint64(m), n, out_rows,
                                             acc[i], acc[ups + i], scale)
                             else:
-                                store(out, scales, m0 + uint64(m), n, acc[i], scale)
+                                store(out, scales, m0 + uint64(m), n, acc[i], scale,
+                                      out[m0 + uint64(m), n] if accumulate
+                                      else float32(0))
                 else:  # the block shares its rows: the warps' sums meet
                     if lane == 0:
                         for i in range(acc_size):
@@ -2582,7 +2590,8 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                                 store_gated(out, scales, m0 + uint64(m), n, out_rows,
                                             total, up_total, scale)
                             else:
-                                store(out, scales, m0 + uint64(m), n, total, scale)
+                                store(out, scales, m0 + uint64(m), n, total, scale,
+                                      prior)
                     cuda.syncthreads()  # partial is read before the next pass writes it
                 m0 += uint64(num_tokens)
                 fresh = False
@@ -2634,6 +2643,7 @@ from tinyvllm_lib.kernels.gemv import (
 )
 from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (the version: here too)
     GEMV_8BIT_VERSION,
+    STAGE_WORDS,
     make_gemv_8bit_kernel,
 )
 from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
@@ -2743,10 +2753,31 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
 
 
 def resident_blocks(kernel) -> int:
-    """Blocks of `kernel` the GPU holds at once (kernel.blocks_per_sm an SM); in the
-    simulator one block, so that the tests' blocks take groups in turn too.
+    """Blocks of `kernel` the GPU holds at once: once it is compiled, as many as an
+    SM's registers, shared memory and threads allow (compiled_blocks_per_sm); before
+    its first launch, kernel.blocks_per_sm an SM, an estimate (which block takes a
+    group of rows changes no sum, so no bit). In the simulator one block, so that the
+    tests' blocks take groups in turn too.
     """
-    return 1 if config.ENABLE_CUDASIM else kernel.blocks_per_sm * multiprocessors()
+    if config.ENABLE_CUDASIM:
+        return 1
+    per_sm = kernel.blocks_per_sm
+    if kernel.overloads:
+        per_sm = compiled_blocks_per_sm(max(kernel.get_regs_per_thread().values()))
+    return per_sm * multiprocessors()
+
+
+@functools.cache
+def compiled_blocks_per_sm(registers: int) -> int:
+    """Blocks of GEMV_THREADS threads, each `registers` registers and a stage of
+    shared memory, one SM of the current GPU holds: registers are given a warp at a
+    time in 256s, and the driver keeps 1 KiB of shared memory a block."""
+    device = cuda.get_current_device()
+    per_warp = cdiv(registers * 32, 256) * 256
+    by_registers = device.MAX_REGISTERS_PER_MULTIPROCESSOR // (per_warp * GEMV_WARPS)
+    by_shared = device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR // (8 * STAGE_WORDS + 1024)
+    by_threads = device.MAX_THREADS_PER_MULTI_PROCESSOR // GEMV_THREADS
+    return max(1, min(by_registers, by_shared, by_threads))
 
 
 @functools.cache

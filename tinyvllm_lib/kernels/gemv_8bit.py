@@ -18,6 +18,7 @@ from tinyvllm_lib.kernels.gemv import (
 )
 from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (the version: here too)
     GEMV_8BIT_VERSION,
+    STAGE_WORDS,
     make_gemv_8bit_kernel,
 )
 from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
@@ -121,10 +122,31 @@ def pick_gemv_8bit_kernel(name: str, method: str, M: int, N: int, kind: str = ""
 
 
 def resident_blocks(kernel) -> int:
-    """Blocks of `kernel` the GPU holds at once (kernel.blocks_per_sm an SM); in the
-    simulator one block, so that the tests' blocks take groups in turn too.
+    """Blocks of `kernel` the GPU holds at once: once it is compiled, as many as an
+    SM's registers, shared memory and threads allow (compiled_blocks_per_sm); before
+    its first launch, kernel.blocks_per_sm an SM, an estimate (which block takes a
+    group of rows changes no sum, so no bit). In the simulator one block, so that the
+    tests' blocks take groups in turn too.
     """
-    return 1 if config.ENABLE_CUDASIM else kernel.blocks_per_sm * multiprocessors()
+    if config.ENABLE_CUDASIM:
+        return 1
+    per_sm = kernel.blocks_per_sm
+    if kernel.overloads:
+        per_sm = compiled_blocks_per_sm(max(kernel.get_regs_per_thread().values()))
+    return per_sm * multiprocessors()
+
+
+@functools.cache
+def compiled_blocks_per_sm(registers: int) -> int:
+    """Blocks of GEMV_THREADS threads, each `registers` registers and a stage of
+    shared memory, one SM of the current GPU holds: registers are given a warp at a
+    time in 256s, and the driver keeps 1 KiB of shared memory a block."""
+    device = cuda.get_current_device()
+    per_warp = cdiv(registers * 32, 256) * 256
+    by_registers = device.MAX_REGISTERS_PER_MULTIPROCESSOR // (per_warp * GEMV_WARPS)
+    by_shared = device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR // (8 * STAGE_WORDS + 1024)
+    by_threads = device.MAX_THREADS_PER_MULTI_PROCESSOR // GEMV_THREADS
+    return max(1, min(by_registers, by_shared, by_threads))
 
 
 @functools.cache

@@ -147,9 +147,10 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                 w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
-    def store(out, scales, m, n, total, scale):
+    def store(out, scales, m, n, total, scale, prior):
+        # prior: what out[m, n] held (accumulate), read before the sums were made
         y = total * scales[n] * scale  # the row's scale (and 1 / rms), once a sum
-        out[m, n] = out[m, n] + y if accumulate else y
+        out[m, n] = prior + y if accumulate else y
 
     @cuda.jit(device=True, **INLINE)
     def store_gated(out, scales, m, n, half, gate_total, up_total, scale):
@@ -193,6 +194,12 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             m0 = uint64(0)
             while m0 < M:  # a pass per num_tokens token vectors
                 stage_now = fresh or not once
+                ups = units * num_tokens  # gated: where the up rows' sums begin
+                # the block shares its rows: thread i < ups stores sum i, and reads
+                # what it adds to now, not after the sums (accumulate)
+                pn, pm = n0 + uint64(tid // num_tokens), m0 + uint64(tid % num_tokens)
+                prior = (out[pm, pn] if accumulate and warps_per_row > 1 and tid < ups
+                         and pn < out_rows and pm < M else float32(0))
                 for i in range(acc_size):
                     acc[i] = float32(0)
                 for m in range(num_tokens):
@@ -257,7 +264,6 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         inv_rms[tid] = float32(1.0) / math.sqrt(total / k + eps)
                     cuda.syncthreads()
                 warp_sum_all(acc)  # every lane now holds its warp's sums
-                ups = units * num_tokens  # gated: where the up rows' sums begin
                 if warps_per_row == 1:  # a warp owns its rows: lane 0 writes them
                     for i in range(ups):
                         n, m = n0 + uint64(i // num_tokens), i % num_tokens
@@ -267,7 +273,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                                 store_gated(out, scales, m0 + uint64(m), n, out_rows,
                                             acc[i], acc[ups + i], scale)
                             else:
-                                store(out, scales, m0 + uint64(m), n, acc[i], scale)
+                                store(out, scales, m0 + uint64(m), n, acc[i], scale,
+                                      out[m0 + uint64(m), n] if accumulate
+                                      else float32(0))
                 else:  # the block shares its rows: the warps' sums meet
                     if lane == 0:
                         for i in range(acc_size):
@@ -286,7 +294,8 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                                 store_gated(out, scales, m0 + uint64(m), n, out_rows,
                                             total, up_total, scale)
                             else:
-                                store(out, scales, m0 + uint64(m), n, total, scale)
+                                store(out, scales, m0 + uint64(m), n, total, scale,
+                                      prior)
                     cuda.syncthreads()  # partial is read before the next pass writes it
                 m0 += uint64(num_tokens)
                 fresh = False
