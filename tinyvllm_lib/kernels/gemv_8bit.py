@@ -145,7 +145,7 @@ def compiled_blocks_per_sm(registers: int) -> int:
     per_warp = cdiv(registers * 32, 256) * 256
     by_registers = device.MAX_REGISTERS_PER_MULTIPROCESSOR // (per_warp * GEMV_WARPS)
     by_shared = device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR // (8 * STAGE_WORDS + 1024)
-    by_threads = device.MAX_THREADS_PER_MULTI_PROCESSOR // GEMV_THREADS
+    by_threads = device.MAX_THREADS_PER_MULTIPROCESSOR // GEMV_THREADS
     return max(1, min(by_registers, by_shared, by_threads))
 
 

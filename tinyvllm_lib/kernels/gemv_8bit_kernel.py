@@ -37,22 +37,23 @@ STAGE_AHEAD = 4
 # 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
 # with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS, with the blocks an
 # SM holds of them), and the norm inside the GEMV whatever its rows (gate-up's, with
-# GATED_GEMV_8BIT off)
-GEMV_8BIT_VERSION = 6
+# GATED_GEMV_8BIT off); 7: 6 with the input's loads issued STAGE_AHEAD words at a time
+# before any is staged, the residual the add epilogue adds to read before the sums are
+# made, and the blocks an SM holds counted from the compiled kernel's registers
+GEMV_8BIT_VERSION = 7
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
-                          rows: int, unroll: int, prefetch: bool = False,
-                          accumulate: bool = False, rms_norm: bool = False,
-                          gated: bool = False, stage_ahead: int = STAGE_AHEAD):
+                          rows: int, unroll: int, accumulate: bool = False,
+                          rms_norm: bool = False, gated: bool = False,
+                          stage_ahead: int = STAGE_AHEAD):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
     The block stages its tokens' input in shared memory as float32, a piece of K at a
     time; a group of warps_per_row warps (one, or the block's eight) shares `rows`
     rows, each thread loading unroll words of each before widening any.
-    prefetch: each pass loads the next pass's words (or the next group's first)
-    before it widens its own, so that they arrive while it computes. stage_ahead:
-    words of codes' worth of bf16 input a thread loads before it stages any.
+    stage_ahead: words of codes' worth of bf16 input a thread loads before it stages
+    any.
     accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
     out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
     gated: w stacks [gate | up] (N = 2 I rows) and out (M, I) bf16 bits =
@@ -70,8 +71,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     chunk = STAGE_WORDS // (4 * num_tokens)  # code words of K staged at a time
     step = threads_per_row * unroll
     words_size, wf_size = rows * unroll, 8 * rows  # local arrays' sizes: constants
-    # 4 rows x 8 tokens: one loop, fewer registers (prefetching: one loop always)
-    split_tail = acc_size <= 8 and not prefetch
+    split_tail = acc_size <= 8  # 4 rows x 8 tokens: one loop, fewer registers
     stage_loads = 2 * stage_ahead  # words of x a thread loads before staging them
 
     @device_function(**INLINE)
@@ -175,7 +175,6 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         acc = cuda.local.array(acc_size, float32)
         squares = cuda.local.array(num_tokens, float32)  # rms_norm: this thread's
         words = cuda.local.array(words_size, uint64)
-        ahead = cuda.local.array(words_size, uint64)  # prefetch: the next pass's
         wf = cuda.local.array(wf_size, float32)  # a word of each row's codes, widened
         xf = cuda.local.array(8, float32)  # the 8 inputs they multiply
         # the block takes groups of rows_per_block rows in turn; where its input fits
@@ -226,28 +225,14 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                         if not loaded:
                             load_words(w64, words, n0, j, end, N, False)
                         loaded = False
-                        if prefetch:  # the next pass's words, or the next group's
-                            if j + uint64(step) < end:
-                                load_words(w64, ahead, n0, j + uint64(step), end, N,
-                                           False)
-                                loaded = True
-                            elif once:
-                                load_words(w64, ahead,
-                                           n0 + stride * uint64(rows_per_block), t,
-                                           first_end, N, False)
                         for u in range(unroll):
                             jj = j + uint64(u * threads_per_row)
                             if jj < end:
                                 dot_word(words, u, jj - c0, staged, wf, xf, acc)
-                        if prefetch:
-                            for i in range(words_size):
-                                words[i] = ahead[i]
                         j += uint64(step)
                     loaded = False  # the next piece loads its own
                     c0 += uint64(chunk)
-                if once and prefetch:  # loaded during the last pass
-                    loaded = True
-                elif once:  # the next group's first words, while these sums meet
+                if once:  # the next group's first words, while these sums meet
                     load_words(w64, words, n0 + stride * uint64(rows_per_block), t,
                                first_end, N, False)
                     loaded = True
@@ -320,7 +305,7 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
     # which grow with the words in flight and the sums (4 rows x 4 or 8 tokens: two
     # blocks); one token's 8-row block knobs compile to 80 registers with one word
     # ahead (three blocks) and 96 with two (two blocks), counted from their SASS
-    in_flight = rows * unroll * (2 if prefetch else 1)
+    in_flight = rows * unroll
     kernel.blocks_per_sm = (2 if acc_size > 8 or in_flight >= 16 else
                             3 if rows >= 8 else 4)
     kernel.reads_before_wait = True  # the first words (tests/test_ptx.py)
