@@ -4505,7 +4505,8 @@ step_records = (load_records("ch15_step_profile")
                 or load_records("ch15_step_profile", DATA_DIR / "h100"))
 step_dev = step_records[-1]["device"]["name"] if step_records else None
 step_records = [r for r in step_records if r["device"]["name"] == step_dev]
-GEMV_GROUPS = ("kernels.gemv", "kernels.gemv_8bit")  # every matrix, the LM head too
+# every matrix, the LM head too (the 8-bit kernels by the module that makes them)
+GEMV_GROUPS = ("kernels.gemv", "kernels.gemv_8bit", "kernels.gemv_8bit_kernel")
 
 
 def step_parts(method) -> dict:
