@@ -2295,6 +2295,23 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 # words of codes, read 32 neighbouring 8-byte pairs of floats: for token $m$ and code
 # word $w$ of the piece, the pair $h$ (values $8w + 2h$ and $8w + 2h + 1$) sits at
 # `(4m + h) * chunk + w`, so no two lanes of a load hit the same shared-memory bank.
+#
+# Version 7 shortens what a block waits for after the kernel before it has finished,
+# the stretch that the weights' early loads cannot hide:
+#
+# - **The input's loads, issued together.** Each thread staged one word of codes'
+#   worth of input at a time — load, widen, store, then the next — so down's 8,192
+#   inputs (4 words a thread) cost four round trips to L2 in a row. Now each thread
+#   loads `STAGE_AHEAD` = 4 words' worth before it widens any: one round trip.
+# - **The residual, read early.** The add epilogue read the `out` it adds to after the
+#   sums had met; now the thread that will store a sum reads it as the block starts
+#   its group, and the read's latency hides behind the dot products.
+# - **Blocks an SM holds, counted.** The launcher gave each kernel as many blocks as
+#   an estimate from its knobs said an SM holds; now, once a kernel is compiled, it
+#   counts them from the registers the compiler gave it (`compiled_blocks_per_sm`:
+#   64K registers an SM, handed out a warp at a time in 256s, 32 KiB of stage a block,
+#   and 2,048 threads). The estimate stays for the first launch; which block takes a
+#   group of rows changes no sum, so no bit.
 
 # %%
 #| export kernels.gemv_8bit_kernel
@@ -2626,7 +2643,7 @@ from tinyvllm_lib.kernels.gemv import (
     GEMV_WARPS,
     gemv_variant,
 )
-from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (the version: here too)
+from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (re-exported)
     GEMV_8BIT_VERSION,
     STAGE_WORDS,
     make_gemv_8bit_kernel,
@@ -4607,6 +4624,57 @@ if profiled:
                 "past it: GEMVs alone could pass the bf16 limit, if they read at the "
                 "ceiling" if best > bf16_line else
                 "short of it even then: the rest of the step has to shrink too"))
+
+# %% [markdown]
+# The profile also keeps each launch of a step in order, folded over the steps (the
+# same graph replays every step): what a middle layer's launches each take alone,
+# below for the faster 8-bit format. A launch's "own" time is what no earlier kernel
+# overlaps; the weights' GEMVs are named by their place in the layer.
+
+# %%
+def layer_launches(method) -> list[tuple[str, float]] | None:
+    """(what, own µs) for each launch of the second layer of a step, from the
+    rotary-and-cache write to the next layer's QKV GEMV; None without the record."""
+    rec = [r for r in step_records if r["name"] == "step_launches"
+           and r["quantization"] == method]
+    if not rec:
+        return None
+    groups, own = rec[-1]["groups"], rec[-1]["own_us"]
+    writes = [j for j, g in enumerate(groups) if g == "kernels.kv_cache_write"]
+    if len(writes) < 3:
+        return None
+    names, gemvs = [], iter(("O", "gate-up", "down", "QKV"))
+    for j in range(writes[1], writes[2]):
+        g = groups[j]
+        what = ("rotary + KV write" if g == "kernels.kv_cache_write" else
+                "attention" if "attention" in g else
+                f"{next(gemvs)} GEMV" if g in GEMV_GROUPS else
+                "RMSNorm" if "rmsnorm" in g else g)
+        names.append((what, own[j]))
+    return names
+
+
+if profiled and bf16_s and eight and (layer := layer_launches(m)):
+    total = sum(us for _, us in layer)
+    for what, us in layer:
+        print(f"{m} on the {step_dev}, layer 1: {what:>18} {us:5.1f} µs")
+    print(f"{'':>29}{'the layer':>18} {total:5.1f} µs")
+    fixed = sum(us for what, us in layer if what in ("rotary + KV write", "attention"))
+    gemv_us = sum(us for what, us in layer if what.endswith("GEMV"))
+    prose.glue("ch15_layer_total", f"{total:.1f} µs")
+    prose.glue("ch15_layer_fixed", f"{fixed:.1f} µs ({fixed / total:.0%})")
+    prose.glue("ch15_layer_gemvs", f"{gemv_us:.1f} µs")
+    at_ceiling = (layer_matrix_bytes(llama_1b, m) / llama_1b.num_hidden_layers
+                  / (step_gb_s * 1e3)) if known else math.nan
+    prose.glue("ch15_layer_gemvs_best", f"{at_ceiling:.1f} µs")
+    prose.show("""
+A middle layer of the {{ch15_step_fmt}} step takes {{ch15_layer_total}}; its four
+GEMVs {{ch15_layer_gemvs}}""" + (""", where its matrices' bytes at the ceiling would
+take {{ch15_layer_gemvs_best}}""" if known else "") + """. The rotary embedding with
+the cache write, and the attention, read well under a megabyte between them at these
+contexts and take {{ch15_layer_fixed}} of the layer: each is a launch that waits for
+the one before it to finish, whatever the weights' format.
+""")
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 if profiled and bf16_s and eight:

@@ -16,7 +16,7 @@ from tinyvllm_lib.kernels.gemv import (
     GEMV_WARPS,
     gemv_variant,
 )
-from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (the version: here too)
+from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (re-exported)
     GEMV_8BIT_VERSION,
     STAGE_WORDS,
     make_gemv_8bit_kernel,
