@@ -37,8 +37,8 @@ def profile_groups(fn, deferred: bool = False) -> dict:
     """Run fn() under torch's profiler (GPU activity only): {"groups": {group: ms of busy time, see
     exclusive_times}, "busy_ms": the time some kernel ran, "summed_ms": the kernels' durations summed (more, where
     they overlap), "span_ms": first kernel's start to last kernel's end, "wall_ms": the profiled wall time,
-    "kernels": how many}. deferred: fn(start) is called instead, and recording begins when it calls start()
-    (after its warm-up)."""
+    "kernels": how many, "spans": every activity's (start_us, end_us, name), sorted by start}. deferred: fn(start)
+    is called instead, and recording begins when it calls start() (after its warm-up)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -102,8 +102,8 @@ def positions(spans: list[tuple], period: int) -> list[dict]:
         slot = out[i % period]
         slot["own_us"] += max(0.0, end - max(start, covered)) / repeats
         slot["span_us"] += (end - start) / repeats
-        if i:
-            slot["gap_us"] += (start - spans[i - 1][1]) / repeats
+        if i:  # the first launch has no launch before it: one gap fewer
+            slot["gap_us"] += (start - spans[i - 1][1]) / (repeats - (i % period == 0))
         covered = max(covered, end)
     return out
 

@@ -2296,16 +2296,18 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 # word $w$ of the piece, the pair $h$ (values $8w + 2h$ and $8w + 2h + 1$) sits at
 # `(4m + h) * chunk + w`, so no two lanes of a load hit the same shared-memory bank.
 #
-# Version 7 shortens what a block waits for after the kernel before it has finished,
-# the stretch that the weights' early loads cannot hide:
+# Version 7 works on the stretch after the kernel before has finished: the weights'
+# first words were loaded before that, but the input and the residual could not be.
 #
 # - **The input's loads, issued together.** Each thread staged one word of codes'
 #   worth of input at a time — load, widen, store, then the next — so down's 8,192
-#   inputs (4 words a thread) cost four round trips to L2 in a row. Now each thread
-#   loads `STAGE_AHEAD` = 4 words' worth before it widens any: one round trip.
+#   inputs at one token (4 words a thread) made four round trips to L2 in a row. Now
+#   each thread loads `STAGE_AHEAD` words' worth before it widens any, so the loads
+#   are in flight together. (At 2,048 inputs a thread stages one word either way; the
+#   norm-fused variant, QKV's and gate-up's, stages as before.)
 # - **The residual, read early.** The add epilogue read the `out` it adds to after the
-#   sums had met; now the thread that will store a sum reads it as the block starts
-#   its group, and the read's latency hides behind the dot products.
+#   sums had met; now the thread that will store a sum issues that read as the block
+#   starts its group, before the dot products rather than after them.
 # - **Blocks an SM holds, counted.** The launcher gave each kernel as many blocks as
 #   an estimate from its knobs said an SM holds; now, once a kernel is compiled, it
 #   counts them from the registers the compiler gave it (`compiled_blocks_per_sm`:
@@ -2317,14 +2319,14 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 #| export kernels.gemv_8bit_kernel
 import math
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint64
 
 from tinyvllm_lib.kernels.activation_store import (
     pack_f32_pair,
     store_activation,
     unpack_f32_pair,
 )
-from tinyvllm_lib.kernels.bf16 import device_function, f32_to_bf16
+from tinyvllm_lib.kernels.bf16 import device_function
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.gemv import (
     GEMV_THREADS,
@@ -2334,18 +2336,19 @@ from tinyvllm_lib.kernels.gemv import (
     warp_sum_all,
 )
 from tinyvllm_lib.kernels.tensor_core import require_lto
-from tinyvllm_lib.kernels.widen_8bit import WIDEN, WIDEN_WORD
+from tinyvllm_lib.kernels.widen_8bit import WIDEN_WORD
 
 # the staged input: 4096 uint64 words (8192 float32, 32 KiB) a block
 STAGE_WORDS = 4096
-# words of codes' worth of bf16 input a thread loads before it stages any (4: a block
-# stages a 8,192-wide input with one round trip, where one a word made it wait 4)
+# words of codes' worth of bf16 input a thread loads before it stages any (at one
+# token a block stages down's 8,192 inputs with its loads issued together, where one
+# word at a time made four round trips in a row)
 STAGE_AHEAD = 4
 # 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
 # e4m3 multiplied by 2^120 and tested for NaN); 2: 8 codes a word by moving bits, the
 # input widened by every warp; 3: one byte permute an int8 code, the hardware's
 # conversion for e4m3, the input staged in shared memory by each block of a group of
-# rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
+# rows; 4: 3 with no more blocks than the GPU holds, each staging its input
 # once for the groups it takes in turn (the bench records which kernel it timed);
 # 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
 # with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS, with the blocks an
@@ -2614,6 +2617,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             gemv_body(x64, w64, scales, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
+    # its static shared memory: the stage, the warps' sums, each token's 1 / rms
+    kernel.shared_bytes = (8 * STAGE_WORDS + 4 * GEMV_WARPS * partial_size
+                           + 4 * num_tokens)
     # blocks an SM holds at once: 32 KiB of staged input each, and the registers,
     # which grow with the words in flight and the sums (4 rows x 4 or 8 tokens: two
     # blocks); one token's 8-row block knobs compile to 80 registers with one word
@@ -2645,7 +2651,6 @@ from tinyvllm_lib.kernels.gemv import (
 )
 from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (re-exported)
     GEMV_8BIT_VERSION,
-    STAGE_WORDS,
     make_gemv_8bit_kernel,
 )
 from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
@@ -2763,21 +2768,22 @@ def resident_blocks(kernel) -> int:
     """
     if config.ENABLE_CUDASIM:
         return 1
-    per_sm = kernel.blocks_per_sm
-    if kernel.overloads:
-        per_sm = compiled_blocks_per_sm(max(kernel.get_regs_per_thread().values()))
-    return per_sm * multiprocessors()
+    if not kernel.overloads:
+        return kernel.blocks_per_sm * multiprocessors()
+    if not hasattr(kernel, "compiled_per_sm"):  # counted once, after it compiles
+        registers = max(kernel.get_regs_per_thread().values())
+        kernel.compiled_per_sm = compiled_blocks_per_sm(cuda.get_current_device(),
+                                                        registers, kernel.shared_bytes)
+    return kernel.compiled_per_sm * multiprocessors()
 
 
-@functools.cache
-def compiled_blocks_per_sm(registers: int) -> int:
-    """Blocks of GEMV_THREADS threads, each `registers` registers and a stage of
-    shared memory, one SM of the current GPU holds: registers are given a warp at a
+def compiled_blocks_per_sm(device, registers: int, shared_bytes: int) -> int:
+    """Blocks of GEMV_THREADS threads, each `registers` registers, with shared_bytes of
+    shared memory a block, one SM of `device` holds: registers are given a warp at a
     time in 256s, and the driver keeps 1 KiB of shared memory a block."""
-    device = cuda.get_current_device()
     per_warp = cdiv(registers * 32, 256) * 256
     by_registers = device.MAX_REGISTERS_PER_MULTIPROCESSOR // (per_warp * GEMV_WARPS)
-    by_shared = device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR // (8 * STAGE_WORDS + 1024)
+    by_shared = device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR // (shared_bytes + 1024)
     by_threads = device.MAX_THREADS_PER_MULTIPROCESSOR // GEMV_THREADS
     return max(1, min(by_registers, by_shared, by_threads))
 
@@ -4247,6 +4253,18 @@ else:  # the newest version's sweep, of one GPU
     if {None, "int8", "fp8"} <= set(bs1_v6):
         prose.glue("ch15_sweep_bs1", f"{bs1_v6['int8']:,.0f} tok/s in int8 and "
                    f"{bs1_v6['fp8']:,.0f} in FP8 against bf16's {bs1_v6[None]:,.0f}")
+    # the kernel above (a later version, the same knobs) on that GPU, if it has run
+    now = [r for r in gpu + h100 if r["name"] == "bs1_decode"
+           and r.get("gemv_8bit_version") == GEMV_8BIT_VERSION > sweep_version
+           and r["device"]["name"] == sweep_device]
+    bs1_now = {r["quantization"]: r for r in now}
+    has_now = {None, "int8", "fp8"} <= set(bs1_now)
+    if has_now:
+        v = {k: f"{bs1_now[k]['value']:,.0f}" for k in ("int8", "fp8", None)}
+        prose.glue("ch15_sweep_now", f"version {GEMV_8BIT_VERSION}, the kernel above, "
+                   f"with the same knobs (commit {bs1_now['int8'].get('engine_commit')}"
+                   f"): {v['int8']} tok/s in int8, {v['fp8']} in FP8 and {v[None]} in "
+                   "bf16, in a run of its own")
     for m in sweep_methods:
         for what, us in layer_us[m].items():
             prose.glue(f"ch15_sweep_{what}_{m}", f"{us:.1f} µs")
@@ -4272,7 +4290,8 @@ int8 with the launcher's knobs against {{ch15_sweep_v5_int8}} with version 5's
 ({{ch15_sweep_chosen_fp8}} against {{ch15_sweep_v5_fp8}} in FP8); {{ch15_sweep_best}}.
 A block of {{ch15_sweep_rows}}.""" + ("""
 With these knobs the engine on that GPU, at the same commit, decodes at batch 1 at
-{{ch15_sweep_bs1}}.""" if {None, "int8", "fp8"} <= set(bs1_v6) else "") + "\n")
+{{ch15_sweep_bs1}}.""" if {None, "int8", "fp8"} <= set(bs1_v6) else "") + ("""
+Then {{ch15_sweep_now}}.""" if has_now else "") + "\n")
 
 # %% [markdown]
 # **The GEMM path on FP8 tensor cores.** The benchmark's gemm part times each
@@ -4522,7 +4541,8 @@ step_records = (load_records("ch15_step_profile")
                 or load_records("ch15_step_profile", DATA_DIR / "h100"))
 step_dev = step_records[-1]["device"]["name"] if step_records else None
 step_records = [r for r in step_records if r["device"]["name"] == step_dev]
-# every matrix, the LM head too (the 8-bit kernels by the module that makes them)
+# every matrix, the LM head too: the 8-bit kernels by the module that makes them
+# (kernels.gemv_8bit in records made before version 7 moved them)
 GEMV_GROUPS = ("kernels.gemv", "kernels.gemv_8bit", "kernels.gemv_8bit_kernel")
 
 
@@ -4582,6 +4602,8 @@ if profiled:
     if bf16_s and eight:
         m = min(eight, key=lambda k: steps_by[k]["wall"])  # the faster 8-bit format
         s = steps_by[m]
+        prose.glue("ch15_step_which", "the faster 8-bit format" if len(eight) > 1 else
+                   "the one 8-bit format profiled there")
         rest = s["wall"] - s["GEMVs"]
         prose.glue("ch15_step_dev", step_dev)
         prose.glue("ch15_step_fmt", m)
@@ -4627,14 +4649,15 @@ if profiled:
 
 # %% [markdown]
 # The profile also keeps each launch of a step in order, folded over the steps (the
-# same graph replays every step): what a middle layer's launches each take alone,
-# below for the faster 8-bit format. A launch's "own" time is what no earlier kernel
-# overlaps; the weights' GEMVs are named by their place in the layer.
+# same graph replays every step): what the launches of the second of the 16 layers
+# (layer 1) each take, below for the 8-bit format of the paragraph above. A launch's
+# "own" time is what no earlier kernel overlaps; the weights' GEMVs are named by
+# their place in the layer.
 
 # %%
 def layer_launches(method) -> list[tuple[str, float]] | None:
-    """(what, own µs) for each launch of the second layer of a step, from the
-    rotary-and-cache write to the next layer's QKV GEMV; None without the record."""
+    """(what, own µs) for each launch of layer 1 of a step, from its rotary-and-cache
+    write to the next layer's QKV GEMV; None without the record."""
     rec = [r for r in step_records if r["name"] == "step_launches"
            and r["quantization"] == method]
     if not rec:
@@ -4647,8 +4670,8 @@ def layer_launches(method) -> list[tuple[str, float]] | None:
     for j in range(writes[1], writes[2]):
         g = groups[j]
         what = ("rotary + KV write" if g == "kernels.kv_cache_write" else
-                "attention" if "attention" in g else
-                f"{next(gemvs)} GEMV" if g in GEMV_GROUPS else
+                "attention" if "attention" in g or "decode_combine" in g else
+                f"{next(gemvs, 'another')} GEMV" if g in GEMV_GROUPS else
                 "RMSNorm" if "rmsnorm" in g else g)
         names.append((what, own[j]))
     return names
@@ -4667,19 +4690,24 @@ if profiled and bf16_s and eight and (layer := layer_launches(m)):
     at_ceiling = (layer_matrix_bytes(llama_1b, m) / llama_1b.num_hidden_layers
                   / (step_gb_s * 1e3)) if known else math.nan
     prose.glue("ch15_layer_gemvs_best", f"{at_ceiling:.1f} µs")
+    # the K and V rows the attention reads at the request's last step, a layer
+    kv_row = 2 * llama_1b.num_key_value_heads * llama_1b.head_dim * 2  # bytes a token
+    last = max(r["shape"][1] + r["shape"][2] for r in step_records)
+    prose.glue("ch15_layer_kv", f"{kv_row * last / 1024:,.0f} KiB")
     prose.show("""
-A middle layer of the {{ch15_step_fmt}} step takes {{ch15_layer_total}}; its four
+Layer 1 of the {{ch15_step_fmt}} step takes {{ch15_layer_total}}; its four
 GEMVs {{ch15_layer_gemvs}}""" + (""", where its matrices' bytes at the ceiling would
 take {{ch15_layer_gemvs_best}}""" if known else "") + """. The rotary embedding with
-the cache write, and the attention, read well under a megabyte between them at these
-contexts and take {{ch15_layer_fixed}} of the layer: each is a launch that waits for
-the one before it to finish, whatever the weights' format.
+the cache write, and the attention, read little (the attention at most
+{{ch15_layer_kv}} of keys and values, at the request's last step) and take
+{{ch15_layer_fixed}} of the layer: each is a launch that waits for the one before it
+to finish, whatever the weights' format.
 """)
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 if profiled and bf16_s and eight:
     prose.show("""
-On the {{ch15_step_dev}}, the faster 8-bit format, {{ch15_step_fmt}}, spends
+On the {{ch15_step_dev}}, {{ch15_step_which}}, {{ch15_step_fmt}}, spends
 {{ch15_step_gemv}} a step in its GEMVs against bf16's {{ch15_step_gemv_bf16}}
 ({{ch15_step_gemv_cut}}; the step's weights are {{ch15_step_bytes_cut}} fewer
 bytes{{ch15_step_bytes_why}}), and its step takes {{ch15_step_wall}} against
@@ -4737,10 +4765,12 @@ else:
 #   input once in shared memory (normed there for the fused variant), and launch no
 #   more blocks than the GPU holds. The fifth puts SiLU·up inside gate-up's GEMV; the
 #   sixth shares 8 rows a block at one token, the knobs a sweep of each shape chose on
-#   an H100, with as many blocks as the GPU holds of them. The measurement
-#   section counts each version's instructions a word of codes in its SASS and says
-#   what each bought. At batch 256 int8's bf16 scratch costs throughput; FP8's tensor
-#   cores are measured against bf16 in the same run.
+#   an H100, with as many blocks as the GPU holds of them; the seventh issues the
+#   input's loads together before staging them, reads the residual it adds to before
+#   the sums, and counts the blocks an SM holds from the compiled registers. The
+#   measurement section counts each version's instructions a word of codes in its
+#   SASS and says what each bought. At batch 256 int8's bf16 scratch costs
+#   throughput; FP8's tensor cores are measured against bf16 in the same run.
 #
 # ## Exercises
 #

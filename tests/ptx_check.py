@@ -46,8 +46,9 @@ for info in pkgutil.walk_packages(tinyvllm_lib.__path__, "tinyvllm_lib."):
     for name, obj in vars(module).items():
         if not isinstance(obj, CUDADispatcher) or obj.targetoptions.get("device"):
             continue
-        if getattr(obj.py_func, "__module__", None) != module.__name__ and name not in signatures:
-            continue  # imported from another module: checked there (unless made by another's factory, listed here)
+        home = sys.modules.get(getattr(obj.py_func, "__module__", None))
+        if home is not module and getattr(home, name, None) is obj:
+            continue  # imported from another module: checked there (a factory's kernels are checked where listed)
         if name not in signatures:
             results["missing_signature"].append(f"{info.name}.{name}")
             continue

@@ -1,6 +1,8 @@
 """Chapter 15: the 8-bit GEMVs (int8, FP8 e4m3; plain, residual add, RMSNorm) and the dequantizing kernel against
 NumPy (chapter 15's quantize/dequantize, float64 sums), in the simulator at tiny odd shapes."""
 
+import types
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -11,6 +13,7 @@ from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv import GEMV_THREADS
 from tinyvllm_lib.kernels.gemv_8bit import (
     ONE_TOKEN_BLOCK_KNOBS,
+    compiled_blocks_per_sm,
     gemv_8bit,
     gemv_8bit_rmsnorm,
     make_gemv_8bit_kernel,
@@ -311,12 +314,13 @@ def test_shapes_the_kernels_cannot_take_are_a_value_error():
 
 
 @needs_launch
-@pytest.mark.parametrize("method, M, K, knobs, kind", [
-    ("int8", 1, 2056, (8, 4, 1), "add"),  # 257 words: staged in two rounds a word ahead; 3 groups, one block
-    ("fp8", 1, 2056, (1, 2, 2), ""),  # a warp 2 rows
-    ("int8", 3, 2056, (8, 4, 1), "add"),  # 3 tokens: staged anew each group
+@pytest.mark.parametrize("method, M, bucket, K, knobs, kind", [
+    # 1,025 words at one token: a first piece of 1,024 (4 words a thread, every one staged ahead), a second of 1
+    ("int8", 1, 1, 8200, (8, 4, 1), "add"),
+    ("fp8", 1, 1, 136, (1, 2, 2), ""),  # a warp 2 rows
+    ("int8", 11, 8, 72, (8, 4, 1), "add"),  # 11 tokens in buckets of 8: two passes, each reading its residual
 ])
-def test_staging_ahead_gives_the_same_bits(rng, method, M, K, knobs, kind):
+def test_staging_ahead_gives_the_same_bits(rng, method, M, bucket, K, knobs, kind):
     """stage_ahead=4 issues the input's loads four words of codes' worth at a time before staging any: the same
     staged floats as one at a time, so the same bits, and the reference's values (the add epilogue reading out
     before the sums are made)."""
@@ -326,7 +330,7 @@ def test_staging_ahead_gives_the_same_bits(rng, method, M, K, knobs, kind):
     x, prior = random_bf16(rng, (M, K)), rng.standard_normal((M, N), dtype=np.float32)
     outs = []
     for ahead in (1, 4):
-        kernel = make_gemv_8bit_kernel(method, 1 if M == 1 else 4, *knobs, accumulate=add, stage_ahead=ahead)
+        kernel = make_gemv_8bit_kernel(method, bucket, *knobs, accumulate=add, stage_ahead=ahead)
         out = cuda.to_device(prior.copy())
         kernel[1, GEMV_THREADS](cuda.to_device(x).view(np.uint64), cuda.to_device(q.codes).view(np.uint64),
                                 cuda.to_device(q.scales), out)  # one block: it takes every group in turn
@@ -334,3 +338,17 @@ def test_staging_ahead_gives_the_same_bits(rng, method, M, K, knobs, kind):
     assert np.array_equal(outs[0], outs[1])
     product = reference(bf16_bits_to_f32(x), q)
     assert rel_error(outs[1], product + prior if add else product) <= TOL
+
+
+@pytest.mark.parametrize("tokens, registers, shared_kib, want", [
+    (1, 80, 228, 3), (1, 96, 228, 2), (1, 56, 228, 4), (1, 128, 228, 2), (1, 168, 228, 1),  # Hopper: registers
+    (1, 56, 100, 3),  # 100 KiB of shared memory an SM: 33 KiB blocks (the stage, the sums, 1 KiB kept), three
+    (8, 56, 100, 2),  # ... but 4 rows x 8 tokens of sums make them 34 KiB: two
+    (1, 24, 228, 6),  # few registers: shared memory decides
+])
+def test_compiled_blocks_per_sm_counts_what_an_sm_holds(tokens, registers, shared_kib, want):
+    device = types.SimpleNamespace(MAX_REGISTERS_PER_MULTIPROCESSOR=65536,
+                                   MAX_SHARED_MEMORY_PER_MULTIPROCESSOR=shared_kib * 1024,
+                                   MAX_THREADS_PER_MULTIPROCESSOR=2048)
+    kernel = make_gemv_8bit_kernel("int8", tokens, 8, 4, 1)
+    assert compiled_blocks_per_sm(device, registers, kernel.shared_bytes) == want

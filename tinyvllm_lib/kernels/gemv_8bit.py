@@ -18,7 +18,6 @@ from tinyvllm_lib.kernels.gemv import (
 )
 from tinyvllm_lib.kernels.gemv_8bit_kernel import (  # noqa: F401 (re-exported)
     GEMV_8BIT_VERSION,
-    STAGE_WORDS,
     make_gemv_8bit_kernel,
 )
 from tinyvllm_lib.kernels.rmsnorm import check_weight_eps
@@ -130,21 +129,22 @@ def resident_blocks(kernel) -> int:
     """
     if config.ENABLE_CUDASIM:
         return 1
-    per_sm = kernel.blocks_per_sm
-    if kernel.overloads:
-        per_sm = compiled_blocks_per_sm(max(kernel.get_regs_per_thread().values()))
-    return per_sm * multiprocessors()
+    if not kernel.overloads:
+        return kernel.blocks_per_sm * multiprocessors()
+    if not hasattr(kernel, "compiled_per_sm"):  # counted once, after it compiles
+        registers = max(kernel.get_regs_per_thread().values())
+        kernel.compiled_per_sm = compiled_blocks_per_sm(cuda.get_current_device(),
+                                                        registers, kernel.shared_bytes)
+    return kernel.compiled_per_sm * multiprocessors()
 
 
-@functools.cache
-def compiled_blocks_per_sm(registers: int) -> int:
-    """Blocks of GEMV_THREADS threads, each `registers` registers and a stage of
-    shared memory, one SM of the current GPU holds: registers are given a warp at a
+def compiled_blocks_per_sm(device, registers: int, shared_bytes: int) -> int:
+    """Blocks of GEMV_THREADS threads, each `registers` registers, with shared_bytes of
+    shared memory a block, one SM of `device` holds: registers are given a warp at a
     time in 256s, and the driver keeps 1 KiB of shared memory a block."""
-    device = cuda.get_current_device()
     per_warp = cdiv(registers * 32, 256) * 256
     by_registers = device.MAX_REGISTERS_PER_MULTIPROCESSOR // (per_warp * GEMV_WARPS)
-    by_shared = device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR // (8 * STAGE_WORDS + 1024)
+    by_shared = device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR // (shared_bytes + 1024)
     by_threads = device.MAX_THREADS_PER_MULTIPROCESSOR // GEMV_THREADS
     return max(1, min(by_registers, by_shared, by_threads))
 

@@ -4,14 +4,14 @@
 # defined in chapters/15_quantization.py
 import math
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint64
 
 from tinyvllm_lib.kernels.activation_store import (
     pack_f32_pair,
     store_activation,
     unpack_f32_pair,
 )
-from tinyvllm_lib.kernels.bf16 import device_function, f32_to_bf16
+from tinyvllm_lib.kernels.bf16 import device_function
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.gemv import (
     GEMV_THREADS,
@@ -21,18 +21,19 @@ from tinyvllm_lib.kernels.gemv import (
     warp_sum_all,
 )
 from tinyvllm_lib.kernels.tensor_core import require_lto
-from tinyvllm_lib.kernels.widen_8bit import WIDEN, WIDEN_WORD
+from tinyvllm_lib.kernels.widen_8bit import WIDEN_WORD
 
 # the staged input: 4096 uint64 words (8192 float32, 32 KiB) a block
 STAGE_WORDS = 4096
-# words of codes' worth of bf16 input a thread loads before it stages any (4: a block
-# stages a 8,192-wide input with one round trip, where one a word made it wait 4)
+# words of codes' worth of bf16 input a thread loads before it stages any (at one
+# token a block stages down's 8,192 inputs with its loads issued together, where one
+# word at a time made four round trips in a row)
 STAGE_AHEAD = 4
 # 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
 # e4m3 multiplied by 2^120 and tested for NaN); 2: 8 codes a word by moving bits, the
 # input widened by every warp; 3: one byte permute an int8 code, the hardware's
 # conversion for e4m3, the input staged in shared memory by each block of a group of
-# rows; 4: this one, 3 with no more blocks than the GPU holds, each staging its input
+# rows; 4: 3 with no more blocks than the GPU holds, each staging its input
 # once for the groups it takes in turn (the bench records which kernel it timed);
 # 5: 4 with the gated epilogue (below) in the engine's MLP (GATED_GEMV_8BIT); 6: 5
 # with one token's block knobs from a sweep (ONE_TOKEN_BLOCK_KNOBS, with the blocks an
@@ -301,6 +302,9 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
             gemv_body(x64, w64, scales, out, w64[0], float32(0))
 
     kernel.rows_per_block = rows_per_block
+    # its static shared memory: the stage, the warps' sums, each token's 1 / rms
+    kernel.shared_bytes = (8 * STAGE_WORDS + 4 * GEMV_WARPS * partial_size
+                           + 4 * num_tokens)
     # blocks an SM holds at once: 32 KiB of staged input each, and the registers,
     # which grow with the words in flight and the sums (4 rows x 4 or 8 tokens: two
     # blocks); one token's 8-row block knobs compile to 80 registers with one word
