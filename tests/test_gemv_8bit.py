@@ -352,3 +352,30 @@ def test_compiled_blocks_per_sm_counts_what_an_sm_holds(tokens, registers, share
                                    MAX_THREADS_PER_MULTIPROCESSOR=2048)
     kernel = make_gemv_8bit_kernel("int8", tokens, 8, 4, 1)
     assert compiled_blocks_per_sm(device, registers, kernel.shared_bytes) == want
+
+
+def test_resident_blocks_counts_a_compiled_kernel_once(monkeypatch):
+    """Off the simulator: the estimate before the first launch, then the count from the compiled registers, made
+    once (the launcher's path on a GPU, with a made-up kernel and device)."""
+    from tinyvllm_lib.kernels import gemv_8bit
+
+    device = types.SimpleNamespace(MAX_REGISTERS_PER_MULTIPROCESSOR=65536,
+                                   MAX_SHARED_MEMORY_PER_MULTIPROCESSOR=228 * 1024,
+                                   MAX_THREADS_PER_MULTIPROCESSOR=2048)
+    asked = []
+
+    class Kernel:
+        blocks_per_sm, shared_bytes, overloads = 4, 33028, {}
+
+        def get_regs_per_thread(self):
+            asked.append(1)
+            return {"sig": 96}
+
+    monkeypatch.setattr(gemv_8bit, "config", types.SimpleNamespace(ENABLE_CUDASIM=False))
+    monkeypatch.setattr(gemv_8bit.cuda, "get_current_device", lambda: device)
+    monkeypatch.setattr(gemv_8bit, "multiprocessors", lambda: 132)
+    kernel = Kernel()
+    assert gemv_8bit.resident_blocks(kernel) == 4 * 132  # not compiled yet: the estimate
+    kernel.overloads = {"sig": object()}
+    assert gemv_8bit.resident_blocks(kernel) == 2 * 132  # 96 registers: two blocks of 8 warps
+    assert gemv_8bit.resident_blocks(kernel) == 2 * 132 and len(asked) == 1
