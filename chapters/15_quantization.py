@@ -596,10 +596,11 @@ with has random weights, whose predictions mean nothing.
 # read whole every step: for Llama 3.2 1B it is 128,256 rows of 2,048, a fifth of the
 # model. Quantizing it saves half those bytes at batch 1, at the price of a second
 # copy of the table (8-bit for the head beside the bf16 embedding) and of the error
-# that rounding every logit's weights makes. This engine **keeps the head in bf16** for
-# now (`QUANTIZE_LM_HEAD`), as the FP8 checkpoints published for vLLM usually do
-# (their recipes leave `lm_head` out); the accuracy study below measures the other
-# choice too, and the benchmark script on the H200 is where its speed gets measured.
+# that rounding every logit's weights makes. This engine **keeps the head in bf16** by
+# default (`QUANTIZE_LM_HEAD`), as the FP8 checkpoints published for vLLM usually do
+# (their recipes leave `lm_head` out); `quantize_lm_head=True` takes the other
+# choice, whose accuracy the study below measures and whose speed the GPU sections
+# at the end predict and measure.
 # Here is what each choice predicts for the batch-1 limit of Llama 3.2 1B:
 
 # %%
@@ -762,13 +763,16 @@ def takes_fp8_gemm(shape: tuple[int, int]) -> bool:
 
 
 def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
-                    comm=None):
-    """The device's model on 8-bit weights ("cpu": NumPy; "cuda": the kernels)."""
+                    comm=None, lm_head: bool = QUANTIZE_LM_HEAD):
+    """The device's model on 8-bit weights ("cpu": NumPy; "cuda": the kernels), its
+    LM head too where lm_head."""
     if device == "cpu":
-        return QuantizedLlamaNumpy(config, weights, quantization, comm=comm)
+        return QuantizedLlamaNumpy(config, weights, quantization, comm=comm,
+                                   quantize_lm_head=lm_head)
     from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
 
-    return QuantizedLlamaCuda(config, weights, quantization, comm=comm)
+    return QuantizedLlamaCuda(config, weights, quantization, comm=comm,
+                              quantize_lm_head=lm_head)
 
 
 # %%
@@ -991,8 +995,8 @@ With the LM head in 8 bits too, int8 gives {{ch15_ppl_int8_head}} and
 head adds {{ch15_head_cost_int8}} percentage points to the perplexity's change in
 int8 and {{ch15_head_cost_fp8}} in FP8. The head's rounding reaches every logit
 directly, with no later layer to dilute it. That, with what the head costs in bytes,
-is the trade the GPU measurement will price; the engine keeps the head in bf16 until
-it does.
+is the trade the GPU sections at the end price; the engine keeps the head in bf16
+unless `quantize_lm_head=True`.
 """)
 
 # %% [markdown]
@@ -1561,7 +1565,7 @@ def save_checkpoint(src, dst, tensors: dict[str, QuantizedTensor], rounding: str
 
 # %%
 #| export quantization.checkpoint
-from tinyvllm_lib.models.llama_quantized import quantized_model
+from tinyvllm_lib.models.llama_quantized import QUANTIZE_LM_HEAD, quantized_model
 from tinyvllm_lib.models.loader import WEIGHT_DTYPES, convert_weight, open_checkpoint
 from tinyvllm_lib.quantization.formats import check_quantization
 
@@ -1608,15 +1612,16 @@ def load_quantized_weights(folder, config: ModelConfig) -> dict[str, np.ndarray]
     return weights
 
 
-def load_quantized_model(folder, device: str, quantization: str):
+def load_quantized_model(folder, device: str, quantization: str,
+                         lm_head: bool = QUANTIZE_LM_HEAD):
     """A Llama folder's model in 8 bits on device ("cpu" or "cuda"): a checkpoint's
     codes and scales as they are stored, a bf16 folder's matrices rounded to nearest
-    as they load.
+    as they load (and the LM head, where lm_head: a checkpoint keeps it bf16).
     """
     quantization = resolve_quantization(folder, check_quantization(quantization))
     config = ModelConfig.from_folder(folder)
     return quantized_model(device, config, load_quantized_weights(folder, config),
-                           quantization)
+                           quantization, lm_head=lm_head)
 
 # %% [markdown]
 # The quantizer is the bench's recipe as a function: read the bf16 folder, calibrate
@@ -4728,6 +4733,113 @@ else:
           "on a GPU")
 
 # %% [markdown]
+# ### The LM head in 8 bits
+#
+# The profile names the one large bf16 read an 8-bit step still makes: the LM head,
+# a fifth of Llama 3.2 1B's bytes, read whole every step by chapter 6's bf16 GEMV.
+# `LLM(model, quantization="int8", quantize_lm_head=True)` (`--quantize-lm-head` on
+# every command that makes an engine) stores it in the format too: an 8-bit copy of
+# the tied table with a scale a row, rounded to nearest as it loads (an offline
+# checkpoint keeps its head bf16, so the head is rounded at load there as well),
+# while the embedding's lookups keep reading the bf16 table. Under tensor parallelism
+# each rank rounds its own rows of the vocabulary, the same codes and scales as the
+# whole head's, since a scale belongs to its row.
+#
+# The prediction, before any run: a batch-1 step loses the bf16 head's GEMV, as the
+# profile timed it, and gains the 8-bit GEMV on the head's shape, as the GEMV
+# measurement above timed it on the same GPU. Past the GEMV's 8 tokens the price
+# turns: int8's head takes the dequantized-scratch path like every int8 matrix, so a
+# batch-256 step writes the head's bf16 values and reads them back besides the codes
+# (and the scratch, sized by the largest 8-bit matrix, grows from gate-up's 64 MiB to
+# the head's), where the bf16 head read its values once. The accuracy above says
+# which format can afford it.
+
+# %%
+# the 8-bit GEMV on the head's shape, on the profiled GPU: the newest version's record
+gemv_runs = [r for r in gpu + load_records("ch15_quantization", DATA_DIR / "h100")
+             if r["device"]["name"] == step_dev]
+
+
+def head_gemv(method) -> dict | None:
+    """The newest recorded 8-bit GEMV on the LM head's shape (one token, no norm: the
+    engine's final norm is its own kernel), on step_dev."""
+    mine = [r for r in gemv_runs if r["name"] == "gemv" and r.get("layer") == "lm_head"
+            and r["quantization"] == method]
+    if not mine:
+        return None
+    return max(mine, key=lambda r: r.get("gemv_8bit_version", 1))
+
+
+V, H = llama_1b.vocab_size, llama_1b.hidden_size
+head_predicted = {}
+if profiled and bf16_s and eight:
+    for m8 in eight:
+        head_bf16_us = steps_by[m8]["groups"].get("kernels.gemv", 0.0)
+        if (head_8 := head_gemv(m8)) is None:
+            continue
+        head_8_us = head_8["us"]
+        step_us = steps_by[m8]["wall"] - head_bf16_us + head_8_us
+        head_predicted[m8] = step_us
+        print(f"{m8} on the {step_dev}: step {steps_by[m8]['wall']:.0f} µs, bf16 head "
+              f"{head_bf16_us:.0f} µs -> 8-bit head {head_8_us:.0f} µs: predicted step "
+              f"{step_us:.0f} µs ({1e6 / step_us:,.0f} tok/s)")
+    # batch 256: the head's dequantize writes its bf16 values and cuBLAS reads them
+    extra_bytes = 2 * V * H + V * (H + 4)  # bf16 written, codes and scales read
+    if known:
+        extra_us = extra_bytes / (step_gb_s * 1e3)
+        print(f"batch 256, int8: + {extra_bytes / 1e6:,.0f} MB a step through the "
+              f"scratch, {extra_us:.0f} µs at the ceiling")
+        prose.glue("ch15_head_extra", f"{extra_bytes / 1e6:,.0f} MB a step "
+                   f"({extra_us:.0f} µs at the ceiling)")
+    prose.glue("ch15_head_scratch", f"{2 * V * H / 2**20:,.0f} MiB")
+if "int8" in head_predicted:
+    m8, step_us = "int8", head_predicted["int8"]
+    prose.glue("ch15_head_gemv_bf16",
+               f"{steps_by[m8]['groups'].get('kernels.gemv', 0.0):.0f} µs")
+    prose.glue("ch15_head_gemv_8", f"{head_gemv(m8)['us']:.0f} µs")
+    prose.glue("ch15_head_gemv_version", head_gemv(m8).get("gemv_8bit_version", 1))
+    prose.glue("ch15_head_pred", f"{step_us:.0f} µs ({1e6 / step_us:,.0f} tok/s)")
+    prose.glue("ch15_head_now", f"{steps_by[m8]['wall']:.0f} µs "
+               f"({1e6 / steps_by[m8]['wall']:,.0f} tok/s)")
+    limit_head = (step_gb_s * 1e9 / decode_weight_bytes(llama_1b, m8, lm_head=True)
+                  if known else math.nan)
+    prose.glue("ch15_head_limit", f"{limit_head:,.0f} tok/s")
+    prose.show("""
+On the {{ch15_step_dev}}, int8's step takes {{ch15_head_now}} with the bf16 head,
+whose GEMV takes {{ch15_head_gemv_bf16}}; the 8-bit GEMV on that shape took
+{{ch15_head_gemv_8}} (version {{ch15_head_gemv_version}}, the newest timed there on
+the head), so the step should take {{ch15_head_pred}}.""" + ("""
+The batch-1 limit with the head in 8 bits moves to {{ch15_head_limit}}. At batch 256
+the head's trip through the scratch adds {{ch15_head_extra}}, and the scratch grows
+to {{ch15_head_scratch}}.""" if known else "") + """ The head costs int8's perplexity
+{{ch15_head_cost_int8}} percentage points ({{ch15_ppl_verdict_int8_head}} the 1%
+target) and FP8's {{ch15_head_cost_fp8}} ({{ch15_ppl_verdict_fp8_head}} its 2%): the
+switch is int8's to use; the engine leaves it off by default, as vLLM's published
+checkpoints leave their heads unquantized.
+""")
+
+# %%
+# what the engine did with the head in 8 bits (bench/ch15_quantization.py --lm-head):
+# the batch-1 and throughput runs of each head on the profiled GPU, the newest version
+head_runs = {}
+for r in gemv_runs:
+    if r["name"] in ("bs1_decode", "throughput") and r["quantization"] is not None:
+        key = (r["name"], r["quantization"], r.get("lm_head_8bit", False))
+        if r.get("gemv_8bit_version", 1) >= head_runs.get(key, {}).get(
+                "gemv_8bit_version", 0):
+            head_runs[key] = r
+measured_heads = [(n, m8) for (n, m8, head) in head_runs if head]
+for name, m8 in measured_heads:
+    with_head, without = head_runs[name, m8, True], head_runs.get((name, m8, False))
+    print(f"{name}, {m8}: head 8-bit {with_head['value']:,.0f} tok/s (version "
+          f"{with_head['gemv_8bit_version']}, {with_head['date']})"
+          + (f", head bf16 {without['value']:,.0f} (version "
+             f"{without['gemv_8bit_version']}, {without['date']})" if without else ""))
+if not measured_heads:
+    print(f"the engine with the head in 8 bits: not yet run on the {step_dev} "
+          "(python bench/ch15_quantization.py --only engine --lm-head both)")
+
+# %% [markdown]
 # ## Summary
 #
 # - A decode step at batch 1 reads every weight; in bf16 that caps any engine on one
@@ -4748,7 +4860,8 @@ else:
 #   where a norm feeds the product) and runs cuBLASLt on Hopper's FP8 tensor cores,
 #   both scales applied in its epilogue. Rounding the activations costs SmolLM2 more
 #   perplexity than rounding the weights did, in int8 as in FP8: that switch trades
-#   accuracy for speed. The tied LM head stays bf16 for now.
+#   accuracy for speed. The tied LM head stays bf16 unless
+#   `quantize_lm_head=True`: int8's perplexity barely moves with it, FP8's does.
 # - **GPTQ** keeps the grid and the scales and chooses the codes against the inputs'
 #   $X^\top X$, each column's rounding error moved onto the columns not yet rounded.
 #   `python -m tinyvllm_lib quantize` does it once, offline, into a **checkpoint**: the

@@ -183,17 +183,21 @@ def test_quantized_numpy_model_holds_the_dequantized_weights(tied_folder, method
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_llm_quantization_is_the_quantized_model(tied_folder, method):
-    """The engine (paged KV cache, one token a step) gives the teacher-forced log-probs of QuantizedLlamaNumpy, and
-    not bf16's."""
+@pytest.mark.parametrize("head", [False, True])
+def test_llm_quantization_is_the_quantized_model(tied_folder, method, head):
+    """The engine (paged KV cache, one token a step) gives the teacher-forced log-probs of QuantizedLlamaNumpy with
+    its head as quantize_lm_head asks, and not bf16's, nor those of the model with the other head."""
     prompt = [5, 17, 250, 3, 99, 42, 7]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
-    out = LLM(str(tied_folder), "cpu", max_num_seqs=2, quantization=method).generate([prompt], params,
-                                                                                      use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(tied_folder), "cpu", max_num_seqs=2, quantization=method, quantize_lm_head=head)
+    assert llm.llm_engine.model_runner.model.quantize_lm_head is head
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     config = ModelConfig.from_folder(tied_folder)
     weights = load_weights(tied_folder, config, progress=False)
     ids = prompt + out.token_ids
-    for name, model in (("quantized", QuantizedLlamaNumpy(config, weights, method)), ("bf16", LlamaNumpy(config, weights))):
+    for name, model in (("quantized", QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head)),
+                        ("other head", QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=not head)),
+                        ("bf16", LlamaNumpy(config, weights))):
         logits = model.forward(np.array(ids))[len(prompt) - 1 : -1].astype(np.float64)
         lp = logits - logits.max(-1, keepdims=True)
         lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
@@ -202,7 +206,7 @@ def test_llm_quantization_is_the_quantized_model(tied_folder, method):
             assert max(gaps) < 1e-4, gaps
             assert list(lp.argmax(-1)) == out.token_ids
         else:
-            assert max(gaps) > 1e-3, "the engine's log-probs are bf16's: the weights were not quantized"
+            assert max(gaps) > 1e-3, f"the engine's log-probs are those of {name}"
 
 
 @pytest.mark.parametrize("bad", ["int4", "FP8", 8])
@@ -213,6 +217,13 @@ def test_bad_quantization_is_a_value_error(tied_folder, bad):
         EngineConfig(quantization=bad)
 
 
+def test_quantize_lm_head_needs_a_format(tied_folder):
+    with pytest.raises(ValueError, match="quantize_lm_head=True .* needs quantization='int8' or 'fp8'"):
+        LLM(str(tied_folder), "cpu", quantize_lm_head=True)
+    with pytest.raises(ValueError, match="quantize_lm_head must be True or False"):
+        EngineConfig(quantization="int8", quantize_lm_head="yes")
+
+
 def test_cli_generates_with_quantization(capsys):
     assert main(["generate", "The capital of France is", "--device", "cpu", "--quantization", "int8",
                  "--max-tokens", "3", "--ignore-eos"]) == 0
@@ -220,6 +231,8 @@ def test_cli_generates_with_quantization(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "x", "--quantization", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="needs quantization='int8' or 'fp8'"):
+        main(["generate", "x", "--device", "cpu", "--quantize-lm-head"])
 
 
 def test_decode_weight_bytes(tied_folder):
@@ -267,10 +280,30 @@ def test_tensor_parallel_ranks_quantize_their_shards(tied_folder):
         assert abs(a.outputs[0].logprobs[0][first] - b.outputs[0].logprobs[0][first]) < 0.05
 
 
+def test_a_rank_quantizes_its_shard_of_the_head(tied_folder):
+    """quantize_lm_head under tensor parallelism: rank 1's runner holds its vocabulary rows of the head in 8 bits,
+    the whole 8-bit head's same rows (one scale a row, so sharding by rows changes none)."""
+    from types import SimpleNamespace
+
+    from tinyvllm_lib.distributed.executor import make_rank_runner
+
+    config = ModelConfig.from_folder(tied_folder)
+    engine = EngineConfig(str(tied_folder), "cpu", quantization="int8", quantize_lm_head=True, max_model_len=64, max_num_seqs=2,
+                          max_num_batched_tokens=64)
+    model = make_rank_runner(tied_folder, engine, SimpleNamespace(rank=1, world_size=2)).model
+    whole = QuantizedLlamaNumpy(config, load_weights(tied_folder, config, progress=False), "int8",
+                                quantize_lm_head=True)
+    rows = config.vocab_size // 2
+    assert model.quantize_lm_head and model.matrices["lm_head"].shape[0] == rows
+    assert np.array_equal(model.matrices["lm_head"], whole.matrices["lm_head"][rows:])
+
+
 @pytest.mark.parametrize("argv", [["serve", "smollm2"], ["chat"], ["generate", "hi"], ["bench", "latency"],
                                   ["verify", "smollm2"]])
 def test_every_engine_command_takes_quantization(argv):
     from tinyvllm_lib.cli import build_parser
 
-    assert build_parser().parse_args(argv + ["--quantization", "fp8"]).quantization == "fp8"
-    assert build_parser().parse_args(argv).quantization is None  # bf16 by default
+    args = build_parser().parse_args(argv + ["--quantization", "fp8", "--quantize-lm-head"])
+    assert (args.quantization, args.quantize_lm_head) == ("fp8", True)
+    args = build_parser().parse_args(argv)
+    assert (args.quantization, args.quantize_lm_head) == (None, False)  # bf16 by default

@@ -9,7 +9,8 @@ import argparse
 
 
 def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
-    """--quantization: chapter 15's 8-bit weights (default: bf16)."""
+    """--quantization and --quantize-lm-head: chapter 15's 8-bit weights (default:
+    bf16)."""
     from tinyvllm_lib.quantization.formats import QUANTIZATIONS
 
     parser.add_argument(
@@ -17,6 +18,16 @@ def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
         help="store the weights in 8 bits, quantized as they load (chapter 15); "
         "default: bf16",
     )
+    parser.add_argument(
+        "--quantize-lm-head", action="store_true",
+        help="the LM head in 8 bits too (default: bf16; needs --quantization)",
+    )
+
+
+def quantization_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields add_quantization_argument's flags set."""
+    return dict(quantization=args.quantization,
+                quantize_lm_head=args.quantize_lm_head)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model: bool = True) -> None:
@@ -105,7 +116,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size,
-        quantization=args.quantization,
+        **quantization_kwargs(args),
     )
 
 

@@ -43,8 +43,10 @@ class EngineConfig:
     # tensor cores; "auto": the tensor cores on a GPU where the head size allows
     attention_backend: str = "auto"
     # chapter 15: "int8" or "fp8" weights, quantized from the bf16 folder as they are
-    # loaded; None: bf16, or the format of a folder quantized offline (its own codes)
+    # loaded; None: bf16, or the format of a folder quantized offline (its own codes);
+    # quantize_lm_head: the LM head in that format too (rounded to nearest as it loads)
     quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self):
         if self.device not in ("auto", *DEVICES):
@@ -97,3 +99,9 @@ class EngineConfig:
             from tinyvllm_lib.quantization.formats import check_quantization
 
             check_quantization(self.quantization)
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(f"quantize_lm_head must be True or False, got "
+                             f"{self.quantize_lm_head!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True stores the LM head in 8 bits: it "
+                             "needs quantization='int8' or 'fp8'")

@@ -91,7 +91,8 @@ class ModelRunner:
             # checkpoint's codes and scales, loaded as they are
             from tinyvllm_lib.quantization.checkpoint import load_quantized_model
 
-            model = load_quantized_model(folder, device, config.quantization)
+            model = load_quantized_model(folder, device, config.quantization,
+                                         lm_head=config.quantize_lm_head)
         # the device picks the model, the cache, the attention and the sampler
         if device == "cpu":
             self.model = model or LlamaNumpy.from_folder(folder)

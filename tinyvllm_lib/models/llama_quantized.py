@@ -160,10 +160,13 @@ def takes_fp8_gemm(shape: tuple[int, int]) -> bool:
 
 
 def quantized_model(device: str, config: ModelConfig, weights: dict, quantization: str,
-                    comm=None):
-    """The device's model on 8-bit weights ("cpu": NumPy; "cuda": the kernels)."""
+                    comm=None, lm_head: bool = QUANTIZE_LM_HEAD):
+    """The device's model on 8-bit weights ("cpu": NumPy; "cuda": the kernels), its
+    LM head too where lm_head."""
     if device == "cpu":
-        return QuantizedLlamaNumpy(config, weights, quantization, comm=comm)
+        return QuantizedLlamaNumpy(config, weights, quantization, comm=comm,
+                                   quantize_lm_head=lm_head)
     from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
 
-    return QuantizedLlamaCuda(config, weights, quantization, comm=comm)
+    return QuantizedLlamaCuda(config, weights, quantization, comm=comm,
+                              quantize_lm_head=lm_head)

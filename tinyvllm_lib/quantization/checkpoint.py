@@ -111,7 +111,7 @@ def save_checkpoint(src, dst, tensors: dict[str, QuantizedTensor], rounding: str
 
 
 # defined in chapters/15_quantization.py
-from tinyvllm_lib.models.llama_quantized import quantized_model
+from tinyvllm_lib.models.llama_quantized import QUANTIZE_LM_HEAD, quantized_model
 from tinyvllm_lib.models.loader import WEIGHT_DTYPES, convert_weight, open_checkpoint
 from tinyvllm_lib.quantization.formats import check_quantization
 
@@ -158,12 +158,13 @@ def load_quantized_weights(folder, config: ModelConfig) -> dict[str, np.ndarray]
     return weights
 
 
-def load_quantized_model(folder, device: str, quantization: str):
+def load_quantized_model(folder, device: str, quantization: str,
+                         lm_head: bool = QUANTIZE_LM_HEAD):
     """A Llama folder's model in 8 bits on device ("cpu" or "cuda"): a checkpoint's
     codes and scales as they are stored, a bf16 folder's matrices rounded to nearest
-    as they load.
+    as they load (and the LM head, where lm_head: a checkpoint keeps it bf16).
     """
     quantization = resolve_quantization(folder, check_quantization(quantization))
     config = ModelConfig.from_folder(folder)
     return quantized_model(device, config, load_quantized_weights(folder, config),
-                           quantization)
+                           quantization, lm_head=lm_head)
