@@ -125,7 +125,8 @@ def latency_run(rec: Recorder, folder, kwargs: dict, max_model_len: int, limit: 
     start_s = time.perf_counter() - t0
     prompt_len, new_tokens = (10, 2) if tiny else (128, 256)  # tiny: past the 8-bit GEMV's 8
     lat = benchmark.latency(llm, prompt_len, new_tokens, repeats=1 if tiny else 3)
-    print(f"{label_of(kwargs['quantization'], kwargs['quantize_lm_head'])} bs1: {lat['decode_tok_s']:.0f} decode tok/s (limit {limit:.0f}), TTFT "
+    label = label_of(kwargs["quantization"], kwargs["quantize_lm_head"])
+    print(f"{label} bs1: {lat['decode_tok_s']:.0f} decode tok/s (limit {limit:.0f}), TTFT "
           f"{lat['ttft_ms']:.1f} ms, engine start {start_s:.1f} s", flush=True)
     rec.add("bs1_decode", [1, prompt_len, new_tokens], "tok/s", lat["decode_tok_s"], limit, start_s=start_s,
             **lat, **common)

@@ -597,9 +597,9 @@ with has random weights, whose predictions mean nothing.
 # model. Quantizing it saves half those bytes at batch 1, at the price of a second
 # copy of the table (8-bit for the head beside the bf16 embedding) and of the error
 # that rounding every logit's weights makes. This engine **keeps the head in bf16** by
-# default (`QUANTIZE_LM_HEAD`), as the FP8 checkpoints published for vLLM usually do
-# (their recipes leave `lm_head` out); `quantize_lm_head=True` takes the other
-# choice, whose accuracy the study below measures and whose speed the GPU sections
+# default (`quantize_lm_head=False`), as the FP8 checkpoints published for vLLM
+# usually do (their recipes leave `lm_head` out); `quantize_lm_head=True` takes the
+# other choice, whose accuracy the study below measures and whose speed the GPU sections
 # at the end predict and measure.
 # Here is what each choice predicts for the batch-1 limit of Llama 3.2 1B:
 
@@ -625,8 +625,9 @@ HF_MATRICES = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v
                "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
                "down_proj": ("mlp.down_proj",)}
 QUANTIZED_MATRICES = tuple(HF_MATRICES)
-# the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding) stays bf16, as in
-# most FP8 checkpoints made for vLLM; chapter 15 counts and measures the other choice
+# the models' default: the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding)
+# stays bf16, as in most FP8 checkpoints made for vLLM, and so does the engine's
+# (EngineConfig.quantize_lm_head); chapter 15 counts and measures the other choice
 QUANTIZE_LM_HEAD = False
 CODE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(np.uint8)}  # e4m3's bits
 
@@ -3822,8 +3823,11 @@ class QuantizedLlamaCuda(LlamaCuda):
             raise ValueError("QuantizedLlamaCuda needs quantization 'int8' or 'fp8'")
         check_quantizable(config, quantize_lm_head)
         self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
-        largest = max(n * k for n, k in quantized_shapes(config, quantize_lm_head)
-                      .values())
+        shapes = quantized_shapes(config, quantize_lm_head)
+        if "lm_head" in shapes:  # a rank's head: its rows of the vocabulary (ch. 13)
+            head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+            shapes["lm_head"] = (len(head), shapes["lm_head"][1])
+        largest = max(n * k for n, k in shapes.values())
         self.scratch = cuda.device_array(largest, np.uint16)  # the GEMM path's bf16
         if quantization == "fp8" and FP8_TENSOR_CORE_GEMM:
             get_cublaslt_fp8()  # its handle now, not inside a CUDA graph's capture
@@ -3937,7 +3941,10 @@ measurement at the end of the chapter says how much.
 # ```
 
 # %%
-gpu = load_records("ch15_quantization")
+# the engine runs with the LM head in 8 bits (--lm-head) are the head section's, at
+# the end; every other reader takes the engine's default, the head in bf16
+gpu_all = load_records("ch15_quantization")
+gpu = [r for r in gpu_all if not r.get("lm_head_8bit")]
 METHODS, COLORS = (None, "int8", "fp8"), {None: "#7f7f7f", "int8": "#1f77b4",
                                           "fp8": "#ff7f0e"}
 # a layer's GEMVs as the 8-bit engine launched them up to version 4 (from version 5,
@@ -4109,12 +4116,14 @@ if ("bs1_decode", "int8") in newest:
     prose.glue("ch15_new_bf16", f"{bf16_new:,.0f} tok/s")
     prose.glue("ch15_new_limit", f"{newest['bs1_decode', None]['ceiling']:,.0f} tok/s")
     new_ratio = [newest["gemv", m, layer]["ratio"] for m in ("int8", "fp8")
-                 for layer in ENGINE_GEMVS]
-    prose.glue("ch15_new_gemv_range", f"{min(new_ratio):.0%} to {max(new_ratio):.0%}")
+                 for layer in ENGINE_GEMVS if ("gemv", m, layer) in newest]
+    prose.glue("ch15_new_gemv_range", f"{min(new_ratio):.0%} to {max(new_ratio):.0%}"
+               if new_ratio else "not yet timed at this version")
     head = {m: newest.get(("gemv_rmsnorm", m, "lm_head")) for m in ("int8", "fp8")}
-    if all(head.values()):
-        prose.glue("ch15_new_head", " and ".join(
-            f"{head[m]['ratio']:.0%} ({m})" for m in ("int8", "fp8")))
+    head_rates = " and ".join(f"{head[m]['ratio']:.0%} ({m})" for m in head if head[m])
+    prose.glue("ch15_new_head", "; the norm-fused 8-bit GEMV on the LM head's shape "
+               "(a bf16 matrix in the engine unless quantize_lm_head) at " + head_rates
+               if all(head.values()) else "")
     fastest_new = max(newest["bs1_decode", m]["value"] for m in ("int8", "fp8"))
     prose.glue("ch15_new_target", (
         "passes" if fastest_new > newest["bs1_decode", None]["ceiling"]
@@ -4154,7 +4163,7 @@ if ("bs1_decode", "int8") in newest:
 ({{ch15_new_int8_x}}× bf16) and FP8 at **{{ch15_new_fp8}}** ({{ch15_new_fp8_x}}×),
 against bf16's {{ch15_new_bf16}} in the same run; the faster {{ch15_new_target}} the
 bf16 limit of {{ch15_new_limit}}. Its GEMVs of a layer read at
-{{ch15_new_gemv_range}} of the ceiling; the norm-fused LM head at {{ch15_new_head}}.
+{{ch15_new_gemv_range}} of the ceiling{{ch15_new_head}}.
 """)
 elif versions:
     prose.glue("ch15_gemv_only", ", ".join(str(v) for v in versions if v > last_run))
@@ -4187,7 +4196,8 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 
 # %%
 sweep = [r for r in gpu if r["name"] == "gemv_sweep"]
-h100 = load_records("ch15_quantization", DATA_DIR / "h100")
+h100_all = load_records("ch15_quantization", DATA_DIR / "h100")
+h100 = [r for r in h100_all if not r.get("lm_head_8bit")]
 if not sweep:  # an H100's, until this GPU has one
     sweep = [r for r in h100 if r["name"] == "gemv_sweep"]
 
@@ -4760,8 +4770,7 @@ else:
 
 # %%
 # the 8-bit GEMV on the head's shape, on the profiled GPU: the newest version's record
-gemv_runs = [r for r in gpu + load_records("ch15_quantization", DATA_DIR / "h100")
-             if r["device"]["name"] == step_dev]
+gemv_runs = [r for r in gpu_all + h100_all if r["device"]["name"] == step_dev]
 
 
 def head_gemv(method) -> dict | None:
@@ -4801,7 +4810,11 @@ if "int8" in head_predicted:
     prose.glue("ch15_head_gemv_bf16",
                f"{steps_by[m8]['groups'].get('kernels.gemv', 0.0):.0f} µs")
     prose.glue("ch15_head_gemv_8", f"{head_gemv(m8)['us']:.0f} µs")
-    prose.glue("ch15_head_gemv_version", head_gemv(m8).get("gemv_8bit_version", 1))
+    head_version = head_gemv(m8).get("gemv_8bit_version", 1)
+    step_version = max(r.get("gemv_8bit_version", 1) for r in step_records)
+    prose.glue("ch15_head_gemv_version", f"version {head_version}'s" + (
+        "" if head_version == step_version else
+        f", the newest timed there on the head; the step ran version {step_version}"))
     prose.glue("ch15_head_pred", f"{step_us:.0f} µs ({1e6 / step_us:,.0f} tok/s)")
     prose.glue("ch15_head_now", f"{steps_by[m8]['wall']:.0f} µs "
                f"({1e6 / steps_by[m8]['wall']:,.0f} tok/s)")
@@ -4811,15 +4824,26 @@ if "int8" in head_predicted:
     prose.show("""
 On the {{ch15_step_dev}}, int8's step takes {{ch15_head_now}} with the bf16 head,
 whose GEMV takes {{ch15_head_gemv_bf16}}; the 8-bit GEMV on that shape took
-{{ch15_head_gemv_8}} (version {{ch15_head_gemv_version}}, the newest timed there on
-the head), so the step should take {{ch15_head_pred}}.""" + ("""
+{{ch15_head_gemv_8}} ({{ch15_head_gemv_version}}), so the step should take
+{{ch15_head_pred}}.""" + ("""
 The batch-1 limit with the head in 8 bits moves to {{ch15_head_limit}}. At batch 256
-the head's trip through the scratch adds {{ch15_head_extra}}, and the scratch grows
-to {{ch15_head_scratch}}.""" if known else "") + """ The head costs int8's perplexity
-{{ch15_head_cost_int8}} percentage points ({{ch15_ppl_verdict_int8_head}} the 1%
-target) and FP8's {{ch15_head_cost_fp8}} ({{ch15_ppl_verdict_fp8_head}} its 2%): the
-switch is int8's to use; the engine leaves it off by default, as vLLM's published
-checkpoints leave their heads unquantized.
+the head's trip through the scratch (int8's path, and FP8's unless
+`FP8_TENSOR_CORE_GEMM`) adds {{ch15_head_extra}}, and the scratch grows to
+{{ch15_head_scratch}}.""" if known else "") + "\n")
+if accuracy:  # the head's price in perplexity, from the accuracy study
+    head_ok = [m for m in ("int8", "fp8")
+               if text_runs[f"{m}, head 8-bit"]["ratio_to_bf16"] - 1 <= TARGETS[m]]
+    prose.glue("ch15_head_which", (
+        "both formats may take it" if len(head_ok) == 2 else
+        f"only {head_ok[0]} stays within its target with it" if head_ok else
+        "neither format stays within its target with it"))
+    prose.show("""
+With the head in 8 bits SmolLM2's perplexity is {{ch15_ppl_int8_head}} in int8
+({{ch15_ppl_verdict_int8_head}} the 1% target; the head's own share
+{{ch15_head_cost_int8}} percentage points) and {{ch15_ppl_fp8_head}} in FP8
+({{ch15_ppl_verdict_fp8_head}} its 2%; the head's share {{ch15_head_cost_fp8}}):
+{{ch15_head_which}}. The engine leaves the switch off by default, as the 8-bit
+checkpoints published for vLLM leave their heads unquantized.
 """)
 
 # %%
@@ -4847,7 +4871,8 @@ for m8 in head_predicted:  # the step profiled with the head in 8 bits, if it wa
               f"µs), GEMVs {got['GEMVs']:.0f} µs")
 if not measured_heads:
     print(f"the engine with the head in 8 bits: not yet run on the {step_dev} "
-          "(python bench/ch15_quantization.py --only engine --lm-head both)")
+          "(python bench/ch15_quantization.py --lm-head both: the GEMVs first, then "
+          "the engine with each head)")
 
 # %% [markdown]
 # ## Summary

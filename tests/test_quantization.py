@@ -231,8 +231,9 @@ def test_cli_generates_with_quantization(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "x", "--quantization", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="needs quantization='int8' or 'fp8'"):
-        main(["generate", "x", "--device", "cpu", "--quantize-lm-head"])
+    for argv in (["generate", "x"], ["bench", "latency"], ["serve", "smollm2"]):  # each command passes the flag on
+        with pytest.raises(SystemExit, match="needs quantization='int8' or 'fp8'"):
+            main(argv + ["--device", "cpu", "--quantize-lm-head"])
 
 
 def test_decode_weight_bytes(tied_folder):
@@ -280,22 +281,35 @@ def test_tensor_parallel_ranks_quantize_their_shards(tied_folder):
         assert abs(a.outputs[0].logprobs[0][first] - b.outputs[0].logprobs[0][first]) < 0.05
 
 
-def test_a_rank_quantizes_its_shard_of_the_head(tied_folder):
-    """quantize_lm_head under tensor parallelism: rank 1's runner holds its vocabulary rows of the head in 8 bits,
-    the whole 8-bit head's same rows (one scale a row, so sharding by rows changes none)."""
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_rank_quantizes_its_shard_of_the_head(tied_folder, device, monkeypatch):
+    """quantize_lm_head under tensor parallelism: rank 1's model holds its vocabulary rows of the head in 8 bits,
+    the whole 8-bit head's same rows (one scale a row, so sharding by rows changes none); on the GPU (the simulator
+    here), where the embedding stays whole, its scratch is sized for its own rows, not the whole head's."""
     from types import SimpleNamespace
 
     from tinyvllm_lib.distributed.executor import make_rank_runner
 
     config = ModelConfig.from_folder(tied_folder)
-    engine = EngineConfig(str(tied_folder), "cpu", quantization="int8", quantize_lm_head=True, max_model_len=64, max_num_seqs=2,
-                          max_num_batched_tokens=64)
-    model = make_rank_runner(tied_folder, engine, SimpleNamespace(rank=1, world_size=2)).model
-    whole = QuantizedLlamaNumpy(config, load_weights(tied_folder, config, progress=False), "int8",
-                                quantize_lm_head=True)
+    engine = EngineConfig(str(tied_folder), device, quantization="int8", quantize_lm_head=True, max_model_len=64,
+                          max_num_seqs=2, max_num_batched_tokens=64)
+    comm = SimpleNamespace(rank=1, world_size=2)
+    if device == "cuda":
+        monkeypatch.setenv("TINYVLLM_SIM_CUDA", "1")  # device="cuda" in the simulator
+    model = make_rank_runner(tied_folder, engine, comm).model
+    whole = quantize(bf16_bits_to_f32(load_weights(tied_folder, config, progress=False)["model.embed_tokens.weight"]),
+                     "int8")
     rows = config.vocab_size // 2
-    assert model.quantize_lm_head and model.matrices["lm_head"].shape[0] == rows
-    assert np.array_equal(model.matrices["lm_head"], whole.matrices["lm_head"][rows:])
+    assert model.quantize_lm_head
+    if device == "cpu":
+        assert np.array_equal(model.matrices["lm_head"], whole.dequantize()[rows:])
+        return
+    head = model.weights["lm_head"]
+    assert np.array_equal(head.codes.copy_to_host(), whole.codes[rows:])
+    assert np.array_equal(head.scales.copy_to_host(), whole.scales[rows:])
+    H = config.hidden_size
+    gate_up = 2 * (config.intermediate_size // 2) * H  # the rank's gate-up rows
+    assert model.scratch.size == max(rows * H, gate_up) < config.vocab_size * H  # not the whole head's
 
 
 @pytest.mark.parametrize("argv", [["serve", "smollm2"], ["chat"], ["generate", "hi"], ["bench", "latency"],

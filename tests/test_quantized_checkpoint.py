@@ -152,6 +152,18 @@ def test_a_contradicting_quantization_is_a_value_error(rtn):
     assert llm.llm_engine.engine_config.quantization == "fp8"
 
 
+def test_a_checkpoint_takes_quantize_lm_head(src, rtn):
+    """A folder quantized offline keeps its head bf16; quantize_lm_head rounds the head as it loads, with the folder's
+    own format (no quantization= needed), as quantize_lm_head does from the bf16 folder."""
+    llm = LLM(str(rtn["int8"]), "cpu", max_num_seqs=2, quantize_lm_head=True)
+    model = llm.llm_engine.model_runner.model
+    at_load = LLM(str(src), "cpu", max_num_seqs=2, quantization="int8", quantize_lm_head=True)
+    assert model.quantize_lm_head and llm.llm_engine.engine_config.quantization == "int8"
+    assert np.array_equal(model.matrices["lm_head"], at_load.llm_engine.model_runner.model.matrices["lm_head"])
+    assert not np.array_equal(model.matrices["lm_head"], LLM(str(rtn["int8"]), "cpu").llm_engine.model_runner
+                              .model.matrices["lm_head"])  # and not the bf16 head
+
+
 def corrupt_tensors(name):
     def change(tensors):
         if name == "missing scale":

@@ -44,7 +44,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # chapter 15: "int8" or "fp8" weights, quantized from the bf16 folder as they are
     # loaded; None: bf16, or the format of a folder quantized offline (its own codes);
-    # quantize_lm_head: the LM head in that format too (rounded to nearest as it loads)
+    # quantize_lm_head: the LM head in that format too (rounded to nearest as it loads;
+    # this engine's name: vLLM reads a quantized head from a checkpoint's config)
     quantization: str | None = None
     quantize_lm_head: bool = False
 
@@ -102,6 +103,12 @@ class EngineConfig:
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"quantize_lm_head must be True or False, got "
                              f"{self.quantize_lm_head!r}")
+
+    def check_quantize_lm_head(self) -> None:
+        """ValueError where quantize_lm_head asks for an 8-bit head of bf16 weights: a
+        check once quantization is known (chapter 10's engine reads it from a folder
+        quantized offline)."""
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head=True stores the LM head in 8 bits: it "
-                             "needs quantization='int8' or 'fp8'")
+                             "needs quantization='int8' or 'fp8' (--quantization), "
+                             "or a folder quantized offline")

@@ -68,6 +68,7 @@ class LLMEngine:
         from tinyvllm_lib.quantization.checkpoint import resolve_quantization
 
         c = replace(c, quantization=resolve_quantization(self.folder, c.quantization))
+        c.check_quantize_lm_head()
         # None: prompts are token ids
         self.tokenizer = Tokenizer.from_folder(self.folder, missing_ok=True)
         limit = self.config.max_position_embeddings

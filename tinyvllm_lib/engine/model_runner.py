@@ -86,6 +86,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.graphs = None  # chapter 11's CudaGraphs, once the KV cache exists
+        config.check_quantize_lm_head()
         if model is None and config.quantization is not None:
             # chapter 15: 8-bit weights, quantized as the folder's are loaded, or a
             # checkpoint's codes and scales, loaded as they are

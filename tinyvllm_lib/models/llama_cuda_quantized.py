@@ -45,8 +45,11 @@ class QuantizedLlamaCuda(LlamaCuda):
             raise ValueError("QuantizedLlamaCuda needs quantization 'int8' or 'fp8'")
         check_quantizable(config, quantize_lm_head)
         self.quantization, self.quantize_lm_head = quantization, quantize_lm_head
-        largest = max(n * k for n, k in quantized_shapes(config, quantize_lm_head)
-                      .values())
+        shapes = quantized_shapes(config, quantize_lm_head)
+        if "lm_head" in shapes:  # a rank's head: its rows of the vocabulary (ch. 13)
+            head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+            shapes["lm_head"] = (len(head), shapes["lm_head"][1])
+        largest = max(n * k for n, k in shapes.values())
         self.scratch = cuda.device_array(largest, np.uint16)  # the GEMM path's bf16
         if quantization == "fp8" and FP8_TENSOR_CORE_GEMM:
             get_cublaslt_fp8()  # its handle now, not inside a CUDA graph's capture

@@ -22,8 +22,9 @@ HF_MATRICES = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v
                "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
                "down_proj": ("mlp.down_proj",)}
 QUANTIZED_MATRICES = tuple(HF_MATRICES)
-# the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding) stays bf16, as in
-# most FP8 checkpoints made for vLLM; chapter 15 counts and measures the other choice
+# the models' default: the LM head (for SmolLM2 and Llama 3.2 1B, the tied embedding)
+# stays bf16, as in most FP8 checkpoints made for vLLM, and so does the engine's
+# (EngineConfig.quantize_lm_head); chapter 15 counts and measures the other choice
 QUANTIZE_LM_HEAD = False
 CODE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(np.uint8)}  # e4m3's bits
 
