@@ -4890,6 +4890,8 @@ if profiled and bf16_s and eight:
         prose.glue("ch15_head_extra", f"{extra_bytes / 1e6:,.0f} MB a step "
                    f"({extra_us:.0f} µs at the ceiling)")
     prose.glue("ch15_head_scratch", f"{2 * V * H / 2**20:,.0f} MiB")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
 if "int8" in head_predicted:
     m8, step_us = "int8", head_predicted["int8"]
     prose.glue("ch15_head_gemv_bf16",
