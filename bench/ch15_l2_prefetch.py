@@ -73,8 +73,8 @@ def main() -> None:
             llm = LLM(str(folder), device="cuda", max_model_len=max_model_len, max_num_seqs=1, quantization=method)
             start_s = time.perf_counter() - t0
             lat = benchmark.latency(llm, prompt_len, new_tokens, repeats=repeats)
-            print(f"{method}, l2_prefetch {groups}: {lat['decode_tok_s']:.0f} decode tok/s, TTFT {lat['ttft_ms']:.1f} ms "
-                  f"(engine start {start_s:.1f} s)", flush=True)
+            print(f"{method}, l2_prefetch {groups}: {lat['decode_tok_s']:.0f} decode tok/s, "
+                  f"TTFT {lat['ttft_ms']:.1f} ms (engine start {start_s:.1f} s)", flush=True)
             rec.add("bs1_decode", [1, prompt_len, new_tokens], "tok/s", lat["decode_tok_s"], quantization=method,
                     l2_prefetch=groups, run=i, start_s=start_s, **lat, **extra)
             del llm
