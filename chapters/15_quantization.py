@@ -599,8 +599,8 @@ with has random weights, whose predictions mean nothing.
 # that rounding every logit's weights makes. This engine **keeps the head in bf16** by
 # default (`quantize_lm_head=False`), as the FP8 checkpoints published for vLLM
 # usually do (their recipes leave `lm_head` out); `quantize_lm_head=True` takes the
-# other choice, whose accuracy the study below measures and whose speed the GPU sections
-# at the end predict and measure.
+# other choice, whose accuracy the study below measures and whose speed the last GPU
+# section predicts (and shows, once measured).
 # Here is what each choice predicts for the batch-1 limit of Llama 3.2 1B:
 
 # %%
@@ -996,8 +996,8 @@ With the LM head in 8 bits too, int8 gives {{ch15_ppl_int8_head}} and
 head adds {{ch15_head_cost_int8}} percentage points to the perplexity's change in
 int8 and {{ch15_head_cost_fp8}} in FP8. The head's rounding reaches every logit
 directly, with no later layer to dilute it. That, with what the head costs in bytes,
-is the trade the GPU sections at the end price; the engine keeps the head in bf16
-unless `quantize_lm_head=True`.
+is the trade the last GPU section predicts; the engine keeps the head in bf16 unless
+`quantize_lm_head=True`.
 """)
 
 # %% [markdown]
@@ -2321,15 +2321,15 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 #   and 2,048 threads). The estimate stays for the first launch; which block takes a
 #   group of rows changes no sum, so no bit.
 #
-# An experiment, off until the GPU has timed it (`L2_PREFETCH_GROUPS = 0`): the
-# weights are the one operand no kernel writes, so a GEMV may ask for them before it
-# waits for the kernel before it. Its first words already are; Hopper's
-# `cp.async.bulk.prefetch.L2` asks the L2 cache for a whole range of bytes in one
-# instruction, so one thread a block could ask for its first groups' rows — all of
-# them, for O's projection, which launches beside the attention's few blocks — and
-# then for one group further ahead as it takes each. In the simulator, which has no
-# cache, the call only checks what a GPU would need: 16-byte alignment and a range
-# inside the array.
+# One more change is written but off (`L2_PREFETCH_GROUPS = 0`) until a GPU has timed
+# it: asking L2 for a GEMV's weights before the kernel waits for the one before it.
+# The weights are the one operand no kernel writes, and the GEMV already loads its
+# first words early. Hopper's `cp.async.bulk.prefetch.L2` asks the L2 cache for a
+# whole range of bytes in one instruction, so one thread of each block can request
+# its first groups of rows, then one group further ahead as it takes each. For O's
+# projection, which may start while the attention's few blocks still run, that could
+# be all of its rows. In the simulator, which has no cache, the call only checks what
+# a GPU would need: 16-byte alignment and a range inside the array.
 
 # %%
 #| export kernels.l2_prefetch
@@ -4708,6 +4708,13 @@ if profiled:
         s = steps_by[m]
         prose.glue("ch15_step_which", "the faster 8-bit format" if len(eight) > 1 else
                    "the one 8-bit format profiled there")
+        # the step's launches that are not GEMVs (from its launches in order)
+        order = [r for r in step_records if r["name"] == "step_launches"
+                 and r["quantization"] == m and not r.get("lm_head_8bit")]
+        prose.glue("ch15_step_rest_launches", (
+            f"in the {sum(g not in GEMV_GROUPS for g in order[-1]['groups'])} of its "
+            f"{s['kernels']:.0f} kernels and copies that are not GEMVs") if order else
+            "in its kernels and copies that are not GEMVs")
         rest = s["wall"] - s["GEMVs"]
         prose.glue("ch15_step_dev", step_dev)
         prose.glue("ch15_step_fmt", m)
@@ -4747,9 +4754,31 @@ if profiled:
             prose.glue("ch15_step_best", f"{best:,.0f} tok/s")
             prose.glue("ch15_step_limit", f"{bf16_line:,.0f} tok/s")
             prose.glue("ch15_step_verdict", (
-                "past it: GEMVs alone could pass the bf16 limit, if they read at the "
-                "ceiling" if best > bf16_line else
+                "the GEMVs alone, read at the ceiling, would carry it past that limit"
+                if best > bf16_line else
                 "short of it even then: the rest of the step has to shrink too"))
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if profiled and bf16_s and eight:
+    prose.show("""
+On the {{ch15_step_dev}}, {{ch15_step_fmt}} ({{ch15_step_which}}) spends
+{{ch15_step_gemv}} a step in its GEMVs against bf16's {{ch15_step_gemv_bf16}}
+({{ch15_step_gemv_cut}}; the step's weights are {{ch15_step_bytes_cut}} fewer
+bytes{{ch15_step_bytes_why}}), and its step takes {{ch15_step_wall}} against
+{{ch15_step_wall_bf16}}. The rest of the step — attention, norms, rotary embedding and
+cache writes, the sampler, and the time the GPU waits — is {{ch15_step_rest}}
+({{ch15_step_rest_bf16}} in bf16): {{ch15_step_rest_share}} of an 8-bit step,
+{{ch15_step_rest_launches}}. Counted in the bytes of the layers'
+matrices, the LM head's {{ch15_step_head}} taken out of both, the 8-bit GEMVs read at
+{{ch15_step_rate}} and bf16's at {{ch15_step_rate_bf16}} (the 8-bit ones also make the
+norms that bf16 launches apart): read as fast as bf16's, the 8-bit step would take
+{{ch15_step_as_bf16}}.""" + ("""
+Were the GEMVs to read at the ceiling ({{ch15_step_best_gemv}} for these weights), the
+step would run at {{ch15_step_best}} against the bf16 limit of {{ch15_step_limit}}:
+{{ch15_step_verdict}}.""" if known else "") + "\n")
+else:
+    print("no batch-1 step profile recorded yet: python bench/ch15_step_profile.py "
+          "on a GPU")
 
 # %% [markdown]
 # The profile also keeps each launch of a step in order, folded over the steps (the
@@ -4798,38 +4827,19 @@ if profiled and bf16_s and eight and (layer := layer_launches(m)):
     kv_row = 2 * llama_1b.num_key_value_heads * llama_1b.head_dim * 2  # bytes a token
     last = max(r["shape"][1] + r["shape"][2] for r in step_records)
     prose.glue("ch15_layer_kv", f"{kv_row * last / 1024:,.0f} KiB")
-    prose.show("""
-Layer 1 of the {{ch15_step_fmt}} step takes {{ch15_layer_total}}; its four
-GEMVs {{ch15_layer_gemvs}}""" + (""", where its matrices' bytes at the ceiling would
-take {{ch15_layer_gemvs_best}}""" if known else "") + """. The rotary embedding with
-the cache write, and the attention, read little (the attention at most
-{{ch15_layer_kv}} of keys and values, at the request's last step) and take
-{{ch15_layer_fixed}} of the layer: each is a launch that waits for the one before it
-to finish, whatever the weights' format.
-""")
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
-if profiled and bf16_s and eight:
+if profiled and bf16_s and eight and layer:
     prose.show("""
-On the {{ch15_step_dev}}, {{ch15_step_which}}, {{ch15_step_fmt}}, spends
-{{ch15_step_gemv}} a step in its GEMVs against bf16's {{ch15_step_gemv_bf16}}
-({{ch15_step_gemv_cut}}; the step's weights are {{ch15_step_bytes_cut}} fewer
-bytes{{ch15_step_bytes_why}}), and its step takes {{ch15_step_wall}} against
-{{ch15_step_wall_bf16}}. The rest of the step — attention, norms, rotary embedding and
-cache writes, the sampler, and the time the GPU waits — is {{ch15_step_rest}}
-({{ch15_step_rest_bf16}} in bf16, where gate-up's norm is a kernel of its own; the
-8-bit GEMV of gate-up does it inside): {{ch15_step_rest_share}} of an 8-bit step,
-across {{ch15_step_kernels}} kernels and copies. Counted in the bytes of the layers'
-matrices, the LM head's {{ch15_step_head}} taken out of both, the 8-bit GEMVs read at
-{{ch15_step_rate}} and bf16's at {{ch15_step_rate_bf16}} (the 8-bit ones also make the
-norms that bf16 launches apart): read as fast as bf16's, the 8-bit step would take
-{{ch15_step_as_bf16}}.""" + ("""
-Were the GEMVs to read at the ceiling ({{ch15_step_best_gemv}} for these weights), the
-step would run at {{ch15_step_best}} against the bf16 limit of {{ch15_step_limit}}:
-{{ch15_step_verdict}}.""" if known else "") + "\n")
-else:
-    print("no batch-1 step profile recorded yet: python bench/ch15_step_profile.py "
-          "on a GPU")
+A layer's worth of the {{ch15_step_fmt}} step's launches, from layer 1's rotary write
+to layer 2's QKV GEMV, takes {{ch15_layer_total}}; its four GEMVs
+{{ch15_layer_gemvs}}""" + (""", where their matrices' bytes at the ceiling would take
+{{ch15_layer_gemvs_best}}""" if known else "") + """. The rotary embedding with the
+cache write, and the attention, read little (the attention at most {{ch15_layer_kv}}
+of keys and values, at the request's last step) yet take {{ch15_layer_fixed}} of it:
+their time is latency, not bytes — each waits for the launch before it, and no
+weight format shortens that.
+""")
 
 # %% [markdown]
 # ### The LM head in 8 bits
@@ -4844,14 +4854,16 @@ else:
 # each rank rounds its own rows of the vocabulary, the same codes and scales as the
 # whole head's, since a scale belongs to its row.
 #
-# The prediction, before any run: a batch-1 step loses the bf16 head's GEMV, as the
-# profile timed it, and gains the 8-bit GEMV on the head's shape, as the GEMV
-# measurement above timed it on the same GPU. Past the GEMV's 8 tokens the price
-# turns: int8's head takes the dequantized-scratch path like every int8 matrix, so a
-# batch-256 step writes the head's bf16 values and reads them back besides the codes
-# (and the scratch, sized by the largest 8-bit matrix, grows from gate-up's 64 MiB to
-# the head's), where the bf16 head read its values once. The accuracy above says
-# which format can afford it.
+# The prediction, before the engine has run with it: a batch-1 step loses the bf16
+# head's GEMV, as the profile timed it, and gains the plain 8-bit GEMV on the head's
+# shape (the final norm stays a kernel of its own), as the GEMV measurement above
+# timed it on the same GPU. Above 8 tokens a step, where the GEMM takes over, the
+# 8-bit head costs more than the bf16 one: int8's head, like every int8 matrix (and
+# FP8's, by default), is dequantized into the bf16 scratch, so a batch-256 step writes
+# the head's bf16 values and reads them back besides the codes, where the bf16 head
+# read its values once; and the scratch, sized by the largest 8-bit matrix, grows from
+# gate-up's 64 MiB to the head's. Whether each format keeps its perplexity target with
+# the head rounded is the accuracy study's question; its answer follows.
 
 # %%
 # the 8-bit GEMV on the head's shape, on the profiled GPU: the newest version's record
@@ -4887,8 +4899,8 @@ if profiled and bf16_s and eight:
         extra_us = extra_bytes / (step_gb_s * 1e3)
         print(f"batch 256, int8: + {extra_bytes / 1e6:,.0f} MB a step through the "
               f"scratch, {extra_us:.0f} µs at the ceiling")
-        prose.glue("ch15_head_extra", f"{extra_bytes / 1e6:,.0f} MB a step "
-                   f"({extra_us:.0f} µs at the ceiling)")
+        prose.glue("ch15_head_extra", f"{extra_bytes / 1e6:,.0f} MB a step more "
+                   f"than the bf16 head ({extra_us:.0f} µs at the ceiling)")
     prose.glue("ch15_head_scratch", f"{2 * V * H / 2**20:,.0f} MiB")
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
@@ -4907,16 +4919,32 @@ if "int8" in head_predicted:
                f"({1e6 / steps_by[m8]['wall']:,.0f} tok/s)")
     limit_head = (step_gb_s * 1e9 / decode_weight_bytes(llama_1b, m8, lm_head=True)
                   if known else math.nan)
-    prose.glue("ch15_head_limit", f"{limit_head:,.0f} tok/s")
+    bf16_head_bytes, head_8_bytes = 2 * V * H, V * (H + 4)
+    head_bf16_us = steps_by[m8]["groups"].get("kernels.gemv", 0.0)
+    prose.glue("ch15_head_rates", (
+        f"{bf16_head_bytes / (head_bf16_us * 1e3):,.0f} GB/s for its "
+        f"{bf16_head_bytes / 1e6:,.0f} MB; the 8-bit one "
+        f"{head_8_bytes / (head_gemv(m8)['us'] * 1e3):,.0f} GB/s for "
+        f"{head_8_bytes / 1e6:,.0f} MB"))
+    prose.glue("ch15_head_saved", f"{head_bf16_us - head_gemv(m8)['us']:.0f} µs")
+    prose.glue("ch15_head_half", f"{head_bf16_us / 2:.0f} µs")
+    prose.glue("ch15_head_codes", f"{head_8_bytes / 1e6:,.0f} MB")
+    measured = any(r["name"] == "bs1_decode" and r.get("lm_head_8bit")
+                   for r in gemv_runs)
+    prose.glue("ch15_head_status", (
+        "The cell below prints what the engine measured with it." if measured else
+        "No engine has run with the head in 8 bits on this GPU yet: these figures are "
+        "a prediction, and the cell below prints the measurement once "
+        "`bench/ch15_quantization.py --lm-head both` has recorded it."))
     prose.show("""
 On the {{ch15_step_dev}}, int8's step takes {{ch15_head_now}} with the bf16 head,
-whose GEMV takes {{ch15_head_gemv_bf16}}; the 8-bit GEMV on that shape took
-{{ch15_head_gemv_8}} ({{ch15_head_gemv_version}}), so the step should take
-{{ch15_head_pred}}.""" + ("""
-The batch-1 limit with the head in 8 bits moves to {{ch15_head_limit}}. At batch 256
-the head's trip through the scratch (int8's path, and FP8's unless
-`FP8_TENSOR_CORE_GEMM`) adds {{ch15_head_extra}}, and the scratch grows to
-{{ch15_head_scratch}}.""" if known else "") + "\n")
+whose GEMV takes {{ch15_head_gemv_bf16}}; the plain 8-bit GEMV on that shape took
+{{ch15_head_gemv_8}} ({{ch15_head_gemv_version}}). The bf16 GEMV reads
+{{ch15_head_rates}}: halving the head's bytes saves {{ch15_head_saved}}, not
+{{ch15_head_half}}, and the step should take {{ch15_head_pred}}.""" + ("""
+At batch 256 the 8-bit head moves {{ch15_head_extra}}, and it
+takes {{ch15_head_codes}} of memory for its codes besides a scratch grown to
+{{ch15_head_scratch}}.""" if known else "") + " {{ch15_head_status}}\n")
 if accuracy:  # the head's price in perplexity, from the accuracy study
     head_ok = [m for m in ("int8", "fp8")
                if text_runs[f"{m}, head 8-bit"]["ratio_to_bf16"] - 1 <= TARGETS[m]]
@@ -4924,13 +4952,19 @@ if accuracy:  # the head's price in perplexity, from the accuracy study
         "both formats may take it" if len(head_ok) == 2 else
         f"only {head_ok[0]} stays within its target with it" if head_ok else
         "neither format stays within its target with it"))
+    for m8 in ("int8", "fp8"):
+        prose.glue(f"ch15_head_base_{m8}",
+                   f"{100 * (text_runs[m8]['ratio_to_bf16'] - 1):+.2f}%")
     prose.show("""
-With the head in 8 bits SmolLM2's perplexity is {{ch15_ppl_int8_head}} in int8
-({{ch15_ppl_verdict_int8_head}} the 1% target; the head's own share
-{{ch15_head_cost_int8}} percentage points) and {{ch15_ppl_fp8_head}} in FP8
-({{ch15_ppl_verdict_fp8_head}} its 2%; the head's share {{ch15_head_cost_fp8}}):
-{{ch15_head_which}}. The engine leaves the switch off by default, as the 8-bit
-checkpoints published for vLLM leave their heads unquantized.
+With the head in 8 bits, SmolLM2's perplexity is {{ch15_ppl_int8_head}} in int8,
+{{ch15_ppl_verdict_int8_head}} its 1% target (the head's {{ch15_head_cost_int8}}
+percentage points on top of int8's {{ch15_head_base_int8}}), and
+{{ch15_ppl_fp8_head}} in FP8, {{ch15_ppl_verdict_fp8_head}} its 2% target (the
+head's {{ch15_head_cost_fp8}} percentage points on top of FP8's
+{{ch15_head_base_fp8}}):
+{{ch15_head_which}}. The engine leaves the switch off by default: what int8 gains at
+batch 1 comes with more memory and a cost at batch 256, and the chapter's
+measurements have not yet weighed the two.
 """)
 
 # %%
@@ -4983,7 +5017,9 @@ if not measured_heads:
 #   both scales applied in its epilogue. Rounding the activations costs SmolLM2 more
 #   perplexity than rounding the weights did, in int8 as in FP8: that switch trades
 #   accuracy for speed. The tied LM head stays bf16 unless
-#   `quantize_lm_head=True`: int8's perplexity barely moves with it, FP8's does.
+#   `quantize_lm_head=True`: int8's perplexity barely moves with it, FP8's leaves its
+#   target; in int8 it should save a few percent of a batch-1 step (predicted, not
+#   yet measured) and costs scratch traffic and memory at batch 256.
 # - **GPTQ** keeps the grid and the scales and chooses the codes against the inputs'
 #   $X^\top X$, each column's rounding error moved onto the columns not yet rounded.
 #   `python -m tinyvllm_lib quantize` does it once, offline, into a **checkpoint**: the
@@ -5006,6 +5042,10 @@ if not measured_heads:
 #   measurement section counts each version's instructions a word of codes in its
 #   SASS and says what each bought. At batch 256 int8's bf16 scratch costs
 #   throughput; FP8's tensor cores are measured against bf16 in the same run.
+# - A profiled batch-1 step splits into its GEMVs and a rest — attention, rotary and
+#   cache writes, norms, the sampler — that no weight format shrinks, each of its
+#   launches waiting for the one before; the 8-bit GEMVs read the layers' matrices
+#   well below bf16's rate, so they, not the bytes, set how far past bf16 8 bits go.
 #
 # ## Exercises
 #
