@@ -2320,69 +2320,12 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 #   64K registers an SM, handed out a warp at a time in 256s, 32 KiB of stage a block,
 #   and 2,048 threads). The estimate stays for the first launch; which block takes a
 #   group of rows changes no sum, so no bit.
-#
-# One more change is written but off (`L2_PREFETCH_GROUPS = 0`) until a GPU has timed
-# it: asking L2 for a GEMV's weights before the kernel waits for the one before it.
-# The weights are the one operand no kernel writes, and the GEMV already loads its
-# first words early. Hopper's `cp.async.bulk.prefetch.L2` asks the L2 cache for a
-# whole range of bytes in one instruction, so one thread of each block can request
-# its first groups of rows, then one group further ahead as it takes each. For O's
-# projection, which may start while the attention's few blocks still run, that could
-# be all of its rows. In the simulator, which has no cache, the call only checks what
-# a GPU would need: 16-byte alignment and a range inside the array.
-
-# %%
-#| export kernels.l2_prefetch
-from numba import config, types
-
-if config.ENABLE_CUDASIM:
-
-    def prefetch_l2(array, first, nbytes):
-        """Check a prefetch of nbytes of array from element `first` on (the simulator
-        has no cache to fill): 16-byte aligned, a multiple of 16 bytes, inside the
-        array."""
-        start = int(first) * array.dtype.itemsize
-        if start % 16 or int(nbytes) % 16 or start + int(nbytes) > array.nbytes:
-            raise ValueError(f"prefetch_l2: {int(nbytes)} bytes at byte {start} of an "
-                             f"array of {array.nbytes}: need 16-byte alignment, inside")
-
-else:
-    from llvmlite import ir
-    from numba.cuda import dispatcher as _dispatcher
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def prefetch_l2(typingctx, array, first, nbytes):
-        """`cp.async.bulk.prefetch.L2.global`: ask L2 for nbytes of `array` from
-        element `first` on (uint64), nbytes (uint32) a multiple of 16 and the start
-        16-byte aligned; a hint that changes no value. Nothing before Hopper."""
-        if not isinstance(array, types.Array):
-            return None
-
-        def codegen(context, builder, signature, args):
-            if tuple(_dispatcher.get_current_device().compute_capability) < (9, 0):
-                return context.get_dummy_value()
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            i64, i32 = ir.IntType(64), ir.IntType(32)
-            size = context.get_abi_sizeof(context.get_data_type(array.dtype))
-            offset = builder.mul(context.cast(builder, args[1], signature.args[1],
-                                              types.uint64), ir.Constant(i64, size))
-            address = builder.add(builder.ptrtoint(ary.data, i64), offset)
-            count = context.cast(builder, args[2], signature.args[2], types.uint32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i32]),
-                               "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
-                               side_effect=True)
-            builder.call(asm, [address, count])
-            return context.get_dummy_value()
-
-        return types.void(array, first, nbytes), codegen
-
 
 # %%
 #| export kernels.gemv_8bit_kernel
 import math
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint64
 
 from tinyvllm_lib.kernels.activation_store import (
     pack_f32_pair,
@@ -2398,7 +2341,6 @@ from tinyvllm_lib.kernels.gemv import (
     bf16x4_to_f32,
     warp_sum_all,
 )
-from tinyvllm_lib.kernels.l2_prefetch import prefetch_l2
 from tinyvllm_lib.kernels.tensor_core import require_lto
 from tinyvllm_lib.kernels.widen_8bit import WIDEN_WORD
 
@@ -2408,10 +2350,6 @@ STAGE_WORDS = 4096
 # token a block stages down's 8,192 inputs with its loads issued together, where one
 # word at a time made four round trips in a row)
 STAGE_AHEAD = 4
-# groups of rows of codes a block asks L2 for before it waits for the kernel before
-# it, then one further ahead as it takes each group (0: none; an experiment, not yet
-# timed on a GPU: bench/ch15_l2_prefetch.py)
-L2_PREFETCH_GROUPS = 0
 # 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
 # e4m3 multiplied by 2^120 and tested for NaN); 2: 8 codes a word by moving bits, the
 # input widened by every warp; 3: one byte permute an int8 code, the hardware's
@@ -2430,16 +2368,14 @@ GEMV_8BIT_VERSION = 7
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                           rows: int, unroll: int, accumulate: bool = False,
                           rms_norm: bool = False, gated: bool = False,
-                          stage_ahead: int = STAGE_AHEAD,
-                          l2_prefetch: int = L2_PREFETCH_GROUPS):
+                          stage_ahead: int = STAGE_AHEAD):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
     The block stages its tokens' input in shared memory as float32, a piece of K at a
     time; a group of warps_per_row warps (one, or the block's eight) shares `rows`
     rows, each thread loading unroll words of each before widening any.
     stage_ahead: words of codes' worth of bf16 input a thread loads before it stages
-    any. l2_prefetch: groups of rows a block asks L2 for before it waits (then one
-    further ahead a group it takes), where a row is a whole number of 16 bytes.
+    any.
     accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
     out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
     gated: w stacks [gate | up] (N = 2 I rows) and out (M, I) bf16 bits =
@@ -2547,17 +2483,6 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         store_activation(out, m, n, g / (float32(1.0) + math.exp(-g)) * up)
 
     @cuda.jit(device=True, **INLINE)
-    def prefetch_group(w64, gp, num_groups, out_rows, num_words):
-        # ask L2 for the codes of group gp's rows (gated: its gate and its up rows)
-        if gp < num_groups:
-            first = gp * uint64(rows_per_block)
-            count = min(uint64(rows_per_block), out_rows - first)
-            nbytes = uint32(count * num_words * uint64(8))
-            prefetch_l2(w64, first * num_words, nbytes)
-            if gated:
-                prefetch_l2(w64, (first + out_rows) * num_words, nbytes)
-
-    @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, scales, out, norm64, eps):
         staged = cuda.shared.array(STAGE_WORDS, uint64)
         partial = cuda.shared.array((GEMV_WARPS, partial_size), float32)
@@ -2585,18 +2510,8 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         # for the kernel before this one (chapter 11's programmatic edges)
         load_words(w64, words, n0, t, first_end, N, False)
         loaded, fresh = True, True
-        # a row's codes a whole number of 16 bytes (the prefetch's unit): one thread
-        # asks for the block's first groups
-        asks = l2_prefetch > 0 and tid == 0 and num_words % uint64(2) == uint64(0)
-        if asks:
-            for p in range(l2_prefetch):
-                prefetch_group(w64, g + uint64(p) * stride, num_groups, out_rows,
-                               num_words)
         wait_for_previous_kernel()
         while g < num_groups:
-            if asks:  # and, as it takes each, for one further ahead
-                prefetch_group(w64, g + uint64(l2_prefetch) * stride, num_groups,
-                               out_rows, num_words)
             m0 = uint64(0)
             while m0 < M:  # a pass per num_tokens token vectors
                 stage_now = fresh or not once

@@ -5,7 +5,6 @@ import types
 
 import numpy as np
 import pytest
-from numba import config as numba_config
 from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul_ref
@@ -339,42 +338,6 @@ def test_staging_ahead_gives_the_same_bits(rng, method, M, bucket, K, knobs, kin
     assert np.array_equal(outs[0], outs[1])
     product = reference(bf16_bits_to_f32(x), q)
     assert rel_error(outs[1], product + prior if add else product) <= TOL
-
-
-@needs_launch
-@pytest.mark.parametrize("method, M, K, knobs, kind", [
-    ("int8", 1, 64, (8, 4, 1), "add"),  # 8 words a row: 64 bytes, whole 16s; 11 rows, 3 groups of 4, the last of 3
-    ("fp8", 2, 64, (1, 2, 1), ""),  # a warp 2 rows: groups of 16 rows
-    ("int8", 1, 64, (8, 4, 1), "gated"),  # gate and up rows, each range asked for
-    ("int8", 1, 72, (8, 4, 1), ""),  # 9 words: a row is not whole 16s, nothing asked for
-])
-def test_l2_prefetch_asks_inside_the_weights_and_changes_no_bit(rng, method, M, K, knobs, kind):
-    """l2_prefetch=3 (the block's first groups before the wait, then one further ahead a group): the simulator's
-    prefetch_l2 raises unless every range is 16-byte aligned and inside the codes (the last group's rows cut at N);
-    the sums, the same bits as without."""
-    N, gated = (22 if kind == "gated" else 11), kind == "gated"
-    q = random_weight(rng, method, N, K)
-    x, prior = random_bf16(rng, (M, K)), rng.standard_normal((M, N), dtype=np.float32)
-    outs = []
-    for ahead in (0, 3):
-        kernel = make_gemv_8bit_kernel(method, 2 if M == 2 else 1, *knobs, accumulate=kind == "add", gated=gated,
-                                       l2_prefetch=ahead)
-        out = (cuda.to_device(np.zeros((M, N // 2), np.uint16)) if gated else cuda.to_device(prior.copy()))
-        kernel[2, GEMV_THREADS](cuda.to_device(x).view(np.uint64), cuda.to_device(q.codes).view(np.uint64),
-                                cuda.to_device(q.scales), out)  # two blocks: a stride of 2 groups
-        outs.append(out.copy_to_host())
-    assert np.array_equal(outs[0], outs[1])
-
-
-@pytest.mark.skipif(not numba_config.ENABLE_CUDASIM, reason="on a GPU prefetch_l2 is a device intrinsic")
-def test_prefetch_l2_checks_its_range_in_the_simulator():
-    from tinyvllm_lib.kernels.l2_prefetch import prefetch_l2
-
-    codes = np.zeros((4, 8), np.uint64)  # 256 bytes
-    prefetch_l2(codes, 2, 224)  # bytes 16 to 240
-    for first, nbytes in ((1, 16), (2, 8), (2, 256)):  # byte 8; 8 bytes; 16 past the end
-        with pytest.raises(ValueError, match="need 16-byte alignment, inside"):
-            prefetch_l2(codes, first, nbytes)
 
 
 @pytest.mark.parametrize("tokens, registers, shared_kib, want", [

@@ -4,7 +4,7 @@
 # defined in chapters/15_quantization.py
 import math
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint64
 
 from tinyvllm_lib.kernels.activation_store import (
     pack_f32_pair,
@@ -20,7 +20,6 @@ from tinyvllm_lib.kernels.gemv import (
     bf16x4_to_f32,
     warp_sum_all,
 )
-from tinyvllm_lib.kernels.l2_prefetch import prefetch_l2
 from tinyvllm_lib.kernels.tensor_core import require_lto
 from tinyvllm_lib.kernels.widen_8bit import WIDEN_WORD
 
@@ -30,10 +29,6 @@ STAGE_WORDS = 4096
 # token a block stages down's 8,192 inputs with its loads issued together, where one
 # word at a time made four round trips in a row)
 STAGE_AHEAD = 4
-# groups of rows of codes a block asks L2 for before it waits for the kernel before
-# it, then one further ahead as it takes each group (0: none; an experiment, not yet
-# timed on a GPU: bench/ch15_l2_prefetch.py)
-L2_PREFETCH_GROUPS = 0
 # 1: a warp a row, a code at a time (int8 through an integer-to-float conversion,
 # e4m3 multiplied by 2^120 and tested for NaN); 2: 8 codes a word by moving bits, the
 # input widened by every warp; 3: one byte permute an int8 code, the hardware's
@@ -52,16 +47,14 @@ GEMV_8BIT_VERSION = 7
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                           rows: int, unroll: int, accumulate: bool = False,
                           rms_norm: bool = False, gated: bool = False,
-                          stage_ahead: int = STAGE_AHEAD,
-                          l2_prefetch: int = L2_PREFETCH_GROUPS):
+                          stage_ahead: int = STAGE_AHEAD):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
     The block stages its tokens' input in shared memory as float32, a piece of K at a
     time; a group of warps_per_row warps (one, or the block's eight) shares `rows`
     rows, each thread loading unroll words of each before widening any.
     stage_ahead: words of codes' worth of bf16 input a thread loads before it stages
-    any. l2_prefetch: groups of rows a block asks L2 for before it waits (then one
-    further ahead a group it takes), where a row is a whole number of 16 bytes.
+    any.
     accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
     out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
     gated: w stacks [gate | up] (N = 2 I rows) and out (M, I) bf16 bits =
@@ -169,17 +162,6 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         store_activation(out, m, n, g / (float32(1.0) + math.exp(-g)) * up)
 
     @cuda.jit(device=True, **INLINE)
-    def prefetch_group(w64, gp, num_groups, out_rows, num_words):
-        # ask L2 for the codes of group gp's rows (gated: its gate and its up rows)
-        if gp < num_groups:
-            first = gp * uint64(rows_per_block)
-            count = min(uint64(rows_per_block), out_rows - first)
-            nbytes = uint32(count * num_words * uint64(8))
-            prefetch_l2(w64, first * num_words, nbytes)
-            if gated:
-                prefetch_l2(w64, (first + out_rows) * num_words, nbytes)
-
-    @cuda.jit(device=True, **INLINE)
     def gemv_body(x64, w64, scales, out, norm64, eps):
         staged = cuda.shared.array(STAGE_WORDS, uint64)
         partial = cuda.shared.array((GEMV_WARPS, partial_size), float32)
@@ -207,18 +189,8 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         # for the kernel before this one (chapter 11's programmatic edges)
         load_words(w64, words, n0, t, first_end, N, False)
         loaded, fresh = True, True
-        # a row's codes a whole number of 16 bytes (the prefetch's unit): one thread
-        # asks for the block's first groups
-        asks = l2_prefetch > 0 and tid == 0 and num_words % uint64(2) == uint64(0)
-        if asks:
-            for p in range(l2_prefetch):
-                prefetch_group(w64, g + uint64(p) * stride, num_groups, out_rows,
-                               num_words)
         wait_for_previous_kernel()
         while g < num_groups:
-            if asks:  # and, as it takes each, for one further ahead
-                prefetch_group(w64, g + uint64(l2_prefetch) * stride, num_groups,
-                               out_rows, num_words)
             m0 = uint64(0)
             while m0 < M:  # a pass per num_tokens token vectors
                 stage_now = fresh or not once
