@@ -4867,6 +4867,12 @@ if accuracy:  # the head's price in perplexity, from the accuracy study
         "both formats may take it" if len(head_ok) == 2 else
         f"only {head_ok[0]} stays within its target with it" if head_ok else
         "neither format stays within its target with it"))
+    head_measured = any(r["name"] == "bs1_decode" and r.get("lm_head_8bit")
+                        for r in gemv_runs)
+    prose.glue("ch15_head_default", (
+        "the engine's batch-1 and batch-256 runs with each head, printed below, weigh "
+        "the two" if head_measured else
+        "no engine run on a GPU has weighed the two yet"))
     for m8 in ("int8", "fp8"):
         prose.glue(f"ch15_head_base_{m8}",
                    f"{100 * (text_runs[m8]['ratio_to_bf16'] - 1):+.2f}%")
@@ -4878,8 +4884,8 @@ percentage points on top of int8's {{ch15_head_base_int8}}), and
 head's {{ch15_head_cost_fp8}} percentage points on top of FP8's
 {{ch15_head_base_fp8}}):
 {{ch15_head_which}}. The engine leaves the switch off by default: what int8 gains at
-batch 1 comes with more memory and a cost at batch 256, and the chapter's
-measurements have not yet weighed the two.
+batch 1 comes with more memory and a cost at batch 256, and
+{{ch15_head_default}}.
 """)
 
 # %%
@@ -4933,8 +4939,8 @@ if not measured_heads:
 #   perplexity than rounding the weights did, in int8 as in FP8: that switch trades
 #   accuracy for speed. The tied LM head stays bf16 unless
 #   `quantize_lm_head=True`: int8's perplexity barely moves with it, FP8's leaves its
-#   target; in int8 it should save a few percent of a batch-1 step (predicted, not
-#   yet measured) and costs scratch traffic and memory at batch 256.
+#   target; in int8 it should shorten a batch-1 step (the last GPU section predicts
+#   by how much from the records) and costs scratch traffic and memory at batch 256.
 # - **GPTQ** keeps the grid and the scales and chooses the codes against the inputs'
 #   $X^\top X$, each column's rounding error moved onto the columns not yet rounded.
 #   `python -m tinyvllm_lib quantize` does it once, offline, into a **checkpoint**: the
