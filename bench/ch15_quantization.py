@@ -18,6 +18,9 @@ records marked lm_head_8bit.
 gemm: past the GEMV's tokens (16 to 4,096), each layer's product as the engine makes it — bf16 cuBLAS, int8's
 dequantized scratch, FP8's quantizer + cuBLASLt, and cuBLASLt alone — replayed from a CUDA graph, weights rotated;
 QKV and gate-up with the norm that feeds them (FP8 fuses its quantizer into it), records marked with_norm.
+crossover: 1 to 16 tokens, each layer's product as the layer loop makes it on each 8-bit format's two paths (the GEMV and
+the dequantized scratch) and bf16's: where QUANTIZED_GEMV_MAX_TOKENS belongs.
+small_batch: decode at 4 to 16 concurrent requests, bf16 and int8 with the GEMV up to 4, 8 and 16 tokens.
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant (gate-up's also with SiLU·up inside, the engine's MLP kernel), replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
@@ -70,7 +73,7 @@ from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.quantization.formats import quantize
 
-PARTS = ("engine", "throughput", "gemv", "sweep", "drift", "gemm")
+PARTS = ("engine", "throughput", "gemv", "sweep", "drift", "gemm", "crossover", "small_batch")
 FORMATS = (None, "int8", "fp8")
 MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
 
@@ -273,6 +276,108 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
         save_part(rec, "gemm", tiny)
 
 
+CROSSOVER_TOKENS = (1, 2, 4, 8, 12, 16)
+
+
+def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> None:
+    """Up to the 8-bit GEMV's 16 token vectors: each layer's step as the layer loop makes it (QKV with its norm, O and
+    down adding into the residual, gate-up with its norm and SiLU·up) on each 8-bit format's two paths, the GEMV and
+    the dequantized scratch (QuantizedLinear.gemv_max_tokens set to 16, then 0), beside bf16's own (chapter 6's GEMV
+    or cuBLAS); replayed from a CUDA graph, weights rotated past L2. Where the GEMV stops winning is where
+    QUANTIZED_GEMV_MAX_TOKENS belongs."""
+    from tinyvllm_lib.layers.linear import (
+        linear,
+        rmsnorm_linear,
+        rmsnorm_linear_silu_mul,
+    )
+    from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
+
+    rng = np.random.default_rng(1)
+    tokens = (3,) if tiny else CROSSOVER_TOKENS
+    shapes = quantized_shapes(config, lm_head=False)
+    scratch = cuda.device_array(max(n * k for n, k in shapes.values()), np.uint16)
+    for name, (N, K) in shapes.items():
+        w = rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02)
+        n_rot = 2 if tiny else num_rotations(N * K)
+        weights = {None: [cuda.to_device(f32_to_bf16_bits(w)) for _ in range(n_rot)]}
+        for m in ("int8", "fp8"):
+            q = quantize(w, m)
+            weights[m] = [QuantizedLinear(q, scratch) for _ in range(n_rot)]
+        norm_weight = cuda.to_device(f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32)))
+        for M in tokens:
+            residual = cuda.to_device(rng.standard_normal((M, K), dtype=np.float32))
+            x = cuda.to_device(f32_to_bf16_bits(rng.standard_normal((M, K), dtype=np.float32)))
+            normed = cuda.device_array((M, K), np.uint16)
+            out = cuda.device_array((M, N), np.float32)
+            act = cuda.device_array((M, N // 2), np.uint16)
+
+            def step(w, st):  # as LlamaCuda's layer loop makes this product
+                on = {"stream": st}
+                if name == "qkv_proj":
+                    return rmsnorm_linear(residual, norm_weight, EPS, w, out, normed, **on)
+                if name == "gate_up_proj":
+                    return rmsnorm_linear_silu_mul(residual, norm_weight, EPS, w, act, out, normed, **on)
+                return linear(x, w, out, accumulate=True, **on)
+
+            made = {}  # path -> its product from zeros (checked against each other before timing)
+            for m, ws in weights.items():
+                for path, most in ((("bf16", None),) if m is None else (("gemv", 16), ("scratch", 0))):
+                    for ql in ws if m else ():
+                        ql.gemv_max_tokens = most
+                    if m:
+                        assert ws[0].gemm_path(x) == path, (ws[0].gemm_path(x), path)
+                    out.copy_to_device(np.zeros((M, N), np.float32))
+                    step(ws[0], 0)
+                    got = act.copy_to_host() if name == "gate_up_proj" else out.copy_to_host()
+                    made[m, path] = bf16_bits_to_f32(got) if got.dtype == np.uint16 else got
+                    if path == "scratch":  # the same codes and scales: the two paths agree to bf16's rounding
+                        check(made[m, path], made[m, "gemv"], f"{m} {name} M={M} scratch vs GEMV", 1e-2)
+                    seconds = time_launches(lambda i, st: step(ws[i % len(ws)], st), len(ws),
+                                            repeats=1 if tiny else 10)
+                    rec.add("crossover", [M, N, K], "us", seconds * 1e6, layer=name, quantization=m, path=path,
+                            part="crossover", **extra)
+                    print(f"{name} M={M} {m or 'bf16'} {path}: {seconds * 1e6:.1f} us", flush=True)
+        save_part(rec, "crossover", tiny)
+
+
+SMALL_BATCHES = (4, 8, 12, 16)
+
+
+def small_batch_part(rec: Recorder, folder, extra: dict, thresholds=(4, 8, 16), repeats: int = 3) -> None:
+    """Decode at a few concurrent requests through the engine (CUDA graphs, the overlap): bf16, then int8 with
+    QUANTIZED_GEMV_MAX_TOKENS at each of `thresholds` (set before the engine captures its graphs). B requests of 128
+    random prompt ids and 128 new greedy tokens at once; decode tok/s over the steps after the first, the median of
+    `repeats` after a warm-up batch."""
+    from tinyvllm_lib.layers import quantized_linear
+
+    default = quantized_linear.QUANTIZED_GEMV_MAX_TOKENS
+    rng = np.random.default_rng(2)
+    for method, most in [(None, None)] + [("int8", t) for t in thresholds]:
+        quantized_linear.QUANTIZED_GEMV_MAX_TOKENS = default if most is None else most
+        llm = LLM(folder, device="cuda", max_model_len=1024, max_num_seqs=max(SMALL_BATCHES), quantization=method)
+        engine = llm.llm_engine
+        for warm_up, B in [(True, max(SMALL_BATCHES))] + [(False, b) for b in SMALL_BATCHES]:
+            runs = []
+            for r in range(repeats):
+                for i in range(B):
+                    prompt = rng.integers(0, llm.config.vocab_size, 128).tolist()
+                    engine.add_request(f"b{B}-{r}-{i}", prompt, benchmark.greedy(128))
+                engine.step()  # the prefill (and the first tokens)
+                t0, steps = time.perf_counter(), 0
+                while engine.has_unfinished_requests():
+                    engine.step()
+                    steps += 1
+                runs.append(B * steps / (time.perf_counter() - t0))
+            if not warm_up:
+                value = float(np.median(runs))
+                rec.add("small_batch_decode", [B], "tok/s", value, quantization=method, gemv_max_tokens=most,
+                        runs=runs, part="small_batch", **extra)
+                print(f"{method or 'bf16'} (GEMV up to {most}) batch {B}: {value:.0f} decode tok/s", flush=True)
+        del llm, engine
+    quantized_linear.QUANTIZED_GEMV_MAX_TOKENS = default
+    save_part(rec, "small_batch", False)
+
+
 # the products whose input the layer loop norms first (rmsnorm_linear), and the norm's epsilon (Llama 3.2's)
 NORMED_INPUT = ("qkv_proj", "gate_up_proj")
 EPS = 1e-5
@@ -449,6 +554,10 @@ def main() -> None:
         drift_part(rec, folder, extra, args.tiny)
     if args.only in (None, "gemm"):
         gemm_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
+    if args.only in (None, "crossover"):
+        crossover_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
+    if args.only in (None, "small_batch") and not args.tiny:
+        small_batch_part(rec, folder, extra)
     if args.only in (None, "engine", "throughput"):
         formats = [None if f == "bf16" else f for f in args.formats]
         engine_part(rec, folder, extra, args.tiny, formats, throughput=args.only in (None, "throughput"),

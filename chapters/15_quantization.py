@@ -3617,9 +3617,10 @@ def gemm_fp8(x_codes, x_scales, w_codes, w_scales, out, stream=0, workspace=None
 # above (`apply_fp8`, where the GPU has them). The switch is off for now: on the one
 # GPU run so far, an H100's, one of the path's tests failed (the others, and the
 # engine runs measured at the end of the chapter, ran with it on).
-# That limit is a guess (8), not yet measured: where the 8-bit GEMV stops beating a
-# dequantize plus cuBLAS; for bf16 chapter 6 measured 1, but there the other side
-# needed no dequantizing.
+# That limit, 4, is where the 8-bit GEMV stops beating a dequantize plus cuBLAS on
+# every layer, measured on the GPU at the end of the chapter ("Where the GEMV stops
+# winning"); for bf16 chapter 6 measured 1, but there the other side needed no
+# dequantizing.
 
 # %%
 #| export layers.quantized_linear
@@ -3641,9 +3642,10 @@ from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.llama_quantized import takes_fp8_gemm
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
-# up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path);
-# a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
-QUANTIZED_GEMV_MAX_TOKENS = 8
+# up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path): where it
+# stopped beating the scratch on every layer (bench/ch15_quantization.py's crossover,
+# an H100: at 8 tokens it took about twice the scratch's time; it was a guess, 8)
+QUANTIZED_GEMV_MAX_TOKENS = 4
 # FP8 weights' GEMM path: True, cuBLASLt on FP8 tensor cores with the activations
 # quantized per token (W8A8), where the GPU has them; False, the bf16 scratch, as
 # int8's. Off by default: its GPU tests pass (an H100), but rounding the activations
@@ -3670,11 +3672,16 @@ class QuantizedLinear:
                              f"{q.codes.size}")
         self.scratch = scratch
 
+    # up to how many token vectors this weight's products take the GEMV; None: the
+    # module's QUANTIZED_GEMV_MAX_TOKENS (the benchmark sets it to time either path)
+    gemv_max_tokens: int | None = None
+
     def __len__(self) -> int:  # rows, as a weight's device array has
         return self.shape[0]
 
     def uses_gemv(self, x) -> bool:
-        return x.shape[0] <= QUANTIZED_GEMV_MAX_TOKENS
+        most = self.gemv_max_tokens
+        return x.shape[0] <= (QUANTIZED_GEMV_MAX_TOKENS if most is None else most)
 
     def gemm_path(self, x) -> str:
         """How x's product is made: "gemv" (the 8-bit GEMV), "fp8" (FP8 tensor cores,
@@ -4533,6 +4540,145 @@ O's narrow product cuBLASLt's first choice of algorithm took
 (few tiles for the GPU's SMs is a guess), and the quantizer's launch is a kernel
 bf16 does not need ({{ch15_gemm_o_proj_fp8}} with it).""") + """
 These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
+""")
+
+# %% [markdown]
+# ### Where the GEMV stops winning
+#
+# `QUANTIZED_GEMV_MAX_TOKENS` decides, for every step of more than one token vector,
+# which path a product takes. It began as a guess, 8. The GEMV reads each weight once
+# for all its token vectors, so it should win while its arithmetic keeps up; the
+# scratch pays its three bytes a weight whatever the tokens. The benchmark's
+# crossover part times each layer's product on both paths exactly as the layer loop
+# makes it (QKV with its norm, O and down adding into the residual, gate-up with its
+# norm and SiLU·up), from 1 to 16 tokens, beside bf16's own path (chapter 6's GEMV at
+# one token, cuBLAS past it); its small_batch part decodes 4 to 16 requests at once
+# through the engine with the limit at 4, 8 and 16, bf16 beside them:
+#
+# ```bash
+# python bench/ch15_quantization.py --only crossover
+# python bench/ch15_quantization.py --only small_batch
+# ```
+
+# %%
+def gemv_wins_up_to_8bit(records: list[dict]) -> int | None:
+    """From one run's crossover records: the largest M such that the 8-bit GEMV beat
+    the scratch for every layer and format at every measured token count up to M (0
+    if not even at 1; None if unmeasured)."""
+    at = {(r["layer"], r["quantization"], r["path"], r["shape"][0]): r["value"]
+          for r in records if r["quantization"]}
+    counts = sorted({k[3] for k in at})
+    if not counts:
+        return None
+    best = 0
+    for M in counts:
+        pairs = [(at[k], at.get((k[0], k[1], "scratch", M))) for k in at
+                 if k[2] == "gemv" and k[3] == M]
+        if not pairs or any(s is None or g >= s for g, s in pairs):
+            break
+        best = M
+    return best
+
+
+cross_runs = newest_run(gpu, "crossover") or newest_run(h100, "crossover")
+batch_runs = newest_run(gpu, "small_batch_decode") or newest_run(h100,
+                                                                 "small_batch_decode")
+if not cross_runs:
+    print("the crossover is not yet recorded on a GPU: "
+          "python bench/ch15_quantization.py --only crossover")
+else:
+    cross_device = cross_runs[0]["device"]["name"]
+    cross = {(r["layer"], r["quantization"], r["path"], r["shape"][0]): r["value"]
+             for r in cross_runs}
+    cross_layers = list(dict.fromkeys(r["layer"] for r in cross_runs))
+    cross_tokens = sorted({r["shape"][0] for r in cross_runs})
+    fig, axes = new_figure(1, len(cross_layers), width=10, height=2.9)
+    for ax, layer in zip(axes, cross_layers):
+        for (m, path), (color, style, label) in {
+                (None, "bf16"): ("#7f7f7f", "-", "bf16"),
+                ("int8", "gemv"): ("#1f77b4", "-", "int8, 8-bit GEMV"),
+                ("int8", "scratch"): ("#1f77b4", ":", "int8, scratch + cuBLAS"),
+                ("fp8", "gemv"): ("#ff7f0e", "-", "FP8, 8-bit GEMV")}.items():
+            ms = [M for M in cross_tokens if (layer, m, path, M) in cross]
+            ax.plot(ms, [cross[layer, m, path, M] for M in ms], "o" + style, ms=3,
+                    color=color, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(cross_tokens, [str(M) for M in cross_tokens], fontsize=7)
+        ax.set_title(layer, fontsize=9)
+        ax.set_xlabel("tokens")
+    axes[0].set_ylabel("µs, as the layer loop makes it")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{cross_device}: the 8-bit GEMV against the dequantized scratch",
+                 fontsize=9)
+    plt.show()
+    wins = gemv_wins_up_to_8bit(cross_runs)
+    print(f"the 8-bit GEMV beats the scratch up to {wins} tokens on every layer; "
+          f"QUANTIZED_GEMV_MAX_TOKENS = {QUANTIZED_GEMV_MAX_TOKENS}")
+    prose.glue("ch15_cross_device", cross_device)
+    prose.glue("ch15_cross_wins", f"{wins}")
+    prose.glue("ch15_cross_limit", f"{QUANTIZED_GEMV_MAX_TOKENS}")
+    prose.glue("ch15_cross_agree", "the same" if wins == QUANTIZED_GEMV_MAX_TOKENS
+               else f"not the same: the records say {wins}")
+    M8 = 8 if 8 in cross_tokens else cross_tokens[-1]
+    gu1, gu8 = (cross.get(("gate_up_proj", "int8", "gemv", M)) for M in (1, M8))
+    if gu1 and gu8:
+        prose.glue("ch15_cross_gu1", f"{gu1:.1f} µs")
+        prose.glue("ch15_cross_gu8", f"{gu8:.1f} µs")
+        prose.glue("ch15_cross_gu_ratio", f"{gu8 / gu1:.0f}")
+    prose.glue("ch15_cross_m8", f"{M8}")
+    for m, path, key in (("int8", "gemv", "gemv"), ("int8", "scratch", "scratch"),
+                         (None, "bf16", "bf16")):
+        us = [cross.get((layer, m, path, M8)) for layer in cross_layers]
+        if None not in us:
+            prose.glue(f"ch15_cross_layer_{key}", f"{sum(us):.1f} µs")
+    cross_ready = all(f"ch15_cross_{k}" in prose.values for k in
+                      ("gu1", "layer_gemv", "layer_scratch", "layer_bf16"))
+
+    batch = {(r["quantization"], r.get("gemv_max_tokens"), r["shape"][0]): r["value"]
+             for r in batch_runs}
+    batches = sorted({k[2] for k in batch})
+    series = sorted({k[:2] for k in batch}, key=lambda k: (k[0] is not None, k[1] or 0))
+    if batch:
+        fig, ax = new_figure(width=7, height=2.8)
+        width = 0.8 / len(series)
+        for i, (m, most) in enumerate(series):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(batches))]
+            ax.bar(xs, [batch.get((m, most, B), 0) for B in batches], width,
+                   color="#7f7f7f" if m is None else plt.cm.Blues(0.4 + 0.2 * i),
+                   label="bf16" if m is None else f"int8, GEMV up to {most} tokens")
+        ax.set_xticks(range(len(batches)), [f"{B} requests" for B in batches])
+        ax.set_ylabel("decode tok/s (all requests)")
+        ax.legend(fontsize=7)
+        ax.set_title(f"{batch_runs[0]['device']['name']}: a few requests at once",
+                     fontsize=9)
+        plt.show()
+        B8 = 8 if 8 in batches else batches[-1]
+        prose.glue("ch15_batch_b", f"{B8}")
+        for key, k in (("bf16", (None, None, B8)), ("at4", ("int8", 4, B8)),
+                       ("at8", ("int8", 8, B8))):
+            if k in batch:
+                prose.glue(f"ch15_batch_{key}", f"{batch[k]:,.0f} tok/s")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if cross_runs and cross_ready:
+    prose.show("""
+On the {{ch15_cross_device}} the 8-bit GEMV beats the scratch up to
+{{ch15_cross_wins}} tokens on every layer, in both formats, and no further. The
+guess was wrong because the GEMV's kernels for more tokens are slow, not because the
+scratch is fast: gate-up's takes {{ch15_cross_gu1}} at one token and
+{{ch15_cross_gu8}} at {{ch15_cross_m8}}, {{ch15_cross_gu_ratio}} times as long for
+{{ch15_cross_m8}} times the arithmetic on the same bytes, where a GEMV reading its
+weights once should stay nearly flat. At {{ch15_cross_m8}} tokens a layer's four
+products take {{ch15_cross_layer_gemv}} on the GEMV, {{ch15_cross_layer_scratch}} on
+the scratch and {{ch15_cross_layer_bf16}} in bf16. `QUANTIZED_GEMV_MAX_TOKENS` is now
+{{ch15_cross_limit}}, {{ch15_cross_agree}} as the records' crossover.""" + ("""
+Through the engine, {{ch15_batch_b}} requests at once decode at {{ch15_batch_at4}}
+with the limit at 4 and {{ch15_batch_at8}} with it at 8; bf16 decodes them at
+{{ch15_batch_bf16}}.""" if all(f"ch15_batch_{k}" in prose.values
+                             for k in ("at4", "at8", "bf16")) else "") + """
+Past a few tokens int8 stays below bf16 until the GEMV's kernels for several tokens
+keep up or a GEMM reads the 8-bit weights itself.
 """)
 
 # %% [markdown]

@@ -20,9 +20,10 @@ from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.llama_quantized import takes_fp8_gemm
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
-# up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path);
-# a guess: the H200 has not yet measured where the GEMV stops beating the GEMM path
-QUANTIZED_GEMV_MAX_TOKENS = 8
+# up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path): where it
+# stopped beating the scratch on every layer (bench/ch15_quantization.py's crossover,
+# an H100: at 8 tokens it took about twice the scratch's time; it was a guess, 8)
+QUANTIZED_GEMV_MAX_TOKENS = 4
 # FP8 weights' GEMM path: True, cuBLASLt on FP8 tensor cores with the activations
 # quantized per token (W8A8), where the GPU has them; False, the bf16 scratch, as
 # int8's. Off by default: its GPU tests pass (an H100), but rounding the activations
@@ -49,11 +50,16 @@ class QuantizedLinear:
                              f"{q.codes.size}")
         self.scratch = scratch
 
+    # up to how many token vectors this weight's products take the GEMV; None: the
+    # module's QUANTIZED_GEMV_MAX_TOKENS (the benchmark sets it to time either path)
+    gemv_max_tokens: int | None = None
+
     def __len__(self) -> int:  # rows, as a weight's device array has
         return self.shape[0]
 
     def uses_gemv(self, x) -> bool:
-        return x.shape[0] <= QUANTIZED_GEMV_MAX_TOKENS
+        most = self.gemv_max_tokens
+        return x.shape[0] <= (QUANTIZED_GEMV_MAX_TOKENS if most is None else most)
 
     def gemm_path(self, x) -> str:
         """How x's product is made: "gemv" (the 8-bit GEMV), "fp8" (FP8 tensor cores,
