@@ -20,7 +20,8 @@ dequantized scratch, FP8's quantizer + cuBLASLt, and cuBLASLt alone — replayed
 QKV and gate-up with the norm that feeds them (FP8 fuses its quantizer into it), records marked with_norm.
 crossover: 1 to 16 tokens, each layer's product as the layer loop makes it on each 8-bit format's two paths (the GEMV and
 the dequantized scratch) and bf16's: where QUANTIZED_GEMV_MAX_TOKENS belongs.
-small_batch: decode at 4 to 16 concurrent requests, bf16 and int8 with the GEMV up to 4, 8 and 16 tokens.
+small_batch: decode at 4 to 16 concurrent requests, bf16 and int8 with the GEMV up to 4 and 8 tokens, and up to 8 and 16
+with a warp a row.
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant (gate-up's also with SiLU·up inside, the engine's MLP kernel), replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
@@ -282,7 +283,8 @@ CROSSOVER_TOKENS = (1, 2, 4, 8, 12, 16)
 def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> None:
     """Up to the 8-bit GEMV's 16 token vectors: each layer's step as the layer loop makes it (QKV with its norm, O and
     down adding into the residual, gate-up with its norm and SiLU·up) on each 8-bit format's two paths, the GEMV and
-    the dequantized scratch (QuantizedLinear.gemv_max_tokens set to 16, then 0), beside bf16's own (chapter 6's GEMV
+    the dequantized scratch (QuantizedLinear.gemv_max_tokens set to 16, then 0), the GEMV past one token in the
+    launcher's variant ("auto") and with a warp a row ("warp", gemv_variant), beside bf16's own (chapter 6's GEMV
     or cuBLAS); replayed from a CUDA graph, weights rotated past L2. Where the GEMV stops winning is where
     QUANTIZED_GEMV_MAX_TOKENS belongs."""
     from tinyvllm_lib.layers.linear import (
@@ -321,39 +323,48 @@ def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) 
 
             made = {}  # path -> its product from zeros (checked against each other before timing)
             for m, ws in weights.items():
-                for path, most in ((("bf16", None),) if m is None else (("gemv", 16), ("scratch", 0))):
+                for path, most, variant in ((("bf16", None, None),) if m is None else
+                                            (("gemv", 16, "auto"), ("gemv", 16, "warp"), ("scratch", 0, None))):
+                    if path == "gemv" and variant == "warp" and M == 1:
+                        continue  # one token: the launcher's own knobs whatever the variant
                     for ql in ws if m else ():
-                        ql.gemv_max_tokens = most
+                        ql.gemv_max_tokens, ql.gemv_variant = most, variant
                     if m:
                         assert ws[0].gemm_path(x) == path, (ws[0].gemm_path(x), path)
                     out.copy_to_device(np.zeros((M, N), np.float32))
                     step(ws[0], 0)
                     got = act.copy_to_host() if name == "gate_up_proj" else out.copy_to_host()
-                    made[m, path] = bf16_bits_to_f32(got) if got.dtype == np.uint16 else got
+                    made[m, path, variant] = bf16_bits_to_f32(got) if got.dtype == np.uint16 else got
+                    if path == "gemv" and variant == "warp":  # the same codes: the variants agree to rounding
+                        check(made[m, path, variant], made[m, "gemv", "auto"], f"{m} {name} M={M} warp vs auto", 1e-2)
                     if path == "scratch":  # the same codes and scales: the two paths agree to bf16's rounding
-                        check(made[m, path], made[m, "gemv"], f"{m} {name} M={M} scratch vs GEMV", 1e-2)
+                        check(made[m, path, variant], made[m, "gemv", "auto"], f"{m} {name} M={M} scratch vs GEMV",
+                              1e-2)
                     seconds = time_launches(lambda i, st: step(ws[i % len(ws)], st), len(ws),
                                             repeats=1 if tiny else 10)
                     rec.add("crossover", [M, N, K], "us", seconds * 1e6, layer=name, quantization=m, path=path,
-                            part="crossover", **extra)
-                    print(f"{name} M={M} {m or 'bf16'} {path}: {seconds * 1e6:.1f} us", flush=True)
+                            gemv_variant=variant, part="crossover", **extra)
+                    print(f"{name} M={M} {m or 'bf16'} {path} {variant or ''}: {seconds * 1e6:.1f} us", flush=True)
         save_part(rec, "crossover", tiny)
 
 
 SMALL_BATCHES = (4, 8, 12, 16)
 
 
-def small_batch_part(rec: Recorder, folder, extra: dict, thresholds=(4, 8, 16), repeats: int = 3) -> None:
+def small_batch_part(rec: Recorder, folder, extra: dict, settings=((4, "auto"), (8, "auto"), (8, "warp"),
+                                                                    (16, "warp")), repeats: int = 3) -> None:
     """Decode at a few concurrent requests through the engine (CUDA graphs, the overlap): bf16, then int8 with
-    QUANTIZED_GEMV_MAX_TOKENS at each of `thresholds` (set before the engine captures its graphs). B requests of 128
+    QUANTIZED_GEMV_MAX_TOKENS and QUANTIZED_GEMV_VARIANT at each of `settings` (set before the engine captures its
+    graphs). B requests of 128
     random prompt ids and 128 new greedy tokens at once; decode tok/s over the steps after the first, the median of
     `repeats` after a warm-up batch."""
     from tinyvllm_lib.layers import quantized_linear
 
-    default = quantized_linear.QUANTIZED_GEMV_MAX_TOKENS
+    default = quantized_linear.QUANTIZED_GEMV_MAX_TOKENS, quantized_linear.QUANTIZED_GEMV_VARIANT
     rng = np.random.default_rng(2)
-    for method, most in [(None, None)] + [("int8", t) for t in thresholds]:
-        quantized_linear.QUANTIZED_GEMV_MAX_TOKENS = default if most is None else most
+    for method, most, variant in [(None, None, None)] + [("int8", t, v) for t, v in settings]:
+        quantized_linear.QUANTIZED_GEMV_MAX_TOKENS = default[0] if most is None else most
+        quantized_linear.QUANTIZED_GEMV_VARIANT = default[1] if variant is None else variant
         llm = LLM(folder, device="cuda", max_model_len=1024, max_num_seqs=max(SMALL_BATCHES), quantization=method)
         engine = llm.llm_engine
         for warm_up, B in [(True, max(SMALL_BATCHES))] + [(False, b) for b in SMALL_BATCHES]:
@@ -371,10 +382,11 @@ def small_batch_part(rec: Recorder, folder, extra: dict, thresholds=(4, 8, 16), 
             if not warm_up:
                 value = float(np.median(runs))
                 rec.add("small_batch_decode", [B], "tok/s", value, quantization=method, gemv_max_tokens=most,
-                        runs=runs, part="small_batch", **extra)
-                print(f"{method or 'bf16'} (GEMV up to {most}) batch {B}: {value:.0f} decode tok/s", flush=True)
+                        gemv_variant=variant, runs=runs, part="small_batch", **extra)
+                print(f"{method or 'bf16'} (GEMV up to {most}, {variant}) batch {B}: {value:.0f} decode tok/s",
+                      flush=True)
         del llm, engine
-    quantized_linear.QUANTIZED_GEMV_MAX_TOKENS = default
+    quantized_linear.QUANTIZED_GEMV_MAX_TOKENS, quantized_linear.QUANTIZED_GEMV_VARIANT = default
     save_part(rec, "small_batch", False)
 
 

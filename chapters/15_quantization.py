@@ -3646,6 +3646,10 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 # stopped beating the scratch on every layer (bench/ch15_quantization.py's crossover,
 # an H100: at 8 tokens it took about twice the scratch's time; it was a guess, 8)
 QUANTIZED_GEMV_MAX_TOKENS = 4
+# the 8-bit GEMV's variant past one token: "auto" (chapter 6's rule: a warp a row
+# for 1 or 2 tokens and 16,384 rows or more, else the block's warps share each group
+# of rows), "warp" or "block"
+QUANTIZED_GEMV_VARIANT = "auto"
 # FP8 weights' GEMM path: True, cuBLASLt on FP8 tensor cores with the activations
 # quantized per token (W8A8), where the GPU has them; False, the bf16 scratch, as
 # int8's. Off by default: its GPU tests pass (an H100), but rounding the activations
@@ -3672,9 +3676,11 @@ class QuantizedLinear:
                              f"{q.codes.size}")
         self.scratch = scratch
 
-    # up to how many token vectors this weight's products take the GEMV; None: the
-    # module's QUANTIZED_GEMV_MAX_TOKENS (the benchmark sets it to time either path)
+    # up to how many token vectors this weight's products take the GEMV, and its
+    # variant past one token; None: the module's QUANTIZED_GEMV_MAX_TOKENS and
+    # QUANTIZED_GEMV_VARIANT (the benchmark sets them to time each path and variant)
     gemv_max_tokens: int | None = None
+    gemv_variant: str | None = None
 
     def __len__(self) -> int:  # rows, as a weight's device array has
         return self.shape[0]
@@ -3682,6 +3688,14 @@ class QuantizedLinear:
     def uses_gemv(self, x) -> bool:
         most = self.gemv_max_tokens
         return x.shape[0] <= (QUANTIZED_GEMV_MAX_TOKENS if most is None else most)
+
+    def variant_for(self, x) -> str:
+        """The 8-bit GEMV's variant for x's token vectors: the launcher's own ("auto")
+        at one token, QUANTIZED_GEMV_VARIANT (or this weight's) past it."""
+        if x.shape[0] == 1:
+            return "auto"
+        mine = self.gemv_variant
+        return QUANTIZED_GEMV_VARIANT if mine is None else mine
 
     def gemm_path(self, x) -> str:
         """How x's product is made: "gemv" (the 8-bit GEMV), "fp8" (FP8 tensor cores,
@@ -3734,7 +3748,7 @@ class QuantizedLinear:
         path = self.gemm_path(x)
         if path == "gemv":
             return gemv_8bit(x, self.codes, self.scales, out, self.method, stream,
-                             accumulate)
+                             accumulate, self.variant_for(x))
         if path == "fp8":
             return self.apply_fp8(x, out, stream, workspace, accumulate)
         return linear(x, self.dequantized(stream), out, stream=stream,
@@ -3751,7 +3765,8 @@ class QuantizedLinear:
         """
         if self.uses_gemv(normed):
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
-                                     self.scales, out, self.method, stream)
+                                     self.scales, out, self.method, stream,
+                                     self.variant_for(normed))
         M, K = normed.shape
         if self.gemm_path(normed) == "fp8" and M <= self.fp8_chunk_rows(K):
             codes, scales = self.fp8_operands(M, K)
@@ -3771,7 +3786,8 @@ class QuantizedLinear:
         """
         if self.uses_gemv(normed) and GATED_GEMV_8BIT:
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
-                                     self.scales, act, self.method, stream, gated=True)
+                                     self.scales, act, self.method, stream,
+                                     self.variant_for(normed), gated=True)
         self.apply_rmsnorm(residual, norm_weight, eps, gate_up, normed, stream=stream,
                            workspace=workspace)
         return silu_mul(gate_up, act, stream=stream)
