@@ -20,8 +20,8 @@ dequantized scratch, FP8's quantizer + cuBLASLt, and cuBLASLt alone — replayed
 QKV and gate-up with the norm that feeds them (FP8 fuses its quantizer into it), records marked with_norm.
 crossover: 1 to 16 tokens, each layer's product as the layer loop makes it on each 8-bit format's two paths (the GEMV and
 the dequantized scratch) and bf16's: where QUANTIZED_GEMV_MAX_TOKENS belongs.
-small_batch: decode at 4 to 16 concurrent requests, bf16 and int8 with the GEMV up to 4 and 8 tokens, and up to 8 and 16
-with a warp a row.
+small_batch: decode at 4 to 16 concurrent requests, bf16 and int8 with the GEMV up to 4 tokens, and up to 8 and 16 with a
+warp a row.
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant (gate-up's also with SiLU·up inside, the engine's MLP kernel), replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
@@ -351,8 +351,7 @@ def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) 
 SMALL_BATCHES = (4, 8, 12, 16)
 
 
-def small_batch_part(rec: Recorder, folder, extra: dict, settings=((4, "auto"), (8, "auto"), (8, "warp"),
-                                                                    (16, "warp")), repeats: int = 3) -> None:
+def small_batch_part(rec: Recorder, folder, extra: dict, settings=((4, "auto"), (8, "warp"), (16, "warp")), repeats: int = 3) -> None:
     """Decode at a few concurrent requests through the engine (CUDA graphs, the overlap): bf16, then int8 with
     QUANTIZED_GEMV_MAX_TOKENS and QUANTIZED_GEMV_VARIANT at each of `settings` (set before the engine captures its
     graphs). B requests of 128
