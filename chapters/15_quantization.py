@@ -4577,16 +4577,16 @@ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 # ```
 
 # %%
-def gemv_wins_up_to_8bit(records: list[dict]) -> int | None:
-    """From one run's crossover records: the largest M such that the 8-bit GEMV beat
-    the scratch for every layer and format at every measured token count up to M (0
-    if not even at 1; None if unmeasured)."""
+def gemv_wins_up_to_8bit(records: list[dict], variant: str = "auto") -> int | None:
+    """From one run's crossover records: the largest M such that the 8-bit GEMV (in
+    `variant` past one token) beat the scratch for every layer and format at every
+    measured token count up to M (0 if not even at 1; None if unmeasured)."""
     at = {(r["layer"], r["quantization"], r["path"], r["shape"][0]): r["value"]
-          for r in records if r["quantization"]}
+          for r in records if r["quantization"] and (
+              r["path"] != "gemv" or r["shape"][0] == 1
+              or r.get("gemv_variant", "auto") == variant)}
     counts = sorted({k[3] for k in at})
-    if not counts:
-        return None
-    best = 0
+    best = None if not counts else 0
     for M in counts:
         pairs = [(at[k], at.get((k[0], k[1], "scratch", M))) for k in at
                  if k[2] == "gemv" and k[3] == M]
@@ -4596,73 +4596,112 @@ def gemv_wins_up_to_8bit(records: list[dict]) -> int | None:
     return best
 
 
+def variant_of(r: dict) -> str | None:
+    """A record's GEMV variant past one token ("auto" where a run did not say)."""
+    return r.get("gemv_variant", "auto") if r["path"] == "gemv" else None
+
+
 cross_runs = newest_run(gpu, "crossover") or newest_run(h100, "crossover")
 batch_runs = newest_run(gpu, "small_batch_decode") or newest_run(h100,
                                                                  "small_batch_decode")
+cross_ready = False
 if not cross_runs:
     print("the crossover is not yet recorded on a GPU: "
           "python bench/ch15_quantization.py --only crossover")
 else:
     cross_device = cross_runs[0]["device"]["name"]
-    cross = {(r["layer"], r["quantization"], r["path"], r["shape"][0]): r["value"]
-             for r in cross_runs}
+    cross = {(r["layer"], r["quantization"], r["path"], r["shape"][0], variant_of(r)):
+             r["value"] for r in cross_runs}
     cross_layers = list(dict.fromkeys(r["layer"] for r in cross_runs))
     cross_tokens = sorted({r["shape"][0] for r in cross_runs})
+    has_warp = any(k[4] == "warp" for k in cross)
+    lines = {(None, "bf16", None): ("#7f7f7f", "-", "bf16"),
+             ("int8", "gemv", "auto"): ("#1f77b4", "-", "int8, 8-bit GEMV"),
+             ("int8", "gemv", "warp"): ("#2ca02c", "--",
+                                        "int8, 8-bit GEMV, a warp a row"),
+             ("int8", "scratch", None): ("#1f77b4", ":", "int8, scratch + cuBLAS")}
     fig, axes = new_figure(1, len(cross_layers), width=10, height=2.9)
     for ax, layer in zip(axes, cross_layers):
-        for (m, path), (color, style, label) in {
-                (None, "bf16"): ("#7f7f7f", "-", "bf16"),
-                ("int8", "gemv"): ("#1f77b4", "-", "int8, 8-bit GEMV"),
-                ("int8", "scratch"): ("#1f77b4", ":", "int8, scratch + cuBLAS"),
-                ("fp8", "gemv"): ("#ff7f0e", "-", "FP8, 8-bit GEMV")}.items():
-            ms = [M for M in cross_tokens if (layer, m, path, M) in cross]
-            ax.plot(ms, [cross[layer, m, path, M] for M in ms], "o" + style, ms=3,
-                    color=color, label=label)
+        for (m, path, variant), (color, style, label) in lines.items():
+            # one token: the launcher's own knobs, whichever variant is asked for
+            ms = [M for M in cross_tokens if (layer, m, path, M, variant) in cross
+                  or (variant == "warp" and M == 1 and has_warp)]
+            ys = [cross.get((layer, m, path, M, variant),
+                            cross.get((layer, m, path, M, "auto"))) for M in ms]
+            if ms:
+                ax.plot(ms, ys, "o" + style, ms=3, color=color, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(cross_tokens, [str(M) for M in cross_tokens], fontsize=7)
         ax.set_title(layer, fontsize=9)
         ax.set_xlabel("tokens")
     axes[0].set_ylabel("µs, as the layer loop makes it")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=6)
     fig.suptitle(f"{cross_device}: the 8-bit GEMV against the dequantized scratch",
                  fontsize=9)
     plt.show()
-    wins = gemv_wins_up_to_8bit(cross_runs)
-    print(f"the 8-bit GEMV beats the scratch up to {wins} tokens on every layer; "
-          f"QUANTIZED_GEMV_MAX_TOKENS = {QUANTIZED_GEMV_MAX_TOKENS}")
+    wins = {v: gemv_wins_up_to_8bit(cross_runs, v)
+            for v in (("auto", "warp") if has_warp else ("auto",))}
+    engine_wins = wins.get(QUANTIZED_GEMV_VARIANT)
+    print(f"the 8-bit GEMV beats the scratch on every layer up to: {wins} tokens; "
+          f"QUANTIZED_GEMV_MAX_TOKENS = {QUANTIZED_GEMV_MAX_TOKENS}, "
+          f"QUANTIZED_GEMV_VARIANT = {QUANTIZED_GEMV_VARIANT!r}")
     prose.glue("ch15_cross_device", cross_device)
-    prose.glue("ch15_cross_wins", f"{wins}")
+    prose.glue("ch15_cross_wins", f"{wins['auto']}")
     prose.glue("ch15_cross_limit", f"{QUANTIZED_GEMV_MAX_TOKENS}")
-    prose.glue("ch15_cross_agree", "the same" if wins == QUANTIZED_GEMV_MAX_TOKENS
-               else f"not the same: the records say {wins}")
+    prose.glue("ch15_cross_variant", "a warp a row" if QUANTIZED_GEMV_VARIANT ==
+               "warp" else "the launcher's own choice of variant")
+    prose.glue("ch15_cross_agree", "the same" if engine_wins ==
+               QUANTIZED_GEMV_MAX_TOKENS else f"not the same: the records say "
+               f"{engine_wins}")
     M8 = 8 if 8 in cross_tokens else cross_tokens[-1]
-    gu1, gu8 = (cross.get(("gate_up_proj", "int8", "gemv", M)) for M in (1, M8))
-    if gu1 and gu8:
-        prose.glue("ch15_cross_gu1", f"{gu1:.1f} µs")
-        prose.glue("ch15_cross_gu8", f"{gu8:.1f} µs")
-        prose.glue("ch15_cross_gu_ratio", f"{gu8 / gu1:.0f}")
     prose.glue("ch15_cross_m8", f"{M8}")
-    for m, path, key in (("int8", "gemv", "gemv"), ("int8", "scratch", "scratch"),
-                         (None, "bf16", "bf16")):
-        us = [cross.get((layer, m, path, M8)) for layer in cross_layers]
+    gu = {v: cross.get(("gate_up_proj", "int8", "gemv", M8, v)) for v in wins}
+    gu1 = cross.get(("gate_up_proj", "int8", "gemv", 1, "auto"))
+    if gu1 and gu["auto"]:
+        prose.glue("ch15_cross_gu1", f"{gu1:.1f} µs")
+        prose.glue("ch15_cross_gu8", f"{gu['auto']:.1f} µs")
+        prose.glue("ch15_cross_gu_ratio", f"{gu['auto'] / gu1:.0f}")
+    for m, path, variant, key in (("int8", "gemv", "auto", "gemv"),
+                                  ("int8", "gemv", "warp", "warp"),
+                                  ("int8", "scratch", None, "scratch"),
+                                  (None, "bf16", None, "bf16")):
+        us = [cross.get((layer, m, path, M8, variant)) for layer in cross_layers]
         if None not in us:
             prose.glue(f"ch15_cross_layer_{key}", f"{sum(us):.1f} µs")
+    if has_warp and gu.get("warp"):
+        prose.glue("ch15_cross_gu8_warp", f"{gu['warp']:.1f} µs")
+        prose.glue("ch15_cross_wins_warp", f"{wins['warp']}")
     cross_ready = all(f"ch15_cross_{k}" in prose.values for k in
                       ("gu1", "layer_gemv", "layer_scratch", "layer_bf16"))
 
-    batch = {(r["quantization"], r.get("gemv_max_tokens"), r["shape"][0]): r["value"]
-             for r in batch_runs}
-    batches = sorted({k[2] for k in batch})
-    series = sorted({k[:2] for k in batch}, key=lambda k: (k[0] is not None, k[1] or 0))
+    def setting(r: dict) -> tuple:  # (quantization, GEMV limit, variant)
+        if r["quantization"] is None:
+            return (None, None, None)
+        return (r["quantization"], r.get("gemv_max_tokens"),
+                r.get("gemv_variant") or "auto")
+
+    batch = {setting(r) + (r["shape"][0],): r["value"] for r in batch_runs}
+    batches = sorted({k[3] for k in batch})
+    series = sorted({k[:3] for k in batch},
+                    key=lambda k: (k[0] is not None, k[2] or "", k[1] or 0))
+
+    def setting_label(k: tuple) -> str:
+        if k[0] is None:
+            return "bf16"
+        return (f"int8, GEMV up to {k[1]} tokens"
+                + (", a warp a row" if k[2] == "warp" else ""))
+
     if batch:
         fig, ax = new_figure(width=7, height=2.8)
         width = 0.8 / len(series)
-        for i, (m, most) in enumerate(series):
+        for i, k in enumerate(series):
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(batches))]
-            ax.bar(xs, [batch.get((m, most, B), 0) for B in batches], width,
-                   color="#7f7f7f" if m is None else plt.cm.Blues(0.4 + 0.2 * i),
-                   label="bf16" if m is None else f"int8, GEMV up to {most} tokens")
+            ax.bar(xs, [batch.get(k + (B,), 0) for B in batches], width,
+                   color="#7f7f7f" if k[0] is None else
+                   ("#2ca02c" if k[2] == "warp" else "#1f77b4"),
+                   alpha=1 if k[0] is None else 0.45 + 0.55 * (k[1] or 0) / 16,
+                   label=setting_label(k))
         ax.set_xticks(range(len(batches)), [f"{B} requests" for B in batches])
         ax.set_ylabel("decode tok/s (all requests)")
         ax.legend(fontsize=7)
@@ -4670,40 +4709,52 @@ else:
                      fontsize=9)
         plt.show()
         B8 = 8 if 8 in batches else batches[-1]
-        behind = [B for B in batches if (None, None, B) in batch and ("int8",
-                  QUANTIZED_GEMV_MAX_TOKENS, B) in batch and batch["int8",
-                  QUANTIZED_GEMV_MAX_TOKENS, B] < batch[None, None, B]]
-        prose.glue("ch15_batch_verdict", (
-            "At every batch measured, int8 with today's limit decodes below bf16"
-            if behind == batches else
-            f"With today's limit int8 decodes below bf16 at {len(behind)} of the "
-            f"{len(batches)} batches measured"))
         prose.glue("ch15_batch_b", f"{B8}")
-        for key, k in (("bf16", (None, None, B8)), ("at4", ("int8", 4, B8)),
-                       ("at8", ("int8", 8, B8))):
-            if k in batch:
-                prose.glue(f"ch15_batch_{key}", f"{batch[k]:,.0f} tok/s")
+        prose.glue("ch15_batch_settings", "; ".join(
+            f"{setting_label(k)}, {batch[k + (B8,)]:,.0f} tok/s" for k in series
+            if k + (B8,) in batch))
+        engine = ("int8", QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT)
+        behind = [B for B in batches if (None, None, None, B) in batch
+                  and engine + (B,) in batch
+                  and batch[engine + (B,)] < batch[None, None, None, B]]
+        measured = [B for B in batches if engine + (B,) in batch]
+        if measured:
+            prose.glue("ch15_batch_verdict", (
+                "At every batch measured, int8 with today's settings decodes below "
+                "bf16" if behind == measured else
+                "With today's settings int8 decodes above bf16 at every batch "
+                "measured" if not behind else
+                f"With today's settings int8 decodes below bf16 at {len(behind)} of "
+                f"the {len(measured)} batches measured"))
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
-if cross_runs and cross_ready:
+if cross_ready:
     prose.show("""
-On the {{ch15_cross_device}} the 8-bit GEMV beats the scratch up to
-{{ch15_cross_wins}} tokens on every layer, in both formats, and no further. The
-guess was wrong because the GEMV's kernels for more tokens are slow, not because the
-scratch is fast: gate-up's takes {{ch15_cross_gu1}} at one token and
-{{ch15_cross_gu8}} at {{ch15_cross_m8}}, {{ch15_cross_gu_ratio}} times as long for
-{{ch15_cross_m8}} times the arithmetic on the same bytes, where a GEMV reading its
-weights once should stay nearly flat. At {{ch15_cross_m8}} tokens a layer's four
-products take {{ch15_cross_layer_gemv}} on the GEMV, {{ch15_cross_layer_scratch}} on
-the scratch and {{ch15_cross_layer_bf16}} in bf16. `QUANTIZED_GEMV_MAX_TOKENS` is now
-{{ch15_cross_limit}}, {{ch15_cross_agree}} as the records' crossover.""" + ("""
-Through the engine, {{ch15_batch_b}} requests at once decode at {{ch15_batch_at4}}
-with the limit at 4 and {{ch15_batch_at8}} with it at 8; bf16 decodes them at
-{{ch15_batch_bf16}}.""" if all(f"ch15_batch_{k}" in prose.values
-                             for k in ("at4", "at8", "bf16")) else "") + ("""
-{{ch15_batch_verdict}}, and will until the GEMV's kernels for several tokens keep up
-or a GEMM reads the 8-bit weights itself.""" if
-    "ch15_batch_verdict" in prose.values else "") + "\n")
+On the {{ch15_cross_device}} the 8-bit GEMV, as the launcher picked its variant,
+beats the scratch up to {{ch15_cross_wins}} tokens on every layer, in both formats,
+and no further. The guess was wrong because the GEMV's kernels for more tokens are
+slow, not because the scratch is fast: gate-up's takes {{ch15_cross_gu1}} at one
+token and {{ch15_cross_gu8}} at {{ch15_cross_m8}}, {{ch15_cross_gu_ratio}} times as
+long for {{ch15_cross_m8}} times the arithmetic on the same bytes, where a GEMV
+reading its weights once should stay nearly flat. Past two tokens the launcher lets
+the block's eight warps share each group of four rows (two of gate-up's outputs),
+and from eight tokens on the input of a 2,048-wide layer no longer fits the block's
+stage whole, so the block stages it again for every group of rows it takes: where
+the time most likely goes. At {{ch15_cross_m8}} tokens a layer's four
+products take {{ch15_cross_layer_gemv}} on that GEMV, {{ch15_cross_layer_scratch}}
+on the scratch and {{ch15_cross_layer_bf16}} in bf16.""" + ("""
+With a warp a row instead — each warp owns its rows, eight of them a group, so a
+block stages the input once for many more rows — gate-up takes
+{{ch15_cross_gu8_warp}} at {{ch15_cross_m8}} tokens, a layer's four products
+{{ch15_cross_layer_warp}}, and the GEMV beats the scratch up to
+{{ch15_cross_wins_warp}} tokens.""" if "ch15_cross_gu8_warp" in prose.values
+    and "ch15_cross_layer_warp" in prose.values else "") + """
+The engine takes the GEMV up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}}
+tokens with {{ch15_cross_variant}} past one token: {{ch15_cross_agree}} as the
+records' crossover.""" + ("""
+Through the engine, {{ch15_batch_b}} requests at once decode at:
+{{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
+{{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + "\n")
 
 # %% [markdown]
 # ### Where a batch-1 step's time goes
