@@ -280,7 +280,7 @@ def gemm_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> No
 CROSSOVER_TOKENS = (1, 2, 4, 8, 12, 16)
 
 
-def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) -> None:
+def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, formats=("int8", "fp8")) -> None:
     """Up to the 8-bit GEMV's 16 token vectors: each layer's step as the layer loop makes it (QKV with its norm, O and
     down adding into the residual, gate-up with its norm and SiLU·up) on each 8-bit format's two paths, the GEMV and
     the dequantized scratch (QuantizedLinear.gemv_max_tokens set to 16, then 0), the GEMV past one token in the
@@ -302,7 +302,7 @@ def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) 
         w = rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02)
         n_rot = 2 if tiny else num_rotations(N * K)
         weights = {None: [cuda.to_device(f32_to_bf16_bits(w)) for _ in range(n_rot)]}
-        for m in ("int8", "fp8"):
+        for m in formats:
             q = quantize(w, m)
             weights[m] = [QuantizedLinear(q, scratch) for _ in range(n_rot)]
         norm_weight = cuda.to_device(f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32)))
@@ -351,7 +351,10 @@ def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool) 
 SMALL_BATCHES = (4, 8, 12, 16)
 
 
-def small_batch_part(rec: Recorder, folder, extra: dict, settings=((4, "auto"), (8, "warp"), (16, "warp")), repeats: int = 3) -> None:
+SMALL_BATCH_SETTINGS = ((4, "auto"), (8, "warp"), (16, "warp"))  # (QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT)
+
+
+def small_batch_part(rec: Recorder, folder, extra: dict, settings=SMALL_BATCH_SETTINGS, repeats: int = 3) -> None:
     """Decode at a few concurrent requests through the engine (CUDA graphs, the overlap): bf16, then int8 with
     QUANTIZED_GEMV_MAX_TOKENS and QUANTIZED_GEMV_VARIANT at each of `settings` (set before the engine captures its
     graphs). B requests of 128
@@ -538,6 +541,9 @@ def main() -> None:
                          "(quantize_lm_head=True), or a run of each")
     ap.add_argument("--fp8-tensor-cores", action="store_true",
                     help="FP8's GEMM path on FP8 tensor cores (quantized_linear.FP8_TENSOR_CORE_GEMM, off by default)")
+    ap.add_argument("--small-batch-settings", nargs="+", default=SMALL_BATCH_SETTINGS,
+                    type=lambda text: (int(text.split(":")[0]), text.split(":")[1]),
+                    help="small_batch: int8's GEMV settings as LIMIT:VARIANT (default: 4:auto 8:warp 16:warp)")
     args = ap.parse_args()
     if args.fp8_tensor_cores:
         from tinyvllm_lib.layers import quantized_linear
@@ -566,9 +572,10 @@ def main() -> None:
     if args.only in (None, "gemm"):
         gemm_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
     if args.only in (None, "crossover"):
-        crossover_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
+        crossover_part(rec, ModelConfig.from_folder(folder), extra, args.tiny,
+                       [f for f in args.formats if f != "bf16"])
     if args.only in (None, "small_batch") and not args.tiny:
-        small_batch_part(rec, folder, extra)
+        small_batch_part(rec, folder, extra, args.small_batch_settings)
     if args.only in (None, "engine", "throughput"):
         formats = [None if f == "bf16" else f for f in args.formats]
         engine_part(rec, folder, extra, args.tiny, formats, throughput=args.only in (None, "throughput"),

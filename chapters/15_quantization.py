@@ -4648,6 +4648,9 @@ else:
           f"QUANTIZED_GEMV_VARIANT = {QUANTIZED_GEMV_VARIANT!r}")
     prose.glue("ch15_cross_device", cross_device)
     prose.glue("ch15_cross_wins", f"{wins['auto']}")
+    cross_formats = sorted({r["quantization"] for r in cross_runs if r["quantization"]})
+    prose.glue("ch15_cross_formats", "both formats" if len(cross_formats) == 2
+               else f"{cross_formats[0]} (the one format that run timed)")
     prose.glue("ch15_cross_limit", f"{QUANTIZED_GEMV_MAX_TOKENS}")
     prose.glue("ch15_cross_variant", "a warp a row" if QUANTIZED_GEMV_VARIANT ==
                "warp" else "the launcher's own choice of variant")
@@ -4731,18 +4734,19 @@ else:
 if cross_ready:
     prose.show("""
 On the {{ch15_cross_device}} the 8-bit GEMV, as the launcher picked its variant,
-beats the scratch up to {{ch15_cross_wins}} tokens on every layer, in both formats,
-and no further. The guess was wrong because the GEMV's kernels for more tokens are
-slow, not because the scratch is fast: gate-up's takes {{ch15_cross_gu1}} at one
-token and {{ch15_cross_gu8}} at {{ch15_cross_m8}}, {{ch15_cross_gu_ratio}} times as
-long for {{ch15_cross_m8}} times the arithmetic on the same bytes, where a GEMV
-reading its weights once should stay nearly flat. Past two tokens the launcher lets
-the block's eight warps share each group of four rows (two of gate-up's outputs),
-and from eight tokens on the input of a 2,048-wide layer no longer fits the block's
-stage whole, so the block stages it again for every group of rows it takes: where
-the time most likely goes. At {{ch15_cross_m8}} tokens a layer's four
-products take {{ch15_cross_layer_gemv}} on that GEMV, {{ch15_cross_layer_scratch}}
-on the scratch and {{ch15_cross_layer_bf16}} in bf16.""" + ("""
+beats the scratch up to {{ch15_cross_wins}} tokens on every layer, in
+{{ch15_cross_formats}}, and no further. The guess was wrong because the GEMV's
+kernels for more tokens are slow, not because the scratch is fast: gate-up's takes
+{{ch15_cross_gu1}} at one token and {{ch15_cross_gu8}} at {{ch15_cross_m8}},
+{{ch15_cross_gu_ratio}} times as long for {{ch15_cross_m8}} times the arithmetic on
+the same bytes, where a GEMV reading its weights once should stay nearly flat. Past
+two tokens the launcher lets the block's eight warps share each group of four rows
+(two of gate-up's outputs), and from eight tokens on the input of a 2,048-wide layer
+no longer fits the block's stage whole, so the block stages it again for every group
+of rows it takes: where the time most likely goes. At {{ch15_cross_m8}} tokens a
+layer's four products take {{ch15_cross_layer_gemv}} on that GEMV,
+{{ch15_cross_layer_scratch}} on the scratch and {{ch15_cross_layer_bf16}} in
+bf16.""" + ("""
 With a warp a row instead — each warp owns its rows, eight of them a group, so a
 block stages the input once for many more rows — gate-up takes
 {{ch15_cross_gu8_warp}} at {{ch15_cross_m8}} tokens, a layer's four products
