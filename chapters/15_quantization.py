@@ -4568,8 +4568,10 @@ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 # crossover part times each layer's product on both paths exactly as the layer loop
 # makes it (QKV with its norm, O and down adding into the residual, gate-up with its
 # norm and SiLU·up), from 1 to 16 tokens, beside bf16's own path (chapter 6's GEMV at
-# one token, cuBLAS past it); its small_batch part decodes 4 to 16 requests at once
-# through the engine with the limit at 4, 8 and 16, bf16 beside them:
+# one token, cuBLAS past it), and the GEMV past one token both in the variant its
+# launcher picks and with a warp a row; its small_batch part decodes 4 to 16 requests
+# at once through the engine at a few settings of the limit and the variant, bf16
+# beside them:
 #
 # ```bash
 # python bench/ch15_quantization.py --only crossover
@@ -4675,6 +4677,9 @@ else:
     if has_warp and gu.get("warp"):
         prose.glue("ch15_cross_gu8_warp", f"{gu['warp']:.1f} µs")
         prose.glue("ch15_cross_wins_warp", f"{wins['warp']}")
+        gu_wins = gemv_wins_up_to_8bit([r for r in cross_runs
+                                        if r["layer"] == "gate_up_proj"], "warp")
+        prose.glue("ch15_cross_gu_wins_warp", f"{gu_wins}")
     cross_ready = all(f"ch15_cross_{k}" in prose.values for k in
                       ("gu1", "layer_gemv", "layer_scratch", "layer_bf16"))
 
@@ -4747,11 +4752,16 @@ of rows it takes: where the time most likely goes. At {{ch15_cross_m8}} tokens a
 layer's four products take {{ch15_cross_layer_gemv}} on that GEMV,
 {{ch15_cross_layer_scratch}} on the scratch and {{ch15_cross_layer_bf16}} in
 bf16.""" + ("""
-With a warp a row instead — each warp owns its rows, eight of them a group, so a
-block stages the input once for many more rows — gate-up takes
-{{ch15_cross_gu8_warp}} at {{ch15_cross_m8}} tokens, a layer's four products
-{{ch15_cross_layer_warp}}, and the GEMV beats the scratch up to
-{{ch15_cross_wins_warp}} tokens.""" if "ch15_cross_gu8_warp" in prose.values
+With a warp a row instead — each warp owns its rows, so a block's group holds four
+times gate-up's outputs and stages the input once for all of them — gate-up takes
+{{ch15_cross_gu8_warp}} at {{ch15_cross_m8}} tokens and beats the scratch up to
+{{ch15_cross_gu_wins_warp}} tokens; but a layer's four products take
+{{ch15_cross_layer_warp}}, and over every layer the GEMV still beats the scratch only
+up to {{ch15_cross_wins_warp}} tokens: the narrower layers lose to it past that. So
+the engine keeps one limit and the launcher's variant; a limit and a variant per
+layer (gate-up a warp a row up to its own crossover) is what the records point to
+next.""" if
+    "ch15_cross_gu8_warp" in prose.values
     and "ch15_cross_layer_warp" in prose.values else "") + """
 The engine takes the GEMV up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}}
 tokens with {{ch15_cross_variant}} past one token: {{ch15_cross_agree}} as the
