@@ -379,3 +379,38 @@ def test_resident_blocks_counts_a_compiled_kernel_once(monkeypatch):
     kernel.overloads = {"sig": object()}
     assert gemv_8bit.resident_blocks(kernel) == 2 * 132  # 96 registers: two blocks of 8 warps
     assert gemv_8bit.resident_blocks(kernel) == 2 * 132 and len(asked) == 1
+
+
+def test_a_weight_takes_its_own_gemv_limit_and_variant(monkeypatch):
+    """QuantizedLinear's path and GEMV variant: the module's QUANTIZED_GEMV_MAX_TOKENS and QUANTIZED_GEMV_VARIANT
+    unless the weight sets its own (as the benchmark does to time each); one token always takes the launcher's own
+    knobs ("auto"); and apply passes the variant on to the GEMV it launches."""
+    from tinyvllm_lib.layers import quantized_linear
+    from tinyvllm_lib.layers.quantized_linear import QuantizedLinear
+
+    layer = object.__new__(QuantizedLinear)  # no GPU copy needed to pick a path
+    layer.method, layer.shape, layer.scratch = "int8", (80, 32), np.zeros(80 * 32, np.uint16)
+    layer.codes = layer.scales = None  # the fake GEMV below reads neither
+
+    def tokens(m):
+        return types.SimpleNamespace(shape=(m, 32))
+
+    limit = quantized_linear.QUANTIZED_GEMV_MAX_TOKENS
+    assert layer.gemm_path(tokens(limit)) == "gemv" and layer.gemm_path(tokens(limit + 1)) == "scratch"
+    monkeypatch.setattr(quantized_linear, "QUANTIZED_GEMV_MAX_TOKENS", 2)
+    assert layer.gemm_path(tokens(3)) == "scratch"
+    layer.gemv_max_tokens = 16
+    assert layer.gemm_path(tokens(16)) == "gemv"
+    layer.gemv_max_tokens = 0
+    assert layer.gemm_path(tokens(1)) == "scratch"
+    assert layer.variant_for(tokens(3)) == quantized_linear.QUANTIZED_GEMV_VARIANT
+    monkeypatch.setattr(quantized_linear, "QUANTIZED_GEMV_VARIANT", "block")
+    assert layer.variant_for(tokens(3)) == "block" and layer.variant_for(tokens(1)) == "auto"
+    layer.gemv_variant = "warp"
+    assert layer.variant_for(tokens(3)) == "warp" and layer.variant_for(tokens(1)) == "auto"
+    seen = []
+    monkeypatch.setattr(quantized_linear, "gemv_8bit", lambda *args: seen.append(args[-1]))
+    layer.gemv_max_tokens = 16
+    for m in (1, 3):
+        layer.apply(cuda.to_device(np.zeros((m, 32), np.uint16)), cuda.to_device(np.zeros((m, 80), np.float32)))
+    assert seen == ["auto", "warp"]
