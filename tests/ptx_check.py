@@ -60,4 +60,21 @@ for info in pkgutil.walk_packages(tinyvllm_lib.__path__, "tinyvllm_lib."):
                     results["no_wait_first"].append(f"{info.name}.{name}")
             except Exception as err:  # report every failure, not just the first
                 results["failed"].append(f"{info.name}.{name} {sig}: {type(err).__name__}: {err}")
+
+# griddepcontrol.wait goes into the PTX of the target compiled for, not of the GPU that happens
+# to be current: each pretend device against each target
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel  # noqa: E402
+
+
+def waits_then_stores(x):
+    wait_for_previous_kernel()
+    x[0] = 1.0
+
+
+results["wait_by_target"] = []
+for device_cc in ((8, 0), (9, 0)):
+    cuda_dispatcher.get_current_device = lambda cc=device_cc: types.SimpleNamespace(compute_capability=cc)
+    for target_cc in ((8, 0), (9, 0)):
+        ptx, _ = cuda.compile_ptx(waits_then_stores, "void(float32[::1])", cc=target_cc)
+        results["wait_by_target"].append([list(device_cc), list(target_cc), "griddepcontrol.wait" in ptx])
 json.dump(results, sys.stdout)

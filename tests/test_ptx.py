@@ -20,3 +20,7 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     # CudaGraph lets a library kernel start early (chapter 1): each must wait before it
     # touches global memory
     assert not results["no_wait_first"], f"kernels that do not wait first: {results['no_wait_first']}"
+    # the wait is compiled for the target's compute capability, whatever GPU is current
+    for device_cc, target_cc, has_wait in results["wait_by_target"]:
+        assert has_wait == (tuple(target_cc) >= (9, 0)), (device_cc, target_cc, has_wait)
+    assert len(results["wait_by_target"]) == 4

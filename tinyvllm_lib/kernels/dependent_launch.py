@@ -12,11 +12,17 @@ if config.ENABLE_CUDASIM:
 else:
     from llvmlite import ir
     from numba.cuda import dispatcher as _dispatcher
+    from numba.cuda.core import targetconfig as _targetconfig
     from numba.cuda.extending import intrinsic
 
     def _dependent_launch_supported() -> bool:
-        """Whether the GPU being compiled for has `griddepcontrol` (sm_90 on)."""
-        cc = _dispatcher.get_current_device().compute_capability
+        """Whether the GPU being compiled for has `griddepcontrol` (sm_90 on): the
+        compilation's own target (`cuda.compile_ptx(..., cc=...)` names one), as
+        numba-cuda's lowering reads it, else the current GPU."""
+        flags = _targetconfig.ConfigStack.top_or_none()
+        cc = getattr(flags, "compute_capability", None)
+        if not cc:
+            cc = _dispatcher.get_current_device().compute_capability
         return tuple(cc) >= (9, 0)
 
     @intrinsic
