@@ -3617,7 +3617,7 @@ def gemm_fp8(x_codes, x_scales, w_codes, w_scales, out, stream=0, workspace=None
 # above (`apply_fp8`, where the GPU has them). The switch is off for now: on the one
 # GPU run so far, an H100's, one of the path's tests failed (the others, and the
 # engine runs measured at the end of the chapter, ran with it on).
-# That limit, 4, is where the 8-bit GEMV stops beating a dequantize plus cuBLAS on
+# That limit is where the 8-bit GEMV stops beating a dequantize plus cuBLAS on
 # every layer, measured on the GPU at the end of the chapter ("Where the GEMV stops
 # winning"); for bf16 chapter 6 measured 1, but there the other side needed no
 # dequantizing.
@@ -3644,7 +3644,8 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 
 # up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path): where it
 # stopped beating the scratch on every layer (bench/ch15_quantization.py's crossover,
-# an H100: at 8 tokens it took about twice the scratch's time; it was a guess, 8)
+# int8 and FP8 on an H100: at 8 tokens it took about twice the scratch's time; it was
+# a guess, 8)
 QUANTIZED_GEMV_MAX_TOKENS = 4
 # the 8-bit GEMV's variant past one token: "auto" (chapter 6's rule: a warp a row
 # for 1 or 2 tokens and 16,384 rows or more, else the block's warps share each group
@@ -4562,7 +4563,7 @@ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 # ### Where the GEMV stops winning
 #
 # `QUANTIZED_GEMV_MAX_TOKENS` decides, for every step of more than one token vector,
-# which path a product takes. It began as a guess, 8. The GEMV reads each weight once
+# which path a product takes. It began as a guess. The GEMV reads each weight once
 # for all its token vectors, so it should win while its arithmetic keeps up; the
 # scratch pays its three bytes a weight whatever the tokens. The benchmark's
 # crossover part times each layer's product on both paths exactly as the layer loop
@@ -4604,11 +4605,13 @@ def variant_of(r: dict) -> str | None:
 
 
 cross_runs = newest_run(gpu, "crossover") or newest_run(h100, "crossover")
-batch_runs = newest_run(gpu, "small_batch_decode") or newest_run(h100,
-                                                                 "small_batch_decode")
+cross_formats = sorted({r["quantization"] for r in cross_runs if r["quantization"]})
+# the small batches on the crossover's GPU: every setting's newest run there
+batch_runs = [r for r in gpu + h100 if r["name"] == "small_batch_decode"
+              and cross_runs and r["device"]["name"] == cross_runs[0]["device"]["name"]]
 cross_ready = False
-if not cross_runs:
-    print("the crossover is not yet recorded on a GPU: "
+if "int8" not in cross_formats:
+    print("the crossover is not yet recorded on a GPU for int8: "
           "python bench/ch15_quantization.py --only crossover")
 else:
     cross_device = cross_runs[0]["device"]["name"]
@@ -4650,15 +4653,15 @@ else:
           f"QUANTIZED_GEMV_VARIANT = {QUANTIZED_GEMV_VARIANT!r}")
     prose.glue("ch15_cross_device", cross_device)
     prose.glue("ch15_cross_wins", f"{wins['auto']}")
-    cross_formats = sorted({r["quantization"] for r in cross_runs if r["quantization"]})
     prose.glue("ch15_cross_formats", "both formats" if len(cross_formats) == 2
                else f"{cross_formats[0]} (the one format that run timed)")
     prose.glue("ch15_cross_limit", f"{QUANTIZED_GEMV_MAX_TOKENS}")
     prose.glue("ch15_cross_variant", "a warp a row" if QUANTIZED_GEMV_VARIANT ==
                "warp" else "the launcher's own choice of variant")
-    prose.glue("ch15_cross_agree", "the same" if engine_wins ==
-               QUANTIZED_GEMV_MAX_TOKENS else f"not the same: the records say "
-               f"{engine_wins}")
+    prose.glue("ch15_cross_agree", (
+        "the same" if engine_wins == QUANTIZED_GEMV_MAX_TOKENS else
+        "not measured for that variant" if engine_wins is None else
+        f"not the same: the records say {engine_wins}"))
     M8 = 8 if 8 in cross_tokens else cross_tokens[-1]
     prose.glue("ch15_cross_m8", f"{M8}")
     gu = {v: cross.get(("gate_up_proj", "int8", "gemv", M8, v)) for v in wins}
@@ -4689,7 +4692,10 @@ else:
         return (r["quantization"], r.get("gemv_max_tokens"),
                 r.get("gemv_variant") or "auto")
 
-    batch = {setting(r) + (r["shape"][0],): r["value"] for r in batch_runs}
+    batch, batch_commit = {}, {}
+    for r in batch_runs:  # in the order recorded: the newest run of a setting wins
+        batch[setting(r) + (r["shape"][0],)] = r["value"]
+        batch_commit[setting(r)] = r.get("engine_commit")
     batches = sorted({k[3] for k in batch})
     series = sorted({k[:3] for k in batch},
                     key=lambda k: (k[0] is not None, k[2] or "", k[1] or 0))
@@ -4718,9 +4724,13 @@ else:
         plt.show()
         B8 = 8 if 8 in batches else batches[-1]
         prose.glue("ch15_batch_b", f"{B8}")
+        prose.glue("ch15_batch_device", batch_runs[0]["device"]["name"])
+        newest = batch_commit[None, None, None]  # bf16's: the newest run's
         prose.glue("ch15_batch_settings", "; ".join(
-            f"{setting_label(k)}, {batch[k + (B8,)]:,.0f} tok/s" for k in series
-            if k + (B8,) in batch))
+            f"{setting_label(k)}, {batch[k + (B8,)]:,.0f} tok/s"
+            + (f" (an earlier run, commit {batch_commit[k]})"
+               if batch_commit[k] != newest else "")
+            for k in series if k + (B8,) in batch))
         engine = ("int8", QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT)
         behind = [B for B in batches if (None, None, None, B) in batch
                   and engine + (B,) in batch
@@ -4735,38 +4745,74 @@ else:
                 f"With today's settings int8 decodes below bf16 at {len(behind)} of "
                 f"the {len(measured)} batches measured"))
 
+# the scratch in L2-sized chunks (bench/ch15_scratch_chunks.py), on the same GPU
+chunk_runs = [r for r in load_records("ch15_scratch_chunks")
+              + load_records("ch15_scratch_chunks", DATA_DIR / "h100")
+              if cross_runs and r["device"]["name"] == cross_runs[0]["device"]["name"]]
+chunk_at = {(r["layer"], r["shape"][0], r["variant"]): r["value"] for r in chunk_runs}
+chunk_M = max((k[1] for k in chunk_at), default=None)
+chunk_keys = {"bf16": "bf16", "whole": "scratch", "chunks": "serial_16mib",
+              "dq": "dequant_whole", "dq_chunks": "dequant_16mib"}
+if chunk_M and all(("gate_up_proj", chunk_M, v) in chunk_at
+                   for v in chunk_keys.values()):
+    for key, v in chunk_keys.items():
+        prose.glue(f"ch15_chunk_{key}",
+                   f"{chunk_at['gate_up_proj', chunk_M, v]:.1f} µs")
+    prose.glue("ch15_chunk_M", f"{chunk_M}")
+    prose.glue("ch15_chunk_device", chunk_runs[0]["device"]["name"])
+    slower = chunk_at["gate_up_proj", chunk_M, "serial_16mib"] >= chunk_at[
+        "gate_up_proj", chunk_M, "scratch"]
+    prose.glue("ch15_chunk_verdict", (
+        "no faster: as these times suggest, the dequantizing kernel's own time, not "
+        "DRAM's round trip, is the scratch's cost, and the chunks' narrower GEMMs run "
+        "slower" if slower
+        else "faster"))
+
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
+if "ch15_chunk_verdict" in prose.values:
+    prose.show("""
+Could the scratch itself cost less? Dequantizing a few rows at a time into a buffer
+small enough to stay in L2 (`bench/ch15_scratch_chunks.py`) should spare the bf16
+values their trip to DRAM and back. On the {{ch15_chunk_device}}, gate-up at
+{{ch15_chunk_M}} tokens took {{ch15_chunk_whole}} through the whole scratch and
+{{ch15_chunk_chunks}} in 16 MiB chunks (bf16 {{ch15_chunk_bf16}}); the dequantizing
+alone took {{ch15_chunk_dq}} whole and {{ch15_chunk_dq_chunks}} in chunks —
+{{ch15_chunk_verdict}}.
+""")
 if cross_ready:
     prose.show("""
 On the {{ch15_cross_device}} the 8-bit GEMV, as the launcher picked its variant,
 beats the scratch up to {{ch15_cross_wins}} tokens on every layer, in
-{{ch15_cross_formats}}, and no further. The guess was wrong because the GEMV's
-kernels for more tokens are slow, not because the scratch is fast: gate-up's takes
-{{ch15_cross_gu1}} at one token and {{ch15_cross_gu8}} at {{ch15_cross_m8}},
-{{ch15_cross_gu_ratio}} times as long for {{ch15_cross_m8}} times the arithmetic on
-the same bytes, where a GEMV reading its weights once should stay nearly flat. Past
-two tokens the launcher lets the block's eight warps share each group of four rows
-(two of gate-up's outputs), and from eight tokens on the input of a 2,048-wide layer
-no longer fits the block's stage whole, so the block stages it again for every group
-of rows it takes: where the time most likely goes. At {{ch15_cross_m8}} tokens a
-layer's four products take {{ch15_cross_layer_gemv}} on that GEMV,
-{{ch15_cross_layer_scratch}} on the scratch and {{ch15_cross_layer_bf16}} in
-bf16.""" + ("""
-With a warp a row instead — each warp owns its rows, so a block's group holds four
-times gate-up's outputs and stages the input once for all of them — gate-up takes
-{{ch15_cross_gu8_warp}} at {{ch15_cross_m8}} tokens and beats the scratch up to
-{{ch15_cross_gu_wins_warp}} tokens; but a layer's four products take
-{{ch15_cross_layer_warp}}, and over every layer the GEMV still beats the scratch only
-up to {{ch15_cross_wins_warp}} tokens: the narrower layers lose to it past that. So
-the engine keeps one limit and the launcher's variant; a limit and a variant per
-layer (gate-up a warp a row up to its own crossover) is what the records point to
-next.""" if
+{{ch15_cross_formats}}, and no further. The first guess was too high because the
+GEMV's kernels for several tokens are slow, not because the scratch is fast:
+gate-up's takes {{ch15_cross_gu1}} at one token and {{ch15_cross_gu8}} at
+{{ch15_cross_m8}}, {{ch15_cross_gu_ratio}} times as long for {{ch15_cross_m8}} times
+the arithmetic on the same bytes, where a GEMV reading its weights once should stay
+nearly flat. Reading the kernel, not a profile, suggests why. Past two tokens the
+launcher lets the block's eight warps share each group of four rows (two of gate-up's
+outputs), and adds the warps' sums across the block for every group. And the block
+stages its tokens' input in shared memory as float32: from five tokens on (five to
+eight take the eight-token kernel) a 2,048-wide input no longer fits the stage whole,
+and down's 8,192-wide one fails to from two tokens on, so the block stages the input
+again for every group of rows it takes. At {{ch15_cross_m8}} tokens a layer's four
+products take {{ch15_cross_layer_gemv}} on that GEMV, {{ch15_cross_layer_scratch}} on
+the scratch and {{ch15_cross_layer_bf16}} in bf16.""" + ("""
+With a warp a row instead — each warp owns its rows, so a group holds four times
+gate-up's outputs, its sums meet within the warp, and the block stages the input a
+quarter as often — gate-up takes {{ch15_cross_gu8_warp}} at {{ch15_cross_m8}} tokens
+and beats the scratch up to {{ch15_cross_gu_wins_warp}} tokens; but a layer's four
+products take {{ch15_cross_layer_warp}}, and over every layer the GEMV still beats
+the scratch only up to {{ch15_cross_wins_warp}} tokens: the narrower layers lose to
+it past that. So the engine keeps one limit and the launcher's variant; a limit and a
+variant per layer (gate-up a warp a row up to its own crossover) is what the records
+point to next.""" if
     "ch15_cross_gu8_warp" in prose.values
     and "ch15_cross_layer_warp" in prose.values else "") + """
 The engine takes the GEMV up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}}
 tokens with {{ch15_cross_variant}} past one token: {{ch15_cross_agree}} as the
 records' crossover.""" + ("""
-Through the engine, {{ch15_batch_b}} requests at once decode at:
+Through the engine on the {{ch15_batch_device}}, {{ch15_batch_b}} requests at once
+decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
 {{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + "\n")
 
@@ -5107,7 +5153,7 @@ if accuracy:  # the head's price in perplexity, from the accuracy study
     prose.glue("ch15_head_default", (
         "the engine's batch-1 and batch-256 runs with each head, printed below, weigh "
         "the two" if head_measured else
-        "no engine run on a GPU has weighed the two yet"))
+        f"no engine run on the {step_dev} has weighed the two yet"))
     for m8 in ("int8", "fp8"):
         prose.glue(f"ch15_head_base_{m8}",
                    f"{100 * (text_runs[m8]['ratio_to_bf16'] - 1):+.2f}%")
@@ -5241,10 +5287,10 @@ default.
 #   launches waiting for the one before; the 8-bit GEMVs read the layers' matrices
 #   well below bf16's rate, so they, not the bytes, set how far past bf16 8 bits go.
 # - Past one token the 8-bit GEMV's kernels slow down far faster than their
-#   arithmetic grows: measured, it beats the dequantized scratch only up to 4 tokens,
-#   so `QUANTIZED_GEMV_MAX_TOKENS` is 4, not the guessed 8, which speeds int8's
-#   decoding at 8 requests at once (the section on it gives the figures); there int8
-#   is still below bf16.
+#   arithmetic grows: measured against the dequantized scratch they win only up to a
+#   few tokens, and `QUANTIZED_GEMV_MAX_TOKENS` now stops there, below the first
+#   guess, which speeds int8's decoding of a few requests at once (the crossover
+#   section gives the figures); there int8 is still below bf16.
 #
 # ## Exercises
 #

@@ -22,7 +22,8 @@ from tinyvllm_lib.quantization.formats import QuantizedTensor
 
 # up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path): where it
 # stopped beating the scratch on every layer (bench/ch15_quantization.py's crossover,
-# an H100: at 8 tokens it took about twice the scratch's time; it was a guess, 8)
+# int8 and FP8 on an H100: at 8 tokens it took about twice the scratch's time; it was
+# a guess, 8)
 QUANTIZED_GEMV_MAX_TOKENS = 4
 # the 8-bit GEMV's variant past one token: "auto" (chapter 6's rule: a warp a row
 # for 1 or 2 tokens and 16,384 rows or more, else the block's warps share each group
