@@ -4580,6 +4580,9 @@ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 # ```
 
 # %%
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+
 def gemv_wins_up_to_8bit(records: list[dict], variant: str = "auto") -> int | None:
     """From one run's crossover records: the largest M such that the 8-bit GEMV (in
     `variant` past one token) beat the scratch for every layer and format at every
@@ -4637,11 +4640,14 @@ else:
                 ax.plot(ms, ys, "o" + style, ms=3, color=color, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())  # 10, 20, 50: not 10^1
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xticks(cross_tokens, [str(M) for M in cross_tokens], fontsize=7)
         ax.set_title(layer, fontsize=9)
         ax.set_xlabel("tokens")
     axes[0].set_ylabel("µs, as the layer loop makes it")
-    axes[0].legend(fontsize=6)
+    axes[1].legend(fontsize=6, loc="upper left")
     fig.suptitle(f"{cross_device}: the 8-bit GEMV against the dequantized scratch",
                  fontsize=9)
     plt.show()
