@@ -25,10 +25,11 @@ warp a row.
 gemv: every projection shape of the 1B model (and the LM head), one token, each format's GEMV alone and its fused
 RMSNorm variant (gate-up's also with SiLU·up inside, the engine's MLP kernel), replayed from a CUDA graph over enough weights that none stays in L2: GB/s counted in the bytes it
 reads (codes, scales, the input row) against the ceiling; each checked against NumPy first.
-sweep: one token, the 8-bit GEMV's knobs (the block's 8 warps sharing 4 or 8 rows, or a warp 1, 2 or 4 rows, and
-the words each thread loads ahead) on each shape with the epilogue the engine launches there, with as many blocks as
-the launcher gives (no more than the GPU holds of that kernel, which is recorded with its registers), timed as the
-gemv part times them; the knobs the launcher picks are marked `chosen`.
+sweep: one token (or each bucket of --sweep-tokens), the 8-bit GEMV's knobs (the block's 8 warps sharing 2, 4 or 8
+rows, or a warp 1, 2 or 4 rows, and the words each thread loads ahead; past one token only those whose sums fit
+GEMV_MAX_ACC) on each shape with the epilogue the engine launches there, with as many blocks as the launcher gives (no
+more than the GPU holds of that kernel, which is recorded with its registers), timed as the gemv part times them; the
+knobs the launcher picks are marked `chosen`.
 drift: one random 64-token prompt teacher-forced: bf16 kernels against float32 NumPy, each 8-bit kernel model against
 the bf16 kernels and against its own NumPy reference (mean |Δ log p| over the reference's top 5 tokens).
 Records (tagged with the 8-bit GEMV's version, kernels.gemv_8bit.GEMV_8BIT_VERSION) replace this device's records of
@@ -49,7 +50,13 @@ from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.kernels.gemv import GEMV_WARPS, gemv, gemv_variant
+from tinyvllm_lib.kernels.gemv import (
+    GEMV_BUCKETS,
+    GEMV_MAX_ACC,
+    GEMV_WARPS,
+    gemv,
+    gemv_variant,
+)
 from tinyvllm_lib.kernels.gemv_8bit import (
     GEMV_8BIT_KERNELS,
     GEMV_8BIT_VERSION,
@@ -424,34 +431,36 @@ EPS = 1e-5
 # the epilogue the engine launches for each layer's shape at one token (the LM head stays bf16: QUANTIZE_LM_HEAD);
 # the knobs tried: the block's 8 warps sharing 4 or 8 rows, or a warp 1, 2 or 4 rows (gated: pairs, 2 or 4)
 SWEEP_KINDS = {"qkv_proj": "rmsnorm", "o_proj": "add", "gate_up_proj": "rmsnorm_gated", "down_proj": "add"}
-SWEEP_KNOBS = ([(GEMV_WARPS, rows, unroll) for rows in (4, 8) for unroll in (1, 2)]
+SWEEP_KNOBS = ([(GEMV_WARPS, rows, unroll) for rows in (2, 4, 8) for unroll in (1, 2)]
                + [(1, rows, unroll) for rows in (1, 2, 4) for unroll in (4, 8)])
 
 
-def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, formats=("int8", "fp8")) -> None:
-    """One token: each knob setting of the 8-bit GEMV on each shape, with the epilogue the engine launches there,
-    through chapter 15's launcher with the setting's kernel in its table (so with the blocks it gives: no more than
-    the GPU holds of that kernel), weights rotated past L2; each checked first (a first launch, which compiles it)."""
+def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, formats=("int8", "fp8"),
+               tokens=(1,)) -> None:
+    """Each knob setting of the 8-bit GEMV on each shape at each of `tokens` token vectors (buckets: 1, 2, 4, 8), with
+    the epilogue the engine launches there, through chapter 15's launcher with the setting's kernel in its table (so
+    with the blocks it gives: no more than the GPU holds of that kernel), weights rotated past L2; each checked first
+    (a first launch, which compiles it). Past one token only the settings whose sums fit GEMV_MAX_ACC."""
     gb_s, ceiling_name = bandwidth_ceiling(device_info()["name"])  # this GPU's (none recorded: nan)
     rng = np.random.default_rng(0)
-    for (name, (N, K)), method in ((item, m) for item in quantized_shapes(config, lm_head=False).items()
-                                   for m in formats):
+    for (name, (N, K)), method, T in ((item, m, t) for item in quantized_shapes(config, lm_head=False).items()
+                                      for m in formats for t in tokens):
         q = quantize(rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02), method)
         weights = [(cuda.to_device(q.codes), cuda.to_device(q.scales))
                    for _ in range(2 if tiny else num_rotations(q.nbytes))]
-        x_bits = f32_to_bf16_bits(rng.standard_normal((1, K), dtype=np.float32))
-        residual = rng.standard_normal((1, K), dtype=np.float32)
+        x_bits = f32_to_bf16_bits(rng.standard_normal((T, K), dtype=np.float32))
+        residual = rng.standard_normal((T, K), dtype=np.float32)
         norm = f32_to_bf16_bits(rng.uniform(0.5, 1.5, K).astype(np.float32))
-        prior = rng.standard_normal((1, N), dtype=np.float32)
+        prior = rng.standard_normal((T, N), dtype=np.float32)
         d_x, d_residual, d_norm = (cuda.to_device(a) for a in (x_bits, residual, norm))
         kind = SWEEP_KINDS[name]
         gated, normed, add = "gated" in kind, "rmsnorm" in kind, kind == "add"
         product = (rmsnorm_ref(residual, norm, 1e-5) if normed else bf16_bits_to_f32(x_bits)) @ q.dequantize().T
         want = silu_mul_ref(product) if gated else product + prior if add else product
-        out = cuda.device_array((1, N // 2), np.uint16) if gated else cuda.device_array((1, N), np.float32)
+        out = cuda.device_array((T, N // 2), np.uint16) if gated else cuda.device_array((T, N), np.float32)
         nbytes = q.nbytes + (residual.nbytes + norm.nbytes if normed else x_bits.nbytes)
-        variant = "warp" if tiny else gemv_variant(1, N)  # the launcher's "auto"
-        chosen, key = gemv_8bit_config(variant, 1, kind), (method, variant, 1, kind)
+        variant = "warp" if tiny else gemv_variant(T, N)  # the launcher's "auto"
+        chosen, key = gemv_8bit_config(variant, T, kind), (method, variant, T, kind)
         model_kernel = GEMV_8BIT_KERNELS[key]
 
         def launch(i, s):  # as the engine launches it
@@ -463,27 +472,27 @@ def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, form
 
         for knobs in SWEEP_KNOBS:
             warps, rows, unroll = knobs
-            if gated and rows % 2:
+            if (gated and rows % 2) or rows * T > GEMV_MAX_ACC:
                 continue
-            GEMV_8BIT_KERNELS[key] = make_gemv_8bit_kernel(method, 1, warps, rows, unroll, accumulate=add,
+            GEMV_8BIT_KERNELS[key] = make_gemv_8bit_kernel(method, T, warps, rows, unroll, accumulate=add,
                                                            rms_norm=normed, gated=gated)
             try:
                 if add:
                     out.copy_to_device(prior)
                 launch(0, 0)
                 got = out.copy_to_host()
-                check(bf16_bits_to_f32(got) if gated else got, want, f"{method} {name} {kind} {knobs}",
+                check(bf16_bits_to_f32(got) if gated else got, want, f"{method} {name} {kind} {knobs} T={T}",
                       2.0**-8 if gated else 1e-4)
-                kernel, blocks = pick_gemv_8bit_kernel("sweep", method, 1, N, kind)
+                kernel, blocks = pick_gemv_8bit_kernel("sweep", method, T, N, kind)
                 registers = None if tiny else max(kernel.get_regs_per_thread().values())
                 seconds = time_launches(launch, len(weights), repeats=1 if tiny else 10)
             finally:
                 GEMV_8BIT_KERNELS[key] = model_kernel
-            rec.add("gemv_sweep", [1, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name,
+            rec.add("gemv_sweep", [T, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name,
                     quantization=method, kind=kind, warps_per_row=warps, rows=rows, unroll=unroll, blocks=blocks,
                     registers=registers, chosen=knobs == chosen, us=seconds * 1e6, bytes=nbytes,
-                    ceiling_name=ceiling_name, part="sweep", **extra)
-            print(f"{name} {method} {kind or 'plain'} {knobs}{' (chosen)' * (knobs == chosen)}: "
+                    ceiling_name=ceiling_name, part="sweep", tokens=T, **extra)
+            print(f"{name} {method} {kind or 'plain'} T={T} {knobs}{' (chosen)' * (knobs == chosen)}: "
                   f"{seconds * 1e6:.2f} us", flush=True)
         save_part(rec, "sweep", tiny)  # shape by shape: a run cut short keeps what it timed
 
@@ -543,8 +552,9 @@ def save_part(rec: Recorder, part: str, tiny: bool) -> Path | None:
     old = json.loads(path.read_text()) if path.exists() else []
     mine = [r for r in rec.records if r.get("part") == part]
 
-    def kind(r: dict) -> tuple:  # a run of some formats (or GEMV settings) keeps the others' records
-        return (r.get("quantization"), r.get("lm_head_8bit", False), r.get("gemv_max_tokens"), r.get("gemv_variant"))
+    def kind(r: dict) -> tuple:  # a run of some formats (or GEMV settings, or token counts) keeps the others' records
+        return (r.get("quantization"), r.get("lm_head_8bit", False), r.get("gemv_max_tokens"), r.get("gemv_variant"),
+                r.get("tokens", 1))
 
     made = {kind(r) for r in mine}
 
@@ -569,6 +579,8 @@ def main() -> None:
                          "(quantize_lm_head=True), or a run of each")
     ap.add_argument("--fp8-tensor-cores", action="store_true",
                     help="FP8's GEMM path on FP8 tensor cores (quantized_linear.FP8_TENSOR_CORE_GEMM, off by default)")
+    ap.add_argument("--sweep-tokens", type=int, nargs="+", default=[1], choices=GEMV_BUCKETS,
+                    help="sweep: the token buckets to sweep the knobs at (default: 1)")
     ap.add_argument("--small-batch-settings", nargs="+", default=SMALL_BATCH_SETTINGS,
                     type=lambda text: (int(text.split(":")[0]), text.split(":")[1]),
                     help="small_batch: int8's GEMV settings as LIMIT:VARIANT (default: 4:auto 8:auto 8:warp 16:warp)")
@@ -594,7 +606,7 @@ def main() -> None:
         gemv_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
     if args.only in (None, "sweep"):
         sweep_part(rec, ModelConfig.from_folder(folder), extra, args.tiny,
-                   [f for f in args.formats if f != "bf16"])
+                   [f for f in args.formats if f != "bf16"], args.sweep_tokens)
     if args.only in (None, "drift"):
         drift_part(rec, folder, extra, args.tiny)
     if args.only in (None, "gemm"):

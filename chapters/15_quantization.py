@@ -4219,11 +4219,11 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 # commit's batch-1 figures), the GPU the knobs were chosen on.
 
 # %%
-sweep = [r for r in gpu if r["name"] == "gemv_sweep"]
+sweep = [r for r in gpu if r["name"] == "gemv_sweep" and r["shape"][0] == 1]
 h100_all = load_records("ch15_quantization", DATA_DIR / "h100")
 h100 = [r for r in h100_all if not r.get("lm_head_8bit")]
 if not sweep:  # an H100's, until this GPU has one
-    sweep = [r for r in h100 if r["name"] == "gemv_sweep"]
+    sweep = [r for r in h100 if r["name"] == "gemv_sweep" and r["shape"][0] == 1]
 
 
 def version5_knobs(r: dict) -> tuple:
