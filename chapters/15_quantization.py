@@ -4775,16 +4775,6 @@ if chunk_M and all(("gate_up_proj", chunk_M, v) in chunk_at
         else "faster"))
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
-if "ch15_chunk_verdict" in prose.values:
-    prose.show("""
-Could the scratch itself cost less? Dequantizing a few rows at a time into a buffer
-small enough to stay in L2 (`bench/ch15_scratch_chunks.py`) should spare the bf16
-values their trip to DRAM and back. On the {{ch15_chunk_device}}, gate-up at
-{{ch15_chunk_M}} tokens took {{ch15_chunk_whole}} through the whole scratch and
-{{ch15_chunk_chunks}} in 16 MiB chunks (bf16 {{ch15_chunk_bf16}}); the dequantizing
-alone took {{ch15_chunk_dq}} whole and {{ch15_chunk_dq_chunks}} in chunks —
-{{ch15_chunk_verdict}}.
-""")
 if cross_ready:
     prose.show("""
 On the {{ch15_cross_device}} the 8-bit GEMV, as the launcher picked its variant,
@@ -4821,6 +4811,16 @@ Through the engine on the {{ch15_batch_device}}, {{ch15_batch_b}} requests at on
 decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
 {{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + "\n")
+if "ch15_chunk_verdict" in prose.values:
+    prose.show("""
+Could the scratch itself cost less? Dequantizing a few rows at a time into a buffer
+small enough to stay in L2 (`bench/ch15_scratch_chunks.py`) should spare the bf16
+values their trip to DRAM and back. On the {{ch15_chunk_device}}, gate-up at
+{{ch15_chunk_M}} tokens took {{ch15_chunk_whole}} through the whole scratch and
+{{ch15_chunk_chunks}} in 16 MiB chunks (bf16 {{ch15_chunk_bf16}}); the dequantizing
+alone took {{ch15_chunk_dq}} whole and {{ch15_chunk_dq_chunks}} in chunks —
+{{ch15_chunk_verdict}}.
+""")
 
 # %% [markdown]
 # ### Where a batch-1 step's time goes
