@@ -18,7 +18,7 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
 from tinyvllm_lib.kernels.checks import device_pointer
-from tinyvllm_lib.kernels.cublas import get_cublas
+from tinyvllm_lib.kernels.cublas import gemm_cublas, get_cublas
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.measure import Recorder, max_rel_error, num_rotations, time_launches
 from tinyvllm_lib.quantization.formats import quantize
@@ -28,7 +28,8 @@ SHAPES = {"qkv_proj": (3072, 2048), "o_proj": (2048, 2048), "gate_up_proj": (163
 
 
 def gemm_rows(x, w_rows, out, n0: int, stream) -> None:
-    """out[:, n0 : n0 + len(w_rows)] = x · w_rowsᵀ: cuBLAS with out's full row as its leading dimension."""
+    """out[:, n0 : n0 + len(w_rows)] = x · w_rowsᵀ: CublasGemm.gemm's call with out's full row as its leading dimension
+    (gemm_cublas takes only a whole, contiguous out)."""
     g = get_cublas()
     g.bind(stream)
     (M, K), Nc, N = x.shape, w_rows.shape[0], out.shape[1]
@@ -62,11 +63,11 @@ def main() -> None:
             times = {}
 
             def bf16(i, s):
-                gemm_rows(x, bf16_copies[i % len(bf16_copies)], out, 0, s)
+                gemm_cublas(x, bf16_copies[i % len(bf16_copies)], out, s)
 
-            def scratch(i, s):
+            def scratch(i, s):  # what QuantizedLinear's scratch path launches
                 dequantize_to_bf16(codes[i % copies], scales, whole, args.method, s)
-                gemm_rows(x, whole, out, 0, s)
+                gemm_cublas(x, whole, out, s)
 
             def dequant_whole(i, s):
                 dequantize_to_bf16(codes[i % copies], scales, whole, args.method, s)
