@@ -81,7 +81,7 @@ from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 from tinyvllm_lib.quantization.formats import quantize
 
-PARTS = ("engine", "throughput", "gemv", "sweep", "drift", "gemm", "crossover", "small_batch")
+PARTS = ("engine", "throughput", "gemv", "sweep", "drift", "gemm", "crossover", "small_batch", "mma_sweep")
 FORMATS = (None, "int8", "fp8")
 MAX_MODEL_LEN, MAX_NUM_SEQS = 2048, 256
 
@@ -332,12 +332,14 @@ def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, 
             made = {}  # path -> its product from zeros (checked against each other before timing)
             for m, ws in weights.items():
                 for path, most, variant in ((("bf16", None, None),) if m is None else
-                                            (("gemv", 16, "auto"), ("gemv", 16, "warp"), ("scratch", 0, None))):
+                                            (("gemv", 16, "auto"), ("gemv", 16, "warp"), ("mma", 0, None),
+                                             ("scratch", 0, None))):
                     if path == "gemv" and variant == "warp" and M == 1:
                         continue  # one token: the launcher's own knobs whatever the variant
                     for ql in ws if m else ():
                         ql.gemv_max_tokens, ql.gemv_variant = most, variant
-                    if m and path == "gemv":
+                        ql.mma_max_tokens = 16 if path == "mma" else 0
+                    if m and path in ("gemv", "mma"):
                         assert ws[0].gemm_path(x) == path, (ws[0].gemm_path(x), path)
                     elif m:  # the GEMM path: the scratch, or FP8's tensor cores with --fp8-tensor-cores
                         path = ws[0].gemm_path(x)
@@ -373,8 +375,9 @@ def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, 
 SMALL_BATCHES = (4, 8, 12, 16)
 
 
-# (QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT): today's, the first guess's, a warp a row
-SMALL_BATCH_SETTINGS = ((4, "auto"), (8, "auto"), (8, "warp"), (16, "warp"))
+# (QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT, QUANTIZED_MMA_MAX_TOKENS): the GEMV up to 4 tokens with the
+# tensor cores past it up to 16, and without them (the scratch past 4)
+SMALL_BATCH_SETTINGS = ((4, "auto", 16), (4, "auto", 0))
 
 
 def small_batch_part(rec: Recorder, folder, extra: dict, settings=SMALL_BATCH_SETTINGS, repeats: int = 3) -> None:
@@ -385,11 +388,13 @@ def small_batch_part(rec: Recorder, folder, extra: dict, settings=SMALL_BATCH_SE
     `repeats` after a warm-up batch."""
     from tinyvllm_lib.layers import quantized_linear
 
-    default = quantized_linear.QUANTIZED_GEMV_MAX_TOKENS, quantized_linear.QUANTIZED_GEMV_VARIANT
+    default = (quantized_linear.QUANTIZED_GEMV_MAX_TOKENS, quantized_linear.QUANTIZED_GEMV_VARIANT,
+               quantized_linear.QUANTIZED_MMA_MAX_TOKENS)
     try:
         small_batch_runs(rec, folder, extra, settings, repeats, default)
     finally:
-        quantized_linear.QUANTIZED_GEMV_MAX_TOKENS, quantized_linear.QUANTIZED_GEMV_VARIANT = default
+        (quantized_linear.QUANTIZED_GEMV_MAX_TOKENS, quantized_linear.QUANTIZED_GEMV_VARIANT,
+         quantized_linear.QUANTIZED_MMA_MAX_TOKENS) = default
     save_part(rec, "small_batch", False)
 
 
@@ -397,9 +402,10 @@ def small_batch_runs(rec: Recorder, folder, extra: dict, settings, repeats: int,
     from tinyvllm_lib.layers import quantized_linear
 
     rng = np.random.default_rng(2)
-    for method, most, variant in [(None, None, None)] + [("int8", t, v) for t, v in settings]:
+    for method, most, variant, mma in [(None, None, None, None)] + [("int8", *s) for s in settings]:
         quantized_linear.QUANTIZED_GEMV_MAX_TOKENS = default[0] if most is None else most
         quantized_linear.QUANTIZED_GEMV_VARIANT = default[1] if variant is None else variant
+        quantized_linear.QUANTIZED_MMA_MAX_TOKENS = default[2] if mma is None else mma
         llm = LLM(folder, device="cuda", max_model_len=1024, max_num_seqs=max(SMALL_BATCHES), quantization=method)
         engine = llm.llm_engine
         for warm_up, B in [(True, max(SMALL_BATCHES))] + [(False, b) for b in SMALL_BATCHES]:
@@ -417,8 +423,9 @@ def small_batch_runs(rec: Recorder, folder, extra: dict, settings, repeats: int,
             if not warm_up:
                 value = float(np.median(runs))
                 rec.add("small_batch_decode", [B], "tok/s", value, quantization=method, gemv_max_tokens=most,
-                        gemv_variant=variant, runs=runs, part="small_batch", **extra)
-                print(f"{method or 'bf16'} (GEMV up to {most}, {variant}) batch {B}: {value:.0f} decode tok/s",
+                        gemv_variant=variant, mma_max_tokens=mma, runs=runs, part="small_batch", **extra)
+                print(f"{method or 'bf16'} (GEMV up to {most}, {variant}; mma up to {mma}) batch {B}: "
+                      f"{value:.0f} decode tok/s",
                       flush=True)
         del llm, engine
 
@@ -497,6 +504,70 @@ def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, form
         save_part(rec, "sweep", tiny)  # shape by shape: a run cut short keeps what it timed
 
 
+# the tensor-core kernel's knobs: m-tiles a block (gate-up's is a gate tile and its up tile), warps splitting K, chunks
+# of 64 k loaded ahead
+MMA_SWEEP_KNOBS = [(mt, w, a) for mt in (1, 2) for w in (4, 8, 16) for a in (1, 2, 4)]
+MMA_SWEEP_TOKENS = (2, 8, 16)
+
+
+def mma_sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, formats=("int8",)) -> None:
+    """The tensor-core kernel (mma_8bit) on each layer's shape with the epilogue the layer loop gives it (QKV plain
+    after its norm, O and down adding, gate-up gated) at 2, 8 and 16 token vectors, each knob setting
+    (MMA_SWEEP_KNOBS), checked against NumPy first, then timed as the sweep part times the GEMV; the launcher's
+    knobs marked `chosen`."""
+    from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_KERNELS, make_mma_8bit_kernel, mma_8bit
+
+    gb_s, ceiling_name = bandwidth_ceiling(device_info()["name"])
+    rng = np.random.default_rng(3)
+    kinds = {"qkv_proj": "", "o_proj": "add", "gate_up_proj": "gated", "down_proj": "add"}
+    for (name, (N, K)), method, T in ((item, m, t) for item in quantized_shapes(config, lm_head=False).items()
+                                      for m in formats for t in ((3,) if tiny else MMA_SWEEP_TOKENS)):
+        q = quantize(rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02), method)
+        weights = [(cuda.to_device(q.codes), cuda.to_device(q.scales))
+                   for _ in range(2 if tiny else num_rotations(q.nbytes))]
+        x_bits = f32_to_bf16_bits(rng.standard_normal((T, K), dtype=np.float32))
+        d_x, kind = cuda.to_device(x_bits), kinds[name]
+        gated, add = kind == "gated", kind == "add"
+        prior = rng.standard_normal((T, N), dtype=np.float32)
+        product = bf16_bits_to_f32(x_bits) @ q.dequantize().T
+        want = silu_mul_ref(product) if gated else product + prior if add else product
+        out = cuda.device_array((T, N // 2), np.uint16) if gated else cuda.device_array((T, N), np.float32)
+        nbytes = q.nbytes + x_bits.nbytes
+        key = (method, 1 if T <= 8 else 2, kind)
+        model_kernel = MMA_8BIT_KERNELS[key]
+        chosen = (2 if gated else 1, model_kernel.threads // 32, 2)
+
+        def launch(i, s):
+            codes, scales = weights[i % len(weights)]
+            mma_8bit(d_x, codes, scales, out, method, stream=s, accumulate=add, gated=gated)
+
+        for knobs in MMA_SWEEP_KNOBS:
+            m_tiles, warps, ahead = knobs
+            if gated and m_tiles != 2:
+                continue
+            MMA_8BIT_KERNELS[key] = make_mma_8bit_kernel(method, key[1], m_tiles, warps, ahead, accumulate=add,
+                                                         gated=gated)
+            try:
+                if add:
+                    out.copy_to_device(prior)
+                launch(0, 0)
+                got = out.copy_to_host()
+                check(bf16_bits_to_f32(got) if gated else got, want, f"mma {method} {name} {knobs} T={T}",
+                      2.0**-8 if gated else 1e-4)
+                kernel = MMA_8BIT_KERNELS[key]
+                registers = None if tiny else max(kernel.get_regs_per_thread().values())
+                seconds = time_launches(launch, len(weights), repeats=1 if tiny else 10)
+            finally:
+                MMA_8BIT_KERNELS[key] = model_kernel
+            rec.add("mma_sweep", [T, N, K], "GB/s", nbytes / seconds / 1e9, gb_s, layer=name, quantization=method,
+                    kind=kind, m_tiles=m_tiles, warps=warps, ahead=ahead, registers=registers,
+                    chosen=knobs == chosen, us=seconds * 1e6, bytes=nbytes, ceiling_name=ceiling_name,
+                    part="mma_sweep", tokens=T, **extra)
+            print(f"mma {name} {method} T={T} {knobs}{' (chosen)' * (knobs == chosen)}: {seconds * 1e6:.2f} us",
+                  flush=True)
+        save_part(rec, "mma_sweep", tiny)
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
@@ -554,7 +625,7 @@ def save_part(rec: Recorder, part: str, tiny: bool) -> Path | None:
 
     def kind(r: dict) -> tuple:  # a run of some formats (or GEMV settings, or token counts) keeps the others' records
         return (r.get("quantization"), r.get("lm_head_8bit", False), r.get("gemv_max_tokens"), r.get("gemv_variant"),
-                r.get("tokens", 1))
+                r.get("tokens", 1), r.get("mma_max_tokens"))
 
     made = {kind(r) for r in mine}
 
@@ -582,8 +653,8 @@ def main() -> None:
     ap.add_argument("--sweep-tokens", type=int, nargs="+", default=[1], choices=GEMV_BUCKETS,
                     help="sweep: the token buckets to sweep the knobs at (default: 1)")
     ap.add_argument("--small-batch-settings", nargs="+", default=SMALL_BATCH_SETTINGS,
-                    type=lambda text: (int(text.split(":")[0]), text.split(":")[1]),
-                    help="small_batch: int8's GEMV settings as LIMIT:VARIANT (default: 4:auto 8:auto 8:warp 16:warp)")
+                    type=lambda text: (int(text.split(":")[0]), text.split(":")[1], int(text.split(":")[2])),
+                    help="small_batch: int8's settings as GEMV_LIMIT:VARIANT:MMA_LIMIT (default: 4:auto:16 4:auto:0)")
     args = ap.parse_args()
     if args.fp8_tensor_cores:
         from tinyvllm_lib.layers import quantized_linear
@@ -597,7 +668,9 @@ def main() -> None:
         extra = {"model": "tiny random Llama (smoke run)"}
     else:
         folder = prepare_llama_standin(wheel=args.wheel)
-        extra = {"gemv_8bit_version": GEMV_8BIT_VERSION, "engine_commit": os.environ.get("ENGINE_COMMIT"),
+        from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_VERSION
+
+        extra = {"gemv_8bit_version": GEMV_8BIT_VERSION, "mma_8bit_version": MMA_8BIT_VERSION, "engine_commit": os.environ.get("ENGINE_COMMIT"),
                  "model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "max_model_len": MAX_MODEL_LEN,
                  "workload": "bs1: 128 random prompt ids, 256 new, greedy, ignore_eos; throughput: nano-vllm's "
                              "256 requests, lengths uniform in [100, 1024], seed 0"}
@@ -613,6 +686,9 @@ def main() -> None:
         gemm_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
     if args.only in (None, "crossover"):
         crossover_part(rec, ModelConfig.from_folder(folder), extra, args.tiny,
+                       [f for f in args.formats if f != "bf16"])
+    if args.only in (None, "mma_sweep"):
+        mma_sweep_part(rec, ModelConfig.from_folder(folder), extra, args.tiny,
                        [f for f in args.formats if f != "bf16"])
     if args.only in (None, "small_batch") and not args.tiny:
         small_batch_part(rec, folder, extra, args.small_batch_settings)

@@ -3,13 +3,14 @@
 
 # defined in chapters/15_quantization.py
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8, get_cublaslt_fp8
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
+from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_MAX_TOKENS, MMA_K, mma_8bit
 from tinyvllm_lib.kernels.quantize_tokens import (
     can_norm_quantize,
     quantize_tokens_fp8,
@@ -29,6 +30,10 @@ QUANTIZED_GEMV_MAX_TOKENS = 4
 # for 1 or 2 tokens and 16,384 rows or more, else the block's warps share each group
 # of rows), "warp" or "block"
 QUANTIZED_GEMV_VARIANT = "auto"
+# past the GEMV's tokens and up to this many, the 8-bit weights' product on the tensor
+# cores (mma_8bit: the codes widened to bf16 in registers, no scratch); 0 in the
+# simulator, whose twin runs each mma in Python (the tests set a weight's own limit)
+QUANTIZED_MMA_MAX_TOKENS = 0 if config.ENABLE_CUDASIM else MMA_8BIT_MAX_TOKENS
 # FP8 weights' GEMM path: True, cuBLASLt on FP8 tensor cores with the activations
 # quantized per token (W8A8), where the GPU has them; False, the bf16 scratch, as
 # int8's. Off by default: its GPU tests pass (an H100), but rounding the activations
@@ -60,6 +65,7 @@ class QuantizedLinear:
     # QUANTIZED_GEMV_VARIANT (the benchmark sets them to time each path and variant)
     gemv_max_tokens: int | None = None
     gemv_variant: str | None = None
+    mma_max_tokens: int | None = None  # the same for QUANTIZED_MMA_MAX_TOKENS
 
     def __len__(self) -> int:  # rows, as a weight's device array has
         return self.shape[0]
@@ -67,6 +73,12 @@ class QuantizedLinear:
     def uses_gemv(self, x) -> bool:
         most = self.gemv_max_tokens
         return x.shape[0] <= (QUANTIZED_GEMV_MAX_TOKENS if most is None else most)
+
+    def uses_mma(self, x) -> bool:
+        most = self.mma_max_tokens
+        most = QUANTIZED_MMA_MAX_TOKENS if most is None else most
+        return (x.shape[0] <= min(most, MMA_8BIT_MAX_TOKENS)
+                and self.shape[1] % MMA_K == 0)
 
     def variant_for(self, x) -> str:
         """The 8-bit GEMV's variant for x's token vectors: the launcher's own ("auto")
@@ -77,10 +89,13 @@ class QuantizedLinear:
         return QUANTIZED_GEMV_VARIANT if mine is None else mine
 
     def gemm_path(self, x) -> str:
-        """How x's product is made: "gemv" (the 8-bit GEMV), "fp8" (FP8 tensor cores,
-        the activations quantized per token) or "scratch" (dequantize, then bf16)."""
+        """How x's product is made: "gemv" (the 8-bit GEMV), "mma" (bf16 tensor cores,
+        the codes widened in registers), "fp8" (FP8 tensor cores, the activations
+        quantized per token) or "scratch" (dequantize, then bf16)."""
         if self.uses_gemv(x):
             return "gemv"
+        if self.uses_mma(x):
+            return "mma"
         if (self.method == "fp8" and FP8_TENSOR_CORE_GEMM and takes_fp8_gemm(self.shape)
                 and self.fp8_chunk_rows(self.shape[1]) >= 16
                 and get_cublaslt_fp8() is not None):
@@ -128,6 +143,9 @@ class QuantizedLinear:
         if path == "gemv":
             return gemv_8bit(x, self.codes, self.scales, out, self.method, stream,
                              accumulate, self.variant_for(x))
+        if path == "mma":
+            return mma_8bit(x, self.codes, self.scales, out, self.method, stream,
+                            accumulate)
         if path == "fp8":
             return self.apply_fp8(x, out, stream, workspace, accumulate)
         return linear(x, self.dequantized(stream), out, stream=stream,
@@ -160,13 +178,18 @@ class QuantizedLinear:
                                *, stream=0, workspace=None):
         """act = SiLU(gate) * up for W = [gate | up] (chapter 7's
         rmsnorm_linear_silu_mul): one kernel, the norm and SiLU inside the GEMV,
-        where the GEMV runs and GATED_GEMV_8BIT says so; else apply_rmsnorm into
-        gate_up, then silu_mul.
+        where the GEMV runs and GATED_GEMV_8BIT says so; on the tensor-core path the
+        norm into `normed`, then the product with SiLU·up inside; else apply_rmsnorm
+        into gate_up, then silu_mul.
         """
         if self.uses_gemv(normed) and GATED_GEMV_8BIT:
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
                                      self.scales, act, self.method, stream,
                                      self.variant_for(normed), gated=True)
+        if self.gemm_path(normed) == "mma":
+            rmsnorm(residual, norm_weight, eps, normed, stream=stream)
+            return mma_8bit(normed, self.codes, self.scales, act, self.method, stream,
+                            gated=True)
         self.apply_rmsnorm(residual, norm_weight, eps, gate_up, normed, stream=stream,
                            workspace=workspace)
         return silu_mul(gate_up, act, stream=stream)
