@@ -515,7 +515,11 @@ def mma_sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, 
     after its norm, O and down adding, gate-up gated) at 2, 8 and 16 token vectors, each knob setting
     (MMA_SWEEP_KNOBS), checked against NumPy first, then timed as the sweep part times the GEMV; the launcher's
     knobs marked `chosen`."""
-    from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_KERNELS, make_mma_8bit_kernel, mma_8bit
+    from tinyvllm_lib.kernels.mma_8bit import (
+        MMA_8BIT_KERNELS,
+        make_mma_8bit_kernel,
+        mma_8bit,
+    )
 
     gb_s, ceiling_name = bandwidth_ceiling(device_info()["name"])
     rng = np.random.default_rng(3)

@@ -8,7 +8,11 @@ from numba import cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_KERNELS, make_mma_8bit_kernel, mma_8bit
+from tinyvllm_lib.kernels.mma_8bit import (
+    MMA_8BIT_KERNELS,
+    make_mma_8bit_kernel,
+    mma_8bit,
+)
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.measure import max_rel_error as rel_error
 from tinyvllm_lib.quantization.formats import quantize
