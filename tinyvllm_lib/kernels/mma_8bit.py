@@ -60,11 +60,10 @@ static __device__ __forceinline__ void widen4_{method}(unsigned codes, unsigned*
                                                       unsigned* p23) {{{widen}
 }}
 
-extern "C" __device__ void mma_{method}_m{MT}n{NT}(float* acc,
-                                                 const unsigned long long* w,
-                                                 const unsigned long long* x) {{
+extern "C" __device__ void mma_{method}_m{MT}n{NT}(
+    float* acc, const unsigned long long* w, const unsigned long long* x) {{
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {{  // k-step s: codes and inputs 4s .. 4s + 3 of each lane
+  for (int s = 0; s < 4; ++s) {{  // k-step s: codes and inputs 4s .. 4s + 3 a lane
     unsigned a[{MT}][4];
 #pragma unroll
     for (int i = 0; i < {MT}; ++i) {{
@@ -144,13 +143,13 @@ else:
 def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int = 8,
                          ahead: int = 2, accumulate: bool = False,
                          gated: bool = False):
-    """out (M, N) = x (M, K) · (s ⊙ codes)ᵀ for up to 8 n_tiles token vectors on the
-    tensor cores: a block per 16 m_tiles rows, its `warps` warps splitting K in chunks
-    of 64 (`ahead` chunks' loads issued before any is multiplied), their sums met in
-    shared memory. x bf16 viewed as uint64 (M, K / 4); codes as uint64 (N, K / 8).
-    accumulate: out += (float32 out). gated: codes stack [gate | up] (N = 2 I), the
-    block's two m-tiles a gate tile and its up tile, out (M, I) bf16 bits = SiLU(gate)
-    · up."""
+    """out (M, N) = x (M, K) · (s ⊙ codes)ᵀ for up to 8 n_tiles token vectors on
+    the tensor cores: a block per 16 m_tiles rows, its `warps` warps splitting K in
+    chunks of 64 (`ahead` chunks' loads issued before any is multiplied), their sums
+    met in shared memory. x bf16 viewed as uint64 (M, K / 4); codes as uint64
+    (N, K / 8). accumulate: out += (float32 out). gated: codes stack [gate | up]
+    (N = 2 I), the block's two m-tiles a gate tile and its up tile, out (M, I) bf16
+    bits = SiLU(gate) · up."""
     assert not (gated and (accumulate or m_tiles != 2)), "gated: 2 m-tiles, no add"
     chunk_mma = mma_8bit_function(method, m_tiles, n_tiles)
     ACC, WW, XW = 4 * m_tiles * n_tiles, 4 * m_tiles, 4 * n_tiles
