@@ -3603,6 +3603,423 @@ def gemm_fp8(x_codes, x_scales, w_codes, w_scales, out, stream=0, workspace=None
     return out
 
 # %% [markdown]
+# ### A few tokens on bf16 tensor cores: the codes widened in registers
+#
+# Between one token and a prefill lies what a server sees most: a few requests
+# decoding at once, 2 to 16 token vectors a step. The GEMV reads each weight once for
+# all of them but multiplies on the SIMT cores, one fused multiply-add a code and a
+# token, so its arithmetic grows with the tokens; the scratch pays its extra write and
+# read of a bf16 copy whatever the tokens. There is a third way, the one vLLM's
+# weight-only kernels (Marlin, machete) and TensorRT-LLM's take: feed the **bf16 tensor
+# cores** of chapter 14 from registers, widening each code to bf16 on its way in — a
+# *mixed-input* GEMM. Both formats widen exactly: int8's codes are the integers from
+# $-128$ to $127$, all of them bf16 values (8 significant bits), and e4m3's 3-bit
+# mantissas and exponents from $2^{-9}$ to $2^{8}$ sit inside bf16's. The row's scale
+# multiplies the finished sum, as in the GEMV.
+#
+# With a few tokens the weights are the big operand, so they take the mma's A side,
+# 16 rows a tile, and the tokens its B side, 8 a tile (the "swap AB" of small-batch
+# kernels): `mma.sync.m16n8k16` makes a 16 × 8 piece of $W X^\top$ from 16 values of
+# k. A warp takes 16 rows and splits nothing; the block's warps split K, and their sums
+# meet in shared memory at the end. The puzzle is the fragments. Chapter 14 loaded
+# them with `ldmatrix` from tiles in shared memory; here the codes come straight from
+# global memory into registers, and a lane should use the bytes it loaded. Lane
+# $(g, t)$ ($g$ = lane / 4, $t$ = lane % 4) holds, of a k-step's 16 columns, columns
+# $2t, 2t{+}1, 2t{+}8, 2t{+}9$ of rows $g$ and $g{+}8$ in A, and the same four k of
+# token $g$ in B. A dot product adds its terms in any order, so the kernel is free to
+# *deal* k to the steps: over a chunk of 64 k, lane $t$ loads codes $16t \ldots
+# 16t{+}15$ of its two rows (two 8-byte words each) and the same 16 inputs of its
+# token (four words), and k-step $s$ takes its values $4s \ldots 4s{+}3$. Any
+# assignment works if A and B agree and every k is used once; this one needs no
+# shuffle between lanes. In NumPy, with chapter 14's fragment tables:
+
+# %%
+from tinyvllm_lib.kernels.tensor_core import A_COLS, B_ROWS
+
+
+def dealt_k(step: int, col: int) -> int:
+    """The chunk's k (0..63) that k-step `step` uses as its column `col` (0..15):
+    lane t = (col % 8) // 2 holds it, as its value 4 step + 2 (col // 8) + col % 2."""
+    return 16 * ((col % 8) // 2) + 4 * step + 2 * (col // 8) + col % 2
+
+
+deal = np.array([[dealt_k(s, c) for c in range(16)] for s in range(4)])
+assert sorted(deal.ravel()) == list(range(64))  # every k once
+lane_t = np.arange(32) & 3
+for s in range(4):  # each lane's A columns and B rows: among the 16 values it loaded
+    for cols in (A_COLS, A_COLS + 1, B_ROWS, B_ROWS + 1):
+        k = deal[s][cols]
+        assert np.all((k >= 16 * lane_t[:, None]) & (k < 16 * lane_t[:, None] + 16))
+W16, X8 = rng.standard_normal((16, 64)), rng.standard_normal((8, 64))
+dealt = sum(W16[:, deal[s]] @ X8[:, deal[s]].T for s in range(4))
+assert np.allclose(dealt, W16 @ X8.T)
+print("4 k-steps of 16 over a chunk of 64: every k once, each lane's fragments "
+      "from its own 16 loaded values, the same product")
+
+# %% [markdown]
+# The widening is the GEMV's, two codes at a time into one register of bf16 pairs:
+# int8 through $2^{23}$'s float (one byte permute and one subtraction a code, then one
+# permute keeps the high halves of two floats — exact, since the floats are small
+# integers); e4m3 through the hardware's conversion to a float16 pair, each half to
+# float32, and one instruction (`cvt.rn.bf16x2.f32`) packing the pair as bf16. A
+# chunk's work for a lane, widening and mma, is C, linked into the numba kernel as
+# chapter 14 linked its warp tile; the numba kernel loads the words, `ahead` chunks'
+# worth before it multiplies any, and owns everything else. In the simulator a Python
+# twin builds each lane's fragments the same way and calls chapter 14's mma twin, so
+# the dealing is tested in CI, where no GPU runs the C.
+
+# %%
+#| export kernels.mma_8bit
+import math
+
+import numpy as np
+from numba import config, cuda, float32, types, uint64
+
+from tinyvllm_lib.kernels.activation_store import store_activation
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16_bits
+from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
+from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
+from tinyvllm_lib.kernels.gemv import INLINE
+from tinyvllm_lib.kernels.gemv_8bit import check_8bit_operands, check_8bit_out
+from tinyvllm_lib.kernels.tensor_core import ffi, require_lto, twin_launch
+
+MMA_K = 64  # k a chunk: 16 codes (two words) a lane, 4 lanes a row
+MMA_8BIT_MAX_TOKENS = 16  # two n-tiles of 8 token vectors
+MMA_8BIT_VERSION = 1  # the bench's records say which kernel they timed
+
+
+def mma_8bit_source(method: str, m_tiles: int, n_tiles: int) -> str:
+    """CUDA C for one warp's chunk of 64 k: m_tiles tiles of 16 weight rows times
+    n_tiles tiles of 8 token vectors, the codes widened to bf16 in registers.
+
+    A lane (group g = lane / 4, thread t = lane % 4) holds codes 16t .. 16t + 15 of the
+    chunk of rows g and g + 8 of each m-tile (w: 4 words an m-tile) and the bf16 inputs
+    16t .. 16t + 15 of token g of each n-tile (x: 4 words an n-tile). A dot product
+    may add its terms in any order, so the chunk's k are dealt to the mma's k-steps in
+    the order that lets each lane take its fragments from what it loaded: k-step s
+    reads codes and inputs 4s .. 4s + 3 of each lane's sixteen."""
+    if method == "int8":  # 2^23 + (q + 128) as a float, less 2^23 + 128: q, exactly
+        widen = r"""
+  unsigned b = codes ^ 0x80808080u;
+  float f0 = __uint_as_float(__byte_perm(b, 0x4B000000u, 0x7650)) - 8388736.0f;
+  float f1 = __uint_as_float(__byte_perm(b, 0x4B000000u, 0x7651)) - 8388736.0f;
+  float f2 = __uint_as_float(__byte_perm(b, 0x4B000000u, 0x7652)) - 8388736.0f;
+  float f3 = __uint_as_float(__byte_perm(b, 0x4B000000u, 0x7653)) - 8388736.0f;
+  // integers from -128 to 127 are bf16 values: their floats' high halves, paired
+  *p01 = __byte_perm(__float_as_uint(f0), __float_as_uint(f1), 0x7632);
+  *p23 = __byte_perm(__float_as_uint(f2), __float_as_uint(f3), 0x7632);"""
+    elif method == "fp8":  # the hardware's e4m3 -> float16, then float16 -> bf16
+        widen = r"""
+  unsigned h[2];
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h[0]) : "h"((unsigned short)codes));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h[1]) : "h"((unsigned short)(codes >> 16)));
+  unsigned pair[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // every e4m3 value is a bf16 value: exact
+    float lo, hi;
+    asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n"
+        " cvt.f32.f16 %1, u;}" : "=f"(lo), "=f"(hi) : "r"(h[i]));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair[i]) : "f"(hi), "f"(lo));
+  }
+  *p01 = pair[0];
+  *p23 = pair[1];"""
+    else:
+        raise ValueError(f"method must be 'int8' or 'fp8', got {method!r}")
+    MT, NT = m_tiles, n_tiles
+    return rf"""
+// four codes -> two bf16 pairs (codes 0, 1 and 2, 3; the first of each in the low half)
+static __device__ __forceinline__ void widen4_{method}(unsigned codes, unsigned* p01,
+                                                      unsigned* p23) {{{widen}
+}}
+
+extern "C" __device__ void mma_{method}_m{MT}n{NT}(
+    float* acc, const unsigned long long* w, const unsigned long long* x) {{
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {{  // k-step s: codes and inputs 4s .. 4s + 3 a lane
+    unsigned a[{MT}][4];
+#pragma unroll
+    for (int i = 0; i < {MT}; ++i) {{
+      unsigned g0 = (unsigned)(w[4 * i + s / 2] >> (32 * (s % 2)));      // row g
+      unsigned g8 = (unsigned)(w[4 * i + 2 + s / 2] >> (32 * (s % 2)));  // row g + 8
+      widen4_{method}(g0, &a[i][0], &a[i][2]);
+      widen4_{method}(g8, &a[i][1], &a[i][3]);
+    }}
+#pragma unroll
+    for (int j = 0; j < {NT}; ++j) {{
+      unsigned long long word = x[4 * j + s];
+      unsigned b0 = (unsigned)word, b1 = (unsigned)(word >> 32);
+#pragma unroll
+      for (int i = 0; i < {MT}; ++i) {{
+        float* c = acc + 4 * ({NT} * i + j);
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b0),
+              "r"(b1));
+      }}
+    }}
+  }}
+}}
+"""
+
+
+_P = types.CPointer
+
+if config.ENABLE_CUDASIM:
+    from tinyvllm_lib.kernels.tensor_core import mma_bf16_m16n8k16, pack_pairs
+    from tinyvllm_lib.kernels.widen_8bit import _E4M3_TO_F16
+
+    def _code_bits(method: str, codes32: int) -> np.ndarray:
+        """The four codes of a word (lowest byte first) as bf16 bits."""
+        b = np.array([codes32], np.uint32).view(np.uint8)
+        if method == "int8":
+            values = b.view(np.int8).astype(np.float32)
+        else:
+            values = _E4M3_TO_F16[b].view(np.float16).astype(np.float32)
+        return f32_to_bf16_bits(values)
+
+    def mma_8bit_function(method: str, m_tiles: int, n_tiles: int):
+        """Twin of the C function: the same fragments, the mma's twin."""
+
+        def chunk(acc, w, x):
+            for s in range(4):
+                a = np.zeros((m_tiles, 4), np.uint32)
+                for i in range(m_tiles):
+                    for h in range(2):  # row g, row g + 8
+                        word = int(w[4 * i + 2 * h + s // 2]) >> (32 * (s % 2))
+                        bits = _code_bits(method, word & 0xFFFFFFFF)
+                        a[i, h] = pack_pairs(bits[0], bits[1])
+                        a[i, h + 2] = pack_pairs(bits[2], bits[3])
+                for j in range(n_tiles):
+                    word = int(x[4 * j + s])
+                    b = np.array([word & 0xFFFFFFFF, word >> 32], np.uint32)
+                    for i in range(m_tiles):
+                        at = 4 * (n_tiles * i + j)
+                        mma_bf16_m16n8k16(acc[at : at + 4], a[i], b)
+
+        return chunk
+
+else:
+    from numba.cuda import CUSource
+
+    def mma_8bit_function(method: str, m_tiles: int, n_tiles: int):
+        """The C function of mma_8bit_source, declared for numba kernels."""
+        return cuda.declare_device(
+            f"mma_{method}_m{m_tiles}n{n_tiles}",
+            types.void(_P(types.float32), _P(types.uint64), _P(types.uint64)),
+            link=CUSource(mma_8bit_source(method, m_tiles, n_tiles)),
+            abi="c",
+        )
+
+# %% [markdown]
+# The kernel: a block per 16 rows of out (gate-up: a tile of gate rows and its tile of
+# up rows, so SiLU·up is made where both sums meet, as the GEMV's gated epilogue
+# does), eight warps taking chunks of K in turn, the warps' sums met in shared memory
+# and an output a thread stored, times its row's scale. Its first weights are loaded
+# before it waits for the kernel before it (chapter 11's programmatic edges), as the
+# GEMV's are. The launcher takes one tile of 8 tokens up to 8 token vectors and two
+# up to 16; a layer norms its input first (chapter 4's kernel), since the norm's sum
+# of squares spans all of K while each warp sees a part of it.
+
+# %%
+#| export kernels.mma_8bit
+def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int = 8,
+                         ahead: int = 2, accumulate: bool = False,
+                         gated: bool = False):
+    """out (M, N) = x (M, K) · (s ⊙ codes)ᵀ for up to 8 n_tiles token vectors on
+    the tensor cores: a block per 16 m_tiles rows, its `warps` warps splitting K in
+    chunks of 64 (`ahead` chunks' loads issued before any is multiplied), their sums
+    met in shared memory. x bf16 viewed as uint64 (M, K / 4); codes as uint64
+    (N, K / 8). accumulate: out += (float32 out). gated: codes stack [gate | up]
+    (N = 2 I), the block's two m-tiles a gate tile and its up tile, out (M, I) bf16
+    bits = SiLU(gate) · up."""
+    assert not (gated and (accumulate or m_tiles != 2)), "gated: 2 m-tiles, no add"
+    chunk_mma = mma_8bit_function(method, m_tiles, n_tiles)
+    ACC, WW, XW = 4 * m_tiles * n_tiles, 4 * m_tiles, 4 * n_tiles
+    units = 16 if gated else 16 * m_tiles  # columns of out a block writes
+    tokens = 8 * n_tiles
+    threads = 32 * warps
+    outputs = units * tokens
+    WBUF, XBUF = ahead * WW, ahead * XW  # local arrays' sizes: constants
+
+    @cuda.jit(device=True, **INLINE)
+    def load_weights(w64, wbuf, c0, chunks, n0, half, g, t):
+        for u in range(ahead):
+            c = c0 + u
+            for i in range(m_tiles):
+                for h in range(2):  # row g, row g + 8 of m-tile i
+                    r = n0 + g + 8 * h
+                    row = r + i * half if gated else r + 16 * i
+                    ok = c < chunks and (r < half if gated else row < w64.shape[0])
+                    for q in range(2):
+                        wbuf[u * WW + 4 * i + 2 * h + q] = (
+                            w64[row, 8 * c + 2 * t + q] if ok else uint64(0))
+
+    @cuda.jit
+    def kernel(x64, w64, scales, out):
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        M, chunks = x64.shape[0], w64.shape[1] // 8
+        half = w64.shape[0] // 2  # gated: where the up rows begin
+        n0 = cuda.blockIdx.x * units
+        wbuf = cuda.local.array(WBUF, uint64)
+        xbuf = cuda.local.array(XBUF, uint64)
+        acc = cuda.local.array(ACC, float32)
+        for e in range(ACC):
+            acc[e] = float32(0)
+        partial = cuda.shared.array((warps, ACC, 32), float32)
+        c0 = warp * ahead
+        # no kernel writes the weights: the first are loaded before the wait
+        load_weights(w64, wbuf, c0, chunks, n0, half, g, t)
+        wait_for_previous_kernel()
+        while c0 < chunks:
+            for u in range(ahead):
+                for j in range(n_tiles):
+                    m = g + 8 * j
+                    ok = c0 + u < chunks and m < M
+                    for q in range(4):
+                        xbuf[u * XW + 4 * j + q] = (
+                            x64[m, 16 * (c0 + u) + 4 * t + q] if ok else uint64(0))
+            for u in range(ahead):
+                if c0 + u < chunks:
+                    chunk_mma(ffi.from_buffer(acc), ffi.from_buffer(wbuf[u * WW:]),
+                              ffi.from_buffer(xbuf[u * XW:]))
+            c0 += warps * ahead
+            if c0 < chunks:
+                load_weights(w64, wbuf, c0, chunks, n0, half, g, t)
+        for e in range(ACC):
+            partial[warp, e, lane] = acc[e]
+        cuda.syncthreads()
+        o = tid
+        while o < outputs:  # an output a thread: the warps' sums meet
+            col, r = o // units, o % units  # token col; row r of the block's
+            i, rr = r // 16, r % 16  # (gated: the gate tile's; the up tile is 1)
+            j, cc = col // 8, col % 8
+            at_lane = 4 * (rr % 8) + cc // 2
+            e = 4 * (n_tiles * i + j) + 2 * (rr // 8) + cc % 2
+            total, up = float32(0), float32(0)
+            for v in range(warps):
+                total += partial[v, e, at_lane]
+                if gated:
+                    up += partial[v, e + 4 * n_tiles, at_lane]
+            n = n0 + r
+            if col < M and n < (half if gated else w64.shape[0]):
+                if gated:
+                    gate = total * scales[n]
+                    up = up * scales[n + half]
+                    store_activation(out, col, n,
+                                     gate / (float32(1.0) + math.exp(-gate)) * up)
+                elif accumulate:
+                    out[col, n] += total * scales[n]
+                else:
+                    store_activation(out, col, n, total * scales[n])
+            o += threads
+
+    kernel.units, kernel.threads, kernel.tokens = units, threads, tokens
+    kernel.reads_before_wait = True  # the first weights (tests/test_ptx.py)
+    return require_lto(kernel)
+
+
+# %%
+#| export kernels.mma_8bit
+# the launcher's kernels: (format, n-tiles, epilogue) -> kernel, each a module-level
+# name so that tests/test_ptx.py compiles it
+MMA_8BIT_KERNELS, PTX_SIGNATURES = {}, {}
+_KINDS = {"": {}, "add": {"accumulate": True}, "gated": {"gated": True, "m_tiles": 2}}
+for _method in ("int8", "fp8"):
+    for _n_tiles in (1, 2):
+        for _kind, _flags in _KINDS.items():
+            _name = f"mma_{_method}_n{_n_tiles}{'_' * bool(_kind)}{_kind}_kernel"
+            MMA_8BIT_KERNELS[_method, _n_tiles, _kind] = globals()[_name] = \
+                make_mma_8bit_kernel(_method, _n_tiles, **_flags)
+            _out = "uint16" if _kind == "gated" else "float32"
+            PTX_SIGNATURES[_name] = [
+                f"void(uint64[:, ::1], uint64[:, ::1], float32[::1], {_out}[:, ::1])"]
+
+
+def mma_8bit(x, codes, scales, out, method: str, stream=0, accumulate=False,
+             gated: bool = False):
+    """Launch: out (M, N) = x (M, K) · (scales ⊙ codes)ᵀ for M <= 16 bf16 token
+    vectors on the tensor cores, K a multiple of 64; accumulate: out += instead;
+    gated: codes stack [gate | up] and out (M, N / 2) bf16 bits = SiLU(gate) · up."""
+    M, K = x.shape if x.ndim == 2 else (0, 0)
+    check_8bit_operands("mma_8bit", method, codes, scales, K)
+    N = codes.shape[0]
+    if not 0 < M <= MMA_8BIT_MAX_TOKENS or K % MMA_K:
+        raise ValueError(f"mma_8bit: 1 to {MMA_8BIT_MAX_TOKENS} token vectors and K a "
+                         f"multiple of {MMA_K}, got M={M}, K={K}")
+    if x.dtype != np.uint16 or not is_c_contiguous(x) or device_pointer(x) % 8:
+        raise ValueError(f"mma_8bit: need x (M, {K}) bf16 bits, 8-byte aligned, "
+                         f"C-contiguous; got {x.dtype} {tuple(x.shape)}")
+    check_8bit_out("mma_8bit", out, M, N, gated)
+    if accumulate and (gated or out.dtype != np.float32):
+        raise ValueError("mma_8bit: accumulate adds into float32 out, not gated")
+    kernel = MMA_8BIT_KERNELS[method, 1 if M <= 8 else 2,
+                              "gated" if gated else "add" * accumulate]
+    blocks = cdiv(N // 2 if gated else N, kernel.units)
+    with twin_launch():
+        kernel[blocks, kernel.threads, stream](x.view(np.uint64), codes.view(np.uint64),
+                                               scales, out)
+    return out
+
+# %% [markdown]
+# Against NumPy, in the simulator here (tiny shapes: rows short of a tile, one and
+# two tiles of tokens) and on the GPU in `tests/test_mma_8bit.py` at the 1B's shapes
+# too; and in the PTX that links the C into the kernel, the mma instructions with no
+# local memory (the fragments stay in registers):
+
+# %%
+from tinyvllm_lib.kernels.activation import silu_mul_ref
+from tinyvllm_lib.kernels.tensor_core import linked_ptx_counts
+
+
+def check_mma_8bit(method: str, M: int, N: int = 20, K: int = 128) -> tuple:
+    """mma_8bit plain and adding into out, against NumPy: the largest relative error;
+    and gated's, whose out is bf16."""
+    from numba import cuda
+
+    q = quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05, method)
+    codes, scales = cuda.to_device(q.codes), cuda.to_device(q.scales)
+    x_bits = f32_to_bf16_bits(rng.standard_normal((M, K)).astype(np.float32))
+    x = cuda.to_device(x_bits)
+    before = rng.standard_normal((M, N)).astype(np.float32)
+    plain, added = cuda.device_array((M, N), np.float32), cuda.to_device(before)
+    act = cuda.device_array((M, N // 2), np.uint16)
+    mma_8bit(x, codes, scales, plain, method)
+    mma_8bit(x, codes, scales, added, method, accumulate=True)
+    mma_8bit(x, codes, scales, act, method, gated=True)
+    product = bf16_bits_to_f32(x_bits).astype(np.float64) @ q.dequantize().T
+    gated = silu_mul_ref(product.astype(np.float32))
+    return (max(max_rel_error(plain.copy_to_host(), product),
+                max_rel_error(added.copy_to_host(), before + product)),
+            max_rel_error(bf16_bits_to_f32(act.copy_to_host()), gated))
+
+
+if can_launch():
+    for method in ("int8", "fp8"):
+        for M in (3, 11):  # one tile of tokens, and two
+            error, gated_error = check_mma_8bit(method, M)
+            print(f"{method}, {M} tokens: plain and adding, largest relative error "
+                  f"{error:.1e}; gated (bf16 out) {gated_error:.1e}")
+            assert error <= 1e-4 and gated_error <= 2.0**-8
+
+mma_counts = linked_ptx_counts("tinyvllm_lib.kernels.mma_8bit", "mma_int8_n2_kernel")
+print(f"mma_int8_n2_kernel's PTX: {mma_counts['mma.sync']} mma.sync, "
+      f"{mma_counts['local memory']} local loads or stores")
+assert mma_counts["mma.sync"] > 0 and mma_counts["local memory"] == 0
+
+# %% [markdown]
+# What to expect, written before the GPU ran it: the kernel reads half of bf16's
+# bytes and multiplies on the same tensor cores, so at 8 tokens, where chapter 6's
+# bf16 path is a cuBLAS GEMM reading its weights about once, it should take at most
+# bf16's time and, if its loads keep as many bytes in flight as cuBLAS's, about
+# half; at one token it widens about as many instructions a code as the GEMV, so no
+# gain is expected there. The crossover below times it beside the GEMV and the
+# scratch (`QuantizedLinear` takes it past `QUANTIZED_GEMV_MAX_TOKENS`, up to
+# `QUANTIZED_MMA_MAX_TOKENS`).
+
+# %% [markdown]
 # ## The 8-bit model on the GPU
 #
 # The model's layer loop does not change. Chapter 6's `linear` and `rmsnorm_linear`
@@ -3625,13 +4042,14 @@ def gemm_fp8(x_codes, x_scales, w_codes, w_scales, out, stream=0, workspace=None
 # %%
 #| export layers.quantized_linear
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 from tinyvllm_lib.kernels.activation import silu_mul
 from tinyvllm_lib.kernels.checks import is_device_array
 from tinyvllm_lib.kernels.cublaslt_fp8 import gemm_fp8, get_cublaslt_fp8
 from tinyvllm_lib.kernels.dequantize_8bit import dequantize_to_bf16
 from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit, gemv_8bit_rmsnorm
+from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_MAX_TOKENS, MMA_K, mma_8bit
 from tinyvllm_lib.kernels.quantize_tokens import (
     can_norm_quantize,
     quantize_tokens_fp8,
@@ -3651,6 +4069,10 @@ QUANTIZED_GEMV_MAX_TOKENS = 4
 # for 1 or 2 tokens and 16,384 rows or more, else the block's warps share each group
 # of rows), "warp" or "block"
 QUANTIZED_GEMV_VARIANT = "auto"
+# past the GEMV's tokens and up to this many, the 8-bit weights' product on the tensor
+# cores (mma_8bit: the codes widened to bf16 in registers, no scratch); 0 in the
+# simulator, whose twin runs each mma in Python (the tests set a weight's own limit)
+QUANTIZED_MMA_MAX_TOKENS = 0 if config.ENABLE_CUDASIM else MMA_8BIT_MAX_TOKENS
 # FP8 weights' GEMM path: True, cuBLASLt on FP8 tensor cores with the activations
 # quantized per token (W8A8), where the GPU has them; False, the bf16 scratch, as
 # int8's. Off by default: its GPU tests pass (an H100), but rounding the activations
@@ -3682,6 +4104,7 @@ class QuantizedLinear:
     # QUANTIZED_GEMV_VARIANT (the benchmark sets them to time each path and variant)
     gemv_max_tokens: int | None = None
     gemv_variant: str | None = None
+    mma_max_tokens: int | None = None  # the same for QUANTIZED_MMA_MAX_TOKENS
 
     def __len__(self) -> int:  # rows, as a weight's device array has
         return self.shape[0]
@@ -3689,6 +4112,12 @@ class QuantizedLinear:
     def uses_gemv(self, x) -> bool:
         most = self.gemv_max_tokens
         return x.shape[0] <= (QUANTIZED_GEMV_MAX_TOKENS if most is None else most)
+
+    def uses_mma(self, x) -> bool:
+        most = self.mma_max_tokens
+        most = QUANTIZED_MMA_MAX_TOKENS if most is None else most
+        return (x.shape[0] <= min(most, MMA_8BIT_MAX_TOKENS)
+                and self.shape[1] % MMA_K == 0)
 
     def variant_for(self, x) -> str:
         """The 8-bit GEMV's variant for x's token vectors: the launcher's own ("auto")
@@ -3699,10 +4128,13 @@ class QuantizedLinear:
         return QUANTIZED_GEMV_VARIANT if mine is None else mine
 
     def gemm_path(self, x) -> str:
-        """How x's product is made: "gemv" (the 8-bit GEMV), "fp8" (FP8 tensor cores,
-        the activations quantized per token) or "scratch" (dequantize, then bf16)."""
+        """How x's product is made: "gemv" (the 8-bit GEMV), "mma" (bf16 tensor cores,
+        the codes widened in registers), "fp8" (FP8 tensor cores, the activations
+        quantized per token) or "scratch" (dequantize, then bf16)."""
         if self.uses_gemv(x):
             return "gemv"
+        if self.uses_mma(x):
+            return "mma"
         if (self.method == "fp8" and FP8_TENSOR_CORE_GEMM and takes_fp8_gemm(self.shape)
                 and self.fp8_chunk_rows(self.shape[1]) >= 16
                 and get_cublaslt_fp8() is not None):
@@ -3750,6 +4182,9 @@ class QuantizedLinear:
         if path == "gemv":
             return gemv_8bit(x, self.codes, self.scales, out, self.method, stream,
                              accumulate, self.variant_for(x))
+        if path == "mma":
+            return mma_8bit(x, self.codes, self.scales, out, self.method, stream,
+                            accumulate)
         if path == "fp8":
             return self.apply_fp8(x, out, stream, workspace, accumulate)
         return linear(x, self.dequantized(stream), out, stream=stream,
@@ -3782,17 +4217,21 @@ class QuantizedLinear:
                                *, stream=0, workspace=None):
         """act = SiLU(gate) * up for W = [gate | up] (chapter 7's
         rmsnorm_linear_silu_mul): one kernel, the norm and SiLU inside the GEMV,
-        where the GEMV runs and GATED_GEMV_8BIT says so; else apply_rmsnorm into
-        gate_up, then silu_mul.
+        where the GEMV runs and GATED_GEMV_8BIT says so; on the tensor-core path the
+        norm into `normed`, then the product with SiLU·up inside; else apply_rmsnorm
+        into gate_up, then silu_mul.
         """
         if self.uses_gemv(normed) and GATED_GEMV_8BIT:
             return gemv_8bit_rmsnorm(residual, norm_weight, eps, self.codes,
                                      self.scales, act, self.method, stream,
                                      self.variant_for(normed), gated=True)
+        if self.gemm_path(normed) == "mma":
+            rmsnorm(residual, norm_weight, eps, normed, stream=stream)
+            return mma_8bit(normed, self.codes, self.scales, act, self.method, stream,
+                            gated=True)
         self.apply_rmsnorm(residual, norm_weight, eps, gate_up, normed, stream=stream,
                            workspace=workspace)
         return silu_mul(gate_up, act, stream=stream)
-
 
 # %% [markdown]
 # `QuantizedLlamaCuda` is chapter 7's model with that one method overridden. It checks
