@@ -5067,7 +5067,8 @@ else:
              ("int8", "gemv", "auto"): ("#1f77b4", "-", "int8, 8-bit GEMV"),
              ("int8", "gemv", "warp"): ("#2ca02c", "--",
                                         "int8, 8-bit GEMV, a warp a row"),
-             ("int8", "scratch", None): ("#1f77b4", ":", "int8, scratch + cuBLAS")}
+             ("int8", "scratch", None): ("#1f77b4", ":", "int8, scratch + cuBLAS"),
+             ("int8", "mma", None): ("#d62728", "-", "int8, bf16 tensor cores")}
     fig, axes = new_figure(1, len(cross_layers), width=10, height=2.9)
     for ax, layer in zip(axes, cross_layers):
         for (m, path, variant), (color, style, label) in lines.items():
@@ -5088,8 +5089,8 @@ else:
         ax.set_xlabel("tokens")
     axes[0].set_ylabel("µs, as the layer loop makes it")
     axes[1].legend(fontsize=6, loc="upper left")
-    fig.suptitle(f"{cross_device}: the 8-bit GEMV against the dequantized scratch",
-                 fontsize=9)
+    fig.suptitle(f"{cross_device}: the 8-bit GEMV, the dequantized scratch and "
+                 "the tensor cores", fontsize=9)
     plt.show()
     wins = {v: gemv_wins_up_to_8bit(cross_runs, v)
             for v in (("auto", "warp") if has_warp else ("auto",))}
@@ -5124,9 +5125,43 @@ else:
     for m, path, variant, key in (("int8", "gemv", "auto", "gemv"),
                                   ("int8", "gemv", "warp", "warp"),
                                   ("int8", "scratch", None, "scratch"),
+                                  ("int8", "mma", None, "mma"),
                                   (None, "bf16", None, "bf16")):
         if (us := cross_layer_sum(m, path, variant, M8)) is not None:
             prose.glue(f"ch15_cross_layer_{key}", f"{us:.1f} µs")
+    # the tensor cores: a layer's four products against bf16's and the best 8-bit
+    # path's at each token count (the GEMV at one token, else the faster of it and
+    # the scratch)
+    mma_at = {M: (cross_layer_sum("int8", "mma", None, M),
+                  cross_layer_sum(None, "bf16", None, M),
+                  min(u for u in (cross_layer_sum("int8", "gemv", "auto", M),
+                                  cross_layer_sum("int8", "scratch", None, M))
+                      if u is not None))
+              for M in cross_tokens if cross_layer_sum("int8", "mma", None, M)}
+    prose.glue("ch15_mma_limit", f"{MMA_8BIT_MAX_TOKENS}")
+    if mma_at:
+        print("a layer's four products, µs (tensor cores, bf16, the better of the "
+              "GEMV and the scratch):",
+              {M: tuple(round(u, 1) for u in v) for M, v in mma_at.items()})
+        below_bf16 = [M for M, (mma, bf16, _) in mma_at.items() if mma < bf16]
+        beats_old = [M for M, (mma, _, old) in mma_at.items() if mma < old]
+        prose.glue("ch15_mma_below_bf16", (
+            "at every token count measured" if len(below_bf16) == len(mma_at) else
+            "at none of the token counts measured" if not below_bf16 else
+            "at " + ", ".join(map(str, below_bf16)) + " tokens"))
+        prose.glue("ch15_mma_beats_old", (
+            "at every token count measured" if len(beats_old) == len(mma_at) else
+            "at none" if not beats_old else
+            "from " + str(min(beats_old)) + " tokens"
+            if beats_old == [M for M in mma_at if M >= min(beats_old)] else
+            "at " + ", ".join(map(str, beats_old)) + " tokens"))
+        if M8 in mma_at:
+            prose.glue("ch15_mma_half", (
+                "about half of bf16's time, as hoped"
+                if mma_at[M8][0] <= 0.6 * mma_at[M8][1] else
+                "below bf16's time but well short of half of it"
+                if mma_at[M8][0] < mma_at[M8][1] else
+                "no faster than bf16: the prediction missed"))
     if has_warp and gu.get("warp"):
         prose.glue("ch15_cross_gu8_warp", f"{gu['warp']:.1f} µs")
         prose.glue("ch15_cross_wins_warp", f"{wins['warp']}")
@@ -5155,25 +5190,27 @@ else:
             "setting QUANTIZED_GEMV_VARIANT to a warp a row").format(
                 prose.values["ch15_cross_layer_warp"], wins["warp"]))
 
-    def setting(r: dict) -> tuple:  # (quantization, GEMV limit, variant)
+    def setting(r: dict) -> tuple:  # (quantization, GEMV limit, variant, mma limit)
         if r["quantization"] is None:
-            return (None, None, None)
+            return (None, None, None, None)
+        # runs before the tensor-core kernel took the scratch past the GEMV
         return (r["quantization"], r.get("gemv_max_tokens"),
-                r.get("gemv_variant") or "auto")
+                r.get("gemv_variant") or "auto", r.get("mma_max_tokens") or 0)
 
     batch, batch_commit = {}, {}
     for r in batch_runs:  # in the order recorded: the newest run of a setting wins
         batch[setting(r) + (r["shape"][0],)] = r["value"]
         batch_commit[setting(r)] = r.get("engine_commit")
-    batches = sorted({k[3] for k in batch})
-    series = sorted({k[:3] for k in batch},
-                    key=lambda k: (k[0] is not None, k[2] or "", k[1] or 0))
+    batches = sorted({k[4] for k in batch})
+    series = sorted({k[:4] for k in batch},
+                    key=lambda k: (k[0] is not None, k[3] or 0, k[2] or "", k[1] or 0))
 
     def setting_label(k: tuple) -> str:
         if k[0] is None:
             return "bf16"
         return (f"int8, GEMV up to {k[1]} tokens"
-                + (", a warp a row" if k[2] == "warp" else ""))
+                + (", a warp a row" if k[2] == "warp" else "")
+                + (f", tensor cores to {k[3]}" if k[3] else ""))
 
     if batch:
         fig, ax = new_figure(width=7, height=2.8)
@@ -5181,7 +5218,7 @@ else:
         for i, k in enumerate(series):
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(batches))]
             ax.bar(xs, [batch.get(k + (B,), 0) for B in batches], width,
-                   color="#7f7f7f" if k[0] is None else
+                   color="#7f7f7f" if k[0] is None else "#d62728" if k[3] else
                    ("#2ca02c" if k[2] == "warp" else "#1f77b4"),
                    alpha=1 if k[0] is None else 0.45 + 0.55 * (k[1] or 0) / 16,
                    label=setting_label(k))
@@ -5194,16 +5231,18 @@ else:
         B8 = 8 if 8 in batches else batches[-1]
         prose.glue("ch15_batch_b", f"{B8}")
         prose.glue("ch15_batch_device", batch_runs[0]["device"]["name"])
-        newest = batch_commit[None, None, None]  # bf16's: the newest run's
+        newest = batch_commit[None, None, None, None]  # bf16's: the newest run's
         prose.glue("ch15_batch_settings", "; ".join(
             f"{setting_label(k)}, {batch[k + (B8,)]:,.0f} tok/s"
             + (f" (an earlier run, commit {batch_commit[k]})"
                if batch_commit[k] != newest else "")
             for k in series if k + (B8,) in batch))
-        engine = ("int8", QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT)
-        behind = [B for B in batches if (None, None, None, B) in batch
+        # the engine's settings on a GPU (the simulator's mma limit is 0)
+        engine = ("int8", QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT,
+                  MMA_8BIT_MAX_TOKENS)
+        behind = [B for B in batches if (None, None, None, None, B) in batch
                   and engine + (B,) in batch
-                  and batch[engine + (B,)] < batch[None, None, None, B]]
+                  and batch[engine + (B,)] < batch[None, None, None, None, B]]
         measured = [B for B in batches if engine + (B,) in batch]
         if measured:
             prose.glue("ch15_batch_verdict", (
@@ -5268,6 +5307,12 @@ tokens{{ch15_cross_warp_end}}.""" if
 The engine takes the GEMV up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}}
 tokens with {{ch15_cross_variant}} past one token: {{ch15_cross_agree}} as the
 records' crossover.""" + ("""
+The tensor-core kernel built above for these few tokens: at {{ch15_cross_m8}} tokens a
+layer's four products take {{ch15_cross_layer_mma}} on it, {{ch15_mma_half}}. It
+runs below bf16 {{ch15_mma_below_bf16}}, and beats the better of the GEMV and the
+scratch {{ch15_mma_beats_old}}; the engine takes it past the GEMV up to
+`QUANTIZED_MMA_MAX_TOKENS` = {{ch15_mma_limit}} tokens.""" if "ch15_mma_half" in prose.values
+    and "ch15_cross_layer_mma" in prose.values else "") + ("""
 Through the engine on the {{ch15_batch_device}}, {{ch15_batch_b}} requests at once
 decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
