@@ -4029,7 +4029,9 @@ assert mma_counts["mma.sync"] > 0 and mma_counts["local memory"] == 0
 # overrides for the matrices it quantizes. A `QuantizedLinear` holds the codes and the
 # scales on the GPU and picks its path by the number of token vectors: the 8-bit GEMV
 # (with the norm inside whatever its rows: see `apply_rmsnorm`) up to
-# `QUANTIZED_GEMV_MAX_TOKENS`, else the GEMM path — the dequantized scratch and
+# `QUANTIZED_GEMV_MAX_TOKENS`; past it up to `QUANTIZED_MMA_MAX_TOKENS`, the bf16
+# tensor cores fed from registers (`mma_8bit`, just above: the norm first, SiLU·up
+# inside gate-up's kernel); else the GEMM path — the dequantized scratch and
 # chapter 6's `linear`, or for FP8 with `FP8_TENSOR_CORE_GEMM` on the tensor cores
 # above (`apply_fp8`, where the GPU has them). The switch is off for now: on the one
 # GPU run so far, an H100's, one of the path's tests failed (the others, and the
@@ -5311,8 +5313,9 @@ The tensor-core kernel built above for these few tokens: at {{ch15_cross_m8}} to
 layer's four products take {{ch15_cross_layer_mma}} on it, {{ch15_mma_half}}. It
 runs below bf16 {{ch15_mma_below_bf16}}, and beats the better of the GEMV and the
 scratch {{ch15_mma_beats_old}}; the engine takes it past the GEMV up to
-`QUANTIZED_MMA_MAX_TOKENS` = {{ch15_mma_limit}} tokens.""" if "ch15_mma_half" in prose.values
-    and "ch15_cross_layer_mma" in prose.values else "") + ("""
+`QUANTIZED_MMA_MAX_TOKENS` = {{ch15_mma_limit}} tokens.""" if (
+    "ch15_mma_half" in prose.values and "ch15_cross_layer_mma" in prose.values)
+    else "") + ("""
 Through the engine on the {{ch15_batch_device}}, {{ch15_batch_b}} requests at once
 decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
@@ -5806,6 +5809,12 @@ default.
 #   section's records say they stop beating the dequantized scratch; that section
 #   gives the figures, and what the limit does to a few requests at once against
 #   bf16.
+# - Between the GEMV and the scratch, `mma_8bit` feeds bf16 tensor cores from
+#   registers: the weights are the mma's 16-row side, the tokens its 8-column side,
+#   each code widened to bf16 exactly on its way in, and the chunk's k dealt to the
+#   mma's steps in the order each lane loaded them, so no lane needs another's bytes.
+#   `QuantizedLinear` takes it past the GEMV's tokens up to
+#   `QUANTIZED_MMA_MAX_TOKENS`; the crossover section says what it bought.
 #
 # ## Exercises
 #
