@@ -507,7 +507,7 @@ def sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, form
 # the tensor-core kernel's knobs: m-tiles a block (gate-up's is a gate tile and its up tile), warps splitting K, chunks
 # of 64 k loaded ahead
 MMA_SWEEP_KNOBS = [(mt, w, a) for mt in (1, 2) for w in (4, 8, 16) for a in (1, 2, 4)]
-MMA_SWEEP_TOKENS = (2, 8, 16)
+MMA_SWEEP_TOKENS = (2, 16)
 
 
 def mma_sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, formats=("int8",)) -> None:
@@ -549,12 +549,18 @@ def mma_sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, 
             m_tiles, warps, ahead = knobs
             if gated and m_tiles != 2:
                 continue
+            if warps == 4 and not gated:  # few blocks a layer past gate-up: 4 warps leave the GPU idle
+                continue
             MMA_8BIT_KERNELS[key] = make_mma_8bit_kernel(method, key[1], m_tiles, warps, ahead, accumulate=add,
                                                          gated=gated)
             try:
                 if add:
                     out.copy_to_device(prior)
-                launch(0, 0)
+                try:
+                    launch(0, 0)
+                except Exception as err:  # too many registers for the block's threads: nothing to time
+                    print(f"mma {name} {method} T={T} {knobs}: not launched ({type(err).__name__})", flush=True)
+                    continue
                 got = out.copy_to_host()
                 check(bf16_bits_to_f32(got) if gated else got, want, f"mma {method} {name} {knobs} T={T}",
                       2.0**-8 if gated else 1e-4)

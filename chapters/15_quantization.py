@@ -3841,6 +3841,7 @@ def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int
     threads = 32 * warps
     outputs = units * tokens
     WBUF, XBUF = ahead * WW, ahead * XW  # local arrays' sizes: constants
+    assert threads % units == 0, "a thread stores outputs of one row"
 
     @cuda.jit(device=True, **INLINE)
     def load_weights(w64, wbuf, c0, chunks, n0, half, g, t):
@@ -3870,8 +3871,13 @@ def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int
             acc[e] = float32(0)
         partial = cuda.shared.array((warps, ACC, 32), float32)
         c0 = warp * ahead
-        # no kernel writes the weights: the first are loaded before the wait
+        # no kernel writes the weights: the first are loaded before the wait, and the
+        # scales of the row this thread will store (o % units below is tid % units)
         load_weights(w64, wbuf, c0, chunks, n0, half, g, t)
+        mine = n0 + tid % units
+        has_row = mine < (half if gated else w64.shape[0])
+        scale = scales[mine] if has_row else float32(0)
+        up_scale = scales[mine + half] if gated and has_row else float32(0)
         wait_for_previous_kernel()
         while c0 < chunks:
             for u in range(ahead):
@@ -3906,14 +3912,14 @@ def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int
             n = n0 + r
             if col < M and n < (half if gated else w64.shape[0]):
                 if gated:
-                    gate = total * scales[n]
-                    up = up * scales[n + half]
+                    gate = total * scale
+                    up = up * up_scale
                     store_activation(out, col, n,
                                      gate / (float32(1.0) + math.exp(-gate)) * up)
                 elif accumulate:
-                    out[col, n] += total * scales[n]
+                    out[col, n] += total * scale
                 else:
-                    store_activation(out, col, n, total * scales[n])
+                    store_activation(out, col, n, total * scale)
             o += threads
 
     kernel.units, kernel.threads, kernel.tokens = units, threads, tokens
