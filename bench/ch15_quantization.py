@@ -372,7 +372,7 @@ def crossover_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, 
         save_part(rec, "crossover", tiny)
 
 
-SMALL_BATCHES = (4, 8, 12, 16)
+SMALL_BATCHES = (2, 4, 8, 12, 16)
 
 
 # (QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT, QUANTIZED_MMA_MAX_TOKENS): the GEMV up to 4 tokens with the
@@ -517,6 +517,7 @@ def mma_sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, 
     knobs marked `chosen`."""
     from tinyvllm_lib.kernels.mma_8bit import (
         MMA_8BIT_KERNELS,
+        MMA_8BIT_KNOBS,
         make_mma_8bit_kernel,
         mma_8bit,
     )
@@ -539,7 +540,7 @@ def mma_sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, 
         nbytes = q.nbytes + x_bits.nbytes
         key = (method, 1 if T <= 8 else 2, kind)
         model_kernel = MMA_8BIT_KERNELS[key]
-        chosen = (2 if gated else 1, model_kernel.threads // 32, 2)
+        chosen = MMA_8BIT_KNOBS[kind, key[1]]
 
         def launch(i, s):
             codes, scales = weights[i % len(weights)]
@@ -576,6 +577,41 @@ def mma_sweep_part(rec: Recorder, config: ModelConfig, extra: dict, tiny: bool, 
             print(f"mma {name} {method} T={T} {knobs}{' (chosen)' * (knobs == chosen)}: {seconds * 1e6:.2f} us",
                   flush=True)
         save_part(rec, "mma_sweep", tiny)
+
+
+def best_mma_knobs(device_name: str) -> dict:
+    """From this device's mma_sweep records of this kernel version: for each (epilogue, n-tiles), the knobs whose
+    times summed over the layers of that epilogue (O and down share "add") and the token counts of that n-tile count
+    are least, among the knobs timed for all of them."""
+    from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_VERSION
+
+    path = DATA_DIR / "ch15_quantization.json"
+    runs = [r for r in (json.loads(path.read_text()) if path.exists() else [])
+            if r.get("part") == "mma_sweep" and r["device"].get("name") == device_name
+            and r.get("mma_8bit_version") == MMA_8BIT_VERSION]
+    total, seen = {}, {}
+    for r in runs:
+        group = (r["kind"], 1 if r["tokens"] <= 8 else 2)
+        knobs = (r["m_tiles"], r["warps"], r["ahead"])
+        total[group, knobs] = total.get((group, knobs), 0.0) + r["us"]
+        seen.setdefault(group, {}).setdefault(knobs, set()).add((r["layer"], r["tokens"]))
+    best = {}
+    for group, by_knobs in seen.items():
+        everywhere = set.union(*by_knobs.values())
+        complete = [k for k, cells in by_knobs.items() if cells == everywhere]
+        best[group] = min(complete, key=lambda k: total[group, k])
+    return best
+
+
+def use_mma_knobs(knobs: dict) -> None:
+    """Rebuild the launcher's tensor-core kernels (both formats) with these (epilogue, n-tiles) -> knobs."""
+    from tinyvllm_lib.kernels import mma_8bit
+
+    for (kind, n_tiles), (m_tiles, warps, ahead) in knobs.items():
+        mma_8bit.MMA_8BIT_KNOBS[kind, n_tiles] = (m_tiles, warps, ahead)
+        for method in ("int8", "fp8"):
+            mma_8bit.MMA_8BIT_KERNELS[method, n_tiles, kind] = mma_8bit.make_mma_8bit_kernel(
+                method, n_tiles, m_tiles, warps, ahead, accumulate=kind == "add", gated=kind == "gated")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -660,6 +696,9 @@ def main() -> None:
                          "(quantize_lm_head=True), or a run of each")
     ap.add_argument("--fp8-tensor-cores", action="store_true",
                     help="FP8's GEMM path on FP8 tensor cores (quantized_linear.FP8_TENSOR_CORE_GEMM, off by default)")
+    ap.add_argument("--mma-knobs", choices=("library", "best"), default="library",
+                    help="crossover, small_batch, engine: the tensor-core kernel's knobs as the library sets them, or "
+                         "the fastest of this device's mma_sweep records (best_mma_knobs; records say which)")
     ap.add_argument("--sweep-tokens", type=int, nargs="+", default=[1], choices=GEMV_BUCKETS,
                     help="sweep: the token buckets to sweep the knobs at (default: 1)")
     ap.add_argument("--small-batch-settings", nargs="+", default=SMALL_BATCH_SETTINGS,
@@ -685,6 +724,14 @@ def main() -> None:
                  "workload": "bs1: 128 random prompt ids, 256 new, greedy, ignore_eos; throughput: nano-vllm's "
                              "256 requests, lengths uniform in [100, 1024], seed 0"}
     rec = Recorder("ch15_quantization")
+    if args.mma_knobs == "best" and not args.tiny:
+        knobs = best_mma_knobs(rec.device.get("name"))
+        print("the tensor-core kernel's knobs from this device's sweep:", knobs)
+        use_mma_knobs(knobs)
+    if not args.tiny:
+        from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_KNOBS
+
+        extra["mma_knobs"] = {f"{kind or 'plain'}/{n}": list(v) for (kind, n), v in MMA_8BIT_KNOBS.items()}
     if args.only in (None, "gemv"):
         gemv_part(rec, ModelConfig.from_folder(folder), extra, args.tiny)
     if args.only in (None, "sweep"):

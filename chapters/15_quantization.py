@@ -3932,13 +3932,18 @@ def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int
 # the launcher's kernels: (format, n-tiles, epilogue) -> kernel, each a module-level
 # name so that tests/test_ptx.py compiles it
 MMA_8BIT_KERNELS, PTX_SIGNATURES = {}, {}
-_KINDS = {"": {}, "add": {"accumulate": True}, "gated": {"gated": True, "m_tiles": 2}}
+_KINDS = {"": {}, "add": {"accumulate": True}, "gated": {"gated": True}}
+# (epilogue, n-tiles) -> (m-tiles, warps, chunks ahead); gated: 2 m-tiles, a gate tile
+# and its up tile
+MMA_8BIT_KNOBS = {(kind, n_tiles): (2 if kind == "gated" else 1, 8, 2)
+                  for kind in _KINDS for n_tiles in (1, 2)}
 for _method in ("int8", "fp8"):
     for _n_tiles in (1, 2):
         for _kind, _flags in _KINDS.items():
             _name = f"mma_{_method}_n{_n_tiles}{'_' * bool(_kind)}{_kind}_kernel"
             MMA_8BIT_KERNELS[_method, _n_tiles, _kind] = globals()[_name] = \
-                make_mma_8bit_kernel(_method, _n_tiles, **_flags)
+                make_mma_8bit_kernel(_method, _n_tiles,
+                                     *MMA_8BIT_KNOBS[_kind, _n_tiles], **_flags)
             _out = "uint16" if _kind == "gated" else "float32"
             PTX_SIGNATURES[_name] = [
                 f"void(uint64[:, ::1], uint64[:, ::1], float32[::1], {_out}[:, ::1])"]
