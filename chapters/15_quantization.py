@@ -5022,13 +5022,16 @@ These runs set `FP8_TENSOR_CORE_GEMM` on; {{ch15_gemm_switch}}.
 # makes it (QKV with its norm, O and down adding into the residual, gate-up with its
 # norm and SiLU·up), from 1 to 16 tokens, beside bf16's own path (chapter 6's GEMV at
 # one token, cuBLAS past it), and the GEMV past one token both in the variant its
-# launcher picks and with a warp a row; its small_batch part decodes 4 to 16 requests
+# launcher picks and with a warp a row; its small_batch part decodes 2 to 16 requests
 # at once through the engine at a few settings of the limit and the variant, bf16
-# beside them:
+# beside them. The tensor-core kernel of the section before the model's paths runs
+# in both, its knobs swept first (`--mma-knobs best` takes the sweep's fastest; the
+# records say which knobs they ran with):
 #
 # ```bash
-# python bench/ch15_quantization.py --only crossover
-# python bench/ch15_quantization.py --only small_batch
+# python bench/ch15_quantization.py --only mma_sweep --formats int8
+# python bench/ch15_quantization.py --only crossover --mma-knobs best
+# python bench/ch15_quantization.py --only small_batch --mma-knobs best
 # ```
 
 # %%
@@ -5168,6 +5171,26 @@ else:
             "from " + str(min(beats_old)) + " tokens"
             if beats_old == [M for M in mma_at if M >= min(beats_old)] else
             "at " + ", ".join(map(str, beats_old)) + " tokens"))
+        # the knob sweep on the same GPU: the launcher's table against the fastest
+        sweep_runs = [r for r in newest_run(gpu + h100, "mma_sweep")
+                      if r["device"]["name"] == cross_device]
+        sweep_cells = {}
+        for r in sweep_runs:
+            sweep_cells.setdefault((r["layer"], r["tokens"]), []).append(r)
+        sweep_gaps = []
+        for (layer, T), rs in sweep_cells.items():
+            fastest = min(rs, key=lambda r: r["us"])
+            table = MMA_8BIT_KNOBS[rs[0]["kind"], 1 if T <= 8 else 2]
+            mine = [r for r in rs if (r["m_tiles"], r["warps"], r["ahead"]) == table]
+            if mine:
+                sweep_gaps.append(mine[0]["us"] / fastest["us"] - 1)
+                print(f"  {layer}, {T} tokens: the table's knobs {table} "
+                      f"{mine[0]['us']:.1f} µs; the fastest "
+                      f"{(fastest['m_tiles'], fastest['warps'], fastest['ahead'])} "
+                      f"{fastest['us']:.1f} µs")
+        if sweep_gaps:
+            prose.glue("ch15_mma_sweep_gap", f"{max(sweep_gaps):.0%}")
+            prose.glue("ch15_mma_sweep_n", f"{len(sweep_runs)}")
         if M8 in mma_at:
             prose.glue("ch15_mma_half", (
                 "about half of bf16's time, as hoped"
@@ -5324,7 +5347,12 @@ The tensor-core kernel built above for these few tokens: at {{ch15_cross_m8}} to
 layer's four products take {{ch15_cross_layer_mma}} on it, {{ch15_mma_half}}. It
 runs below bf16 {{ch15_mma_below_bf16}}, and beats the better of the GEMV and the
 scratch {{ch15_mma_beats_old}}; the engine takes it past the GEMV up to
-`QUANTIZED_MMA_MAX_TOKENS` = {{ch15_mma_limit}} tokens.""" if (
+`QUANTIZED_MMA_MAX_TOKENS` = {{ch15_mma_limit}} tokens.""" + ("""
+Its knobs (`MMA_8BIT_KNOBS`: tiles of 16 rows a block, warps splitting K, chunks
+loaded ahead) come from a sweep of {{ch15_mma_sweep_n}} settings over the layers at 2
+and 16 tokens (`--only mma_sweep`, printed above): the table's are within
+{{ch15_mma_sweep_gap}} of the fastest on every layer there.""" if
+    "ch15_mma_sweep_gap" in prose.values else "") if (
     "ch15_mma_half" in prose.values and "ch15_cross_layer_mma" in prose.values)
     else "") + ("""
 Through the engine on the {{ch15_batch_device}}, {{ch15_batch_b}} requests at once
