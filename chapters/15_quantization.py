@@ -4073,11 +4073,12 @@ from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.llama_quantized import takes_fp8_gemm
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
-# up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path): where it
-# stopped beating the scratch on every layer (bench/ch15_quantization.py's crossover,
-# int8 and FP8 on an H100: at 8 tokens it took about twice the scratch's time; it was
-# a guess, 8)
-QUANTIZED_GEMV_MAX_TOKENS = 4
+# up to how many token vectors the 8-bit GEMV runs (beyond: the tensor cores, then the
+# GEMM path): where it stops beating the better of the other two over a layer's four
+# products (bench/ch15_quantization.py's crossover on an H100: against the scratch
+# alone it won up to 4 tokens; against the tensor cores it ties at 2 and loses at 4;
+# it was a guess, 8, then 4)
+QUANTIZED_GEMV_MAX_TOKENS = 2
 # the 8-bit GEMV's variant past one token: "auto" (chapter 6's rule: a warp a row
 # for 1 or 2 tokens and 16,384 rows or more, else the block's warps share each group
 # of rows), "warp" or "block"
@@ -5161,6 +5162,20 @@ else:
               {M: tuple(round(u, 1) for u in v) for M, v in mma_at.items()})
         below_bf16 = [M for M, (mma, bf16, _) in mma_at.items() if mma < bf16]
         beats_old = [M for M, (mma, _, old) in mma_at.items() if mma < old]
+        # the GEMV against the better of the other two, a layer's four products
+        gemv_best = 0
+        for M in sorted(mma_at):
+            gemv_sum = cross_layer_sum("int8", "gemv", "auto", M)
+            others = [u for u in (mma_at[M][0],
+                                  cross_layer_sum("int8", "scratch", None, M)) if u]
+            if gemv_sum is None or gemv_sum > min(others):
+                break
+            gemv_best = M
+        prose.glue("ch15_gemv_best", f"{gemv_best}")
+        prose.glue("ch15_gemv_best_s", "" if gemv_best == 1 else "s")
+        prose.glue("ch15_gemv_agree", (
+            "as the records say" if gemv_best == QUANTIZED_GEMV_MAX_TOKENS else
+            f"the records say {gemv_best}"))
         prose.glue("ch15_mma_below_bf16", (
             "at every token count measured" if len(below_bf16) == len(mma_at) else
             "at none of the token counts measured" if not below_bf16 else
@@ -5339,15 +5354,18 @@ quarter as often — gate-up takes {{ch15_cross_gu8_warp}} at {{ch15_cross_m8}} 
 and beats the scratch up to {{ch15_cross_gu_wins_warp}}
 tokens{{ch15_cross_warp_end}}.""" if
     "ch15_cross_gu8_warp" in prose.values
-    and "ch15_cross_layer_warp" in prose.values else "") + """
+    and "ch15_cross_layer_warp" in prose.values else "") + ("""
 The engine takes the GEMV up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}}
 tokens with {{ch15_cross_variant}} past one token: {{ch15_cross_agree}} as the
-records' crossover.""" + ("""
+records' crossover.""" if "ch15_gemv_best" not in prose.values else "") + ("""
 The tensor-core kernel built above for these few tokens: at {{ch15_cross_m8}} tokens a
 layer's four products take {{ch15_cross_layer_mma}} on it, {{ch15_mma_half}}. It
 runs below bf16 {{ch15_mma_below_bf16}}, and beats the better of the GEMV and the
-scratch {{ch15_mma_beats_old}}; the engine takes it past the GEMV up to
-`QUANTIZED_MMA_MAX_TOKENS` = {{ch15_mma_limit}} tokens.""" + ("""
+scratch {{ch15_mma_beats_old}}. Over a layer's four products the GEMV beats both
+other paths up to {{ch15_gemv_best}} token{{ch15_gemv_best_s}}; the engine takes it
+up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}} ({{ch15_gemv_agree}}) and
+the tensor cores past it up to `QUANTIZED_MMA_MAX_TOKENS` =
+{{ch15_mma_limit}}.""" + ("""
 Its knobs (`MMA_8BIT_KNOBS`: tiles of 16 rows a block, warps splitting K, chunks
 loaded ahead) come from a sweep of {{ch15_mma_sweep_n}} settings over the layers at 2
 and 16 tokens (`--only mma_sweep`, printed above): the table's are within

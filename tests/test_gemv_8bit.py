@@ -264,9 +264,9 @@ def log_softmax(x):
 
 
 @needs_launch
-@pytest.mark.parametrize("method, head, num_tokens", [("int8", False, 3), ("fp8", True, 10)])
+@pytest.mark.parametrize("method, head, num_tokens", [("int8", False, 2), ("fp8", True, 10)])
 def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_tokens):
-    """3 tokens: the 8-bit GEMVs (the norm fused into qkv's; into gate-up's with SiLU·up, GATED_GEMV_8BIT); 10: past QUANTIZED_GEMV_MAX_TOKENS, the
+    """2 tokens: the 8-bit GEMVs (the norm fused into qkv's; into gate-up's with SiLU·up, GATED_GEMV_8BIT); 10: past QUANTIZED_GEMV_MAX_TOKENS, the
     GEMM path (the dequantized scratch and chapter 6's GEMM; FP8 on FP8 tensor cores where the GPU has them). Against QuantizedLlamaNumpy with bf16 linear inputs, as chapter 7's
     kernel model is against LlamaNumpy (same measure, same tolerance)."""
     from test_llama_forward import assert_kernel_model_matches
@@ -281,7 +281,7 @@ def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_t
     from tinyvllm_lib.models.loader import load_weights
     from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
 
-    assert (num_tokens <= QUANTIZED_GEMV_MAX_TOKENS) == (num_tokens == 3)
+    assert (num_tokens <= QUANTIZED_GEMV_MAX_TOKENS) == (num_tokens == 2)
     cfg = tiny_llama_config(hidden_size=32, intermediate_size=40, vocab_size=64, head_dim=8, tie_word_embeddings=True)
     folder = make_random_llama(tmp_path, cfg, seed=int(rng.integers(1000)))
     config = ModelConfig.from_folder(folder)
@@ -299,6 +299,37 @@ def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_t
     fp8_gemm = method == "fp8" and quantized_linear.FP8_TENSOR_CORE_GEMM and get_cublaslt_fp8() is not None
     ref = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=head, bf16_activations=True,
                               fp8_gemm_tokens=QUANTIZED_GEMV_MAX_TOKENS if fp8_gemm else None)
+    assert_kernel_model_matches(ours, log_softmax(ref.forward(ids, positions)))
+
+
+@needs_launch
+@pytest.mark.parametrize("method", ["int8", pytest.param("fp8", marks=pytest.mark.gpu)])  # the simulator: one
+def test_quantized_model_on_the_tensor_cores_matches_numpy(tmp_path, rng, monkeypatch, method):
+    """6 tokens past the GEMV's limit with every K a multiple of 64: every matrix takes mma_8bit (the norm first,
+    gate-up's SiLU·up inside; in the simulator only where QUANTIZED_MMA_MAX_TOKENS is set, as here), against
+    QuantizedLlamaNumpy as the test above."""
+    from test_llama_forward import assert_kernel_model_matches
+
+    from tinyvllm_lib.layers import quantized_linear
+    from tinyvllm_lib.models.config import ModelConfig
+    from tinyvllm_lib.models.llama_cuda_quantized import QuantizedLlamaCuda
+    from tinyvllm_lib.models.llama_quantized import QuantizedLlamaNumpy
+    from tinyvllm_lib.models.loader import load_weights
+    from tinyvllm_lib.models.random_llama import make_random_llama, tiny_llama_config
+
+    monkeypatch.setattr(quantized_linear, "QUANTIZED_MMA_MAX_TOKENS", 16)
+    cfg = tiny_llama_config(hidden_size=64, intermediate_size=128, vocab_size=64, head_dim=16,
+                            tie_word_embeddings=True)
+    folder = make_random_llama(tmp_path, cfg, seed=int(rng.integers(1000)))
+    config = ModelConfig.from_folder(folder)
+    weights = load_weights(folder, config, progress=False)
+    gpu = QuantizedLlamaCuda(config, weights, method)
+    ids, positions = rng.integers(0, 64, 6), np.arange(3, 9)
+    paths = {name: w.gemm_path(types.SimpleNamespace(shape=(6, w.shape[1])))
+             for name, w in gpu.weights.items() if isinstance(w, quantized_linear.QuantizedLinear)}
+    assert set(paths.values()) == {"mma"}, paths
+    ours = log_softmax(gpu.forward(ids, positions))
+    ref = QuantizedLlamaNumpy(config, weights, method, bf16_activations=True)
     assert_kernel_model_matches(ours, log_softmax(ref.forward(ids, positions)))
 
 

@@ -21,11 +21,12 @@ from tinyvllm_lib.layers.linear import linear
 from tinyvllm_lib.models.llama_quantized import takes_fp8_gemm
 from tinyvllm_lib.quantization.formats import QuantizedTensor
 
-# up to how many token vectors the 8-bit GEMV runs (beyond: the GEMM path): where it
-# stopped beating the scratch on every layer (bench/ch15_quantization.py's crossover,
-# int8 and FP8 on an H100: at 8 tokens it took about twice the scratch's time; it was
-# a guess, 8)
-QUANTIZED_GEMV_MAX_TOKENS = 4
+# up to how many token vectors the 8-bit GEMV runs (beyond: the tensor cores, then the
+# GEMM path): where it stops beating the better of the other two over a layer's four
+# products (bench/ch15_quantization.py's crossover on an H100: against the scratch
+# alone it won up to 4 tokens; against the tensor cores it ties at 2 and loses at 4;
+# it was a guess, 8, then 4)
+QUANTIZED_GEMV_MAX_TOKENS = 2
 # the 8-bit GEMV's variant past one token: "auto" (chapter 6's rule: a warp a row
 # for 1 or 2 tokens and 16,384 rows or more, else the block's warps share each group
 # of rows), "warp" or "block"
