@@ -5207,6 +5207,17 @@ else:
             prose.glue("ch15_mma_sweep_gap", f"{max(sweep_gaps):.0%}")
             prose.glue("ch15_mma_sweep_n", f"{len(sweep_runs)}")
         if M8 in mma_at:
+            for layer, key in (("gate_up_proj", "gu"), ("down_proj", "down")):
+                mine = cross.get((layer, "int8", "mma", M8, None))
+                theirs = cross.get((layer, None, "bf16", M8, None))
+                if mine and theirs:
+                    prose.glue(f"ch15_mma_{key}_ratio", f"{mine / theirs:.0%}")
+            down_k = [r["shape"][2] for r in cross_runs if r["layer"] == "down_proj"][0]
+            _, down_warps, down_ahead = MMA_8BIT_KNOBS["add", 1 if M8 <= 8 else 2]
+            down_chunks = down_k // MMA_K // down_warps
+            prose.glue("ch15_mma_down_k", f"{down_k:,}")
+            prose.glue("ch15_mma_down_chunks", f"{down_chunks}")
+            prose.glue("ch15_mma_down_trips", f"{-(-down_chunks // down_ahead)}")
             prose.glue("ch15_mma_half", (
                 "about half of bf16's time, as hoped"
                 if mma_at[M8][0] <= 0.6 * mma_at[M8][1] else
@@ -5291,6 +5302,24 @@ else:
         # the engine's settings on a GPU (the simulator's mma limit is 0)
         engine = ("int8", QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT,
                   MMA_8BIT_MAX_TOKENS)
+        # the batches the limit moved from the GEMV to the tensor cores, predicted
+        # from the crossover before the engine runs them: the step of the run that
+        # took the GEMV there, less each layer's difference
+        moved = [B for B in batches if QUANTIZED_GEMV_MAX_TOKENS < B <= 4
+                 and engine + (B,) not in batch and B in mma_at if mma_at]
+        before = ("int8", 4, "auto", MMA_8BIT_MAX_TOKENS)
+        if moved and before + (moved[-1],) in batch:
+            B = moved[-1]
+            gain_us = llama_1b.num_hidden_layers * (
+                cross_layer_sum("int8", "gemv", "auto", B) - mma_at[B][0])
+            step_us = B / batch[before + (B,)] * 1e6
+            prose.glue("ch15_batch_pred_b", f"{B}")
+            prose.glue("ch15_batch_pred_gain", f"{gain_us:.0f} µs")
+            prose.glue("ch15_batch_pred_step", f"{step_us:,.0f} µs")
+            prose.glue("ch15_batch_pred", f"{B / (step_us - gain_us) * 1e6:,.0f} tok/s")
+            if (None, None, None, None, B) in batch:
+                prose.glue("ch15_batch_pred_bf16",
+                           f"{batch[None, None, None, None, B]:,.0f} tok/s")
         behind = [B for B in batches if (None, None, None, None, B) in batch
                   and engine + (B,) in batch
                   and batch[engine + (B,)] < batch[None, None, None, None, B]]
@@ -5359,7 +5388,11 @@ The engine takes the GEMV up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit
 tokens with {{ch15_cross_variant}} past one token: {{ch15_cross_agree}} as the
 records' crossover.""" if "ch15_gemv_best" not in prose.values else "") + ("""
 The tensor-core kernel built above for these few tokens: at {{ch15_cross_m8}} tokens a
-layer's four products take {{ch15_cross_layer_mma}} on it, {{ch15_mma_half}}. It
+layer's four products take {{ch15_cross_layer_mma}} on it, {{ch15_mma_half}}:
+gate-up, the widest, takes {{ch15_mma_gu_ratio}} of bf16's time, but down, whose
+{{ch15_mma_down_k}} inputs give each warp {{ch15_mma_down_chunks}} chunks in
+{{ch15_mma_down_trips}} round trips to memory one after another,
+{{ch15_mma_down_ratio}}. It
 runs below bf16 {{ch15_mma_below_bf16}}, and beats the better of the GEMV and the
 scratch {{ch15_mma_beats_old}}. Over a layer's four products the GEMV beats both
 other paths up to {{ch15_gemv_best}} token{{ch15_gemv_best_s}}; the engine takes it
@@ -5371,12 +5404,19 @@ loaded ahead) come from a sweep of {{ch15_mma_sweep_n}} settings over the layers
 and 16 tokens (`--only mma_sweep`, printed above): the table's are within
 {{ch15_mma_sweep_gap}} of the fastest on every layer there.""" if
     "ch15_mma_sweep_gap" in prose.values else "") if (
-    "ch15_mma_half" in prose.values and "ch15_cross_layer_mma" in prose.values)
+    "ch15_mma_half" in prose.values and "ch15_cross_layer_mma" in prose.values
+    and "ch15_mma_down_ratio" in prose.values)
     else "") + ("""
 Through the engine on the {{ch15_batch_device}}, {{ch15_batch_b}} requests at once
 decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
-{{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + "\n")
+{{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + ("""
+The limit of {{ch15_cross_limit}} moves {{ch15_batch_pred_b}} requests from the GEMV to the tensor
+cores, where no engine run has taken them yet. Written before that run: over the
+model's layers the crossover's times save {{ch15_batch_pred_gain}} of the
+{{ch15_batch_pred_step}} step that took the GEMV there, so about
+{{ch15_batch_pred}} (bf16: {{ch15_batch_pred_bf16}}).""" if
+    "ch15_batch_pred_bf16" in prose.values else "") + "\n")
 if "ch15_chunk_verdict" in prose.values:
     prose.show("""
 Could the scratch itself cost less? Dequantizing a few rows at a time into a buffer
