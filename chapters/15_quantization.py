@@ -5412,8 +5412,8 @@ decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
 {{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + ("""
 The limit of {{ch15_cross_limit}} moves {{ch15_batch_pred_b}} requests from the GEMV
-to the tensor cores, where no engine run has taken them yet. Written before that run: over the
-model's layers the crossover's times save {{ch15_batch_pred_gain}} of the
+to the tensor cores, where no engine run has taken them yet. Written before that
+run: over the model's layers the crossover's times save {{ch15_batch_pred_gain}} of the
 {{ch15_batch_pred_step}} step that took the GEMV there, so about
 {{ch15_batch_pred}} (bf16: {{ch15_batch_pred_bf16}}).""" if
     "ch15_batch_pred_bf16" in prose.values else "") + "\n")
