@@ -2959,9 +2959,10 @@ if can_launch():
 # 8-bit GEMM moves about 2.5 times the bytes of a bf16 one; the next section counts
 # what that predicts. For `fp8` the next subsection builds the alternative, Hopper's
 # FP8 tensor cores, which quantize the activations too (behind a switch, off by
-# default until its GPU tests all pass); `int8` keeps the scratch (dequantizing
-# tile by tile inside chapter 14's tensor-core GEMM, which would not need it, is not
-# built here), and the measurement at the end of the chapter says what each costs.
+# default until its GPU tests all pass); `int8` keeps the scratch for many tokens
+# (widening the codes inside the tensor cores' tiles, which would not need it, is
+# built below for up to 16 token vectors, `mma_8bit`; prefill keeps the scratch), and
+# the measurement at the end of the chapter says what each costs.
 # Its second rounding, of $s_n q_{nk}$ to bf16, moves a weight by at most $2^{-8}$ of
 # itself, as bf16 weights
 # always have.
@@ -3361,7 +3362,7 @@ if can_launch():
 # study earlier in this chapter measures it once more with the NumPy model mirroring
 # this path (`fp8_gemm_tokens=8`). A teacher-forced pass feeds every product more
 # than 8 token vectors, so every product there is W8A8: this bounds what a prompt's
-# prefill, and a decode step of more than 8 sequences, see.
+# prefill, and a decode step past the engine's GEMV and tensor-core paths, see.
 
 # %%
 def w8a8_run(name: str, method: str) -> dict | None:
@@ -3449,7 +3450,7 @@ unsmoothed and {{ch15_int8_w8a16_dlogp}} for the weights alone. The norms' weigh
 and up_proj's rows could carry $1/s$ for free. O's input could carry it only through
 v_proj's rows, which grouped-query attention shares among a group's heads, so those
 heads would have to share their scales (this what-if gives each channel its own).
-That, and int8's GEMM on tensor cores, is not built here.
+That, and an int8 × int8 GEMM on tensor cores, is not built here.
 """ if int8_w8a8 is not None and best_smooth is not None else ""))
 
 
@@ -3605,36 +3606,43 @@ def gemm_fp8(x_codes, x_scales, w_codes, w_scales, out, stream=0, workspace=None
 # %% [markdown]
 # ### A few tokens on bf16 tensor cores: the codes widened in registers
 #
-# Between one token and a prefill lies what a server sees most: a few requests
-# decoding at once, 2 to 16 token vectors a step. The GEMV reads each weight once for
+# Between one token and a prefill lies what a lightly loaded server sees: a few
+# requests decoding at once, up to `MMA_8BIT_MAX_TOKENS` token vectors a step (defined
+# below). The GEMV reads each weight once for
 # all of them but multiplies on the SIMT cores, one fused multiply-add a code and a
 # token, so its arithmetic grows with the tokens; the scratch pays its extra write and
 # read of a bf16 copy whatever the tokens. There is a third way, the one vLLM's
 # weight-only kernels (Marlin, machete) and TensorRT-LLM's take: feed the **bf16 tensor
 # cores** of chapter 14 from registers, widening each code to bf16 on its way in — a
 # *mixed-input* GEMM. Both formats widen exactly: int8's codes are the integers from
-# $-128$ to $127$, all of them bf16 values (8 significant bits), and e4m3's 3-bit
-# mantissas and exponents from $2^{-9}$ to $2^{8}$ sit inside bf16's. The row's scale
+# $-128$ to $127$, all of them bf16 values (8 significant bits), and e4m3's values, 3
+# bits of mantissa and magnitudes from $2^{-9}$ (its smallest subnormal) to 448, are
+# all normal bf16 values. The row's scale
 # multiplies the finished sum, as in the GEMV.
 #
 # With a few tokens the weights are the big operand, so they take the mma's A side,
-# 16 rows a tile, and the tokens its B side, 8 a tile (the "swap AB" of small-batch
-# kernels): `mma.sync.m16n8k16` makes a 16 × 8 piece of $W X^\top$ from 16 values of
-# k. A warp takes 16 rows and splits nothing; the block's warps split K, and their sums
-# meet in shared memory at the end. The puzzle is the fragments. Chapter 14 loaded
+# 16 rows a tile, and the tokens its B side, 8 a tile (the "swap AB" of some
+# small-batch kernels; others, Marlin among them, put the tokens on A and pad them to
+# 16): `mma.sync.m16n8k16` makes a 16 × 8 piece of $W X^\top$ from 16 values of k.
+# Each warp covers all of its block's rows and tokens; the block's warps split K
+# instead, and their sums meet in shared memory at the end. The puzzle is the
+# fragments. Chapter 14 loaded
 # them with `ldmatrix` from tiles in shared memory; here the codes come straight from
 # global memory into registers, and a lane should use the bytes it loaded. Lane
 # $(g, t)$ ($g$ = lane / 4, $t$ = lane % 4) holds, of a k-step's 16 columns, columns
 # $2t, 2t{+}1, 2t{+}8, 2t{+}9$ of rows $g$ and $g{+}8$ in A, and the same four k of
 # token $g$ in B. A dot product adds its terms in any order, so the kernel is free to
-# *deal* k to the steps: over a chunk of 64 k, lane $t$ loads codes $16t \ldots
-# 16t{+}15$ of its two rows (two 8-byte words each) and the same 16 inputs of its
-# token (four words), and k-step $s$ takes its values $4s \ldots 4s{+}3$. Any
-# assignment works if A and B agree and every k is used once; this one needs no
-# shuffle between lanes. In NumPy, with chapter 14's fragment tables:
+# *deal* k to the steps: over a chunk of 64 k, every lane with thread index $t$ loads
+# codes $16t \ldots 16t{+}15$ of its two rows (two 8-byte words each) and the same 16
+# inputs of its token (four words), and k-step $s$ puts its values $4s, 4s{+}1$ at
+# columns $2t, 2t{+}1$ and $4s{+}2, 4s{+}3$ at $2t{+}8, 2t{+}9$. Any assignment works
+# if A and B agree and every k is used once; this one needs no shuffle between lanes.
+# In NumPy, with chapter 14's fragment tables: the registers each lane packs from the
+# values it loaded are exactly the fragments of the dealt tiles, and the four steps'
+# products add up to the chunk's:
 
 # %%
-from tinyvllm_lib.kernels.tensor_core import A_COLS, B_ROWS
+from tinyvllm_lib.kernels.tensor_core import a_fragments, b_fragments, pack_pairs
 
 
 def dealt_k(step: int, col: int) -> int:
@@ -3645,16 +3653,25 @@ def dealt_k(step: int, col: int) -> int:
 
 deal = np.array([[dealt_k(s, c) for c in range(16)] for s in range(4)])
 assert sorted(deal.ravel()) == list(range(64))  # every k once
-lane_t = np.arange(32) & 3
-for s in range(4):  # each lane's A columns and B rows: among the 16 values it loaded
-    for cols in (A_COLS, A_COLS + 1, B_ROWS, B_ROWS + 1):
-        k = deal[s][cols]
-        assert np.all((k >= 16 * lane_t[:, None]) & (k < 16 * lane_t[:, None] + 16))
-W16, X8 = rng.standard_normal((16, 64)), rng.standard_normal((8, 64))
-dealt = sum(W16[:, deal[s]] @ X8[:, deal[s]].T for s in range(4))
-assert np.allclose(dealt, W16 @ X8.T)
-print("4 k-steps of 16 over a chunk of 64: every k once, each lane's fragments "
-      "from its own 16 loaded values, the same product")
+# a chunk: 16 rows of int8 codes and 8 tokens' inputs, as bf16 bits
+W16 = f32_to_bf16_bits(rng.integers(-128, 128, (16, 64)).astype(np.float32))
+X8 = f32_to_bf16_bits(rng.standard_normal((8, 64)).astype(np.float32))
+for s in range(4):
+    want_a, want_b = a_fragments(W16[:, deal[s]]), b_fragments(X8[:, deal[s]].T)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        rows, x = W16[[g, g + 8], 16 * t : 16 * t + 16], X8[g, 16 * t : 16 * t + 16]
+        v = 4 * s  # this step's four values of the sixteen the lane loaded
+        packed_a = [pack_pairs(rows[h, v + p], rows[h, v + p + 1])
+                    for p in (0, 2) for h in (0, 1)]  # a0..a3: (g, g+8) x (2t, 2t+8)
+        packed_b = [pack_pairs(x[v + p], x[v + p + 1]) for p in (0, 2)]
+        assert list(want_a[lane]) == packed_a and list(want_b[lane]) == packed_b
+w_values, x_values = bf16_bits_to_f32(W16), bf16_bits_to_f32(X8)
+dealt = sum(w_values[:, deal[s]].astype(np.float64) @ x_values[:, deal[s]].T
+            for s in range(4))
+assert np.allclose(dealt, w_values.astype(np.float64) @ x_values.T)
+print("4 k-steps of 16 over a chunk of 64: every k once; each lane's registers, "
+      "packed from its own 16 loaded values, are the dealt tiles' fragments")
 
 # %% [markdown]
 # The widening is the GEMV's, two codes at a time into one register of bf16 pairs:
@@ -4044,13 +4061,12 @@ assert mma_counts["mma.sync"] > 0 and mma_counts["local memory"] == 0
 # tensor cores fed from registers (`mma_8bit`, just above: the norm first, SiLU·up
 # inside gate-up's kernel); else the GEMM path — the dequantized scratch and
 # chapter 6's `linear`, or for FP8 with `FP8_TENSOR_CORE_GEMM` on the tensor cores
-# above (`apply_fp8`, where the GPU has them). The switch is off for now: on the one
-# GPU run so far, an H100's, one of the path's tests failed (the others, and the
-# engine runs measured at the end of the chapter, ran with it on).
-# That limit is where the 8-bit GEMV stops beating a dequantize plus cuBLAS on
-# every layer, measured on the GPU at the end of the chapter ("Where the GEMV stops
-# winning"); for bf16 chapter 6 measured 1, but there the other side needed no
-# dequantizing.
+# above (`apply_fp8`, where the GPU has them). That switch is off by default (its
+# reasons are in the comment beside it below).
+# The GEMV's limit is where it stops beating the better of the tensor cores and a
+# dequantize plus cuBLAS over a layer's products, measured on the GPU at the end of
+# the chapter ("Where the GEMV stops winning"); for bf16 chapter 6 measured 1, but
+# there the other side needed no dequantizing.
 
 # %%
 #| export layers.quantized_linear
@@ -4384,10 +4400,11 @@ shrink with the bytes (the GEMVs' distance from the ceiling may).
 
 At batch 256 a step took {{ch15_step_256_ms}}; int8's scratch adds at least
 {{ch15_extra_ms}} to it, which predicts {{ch15_pred_256}} against bf16's
-{{ch15_tp_bf16}}: with that GEMM path — prefill, and every step of more than 8
-tokens — **int8 weights cost throughput**. Reading the codes inside the GEMM's
-tiles, with no scratch (chapter 14's tensor-core GEMM is where that belongs), would
-remove the cost; until then an engine serving many requests at once in int8 pays it.
+{{ch15_tp_bf16}}: with that GEMM path — prefill, and every step of more than
+`QUANTIZED_MMA_MAX_TOKENS` tokens — **int8 weights cost throughput**. Reading the
+codes inside the GEMM's tiles, with no scratch, would remove the cost (`mma_8bit`
+does it for up to that many tokens; a tiled GEMM for hundreds is not built here);
+until then an engine serving many requests at once in int8 pays it.
 FP8's GEMM path has no scratch: its products read half of bf16's weight bytes on
 tensor cores of twice the rate, so it should cost less than bf16's, not more — the
 measurement at the end of the chapter says how much.
@@ -4787,7 +4804,7 @@ Then {{ch15_sweep_now}}.""" if has_now else "") + "\n")
 
 # %% [markdown]
 # **The GEMM path on FP8 tensor cores.** The benchmark's gemm part times each
-# layer's product past the GEMV's tokens as the engine makes it: bf16 through
+# layer's product past the tensor cores' tokens as the engine makes it: bf16 through
 # cuBLAS, int8 through its dequantized scratch, FP8 through the tokens' quantizer and
 # cuBLASLt — and cuBLASLt alone on codes made beforehand, to show what the quantizer
 # costs. Before the run, the prediction: at 256 tokens a layer's bf16 products are
@@ -5070,6 +5087,7 @@ batch_runs = [r for r in gpu + h100 if r["name"] == "small_batch_decode"
               and cross_runs and r["device"]["name"] == cross_runs[0]["device"]["name"]]
 cross_ready = cross_slow = False
 FIRST_GUESS = 8  # QUANTIZED_GEMV_MAX_TOKENS before the crossover was measured
+PREVIOUS_GEMV_MAX_TOKENS = 4  # the limit before the tensor-core kernel
 if "int8" not in cross_formats:
     print("the crossover is not yet recorded on a GPU for int8: "
           "python bench/ch15_quantization.py --only crossover")
@@ -5172,6 +5190,10 @@ else:
                 break
             gemv_best = M
         prose.glue("ch15_gemv_best", f"{gemv_best}")
+        if 2 in mma_at and cross_layer_sum("int8", "gemv", "auto", 2):
+            prose.glue("ch15_gemv_at2",
+                       f"{cross_layer_sum('int8', 'gemv', 'auto', 2):.1f} µs")
+            prose.glue("ch15_mma_at2", f"{mma_at[2][0]:.1f} µs")
         prose.glue("ch15_gemv_best_s", "" if gemv_best == 1 else "s")
         prose.glue("ch15_gemv_agree", (
             "as the records say" if gemv_best == QUANTIZED_GEMV_MAX_TOKENS else
@@ -5212,8 +5234,13 @@ else:
                 theirs = cross.get((layer, None, "bf16", M8, None))
                 if mine and theirs:
                     prose.glue(f"ch15_mma_{key}_ratio", f"{mine / theirs:.0%}")
-            down_k = [r["shape"][2] for r in cross_runs if r["layer"] == "down_proj"][0]
-            _, down_warps, down_ahead = MMA_8BIT_KNOBS["add", 1 if M8 <= 8 else 2]
+            down = [r for r in cross_runs if r["layer"] == "down_proj"
+                    and r["path"] == "mma"][0]
+            down_k = down["shape"][2]
+            # the knobs the run had (its records say: --mma-knobs), else the table's
+            tile = f"add/{1 if M8 <= 8 else 2}"
+            _, down_warps, down_ahead = (down.get("mma_knobs", {}).get(tile)
+                                         or MMA_8BIT_KNOBS["add", 1 if M8 <= 8 else 2])
             down_chunks = down_k // MMA_K // down_warps
             prose.glue("ch15_mma_down_k", f"{down_k:,}")
             prose.glue("ch15_mma_down_chunks", f"{down_chunks}")
@@ -5302,17 +5329,32 @@ else:
         # the engine's settings on a GPU (the simulator's mma limit is 0)
         engine = ("int8", QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT,
                   MMA_8BIT_MAX_TOKENS)
-        # the batches the limit moved from the GEMV to the tensor cores, predicted
-        # from the crossover before the engine runs them: the step of the run that
-        # took the GEMV there, less each layer's difference
-        moved = [B for B in batches if QUANTIZED_GEMV_MAX_TOKENS < B <= 4
-                 and engine + (B,) not in batch and B in mma_at if mma_at]
-        before = ("int8", 4, "auto", MMA_8BIT_MAX_TOKENS)
+
+        def route(k: tuple, B: int) -> tuple:
+            """The path a setting gives B tokens (and the GEMV's variant there)."""
+            if B <= k[1]:
+                return ("gemv", "auto" if B == 1 else k[2])
+            return ("mma",) if B <= k[3] else ("scratch",)
+
+        # each batch's run on today's path: the newest setting that routes it so
+        today = {}
+        for k in series:
+            for B in batches:
+                if k[0] == "int8" and k + (B,) in batch and route(k, B) == route(
+                        engine, B):
+                    today[B] = batch[k + (B,)]
+        # the batches the lower limit moved from the GEMV to the tensor cores, if no
+        # run has taken them there yet: predicted from the crossover, the step of
+        # the run that took the GEMV there less each layer's difference
+        before = ("int8", PREVIOUS_GEMV_MAX_TOKENS, "auto", MMA_8BIT_MAX_TOKENS)
+        moved = [B for B in batches if B not in today and B in mma_at
+                 and route(before, B)[0] == "gemv" and route(engine, B) == ("mma",)]
         if moved and before + (moved[-1],) in batch:
             B = moved[-1]
             gain_us = llama_1b.num_hidden_layers * (
                 cross_layer_sum("int8", "gemv", "auto", B) - mma_at[B][0])
             step_us = B / batch[before + (B,)] * 1e6
+            prose.glue("ch15_batch_old_limit", f"{PREVIOUS_GEMV_MAX_TOKENS}")
             prose.glue("ch15_batch_pred_b", f"{B}")
             prose.glue("ch15_batch_pred_gain", f"{gain_us:.0f} µs")
             prose.glue("ch15_batch_pred_step", f"{step_us:,.0f} µs")
@@ -5320,18 +5362,20 @@ else:
             if (None, None, None, None, B) in batch:
                 prose.glue("ch15_batch_pred_bf16",
                            f"{batch[None, None, None, None, B]:,.0f} tok/s")
-        behind = [B for B in batches if (None, None, None, None, B) in batch
-                  and engine + (B,) in batch
-                  and batch[engine + (B,)] < batch[None, None, None, None, B]]
-        measured = [B for B in batches if engine + (B,) in batch]
+        bf16_at = {B: batch[None, None, None, None, B] for B in batches
+                   if (None, None, None, None, B) in batch}
+        measured = sorted(B for B in today if B in bf16_at)
+        above = [B for B in measured if today[B] > bf16_at[B]]
         if measured:
+            listed = ", ".join(f"{B} ({today[B]:,.0f} against {bf16_at[B]:,.0f})"
+                               for B in measured)
             prose.glue("ch15_batch_verdict", (
-                "At every batch measured, int8 with today's settings decodes below "
-                "bf16" if behind == measured else
-                "With today's settings int8 decodes above bf16 at every batch "
-                "measured" if not behind else
-                f"With today's settings int8 decodes below bf16 at {len(behind)} of "
-                f"the {len(measured)} batches measured"))
+                "On today's paths int8 decodes above bf16 at every batch measured "
+                "there: " if len(above) == len(measured) else
+                "On today's paths int8 decodes below bf16 at every batch measured "
+                "there: " if not above else
+                f"On today's paths int8 decodes above bf16 at {len(above)} of the "
+                f"{len(measured)} batches measured there: ") + listed)
 
 # the scratch in L2-sized chunks (bench/ch15_scratch_chunks.py), on the same GPU
 chunk_runs = [r for r in load_records("ch15_scratch_chunks")
@@ -5387,16 +5431,18 @@ tokens{{ch15_cross_warp_end}}.""" if
 The engine takes the GEMV up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}}
 tokens with {{ch15_cross_variant}} past one token: {{ch15_cross_agree}} as the
 records' crossover.""" if "ch15_gemv_best" not in prose.values else "") + ("""
-The tensor-core kernel built above for these few tokens: at {{ch15_cross_m8}} tokens a
-layer's four products take {{ch15_cross_layer_mma}} on it, {{ch15_mma_half}}:
-gate-up, the widest, takes {{ch15_mma_gu_ratio}} of bf16's time, but down, whose
-{{ch15_mma_down_k}} inputs give each warp {{ch15_mma_down_chunks}} chunks in
-{{ch15_mma_down_trips}} round trips to memory one after another,
-{{ch15_mma_down_ratio}}. It
-runs below bf16 {{ch15_mma_below_bf16}}, and beats the better of the GEMV and the
-scratch {{ch15_mma_beats_old}}. Over a layer's four products the GEMV beats both
-other paths up to {{ch15_gemv_best}} token{{ch15_gemv_best_s}}; the engine takes it
-up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}} ({{ch15_gemv_agree}}) and
+On the tensor-core kernel built above, a layer's four products take
+{{ch15_cross_layer_mma}} at {{ch15_cross_m8}} tokens, {{ch15_mma_half}}: gate-up, the
+widest, takes {{ch15_mma_gu_ratio}} of bf16's time, but down takes
+{{ch15_mma_down_ratio}}. Reading the kernel, not a profile, points at down's
+{{ch15_mma_down_k}} inputs: they give each warp {{ch15_mma_down_chunks}} chunks,
+fetched in {{ch15_mma_down_trips}} round trips to memory one after another. Over a
+layer's four products the tensor cores run below bf16 {{ch15_mma_below_bf16}}, and
+beat the better of the GEMV and the scratch {{ch15_mma_beats_old}}; at 2 tokens the
+GEMV takes {{ch15_gemv_at2}} against the tensor cores' {{ch15_mma_at2}}. The GEMV is
+the fastest of the three up to {{ch15_gemv_best}} token{{ch15_gemv_best_s}}; the
+engine takes it up to `QUANTIZED_GEMV_MAX_TOKENS` = {{ch15_cross_limit}}
+({{ch15_gemv_agree}}) and
 the tensor cores past it up to `QUANTIZED_MMA_MAX_TOKENS` =
 {{ch15_mma_limit}}.""" + ("""
 Its knobs (`MMA_8BIT_KNOBS`: tiles of 16 rows a block, warps splitting K, chunks
@@ -5411,8 +5457,9 @@ Through the engine on the {{ch15_batch_device}}, {{ch15_batch_b}} requests at on
 decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
 {{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + ("""
-The limit of {{ch15_cross_limit}} moves {{ch15_batch_pred_b}} requests from the GEMV
-to the tensor cores, where no engine run has taken them yet. Written before that
+Lowering the limit from {{ch15_batch_old_limit}} to {{ch15_cross_limit}} moves a batch
+of {{ch15_batch_pred_b}} requests from the GEMV to the tensor cores, where no engine
+run has taken it yet. Written before that
 run: over the model's layers the crossover's times save {{ch15_batch_pred_gain}} of the
 {{ch15_batch_pred_step}} step that took the GEMV there, so about
 {{ch15_batch_pred}} (bf16: {{ch15_batch_pred_bf16}}).""" if
@@ -5903,9 +5950,9 @@ default.
 #   well below bf16's rate, so they, not the bytes, set how far past bf16 8 bits go.
 # - Past one token the 8-bit GEMV's kernels slow down far faster than their
 #   arithmetic grows, and `QUANTIZED_GEMV_MAX_TOKENS` now stops where the crossover
-#   section's records say they stop beating the dequantized scratch; that section
-#   gives the figures, and what the limit does to a few requests at once against
-#   bf16.
+#   section's records say they stop beating the better of the dequantized scratch
+#   and the tensor cores; that section gives the figures, and what the paths do to a
+#   few requests at once against bf16.
 # - Between the GEMV and the scratch, `mma_8bit` feeds bf16 tensor cores from
 #   registers: the weights are the mma's 16-row side, the tokens its 8-column side,
 #   each code widened to bf16 exactly on its way in, and the chunk's k dealt to the
