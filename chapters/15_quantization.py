@@ -5245,6 +5245,22 @@ else:
             prose.glue("ch15_mma_down_k", f"{down_k:,}")
             prose.glue("ch15_mma_down_chunks", f"{down_chunks}")
             prose.glue("ch15_mma_down_trips", f"{-(-down_chunks // down_ahead)}")
+            ratios = {key: cross.get((layer, "int8", "mma", M8, None))
+                      / cross.get((layer, None, "bf16", M8, None))
+                      for layer, key in (("gate_up_proj", "gu"), ("down_proj", "down"))
+                      if f"ch15_mma_{key}_ratio" in prose.values}
+            if len(ratios) == 2:  # down's side of the sentence, from its ratio
+                prose.glue("ch15_mma_down_clause", (
+                    "but down takes {}, slower than bf16. Reading the kernel, not a "
+                    "profile, points at down's {} inputs: they give each warp {} "
+                    "chunks, fetched in {} round trips to memory one after another"
+                    if ratios["down"] > 1 else
+                    "and down {}, though its {} inputs give each warp {} chunks, "
+                    "fetched in {} round trips to memory one after another").format(
+                        prose.values["ch15_mma_down_ratio"],
+                        prose.values["ch15_mma_down_k"],
+                        prose.values["ch15_mma_down_chunks"],
+                        prose.values["ch15_mma_down_trips"]))
             prose.glue("ch15_mma_half", (
                 "about half of bf16's time, as hoped"
                 if mma_at[M8][0] <= 0.6 * mma_at[M8][1] else
@@ -5433,10 +5449,7 @@ tokens with {{ch15_cross_variant}} past one token: {{ch15_cross_agree}} as the
 records' crossover.""" if "ch15_gemv_best" not in prose.values else "") + ("""
 On the tensor-core kernel built above, a layer's four products take
 {{ch15_cross_layer_mma}} at {{ch15_cross_m8}} tokens, {{ch15_mma_half}}: gate-up, the
-widest, takes {{ch15_mma_gu_ratio}} of bf16's time, but down takes
-{{ch15_mma_down_ratio}}. Reading the kernel, not a profile, points at down's
-{{ch15_mma_down_k}} inputs: they give each warp {{ch15_mma_down_chunks}} chunks,
-fetched in {{ch15_mma_down_trips}} round trips to memory one after another. Over a
+widest, takes {{ch15_mma_gu_ratio}} of bf16's time, {{ch15_mma_down_clause}}. Over a
 layer's four products the tensor cores run below bf16 {{ch15_mma_below_bf16}}, and
 beat the better of the GEMV and the scratch {{ch15_mma_beats_old}}; at 2 tokens the
 GEMV takes {{ch15_gemv_at2}} against the tensor cores' {{ch15_mma_at2}}. The GEMV is
@@ -5451,7 +5464,7 @@ and 16 tokens (`--only mma_sweep`, printed above): the table's are within
 {{ch15_mma_sweep_gap}} of the fastest on every layer there.""" if
     "ch15_mma_sweep_gap" in prose.values else "") if (
     "ch15_mma_half" in prose.values and "ch15_cross_layer_mma" in prose.values
-    and "ch15_mma_down_ratio" in prose.values)
+    and "ch15_mma_down_clause" in prose.values)
     else "") + ("""
 Through the engine on the {{ch15_batch_device}}, {{ch15_batch_b}} requests at once
 decode at:

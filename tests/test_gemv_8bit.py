@@ -305,7 +305,7 @@ def test_quantized_kernel_model_matches_numpy(tmp_path, rng, method, head, num_t
 @needs_launch
 @pytest.mark.parametrize("method", ["int8", pytest.param("fp8", marks=pytest.mark.gpu)])  # the simulator: one
 def test_quantized_model_on_the_tensor_cores_matches_numpy(tmp_path, rng, monkeypatch, method):
-    """6 tokens past the GEMV's limit with every K a multiple of 64: every matrix takes mma_8bit (the norm first,
+    """6 tokens past the GEMV's limit with every K a multiple of 64: every matrix, the LM head too, takes mma_8bit (the norm first,
     gate-up's SiLU·up inside; in the simulator only where QUANTIZED_MMA_MAX_TOKENS is set, as here), against
     QuantizedLlamaNumpy as the test above."""
     from test_llama_forward import assert_kernel_model_matches
@@ -323,13 +323,13 @@ def test_quantized_model_on_the_tensor_cores_matches_numpy(tmp_path, rng, monkey
     folder = make_random_llama(tmp_path, cfg, seed=int(rng.integers(1000)))
     config = ModelConfig.from_folder(folder)
     weights = load_weights(folder, config, progress=False)
-    gpu = QuantizedLlamaCuda(config, weights, method)
+    gpu = QuantizedLlamaCuda(config, weights, method, quantize_lm_head=True)  # the head's float32 logits too
     ids, positions = rng.integers(0, 64, 6), np.arange(3, 9)
     paths = {name: w.gemm_path(types.SimpleNamespace(shape=(6, w.shape[1])))
              for name, w in gpu.weights.items() if isinstance(w, quantized_linear.QuantizedLinear)}
     assert set(paths.values()) == {"mma"}, paths
     ours = log_softmax(gpu.forward(ids, positions))
-    ref = QuantizedLlamaNumpy(config, weights, method, bf16_activations=True)
+    ref = QuantizedLlamaNumpy(config, weights, method, quantize_lm_head=True, bf16_activations=True)
     assert_kernel_model_matches(ours, log_softmax(ref.forward(ids, positions)))
 
 

@@ -5,6 +5,7 @@ shapes and on a GPU at the 1B's; the layer's path to it."""
 import numpy as np
 import pytest
 from numba import cuda
+from test_gemv_8bit import random_bf16, random_weight  # the 8-bit GEMV's tests' inputs
 
 from tinyvllm_lib.kernels.activation import silu_mul_ref
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -15,7 +16,6 @@ from tinyvllm_lib.kernels.mma_8bit import (
 )
 from tinyvllm_lib.kernels.rmsnorm import rmsnorm_ref
 from tinyvllm_lib.measure import max_rel_error as rel_error
-from tinyvllm_lib.quantization.formats import quantize
 from tinyvllm_lib.runtime import can_launch
 
 TOL = 1e-4  # float32 sums of exact bf16 products against float64, as the GEMV's tests
@@ -24,13 +24,8 @@ needs_launch = pytest.mark.skipif(not can_launch(), reason="needs a GPU or NUMBA
 METHODS = ["int8", "fp8"]
 
 
-def random_weight(rng, method, N, K):
-    w = rng.standard_normal((N, K), dtype=np.float32) * rng.uniform(0.01, 0.2, (N, 1)).astype(np.float32)
-    return quantize(w, method)
-
-
 def random_x(rng, M, K):
-    return f32_to_bf16_bits(rng.standard_normal((M, K), dtype=np.float32))
+    return random_bf16(rng, (M, K))
 
 
 def reference(x_bits, q):
