@@ -614,6 +614,29 @@ def use_mma_knobs(knobs: dict) -> None:
                 method, n_tiles, m_tiles, warps, ahead, accumulate=kind == "add", gated=kind == "gated")
 
 
+def use_prefetch_l2(mib: int) -> None:
+    """Rebuild the launcher's 8-bit kernels (GEMV and tensor cores, both formats, every epilogue) with `mib` MiB of
+    L2 prefetch before the wait (0: none); the library's default is kernels.prefetch.PREFETCH_L2_BYTES."""
+    from tinyvllm_lib.kernels import gemv_8bit, mma_8bit
+
+    for (method, variant, tokens, kind) in list(gemv_8bit.GEMV_8BIT_KERNELS):
+        gemv_8bit.GEMV_8BIT_KERNELS[method, variant, tokens, kind] = gemv_8bit.make_gemv_8bit_kernel(
+            method, tokens, *gemv_8bit.gemv_8bit_config(variant, tokens, kind), **gemv_8bit._EPILOGUES[kind],
+            prefetch_bytes=mib << 20)
+    for (method, n_tiles, kind) in list(mma_8bit.MMA_8BIT_KERNELS):
+        m_tiles, warps, ahead = mma_8bit.MMA_8BIT_KNOBS[kind, n_tiles]
+        mma_8bit.MMA_8BIT_KERNELS[method, n_tiles, kind] = mma_8bit.make_mma_8bit_kernel(
+            method, n_tiles, m_tiles, warps, ahead, accumulate=kind == "add", gated=kind == "gated",
+            prefetch_bytes=mib << 20)
+
+
+def prefetch_l2_mib(arg: int | None) -> int:
+    """The MiB of L2 prefetch the run's 8-bit kernels use: the argument, else the library's default."""
+    from tinyvllm_lib.kernels.prefetch import PREFETCH_L2_BYTES
+
+    return PREFETCH_L2_BYTES >> 20 if arg is None else arg
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
@@ -671,7 +694,7 @@ def save_part(rec: Recorder, part: str, tiny: bool) -> Path | None:
 
     def kind(r: dict) -> tuple:  # a run of some formats (or GEMV settings, or token counts) keeps the others' records
         return (r.get("quantization"), r.get("lm_head_8bit", False), r.get("gemv_max_tokens"), r.get("gemv_variant"),
-                r.get("tokens", 1), r.get("mma_max_tokens"))
+                r.get("tokens", 1), r.get("mma_max_tokens"), r.get("prefetch_l2_mib"))
 
     made = {kind(r) for r in mine}
 
@@ -704,6 +727,9 @@ def main() -> None:
     ap.add_argument("--small-batch-settings", nargs="+", default=SMALL_BATCH_SETTINGS,
                     type=lambda text: (int(text.split(":")[0]), text.split(":")[1], int(text.split(":")[2])),
                     help="small_batch: int8's settings as GEMV_LIMIT:VARIANT:MMA_LIMIT (default: 4:auto:16 4:auto:0)")
+    ap.add_argument("--prefetch-l2-mib", type=int, default=None,
+                    help="the 8-bit kernels' L2 prefetch before the wait, MiB across a grid (0: none; default: the "
+                         "library's PREFETCH_L2_BYTES); records carry prefetch_l2_mib")
     args = ap.parse_args()
     if args.fp8_tensor_cores:
         from tinyvllm_lib.layers import quantized_linear
@@ -728,7 +754,10 @@ def main() -> None:
         knobs = best_mma_knobs(rec.device.get("name"))
         print("the tensor-core kernel's knobs from this device's sweep:", knobs)
         use_mma_knobs(knobs)
+    if args.prefetch_l2_mib is not None:
+        use_prefetch_l2(args.prefetch_l2_mib)
     if not args.tiny:
+        extra["prefetch_l2_mib"] = prefetch_l2_mib(args.prefetch_l2_mib)
         from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_KNOBS
 
         extra["mma_knobs"] = {f"{kind or 'plain'}/{n}": list(v) for (kind, n), v in MMA_8BIT_KNOBS.items()}

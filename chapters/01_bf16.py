@@ -559,7 +559,7 @@ else:
     from numba.cuda.core import targetconfig as _targetconfig
     from numba.cuda.extending import intrinsic
 
-    def _dependent_launch_supported() -> bool:
+    def dependent_launch_supported() -> bool:
         """Whether the GPU being compiled for has `griddepcontrol` (sm_90 on): the
         compilation's own target (`cuda.compile_ptx(..., cc=...)` names one), as
         numba-cuda's lowering reads it, else the current GPU."""
@@ -579,7 +579,7 @@ else:
         """
 
         def codegen(context, builder, signature, args):
-            if _dependent_launch_supported():
+            if dependent_launch_supported():
                 wait = ir.InlineAsm(
                     ir.FunctionType(ir.VoidType(), []),
                     "griddepcontrol.wait;",

@@ -2321,6 +2321,91 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 #   and 2,048 threads). The estimate stays for the first launch; which block takes a
 #   group of rows changes no sum, so no bit.
 
+# Version 8 works on the stretch *before* it. In a captured step (chapter 11) a kernel
+# is let start before the one before it has finished, and it waits at
+# `griddepcontrol.wait` until that one has. The step profile at the end of the chapter
+# measured how long: O's GEMV starts about 9 µs before attention ends, QKV's about
+# 7 µs before down ends. Until now a thread loaded its first words in that time, and
+# then waited. But no kernel writes the weights, so the whole of a block's rows could
+# be on their way by then.
+#
+# Registers cannot hold them; L2 can (tens of MB). Hopper's copy engine for bulk
+# transfers takes one instruction, `cp.async.bulk.prefetch.L2`, to start fetching a
+# range of bytes into L2, with nothing to wait for and no register written. So, before
+# it waits, each block asks for the rows of its first groups, one range a group (two
+# in the gated GEMV: its gate rows and its up rows), up to `PREFETCH_L2_BYTES` across
+# the grid, so that a kernel as large as the LM head does not evict its own first rows.
+# After the wait the same loads as before find the rows in L2.
+#
+# What it should buy is the memory's idle time. Attention and the KV-cache write read
+# a few hundred KB, so while they run HBM is nearly idle, and O's 4 MB of codes can
+# arrive before attention ends. During down, which streams its own 17 MB, QKV's
+# prefetch only moves its rows earlier in the same stream. The prediction, from the
+# step profile's per-layer times on the H200: O from 4.3 µs to about 2, gate-up (which
+# starts during O) from 12.2 to about 9, QKV and down a microsecond each — about
+# 7 µs of a layer's 36, some 110 µs of a 717 µs step.
+
+# %%
+#| export kernels.prefetch
+from numba import config, types
+
+# the bytes a kernel's blocks prefetch before they wait, across its grid: at most about
+# half of the H100's and H200's 50 MB of L2, so that the LM head's first rows are not
+# evicted by its later ones before they are read
+PREFETCH_L2_BYTES = 24 << 20
+
+if config.ENABLE_CUDASIM:
+
+    def prefetch_rows_l2(array, row, rows):
+        """The simulator has no L2: nothing to fetch."""
+
+else:
+    from llvmlite import ir
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    from tinyvllm_lib.kernels.dependent_launch import dependent_launch_supported
+
+    @intrinsic
+    def prefetch_rows_l2(typingctx, array, row, rows):
+        """`cp.async.bulk.prefetch.L2.global`: start fetching rows row .. row + rows
+        of a C-contiguous 2-D array into L2, and go on. Nothing is waited for and no
+        register is written; a range not 16-byte aligned, or an old GPU, fetches
+        nothing (the instruction is Hopper's).
+        """
+        if not (isinstance(array, types.Array) and array.ndim == 2
+                and array.layout == "C" and isinstance(row, types.Integer)
+                and isinstance(rows, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            if not dependent_launch_supported():
+                return context.get_dummy_value()
+            aryty, rowty, rowsty = signature.args
+            ary = context.make_array(aryty)(context, builder, value=args[0])
+            first = context.cast(builder, args[1], rowty, types.intp)
+            count = context.cast(builder, args[2], rowsty, types.intp)
+            zero = context.get_constant(types.intp, 0)
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [first, zero])
+            stride = cgutils.unpack_tuple(builder, ary.strides)[0]
+            nbytes = builder.mul(count, stride)
+            i64 = ir.IntType(64)
+            address = builder.ptrtoint(ptr, i64)
+            aligned = builder.icmp_unsigned(
+                "==", builder.and_(builder.or_(address, nbytes), i64(15)), i64(0))
+            positive = builder.icmp_signed(">", nbytes, i64(0))
+            with builder.if_then(builder.and_(aligned, positive)):
+                fetch = ir.InlineAsm(
+                    ir.FunctionType(ir.VoidType(), [i64, ir.IntType(32)]),
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;",
+                    "l,r",
+                    side_effect=True,
+                )
+                builder.call(fetch, [address, builder.trunc(nbytes, ir.IntType(32))])
+            return context.get_dummy_value()
+
+        return types.void(array, row, rows), codegen
+
 # %%
 #| export kernels.gemv_8bit_kernel
 import math
@@ -2341,6 +2426,7 @@ from tinyvllm_lib.kernels.gemv import (
     bf16x4_to_f32,
     warp_sum_all,
 )
+from tinyvllm_lib.kernels.prefetch import PREFETCH_L2_BYTES, prefetch_rows_l2
 from tinyvllm_lib.kernels.tensor_core import require_lto
 from tinyvllm_lib.kernels.widen_8bit import WIDEN_WORD
 
@@ -2361,21 +2447,25 @@ STAGE_AHEAD = 4
 # SM holds of them), and the norm inside the GEMV whatever its rows (gate-up's, with
 # GATED_GEMV_8BIT off); 7: 6 with the input's loads issued STAGE_AHEAD words at a time
 # before any is staged, the residual the add epilogue adds to read before the sums are
-# made, and the blocks an SM holds counted from the compiled kernel's registers
-GEMV_8BIT_VERSION = 7
+# made, and the blocks an SM holds counted from the compiled kernel's registers; 8: 7
+# with each block's first groups of rows prefetched into L2 before it waits
+# (prefetch_rows_l2, up to PREFETCH_L2_BYTES a grid)
+GEMV_8BIT_VERSION = 8
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                           rows: int, unroll: int, accumulate: bool = False,
                           rms_norm: bool = False, gated: bool = False,
-                          stage_ahead: int = STAGE_AHEAD):
+                          stage_ahead: int = STAGE_AHEAD,
+                          prefetch_bytes: int = PREFETCH_L2_BYTES):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
     The block stages its tokens' input in shared memory as float32, a piece of K at a
     time; a group of warps_per_row warps (one, or the block's eight) shares `rows`
     rows, each thread loading unroll words of each before widening any.
     stage_ahead: words of codes' worth of bf16 input a thread loads before it stages
-    any.
+    any. prefetch_bytes: how much of w the grid's blocks ask L2 for before they wait
+    (their first groups' rows; 0: none).
     accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
     out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
     gated: w stacks [gate | up] (N = 2 I rows) and out (M, I) bf16 bits =
@@ -2469,6 +2559,21 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                 w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
+    def prefetch_groups(w64, g, stride, num_groups, out_rows):
+        # thread q asks L2 for the rows of the block's q-th group (gated: threads 2q
+        # and 2q + 1, its gate rows and its up rows), while the grid's share of
+        # prefetch_bytes lasts
+        parts = 2 if gated else 1
+        q, part = uint64(cuda.threadIdx.x // parts), uint64(cuda.threadIdx.x % parts)
+        pg = g + q * stride
+        group_bytes = uint64(parts * rows_per_block * 8) * uint64(w64.shape[1])
+        budget = uint64(prefetch_bytes) // stride
+        if pg < num_groups and (q + uint64(1)) * group_bytes <= budget:
+            first = pg * uint64(rows_per_block)
+            count = min(uint64(rows_per_block), out_rows - first)
+            prefetch_rows_l2(w64, first + part * out_rows, count)
+
+    @cuda.jit(device=True, **INLINE)
     def store(out, scales, m, n, total, scale, prior):
         # prior: what out[m, n] held (accumulate), read before the sums were made
         y = total * scales[n] * scale  # the row's scale (and 1 / rms), once a sum
@@ -2507,8 +2612,11 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         num_groups = (out_rows + uint64(rows_per_block - 1)) // uint64(rows_per_block)
         n0 = g * uint64(rows_per_block) + uint64(group * units)  # its first row
         # no kernel writes the weights: the first words are loaded before waiting
-        # for the kernel before this one (chapter 11's programmatic edges)
+        # for the kernel before this one (chapter 11's programmatic edges), and the
+        # first groups' rows are asked of L2
         load_words(w64, words, n0, t, first_end, N, False)
+        if prefetch_bytes:
+            prefetch_groups(w64, g, stride, num_groups, out_rows)
         loaded, fresh = True, True
         wait_for_previous_kernel()
         while g < num_groups:
@@ -3698,11 +3806,14 @@ from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.gemv import INLINE
 from tinyvllm_lib.kernels.gemv_8bit import check_8bit_operands, check_8bit_out
+from tinyvllm_lib.kernels.prefetch import PREFETCH_L2_BYTES, prefetch_rows_l2
 from tinyvllm_lib.kernels.tensor_core import ffi, require_lto, twin_launch
 
 MMA_K = 64  # k a chunk: 16 codes (two words) a lane, 4 lanes a row
 MMA_8BIT_MAX_TOKENS = 16  # two n-tiles of 8 token vectors
-MMA_8BIT_VERSION = 1  # the bench's records say which kernel they timed
+# the bench's records say which kernel they timed; 2: the first blocks' rows
+# prefetched into L2 before the wait (as the GEMV's version 8)
+MMA_8BIT_VERSION = 2
 
 
 def mma_8bit_source(method: str, m_tiles: int, n_tiles: int) -> str:
@@ -3842,14 +3953,16 @@ else:
 #| export kernels.mma_8bit
 def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int = 8,
                          ahead: int = 2, accumulate: bool = False,
-                         gated: bool = False):
+                         gated: bool = False,
+                         prefetch_bytes: int = PREFETCH_L2_BYTES):
     """out (M, N) = x (M, K) · (s ⊙ codes)ᵀ for up to 8 n_tiles token vectors on
     the tensor cores: a block per 16 m_tiles rows, its `warps` warps splitting K in
     chunks of 64 (`ahead` chunks' loads issued before any is multiplied), their sums
     met in shared memory. x bf16 viewed as uint64 (M, K / 4); codes as uint64
     (N, K / 8). accumulate: out += (float32 out). gated: codes stack [gate | up]
     (N = 2 I), the block's two m-tiles a gate tile and its up tile, out (M, I) bf16
-    bits = SiLU(gate) · up."""
+    bits = SiLU(gate) · up. prefetch_bytes: as the GEMV's (the first blocks' rows
+    asked of L2 before the wait)."""
     assert not (gated and (accumulate or m_tiles != 2)), "gated: 2 m-tiles, no add"
     chunk_mma = mma_8bit_function(method, m_tiles, n_tiles)
     ACC, WW, XW = 4 * m_tiles * n_tiles, 4 * m_tiles, 4 * n_tiles
@@ -3891,6 +4004,11 @@ def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int
         # no kernel writes the weights: the first are loaded before the wait, and the
         # scales of the row this thread will store (o % units below is tid % units)
         load_weights(w64, wbuf, c0, chunks, n0, half, g, t)
+        parts = 2 if gated else 1  # gated: the gate rows, then the up rows
+        if prefetch_bytes and tid < parts and (cuda.blockIdx.x + 1) * parts * units * (
+                w64.shape[1] * 8) <= prefetch_bytes:
+            end = half if gated else w64.shape[0]
+            prefetch_rows_l2(w64, n0 + tid * half, min(units, end - n0))
         mine = n0 + tid % units
         has_row = mine < (half if gated else w64.shape[0])
         scale = scales[mine] if has_row else float32(0)

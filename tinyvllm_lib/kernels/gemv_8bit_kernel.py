@@ -20,6 +20,7 @@ from tinyvllm_lib.kernels.gemv import (
     bf16x4_to_f32,
     warp_sum_all,
 )
+from tinyvllm_lib.kernels.prefetch import PREFETCH_L2_BYTES, prefetch_rows_l2
 from tinyvllm_lib.kernels.tensor_core import require_lto
 from tinyvllm_lib.kernels.widen_8bit import WIDEN_WORD
 
@@ -40,21 +41,25 @@ STAGE_AHEAD = 4
 # SM holds of them), and the norm inside the GEMV whatever its rows (gate-up's, with
 # GATED_GEMV_8BIT off); 7: 6 with the input's loads issued STAGE_AHEAD words at a time
 # before any is staged, the residual the add epilogue adds to read before the sums are
-# made, and the blocks an SM holds counted from the compiled kernel's registers
-GEMV_8BIT_VERSION = 7
+# made, and the blocks an SM holds counted from the compiled kernel's registers; 8: 7
+# with each block's first groups of rows prefetched into L2 before it waits
+# (prefetch_rows_l2, up to PREFETCH_L2_BYTES a grid)
+GEMV_8BIT_VERSION = 8
 
 
 def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                           rows: int, unroll: int, accumulate: bool = False,
                           rms_norm: bool = False, gated: bool = False,
-                          stage_ahead: int = STAGE_AHEAD):
+                          stage_ahead: int = STAGE_AHEAD,
+                          prefetch_bytes: int = PREFETCH_L2_BYTES):
     """An 8-bit GEMV, num_tokens token vectors a pass: out (M, N) = x (M, K) ·
     (s ⊙ codes)ᵀ, codes viewed as uint64 (8 a word), x as uint64 (bf16, 4 a word).
     The block stages its tokens' input in shared memory as float32, a piece of K at a
     time; a group of warps_per_row warps (one, or the block's eight) shares `rows`
     rows, each thread loading unroll words of each before widening any.
     stage_ahead: words of codes' worth of bf16 input a thread loads before it stages
-    any.
+    any. prefetch_bytes: how much of w the grid's blocks ask L2 for before they wait
+    (their first groups' rows; 0: none).
     accumulate: out += ...; rms_norm: x is the float32 residual (2 a word) and
     out = RMSNorm(x) · (s ⊙ codes)ᵀ, with the norm's bf16 weight `norm64`.
     gated: w stacks [gate | up] (N = 2 I rows) and out (M, I) bf16 bits =
@@ -148,6 +153,21 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
                 w += uint64(GEMV_THREADS)
 
     @cuda.jit(device=True, **INLINE)
+    def prefetch_groups(w64, g, stride, num_groups, out_rows):
+        # thread q asks L2 for the rows of the block's q-th group (gated: threads 2q
+        # and 2q + 1, its gate rows and its up rows), while the grid's share of
+        # prefetch_bytes lasts
+        parts = 2 if gated else 1
+        q, part = uint64(cuda.threadIdx.x // parts), uint64(cuda.threadIdx.x % parts)
+        pg = g + q * stride
+        group_bytes = uint64(parts * rows_per_block * 8) * uint64(w64.shape[1])
+        budget = uint64(prefetch_bytes) // stride
+        if pg < num_groups and (q + uint64(1)) * group_bytes <= budget:
+            first = pg * uint64(rows_per_block)
+            count = min(uint64(rows_per_block), out_rows - first)
+            prefetch_rows_l2(w64, first + part * out_rows, count)
+
+    @cuda.jit(device=True, **INLINE)
     def store(out, scales, m, n, total, scale, prior):
         # prior: what out[m, n] held (accumulate), read before the sums were made
         y = total * scales[n] * scale  # the row's scale (and 1 / rms), once a sum
@@ -186,8 +206,11 @@ def make_gemv_8bit_kernel(method: str, num_tokens: int, warps_per_row: int,
         num_groups = (out_rows + uint64(rows_per_block - 1)) // uint64(rows_per_block)
         n0 = g * uint64(rows_per_block) + uint64(group * units)  # its first row
         # no kernel writes the weights: the first words are loaded before waiting
-        # for the kernel before this one (chapter 11's programmatic edges)
+        # for the kernel before this one (chapter 11's programmatic edges), and the
+        # first groups' rows are asked of L2
         load_words(w64, words, n0, t, first_end, N, False)
+        if prefetch_bytes:
+            prefetch_groups(w64, g, stride, num_groups, out_rows)
         loaded, fresh = True, True
         wait_for_previous_kernel()
         while g < num_groups:

@@ -13,11 +13,14 @@ from tinyvllm_lib.kernels.checks import cdiv, device_pointer, is_c_contiguous
 from tinyvllm_lib.kernels.dependent_launch import wait_for_previous_kernel
 from tinyvllm_lib.kernels.gemv import INLINE
 from tinyvllm_lib.kernels.gemv_8bit import check_8bit_operands, check_8bit_out
+from tinyvllm_lib.kernels.prefetch import PREFETCH_L2_BYTES, prefetch_rows_l2
 from tinyvllm_lib.kernels.tensor_core import ffi, require_lto, twin_launch
 
 MMA_K = 64  # k a chunk: 16 codes (two words) a lane, 4 lanes a row
 MMA_8BIT_MAX_TOKENS = 16  # two n-tiles of 8 token vectors
-MMA_8BIT_VERSION = 1  # the bench's records say which kernel they timed
+# the bench's records say which kernel they timed; 2: the first blocks' rows
+# prefetched into L2 before the wait (as the GEMV's version 8)
+MMA_8BIT_VERSION = 2
 
 
 def mma_8bit_source(method: str, m_tiles: int, n_tiles: int) -> str:
@@ -147,14 +150,16 @@ else:
 # defined in chapters/15_quantization.py
 def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int = 8,
                          ahead: int = 2, accumulate: bool = False,
-                         gated: bool = False):
+                         gated: bool = False,
+                         prefetch_bytes: int = PREFETCH_L2_BYTES):
     """out (M, N) = x (M, K) · (s ⊙ codes)ᵀ for up to 8 n_tiles token vectors on
     the tensor cores: a block per 16 m_tiles rows, its `warps` warps splitting K in
     chunks of 64 (`ahead` chunks' loads issued before any is multiplied), their sums
     met in shared memory. x bf16 viewed as uint64 (M, K / 4); codes as uint64
     (N, K / 8). accumulate: out += (float32 out). gated: codes stack [gate | up]
     (N = 2 I), the block's two m-tiles a gate tile and its up tile, out (M, I) bf16
-    bits = SiLU(gate) · up."""
+    bits = SiLU(gate) · up. prefetch_bytes: as the GEMV's (the first blocks' rows
+    asked of L2 before the wait)."""
     assert not (gated and (accumulate or m_tiles != 2)), "gated: 2 m-tiles, no add"
     chunk_mma = mma_8bit_function(method, m_tiles, n_tiles)
     ACC, WW, XW = 4 * m_tiles * n_tiles, 4 * m_tiles, 4 * n_tiles
@@ -196,6 +201,11 @@ def make_mma_8bit_kernel(method: str, n_tiles: int, m_tiles: int = 1, warps: int
         # no kernel writes the weights: the first are loaded before the wait, and the
         # scales of the row this thread will store (o % units below is tid % units)
         load_weights(w64, wbuf, c0, chunks, n0, half, g, t)
+        parts = 2 if gated else 1  # gated: the gate rows, then the up rows
+        if prefetch_bytes and tid < parts and (cuda.blockIdx.x + 1) * parts * units * (
+                w64.shape[1] * 8) <= prefetch_bytes:
+            end = half if gated else w64.shape[0]
+            prefetch_rows_l2(w64, n0 + tid * half, min(units, end - n0))
         mine = n0 + tid % units
         has_row = mine < (half if gated else w64.shape[0])
         scale = scales[mine] if has_row else float32(0)
