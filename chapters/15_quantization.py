@@ -5623,10 +5623,28 @@ alone took {{ch15_chunk_dq}} whole and {{ch15_chunk_dq_chunks}} in chunks —
 
 # %%
 # this GPU's records; an H100's (book/data/h100/) until this GPU has one
-step_records = (load_records("ch15_step_profile")
-                or load_records("ch15_step_profile", DATA_DIR / "h100"))
-step_dev = step_records[-1]["device"]["name"] if step_records else None
-step_records = [r for r in step_records if r["device"]["name"] == step_dev]
+step_records_all = (load_records("ch15_step_profile")
+                    or load_records("ch15_step_profile", DATA_DIR / "h100"))
+step_dev = step_records_all[-1]["device"]["name"] if step_records_all else None
+step_records_all = [r for r in step_records_all if r["device"]["name"] == step_dev]
+
+
+def at_library_prefetch(records: list) -> list:
+    """The records of each (format, LM head) made with the library's L2 prefetch
+    (PREFETCH_L2_BYTES) where a run of that format recorded one; the records from
+    before the prefetch (no prefetch_l2_mib) where none did."""
+    mib = PREFETCH_L2_BYTES >> 20
+    kinds = {(r["quantization"], r.get("lm_head_8bit", False)) for r in records}
+    kept = []
+    for kind in kinds:
+        mine = [r for r in records
+                if (r["quantization"], r.get("lm_head_8bit", False)) == kind]
+        now = [r for r in mine if r.get("prefetch_l2_mib") == mib]
+        kept += now or [r for r in mine if "prefetch_l2_mib" not in r]
+    return kept
+
+
+step_records = at_library_prefetch(step_records_all)
 # every matrix, the LM head too: the 8-bit kernels by the module that makes them
 # (kernels.gemv_8bit in records made before version 7 moved them)
 GEMV_GROUPS = ("kernels.gemv", "kernels.gemv_8bit", "kernels.gemv_8bit_kernel")
