@@ -321,6 +321,11 @@ if config.ENABLE_CUDASIM:
     import sys
     import threading
     import time
+    import traceback
+
+    from numba.cuda import types as simulator_types
+    from numba.cuda.np import numpy_support
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
 
     class _SimFFI:
         """The simulator's stand-in for cffi: a 'pointer' is the array view itself."""
@@ -379,14 +384,36 @@ if config.ENABLE_CUDASIM:
         """The lane of the simulated thread running this twin."""
         return threading.current_thread().thread_id % 32
 
+    _simulator_shared_array = FakeCUDAShared.array
+
+    def _shared_array_once(self, shape, dtype, alignment=None):
+        """The simulator's cuda.shared.array with its look-up and its insertion made
+        one step. numba-cuda's (0.30) looks up a block's array by the calling line,
+        then stores a new one if it found none: two threads switched between the two
+        steps each get an array of their own, and one thread's writes land where no
+        other thread reads (seen once in CI, at twin_launch's short switch interval)."""
+        if shape == 0 or alignment is not None:  # dynamic memory: no look-up
+            return _simulator_shared_array(self, shape, dtype, alignment)
+        if isinstance(dtype, simulator_types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = traceback.extract_stack(sys._getframe(1), limit=1)[0][0:2]
+        found = self._allocations.get(caller)
+        if found is None:
+            with _twin_lock:
+                found = self._allocations.setdefault(caller, np.empty(shape, dtype))
+        return found
+
     @contextlib.contextmanager
     def twin_launch():
-        """Around a simulated launch of a kernel with twins: switch threads often."""
+        """Around a simulated launch of a kernel with twins: switch threads often,
+        and let no two threads of a block make the same shared array."""
         before = sys.getswitchinterval()
         sys.setswitchinterval(2e-4)
+        FakeCUDAShared.array = _shared_array_once
         try:
             yield
         finally:
+            FakeCUDAShared.array = _simulator_shared_array
             sys.setswitchinterval(before)
 
 else:
