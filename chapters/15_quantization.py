@@ -4555,7 +4555,11 @@ measurement at the end of the chapter says how much.
 # %%
 # the engine runs with the LM head in 8 bits (--lm-head) are the head section's, at
 # the end; every other reader takes the engine's default, the head in bf16
-gpu_all = load_records("ch15_quantization")
+# the runs made with the library's L2 prefetch (or from before it had one): the
+# bench's --prefetch-l2-mib runs at other settings are for the comparison below
+LIBRARY_PREFETCH_MIB = PREFETCH_L2_BYTES >> 20
+gpu_all = [r for r in load_records("ch15_quantization")
+           if r.get("prefetch_l2_mib", LIBRARY_PREFETCH_MIB) == LIBRARY_PREFETCH_MIB]
 gpu = [r for r in gpu_all if not r.get("lm_head_8bit")]
 METHODS, COLORS = (None, "int8", "fp8"), {None: "#7f7f7f", "int8": "#1f77b4",
                                           "fp8": "#ff7f0e"}
@@ -4808,7 +4812,8 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 
 # %%
 sweep = [r for r in gpu if r["name"] == "gemv_sweep" and r["shape"][0] == 1]
-h100_all = load_records("ch15_quantization", DATA_DIR / "h100")
+h100_all = [r for r in load_records("ch15_quantization", DATA_DIR / "h100")
+            if r.get("prefetch_l2_mib", LIBRARY_PREFETCH_MIB) == LIBRARY_PREFETCH_MIB]
 h100 = [r for r in h100_all if not r.get("lm_head_8bit")]
 if not sweep:  # an H100's, until this GPU has one
     sweep = [r for r in h100 if r["name"] == "gemv_sweep" and r["shape"][0] == 1]
