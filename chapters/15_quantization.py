@@ -2321,13 +2321,13 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 #   and 2,048 threads). The estimate stays for the first launch; which block takes a
 #   group of rows changes no sum, so no bit.
 
-# Version 8 works on the stretch *before* it. In a captured step (chapter 11) a kernel
+# Version 8 tries the stretch *before* it. In a captured step (chapter 11) a kernel
 # is let start before the one before it has finished, and it waits at
 # `griddepcontrol.wait` until that one has. The step profile at the end of the chapter
-# measured how long: O's GEMV starts about 9 µs before attention ends, QKV's about
-# 7 µs before down ends. Until now a thread loaded its first words in that time, and
-# then waited. But no kernel writes the weights, so the whole of a block's rows could
-# be on their way by then.
+# measures how long: a GEMV starts several microseconds before the kernel before it
+# ends. Until now a thread loaded its first words in that time, and then waited. But
+# no kernel writes the weights, so the whole of a block's rows could be on their way
+# by then.
 #
 # Registers cannot hold them; L2 can (tens of MB). Hopper's copy engine for bulk
 # transfers takes one instruction, `cp.async.bulk.prefetch.L2`, to start fetching a
@@ -2339,20 +2339,21 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 #
 # What it should buy is the memory's idle time. Attention and the KV-cache write read
 # a few hundred KB, so while they run HBM is nearly idle, and O's 4 MB of codes can
-# arrive before attention ends. During down, which streams its own 17 MB, QKV's
-# prefetch only moves its rows earlier in the same stream. The prediction, from the
-# step profile's per-layer times on the H200: O from 4.3 µs to about 2, gate-up (which
-# starts during O) from 12.2 to about 9, QKV and down a microsecond each — about
-# 7 µs of a layer's 36, some 110 µs of a 717 µs step.
+# arrive before attention ends; gate-up starts while O runs, which reads little more.
+# During down, which streams its own 17 MB, QKV's prefetch only moves its rows earlier
+# in the same stream. The prediction, written before any run from the H200's version 7
+# profile, is a cell at the end of the chapter (`PREFETCH_PREDICTED_US`), beside what
+# the GPU measured. In short: it did not pay, so `PREFETCH_L2_BYTES` is 0 and the
+# engine's kernels compile without it; the bench's `--prefetch-l2-mib` turns it on.
 
 # %%
 #| export kernels.prefetch
 from numba import config, types
 
-# the bytes a kernel's blocks prefetch before they wait, across its grid: at most about
-# half of the H100's and H200's 50 MB of L2, so that the LM head's first rows are not
-# evicted by its later ones before they are read
-PREFETCH_L2_BYTES = 24 << 20
+# the bytes a kernel's blocks prefetch before they wait, across its grid. Off: on an
+# H100 the step took longer with 24 MiB (half of the L2, so that the LM head's first
+# rows are not evicted by its later ones), measured at the end of the chapter
+PREFETCH_L2_BYTES = 0
 
 if config.ENABLE_CUDASIM:
 
@@ -2449,7 +2450,8 @@ STAGE_AHEAD = 4
 # before any is staged, the residual the add epilogue adds to read before the sums are
 # made, and the blocks an SM holds counted from the compiled kernel's registers; 8: 7
 # with each block's first groups of rows prefetched into L2 before it waits
-# (prefetch_rows_l2, up to PREFETCH_L2_BYTES a grid)
+# (prefetch_rows_l2, up to PREFETCH_L2_BYTES a grid: 0 in the engine, which measured
+# slower with it; records say prefetch_l2_mib)
 GEMV_8BIT_VERSION = 8
 
 
@@ -3812,7 +3814,7 @@ from tinyvllm_lib.kernels.tensor_core import ffi, require_lto, twin_launch
 MMA_K = 64  # k a chunk: 16 codes (two words) a lane, 4 lanes a row
 MMA_8BIT_MAX_TOKENS = 16  # two n-tiles of 8 token vectors
 # the bench's records say which kernel they timed; 2: the first blocks' rows
-# prefetched into L2 before the wait (as the GEMV's version 8)
+# prefetched into L2 before the wait, where PREFETCH_L2_BYTES (0 in the engine) asks
 MMA_8BIT_VERSION = 2
 
 
@@ -4559,7 +4561,8 @@ measurement at the end of the chapter says how much.
 # bench's --prefetch-l2-mib runs at other settings are for the comparison below
 LIBRARY_PREFETCH_MIB = PREFETCH_L2_BYTES >> 20
 gpu_all = [r for r in load_records("ch15_quantization")
-           if r.get("prefetch_l2_mib", LIBRARY_PREFETCH_MIB) == LIBRARY_PREFETCH_MIB]
+           if r.get("quantization") is None  # bf16 has no 8-bit kernel to prefetch
+           or r.get("prefetch_l2_mib", LIBRARY_PREFETCH_MIB) == LIBRARY_PREFETCH_MIB]
 gpu = [r for r in gpu_all if not r.get("lm_head_8bit")]
 METHODS, COLORS = (None, "int8", "fp8"), {None: "#7f7f7f", "int8": "#1f77b4",
                                           "fp8": "#ff7f0e"}
@@ -4813,7 +4816,8 @@ version of the GEMV touches: {{ch15_v1_tp}} for int8 and FP8 against bf16's
 # %%
 sweep = [r for r in gpu if r["name"] == "gemv_sweep" and r["shape"][0] == 1]
 h100_all = [r for r in load_records("ch15_quantization", DATA_DIR / "h100")
-            if r.get("prefetch_l2_mib", LIBRARY_PREFETCH_MIB) == LIBRARY_PREFETCH_MIB]
+            if r.get("quantization") is None
+            or r.get("prefetch_l2_mib", LIBRARY_PREFETCH_MIB) == LIBRARY_PREFETCH_MIB]
 h100 = [r for r in h100_all if not r.get("lm_head_8bit")]
 if not sweep:  # an H100's, until this GPU has one
     sweep = [r for r in h100 if r["name"] == "gemv_sweep" and r["shape"][0] == 1]
@@ -5425,9 +5429,10 @@ else:
         return (r["quantization"], r.get("gemv_max_tokens"),
                 r.get("gemv_variant") or "auto", r.get("mma_max_tokens") or 0)
 
-    batch, batch_commit = {}, {}
-    for r in batch_runs:  # in the order recorded: the newest run of a setting wins
+    batch, batch_commit, batch_order = {}, {}, {}
+    for i, r in enumerate(batch_runs):  # in the order recorded: the newest run wins
         batch[setting(r) + (r["shape"][0],)] = r["value"]
+        batch_order[setting(r) + (r["shape"][0],)] = i
         batch_commit[setting(r)] = r.get("engine_commit")
     batches = sorted({k[4] for k in batch})
     series = sorted({k[:4] for k in batch},
@@ -5475,18 +5480,20 @@ else:
                 return ("gemv", "auto" if B == 1 else k[2])
             return ("mma",) if B <= k[3] else ("scratch",)
 
-        # each batch's run on today's path: the newest setting that routes it so
-        today = {}
+        # each batch's run on today's path: the newest run of a setting that routes
+        # it so
+        today, today_order = {}, {}
         for k in series:
             for B in batches:
-                if k[0] == "int8" and k + (B,) in batch and route(k, B) == route(
-                        engine, B):
-                    today[B] = batch[k + (B,)]
-        # the batches the lower limit moved from the GEMV to the tensor cores, if no
-        # run has taken them there yet: predicted from the crossover, the step of
-        # the run that took the GEMV there less each layer's difference
+                if (k[0] == "int8" and k + (B,) in batch
+                        and route(k, B) == route(engine, B)
+                        and batch_order[k + (B,)] > today_order.get(B, -1)):
+                    today[B], today_order[B] = batch[k + (B,)], batch_order[k + (B,)]
+        # the batches the lower limit moved from the GEMV to the tensor cores:
+        # predicted from the crossover (the step of the run that took the GEMV there
+        # less each layer's difference), written before a run took them there
         before = ("int8", PREVIOUS_GEMV_MAX_TOKENS, "auto", MMA_8BIT_MAX_TOKENS)
-        moved = [B for B in batches if B not in today and B in mma_at
+        moved = [B for B in batches if B in mma_at
                  and route(before, B)[0] == "gemv" and route(engine, B) == ("mma",)]
         if moved and before + (moved[-1],) in batch:
             B = moved[-1]
@@ -5498,6 +5505,8 @@ else:
             prose.glue("ch15_batch_pred_gain", f"{gain_us:.0f} µs")
             prose.glue("ch15_batch_pred_step", f"{step_us:,.0f} µs")
             prose.glue("ch15_batch_pred", f"{B / (step_us - gain_us) * 1e6:,.0f} tok/s")
+            if B in today:  # measured since: the run on today's path
+                prose.glue("ch15_batch_pred_got", f"{today[B]:,.0f} tok/s")
             if (None, None, None, None, B) in batch:
                 prose.glue("ch15_batch_pred_bf16",
                            f"{batch[None, None, None, None, B]:,.0f} tok/s")
@@ -5594,11 +5603,12 @@ decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
 {{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + ("""
 Lowering the limit from {{ch15_batch_old_limit}} to {{ch15_cross_limit}} moves a batch
-of {{ch15_batch_pred_b}} requests from the GEMV to the tensor cores, where no engine
-run has taken it yet. Written before that
-run: over the model's layers the crossover's times save {{ch15_batch_pred_gain}} of the
-{{ch15_batch_pred_step}} step that took the GEMV there, so about
-{{ch15_batch_pred}} (bf16: {{ch15_batch_pred_bf16}}).""" if
+of {{ch15_batch_pred_b}} requests from the GEMV to the tensor cores. Written before an
+engine run took it there: over the model's layers the crossover's times save
+{{ch15_batch_pred_gain}} of the {{ch15_batch_pred_step}} step that took the GEMV
+there, so about {{ch15_batch_pred}} (bf16: {{ch15_batch_pred_bf16}}).""" + (""" The
+run since measured {{ch15_batch_pred_got}}.""" if "ch15_batch_pred_got" in prose.values
+    else " No engine run has taken it there yet.") if
     "ch15_batch_pred_bf16" in prose.values else "") + "\n")
 if "ch15_chunk_verdict" in prose.values:
     prose.show("""
@@ -5848,6 +5858,149 @@ cache write, and the attention, read little (the attention at most {{ch15_layer_
 of keys and values, at the request's last step) yet take {{ch15_layer_fixed}} of it:
 their time is latency, not bytes — each waits for the launch before it, and no
 weight format shortens that.
+""")
+
+# %% [markdown]
+# ### The weights into L2 before the wait, measured
+#
+# Version 8's prefetch (in the GEMV section) asked L2 for each block's first rows
+# before `griddepcontrol.wait`. `bench/ch15_step_profile.py --prefetch-l2-mib 0 24`
+# profiles the int8 step (its LM head bf16) with none and with 24 MiB a kernel, one
+# after the other on the same GPU, and `bench/ch15_quantization.py --only engine
+# --prefetch-l2-mib ...` times batch-1 decode at each. Below, each launch's own time,
+# averaged over the step's 16 layers, without the prefetch and with it, and the change
+# next to the one predicted before the run.
+
+# %%
+# the change in each GEMV's own time a layer, µs, predicted before the first run from
+# the H200's version-7 step profile: O's 4 MB should arrive while attention runs,
+# gate-up's while O runs; down's and QKV's prefetch only moves their rows earlier in a
+# stream
+PREFETCH_PREDICTED_US = {"O GEMV": -2.3, "gate-up GEMV": -3.2, "down GEMV": -1.0,
+                         "QKV GEMV": -1.0}
+LAYER_PARTS = ("rotary + KV write", "attention", "O GEMV", "gate-up GEMV",
+               "down GEMV", "QKV GEMV")
+
+
+def mean_layer(record) -> dict:
+    """Each part of a layer's launches, its own µs averaged over the layers the step
+    holds whole (from one rotary write to the next; the next layer's QKV GEMV ends
+    it)."""
+    groups, own = record["groups"], record["own_us"]
+    writes = [j for j, g in enumerate(groups) if g == "kernels.kv_cache_write"]
+    sums, count = dict.fromkeys(LAYER_PARTS, 0.0), 0
+    for a, b in zip(writes, writes[1:]):
+        gemvs = iter(LAYER_PARTS[2:])
+        for j in range(a, b):
+            g = groups[j]
+            part = ("rotary + KV write" if g == "kernels.kv_cache_write" else
+                    "attention" if "attention" in g or "decode_combine" in g else
+                    next(gemvs, None) if g in GEMV_GROUPS else None)
+            if part:
+                sums[part] += own[j]
+        count += 1
+    return {p: us / max(count, 1) for p, us in sums.items()}
+
+
+# a GPU whose int8 step was profiled without the prefetch and with it
+ab_runs = {}
+for r in (load_records("ch15_step_profile")
+          + load_records("ch15_step_profile", DATA_DIR / "h100")):
+    if (r["quantization"] == "int8" and not r.get("lm_head_8bit")
+            and "prefetch_l2_mib" in r):
+        ab_runs.setdefault(r["device"]["name"], {}).setdefault(
+            r["prefetch_l2_mib"], {})[r["name"]] = r
+ab_dev = next((d for d, by in ab_runs.items()
+               if 0 in by and any(m > 0 for m in by)), None)
+if ab_dev is None:
+    print("no run of the prefetch without and with: python bench/ch15_step_profile.py "
+          "--formats int8 --prefetch-l2-mib 0 24 on a GPU")
+else:
+    on_mib = max(ab_runs[ab_dev])
+    off, on = (ab_runs[ab_dev][mib] for mib in (0, on_mib))
+    layer_off = mean_layer(off["step_launches"])
+    layer_on = mean_layer(on["step_launches"])
+    fig, (ax, ax_d) = new_figure(1, 2, width=9.5, height=3.2)
+    xs = np.arange(len(LAYER_PARTS))
+    ax.bar(xs - 0.2, [layer_off[p] for p in LAYER_PARTS], 0.4, color="#1f77b4",
+           label="no prefetch")
+    ax.bar(xs + 0.2, [layer_on[p] for p in LAYER_PARTS], 0.4, color="#ff7f0e",
+           label=f"{on_mib} MiB a kernel into L2")
+    ax.set_xticks(xs, [p.replace(" GEMV", "") for p in LAYER_PARTS], fontsize=7,
+                  rotation=20)
+    ax.set_ylabel("µs a layer (own time)")
+    ax.set_title(f"int8 batch-1 step, mean layer, {ab_dev}", fontsize=9)
+    ax.legend(fontsize=7)
+    gemv_parts = list(PREFETCH_PREDICTED_US)
+    xg = np.arange(len(gemv_parts))
+    ax_d.bar(xg - 0.2, [PREFETCH_PREDICTED_US[p] for p in gemv_parts], 0.4,
+             color="#c7c7c7", label="predicted (H200, before the run)")
+    ax_d.bar(xg + 0.2, [layer_on[p] - layer_off[p] for p in gemv_parts], 0.4,
+             color="#d62728", label="measured")
+    ax_d.axhline(0, color="k", lw=0.8)
+    ax_d.set_xticks(xg, [p.replace(" GEMV", "") for p in gemv_parts], fontsize=7)
+    ax_d.set_ylabel("change, µs a layer")
+    ax_d.set_title("what the prefetch changed", fontsize=9)
+    ax_d.legend(fontsize=7)
+    plt.show()
+    wall_off = off["step_busy"]["unprofiled_wall_us"]
+    wall_on = on["step_busy"]["unprofiled_wall_us"]
+    prose.glue("ch15_pf_dev", ab_dev)
+    prose.glue("ch15_pf_mib", f"{on_mib} MiB")
+    prose.glue("ch15_pf_wall", f"{wall_on:.0f} µs against {wall_off:.0f} µs")
+    prose.glue("ch15_pf_predicted",
+               f"{-sum(PREFETCH_PREDICTED_US.values()):.1f} µs a layer")
+    total = sum(layer_on.values()) - sum(layer_off.values())
+    prose.glue("ch15_pf_total", f"{abs(total):.1f} µs a layer "
+               f"{'more' if total > 0 else 'less'}")
+    for p, key in (("O GEMV", "o"), ("gate-up GEMV", "gu"), ("down GEMV", "down"),
+                   ("QKV GEMV", "qkv")):
+        d = layer_on[p] - layer_off[p]
+        prose.glue(f"ch15_pf_{key}",
+                   f"{layer_off[p]:.1f} to {layer_on[p]:.1f} µs ({d:+.1f})")
+    o_weights = (llama_1b.num_attention_heads * llama_1b.head_dim
+                 * llama_1b.hidden_size)  # O's codes, one byte each
+    # the fastest any GEMV of this chapter read on that GPU (chapter 1 may have no
+    # ceiling recorded for it)
+    fastest = max((r["value"] for r in (load_records("ch15_quantization")
+                                        + load_records("ch15_quantization",
+                                                       DATA_DIR / "h100"))
+                   if r.get("part") == "gemv" and r.get("metric") == "GB/s"
+                   and r["device"]["name"] == ab_dev), default=math.nan)
+    prose.glue("ch15_pf_o_bytes", f"{o_weights / 2**20:.0f} MiB")
+    prose.glue("ch15_pf_o_ceiling", (
+        f"{o_weights / (fastest * 1e3):.1f} µs at the fastest rate a GEMV of this "
+        f"chapter read there ({fastest:,.0f} GB/s)") if math.isfinite(fastest)
+        else "a small part of that at any rate the GPU reads")
+    # batch-1 decode through the engine at each setting, the same GPU (its data folder)
+    engine_ab = {r["prefetch_l2_mib"]: r["value"]
+                 for r in (load_records("ch15_quantization")
+                           + load_records("ch15_quantization", DATA_DIR / "h100"))
+                 if r.get("name") == "bs1_decode" and r.get("quantization") == "int8"
+                 and not r.get("lm_head_8bit") and r["device"]["name"] == ab_dev
+                 and r.get("gemv_8bit_version") == GEMV_8BIT_VERSION
+                 and "prefetch_l2_mib" in r}
+    prose.glue("ch15_pf_engine", (
+        f"{engine_ab[on_mib]:,.0f} tok/s with it against {engine_ab[0]:,.0f} without"
+        if 0 in engine_ab and on_mib in engine_ab else "not yet timed at both"))
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if ab_dev is not None:
+    prose.show("""
+On the {{ch15_pf_dev}}, with {{ch15_pf_mib}} a kernel the int8 step took
+{{ch15_pf_wall}} without; through the engine, batch 1 decoded at {{ch15_pf_engine}}.
+The prediction was {{ch15_pf_predicted}} saved; a layer's launches took
+{{ch15_pf_total}}. O's GEMV went from {{ch15_pf_o}}: its {{ch15_pf_o_bytes}} of codes
+take {{ch15_pf_o_ceiling}}, so even with every row in L2 before its wait
+it keeps most of its time — the wait's release, staging the input, the warps' sums
+meeting and the store, which the prefetch does not touch. QKV went from
+{{ch15_pf_qkv}} and down from {{ch15_pf_down}}, but gate-up from {{ch15_pf_gu}}.
+The likeliest reading: down starts while gate-up is still streaming its own rows, so
+down's prefetch takes bandwidth from gate-up, and down gets back only part of it. A
+prefetch moves bytes earlier; it makes none fewer, and where the kernel before is
+already reading near the full rate there is no idle memory to move them into. The engine
+keeps `PREFETCH_L2_BYTES = 0`. What the layer lacks is not bytes in flight but fewer
+fixed costs a kernel: fewer kernels.
 """)
 
 # %% [markdown]

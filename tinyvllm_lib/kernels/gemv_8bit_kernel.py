@@ -43,7 +43,8 @@ STAGE_AHEAD = 4
 # before any is staged, the residual the add epilogue adds to read before the sums are
 # made, and the blocks an SM holds counted from the compiled kernel's registers; 8: 7
 # with each block's first groups of rows prefetched into L2 before it waits
-# (prefetch_rows_l2, up to PREFETCH_L2_BYTES a grid)
+# (prefetch_rows_l2, up to PREFETCH_L2_BYTES a grid: 0 in the engine, which measured
+# slower with it; records say prefetch_l2_mib)
 GEMV_8BIT_VERSION = 8
 
 

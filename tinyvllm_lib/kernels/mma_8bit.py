@@ -19,7 +19,7 @@ from tinyvllm_lib.kernels.tensor_core import ffi, require_lto, twin_launch
 MMA_K = 64  # k a chunk: 16 codes (two words) a lane, 4 lanes a row
 MMA_8BIT_MAX_TOKENS = 16  # two n-tiles of 8 token vectors
 # the bench's records say which kernel they timed; 2: the first blocks' rows
-# prefetched into L2 before the wait (as the GEMV's version 8)
+# prefetched into L2 before the wait, where PREFETCH_L2_BYTES (0 in the engine) asks
 MMA_8BIT_VERSION = 2
 
 

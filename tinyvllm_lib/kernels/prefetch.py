@@ -4,10 +4,10 @@
 # defined in chapters/15_quantization.py
 from numba import config, types
 
-# the bytes a kernel's blocks prefetch before they wait, across its grid: at most about
-# half of the H100's and H200's 50 MB of L2, so that the LM head's first rows are not
-# evicted by its later ones before they are read
-PREFETCH_L2_BYTES = 24 << 20
+# the bytes a kernel's blocks prefetch before they wait, across its grid. Off: on an
+# H100 the step took longer with 24 MiB (half of the L2, so that the LM head's first
+# rows are not evicted by its later ones), measured at the end of the chapter
+PREFETCH_L2_BYTES = 0
 
 if config.ENABLE_CUDASIM:
 
