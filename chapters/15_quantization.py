@@ -2322,29 +2322,31 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 #   group of rows changes no sum, so no bit.
 
 # Version 8 tries the stretch *before* it. In a captured step (chapter 11) a kernel
-# is let start before the one before it has finished, and it waits at
+# may start before the one before it has finished, and it waits at
 # `griddepcontrol.wait` until that one has. The step profile at the end of the chapter
 # measures how long: a GEMV starts several microseconds before the kernel before it
 # ends. Until now a thread loaded its first words in that time, and then waited. But
 # no kernel writes the weights, so the whole of a block's rows could be on their way
 # by then.
 #
-# Registers cannot hold them; L2 can (tens of MB). Hopper's copy engine for bulk
-# transfers takes one instruction, `cp.async.bulk.prefetch.L2`, to start fetching a
-# range of bytes into L2, with nothing to wait for and no register written. So, before
-# it waits, each block asks for the rows of its first groups, one range a group (two
-# in the gated GEMV: its gate rows and its up rows), up to `PREFETCH_L2_BYTES` across
-# the grid, so that a kernel as large as the LM head does not evict its own first rows.
+# Registers cannot hold them; L2 can (tens of MB). Hopper's Tensor Memory Accelerator
+# (TMA), the unit behind its bulk copies, takes one instruction,
+# `cp.async.bulk.prefetch.L2`, to start fetching a range of bytes into L2, with
+# nothing to wait for and no register written. So, before it waits, each block asks
+# for the rows of its first groups, one range a group (two in the gated GEMV: its gate
+# rows and its up rows), up to `PREFETCH_L2_BYTES` across the grid, so that a kernel
+# as large as the LM head does not evict its own first rows.
 # After the wait the same loads as before find the rows in L2.
 #
 # What it should buy is the memory's idle time. Attention and the KV-cache write read
-# a few hundred KB, so while they run HBM is nearly idle, and O's 4 MB of codes can
-# arrive before attention ends; gate-up starts while O runs, which reads little more.
-# During down, which streams its own 17 MB, QKV's prefetch only moves its rows earlier
-# in the same stream. The prediction, written before any run from the H200's version 7
-# profile, is a cell at the end of the chapter (`PREFETCH_PREDICTED_US`), beside what
-# the GPU measured. In short: it did not pay, so `PREFETCH_L2_BYTES` is 0 and the
-# engine's kernels compile without it; the bench's `--prefetch-l2-mib` turns it on.
+# little, so while they run HBM is nearly idle, and O's codes can arrive before
+# attention ends; gate-up starts while O runs, which reads little more. During down,
+# which streams its own rows, QKV's prefetch only moves its rows earlier in the same
+# stream. The prediction, written before any run from the H200's version-7 profile, is
+# a cell at the end of the chapter (`PREFETCH_PREDICTED_US`), beside what an H100
+# measured. In short: at the one setting measured there it did not pay, so
+# `PREFETCH_L2_BYTES` is 0 and the engine's kernels compile without it; the bench's
+# `--prefetch-l2-mib` turns it on.
 
 # %%
 #| export kernels.prefetch
@@ -5603,11 +5605,12 @@ decode at:
 {{ch15_batch_settings}}.""" if "ch15_batch_settings" in prose.values else "") + ("""
 {{ch15_batch_verdict}}.""" if "ch15_batch_verdict" in prose.values else "") + ("""
 Lowering the limit from {{ch15_batch_old_limit}} to {{ch15_cross_limit}} moves a batch
-of {{ch15_batch_pred_b}} requests from the GEMV to the tensor cores. Written before an
-engine run took it there: over the model's layers the crossover's times save
-{{ch15_batch_pred_gain}} of the {{ch15_batch_pred_step}} step that took the GEMV
-there, so about {{ch15_batch_pred}} (bf16: {{ch15_batch_pred_bf16}}).""" + (""" The
-run since measured {{ch15_batch_pred_got}}.""" if "ch15_batch_pred_got" in prose.values
+of {{ch15_batch_pred_b}} requests from the GEMV to the tensor cores. A prediction,
+written before an engine run took it there: over the model's layers the crossover's
+times save {{ch15_batch_pred_gain}} of the {{ch15_batch_pred_step}} step that took
+the GEMV there, so about {{ch15_batch_pred}} (bf16: {{ch15_batch_pred_bf16}}).""" + (
+    """ The run since measured {{ch15_batch_pred_got}}."""
+    if "ch15_batch_pred_got" in prose.values
     else " No engine run has taken it there yet.") if
     "ch15_batch_pred_bf16" in prose.values else "") + "\n")
 if "ch15_chunk_verdict" in prose.values:
@@ -5864,12 +5867,12 @@ weight format shortens that.
 # ### The weights into L2 before the wait, measured
 #
 # Version 8's prefetch (in the GEMV section) asked L2 for each block's first rows
-# before `griddepcontrol.wait`. `bench/ch15_step_profile.py --prefetch-l2-mib 0 24`
-# profiles the int8 step (its LM head bf16) with none and with 24 MiB a kernel, one
-# after the other on the same GPU, and `bench/ch15_quantization.py --only engine
-# --prefetch-l2-mib ...` times batch-1 decode at each. Below, each launch's own time,
-# averaged over the step's 16 layers, without the prefetch and with it, and the change
-# next to the one predicted before the run.
+# before `griddepcontrol.wait`. `bench/ch15_step_profile.py --formats int8
+# --prefetch-l2-mib 0 24` profiles the int8 step (its LM head bf16) with none and with
+# 24 MiB a kernel, one after the other on the same GPU, and `bench/ch15_quantization.py
+# --only engine --prefetch-l2-mib ...` times batch-1 decode at each. Below, each
+# launch's own time, averaged over the layers the step holds whole, without the
+# prefetch and with it, and the change next to the one predicted before the run.
 
 # %%
 # the change in each GEMV's own time a layer, µs, predicted before the first run from
@@ -5882,7 +5885,7 @@ LAYER_PARTS = ("rotary + KV write", "attention", "O GEMV", "gate-up GEMV",
                "down GEMV", "QKV GEMV")
 
 
-def mean_layer(record) -> dict:
+def mean_layer(record) -> tuple[dict, int]:
     """Each part of a layer's launches, its own µs averaged over the layers the step
     holds whole (from one rotary write to the next; the next layer's QKV GEMV ends
     it)."""
@@ -5899,7 +5902,7 @@ def mean_layer(record) -> dict:
             if part:
                 sums[part] += own[j]
         count += 1
-    return {p: us / max(count, 1) for p, us in sums.items()}
+    return {p: us / max(count, 1) for p, us in sums.items()}, count
 
 
 # a GPU whose int8 step was profiled without the prefetch and with it
@@ -5918,8 +5921,8 @@ if ab_dev is None:
 else:
     on_mib = max(ab_runs[ab_dev])
     off, on = (ab_runs[ab_dev][mib] for mib in (0, on_mib))
-    layer_off = mean_layer(off["step_launches"])
-    layer_on = mean_layer(on["step_launches"])
+    layer_off, layers_held = mean_layer(off["step_launches"])
+    layer_on, _ = mean_layer(on["step_launches"])
     fig, (ax, ax_d) = new_figure(1, 2, width=9.5, height=3.2)
     xs = np.arange(len(LAYER_PARTS))
     ax.bar(xs - 0.2, [layer_off[p] for p in LAYER_PARTS], 0.4, color="#1f77b4",
@@ -5950,9 +5953,12 @@ else:
     prose.glue("ch15_pf_wall", f"{wall_on:.0f} µs against {wall_off:.0f} µs")
     prose.glue("ch15_pf_predicted",
                f"{-sum(PREFETCH_PREDICTED_US.values()):.1f} µs a layer")
-    total = sum(layer_on.values()) - sum(layer_off.values())
-    prose.glue("ch15_pf_total", f"{abs(total):.1f} µs a layer "
-               f"{'more' if total > 0 else 'less'}")
+    total = sum(layer_on[p] - layer_off[p] for p in PREFETCH_PREDICTED_US)
+    prose.glue("ch15_pf_total",
+               f"{abs(total):.1f} µs a layer {'more' if total > 0 else 'less'}")
+    prose.glue("ch15_pf_layers", f"{layers_held}")
+    prose.glue("ch15_pf_o_pred", f"{-PREFETCH_PREDICTED_US['O GEMV']:.1f} µs")
+    prose.glue("ch15_pf_library", f"`PREFETCH_L2_BYTES = {PREFETCH_L2_BYTES}`")
     for p, key in (("O GEMV", "o"), ("gate-up GEMV", "gu"), ("down GEMV", "down"),
                    ("QKV GEMV", "qkv")):
         d = layer_on[p] - layer_off[p]
@@ -5989,18 +5995,22 @@ if ab_dev is not None:
     prose.show("""
 On the {{ch15_pf_dev}}, with {{ch15_pf_mib}} a kernel the int8 step took
 {{ch15_pf_wall}} without; through the engine, batch 1 decoded at {{ch15_pf_engine}}.
-The prediction was {{ch15_pf_predicted}} saved; a layer's launches took
-{{ch15_pf_total}}. O's GEMV went from {{ch15_pf_o}}: its {{ch15_pf_o_bytes}} of codes
-take {{ch15_pf_o_ceiling}}, so even with every row in L2 before its wait
-it keeps most of its time — the wait's release, staging the input, the warps' sums
-meeting and the store, which the prefetch does not touch. QKV went from
-{{ch15_pf_qkv}} and down from {{ch15_pf_down}}, but gate-up from {{ch15_pf_gu}}.
-The likeliest reading: down starts while gate-up is still streaming its own rows, so
-down's prefetch takes bandwidth from gate-up, and down gets back only part of it. A
-prefetch moves bytes earlier; it makes none fewer, and where the kernel before is
-already reading near the full rate there is no idle memory to move them into. The engine
-keeps `PREFETCH_L2_BYTES = 0`. What the layer lacks is not bytes in flight but fewer
-fixed costs a kernel: fewer kernels.
+The prediction, made from the H200's profile, was {{ch15_pf_predicted}} saved in the
+four GEMVs; over the {{ch15_pf_layers}} layers held whole they took {{ch15_pf_total}}.
+O's GEMV went from {{ch15_pf_o}}: its {{ch15_pf_o_bytes}} of codes take
+{{ch15_pf_o_ceiling}} — less than the {{ch15_pf_o_pred}} predicted, so that part of
+the prediction could not have come true. Even with every row in L2 before its wait,
+O keeps most of its time: the wait's release, staging the input, the warps' sums
+meeting and the store, which no prefetch touches. QKV went from {{ch15_pf_qkv}} and
+down from {{ch15_pf_down}}, but gate-up from {{ch15_pf_gu}}. Two readings fit, and
+this run cannot tell them apart: down starts while gate-up still streams its own rows,
+so down's prefetch takes bandwidth from gate-up; or the rows the two kernels prefetch,
+tens of MB together, evict each other from L2 before they are read. A smaller setting,
+or the prefetch on O and QKV only, would tell; neither has run. Either way a prefetch
+moves bytes earlier and makes none fewer, and where the kernel before already reads
+near the full rate there is little idle memory to move them into. The engine keeps
+{{ch15_pf_library}}. What a layer needs is not more bytes in flight but less fixed
+cost a kernel.
 """)
 
 # %% [markdown]

@@ -194,8 +194,11 @@ if config.ENABLE_CUDASIM:
         one step. numba-cuda's (0.30) looks up a block's array by the calling line,
         then stores a new one if it found none: two threads switched between the two
         steps each get an array of their own, and one thread's writes land where no
-        other thread reads (seen once in CI, at twin_launch's short switch interval)."""
-        if shape == 0 or alignment is not None:  # dynamic memory: no look-up
+        other thread reads (a guess at one CI failure, at twin_launch's short switch
+        interval; other simulated kernels keep the simulator's own, at the default
+        interval)."""
+        # dynamic memory, or an alignment (the simulator's error): no look-up
+        if shape == 0 or alignment is not None:
             return _simulator_shared_array(self, shape, dtype, alignment)
         if isinstance(dtype, simulator_types.Type):
             dtype = numpy_support.as_dtype(dtype)
