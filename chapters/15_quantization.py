@@ -5450,13 +5450,18 @@ else:
     if batch:
         fig, ax = new_figure(width=7, height=2.8)
         width = 0.8 / len(series)
+        # the engine's setting on a GPU solid, the others paler
+        engine_now = ("int8", QUANTIZED_GEMV_MAX_TOKENS, QUANTIZED_GEMV_VARIANT,
+                      MMA_8BIT_MAX_TOKENS)
         for i, k in enumerate(series):
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(batches))]
             ax.bar(xs, [batch.get(k + (B,), 0) for B in batches], width,
                    color="#7f7f7f" if k[0] is None else "#d62728" if k[3] else
                    ("#2ca02c" if k[2] == "warp" else "#1f77b4"),
-                   alpha=1 if k[0] is None else 0.45 + 0.55 * (k[1] or 0) / 16,
-                   label=setting_label(k))
+                   alpha=1 if k[0] is None or k == engine_now else
+                   0.3 + 0.4 * (k[1] or 0) / 16,
+                   label=setting_label(k) + (" (the engine's)" if k == engine_now
+                                             else ""))
         ax.set_xticks(range(len(batches)), [f"{B} requests" for B in batches])
         ax.set_ylabel("decode tok/s (all requests)")
         ax.legend(fontsize=7)
