@@ -610,8 +610,7 @@ def use_mma_knobs(knobs: dict) -> None:
     for (kind, n_tiles), (m_tiles, warps, ahead) in knobs.items():
         mma_8bit.MMA_8BIT_KNOBS[kind, n_tiles] = (m_tiles, warps, ahead)
         for method in ("int8", "fp8"):
-            mma_8bit.MMA_8BIT_KERNELS[method, n_tiles, kind] = mma_8bit.make_mma_8bit_kernel(
-                method, n_tiles, m_tiles, warps, ahead, accumulate=kind == "add", gated=kind == "gated")
+            mma_8bit.MMA_8BIT_KERNELS[method, n_tiles, kind] = mma_8bit.mma_8bit_kernel_for(method, n_tiles, kind)
 
 
 def use_prefetch_l2(mib: int) -> None:
@@ -619,15 +618,10 @@ def use_prefetch_l2(mib: int) -> None:
     L2 prefetch before the wait (0: none); the library's default is kernels.prefetch.PREFETCH_L2_BYTES."""
     from tinyvllm_lib.kernels import gemv_8bit, mma_8bit
 
-    for (method, variant, tokens, kind) in list(gemv_8bit.GEMV_8BIT_KERNELS):
-        gemv_8bit.GEMV_8BIT_KERNELS[method, variant, tokens, kind] = gemv_8bit.make_gemv_8bit_kernel(
-            method, tokens, *gemv_8bit.gemv_8bit_config(variant, tokens, kind), **gemv_8bit._EPILOGUES[kind],
-            prefetch_bytes=mib << 20)
-    for (method, n_tiles, kind) in list(mma_8bit.MMA_8BIT_KERNELS):
-        m_tiles, warps, ahead = mma_8bit.MMA_8BIT_KNOBS[kind, n_tiles]
-        mma_8bit.MMA_8BIT_KERNELS[method, n_tiles, kind] = mma_8bit.make_mma_8bit_kernel(
-            method, n_tiles, m_tiles, warps, ahead, accumulate=kind == "add", gated=kind == "gated",
-            prefetch_bytes=mib << 20)
+    for key in list(gemv_8bit.GEMV_8BIT_KERNELS):  # (format, variant, bucket, epilogue)
+        gemv_8bit.GEMV_8BIT_KERNELS[key] = gemv_8bit.gemv_8bit_kernel_for(*key, prefetch_bytes=mib << 20)
+    for key in list(mma_8bit.MMA_8BIT_KERNELS):  # (format, n-tiles, epilogue), at the table's knobs
+        mma_8bit.MMA_8BIT_KERNELS[key] = mma_8bit.mma_8bit_kernel_for(*key, prefetch_bytes=mib << 20)
 
 
 def prefetch_l2_mib(arg: int | None) -> int:

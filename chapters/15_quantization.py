@@ -2343,10 +2343,10 @@ WIDEN_WORD = {"int8": widen_int8_word, "fp8": widen_fp8_word}  # 8 at a time (GE
 # attention ends; gate-up starts while O runs, which reads little more. During down,
 # which streams its own rows, QKV's prefetch only moves its rows earlier in the same
 # stream. The prediction, written before any run from the H200's version-7 profile, is
-# a cell at the end of the chapter (`PREFETCH_PREDICTED_US`), beside what an H100
-# measured. In short: at the one setting measured there it did not pay, so
-# `PREFETCH_L2_BYTES` is 0 and the engine's kernels compile without it; the bench's
-# `--prefetch-l2-mib` turns it on.
+# a cell at the end of the chapter (`PREFETCH_PREDICTED_US`), beside what the GPU
+# measured and what that says. The engine's kernels compile without the prefetch
+# (`PREFETCH_L2_BYTES` = 0, from that measurement); the bench's `--prefetch-l2-mib`
+# turns it on.
 
 # %%
 #| export kernels.prefetch
@@ -2812,18 +2812,25 @@ def gemv_8bit_config(variant: str, tokens: int, kind: str = "") -> tuple:
     return chapter6_knobs(variant, tokens, "gated" in kind)
 
 
+def gemv_8bit_kernel_for(method: str, variant: str, tokens: int, kind: str = "",
+                         **options):
+    """The launcher's kernel for (format, variant, bucket, epilogue), at its knobs;
+    options go to make_gemv_8bit_kernel (prefetch_bytes, for the bench's runs)."""
+    knobs = gemv_8bit_config(variant, tokens, kind)
+    return make_gemv_8bit_kernel(method, tokens, *knobs, **_EPILOGUES[kind], **options)
+
+
 for _method in ("int8", "fp8"):
     # chapter 6's two shapes at the knobs chapter 11 tuned for bf16 (a word is 8 bytes
     # in both, so the same knobs keep as many bytes in flight), one token's block aside
     for _variant in GEMV_VARIANTS:
         for _tokens in GEMV_BUCKETS:
-            for _kind, _flags in _EPILOGUES.items():
+            for _kind in _EPILOGUES:
                 _name = (f"gemv_{_method}_{_variant}_t{_tokens}"
                          f"{'_' * bool(_kind)}{_kind}_kernel")
-                _config = gemv_8bit_config(_variant, _tokens, _kind)
                 GEMV_8BIT_KERNELS[_method, _variant, _tokens, _kind] = \
-                    globals()[_name] = make_gemv_8bit_kernel(
-                        _method, _tokens, *_config, **_flags)
+                    globals()[_name] = gemv_8bit_kernel_for(
+                        _method, _variant, _tokens, _kind)
                 _out = "uint16" if "gated" in _kind else "float32"
                 _sig = f"uint64[:, ::1], uint64[:, ::1], float32[::1], {_out}[:, ::1]"
                 PTX_SIGNATURES[_name] = [f"void({_sig}, uint64[::1], float32)"
@@ -4076,13 +4083,23 @@ _KINDS = {"": {}, "add": {"accumulate": True}, "gated": {"gated": True}}
 # and its up tile
 MMA_8BIT_KNOBS = {(kind, n_tiles): (2 if kind == "gated" else 1, 8, 2)
                   for kind in _KINDS for n_tiles in (1, 2)}
+
+
+def mma_8bit_kernel_for(method: str, n_tiles: int, kind: str = "", knobs=None,
+                        **options):
+    """The launcher's kernel for (format, n-tiles, epilogue) at `knobs` (m-tiles, warps,
+    chunks ahead; default MMA_8BIT_KNOBS'); options go to make_mma_8bit_kernel
+    (prefetch_bytes, for the bench's runs)."""
+    knobs = MMA_8BIT_KNOBS[kind, n_tiles] if knobs is None else knobs
+    return make_mma_8bit_kernel(method, n_tiles, *knobs, **_KINDS[kind], **options)
+
+
 for _method in ("int8", "fp8"):
     for _n_tiles in (1, 2):
-        for _kind, _flags in _KINDS.items():
+        for _kind in _KINDS:
             _name = f"mma_{_method}_n{_n_tiles}{'_' * bool(_kind)}{_kind}_kernel"
             MMA_8BIT_KERNELS[_method, _n_tiles, _kind] = globals()[_name] = \
-                make_mma_8bit_kernel(_method, _n_tiles,
-                                     *MMA_8BIT_KNOBS[_kind, _n_tiles], **_flags)
+                mma_8bit_kernel_for(_method, _n_tiles, _kind)
             _out = "uint16" if _kind == "gated" else "float32"
             PTX_SIGNATURES[_name] = [
                 f"void(uint64[:, ::1], uint64[:, ::1], float32[::1], {_out}[:, ::1])"]
@@ -5815,6 +5832,16 @@ else:
 # their place in the layer.
 
 # %%
+def launch_part(group: str, gemvs) -> str:
+    """What a launch of a layer is, from its kernel's module; gemvs: an iterator over
+    the layer's GEMV names in order ("O", "gate-up", "down", then the next layer's
+    "QKV"), advanced at each GEMV."""
+    return ("rotary + KV write" if group == "kernels.kv_cache_write" else
+            "attention" if "attention" in group or "decode_combine" in group else
+            f"{next(gemvs, 'another')} GEMV" if group in GEMV_GROUPS else
+            "RMSNorm" if "rmsnorm" in group else group)
+
+
 def layer_launches(method) -> list[tuple[str, float]] | None:
     """(what, own µs) for each launch of layer 1 of a step, from its rotary-and-cache
     write to the next layer's QKV GEMV; None without the record."""
@@ -5826,15 +5853,9 @@ def layer_launches(method) -> list[tuple[str, float]] | None:
     writes = [j for j, g in enumerate(groups) if g == "kernels.kv_cache_write"]
     if len(writes) < 3:
         return None
-    names, gemvs = [], iter(("O", "gate-up", "down", "QKV"))
-    for j in range(writes[1], writes[2]):
-        g = groups[j]
-        what = ("rotary + KV write" if g == "kernels.kv_cache_write" else
-                "attention" if "attention" in g or "decode_combine" in g else
-                f"{next(gemvs, 'another')} GEMV" if g in GEMV_GROUPS else
-                "RMSNorm" if "rmsnorm" in g else g)
-        names.append((what, own[j]))
-    return names
+    gemvs = iter(("O", "gate-up", "down", "QKV"))
+    return [(launch_part(groups[j], gemvs), own[j])
+            for j in range(writes[1], writes[2])]
 
 
 if profiled and bf16_s and eight and (layer := layer_launches(m)):
@@ -5898,13 +5919,10 @@ def mean_layer(record) -> tuple[dict, int]:
     writes = [j for j, g in enumerate(groups) if g == "kernels.kv_cache_write"]
     sums, count = dict.fromkeys(LAYER_PARTS, 0.0), 0
     for a, b in zip(writes, writes[1:]):
-        gemvs = iter(LAYER_PARTS[2:])
+        gemvs = iter(("O", "gate-up", "down", "QKV"))
         for j in range(a, b):
-            g = groups[j]
-            part = ("rotary + KV write" if g == "kernels.kv_cache_write" else
-                    "attention" if "attention" in g or "decode_combine" in g else
-                    next(gemvs, None) if g in GEMV_GROUPS else None)
-            if part:
+            part = launch_part(groups[j], gemvs)
+            if part in sums:
                 sums[part] += own[j]
         count += 1
     return {p: us / max(count, 1) for p, us in sums.items()}, count
@@ -5962,7 +5980,6 @@ else:
     prose.glue("ch15_pf_total",
                f"{abs(total):.1f} µs a layer {'more' if total > 0 else 'less'}")
     prose.glue("ch15_pf_layers", f"{layers_held}")
-    prose.glue("ch15_pf_o_pred", f"{-PREFETCH_PREDICTED_US['O GEMV']:.1f} µs")
     prose.glue("ch15_pf_library", f"`PREFETCH_L2_BYTES = {PREFETCH_L2_BYTES}`")
     for p, key in (("O GEMV", "o"), ("gate-up GEMV", "gu"), ("down GEMV", "down"),
                    ("QKV GEMV", "qkv")):
@@ -5979,10 +5996,26 @@ else:
                    if r.get("part") == "gemv" and r.get("metric") == "GB/s"
                    and r["device"]["name"] == ab_dev), default=math.nan)
     prose.glue("ch15_pf_o_bytes", f"{o_weights / 2**20:.0f} MiB")
+    o_read_us = o_weights / (fastest * 1e3)
+    o_pred = -PREFETCH_PREDICTED_US["O GEMV"]
     prose.glue("ch15_pf_o_ceiling", (
-        f"{o_weights / (fastest * 1e3):.1f} µs at the fastest rate a GEMV of this "
-        f"chapter read there ({fastest:,.0f} GB/s)") if math.isfinite(fastest)
-        else "a small part of that at any rate the GPU reads")
+        f"{o_read_us:.1f} µs at the fastest rate a GEMV of this chapter read there "
+        f"({fastest:,.0f} GB/s)" + (
+            f" — less than the {o_pred:.1f} µs predicted, so that part of the "
+            "prediction could not have come true" if o_read_us < o_pred else
+            f", at least the {o_pred:.1f} µs predicted"))
+        if math.isfinite(fastest) else "a part of its time no run has measured")
+    o_kept = layer_on["O GEMV"] / layer_off["O GEMV"]
+    prose.glue("ch15_pf_o_kept", f"{o_kept:.0%}")
+    # which GEMVs the prefetch made faster and which slower
+    changed = {p: layer_on[p] - layer_off[p] for p in PREFETCH_PREDICTED_US}
+    slower = [p for p, d in changed.items() if d > 0]
+    prose.glue("ch15_pf_slower", "no GEMV got slower" if not slower else
+               " and ".join(p.replace(" GEMV", "") for p in slower) + " got slower")
+    pf_gu_slower = changed["gate-up GEMV"] > 0  # the reading below is about gate-up
+    prose.glue("ch15_pf_verdict", (
+        "moved the step the wrong way" if wall_on > wall_off else
+        "shortened the step"))
     # batch-1 decode through the engine at each setting, the same GPU (its data folder)
     engine_ab = {r["prefetch_l2_mib"]: r["value"]
                  for r in (load_records("ch15_quantization")
@@ -6003,19 +6036,18 @@ On the {{ch15_pf_dev}}, with {{ch15_pf_mib}} a kernel the int8 step took
 The prediction, made from the H200's profile, was {{ch15_pf_predicted}} saved in the
 four GEMVs; over the {{ch15_pf_layers}} layers held whole they took {{ch15_pf_total}}.
 O's GEMV went from {{ch15_pf_o}}: its {{ch15_pf_o_bytes}} of codes take
-{{ch15_pf_o_ceiling}} — less than the {{ch15_pf_o_pred}} predicted, so that part of
-the prediction could not have come true. Even with every row in L2 before its wait,
-O keeps most of its time: the wait's release, staging the input, the warps' sums
-meeting and the store, which no prefetch touches. QKV went from {{ch15_pf_qkv}} and
-down from {{ch15_pf_down}}, but gate-up from {{ch15_pf_gu}}. Two readings fit, and
-this run cannot tell them apart: down starts while gate-up still streams its own rows,
-so down's prefetch takes bandwidth from gate-up; or the rows the two kernels prefetch,
-tens of MB together, evict each other from L2 before they are read. A smaller setting,
-or the prefetch on O and QKV only, would tell; neither has run. Either way a prefetch
-moves bytes earlier and makes none fewer, and where the kernel before already reads
-near the full rate there is little idle memory to move them into. The engine keeps
-{{ch15_pf_library}}. What a layer needs is not more bytes in flight but less fixed
-cost a kernel.
+{{ch15_pf_o_ceiling}}. With its rows asked of L2 before its wait, O kept
+{{ch15_pf_o_kept}} of its time: the wait's release, staging the input, the warps'
+sums meeting and the store, which no prefetch touches. QKV went from {{ch15_pf_qkv}},
+down from {{ch15_pf_down}} and gate-up from {{ch15_pf_gu}}; {{ch15_pf_slower}}.""" + (
+    """ For gate-up two readings fit, and this run cannot tell them apart: down starts
+while gate-up still streams its own rows, so down's prefetch takes bandwidth from
+gate-up; or the rows the two kernels prefetch, tens of MB together, evict each other
+from L2 before they are read. A smaller setting, or the prefetch on O and QKV only,
+would tell; neither has run.""" if pf_gu_slower else "") + """
+A prefetch moves bytes earlier and makes none fewer; where the kernel before already
+reads near the full rate there is little idle memory to move them into. At this
+setting it {{ch15_pf_verdict}}, and the engine keeps {{ch15_pf_library}}.
 """)
 
 # %% [markdown]
@@ -6281,6 +6313,9 @@ default.
 #   mma's steps in the order each lane loaded them, so no lane needs another's bytes.
 #   `QuantizedLinear` takes it past the GEMV's tokens up to
 #   `QUANTIZED_MMA_MAX_TOKENS`; the crossover section says what it bought.
+# - Asking L2 for a kernel's weights before its wait (version 8) moves bytes
+#   earlier but makes none fewer; the section after the step profile sets what it
+#   did against the prediction, and the engine compiles it out.
 #
 # ## Exercises
 #

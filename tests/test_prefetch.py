@@ -12,8 +12,8 @@ import json, types
 import numba.cuda.dispatcher as dispatcher
 from numba import cuda
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit_config, _EPILOGUES, make_gemv_8bit_kernel
-from tinyvllm_lib.kernels.mma_8bit import make_mma_8bit_kernel
+from tinyvllm_lib.kernels.gemv_8bit import gemv_8bit_kernel_for
+from tinyvllm_lib.kernels.mma_8bit import mma_8bit_kernel_for
 from tinyvllm_lib.kernels.prefetch import PREFETCH_L2_BYTES
 
 def where(ptx):
@@ -23,11 +23,10 @@ out = {"library": PREFETCH_L2_BYTES}
 sig = "void(uint64[:, ::1], uint64[:, ::1], float32[::1], {}[:, ::1]{})"
 for kind, dtype, extra in (("add", "float32", ""), ("rmsnorm_gated", "uint16", ", uint64[::1], float32")):
     for nbytes in (0, 24 << 20):
-        k = make_gemv_8bit_kernel("int8", 1, *gemv_8bit_config("block", 1, kind), **_EPILOGUES[kind],
-                                  prefetch_bytes=nbytes)
+        k = gemv_8bit_kernel_for("int8", "block", 1, kind, prefetch_bytes=nbytes)
         out[f"gemv_{kind}_{nbytes}"] = where(cuda.compile_ptx(k.py_func, sig.format(dtype, extra), cc=(9, 0))[0])
 for nbytes in (0, 24 << 20):
-    k = make_mma_8bit_kernel("int8", 1, m_tiles=2, gated=True, prefetch_bytes=nbytes)
+    k = mma_8bit_kernel_for("int8", 1, "gated", prefetch_bytes=nbytes)
     out[f"mma_gated_{nbytes}"] = where(cuda.compile_ptx(k.py_func, sig.format("uint16", ""), cc=(9, 0))[0])
 print(json.dumps(out))
 '''

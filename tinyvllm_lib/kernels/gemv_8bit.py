@@ -61,18 +61,25 @@ def gemv_8bit_config(variant: str, tokens: int, kind: str = "") -> tuple:
     return chapter6_knobs(variant, tokens, "gated" in kind)
 
 
+def gemv_8bit_kernel_for(method: str, variant: str, tokens: int, kind: str = "",
+                         **options):
+    """The launcher's kernel for (format, variant, bucket, epilogue), at its knobs;
+    options go to make_gemv_8bit_kernel (prefetch_bytes, for the bench's runs)."""
+    knobs = gemv_8bit_config(variant, tokens, kind)
+    return make_gemv_8bit_kernel(method, tokens, *knobs, **_EPILOGUES[kind], **options)
+
+
 for _method in ("int8", "fp8"):
     # chapter 6's two shapes at the knobs chapter 11 tuned for bf16 (a word is 8 bytes
     # in both, so the same knobs keep as many bytes in flight), one token's block aside
     for _variant in GEMV_VARIANTS:
         for _tokens in GEMV_BUCKETS:
-            for _kind, _flags in _EPILOGUES.items():
+            for _kind in _EPILOGUES:
                 _name = (f"gemv_{_method}_{_variant}_t{_tokens}"
                          f"{'_' * bool(_kind)}{_kind}_kernel")
-                _config = gemv_8bit_config(_variant, _tokens, _kind)
                 GEMV_8BIT_KERNELS[_method, _variant, _tokens, _kind] = \
-                    globals()[_name] = make_gemv_8bit_kernel(
-                        _method, _tokens, *_config, **_flags)
+                    globals()[_name] = gemv_8bit_kernel_for(
+                        _method, _variant, _tokens, _kind)
                 _out = "uint16" if "gated" in _kind else "float32"
                 _sig = f"uint64[:, ::1], uint64[:, ::1], float32[::1], {_out}[:, ::1]"
                 PTX_SIGNATURES[_name] = [f"void({_sig}, uint64[::1], float32)"

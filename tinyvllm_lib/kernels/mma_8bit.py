@@ -268,13 +268,23 @@ _KINDS = {"": {}, "add": {"accumulate": True}, "gated": {"gated": True}}
 # and its up tile
 MMA_8BIT_KNOBS = {(kind, n_tiles): (2 if kind == "gated" else 1, 8, 2)
                   for kind in _KINDS for n_tiles in (1, 2)}
+
+
+def mma_8bit_kernel_for(method: str, n_tiles: int, kind: str = "", knobs=None,
+                        **options):
+    """The launcher's kernel for (format, n-tiles, epilogue) at `knobs` (m-tiles, warps,
+    chunks ahead; default MMA_8BIT_KNOBS'); options go to make_mma_8bit_kernel
+    (prefetch_bytes, for the bench's runs)."""
+    knobs = MMA_8BIT_KNOBS[kind, n_tiles] if knobs is None else knobs
+    return make_mma_8bit_kernel(method, n_tiles, *knobs, **_KINDS[kind], **options)
+
+
 for _method in ("int8", "fp8"):
     for _n_tiles in (1, 2):
-        for _kind, _flags in _KINDS.items():
+        for _kind in _KINDS:
             _name = f"mma_{_method}_n{_n_tiles}{'_' * bool(_kind)}{_kind}_kernel"
             MMA_8BIT_KERNELS[_method, _n_tiles, _kind] = globals()[_name] = \
-                make_mma_8bit_kernel(_method, _n_tiles,
-                                     *MMA_8BIT_KNOBS[_kind, _n_tiles], **_flags)
+                mma_8bit_kernel_for(_method, _n_tiles, _kind)
             _out = "uint16" if _kind == "gated" else "float32"
             PTX_SIGNATURES[_name] = [
                 f"void(uint64[:, ::1], uint64[:, ::1], float32[::1], {_out}[:, ::1])"]
