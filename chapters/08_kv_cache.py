@@ -1465,6 +1465,110 @@ def split_finish(head_dim: int, group: int, num_warps: int):
 
 
 # %% [markdown]
+# **RoPE and the newest K/V inside attention.** At decode, a layer launches the RoPE
+# and KV write of the next section (`rope_and_write_kv_cache`) and then this kernel:
+# two launches, the second waiting for the first to finish, for a few kilobytes of
+# work. The attention kernel can do both itself. Every block rotates its query heads
+# as it loads them; the one block whose split holds the newest key (key n − 1) also
+# rotates that token's key, stores its K and V words at the token's slot, and waits
+# at a barrier before any of its warps reads the cache. No other block reads the
+# newest key: every other split ends before it, and the loads issued before the wait
+# (`load_older`) leave it out. The three device functions below go to
+# `decode_rope`: a position's angle, one rotated value, and the store of the newest
+# row, each thread a word of it at a time.
+
+# %%
+#| export kernels.decode_rope
+import numpy as np
+from numba import cuda, uint32, uint64
+
+from tinyvllm_lib.kernels.bf16 import f32_to_bf16
+from tinyvllm_lib.kernels.decode_combine import INLINE
+from tinyvllm_lib.kernels.rope import NAN32
+
+
+@cuda.jit(device=True, **INLINE)
+def rope_angle(positions, cos, sin, row, i):
+    """cos and sin of row's position at pair i; NaN outside the table (poison, never
+    an out-of-bounds read)."""
+    pos = positions[row]
+    if pos >= 0 and pos < cos.shape[0]:
+        return cos[pos, i], sin[pos, i]
+    return NAN32, NAN32
+
+
+@cuda.jit(device=True, **INLINE)
+def rotated(x, partner, c, s, upper):
+    """Element d of a head after RoPE, from x (its value) and partner (the value at
+    d + D/2, or d - D/2 for upper, d in the second half): chapter 5's rotation."""
+    if upper:
+        return x * c + partner * s
+    return x * c - partner * s
+
+
+def make_newest_kv_writer(head_dim: int, threads: int):
+    """A device function run by every thread of a block: rotate row s's key head kvh
+    and store it and its value head as bf16 words at slot_mapping[s] (skipped for a
+    negative slot, a padding row). The caches are flat 8-byte words; each thread
+    stores words tid, tid + threads, ..., so a block of any size stores all D/4.
+    """
+    D, HALF, WPR = head_dim, head_dim // 2, head_dim // 4
+
+    @cuda.jit(device=True, **INLINE)
+    def write_newest(qkv, positions, cos, sin, slot_mapping, s, kvh, num_heads,
+                     num_kv_heads, k_cache, v_cache, tid):
+        slot = slot_mapping[s]
+        if slot < 0:
+            return
+        k_at = (uint32(num_heads) + kvh) * uint32(D)
+        v_at = (uint32(num_heads) + num_kv_heads + kvh) * uint32(D)
+        base = (uint64(slot) * uint64(num_kv_heads) + uint64(kvh)) * uint64(WPR)
+        for w in range(tid, uint32(WPR), uint32(threads)):
+            kword, vword = uint64(0), uint64(0)
+            for e in range(4):
+                d = uint32(4) * w + uint32(e)
+                upper = d >= uint32(HALF)
+                i = d - uint32(HALF) if upper else d
+                partner = i if upper else d + uint32(HALF)
+                c, sn = rope_angle(positions, cos, sin, s, i)
+                k = rotated(qkv[s, k_at + d], qkv[s, k_at + partner], c, sn, upper)
+                shift = uint64(16 * e)
+                kword |= uint64(f32_to_bf16(k)) << shift
+                vword |= uint64(f32_to_bf16(qkv[s, v_at + d])) << shift
+            k_cache[base + uint64(w)] = kword
+            v_cache[base + uint64(w)] = vword
+
+    return write_newest
+
+
+def fused_rope_args(name: str, rope, slot_mapping, qkv, context_lens, head_dim: int):
+    """The four arguments a decode kernel takes for fuse_rope, and whether it fuses:
+    rope = (table, positions) with slot_mapping, both for one token a row; with
+    neither, placeholders the kernel never reads (the context lengths, qkv).
+    """
+    if rope is None and slot_mapping is None:
+        return (context_lens, qkv, qkv, context_lens), False
+    if rope is None or slot_mapping is None:
+        raise ValueError(f"{name}: rope and slot_mapping go together (RoPE and the "
+                         f"newest K/V store inside attention), got one of them")
+    table, positions = rope
+    rows = qkv.shape[0]
+    if table.head_dim != head_dim:
+        raise ValueError(f"{name}: the RoPE table is for head_dim {table.head_dim}, "
+                         f"the heads have {head_dim}")
+    for what, table_part in (("cos", table.cos), ("sin", table.sin)):
+        if table_part.dtype != np.float32 or table_part.ndim != 2:
+            raise TypeError(f"{name}: table.{what} must be float32 (positions, "
+                            f"{head_dim // 2}), got {table_part.dtype} "
+                            f"{tuple(table_part.shape)}")
+    for what, a in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if a.dtype not in (np.int32, np.int64) or tuple(a.shape) != (rows,):
+            raise TypeError(f"{name}: {what} must be int32 or int64 ({rows},), one "
+                            f"token a row, got {a.dtype} {tuple(a.shape)}")
+    return (positions, table.cos, table.sin, slot_mapping), True
+
+
+# %% [markdown]
 # The kernel factory builds one kernel per head size, group and compile-time knob, and
 # keeps the few the models use ready for the PTX check; it goes to
 # `decode_attention_kernel`.
@@ -1481,6 +1585,7 @@ from tinyvllm_lib.kernels.decode_attention_config import (
     DecodeAttentionConfig,
 )
 from tinyvllm_lib.kernels.decode_combine import INLINE, split_finish
+from tinyvllm_lib.kernels.decode_rope import make_newest_kv_writer, rope_angle, rotated
 from tinyvllm_lib.kernels.decode_splits import (
     num_splits_for_on_device,
     split_length_on_device,
@@ -1517,11 +1622,15 @@ def make_decode_attention_kernel(
     max_registers: int | None,
     early_loads: bool = False,
     prefetch: bool = False,
+    fuse_rope: bool = False,
 ):
     """A block per (KV head, sequence, split of the context), all `group` query heads of
     it; L lanes per key. early_loads: load the first step's keys and values before
     waiting for the kernel before; prefetch: load the next step's while this step's are
-    used (DecodeAttentionConfig).
+    used (DecodeAttentionConfig). fuse_rope: q and k arrive unrotated; each block
+    rotates its query heads as it loads them, and the block holding the newest key
+    rotates it and stores its K and V at slot_mapping[s] before reading the cache
+    (positions, rope_cos, rope_sin and slot_mapping are read only then).
     """
     D, G, W, L, C = (
         head_dim,
@@ -1549,6 +1658,8 @@ def make_decode_attention_kernel(
     WPR, STEP = D // 4, W * KPW * C
     PER_THREAD = cdiv(GD, W * WARP_SIZE)  # outputs each thread adds up at the end
     finish = split_finish(D, G, W)  # the block's output or its split's partial
+    write_newest = make_newest_kv_writer(D, W * WARP_SIZE)  # fuse_rope's store
+    HALF = D // 2
 
     def rows_loader(which: str):
         """A device function that loads this lane's C rows of a step, keys first,
@@ -1589,6 +1700,10 @@ def make_decode_attention_kernel(
         block_tables,
         block_shift,
         context_lens,
+        positions,
+        rope_cos,
+        rope_sin,
+        slot_mapping,
         qscale,
         split_keys,
         min_split_keys,
@@ -1665,19 +1780,25 @@ def make_decode_attention_kernel(
                        kvh, sub, first, end, newest)
         if early_loads:
             wait_for_previous_kernel()
+        if fuse_rope and end == n and n > 0:  # this block holds the newest key: store
+            write_newest(qkv, positions, rope_cos, rope_sin, slot_mapping, s, kvh,
+                         num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
+            cuda.syncthreads()  # the stores, before any warp reads the cache
         for g in range(G):
             m[g] = -math.inf
             ell[g] = float32(0.0)
+            head = (kvh * uint32(G) + uint32(g)) * uint32(D)
             for i in range(WPL):
                 for e in range(4):
-                    q[g * EPL + 4 * i + e] = (
-                        q_row[
-                            (kvh * uint32(G) + uint32(g)) * uint32(D)
-                            + uint32(4) * (sub + uint32(L * i))
-                            + uint32(e)
-                        ]
-                        * qscale
-                    )
+                    d = uint32(4) * (sub + uint32(L * i)) + uint32(e)
+                    qd = q_row[head + d]
+                    if fuse_rope:  # chapter 5's rotation, as the value is loaded
+                        upper = d >= uint32(HALF)
+                        pair = d - uint32(HALF) if upper else d
+                        c, sn = rope_angle(positions, rope_cos, rope_sin, s, pair)
+                        other = pair if upper else d + uint32(HALF)
+                        qd = rotated(qd, q_row[head + other], c, sn, upper)
+                    q[g * EPL + 4 * i + e] = qd * qscale
                     acc[g * EPL + 4 * i + e] = float32(0.0)
         # the first step's rows (those the wait held back)
         if prefetch and early_loads and begin < end:
@@ -1787,13 +1908,16 @@ def make_decode_attention_kernel(
                is_whole, scratch)
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
+    kernel.fuse_rope = fuse_rope
     # the first step's cache (tests/test_ptx.py)
     kernel.reads_before_wait = early_loads
     kernel.keys_per_step = W * KPW * C  # keys a block covers per step of its loop
     return kernel
 
 
-def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
+def _kernel_key(
+    head_dim: int, group: int, cfg: DecodeAttentionConfig, fuse_rope: bool = False
+) -> tuple:
     return (
         head_dim,
         group,
@@ -1803,40 +1927,65 @@ def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
         cfg.max_registers,
         cfg.early_loads,
         cfg.prefetch,
+        fuse_rope,
     )
 
 
 # (head_dim, group, warps, keys per lane, lane elements, register cap, early loads,
-# prefetch) -> kernel
+# prefetch, fuse_rope) -> kernel
 _DECODE_KERNELS = {}
-# Llama 3.2 1B, SmolLM2; batches and batch 1
+# Llama 3.2 1B, SmolLM2; batches and batch 1; Llama's with RoPE inside
 _ATTENTION_KERNELS = {
-    "decode_attention_d64_g4_kernel": (4, DEFAULT_DECODE_CONFIG),
-    "decode_attention_d64_g3_kernel": (3, DEFAULT_DECODE_CONFIG),
-    "decode_attention_d64_g4_one_row_kernel": (4, DEFAULT_DECODE_CONFIG.for_rows(1)),
+    "decode_attention_d64_g4_kernel": (4, DEFAULT_DECODE_CONFIG, False),
+    "decode_attention_d64_g3_kernel": (3, DEFAULT_DECODE_CONFIG, False),
+    "decode_attention_d64_g4_one_row_kernel": (
+        4, DEFAULT_DECODE_CONFIG.for_rows(1), False
+    ),
+    "decode_attention_d64_g4_rope_kernel": (4, DEFAULT_DECODE_CONFIG, True),
+    "decode_attention_d64_g4_one_row_rope_kernel": (
+        4, DEFAULT_DECODE_CONFIG.for_rows(1), True
+    ),
 }
-for _name, (_group, _cfg) in _ATTENTION_KERNELS.items():
-    _key = _kernel_key(64, _group, _cfg)
+for _name, (_group, _cfg, _fuse) in _ATTENTION_KERNELS.items():
+    _key = _kernel_key(64, _group, _cfg, _fuse)
     _DECODE_KERNELS[_key] = globals()[_name] = make_decode_attention_kernel(*_key)
 
-_DECODE_ARGS = (
-    "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
-    "float32, int64, int64, int64, "
-    "float32[:, :, :, ::1]"
-)
+
+def decode_args_signature(fuse_rope: bool) -> str:
+    """The decode kernels' arguments up to the workspace, as a PTX signature: fused,
+    the step's int64 positions and slots and the float32 RoPE table; unfused, the
+    placeholders the launcher passes for them (the context lengths, qkv).
+    """
+    rope = (
+        "int64[::1], float32[:, ::1], float32[:, ::1], int64[::1]"
+        if fuse_rope
+        else "int32[::1], float32[:, ::1], float32[:, ::1], int32[::1]"
+    )
+    return (
+        "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
+        f"{rope}, float32, int64, int64, int64, float32[:, :, :, ::1]"
+    )
+
+
 PTX_SIGNATURES = {
-    name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
-    for name in _ATTENTION_KERNELS
+    name: [
+        f"void({decode_args_signature(fuse)}, {out}[:, ::1])"
+        for out in ("float32", "uint16")
+    ]
+    for name, (_, _, fuse) in _ATTENTION_KERNELS.items()
 }
 
 
 def decode_attention_kernel_for(
-    head_dim: int, group: int, cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG
+    head_dim: int,
+    group: int,
+    cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+    fuse_rope: bool = False,
 ):
-    """The kernel for these sizes and the config's compile-time knobs, built on first
-    use.
+    """The kernel for these sizes and the config's compile-time knobs, with RoPE and
+    the newest K/V store inside or not, built on first use.
     """
-    key = _kernel_key(head_dim, group, cfg)
+    key = _kernel_key(head_dim, group, cfg, fuse_rope)
     if key not in _DECODE_KERNELS:
         _DECODE_KERNELS[key] = make_decode_attention_kernel(*key)
     return _DECODE_KERNELS[key]
@@ -2057,6 +2206,7 @@ from tinyvllm_lib.kernels.decode_attention_kernel import (
     LOG2_E,
     decode_attention_kernel_for,
 )
+from tinyvllm_lib.kernels.decode_rope import fused_rope_args
 from tinyvllm_lib.kernels.decode_splits import check_workspace, decode_splits
 from tinyvllm_lib.kernels.paged_cache import check_paged_context
 from tinyvllm_lib.kernels.reduce import WARP_SIZE
@@ -2078,6 +2228,8 @@ def decode_attention(
     max_context_len=None,
     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
     kernel_for=decode_attention_kernel_for,
+    rope=None,
+    slot_mapping=None,
 ):
     """Row s of qkv (one new query per row, after RoPE) over positions
     0..context_lens[s]-1 of a bf16 KV cache.
@@ -2092,6 +2244,9 @@ def decode_attention(
     from its own length, so the same launch serves every step while the contexts grow up
     to the bound. kernel_for(head_dim, group, config): the kernel to launch (chapter 14
     passes its tensor-core one), with num_warps warps a block.
+    rope = (table, positions) with slot_mapping: q and k arrive before RoPE, and the
+    kernel rotates them and stores the new token's K/V at slot_mapping[s] itself
+    (kernel_for(..., fuse_rope=True)); qkv is left as it was.
     """
     name = "decode_attention"
     rows = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
@@ -2113,8 +2268,16 @@ def decode_attention(
     check_workspace(name, workspace, rows, num_heads, head_dim)
     if rows == 0:
         return out
+    rope_args, fuse = fused_rope_args(
+        name, rope, slot_mapping, qkv, context_lens, head_dim
+    )
     cfg = config.for_rows(rows)
-    kernel = kernel_for(head_dim, num_heads // num_kv_heads, cfg)
+    group = num_heads // num_kv_heads
+    kernel = (
+        kernel_for(head_dim, group, cfg, fuse_rope=True)
+        if fuse
+        else kernel_for(head_dim, group, cfg)
+    )
     max_len = (
         int(max_context_len)
         if max_context_len is not None
@@ -2135,12 +2298,16 @@ def decode_attention(
         block_tables,
         np.uint32(int(block_size).bit_length() - 1),
         context_lens,
+        *rope_args,
         np.float32(LOG2_E / math.sqrt(head_dim)),
         *knobs,
         scratch,
         out,
     )
     return out
+
+
+decode_attention.fuses_rope = True  # takes rope= and slot_mapping= (PagedAttention)
 
 
 # %%

@@ -1748,7 +1748,9 @@ from tinyvllm_lib.kernels.decode_attention_config import (
     DEFAULT_DECODE_CONFIG,
     DecodeAttentionConfig,
 )
-from tinyvllm_lib.kernels.decode_combine import split_finish
+from tinyvllm_lib.kernels.decode_attention_kernel import decode_args_signature
+from tinyvllm_lib.kernels.decode_combine import INLINE, split_finish
+from tinyvllm_lib.kernels.decode_rope import make_newest_kv_writer, rope_angle, rotated
 from tinyvllm_lib.kernels.decode_splits import (
     num_splits_for_on_device,
     split_length_on_device,
@@ -1782,13 +1784,15 @@ from tinyvllm_lib.kernels.tensor_core import (
 
 
 def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = None,
-                          stages: int | None = None):
+                          stages: int | None = None, fuse_rope: bool = False):
     """Decode attention on the tensor cores: a block per (KV head, row, split), as
     chapter 8's kernel; the block's K and V tiles (16 keys a warp) copied through the
     block table by cp.async, stages - 1 of them on their way while the warps work on
     another. A warp's A fragments hold the group's query heads as rows (the rest
     zero), so one m16n8k16 tile serves every query head of the KV head; each warp
-    keeps its own online softmax, merged through shared memory at the end."""
+    keeps its own online softmax, merged through shared memory at the end.
+    fuse_rope: chapter 8's, q rotated as it is packed and the newest K/V stored by the
+    block that reads it, before its first copy."""
     W, NS = tc_decode_shape(head_dim)
     D, G = head_dim, group
     W, NS = W if num_warps is None else num_warps, NS if stages is None else stages
@@ -1813,10 +1817,25 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
     qk_tile, pv_tile = attention_tile_functions(D, BKW, ROW)
     finish = split_finish(D, G, W)
     cp_async_wait = cp_async_wait_function(NS - 1)
+    write_newest = make_newest_kv_writer(D, THREADS)  # fuse_rope's store
+    HALF = D // 2
+
+    @cuda.jit(device=True, **INLINE)
+    def q_value(qkv, s, head, col, positions, rope_cos, rope_sin):
+        # q[s, head, col], rotated by RoPE (fuse_rope) as it is loaded
+        x = qkv[s, head + col]
+        if fuse_rope:
+            upper = col >= uint32(HALF)
+            pair = col - uint32(HALF) if upper else col
+            c, sn = rope_angle(positions, rope_cos, rope_sin, s, pair)
+            other = pair if upper else col + uint32(HALF)
+            x = rotated(x, qkv[s, head + other], c, sn, upper)
+        return x
 
     @cuda.jit
     def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens,
-               scale_log2, split_keys, min_split_keys, target_blocks, workspace, out):
+               positions, rope_cos, rope_sin, slot_mapping, scale_log2, split_keys,
+               min_split_keys, target_blocks, workspace, out):
         wait_for_previous_kernel()
         kvh, s, split = (uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y),
                          uint32(cuda.blockIdx.z))
@@ -1843,6 +1862,10 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
         sm_o = cuda.shared.array((W, GD), float32)  # and its unnormalised output
         sm_block_top = cuda.shared.array(G, float32)
         scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)  # simulator's shuffles
+        if fuse_rope and end == n and n > 0:  # the newest key is this block's: store
+            write_newest(qkv, positions, rope_cos, rope_sin, slot_mapping, s, kvh,
+                         num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
+            cuda.syncthreads()  # the stores, before any thread copies a tile
         qf = cuda.local.array(QW, uint32)
         sc = cuda.local.array(SW, float32)
         o = cuda.local.array(OW, float32)
@@ -1855,8 +1878,11 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
                 col = 16 * kc + 8 * (r // 2) + 2 * t
                 lo, hi = float32(0.0), float32(0.0)
                 if r % 2 == 0 and g_row < G:
-                    at = (kvh * uint32(G) + g_row) * uint32(D) + uint32(col)
-                    lo, hi = qkv[s, at], qkv[s, at + uint32(1)]
+                    head = (kvh * uint32(G) + g_row) * uint32(D)
+                    lo = q_value(qkv, s, head, uint32(col), positions, rope_cos,
+                                 rope_sin)
+                    hi = q_value(qkv, s, head, uint32(col + 1), positions, rope_cos,
+                                 rope_sin)
                 qf[4 * kc + r] = pack_bf16x2(lo, hi)
         for i in range(OW):
             o[i] = float32(0.0)
@@ -1949,7 +1975,7 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
                end >= n and split == 0, scratch)
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
-    kernel.keys_per_step, kernel.stages = BK, NS
+    kernel.keys_per_step, kernel.stages, kernel.fuse_rope = BK, NS, fuse_rope
     return require_lto(kernel)
 
 
@@ -1958,26 +1984,27 @@ _TC_DECODE_KERNELS = {}
 
 def tc_decode_kernel_for(head_dim: int, group: int,
                          cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
-                         num_warps: int | None = None, stages: int | None = None):
+                         num_warps: int | None = None, stages: int | None = None,
+                         fuse_rope: bool = False):
     """The tensor-core decode kernel for these sizes (chapter 8's kernel_for
     signature: the config's compile-time knobs do not apply; num_warps and stages
     default to tc_decode_shape's), built on first use."""
     warps, depth = tc_decode_shape(head_dim)
     key = (head_dim, group, warps if num_warps is None else num_warps,
-           depth if stages is None else stages)
+           depth if stages is None else stages, fuse_rope)
     if key not in _TC_DECODE_KERNELS:
         _TC_DECODE_KERNELS[key] = make_tc_decode_kernel(*key)
     return _TC_DECODE_KERNELS[key]
 
 
-tc_decode_d64_g4_kernel = tc_decode_kernel_for(64, 4)  # Llama 3.2 1B's, for CI's PTX
+# Llama 3.2 1B's, for CI's PTX: RoPE outside, and inside
+tc_decode_d64_g4_kernel = tc_decode_kernel_for(64, 4)
+tc_decode_d64_g4_rope_kernel = tc_decode_kernel_for(64, 4, fuse_rope=True)
 PTX_SIGNATURES = {
-    "tc_decode_d64_g4_kernel": [
-        "void(float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, "
-        "int32[::1], float32, int64, int64, int64, float32[:, :, :, ::1], "
-        f"{out}[:, ::1])"
-        for out in ("float32", "uint16")
-    ]
+    name: [f"void({decode_args_signature(fuse)}, {out}[:, ::1])"
+           for out in ("float32", "uint16")]
+    for name, fuse in (("tc_decode_d64_g4_kernel", False),
+                       ("tc_decode_d64_g4_rope_kernel", True))
 }
 
 
@@ -1985,14 +2012,19 @@ def tc_decode_attention(qkv, k_cache, v_cache, block_tables, block_size: int,
                         context_lens, num_heads: int, num_kv_heads: int,
                         head_dim: int, out, stream=0, workspace=None,
                         max_context_len=None,
-                        config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG):
-    """Chapter 8's decode_attention, same arguments, grid and splits, with this
-    kernel."""
+                        config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+                        rope=None, slot_mapping=None):
+    """Chapter 8's decode_attention, same arguments, grid and splits (RoPE and the
+    newest K/V inside with rope= and slot_mapping=), with this kernel."""
     return decode_attention(qkv, k_cache, v_cache, block_tables, block_size,
                             context_lens, num_heads, num_kv_heads, head_dim, out,
                             stream=stream, workspace=workspace,
                             max_context_len=max_context_len, config=config,
-                            kernel_for=tc_decode_kernel_for)
+                            kernel_for=tc_decode_kernel_for, rope=rope,
+                            slot_mapping=slot_mapping)
+
+
+tc_decode_attention.fuses_rope = True
 
 
 # Decode steps of at least this many rows (rounded as split_rows rounds them) take
@@ -2010,6 +2042,9 @@ def auto_decode_attention(qkv, *args, **kwargs):
                 if split_rows(qkv.shape[0]) >= TC_DECODE_MIN_ROWS
                 else decode_attention)
     return launcher(qkv, *args, **kwargs)
+
+
+auto_decode_attention.fuses_rope = True  # both launchers take rope= and slot_mapping=
 
 
 def decode_attention_for(backend: str, head_dim: int, group: int):

@@ -29,7 +29,7 @@ from tinyvllm_lib.kernels.kv_cache_write import (
 )
 from tinyvllm_lib.kernels.rope import rope_qkv_ref, rope_table
 from tinyvllm_lib.measure import max_rel_error as rel_error
-from tinyvllm_lib.runtime import can_launch
+from tinyvllm_lib.runtime import can_launch, has_gpu
 
 pytestmark = pytest.mark.skipif(not can_launch(), reason="needs a GPU or the simulator")
 
@@ -357,3 +357,145 @@ def test_decode_attention_rows_stay_in_registers():
     found = local_memory_accesses("tinyvllm_lib.kernels.decode_attention_kernel")
     assert "decode_attention_d64_g4_one_row_kernel" in found and len(found) >= 3
     assert not any(found.values()), found
+
+
+def new_slots(bt, block_size, lens):
+    """Each row's newest key's slot (position lens[s] - 1), int64."""
+    pos = lens.astype(np.int64) - 1
+    return bt[np.arange(len(lens)), pos // block_size].astype(np.int64) * block_size + pos % block_size
+
+
+def fused_against_two_launches(gen, lens, H, KVH, D, block_size, max_len, launcher=decode_attention, max_splits=1,
+                               padding_row=None, exact=True, **kw):
+    """decode_attention(..., rope=, slot_mapping=) against rope_and_write_kv_cache then the unfused launch, on
+    random inputs: the cache's bits (K within one bf16 step of the write's: the rotation may round differently
+    inside the kernel; V the same), only the new slots changed, qkv left as it was, and (exact) the output equal
+    to the unfused launch over the fused launch's own cache. Returns the fused output, the rotated qkv, the fused
+    launch's caches, the block tables and lengths (the tensor cores' test checks the output against float64, as
+    its Q rounded to bf16 may round a rotation's last bit either way)."""
+    num_seqs = len(lens)
+    qkv, k, v, bt, _ = case(gen, num_seqs, max_len, H, KVH, D, block_size)
+    lens = np.asarray(lens, np.int32)
+    positions = lens.astype(np.int64) - 1
+    slots = new_slots(bt, block_size, lens)
+    if padding_row is not None:
+        slots[padding_row] = -1  # a batch padded to a captured size: nothing stored
+    table = rope_table(D, 500000.0, max_len + 3)
+    dtable = table.to_device()
+
+    def launch(q, k_cache, v_cache, **extra):
+        out = cuda.to_device(np.full((num_seqs, H * D), np.nan, np.float32))
+        ws = None
+        if max_splits > 1:
+            scratch = np.zeros((num_seqs, max_splits, H, workspace_row(D)), np.float32)
+            scratch[..., : D + 2] = np.nan
+            ws = cuda.to_device(scratch)
+        launcher(q, k_cache, v_cache, cuda.to_device(bt), block_size, cuda.to_device(lens), H, KVH, D, out,
+                 workspace=ws, max_context_len=max_len, **kw, **extra)
+        return out.copy_to_host()
+
+    # two launches: RoPE and the write, then attention over the cache
+    q2, k2, v2 = cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v)
+    rope_and_write_kv_cache(q2, cuda.to_device(positions), dtable, H, KVH, cuda.to_device(slots), k2, v2)
+    two = launch(q2, k2, v2)
+    rotated = q2.copy_to_host()
+    # one launch
+    q1, k1, v1 = cuda.to_device(qkv), cuda.to_device(k), cuda.to_device(v)
+    one = launch(q1, k1, v1, rope=(dtable, cuda.to_device(positions)), slot_mapping=cuda.to_device(slots))
+    assert np.array_equal(q1.copy_to_host(), qkv), "the fused launch must leave qkv as it was"
+    k_one, v_one, k_two, v_two = (a.copy_to_host() for a in (k1, v1, k2, v2))
+    stored = slots[slots >= 0]
+    changed = np.zeros(len(k), bool)
+    changed[stored] = True
+    assert np.array_equal(k_one[~changed], k[~changed]) and np.array_equal(v_one[~changed], v[~changed])
+    assert np.array_equal(v_one, v_two)
+    steps = np.abs(k_one[stored].astype(np.int32) - k_two[stored].astype(np.int32))
+    assert steps.max(initial=0) <= 1, "K may differ from the write's by one bf16 step (the rotation's rounding)"
+    assert (k_one[stored] != k[stored]).any(), "the newest keys were stored"
+    assert not np.isnan(one).any()
+    if exact:  # the unfused kernel over the fused launch's own cache, with the rotated queries
+        want = launch(cuda.to_device(rotated), cuda.to_device(k_one), cuda.to_device(v_one))
+        assert rel_error(one, want) < 1e-5
+        if (steps == 0).all():
+            assert rel_error(one, two) < 1e-5
+    return one, rotated, k_one, v_one, bt, lens
+
+
+@pytest.mark.parametrize("lens, max_splits, config, padding_row", [
+    ([1, 29, 16, 9], 1, DecodeAttentionConfig(num_warps=2), None),  # one split, a context of one token
+    ([45, 17, 30, 1], 8, DecodeAttentionConfig(split_keys=16, keys_per_lane=1, prefetch=True), 2),  # splits, prefetch
+    ([37], 8, DecodeAttentionConfig(split_keys=16, keys_per_lane=1), None),  # one row: early loads, splits
+], ids=["one-split", "splits-prefetch-padding", "one-row-early-loads"])
+def test_fused_rope_is_the_write_then_attention(rng, lens, max_splits, config, padding_row):
+    if len(lens) == 1:
+        assert config.for_rows(1).early_loads
+    fused_against_two_launches(rng, lens, 4, 2, 16, 4, 45, max_splits=max_splits, padding_row=padding_row,
+                               config=config)
+
+
+def test_fused_rope_with_fewer_threads_than_words(rng):
+    """One warp at head_dim 128: 32 threads, 32 words a row, then a strided loop at 256 (64 words)."""
+    fused_against_two_launches(rng, [5, 12], 2, 1, 128, 4, 12, config=DecodeAttentionConfig(num_warps=1))
+
+
+def test_fused_rope_needs_its_metadata(rng):
+    qkv, k, v, bt, lens = case(rng, 2, 8, 4, 2, 16, 4)
+    args = [cuda.to_device(a) for a in (qkv, k, v, bt)] + [4, cuda.to_device(lens), 4, 2, 16,
+                                                          cuda.device_array((2, 64), np.float32)]
+    table = rope_table(16, 10000.0, 16).to_device()
+    positions = cuda.to_device(np.array([0, 1], np.int64))
+    with pytest.raises(ValueError, match="go together"):
+        decode_attention(*args, rope=(table, positions))
+    with pytest.raises(ValueError, match="head_dim 32"):
+        decode_attention(*args, rope=(rope_table(32, 10000.0, 16).to_device(), positions),
+                         slot_mapping=positions)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        decode_attention(*args, rope=(table, positions), slot_mapping=cuda.to_device(np.zeros(3, np.int64)))
+    with pytest.raises(TypeError, match="positions"):
+        decode_attention(*args, rope=(table, cuda.to_device(np.zeros(2, np.float32))), slot_mapping=positions)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="Llama 3.2 1B's shapes: a GPU")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_fused_rope_llama_1b_shapes(rng, rows):
+    lens = rng.integers(1, 1025, rows)
+    lens[0] = 1024
+    fused_against_two_launches(rng, lens, 32, 8, 64, 16, 1024, max_splits=32)
+    fused_against_two_launches(rng, lens, 32, 8, 64, 16, 1024)
+
+
+def test_paged_attention_fuses_a_decode_only_step_and_not_a_mixed_one(monkeypatch):
+    """A decode-only step hands rope and the slots to a launcher marked fuses_rope and launches no write; a step
+    with a prefill writes first; fuse_rope=False, or a launcher not marked, keeps the write."""
+    from types import SimpleNamespace
+
+    from tinyvllm_lib.layers import attention
+
+    writes, decodes, prefills = [], [], []
+    monkeypatch.setattr(attention, "cache_new_kv", lambda *a: writes.append(a[1]))
+
+    def launcher(*args, **kw):
+        decodes.append(kw)
+
+    def plain(*args, **kw):
+        decodes.append(kw)
+
+    launcher.fuses_rope = True
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cache = SimpleNamespace(k=["k"], v=["v"], k_words=["kw"], v_words=["vw"])
+
+    def step(num_prefills, decode_attention, **kw):
+        meta = SimpleNamespace(num_prefills=num_prefills, num_decodes=2, slot_mapping="slots", block_tables="bt",
+                               block_size=16, seq_lens="lens", query_start_loc="qsl", max_query_len=3)
+        layer = attention.PagedAttention(config, cache, meta, decode_attention=decode_attention,
+                                         prefill_attention=lambda *a, **k: prefills.append(1), **kw)
+        writes.clear(), decodes.clear(), prefills.clear()
+        layer(0, "qkv", "out", rope=("table", "positions"))
+        return list(writes), [d.get("rope") for d in decodes], len(prefills)
+
+    assert step(0, launcher) == ([], [("table", "positions")], 0)
+    assert decodes[0]["slot_mapping"] == "slots"
+    assert step(1, launcher) == ([("table", "positions")], [], 1)
+    assert step(0, launcher, fuse_rope=False) == ([("table", "positions")], [None], 0)
+    assert step(0, plain) == ([("table", "positions")], [None], 0)

@@ -6,7 +6,7 @@ import functools
 import numpy as np
 import pytest
 from numba import cuda
-from test_decode_attention import case
+from test_decode_attention import case, fused_against_two_launches
 
 from tinyvllm_lib.kernels import tc_decode
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -284,3 +284,28 @@ def test_auto_engine_at_many_rows_gives_the_eager_tokens(tmp_path, rng, monkeypa
           f"{len(launched)}, at {sorted(set(launched))} rows")
     assert launched and min(launched) > TC_DECODE_MIN_ROWS - 8
     assert all(g < 0.01 for g in gaps)
+
+
+def fused_tc_check(gen, lens, H, KVH, D, bs, max_len, **kw):
+    """The tensor cores' fused launch: cache bits and qkv as chapter 8's (the shared helper), the output within
+    check()'s bound of float64 over the rotated queries and the launch's own cache."""
+    got, rotated, k, v, bt, lens = fused_against_two_launches(gen, lens, H, KVH, D, bs, max_len,
+                                                              launcher=tc_decode_attention, exact=False, **kw)
+    check(got, rotated, k, v, bt, bs, lens, H, KVH, D)
+
+
+@pytest.mark.skipif(not is_simulator(), reason="tiny shapes for the simulator")
+def test_tc_decode_fused_rope_in_the_simulator(rng):
+    """One key, a partial tile and several tiles, with splits and a padding row."""
+    cfg = DecodeAttentionConfig(split_keys=64, target_blocks=1, few_rows=0)
+    fused_tc_check(rng, [1, 29, 150, 70], 4, 2, 16, 4, 150, max_splits=4, padding_row=3, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="Llama 3.2 1B's shapes: a GPU")
+@pytest.mark.parametrize("rows", [37, 256])
+def test_tc_decode_fused_rope_on_the_gpu(rng, rows):
+    lens = rng.integers(1, 1025, rows)
+    lens[0] = 1024
+    for splits in (1, 32):
+        fused_tc_check(rng, lens, 32, 8, 64, 16, 1024, max_splits=splits)

@@ -52,6 +52,7 @@ from tinyvllm_lib.kernels.decode_attention_kernel import (
     LOG2_E,
     decode_attention_kernel_for,
 )
+from tinyvllm_lib.kernels.decode_rope import fused_rope_args
 from tinyvllm_lib.kernels.decode_splits import check_workspace, decode_splits
 from tinyvllm_lib.kernels.paged_cache import check_paged_context
 from tinyvllm_lib.kernels.reduce import WARP_SIZE
@@ -73,6 +74,8 @@ def decode_attention(
     max_context_len=None,
     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
     kernel_for=decode_attention_kernel_for,
+    rope=None,
+    slot_mapping=None,
 ):
     """Row s of qkv (one new query per row, after RoPE) over positions
     0..context_lens[s]-1 of a bf16 KV cache.
@@ -87,6 +90,9 @@ def decode_attention(
     from its own length, so the same launch serves every step while the contexts grow up
     to the bound. kernel_for(head_dim, group, config): the kernel to launch (chapter 14
     passes its tensor-core one), with num_warps warps a block.
+    rope = (table, positions) with slot_mapping: q and k arrive before RoPE, and the
+    kernel rotates them and stores the new token's K/V at slot_mapping[s] itself
+    (kernel_for(..., fuse_rope=True)); qkv is left as it was.
     """
     name = "decode_attention"
     rows = check_qkv(name, qkv, num_heads, num_kv_heads, head_dim)
@@ -108,8 +114,16 @@ def decode_attention(
     check_workspace(name, workspace, rows, num_heads, head_dim)
     if rows == 0:
         return out
+    rope_args, fuse = fused_rope_args(
+        name, rope, slot_mapping, qkv, context_lens, head_dim
+    )
     cfg = config.for_rows(rows)
-    kernel = kernel_for(head_dim, num_heads // num_kv_heads, cfg)
+    group = num_heads // num_kv_heads
+    kernel = (
+        kernel_for(head_dim, group, cfg, fuse_rope=True)
+        if fuse
+        else kernel_for(head_dim, group, cfg)
+    )
     max_len = (
         int(max_context_len)
         if max_context_len is not None
@@ -130,9 +144,13 @@ def decode_attention(
         block_tables,
         np.uint32(int(block_size).bit_length() - 1),
         context_lens,
+        *rope_args,
         np.float32(LOG2_E / math.sqrt(head_dim)),
         *knobs,
         scratch,
         out,
     )
     return out
+
+
+decode_attention.fuses_rope = True  # takes rope= and slot_mapping= (PagedAttention)

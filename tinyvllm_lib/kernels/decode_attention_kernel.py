@@ -12,6 +12,7 @@ from tinyvllm_lib.kernels.decode_attention_config import (
     DecodeAttentionConfig,
 )
 from tinyvllm_lib.kernels.decode_combine import INLINE, split_finish
+from tinyvllm_lib.kernels.decode_rope import make_newest_kv_writer, rope_angle, rotated
 from tinyvllm_lib.kernels.decode_splits import (
     num_splits_for_on_device,
     split_length_on_device,
@@ -48,11 +49,15 @@ def make_decode_attention_kernel(
     max_registers: int | None,
     early_loads: bool = False,
     prefetch: bool = False,
+    fuse_rope: bool = False,
 ):
     """A block per (KV head, sequence, split of the context), all `group` query heads of
     it; L lanes per key. early_loads: load the first step's keys and values before
     waiting for the kernel before; prefetch: load the next step's while this step's are
-    used (DecodeAttentionConfig).
+    used (DecodeAttentionConfig). fuse_rope: q and k arrive unrotated; each block
+    rotates its query heads as it loads them, and the block holding the newest key
+    rotates it and stores its K and V at slot_mapping[s] before reading the cache
+    (positions, rope_cos, rope_sin and slot_mapping are read only then).
     """
     D, G, W, L, C = (
         head_dim,
@@ -80,6 +85,8 @@ def make_decode_attention_kernel(
     WPR, STEP = D // 4, W * KPW * C
     PER_THREAD = cdiv(GD, W * WARP_SIZE)  # outputs each thread adds up at the end
     finish = split_finish(D, G, W)  # the block's output or its split's partial
+    write_newest = make_newest_kv_writer(D, W * WARP_SIZE)  # fuse_rope's store
+    HALF = D // 2
 
     def rows_loader(which: str):
         """A device function that loads this lane's C rows of a step, keys first,
@@ -120,6 +127,10 @@ def make_decode_attention_kernel(
         block_tables,
         block_shift,
         context_lens,
+        positions,
+        rope_cos,
+        rope_sin,
+        slot_mapping,
         qscale,
         split_keys,
         min_split_keys,
@@ -196,19 +207,25 @@ def make_decode_attention_kernel(
                        kvh, sub, first, end, newest)
         if early_loads:
             wait_for_previous_kernel()
+        if fuse_rope and end == n and n > 0:  # this block holds the newest key: store
+            write_newest(qkv, positions, rope_cos, rope_sin, slot_mapping, s, kvh,
+                         num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
+            cuda.syncthreads()  # the stores, before any warp reads the cache
         for g in range(G):
             m[g] = -math.inf
             ell[g] = float32(0.0)
+            head = (kvh * uint32(G) + uint32(g)) * uint32(D)
             for i in range(WPL):
                 for e in range(4):
-                    q[g * EPL + 4 * i + e] = (
-                        q_row[
-                            (kvh * uint32(G) + uint32(g)) * uint32(D)
-                            + uint32(4) * (sub + uint32(L * i))
-                            + uint32(e)
-                        ]
-                        * qscale
-                    )
+                    d = uint32(4) * (sub + uint32(L * i)) + uint32(e)
+                    qd = q_row[head + d]
+                    if fuse_rope:  # chapter 5's rotation, as the value is loaded
+                        upper = d >= uint32(HALF)
+                        pair = d - uint32(HALF) if upper else d
+                        c, sn = rope_angle(positions, rope_cos, rope_sin, s, pair)
+                        other = pair if upper else d + uint32(HALF)
+                        qd = rotated(qd, q_row[head + other], c, sn, upper)
+                    q[g * EPL + 4 * i + e] = qd * qscale
                     acc[g * EPL + 4 * i + e] = float32(0.0)
         # the first step's rows (those the wait held back)
         if prefetch and early_loads and begin < end:
@@ -318,13 +335,16 @@ def make_decode_attention_kernel(
                is_whole, scratch)
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
+    kernel.fuse_rope = fuse_rope
     # the first step's cache (tests/test_ptx.py)
     kernel.reads_before_wait = early_loads
     kernel.keys_per_step = W * KPW * C  # keys a block covers per step of its loop
     return kernel
 
 
-def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
+def _kernel_key(
+    head_dim: int, group: int, cfg: DecodeAttentionConfig, fuse_rope: bool = False
+) -> tuple:
     return (
         head_dim,
         group,
@@ -334,40 +354,65 @@ def _kernel_key(head_dim: int, group: int, cfg: DecodeAttentionConfig) -> tuple:
         cfg.max_registers,
         cfg.early_loads,
         cfg.prefetch,
+        fuse_rope,
     )
 
 
 # (head_dim, group, warps, keys per lane, lane elements, register cap, early loads,
-# prefetch) -> kernel
+# prefetch, fuse_rope) -> kernel
 _DECODE_KERNELS = {}
-# Llama 3.2 1B, SmolLM2; batches and batch 1
+# Llama 3.2 1B, SmolLM2; batches and batch 1; Llama's with RoPE inside
 _ATTENTION_KERNELS = {
-    "decode_attention_d64_g4_kernel": (4, DEFAULT_DECODE_CONFIG),
-    "decode_attention_d64_g3_kernel": (3, DEFAULT_DECODE_CONFIG),
-    "decode_attention_d64_g4_one_row_kernel": (4, DEFAULT_DECODE_CONFIG.for_rows(1)),
+    "decode_attention_d64_g4_kernel": (4, DEFAULT_DECODE_CONFIG, False),
+    "decode_attention_d64_g3_kernel": (3, DEFAULT_DECODE_CONFIG, False),
+    "decode_attention_d64_g4_one_row_kernel": (
+        4, DEFAULT_DECODE_CONFIG.for_rows(1), False
+    ),
+    "decode_attention_d64_g4_rope_kernel": (4, DEFAULT_DECODE_CONFIG, True),
+    "decode_attention_d64_g4_one_row_rope_kernel": (
+        4, DEFAULT_DECODE_CONFIG.for_rows(1), True
+    ),
 }
-for _name, (_group, _cfg) in _ATTENTION_KERNELS.items():
-    _key = _kernel_key(64, _group, _cfg)
+for _name, (_group, _cfg, _fuse) in _ATTENTION_KERNELS.items():
+    _key = _kernel_key(64, _group, _cfg, _fuse)
     _DECODE_KERNELS[_key] = globals()[_name] = make_decode_attention_kernel(*_key)
 
-_DECODE_ARGS = (
-    "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
-    "float32, int64, int64, int64, "
-    "float32[:, :, :, ::1]"
-)
+
+def decode_args_signature(fuse_rope: bool) -> str:
+    """The decode kernels' arguments up to the workspace, as a PTX signature: fused,
+    the step's int64 positions and slots and the float32 RoPE table; unfused, the
+    placeholders the launcher passes for them (the context lengths, qkv).
+    """
+    rope = (
+        "int64[::1], float32[:, ::1], float32[:, ::1], int64[::1]"
+        if fuse_rope
+        else "int32[::1], float32[:, ::1], float32[:, ::1], int32[::1]"
+    )
+    return (
+        "float32[:, ::1], uint64[::1], uint64[::1], int32[:, ::1], uint32, int32[::1], "
+        f"{rope}, float32, int64, int64, int64, float32[:, :, :, ::1]"
+    )
+
+
 PTX_SIGNATURES = {
-    name: [f"void({_DECODE_ARGS}, {out}[:, ::1])" for out in ("float32", "uint16")]
-    for name in _ATTENTION_KERNELS
+    name: [
+        f"void({decode_args_signature(fuse)}, {out}[:, ::1])"
+        for out in ("float32", "uint16")
+    ]
+    for name, (_, _, fuse) in _ATTENTION_KERNELS.items()
 }
 
 
 def decode_attention_kernel_for(
-    head_dim: int, group: int, cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG
+    head_dim: int,
+    group: int,
+    cfg: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+    fuse_rope: bool = False,
 ):
-    """The kernel for these sizes and the config's compile-time knobs, built on first
-    use.
+    """The kernel for these sizes and the config's compile-time knobs, with RoPE and
+    the newest K/V store inside or not, built on first use.
     """
-    key = _kernel_key(head_dim, group, cfg)
+    key = _kernel_key(head_dim, group, cfg, fuse_rope)
     if key not in _DECODE_KERNELS:
         _DECODE_KERNELS[key] = make_decode_attention_kernel(*key)
     return _DECODE_KERNELS[key]

@@ -155,6 +155,10 @@ from tinyvllm_lib.kernels.kv_cache_write import cache_new_kv
 from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
 from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
 
+# a decode-only step's RoPE and K/V store inside decode attention, where its launcher
+# takes them (fuses_rope); chapter 15 measures the launch it saves
+FUSE_DECODE_ROPE = True
+
 
 class PagedAttention:
     """The kernel model's attention over the bf16 KV cache
@@ -168,7 +172,9 @@ class PagedAttention:
     runs decode_attention. prefill_attention: the prefill kernel's launcher, with
     paged_prefill_attention's signature (chapter 14's tensor-core kernel has it);
     decode_attention: the decode kernel's launcher, with chapter 8's signature (chapter
-    14's tensor-core one has it).
+    14's tensor-core one has it). fuse_rope (default FUSE_DECODE_ROPE): a decode-only
+    step hands rope and the slots to a launcher marked fuses_rope, which rotates and
+    stores the new K/V itself, instead of launching the write first.
     metadata's arrays are on the GPU; workspace comes from decode_workspace;
     max_context_len bounds every context, so decode attention's grid does not change
     while they grow.
@@ -185,6 +191,7 @@ class PagedAttention:
         tiles=None,
         prefill_attention=paged_prefill_attention,
         decode_attention=decode_attention,
+        fuse_rope: bool | None = None,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
@@ -195,11 +202,17 @@ class PagedAttention:
         self.max_context_len, self.decode_config = max_context_len, decode_config
         self.tiles, self.prefill_attention = tiles, prefill_attention
         self.decode_attention = decode_attention
+        fuse_rope = FUSE_DECODE_ROPE if fuse_rope is None else fuse_rope
+        self.fuse_rope = fuse_rope and getattr(decode_attention, "fuses_rope", False)
 
     def __call__(self, layer: int, qkv, out, stream=0, rope=None) -> None:
         m, H, KVH, D = self.metadata, self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        cache_new_kv(qkv, rope, H, KVH, m.slot_mapping, k_cache, v_cache, stream)
+        # a decode-only step's write goes inside decode attention (fuse_rope)
+        fused = self.fuse_rope and rope is not None and not m.num_prefills
+        inside = {"rope": rope, "slot_mapping": m.slot_mapping} if fused else {}
+        if not fused:
+            cache_new_kv(qkv, rope, H, KVH, m.slot_mapping, k_cache, v_cache, stream)
         if m.num_prefills:  # one tile schedule over every sequence of the step
             self.prefill_attention(
                 qkv, k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
@@ -222,4 +235,5 @@ class PagedAttention:
                 workspace=self.workspace,
                 max_context_len=self.max_context_len,
                 config=self.decode_config,
+                **inside,
             )
