@@ -5662,6 +5662,8 @@ alone took {{ch15_chunk_dq}} whole and {{ch15_chunk_dq_chunks}} in chunks —
 # out.
 
 # %%
+from tinyvllm_lib.layers.attention import FUSE_DECODE_ROPE
+
 # this GPU's records; an H100's (book/data/h100/) until this GPU has one
 step_records_all = (load_records("ch15_step_profile")
                     or load_records("ch15_step_profile", DATA_DIR / "h100"))
@@ -5669,22 +5671,26 @@ step_dev = step_records_all[-1]["device"]["name"] if step_records_all else None
 step_records_all = [r for r in step_records_all if r["device"]["name"] == step_dev]
 
 
-def at_library_prefetch(records: list) -> list:
-    """The records of each (format, LM head) made with the library's L2 prefetch
-    (PREFETCH_L2_BYTES) where a run of that format recorded one; the records from
-    before the prefetch (no prefetch_l2_mib) where none did."""
+def at_library_settings(records: list) -> list:
+    """The records of each (format, LM head) made at the library's settings: its L2
+    prefetch (PREFETCH_L2_BYTES) where a run of that format recorded one, else the
+    records from before the prefetch (no prefetch_l2_mib); and among those, its RoPE
+    setting (chapter 10's FUSE_DECODE_ROPE) where a run recorded one, else those
+    made before the setting existed (RoPE launched apart)."""
     mib = PREFETCH_L2_BYTES >> 20
     kinds = {(r["quantization"], r.get("lm_head_8bit", False)) for r in records}
     kept = []
     for kind in kinds:
         mine = [r for r in records
                 if (r["quantization"], r.get("lm_head_8bit", False)) == kind]
-        now = [r for r in mine if r.get("prefetch_l2_mib") == mib]
-        kept += now or [r for r in mine if "prefetch_l2_mib" not in r]
+        mine = ([r for r in mine if r.get("prefetch_l2_mib") == mib]
+                or [r for r in mine if "prefetch_l2_mib" not in r])
+        kept += ([r for r in mine if r.get("fuse_decode_rope") == FUSE_DECODE_ROPE]
+                 or [r for r in mine if "fuse_decode_rope" not in r])
     return kept
 
 
-step_records = at_library_prefetch(step_records_all)
+step_records = at_library_settings(step_records_all)
 # every matrix, the LM head too: the 8-bit kernels by the module that makes them
 # (kernels.gemv_8bit in records made before version 7 moved them)
 GEMV_GROUPS = ("kernels.gemv", "kernels.gemv_8bit", "kernels.gemv_8bit_kernel")
@@ -5837,25 +5843,35 @@ def launch_part(group: str, gemvs) -> str:
     the layer's GEMV names in order ("O", "gate-up", "down", then the next layer's
     "QKV"), advanced at each GEMV."""
     return ("rotary + KV write" if group == "kernels.kv_cache_write" else
-            "attention" if "attention" in group or "decode_combine" in group else
+            "attention" if ("attention" in group or "decode_combine" in group
+                            or "tc_decode" in group) else
             f"{next(gemvs, 'another')} GEMV" if group in GEMV_GROUPS else
             "RMSNorm" if "rmsnorm" in group else group)
 
 
+def attention_launches(groups: list) -> list[int]:
+    """Where each layer's attention starts in a step's launches (its first attention
+    launch): a layer runs from there to the next, through O, gate-up, down, the next
+    layer's QKV and, where RoPE is launched apart, its rotary write."""
+    is_attention = [launch_part(g, iter(())) == "attention" for g in groups]
+    return [j for j, a in enumerate(is_attention)
+            if a and (j == 0 or not is_attention[j - 1])]
+
+
 def layer_launches(method) -> list[tuple[str, float]] | None:
-    """(what, own µs) for each launch of layer 1 of a step, from its rotary-and-cache
-    write to the next layer's QKV GEMV; None without the record."""
+    """(what, own µs) for each launch of layer 1 of a step, from its attention to
+    layer 2's; None without the record."""
     rec = [r for r in step_records if r["name"] == "step_launches"
            and r["quantization"] == method and not r.get("lm_head_8bit")]
     if not rec:
         return None
     groups, own = rec[-1]["groups"], rec[-1]["own_us"]
-    writes = [j for j, g in enumerate(groups) if g == "kernels.kv_cache_write"]
-    if len(writes) < 3:
+    starts = attention_launches(groups)
+    if len(starts) < 3:
         return None
     gemvs = iter(("O", "gate-up", "down", "QKV"))
     return [(launch_part(groups[j], gemvs), own[j])
-            for j in range(writes[1], writes[2])]
+            for j in range(starts[1], starts[2])]
 
 
 if profiled and bf16_s and eight and (layer := layer_launches(m)):
@@ -5879,8 +5895,8 @@ if profiled and bf16_s and eight and (layer := layer_launches(m)):
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 if profiled and bf16_s and eight and layer:
     prose.show("""
-A layer's worth of the {{ch15_step_fmt}} step's launches, from layer 1's rotary write
-to layer 2's QKV GEMV, takes {{ch15_layer_total}}; its four GEMVs
+A layer's worth of the {{ch15_step_fmt}} step's launches, from layer 1's attention
+to layer 2's, takes {{ch15_layer_total}}; its four GEMVs
 {{ch15_layer_gemvs}}""" + (""", where their matrices' bytes at the ceiling would take
 {{ch15_layer_gemvs_best}}""" if known else "") + """. The rotary embedding with the
 cache write, and the attention, read little (the attention at most {{ch15_layer_kv}}
@@ -5913,12 +5929,11 @@ LAYER_PARTS = ("rotary + KV write", "attention", "O GEMV", "gate-up GEMV",
 
 def mean_layer(record) -> tuple[dict, int]:
     """Each part of a layer's launches, its own µs averaged over the layers the step
-    holds whole (from one rotary write to the next; the next layer's QKV GEMV ends
-    it)."""
+    holds whole (from one layer's attention to the next's)."""
     groups, own = record["groups"], record["own_us"]
-    writes = [j for j, g in enumerate(groups) if g == "kernels.kv_cache_write"]
+    starts = attention_launches(groups)
     sums, count = dict.fromkeys(LAYER_PARTS, 0.0), 0
-    for a, b in zip(writes, writes[1:]):
+    for a, b in zip(starts, starts[1:]):
         gemvs = iter(("O", "gate-up", "down", "QKV"))
         for j in range(a, b):
             part = launch_part(groups[j], gemvs)
@@ -5933,7 +5948,7 @@ ab_runs = {}
 for r in (load_records("ch15_step_profile")
           + load_records("ch15_step_profile", DATA_DIR / "h100")):
     if (r["quantization"] == "int8" and not r.get("lm_head_8bit")
-            and "prefetch_l2_mib" in r):
+            and "prefetch_l2_mib" in r and not r.get("fuse_decode_rope")):
         ab_runs.setdefault(r["device"]["name"], {}).setdefault(
             r["prefetch_l2_mib"], {})[r["name"]] = r
 ab_dev = next((d for d, by in ab_runs.items()
@@ -6048,6 +6063,111 @@ would tell; neither has run.""" if pf_gu_slower else "") + """
 A prefetch moves bytes earlier and makes none fewer; where the kernel before already
 reads near the full rate there is little idle memory to move them into. At this
 setting it {{ch15_pf_verdict}}, and the engine keeps {{ch15_pf_library}}.
+""")
+
+# %% [markdown]
+# ### One launch fewer a layer: RoPE and the K/V store inside attention, measured
+#
+# The layer above spends a launch on the rotary embedding and the cache write, a
+# few kilobytes of work that waits for QKV's GEMV and makes attention wait for it.
+# Chapter 8's decode kernel can do that work itself (`fuse_rope`): every block rotates
+# its query heads as it loads them, and the block whose split holds the newest key
+# rotates it and stores that token's K and V before it reads the cache. Chapter 10's
+# `PagedAttention` hands a decode-only step's RoPE to it when `FUSE_DECODE_ROPE` is
+# on. The prediction, written before any run from the H200's version-7 int8 profile
+# (the rotary write's own time there, 47.6 µs over 16 layers): the write's launch
+# goes (−2.9 µs a layer) and attention grows by the owning block's store and barrier
+# and the queries' extra loads of their partners and angles (+0.4 µs), so −2.5 µs a
+# layer, about −40 µs a batch-1 step. `bench/ch15_step_profile.py --formats int8-head
+# bf16 --fuse-rope off on` profiles each format with the launch apart and inside, one
+# after the other on the same GPU.
+
+# %%
+# the change in each part's own time a layer, µs, predicted before the first run
+FUSE_PREDICTED_US = {"rotary + KV write": -2.9, "attention": +0.4}
+
+fuse_runs = {}  # (device, format, 8-bit head) -> {fuse setting: {record name: record}}
+for r in (load_records("ch15_step_profile")
+          + load_records("ch15_step_profile", DATA_DIR / "h100")):
+    if "fuse_decode_rope" in r and r.get("prefetch_l2_mib") == PREFETCH_L2_BYTES >> 20:
+        key = (r["device"]["name"], r["quantization"], r.get("lm_head_8bit", False))
+        fuse_runs.setdefault(key, {}).setdefault(r["fuse_decode_rope"], {})[
+            r["name"]] = r
+fuse_pairs = {k: v for k, v in fuse_runs.items() if len(v) == 2
+              and all("step_launches" in by for by in v.values())}
+# the profiled GPU's pairs first, the 8-bit format with its head 8-bit before bf16
+fuse_order = sorted(fuse_pairs, key=lambda k: (k[0] != step_dev, k[1] is None,
+                                               not k[2]))
+if not fuse_order:
+    print("no run with RoPE apart and inside: python bench/ch15_step_profile.py "
+          "--formats int8-head bf16 --fuse-rope off on on a GPU")
+else:
+    fuse_dev = fuse_order[0][0]
+    fuse_keys = [k for k in fuse_order if k[0] == fuse_dev]
+    fuse_layers = {k: tuple(mean_layer(fuse_pairs[k][f]["step_launches"])[0]
+                            for f in (False, True)) for k in fuse_keys}
+    main_key = fuse_keys[0]
+    off_layer, on_layer = fuse_layers[main_key]
+
+    def fmt_name(key) -> str:
+        return (key[1] or "bf16") + (" (8-bit head)" if key[2] else "")
+
+    fig, (ax, ax_d) = new_figure(1, 2, width=9.5, height=3.2)
+    xs = np.arange(len(LAYER_PARTS))
+    ax.bar(xs - 0.2, [off_layer[p] for p in LAYER_PARTS], 0.4, color="#1f77b4",
+           label="RoPE and write launched apart")
+    ax.bar(xs + 0.2, [on_layer[p] for p in LAYER_PARTS], 0.4, color="#2ca02c",
+           label="inside attention")
+    ax.set_xticks(xs, [p.replace(" GEMV", "") for p in LAYER_PARTS], fontsize=7,
+                  rotation=20)
+    ax.set_ylabel("µs a layer (own time)")
+    ax.set_title(f"{fmt_name(main_key)} batch-1 step, mean layer, {fuse_dev}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    parts = [*FUSE_PREDICTED_US, "the layer"]
+    predicted = [*FUSE_PREDICTED_US.values(), sum(FUSE_PREDICTED_US.values())]
+    measured = [on_layer[p] - off_layer[p] for p in FUSE_PREDICTED_US]
+    measured.append(sum(on_layer.values()) - sum(off_layer.values()))
+    xg = np.arange(len(parts))
+    ax_d.bar(xg - 0.2, predicted, 0.4, color="#c7c7c7",
+             label="predicted (before the run)")
+    ax_d.bar(xg + 0.2, measured, 0.4, color="#d62728", label="measured")
+    ax_d.axhline(0, color="k", lw=0.8)
+    ax_d.set_xticks(xg, parts, fontsize=7)
+    ax_d.set_ylabel("change, µs a layer")
+    ax_d.set_title("what moving the launch inside changed", fontsize=9)
+    ax_d.legend(fontsize=7)
+    plt.show()
+    walls = []
+    for k in fuse_keys:
+        off_w, on_w = (fuse_pairs[k][f]["step_busy"]["unprofiled_wall_us"]
+                       for f in (False, True))
+        walls.append(f"{fmt_name(k)} {off_w:.0f} to {on_w:.0f} µs "
+                     f"({on_w - off_w:+.0f})")
+        print(f"{fuse_dev}, {fmt_name(k)}: a step {off_w:.1f} µs apart, "
+              f"{on_w:.1f} µs inside")
+    main_off, main_on = (fuse_pairs[main_key][f]["step_busy"]["unprofiled_wall_us"]
+                         for f in (False, True))
+    prose.glue("ch15_fuse_dev", fuse_dev)
+    prose.glue("ch15_fuse_walls", "; ".join(walls))
+    prose.glue("ch15_fuse_fmt", fmt_name(main_key))
+    prose.glue("ch15_fuse_layer", f"{measured[-1]:+.1f} µs")
+    prose.glue("ch15_fuse_write", f"{measured[0]:+.1f} µs")
+    prose.glue("ch15_fuse_attention", f"{measured[1]:+.1f} µs")
+    prose.glue("ch15_fuse_predicted", f"{predicted[-1]:+.1f} µs")
+    prose.glue("ch15_fuse_verdict", (
+        "shortened the step, and the engine keeps it on" if main_on < main_off else
+        "lengthened the step"))
+    prose.glue("ch15_fuse_library", f"`FUSE_DECODE_ROPE = {FUSE_DECODE_ROPE}`")
+
+# %% tags=["remove-input"] jupyter={"source_hidden": true}
+if fuse_order:
+    prose.show("""
+On the {{ch15_fuse_dev}}, the {{ch15_fuse_fmt}} step's mean layer changed by
+{{ch15_fuse_layer}} against the {{ch15_fuse_predicted}} predicted: the rotary
+write's launch {{ch15_fuse_write}}, attention {{ch15_fuse_attention}}. Whole steps,
+timed without the profiler: {{ch15_fuse_walls}}. Moving the write inside
+{{ch15_fuse_verdict}}; the library has {{ch15_fuse_library}}.
 """)
 
 # %% [markdown]
