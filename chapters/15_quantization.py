@@ -5883,6 +5883,10 @@ if profiled and bf16_s and eight and (layer := layer_launches(m)):
     gemv_us = sum(us for what, us in layer if what.endswith("GEMV"))
     prose.glue("ch15_layer_total", f"{total:.1f} µs")
     prose.glue("ch15_layer_fixed", f"{fixed:.1f} µs ({fixed / total:.0%})")
+    prose.glue("ch15_layer_small", (
+        "The rotary embedding with the cache write, and the attention,"
+        if any(what == "rotary + KV write" for what, _ in layer) else
+        "The attention, with the rotary embedding and the cache write inside it,"))
     prose.glue("ch15_layer_gemvs", f"{gemv_us:.1f} µs")
     at_ceiling = (layer_matrix_bytes(llama_1b, m) / llama_1b.num_hidden_layers
                   / (step_gb_s * 1e3)) if known else math.nan
@@ -5898,8 +5902,8 @@ if profiled and bf16_s and eight and layer:
 A layer's worth of the {{ch15_step_fmt}} step's launches, from layer 1's attention
 to layer 2's, takes {{ch15_layer_total}}; its four GEMVs
 {{ch15_layer_gemvs}}""" + (""", where their matrices' bytes at the ceiling would take
-{{ch15_layer_gemvs_best}}""" if known else "") + """. The rotary embedding with the
-cache write, and the attention, read little (the attention at most {{ch15_layer_kv}}
+{{ch15_layer_gemvs_best}}""" if known else "") + """. {{ch15_layer_small}}
+read little (the attention at most {{ch15_layer_kv}}
 of keys and values, at the request's last step) yet take {{ch15_layer_fixed}} of it:
 their time is latency, not bytes — each waits for the launch before it, and no
 weight format shortens that.
