@@ -165,6 +165,7 @@ def child(backend: str, wheel, repeats: int) -> dict:
 
 def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
                backends=("auto-simt", "auto", "tensor_cores")) -> None:
+    from tinyvllm_lib.kernels.decode_rope import DECODE_ROPE_VERSION
     from tinyvllm_lib.layers.attention import FUSE_DECODE_ROPE
 
     for backend in backends:
@@ -182,6 +183,7 @@ def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
                         backend, f"tensor_cores from {TC_DECODE_MIN_ROWS} rows"), temperature=r["temperature"],
                     runs=r["runs_output_tok_s"], seconds=r["seconds"], num_steps=r["num_steps"],
                     fuse_decode_rope=FUSE_DECODE_ROPE and backend != "auto-unfused",
+                    decode_rope_version=DECODE_ROPE_VERSION,
                     model="Llama 3.2 1B stand-in (random bf16 weights)", **extra)
         save(rec)  # after each engine: a run cut short keeps the engines before
 

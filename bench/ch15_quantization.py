@@ -737,12 +737,13 @@ def main() -> None:
         extra = {"model": "tiny random Llama (smoke run)"}
     else:
         folder = prepare_llama_standin(wheel=args.wheel)
+        from tinyvllm_lib.kernels.decode_rope import DECODE_ROPE_VERSION
         from tinyvllm_lib.kernels.mma_8bit import MMA_8BIT_VERSION
         from tinyvllm_lib.layers.attention import FUSE_DECODE_ROPE
 
         extra = {"gemv_8bit_version": GEMV_8BIT_VERSION, "mma_8bit_version": MMA_8BIT_VERSION, "engine_commit": os.environ.get("ENGINE_COMMIT"),
                  "model": "Llama 3.2 1B stand-in (random bf16 weights, real tokenizer)", "max_model_len": MAX_MODEL_LEN,
-                 "fuse_decode_rope": FUSE_DECODE_ROPE,
+                 "fuse_decode_rope": FUSE_DECODE_ROPE, "decode_rope_version": DECODE_ROPE_VERSION,
                  "workload": "bs1: 128 random prompt ids, 256 new, greedy, ignore_eos; throughput: nano-vllm's "
                              "256 requests, lengths uniform in [100, 1024], seed 0"}
     rec = Recorder("ch15_quantization")

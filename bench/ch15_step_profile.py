@@ -24,6 +24,7 @@ import numpy as np
 
 from tinyvllm_lib import benchmark
 from tinyvllm_lib.engine.llm import LLM
+from tinyvllm_lib.kernels.decode_rope import DECODE_ROPE_VERSION
 from tinyvllm_lib.kernels.gemv_8bit import GEMV_8BIT_VERSION
 from tinyvllm_lib.layers import attention
 from tinyvllm_lib.measure import Recorder
@@ -130,7 +131,8 @@ def main() -> None:
             for fuse in fuses:  # the module's constant, read when the engine builds its layers
                 attention.FUSE_DECODE_ROPE = fuse
                 profile_format(folder, None if method == "bf16" else method, rec,
-                               extra | {"prefetch_l2_mib": prefetch_l2_mib(mib), "fuse_decode_rope": fuse},
+                               extra | {"prefetch_l2_mib": prefetch_l2_mib(mib), "fuse_decode_rope": fuse}
+                               | ({"decode_rope_version": DECODE_ROPE_VERSION} if fuse else {}),
                                head=name.endswith("-head"))
                 save(rec)  # after each run: a run cut short keeps those before
     attention.FUSE_DECODE_ROPE = library_fuse
@@ -141,7 +143,7 @@ def save(rec: Recorder) -> Path:
     """Replace this device's records of the formats this run profiled; keep the rest (`--formats fp8` leaves bf16's
     and int8's)."""
     return rec.save(kind=lambda r: (r["quantization"], r.get("lm_head_8bit", False), r.get("prefetch_l2_mib"),
-                                    r.get("fuse_decode_rope", False)))
+                                    r.get("fuse_decode_rope", False), r.get("decode_rope_version")))
 
 
 if __name__ == "__main__":

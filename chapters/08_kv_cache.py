@@ -1486,12 +1486,16 @@ from tinyvllm_lib.kernels.bf16 import f32_to_bf16
 from tinyvllm_lib.kernels.decode_combine import INLINE
 from tinyvllm_lib.kernels.rope import NAN32
 
+# 1: the position and angles loaded after the kernel's wait (two round trips in a
+# row: the position, then its angles); 2: before it, with the block tables (benches
+# record which version they ran)
+DECODE_ROPE_VERSION = 2
+
 
 @cuda.jit(device=True, **INLINE)
-def rope_angle(positions, cos, sin, row, i):
-    """cos and sin of row's position at pair i; NaN outside the table (poison, never
-    an out-of-bounds read)."""
-    pos = positions[row]
+def rope_angle(pos, cos, sin, i):
+    """cos and sin of position pos at pair i; NaN outside the table (poison, never an
+    out-of-bounds read)."""
     if pos >= 0 and pos < cos.shape[0]:
         return cos[pos, i], sin[pos, i]
     return NAN32, NAN32
@@ -1508,16 +1512,17 @@ def rotated(x, partner, c, s, upper):
 
 def make_newest_kv_writer(head_dim: int, threads: int):
     """A device function run by every thread of a block: rotate row s's key head kvh
-    and store it and its value head as bf16 words at slot_mapping[s] (skipped for a
-    negative slot, a padding row). The caches are flat 8-byte words; each thread
-    stores words tid, tid + threads, ..., so a block of any size stores all D/4.
+    by position pos and store it and its value head as bf16 words at `slot` (skipped
+    for a negative slot, a padding row). The caches are flat 8-byte words; each
+    thread stores words tid, tid + threads, ..., so a block of any size stores all
+    D/4. The position and slot come as values, loaded before the kernel's wait: after
+    it, the row's values and their angles are loaded together, one round trip.
     """
     D, HALF, WPR = head_dim, head_dim // 2, head_dim // 4
 
     @cuda.jit(device=True, **INLINE)
-    def write_newest(qkv, positions, cos, sin, slot_mapping, s, kvh, num_heads,
-                     num_kv_heads, k_cache, v_cache, tid):
-        slot = slot_mapping[s]
+    def write_newest(qkv, pos, cos, sin, slot, s, kvh, num_heads, num_kv_heads,
+                     k_cache, v_cache, tid):
         if slot < 0:
             return
         k_at = (uint32(num_heads) + kvh) * uint32(D)
@@ -1530,7 +1535,7 @@ def make_newest_kv_writer(head_dim: int, threads: int):
                 upper = d >= uint32(HALF)
                 i = d - uint32(HALF) if upper else d
                 partner = i if upper else d + uint32(HALF)
-                c, sn = rope_angle(positions, cos, sin, s, i)
+                c, sn = rope_angle(pos, cos, sin, i)
                 k = rotated(qkv[s, k_at + d], qkv[s, k_at + partner], c, sn, upper)
                 shift = uint64(16 * e)
                 kword |= uint64(f32_to_bf16(k)) << shift
@@ -1711,7 +1716,9 @@ def make_decode_attention_kernel(
         workspace,
         out,
     ):
-        if not early_loads:
+        # fuse_rope reads the step's positions, slots and RoPE table before the wait:
+        # the step's inputs, copied before its first kernel, as the block tables are
+        if not early_loads and not fuse_rope:
             wait_for_previous_kernel()
         # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit
         # multiplies in the address arithmetic
@@ -1778,10 +1785,23 @@ def make_decode_attention_kernel(
         if early_loads and begin < end:
             load_older(kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads,
                        kvh, sub, first, end, newest)
-        if early_loads:
+        # fuse_rope: this lane's angles (the same for every query head of the
+        # group), its row's position and slot, before the wait
+        cq = cuda.local.array(EPL, float32)
+        sq = cuda.local.array(EPL, float32)
+        pos = positions[s] if fuse_rope else 0
+        slot = slot_mapping[s] if fuse_rope else -1
+        if fuse_rope:
+            for i in range(WPL):
+                for e in range(4):
+                    d = uint32(4) * (sub + uint32(L * i)) + uint32(e)
+                    cq[4 * i + e], sq[4 * i + e] = rope_angle(
+                        pos, rope_cos, rope_sin, d % uint32(HALF)
+                    )
+        if early_loads or fuse_rope:
             wait_for_previous_kernel()
         if fuse_rope and end == n and n > 0:  # this block holds the newest key: store
-            write_newest(qkv, positions, rope_cos, rope_sin, slot_mapping, s, kvh,
+            write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
                          num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
             cuda.syncthreads()  # the stores, before any warp reads the cache
         for g in range(G):
@@ -1794,10 +1814,9 @@ def make_decode_attention_kernel(
                     qd = q_row[head + d]
                     if fuse_rope:  # chapter 5's rotation, as the value is loaded
                         upper = d >= uint32(HALF)
-                        pair = d - uint32(HALF) if upper else d
-                        c, sn = rope_angle(positions, rope_cos, rope_sin, s, pair)
-                        other = pair if upper else d + uint32(HALF)
-                        qd = rotated(qd, q_row[head + other], c, sn, upper)
+                        other = d - uint32(HALF) if upper else d + uint32(HALF)
+                        qd = rotated(qd, q_row[head + other], cq[4 * i + e],
+                                     sq[4 * i + e], upper)
                     q[g * EPL + 4 * i + e] = qd * qscale
                     acc[g * EPL + 4 * i + e] = float32(0.0)
         # the first step's rows (those the wait held back)
@@ -1909,8 +1928,8 @@ def make_decode_attention_kernel(
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
     kernel.fuse_rope = fuse_rope
-    # the first step's cache (tests/test_ptx.py)
-    kernel.reads_before_wait = early_loads
+    # the first step's cache, or fuse_rope's positions and angles (tests/test_ptx.py)
+    kernel.reads_before_wait = early_loads or fuse_rope
     kernel.keys_per_step = W * KPW * C  # keys a block covers per step of its loop
     return kernel
 

@@ -1821,14 +1821,12 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
     HALF = D // 2
 
     @cuda.jit(device=True, **INLINE)
-    def q_value(qkv, s, head, col, positions, rope_cos, rope_sin):
-        # q[s, head, col], rotated by RoPE (fuse_rope) as it is loaded
+    def q_value(qkv, s, head, col, c, sn):
+        # q[s, head, col], rotated by RoPE at angle (c, sn) (fuse_rope) as it is loaded
         x = qkv[s, head + col]
         if fuse_rope:
             upper = col >= uint32(HALF)
-            pair = col - uint32(HALF) if upper else col
-            c, sn = rope_angle(positions, rope_cos, rope_sin, s, pair)
-            other = pair if upper else col + uint32(HALF)
+            other = col - uint32(HALF) if upper else col + uint32(HALF)
             x = rotated(x, qkv[s, head + other], c, sn, upper)
         return x
 
@@ -1836,6 +1834,22 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
     def kernel(qkv, k_cache, v_cache, block_tables, block_shift, context_lens,
                positions, rope_cos, rope_sin, slot_mapping, scale_log2, split_keys,
                min_split_keys, target_blocks, workspace, out):
+        # fuse_rope: the row's position, slot and this lane's angles before the wait
+        # (the step's inputs and the table: no kernel of the step writes them)
+        # column 16 kc + 8 h + 2 t + j's angle at 4 kc + 2 h + j
+        cq = cuda.local.array(QW, float32)
+        sq = cuda.local.array(QW, float32)
+        row = uint32(cuda.blockIdx.y)
+        pos = positions[row] if fuse_rope else 0
+        slot = slot_mapping[row] if fuse_rope else -1
+        if fuse_rope:
+            pair0 = uint32(2) * (uint32(cuda.threadIdx.x) & uint32(3))
+            for kc in range(D // 16):
+                for h in range(2):
+                    for j in range(2):
+                        col = uint32(16 * kc + 8 * h + j) + pair0
+                        cq[4 * kc + 2 * h + j], sq[4 * kc + 2 * h + j] = rope_angle(
+                            pos, rope_cos, rope_sin, col % uint32(HALF))
         wait_for_previous_kernel()
         kvh, s, split = (uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y),
                          uint32(cuda.blockIdx.z))
@@ -1863,7 +1877,7 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
         sm_block_top = cuda.shared.array(G, float32)
         scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)  # simulator's shuffles
         if fuse_rope and end == n and n > 0:  # the newest key is this block's: store
-            write_newest(qkv, positions, rope_cos, rope_sin, slot_mapping, s, kvh,
+            write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
                          num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
             cuda.syncthreads()  # the stores, before any thread copies a tile
         qf = cuda.local.array(QW, uint32)
@@ -1879,10 +1893,9 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
                 lo, hi = float32(0.0), float32(0.0)
                 if r % 2 == 0 and g_row < G:
                     head = (kvh * uint32(G) + g_row) * uint32(D)
-                    lo = q_value(qkv, s, head, uint32(col), positions, rope_cos,
-                                 rope_sin)
-                    hi = q_value(qkv, s, head, uint32(col + 1), positions, rope_cos,
-                                 rope_sin)
+                    a = 4 * kc + r  # r is 0 or 2: h = r // 2, so 4 kc + 2 h
+                    lo = q_value(qkv, s, head, uint32(col), cq[a], sq[a])
+                    hi = q_value(qkv, s, head, uint32(col + 1), cq[a + 1], sq[a + 1])
                 qf[4 * kc + r] = pack_bf16x2(lo, hi)
         for i in range(OW):
             o[i] = float32(0.0)
@@ -1976,6 +1989,7 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
     kernel.keys_per_step, kernel.stages, kernel.fuse_rope = BK, NS, fuse_rope
+    kernel.reads_before_wait = fuse_rope  # its positions and angles (tests/test_ptx.py)
     return require_lto(kernel)
 
 

@@ -138,7 +138,9 @@ def make_decode_attention_kernel(
         workspace,
         out,
     ):
-        if not early_loads:
+        # fuse_rope reads the step's positions, slots and RoPE table before the wait:
+        # the step's inputs, copied before its first kernel, as the block tables are
+        if not early_loads and not fuse_rope:
             wait_for_previous_kernel()
         # indices are unsigned 32-bit: no negative-index wraparound, no 64-bit
         # multiplies in the address arithmetic
@@ -205,10 +207,23 @@ def make_decode_attention_kernel(
         if early_loads and begin < end:
             load_older(kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads,
                        kvh, sub, first, end, newest)
-        if early_loads:
+        # fuse_rope: this lane's angles (the same for every query head of the
+        # group), its row's position and slot, before the wait
+        cq = cuda.local.array(EPL, float32)
+        sq = cuda.local.array(EPL, float32)
+        pos = positions[s] if fuse_rope else 0
+        slot = slot_mapping[s] if fuse_rope else -1
+        if fuse_rope:
+            for i in range(WPL):
+                for e in range(4):
+                    d = uint32(4) * (sub + uint32(L * i)) + uint32(e)
+                    cq[4 * i + e], sq[4 * i + e] = rope_angle(
+                        pos, rope_cos, rope_sin, d % uint32(HALF)
+                    )
+        if early_loads or fuse_rope:
             wait_for_previous_kernel()
         if fuse_rope and end == n and n > 0:  # this block holds the newest key: store
-            write_newest(qkv, positions, rope_cos, rope_sin, slot_mapping, s, kvh,
+            write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
                          num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
             cuda.syncthreads()  # the stores, before any warp reads the cache
         for g in range(G):
@@ -221,10 +236,9 @@ def make_decode_attention_kernel(
                     qd = q_row[head + d]
                     if fuse_rope:  # chapter 5's rotation, as the value is loaded
                         upper = d >= uint32(HALF)
-                        pair = d - uint32(HALF) if upper else d
-                        c, sn = rope_angle(positions, rope_cos, rope_sin, s, pair)
-                        other = pair if upper else d + uint32(HALF)
-                        qd = rotated(qd, q_row[head + other], c, sn, upper)
+                        other = d - uint32(HALF) if upper else d + uint32(HALF)
+                        qd = rotated(qd, q_row[head + other], cq[4 * i + e],
+                                     sq[4 * i + e], upper)
                     q[g * EPL + 4 * i + e] = qd * qscale
                     acc[g * EPL + 4 * i + e] = float32(0.0)
         # the first step's rows (those the wait held back)
@@ -336,8 +350,8 @@ def make_decode_attention_kernel(
 
     kernel.head_dim, kernel.group, kernel.num_warps = D, G, W
     kernel.fuse_rope = fuse_rope
-    # the first step's cache (tests/test_ptx.py)
-    kernel.reads_before_wait = early_loads
+    # the first step's cache, or fuse_rope's positions and angles (tests/test_ptx.py)
+    kernel.reads_before_wait = early_loads or fuse_rope
     kernel.keys_per_step = W * KPW * C  # keys a block covers per step of its loop
     return kernel
 

@@ -9,12 +9,16 @@ from tinyvllm_lib.kernels.bf16 import f32_to_bf16
 from tinyvllm_lib.kernels.decode_combine import INLINE
 from tinyvllm_lib.kernels.rope import NAN32
 
+# 1: the position and angles loaded after the kernel's wait (two round trips in a
+# row: the position, then its angles); 2: before it, with the block tables (benches
+# record which version they ran)
+DECODE_ROPE_VERSION = 2
+
 
 @cuda.jit(device=True, **INLINE)
-def rope_angle(positions, cos, sin, row, i):
-    """cos and sin of row's position at pair i; NaN outside the table (poison, never
-    an out-of-bounds read)."""
-    pos = positions[row]
+def rope_angle(pos, cos, sin, i):
+    """cos and sin of position pos at pair i; NaN outside the table (poison, never an
+    out-of-bounds read)."""
     if pos >= 0 and pos < cos.shape[0]:
         return cos[pos, i], sin[pos, i]
     return NAN32, NAN32
@@ -31,16 +35,17 @@ def rotated(x, partner, c, s, upper):
 
 def make_newest_kv_writer(head_dim: int, threads: int):
     """A device function run by every thread of a block: rotate row s's key head kvh
-    and store it and its value head as bf16 words at slot_mapping[s] (skipped for a
-    negative slot, a padding row). The caches are flat 8-byte words; each thread
-    stores words tid, tid + threads, ..., so a block of any size stores all D/4.
+    by position pos and store it and its value head as bf16 words at `slot` (skipped
+    for a negative slot, a padding row). The caches are flat 8-byte words; each
+    thread stores words tid, tid + threads, ..., so a block of any size stores all
+    D/4. The position and slot come as values, loaded before the kernel's wait: after
+    it, the row's values and their angles are loaded together, one round trip.
     """
     D, HALF, WPR = head_dim, head_dim // 2, head_dim // 4
 
     @cuda.jit(device=True, **INLINE)
-    def write_newest(qkv, positions, cos, sin, slot_mapping, s, kvh, num_heads,
-                     num_kv_heads, k_cache, v_cache, tid):
-        slot = slot_mapping[s]
+    def write_newest(qkv, pos, cos, sin, slot, s, kvh, num_heads, num_kv_heads,
+                     k_cache, v_cache, tid):
         if slot < 0:
             return
         k_at = (uint32(num_heads) + kvh) * uint32(D)
@@ -53,7 +58,7 @@ def make_newest_kv_writer(head_dim: int, threads: int):
                 upper = d >= uint32(HALF)
                 i = d - uint32(HALF) if upper else d
                 partner = i if upper else d + uint32(HALF)
-                c, sn = rope_angle(positions, cos, sin, s, i)
+                c, sn = rope_angle(pos, cos, sin, i)
                 k = rotated(qkv[s, k_at + d], qkv[s, k_at + partner], c, sn, upper)
                 shift = uint64(16 * e)
                 kword |= uint64(f32_to_bf16(k)) << shift
