@@ -6078,27 +6078,34 @@ setting it {{ch15_pf_verdict}}, and the engine keeps {{ch15_pf_library}}.
 # its query heads as it loads them, and the block whose split holds the newest key
 # rotates it and stores that token's K and V before it reads the cache. Chapter 10's
 # `PagedAttention` hands a decode-only step's RoPE to it when `FUSE_DECODE_ROPE` is
-# on. The prediction, written before any run from the H200's version-7 int8 profile
-# (the rotary write's own time there, 47.6 µs over 16 layers): the write's launch
-# goes (−2.9 µs a layer) and attention grows by the owning block's store and barrier
-# and the queries' extra loads of their partners and angles (+0.4 µs), so −2.5 µs a
-# layer, about −40 µs a batch-1 step. `bench/ch15_step_profile.py --formats int8-head
-# bf16 --fuse-rope off on` profiles each format with the launch apart and inside, one
-# after the other on the same GPU.
+# on. The prediction for the first version, written before any run from the H200's
+# version-7 int8 profile (the rotary write's own time there, 47.6 µs over 16
+# layers): the write's launch goes (−2.9 µs a layer) and attention grows by the
+# owning block's store and barrier and the queries' extra loads of their partners and
+# angles (+0.4 µs), so −2.5 µs a layer, about −40 µs a batch-1 step.
+# `bench/ch15_step_profile.py --formats int8-head bf16 --fuse-rope off on` profiles
+# each format with the launch apart and inside, one after the other on the same GPU.
 
 # %%
-# the change in each part's own time a layer, µs, predicted before the first run
-FUSE_PREDICTED_US = {"rotary + KV write": -2.9, "attention": +0.4}
+# the change in each part's own time a layer, µs, predicted before each version's
+# first run: version 1 from the H200's version-7 int8 profile; version 2 from version
+# 1's measurement on an H100 (the write -2.6, attention +3.8), less the two round
+# trips in a row (the position, then its angles) that version 2 moves before the wait
+FUSE_PREDICTED_US = {
+    1: {"rotary + KV write": -2.9, "attention": +0.4},
+    2: {"rotary + KV write": -2.6, "attention": +2.0},
+}
 
-fuse_runs = {}  # (device, format, 8-bit head) -> {fuse setting: {record name: record}}
+fuse_runs = {}  # (device, format, 8-bit head) -> {0 (apart) or version: records}
 for r in (load_records("ch15_step_profile")
           + load_records("ch15_step_profile", DATA_DIR / "h100")):
     if "fuse_decode_rope" in r and r.get("prefetch_l2_mib") == PREFETCH_L2_BYTES >> 20:
         key = (r["device"]["name"], r["quantization"], r.get("lm_head_8bit", False))
-        fuse_runs.setdefault(key, {}).setdefault(r["fuse_decode_rope"], {})[
-            r["name"]] = r
-fuse_pairs = {k: v for k, v in fuse_runs.items() if len(v) == 2
-              and all("step_launches" in by for by in v.values())}
+        setting = r.get("decode_rope_version", 1) if r["fuse_decode_rope"] else 0
+        fuse_runs.setdefault(key, {}).setdefault(setting, {})[r["name"]] = r
+fuse_pairs = {k: {v: by for v, by in runs.items() if "step_launches" in by}
+              for k, runs in fuse_runs.items()}
+fuse_pairs = {k: v for k, v in fuse_pairs.items() if 0 in v and len(v) > 1}
 # the profiled GPU's pairs first, the 8-bit format with its head 8-bit before bf16
 fuse_order = sorted(fuse_pairs, key=lambda k: (k[0] != step_dev, k[1] is None,
                                                not k[2]))
@@ -6108,70 +6115,102 @@ if not fuse_order:
 else:
     fuse_dev = fuse_order[0][0]
     fuse_keys = [k for k in fuse_order if k[0] == fuse_dev]
-    fuse_layers = {k: tuple(mean_layer(fuse_pairs[k][f]["step_launches"])[0]
-                            for f in (False, True)) for k in fuse_keys}
     main_key = fuse_keys[0]
-    off_layer, on_layer = fuse_layers[main_key]
+    main_runs = fuse_pairs[main_key]
+    versions = sorted(v for v in main_runs if v)
+    layers = {v: mean_layer(main_runs[v]["step_launches"])[0] for v in main_runs}
 
     def fmt_name(key) -> str:
         return (key[1] or "bf16") + (" (8-bit head)" if key[2] else "")
 
-    fig, (ax, ax_d) = new_figure(1, 2, width=9.5, height=3.2)
+    def setting_name(v) -> str:
+        return "RoPE and write launched apart" if v == 0 else f"inside, version {v}"
+
+    fig, (ax, ax_d) = new_figure(1, 2, width=9.5, height=3.4)
     xs = np.arange(len(LAYER_PARTS))
-    ax.bar(xs - 0.2, [off_layer[p] for p in LAYER_PARTS], 0.4, color="#1f77b4",
-           label="RoPE and write launched apart")
-    ax.bar(xs + 0.2, [on_layer[p] for p in LAYER_PARTS], 0.4, color="#2ca02c",
-           label="inside attention")
+    width = 0.8 / len(layers)
+    colors = {0: "#1f77b4", 1: "#98df8a", 2: "#2ca02c"}
+    for j, v in enumerate(sorted(layers)):
+        ax.bar(xs + (j - (len(layers) - 1) / 2) * width,
+               [layers[v][p] for p in LAYER_PARTS], width,
+               color=colors.get(v, "#17becf"), label=setting_name(v))
     ax.set_xticks(xs, [p.replace(" GEMV", "") for p in LAYER_PARTS], fontsize=7,
                   rotation=20)
     ax.set_ylabel("µs a layer (own time)")
     ax.set_title(f"{fmt_name(main_key)} batch-1 step, mean layer, {fuse_dev}",
                  fontsize=9)
     ax.legend(fontsize=7)
-    parts = [*FUSE_PREDICTED_US, "the layer"]
-    predicted = [*FUSE_PREDICTED_US.values(), sum(FUSE_PREDICTED_US.values())]
-    measured = [on_layer[p] - off_layer[p] for p in FUSE_PREDICTED_US]
-    measured.append(sum(on_layer.values()) - sum(off_layer.values()))
+    parts = ["rotary + KV write", "attention", "the layer"]
+
+    def change(v) -> list[float]:
+        d = [layers[v][p] - layers[0][p] for p in parts[:2]]
+        return d + [sum(layers[v].values()) - sum(layers[0].values())]
+
     xg = np.arange(len(parts))
-    ax_d.bar(xg - 0.2, predicted, 0.4, color="#c7c7c7",
-             label="predicted (before the run)")
-    ax_d.bar(xg + 0.2, measured, 0.4, color="#d62728", label="measured")
+    bars = [(f"v{v} predicted", [*FUSE_PREDICTED_US[v].values(),
+                                 sum(FUSE_PREDICTED_US[v].values())], "#c7c7c7")
+            for v in versions if v in FUSE_PREDICTED_US]
+    bars += [(f"v{v} measured", change(v), colors.get(v, "#17becf"))
+             for v in versions]
+    width = 0.8 / len(bars)
+    for j, (label, values, color) in enumerate(bars):
+        ax_d.bar(xg + (j - (len(bars) - 1) / 2) * width, values, width, color=color,
+                 label=label, hatch="//" if "predicted" in label and j else None)
     ax_d.axhline(0, color="k", lw=0.8)
     ax_d.set_xticks(xg, parts, fontsize=7)
     ax_d.set_ylabel("change, µs a layer")
     ax_d.set_title("what moving the launch inside changed", fontsize=9)
     ax_d.legend(fontsize=7)
     plt.show()
+
+    def wall(key, v) -> float:
+        return fuse_pairs[key][v]["step_busy"]["unprofiled_wall_us"]
+
+    newest = versions[-1]
     walls = []
     for k in fuse_keys:
-        off_w, on_w = (fuse_pairs[k][f]["step_busy"]["unprofiled_wall_us"]
-                       for f in (False, True))
-        walls.append(f"{fmt_name(k)} {off_w:.0f} to {on_w:.0f} µs "
-                     f"({on_w - off_w:+.0f})")
-        print(f"{fuse_dev}, {fmt_name(k)}: a step {off_w:.1f} µs apart, "
-              f"{on_w:.1f} µs inside")
-    main_off, main_on = (fuse_pairs[main_key][f]["step_busy"]["unprofiled_wall_us"]
-                         for f in (False, True))
+        for v in sorted(fuse_pairs[k]):
+            print(f"{fuse_dev}, {fmt_name(k)}: a step {wall(k, v):.1f} µs, "
+                  f"{setting_name(v)}")
+        if newest in fuse_pairs[k]:
+            walls.append(f"{fmt_name(k)} {wall(k, 0):.0f} µs apart, "
+                         f"{wall(k, newest):.0f} inside "
+                         f"({wall(k, newest) - wall(k, 0):+.0f})")
     prose.glue("ch15_fuse_dev", fuse_dev)
-    prose.glue("ch15_fuse_walls", "; ".join(walls))
     prose.glue("ch15_fuse_fmt", fmt_name(main_key))
-    prose.glue("ch15_fuse_layer", f"{measured[-1]:+.1f} µs")
+    prose.glue("ch15_fuse_walls", "; ".join(walls))
+    prose.glue("ch15_fuse_version", f"version {newest}")
+    measured = change(newest)
+    prose.glue("ch15_fuse_layer", f"{measured[2]:+.1f} µs")
     prose.glue("ch15_fuse_write", f"{measured[0]:+.1f} µs")
     prose.glue("ch15_fuse_attention", f"{measured[1]:+.1f} µs")
-    prose.glue("ch15_fuse_predicted", f"{predicted[-1]:+.1f} µs")
-    prose.glue("ch15_fuse_verdict", (
-        "shortened the step, and the engine keeps it on" if main_on < main_off else
-        "lengthened the step"))
+    predicted = FUSE_PREDICTED_US.get(newest, {})
+    prose.glue("ch15_fuse_predicted", f"{sum(predicted.values()):+.1f} µs")
+    first = change(versions[0])
+    prose.glue("ch15_fuse_v1", (
+        f"The first version changed the layer by {first[2]:+.1f} µs against the "
+        f"{sum(FUSE_PREDICTED_US[1].values()):+.1f} µs predicted: the write's launch "
+        f"{first[0]:+.1f} µs, attention {first[1]:+.1f} µs where "
+        f"{FUSE_PREDICTED_US[1]['attention']:+.1f} was predicted. After its wait, "
+        "its attention waited for the row's position, then for the angles at that "
+        "position: two round trips in a row before a query could be rotated, and "
+        "in the block that stores the newest key, before it could store. Version 2 "
+        "loads the position and each lane's angles before the wait, with the block "
+        "tables, so that after it the queries, the newest row and their angles "
+        "arrive together. " if versions[0] == 1 and len(versions) > 1 else ""))
+    faster = wall(main_key, newest) < wall(main_key, 0)
+    prose.glue("ch15_fuse_verdict", "shortened" if faster else "lengthened")
     prose.glue("ch15_fuse_library", f"`FUSE_DECODE_ROPE = {FUSE_DECODE_ROPE}`")
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
 if fuse_order:
     prose.show("""
-On the {{ch15_fuse_dev}}, the {{ch15_fuse_fmt}} step's mean layer changed by
+On the {{ch15_fuse_dev}}, the {{ch15_fuse_fmt}} step, its mean layer above.
+{{ch15_fuse_v1}}With {{ch15_fuse_version}} the layer changed by
 {{ch15_fuse_layer}} against the {{ch15_fuse_predicted}} predicted: the rotary
 write's launch {{ch15_fuse_write}}, attention {{ch15_fuse_attention}}. Whole steps,
 timed without the profiler: {{ch15_fuse_walls}}. Moving the write inside
-{{ch15_fuse_verdict}}; the library has {{ch15_fuse_library}}.
+{{ch15_fuse_verdict}} the step; the library has {{ch15_fuse_library}}.
 """)
 
 # %% [markdown]
