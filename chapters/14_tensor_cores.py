@@ -1876,10 +1876,6 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
         sm_o = cuda.shared.array((W, GD), float32)  # and its unnormalised output
         sm_block_top = cuda.shared.array(G, float32)
         scratch = cuda.shared.array(SHUFFLE_SCRATCH, float32)  # simulator's shuffles
-        if fuse_rope and end == n and n > 0:  # the newest key is this block's: store
-            write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
-                         num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
-            cuda.syncthreads()  # the stores, before any thread copies a tile
         qf = cuda.local.array(QW, uint32)
         sc = cuda.local.array(SW, float32)
         o = cuda.local.array(OW, float32)
@@ -1897,6 +1893,11 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
                     lo = q_value(qkv, s, head, uint32(col), cq[a], sq[a])
                     hi = q_value(qkv, s, head, uint32(col + 1), cq[a + 1], sq[a + 1])
                 qf[4 * kc + r] = pack_bf16x2(lo, hi)
+        # the newest key is this block's: store it (its loads in flight with Q's)
+        if fuse_rope and end == n and n > 0:
+            write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
+                         num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
+            cuda.syncthreads()  # the stores, before any thread copies a tile
         for i in range(OW):
             o[i] = float32(0.0)
         for r in range(2):

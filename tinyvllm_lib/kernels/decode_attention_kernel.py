@@ -57,7 +57,8 @@ def make_decode_attention_kernel(
     used (DecodeAttentionConfig). fuse_rope: q and k arrive unrotated; each block
     rotates its query heads as it loads them, and the block holding the newest key
     rotates it and stores its K and V at slot_mapping[s] before reading the cache
-    (positions, rope_cos, rope_sin and slot_mapping are read only then).
+    (positions, rope_cos, rope_sin and slot_mapping are read before the wait, with the
+    block tables).
     """
     D, G, W, L, C = (
         head_dim,
@@ -222,10 +223,6 @@ def make_decode_attention_kernel(
                     )
         if early_loads or fuse_rope:
             wait_for_previous_kernel()
-        if fuse_rope and end == n and n > 0:  # this block holds the newest key: store
-            write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
-                         num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
-            cuda.syncthreads()  # the stores, before any warp reads the cache
         for g in range(G):
             m[g] = -math.inf
             ell[g] = float32(0.0)
@@ -241,6 +238,12 @@ def make_decode_attention_kernel(
                                      sq[4 * i + e], upper)
                     q[g * EPL + 4 * i + e] = qd * qscale
                     acc[g * EPL + 4 * i + e] = float32(0.0)
+        # the block holding the newest key stores it, its loads in flight with the
+        # queries' above
+        if fuse_rope and end == n and n > 0:
+            write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
+                         num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
+            cuda.syncthreads()  # the stores, before any warp reads the cache
         # the first step's rows (those the wait held back)
         if prefetch and early_loads and begin < end:
             load_newest(kw, vw, k_cache, v_cache, bt_row, block_shift, num_kv_heads,
