@@ -148,10 +148,10 @@ def child(backend: str, wheel, repeats: int) -> dict:
         from tinyvllm_lib.kernels import tc_decode
 
         tc_decode.TC_DECODE_MIN_ROWS, backend = 1 << 30, "auto"  # no step's rows reach it
-    if backend == "auto-unfused":  # "auto" with decode's RoPE and K/V store launched apart (the choice before)
+    if backend in ("auto-unfused", "auto-fused"):  # "auto" with decode's RoPE and K/V store apart or inside it
         from tinyvllm_lib.layers import attention
 
-        attention.FUSE_DECODE_ROPE, backend = False, "auto"
+        attention.FUSE_DECODE_ROPE, backend = backend == "auto-fused", "auto"
     llm = LLM(prepare_llama_standin(wheel=wheel), device="cuda", max_model_len=MAX_MODEL_LEN,
               max_num_seqs=MAX_NUM_SEQS, attention_backend=backend)
     out = {}
@@ -182,7 +182,7 @@ def throughput(rec: Recorder, extra: dict, wheel, repeats: int,
                     decode_kernel={"simt": "simt", "auto-simt": "simt", "tensor_cores": "tensor_cores"}.get(
                         backend, f"tensor_cores from {TC_DECODE_MIN_ROWS} rows"), temperature=r["temperature"],
                     runs=r["runs_output_tok_s"], seconds=r["seconds"], num_steps=r["num_steps"],
-                    fuse_decode_rope=FUSE_DECODE_ROPE and backend != "auto-unfused",
+                    fuse_decode_rope={"auto-unfused": False, "auto-fused": True}.get(backend, FUSE_DECODE_ROPE),
                     decode_rope_version=DECODE_ROPE_VERSION,
                     model="Llama 3.2 1B stand-in (random bf16 weights)", **extra)
         save(rec)  # after each engine: a run cut short keeps the engines before
@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["auto-simt", "auto", "tensor_cores"],
                     help="throughput's engines, in this order: attention_backend values, or auto-simt (auto with "
                          "chapter 8's decode at every size; \"simt\" also runs chapter 10's prefill), or auto-unfused "
-                         "(auto with decode's RoPE and K/V store launched apart)")
+                         "and auto-fused (auto with decode's RoPE and K/V store launched apart, or inside attention)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -1378,8 +1378,10 @@ from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
 from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
 
 # a decode-only step's RoPE and K/V store inside decode attention, where its launcher
-# takes them (fuses_rope); chapter 15 measures the launch it saves
-FUSE_DECODE_ROPE = True
+# takes them (fuses_rope). Off: chapter 15 measured it on an H100 at batch 1 — the
+# write's launch saved, attention longer by about as much (int8 with its head 8-bit a
+# step slower, bf16 a step faster, each by under 1%); throughput is not measured yet
+FUSE_DECODE_ROPE = False
 
 
 class PagedAttention:

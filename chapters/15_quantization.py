@@ -6096,16 +6096,31 @@ FUSE_PREDICTED_US = {
     2: {"rotary + KV write": -2.6, "attention": +2.0},
 }
 
-fuse_runs = {}  # (device, format, 8-bit head) -> {0 (apart) or version: records}
+# (device, format, 8-bit head) -> {(engine commit, 0 apart or the version): records}:
+# a version is compared with the run apart made with it, on the same machine
+fuse_runs = {}
 for r in (load_records("ch15_step_profile")
           + load_records("ch15_step_profile", DATA_DIR / "h100")):
     if "fuse_decode_rope" in r and r.get("prefetch_l2_mib") == PREFETCH_L2_BYTES >> 20:
         key = (r["device"]["name"], r["quantization"], r.get("lm_head_8bit", False))
         setting = r.get("decode_rope_version", 1) if r["fuse_decode_rope"] else 0
-        fuse_runs.setdefault(key, {}).setdefault(setting, {})[r["name"]] = r
-fuse_pairs = {k: {v: by for v, by in runs.items() if "step_launches" in by}
-              for k, runs in fuse_runs.items()}
-fuse_pairs = {k: v for k, v in fuse_pairs.items() if 0 in v and len(v) > 1}
+        fuse_runs.setdefault(key, {}).setdefault((r["engine_commit"], setting), {})[
+            r["name"]] = r
+fuse_pairs = {}  # key -> {version: (the run apart, the run inside)}
+for key, runs in fuse_runs.items():
+    for (commit, v), by in runs.items():
+        apart = runs.get((commit, 0), {})
+        if v and "step_busy" in by and "step_busy" in apart:
+            fuse_pairs.setdefault(key, {})[v] = (apart, by)
+
+
+def with_launches(key) -> bool:
+    """Whether every version's runs of key folded their launches (a layer to draw)."""
+    return all("step_launches" in run for pair in fuse_pairs[key].values()
+               for run in pair)
+
+
+
 # the profiled GPU's pairs first, the 8-bit format with its head 8-bit before bf16
 fuse_order = sorted(fuse_pairs, key=lambda k: (k[0] != step_dev, k[1] is None,
                                                not k[2]))
@@ -6115,10 +6130,16 @@ if not fuse_order:
 else:
     fuse_dev = fuse_order[0][0]
     fuse_keys = [k for k in fuse_order if k[0] == fuse_dev]
-    main_key = fuse_keys[0]
+    main_key = next((k for k in fuse_keys if with_launches(k)), None)
+if fuse_order and main_key is None:
+    fuse_order = []  # no run folded its launches: nothing to draw a layer from
+    print("no run with RoPE apart and inside folded its launches into layers")
+if fuse_order:
     main_runs = fuse_pairs[main_key]
-    versions = sorted(v for v in main_runs if v)
-    layers = {v: mean_layer(main_runs[v]["step_launches"])[0] for v in main_runs}
+    versions = sorted(main_runs)
+    # each version's run apart and inside: mean layers
+    layers = {v: tuple(mean_layer(run["step_launches"])[0] for run in main_runs[v])
+              for v in versions}
 
     def fmt_name(key) -> str:
         return (key[1] or "bf16") + (" (8-bit head)" if key[2] else "")
@@ -6128,11 +6149,13 @@ else:
 
     fig, (ax, ax_d) = new_figure(1, 2, width=9.5, height=3.4)
     xs = np.arange(len(LAYER_PARTS))
-    width = 0.8 / len(layers)
     colors = {0: "#1f77b4", 1: "#98df8a", 2: "#2ca02c"}
-    for j, v in enumerate(sorted(layers)):
-        ax.bar(xs + (j - (len(layers) - 1) / 2) * width,
-               [layers[v][p] for p in LAYER_PARTS], width,
+    # the newest version's run apart, then every version inside
+    drawn = [(0, layers[versions[-1]][0])] + [(v, layers[v][1]) for v in versions]
+    width = 0.8 / len(drawn)
+    for j, (v, layer) in enumerate(drawn):
+        ax.bar(xs + (j - (len(drawn) - 1) / 2) * width,
+               [layer[p] for p in LAYER_PARTS], width,
                color=colors.get(v, "#17becf"), label=setting_name(v))
     ax.set_xticks(xs, [p.replace(" GEMV", "") for p in LAYER_PARTS], fontsize=7,
                   rotation=20)
@@ -6143,8 +6166,9 @@ else:
     parts = ["rotary + KV write", "attention", "the layer"]
 
     def change(v) -> list[float]:
-        d = [layers[v][p] - layers[0][p] for p in parts[:2]]
-        return d + [sum(layers[v].values()) - sum(layers[0].values())]
+        apart, inside = layers[v]
+        d = [inside[p] - apart[p] for p in parts[:2]]
+        return d + [sum(inside.values()) - sum(apart.values())]
 
     xg = np.arange(len(parts))
     bars = [(f"v{v} predicted", [*FUSE_PREDICTED_US[v].values(),
@@ -6163,27 +6187,31 @@ else:
     ax_d.legend(fontsize=7)
     plt.show()
 
-    def wall(key, v) -> float:
-        return fuse_pairs[key][v]["step_busy"]["unprofiled_wall_us"]
+    def wall(key, v, inside: bool) -> float:
+        return fuse_pairs[key][v][inside]["step_busy"]["unprofiled_wall_us"]
 
     newest = versions[-1]
     walls = []
     for k in fuse_keys:
         for v in sorted(fuse_pairs[k]):
-            print(f"{fuse_dev}, {fmt_name(k)}: a step {wall(k, v):.1f} µs, "
-                  f"{setting_name(v)}")
+            print(f"{fuse_dev}, {fmt_name(k)}: a step {wall(k, v, False):.1f} µs "
+                  f"apart, {wall(k, v, True):.1f} µs {setting_name(v)}")
         if newest in fuse_pairs[k]:
-            walls.append(f"{fmt_name(k)} {wall(k, 0):.0f} µs apart, "
-                         f"{wall(k, newest):.0f} inside "
-                         f"({wall(k, newest) - wall(k, 0):+.0f})")
+            off_us, on_us = wall(k, newest, False), wall(k, newest, True)
+            walls.append(f"{fmt_name(k)} {off_us:.0f} µs apart, {on_us:.0f} inside "
+                         f"({on_us - off_us:+.0f})")
     prose.glue("ch15_fuse_dev", fuse_dev)
     prose.glue("ch15_fuse_fmt", fmt_name(main_key))
     prose.glue("ch15_fuse_walls", "; ".join(walls))
     prose.glue("ch15_fuse_version", f"version {newest}")
     measured = change(newest)
-    prose.glue("ch15_fuse_layer", f"{measured[2]:+.1f} µs")
-    prose.glue("ch15_fuse_write", f"{measured[0]:+.1f} µs")
-    prose.glue("ch15_fuse_attention", f"{measured[1]:+.1f} µs")
+
+    def signed(us: float) -> str:  # a change, "0.0" where it rounds to nothing
+        return f"{us:+.1f} µs" if abs(us) >= 0.05 else "0.0 µs"
+
+    prose.glue("ch15_fuse_layer", signed(measured[2]))
+    prose.glue("ch15_fuse_write", signed(measured[0]))
+    prose.glue("ch15_fuse_attention", signed(measured[1]))
     predicted = FUSE_PREDICTED_US.get(newest, {})
     prose.glue("ch15_fuse_predicted", f"{sum(predicted.values()):+.1f} µs")
     first = change(versions[0])
@@ -6198,8 +6226,12 @@ else:
         "loads the position and each lane's angles before the wait, with the block "
         "tables, so that after it the queries, the newest row and their angles "
         "arrive together. " if versions[0] == 1 and len(versions) > 1 else ""))
-    faster = wall(main_key, newest) < wall(main_key, 0)
-    prose.glue("ch15_fuse_verdict", "shortened" if faster else "lengthened")
+    faster = wall(main_key, newest, True) < wall(main_key, newest, False)
+    moved = [(k, wall(k, newest, True) / wall(k, newest, False) - 1)
+             for k in fuse_keys if newest in fuse_pairs[k]]
+    prose.glue("ch15_fuse_verdict", " and ".join(
+        f"{'shortened' if d < 0 else 'lengthened'} the {fmt_name(k)} step"
+        for k, d in moved) + f", by at most {max(abs(d) for _, d in moved):.1%}")
     prose.glue("ch15_fuse_library", f"`FUSE_DECODE_ROPE = {FUSE_DECODE_ROPE}`")
 
 # %% tags=["remove-input"] jupyter={"source_hidden": true}
@@ -6210,8 +6242,16 @@ On the {{ch15_fuse_dev}}, the {{ch15_fuse_fmt}} step, its mean layer above.
 {{ch15_fuse_layer}} against the {{ch15_fuse_predicted}} predicted: the rotary
 write's launch {{ch15_fuse_write}}, attention {{ch15_fuse_attention}}. Whole steps,
 timed without the profiler: {{ch15_fuse_walls}}. Moving the write inside
-{{ch15_fuse_verdict}} the step; the library has {{ch15_fuse_library}}.
-""")
+{{ch15_fuse_verdict}}; the library has {{ch15_fuse_library}}.
+""" + ("" if faster else """ What attention still adds is the block that holds the
+newest key: its row's loads wait behind the branch that picks that block, then the
+store and a barrier, and then the lanes read the row back from L2. A next version
+would load the row with the queries in every block and hand the stored words to the
+lanes through shared memory; it is not built. A batch of hundreds of rows, where the
+write's launch costs more and each block's extra wait hides among the others, has
+not been measured with it either (`bench/ch14_tc_decode.py --backends auto-unfused
+auto-fused`).
+"""))
 
 # %% [markdown]
 # ### The LM head in 8 bits
@@ -6465,6 +6505,10 @@ default.
 #   cache writes, norms, the sampler — that no weight format shrinks, each of its
 #   launches waiting for the one before; the 8-bit GEMVs read the layers' matrices
 #   well below bf16's rate, so they, not the bytes, set how far past bf16 8 bits go.
+# - Moving the rotary embedding and the newest K/V store inside decode attention
+#   saves a launch a layer, and at batch 1 attention grew by about what the launch
+#   took: a latency-bound step pays for every round trip in a row, wherever it sits.
+#   The library keeps the two launches; the section gives the versions' figures.
 # - Past one token the 8-bit GEMV's kernels slow down far faster than their
 #   arithmetic grows, and `QUANTIZED_GEMV_MAX_TOKENS` now stops where the crossover
 #   section's records say they stop beating the better of the dequantized scratch

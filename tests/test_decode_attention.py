@@ -466,8 +466,9 @@ def test_fused_rope_llama_1b_shapes(rng, rows):
 
 
 def test_paged_attention_fuses_a_decode_only_step_and_not_a_mixed_one(monkeypatch):
-    """A decode-only step hands rope and the slots to a launcher marked fuses_rope and launches no write; a step
-    with a prefill writes first; fuse_rope=False, or a launcher not marked, keeps the write."""
+    """With fuse_rope, a decode-only step hands rope and the slots to a launcher marked fuses_rope and launches no
+    write; a step with a prefill writes first; fuse_rope=False, or a launcher not marked, keeps the write; the
+    default is chapter 10's FUSE_DECODE_ROPE."""
     from types import SimpleNamespace
 
     from tinyvllm_lib.layers import attention
@@ -494,8 +495,11 @@ def test_paged_attention_fuses_a_decode_only_step_and_not_a_mixed_one(monkeypatc
         layer(0, "qkv", "out", rope=("table", "positions"))
         return list(writes), [d.get("rope") for d in decodes], len(prefills)
 
-    assert step(0, launcher) == ([], [("table", "positions")], 0)
+    assert step(0, launcher, fuse_rope=True) == ([], [("table", "positions")], 0)
     assert decodes[0]["slot_mapping"] == "slots"
-    assert step(1, launcher) == ([("table", "positions")], [], 1)
+    assert step(1, launcher, fuse_rope=True) == ([("table", "positions")], [], 1)
     assert step(0, launcher, fuse_rope=False) == ([("table", "positions")], [None], 0)
-    assert step(0, plain) == ([("table", "positions")], [None], 0)
+    assert step(0, plain, fuse_rope=True) == ([("table", "positions")], [None], 0)
+    for default in (False, True):
+        monkeypatch.setattr(attention, "FUSE_DECODE_ROPE", default)
+        assert step(0, launcher)[0] == ([] if default else [("table", "positions")])
