@@ -11,7 +11,8 @@ Records to book/data/ch15_step_profile.json (with the engine's commit when ENGIN
     ENGINE_COMMIT=$(git rev-parse --short HEAD) python bench/ch15_step_profile.py [--wheel W] [--formats bf16 int8 fp8]
         # int8-head, fp8-head: the format with its LM head in 8 bits too (quantize_lm_head), records marked lm_head_8bit
         # --fuse-rope off on: each format with decode attention's RoPE and K/V store launched apart, then inside
-        # (chapter 10's FUSE_DECODE_ROPE); records carry fuse_decode_rope
+        # (chapter 10's FUSE_DECODE_ROPE); records carry fuse_decode_rope and the kernels' decode_rope_version, so a
+        # new version's pair of runs leaves an older version's pair in the file
 """
 
 import argparse
@@ -131,8 +132,8 @@ def main() -> None:
             for fuse in fuses:  # the module's constant, read when the engine builds its layers
                 attention.FUSE_DECODE_ROPE = fuse
                 profile_format(folder, None if method == "bf16" else method, rec,
-                               extra | {"prefetch_l2_mib": prefetch_l2_mib(mib), "fuse_decode_rope": fuse}
-                               | ({"decode_rope_version": DECODE_ROPE_VERSION} if fuse else {}),
+                               extra | {"prefetch_l2_mib": prefetch_l2_mib(mib), "fuse_decode_rope": fuse,
+                                        "decode_rope_version": DECODE_ROPE_VERSION},
                                head=name.endswith("-head"))
                 save(rec)  # after each run: a run cut short keeps those before
     attention.FUSE_DECODE_ROPE = library_fuse

@@ -1487,8 +1487,9 @@ from tinyvllm_lib.kernels.decode_combine import INLINE
 from tinyvllm_lib.kernels.rope import NAN32
 
 # 1: the position and angles loaded after the kernel's wait (two round trips in a
-# row: the position, then its angles); 2: before it, with the block tables (benches
-# record which version they ran)
+# row: the position, then its angles); 2: before it, with the block tables, and the
+# newest row's store placed after the queries' loads (benches record which version
+# they ran)
 DECODE_ROPE_VERSION = 2
 
 
@@ -1816,8 +1817,8 @@ def make_decode_attention_kernel(
                                      sq[4 * i + e], upper)
                     q[g * EPL + 4 * i + e] = qd * qscale
                     acc[g * EPL + 4 * i + e] = float32(0.0)
-        # the block holding the newest key stores it, its loads in flight with the
-        # queries' above
+        # the block holding the newest key stores it, after the queries' loads are
+        # issued (whether the compiler overlaps the two, no profile has shown)
         if fuse_rope and end == n and n > 0:
             write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
                          num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)

@@ -1361,10 +1361,11 @@ if can_launch():  # the kernel against the reference (NaN outside every context)
 # that the step is one launch over one schedule — what chapter 11 captures; a step of
 # decodes only keeps decode attention, which splits long contexts across blocks.
 #
-# A decode-only step also leaves out the separate RoPE-and-write launch: chapter 8's
-# decode kernel rotates the queries as it loads them and stores each row's newest K
-# and V itself, in the one block that reads them (`fuse_rope`). A step with a prefill
-# keeps the write, since every tile of its schedule reads the new keys from the cache.
+# With `FUSE_DECODE_ROPE` on, a decode-only step also leaves out the separate
+# RoPE-and-write launch: chapter 8's decode kernel rotates the queries as it loads
+# them and stores each row's newest K and V itself, in the one block that reads them
+# (`fuse_rope`). A step with a prefill keeps the write, since every tile of its
+# schedule reads the new keys from the cache. It is off: chapter 15 measures why.
 
 # %%
 #| export layers.attention

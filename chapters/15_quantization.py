@@ -5685,8 +5685,11 @@ def at_library_settings(records: list) -> list:
                 if (r["quantization"], r.get("lm_head_8bit", False)) == kind]
         mine = ([r for r in mine if r.get("prefetch_l2_mib") == mib]
                 or [r for r in mine if "prefetch_l2_mib" not in r])
-        kept += ([r for r in mine if r.get("fuse_decode_rope") == FUSE_DECODE_ROPE]
-                 or [r for r in mine if "fuse_decode_rope" not in r])
+        mine = ([r for r in mine if r.get("fuse_decode_rope") == FUSE_DECODE_ROPE]
+                or [r for r in mine if "fuse_decode_rope" not in r])
+        # the newest run of those (A/B runs leave one at each setting and version)
+        kept += [r for r in mine if mine
+                 and r.get("engine_commit") == mine[-1].get("engine_commit")]
     return kept
 
 
@@ -5886,7 +5889,7 @@ if profiled and bf16_s and eight and (layer := layer_launches(m)):
     prose.glue("ch15_layer_small", (
         "The rotary embedding with the cache write, and the attention,"
         if any(what == "rotary + KV write" for what, _ in layer) else
-        "The attention, with the rotary embedding and the cache write inside it,"))
+        "The attention and the rotary embedding and cache write inside it"))
     prose.glue("ch15_layer_gemvs", f"{gemv_us:.1f} µs")
     at_ceiling = (layer_matrix_bytes(llama_1b, m) / llama_1b.num_hidden_layers
                   / (step_gb_s * 1e3)) if known else math.nan
@@ -6079,10 +6082,10 @@ setting it {{ch15_pf_verdict}}, and the engine keeps {{ch15_pf_library}}.
 # rotates it and stores that token's K and V before it reads the cache. Chapter 10's
 # `PagedAttention` hands a decode-only step's RoPE to it when `FUSE_DECODE_ROPE` is
 # on. The prediction for the first version, written before any run from the H200's
-# version-7 int8 profile (the rotary write's own time there, 47.6 µs over 16
-# layers): the write's launch goes (−2.9 µs a layer) and attention grows by the
-# owning block's store and barrier and the queries' extra loads of their partners and
-# angles (+0.4 µs), so −2.5 µs a layer, about −40 µs a batch-1 step.
+# version-7 int8 profile (the rotary write's own time there, a sixteenth of its
+# group's): the write's launch goes, and attention grows by the owning block's store
+# and barrier and the queries' extra loads of their partners and angles, a tenth of
+# that (`FUSE_PREDICTED_US` below holds both versions' figures).
 # `bench/ch15_step_profile.py --formats int8-head bf16 --fuse-rope off on` profiles
 # each format with the launch apart and inside, one after the other on the same GPU.
 
@@ -6243,9 +6246,11 @@ On the {{ch15_fuse_dev}}, the {{ch15_fuse_fmt}} step, its mean layer above.
 write's launch {{ch15_fuse_write}}, attention {{ch15_fuse_attention}}. Whole steps,
 timed without the profiler: {{ch15_fuse_walls}}. Moving the write inside
 {{ch15_fuse_verdict}}; the library has {{ch15_fuse_library}}.
-""" + ("" if faster else """ What attention still adds is the block that holds the
-newest key: its row's loads wait behind the branch that picks that block, then the
-store and a barrier, and then the lanes read the row back from L2. A next version
+""" + ("" if faster else """ What attention still adds is, by our reading of the
+code (no profile separates it), the block that holds the newest key: its row's loads
+sit inside the branch that picks that block, likely issued only once the queries'
+have been used, then come the store and a barrier, and then the lanes read the row
+back from L2. A next version
 would load the row with the queries in every block and hand the stored words to the
 lanes through shared memory; it is not built. A batch of hundreds of rows, where the
 write's launch costs more and each block's extra wait hides among the others, has

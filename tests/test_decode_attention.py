@@ -425,7 +425,8 @@ def fused_against_two_launches(gen, lens, H, KVH, D, block_size, max_len, launch
     ([1, 29, 16, 9], 1, DecodeAttentionConfig(num_warps=2), None),  # one split, a context of one token
     ([45, 17, 30, 1], 8, DecodeAttentionConfig(split_keys=16, keys_per_lane=1, prefetch=True), 2),  # splits, prefetch
     ([37], 8, DecodeAttentionConfig(split_keys=16, keys_per_lane=1), None),  # one row: early loads, splits
-], ids=["one-split", "splits-prefetch-padding", "one-row-early-loads"])
+    ([37], 8, DecodeAttentionConfig(split_keys=16, keys_per_lane=1, prefetch=False), None),  # and no prefetch
+], ids=["one-split", "splits-prefetch-padding", "one-row-early-loads", "one-row-early-loads-no-prefetch"])
 def test_fused_rope_is_the_write_then_attention(rng, lens, max_splits, config, padding_row):
     if len(lens) == 1:
         assert config.for_rows(1).early_loads
@@ -434,8 +435,8 @@ def test_fused_rope_is_the_write_then_attention(rng, lens, max_splits, config, p
 
 
 def test_fused_rope_with_fewer_threads_than_words(rng):
-    """One warp at head_dim 128: 32 threads, 32 words a row, then a strided loop at 256 (64 words)."""
-    fused_against_two_launches(rng, [5, 12], 2, 1, 128, 4, 12, config=DecodeAttentionConfig(num_warps=1))
+    """One warp at head_dim 256: 32 threads store a row's 64 words of K and of V, two passes of the strided loop."""
+    fused_against_two_launches(rng, [5, 12], 2, 1, 256, 4, 12, config=DecodeAttentionConfig(num_warps=1))
 
 
 def test_fused_rope_needs_its_metadata(rng):

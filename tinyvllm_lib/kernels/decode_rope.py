@@ -10,8 +10,9 @@ from tinyvllm_lib.kernels.decode_combine import INLINE
 from tinyvllm_lib.kernels.rope import NAN32
 
 # 1: the position and angles loaded after the kernel's wait (two round trips in a
-# row: the position, then its angles); 2: before it, with the block tables (benches
-# record which version they ran)
+# row: the position, then its angles); 2: before it, with the block tables, and the
+# newest row's store placed after the queries' loads (benches record which version
+# they ran)
 DECODE_ROPE_VERSION = 2
 
 

@@ -156,7 +156,7 @@ def make_tc_decode_kernel(head_dim: int, group: int, num_warps: int | None = Non
                     lo = q_value(qkv, s, head, uint32(col), cq[a], sq[a])
                     hi = q_value(qkv, s, head, uint32(col + 1), cq[a + 1], sq[a + 1])
                 qf[4 * kc + r] = pack_bf16x2(lo, hi)
-        # the newest key is this block's: store it (its loads in flight with Q's)
+        # the newest key is this block's: store it, after Q's loads are issued
         if fuse_rope and end == n and n > 0:
             write_newest(qkv, pos, rope_cos, rope_sin, slot, s, kvh,
                          num_kv_heads * uint32(G), num_kv_heads, k_cache, v_cache, tid)
