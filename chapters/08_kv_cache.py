@@ -1475,16 +1475,18 @@ def split_finish(head_dim: int, group: int, num_warps: int):
 # newest key: every other split ends before it, and the loads issued before the wait
 # (`load_older`) leave it out. The three device functions below go to
 # `decode_rope`: a position's angle, one rotated value, and the store of the newest
-# row, each thread a word of it at a time.
+# row, each thread a word of it at a time. Chapter 10 hands a step's RoPE to the
+# kernel only where its `FUSE_DECODE_ROPE` says so, and it is off: at batch 1 the
+# kernel grew by about the launch it saved (chapter 15 has the measurement).
 
 # %%
 #| export kernels.decode_rope
-import numpy as np
 from numba import cuda, uint32, uint64
 
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16
 from tinyvllm_lib.kernels.decode_combine import INLINE
-from tinyvllm_lib.kernels.rope import NAN32
+from tinyvllm_lib.kernels.kv_cache_write import check_slot_mapping
+from tinyvllm_lib.kernels.rope import NAN32, check_rope_args
 
 # 1: the position and angles loaded after the kernel's wait (two round trips in a
 # row: the position, then its angles); 2: before it, with the block tables, and the
@@ -1547,10 +1549,12 @@ def make_newest_kv_writer(head_dim: int, threads: int):
     return write_newest
 
 
-def fused_rope_args(name: str, rope, slot_mapping, qkv, context_lens, head_dim: int):
+def fused_rope_args(name: str, rope, slot_mapping, qkv, context_lens, num_heads: int,
+                    num_kv_heads: int, head_dim: int):
     """The four arguments a decode kernel takes for fuse_rope, and whether it fuses:
-    rope = (table, positions) with slot_mapping, both for one token a row; with
-    neither, placeholders the kernel never reads (the context lengths, qkv).
+    rope = (table, positions) with slot_mapping, both for one token a row, checked as
+    chapter 5's rotation and this chapter's write check theirs; with neither,
+    placeholders the kernel never reads (the context lengths, qkv).
     """
     if rope is None and slot_mapping is None:
         return (context_lens, qkv, qkv, context_lens), False
@@ -1558,19 +1562,11 @@ def fused_rope_args(name: str, rope, slot_mapping, qkv, context_lens, head_dim: 
         raise ValueError(f"{name}: rope and slot_mapping go together (RoPE and the "
                          f"newest K/V store inside attention), got one of them")
     table, positions = rope
-    rows = qkv.shape[0]
     if table.head_dim != head_dim:
         raise ValueError(f"{name}: the RoPE table is for head_dim {table.head_dim}, "
                          f"the heads have {head_dim}")
-    for what, table_part in (("cos", table.cos), ("sin", table.sin)):
-        if table_part.dtype != np.float32 or table_part.ndim != 2:
-            raise TypeError(f"{name}: table.{what} must be float32 (positions, "
-                            f"{head_dim // 2}), got {table_part.dtype} "
-                            f"{tuple(table_part.shape)}")
-    for what, a in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if a.dtype not in (np.int32, np.int64) or tuple(a.shape) != (rows,):
-            raise TypeError(f"{name}: {what} must be int32 or int64 ({rows},), one "
-                            f"token a row, got {a.dtype} {tuple(a.shape)}")
+    check_rope_args(qkv, positions, table, num_heads, num_kv_heads, name)
+    check_slot_mapping(name, slot_mapping, qkv.shape[0])
     return (positions, table.cos, table.sin, slot_mapping), True
 
 
@@ -2292,7 +2288,7 @@ def decode_attention(
     if rows == 0:
         return out
     rope_args, fuse = fused_rope_args(
-        name, rope, slot_mapping, qkv, context_lens, head_dim
+        name, rope, slot_mapping, qkv, context_lens, num_heads, num_kv_heads, head_dim
     )
     cfg = config.for_rows(rows)
     group = num_heads // num_kv_heads
@@ -2352,14 +2348,19 @@ def check_kv_write(
                 f"{name}: caches must be uint16 (num_slots, {num_kv_heads}, "
                 f"{head_dim}), got {cache.dtype} {tuple(cache.shape)}"
             )
-    if slot_mapping.dtype not in (np.int32, np.int64) or slot_mapping.shape != (
-        num_tokens,
-    ):
+    check_slot_mapping(name, slot_mapping, num_tokens)
+    return head_dim
+
+
+def check_slot_mapping(name: str, slot_mapping, num_tokens: int) -> None:
+    """A slot for each new token: int32 or int64 (num_tokens,), -1 skipping one."""
+    if slot_mapping.dtype not in (np.int32, np.int64) or tuple(
+        slot_mapping.shape
+    ) != (num_tokens,):
         raise TypeError(
             f"{name}: slot_mapping must be int32 or int64 ({num_tokens},), "
             f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
-    return head_dim
 
 
 def write_kv_cache(

@@ -5955,7 +5955,7 @@ ab_runs = {}
 for r in (load_records("ch15_step_profile")
           + load_records("ch15_step_profile", DATA_DIR / "h100")):
     if (r["quantization"] == "int8" and not r.get("lm_head_8bit")
-            and "prefetch_l2_mib" in r and not r.get("fuse_decode_rope")):
+            and "prefetch_l2_mib" in r and "fuse_decode_rope" not in r):
         ab_runs.setdefault(r["device"]["name"], {}).setdefault(
             r["prefetch_l2_mib"], {})[r["name"]] = r
 ab_dev = next((d for d, by in ab_runs.items()

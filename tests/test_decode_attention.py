@@ -456,12 +456,18 @@ def test_fused_rope_needs_its_metadata(rng):
         decode_attention(*args, rope=(table, cuda.to_device(np.zeros(2, np.float32))), slot_mapping=positions)
 
 
+def llama_1b_contexts(gen, rows: int) -> np.ndarray:
+    """Context lengths for Llama 3.2 1B's fused GPU tests: one row at the 1,024 bound, the rest drawn below it."""
+    lens = gen.integers(1, 1025, rows)
+    lens[0] = 1024
+    return lens
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="Llama 3.2 1B's shapes: a GPU")
 @pytest.mark.parametrize("rows", [1, 64])
 def test_fused_rope_llama_1b_shapes(rng, rows):
-    lens = rng.integers(1, 1025, rows)
-    lens[0] = 1024
+    lens = llama_1b_contexts(rng, rows)
     fused_against_two_launches(rng, lens, 32, 8, 64, 16, 1024, max_splits=32)
     fused_against_two_launches(rng, lens, 32, 8, 64, 16, 1024)
 

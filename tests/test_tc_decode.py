@@ -6,7 +6,7 @@ import functools
 import numpy as np
 import pytest
 from numba import cuda
-from test_decode_attention import case, fused_against_two_launches
+from test_decode_attention import case, fused_against_two_launches, llama_1b_contexts
 
 from tinyvllm_lib.kernels import tc_decode
 from tinyvllm_lib.kernels.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -305,7 +305,6 @@ def test_tc_decode_fused_rope_in_the_simulator(rng):
 @pytest.mark.skipif(not has_gpu(), reason="Llama 3.2 1B's shapes: a GPU")
 @pytest.mark.parametrize("rows", [37, 256])
 def test_tc_decode_fused_rope_on_the_gpu(rng, rows):
-    lens = rng.integers(1, 1025, rows)
-    lens[0] = 1024
+    lens = llama_1b_contexts(rng, rows)
     for splits in (1, 32):
         fused_tc_check(rng, lens, 32, 8, 64, 16, 1024, max_splits=splits)

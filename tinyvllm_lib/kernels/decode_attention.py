@@ -115,7 +115,7 @@ def decode_attention(
     if rows == 0:
         return out
     rope_args, fuse = fused_rope_args(
-        name, rope, slot_mapping, qkv, context_lens, head_dim
+        name, rope, slot_mapping, qkv, context_lens, num_heads, num_kv_heads, head_dim
     )
     cfg = config.for_rows(rows)
     group = num_heads // num_kv_heads

@@ -2,12 +2,12 @@
 # chapter and re-export.
 
 # defined in chapters/08_kv_cache.py
-import numpy as np
 from numba import cuda, uint32, uint64
 
 from tinyvllm_lib.kernels.bf16 import f32_to_bf16
 from tinyvllm_lib.kernels.decode_combine import INLINE
-from tinyvllm_lib.kernels.rope import NAN32
+from tinyvllm_lib.kernels.kv_cache_write import check_slot_mapping
+from tinyvllm_lib.kernels.rope import NAN32, check_rope_args
 
 # 1: the position and angles loaded after the kernel's wait (two round trips in a
 # row: the position, then its angles); 2: before it, with the block tables, and the
@@ -70,10 +70,12 @@ def make_newest_kv_writer(head_dim: int, threads: int):
     return write_newest
 
 
-def fused_rope_args(name: str, rope, slot_mapping, qkv, context_lens, head_dim: int):
+def fused_rope_args(name: str, rope, slot_mapping, qkv, context_lens, num_heads: int,
+                    num_kv_heads: int, head_dim: int):
     """The four arguments a decode kernel takes for fuse_rope, and whether it fuses:
-    rope = (table, positions) with slot_mapping, both for one token a row; with
-    neither, placeholders the kernel never reads (the context lengths, qkv).
+    rope = (table, positions) with slot_mapping, both for one token a row, checked as
+    chapter 5's rotation and this chapter's write check theirs; with neither,
+    placeholders the kernel never reads (the context lengths, qkv).
     """
     if rope is None and slot_mapping is None:
         return (context_lens, qkv, qkv, context_lens), False
@@ -81,17 +83,9 @@ def fused_rope_args(name: str, rope, slot_mapping, qkv, context_lens, head_dim: 
         raise ValueError(f"{name}: rope and slot_mapping go together (RoPE and the "
                          f"newest K/V store inside attention), got one of them")
     table, positions = rope
-    rows = qkv.shape[0]
     if table.head_dim != head_dim:
         raise ValueError(f"{name}: the RoPE table is for head_dim {table.head_dim}, "
                          f"the heads have {head_dim}")
-    for what, table_part in (("cos", table.cos), ("sin", table.sin)):
-        if table_part.dtype != np.float32 or table_part.ndim != 2:
-            raise TypeError(f"{name}: table.{what} must be float32 (positions, "
-                            f"{head_dim // 2}), got {table_part.dtype} "
-                            f"{tuple(table_part.shape)}")
-    for what, a in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if a.dtype not in (np.int32, np.int64) or tuple(a.shape) != (rows,):
-            raise TypeError(f"{name}: {what} must be int32 or int64 ({rows},), one "
-                            f"token a row, got {a.dtype} {tuple(a.shape)}")
+    check_rope_args(qkv, positions, table, num_heads, num_kv_heads, name)
+    check_slot_mapping(name, slot_mapping, qkv.shape[0])
     return (positions, table.cos, table.sin, slot_mapping), True

@@ -73,14 +73,19 @@ def check_kv_write(
                 f"{name}: caches must be uint16 (num_slots, {num_kv_heads}, "
                 f"{head_dim}), got {cache.dtype} {tuple(cache.shape)}"
             )
-    if slot_mapping.dtype not in (np.int32, np.int64) or slot_mapping.shape != (
-        num_tokens,
-    ):
+    check_slot_mapping(name, slot_mapping, num_tokens)
+    return head_dim
+
+
+def check_slot_mapping(name: str, slot_mapping, num_tokens: int) -> None:
+    """A slot for each new token: int32 or int64 (num_tokens,), -1 skipping one."""
+    if slot_mapping.dtype not in (np.int32, np.int64) or tuple(
+        slot_mapping.shape
+    ) != (num_tokens,):
         raise TypeError(
             f"{name}: slot_mapping must be int32 or int64 ({num_tokens},), "
             f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
-    return head_dim
 
 
 def write_kv_cache(

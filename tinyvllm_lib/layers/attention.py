@@ -156,9 +156,8 @@ from tinyvllm_lib.kernels.paged_attention import paged_prefill_attention
 from tinyvllm_lib.layers.attention_metadata import AttentionMetadata
 
 # a decode-only step's RoPE and K/V store inside decode attention, where its launcher
-# takes them (fuses_rope). Off: chapter 15 measured it on an H100 at batch 1 — the
-# write's launch saved, attention longer by about as much (int8 with its head 8-bit a
-# step slower, bf16 a step faster, each by under 1%); throughput is not measured yet
+# takes them (fuses_rope). Off: chapter 15's batch-1 measurement, where attention grew
+# by about the launch saved; a batch of hundreds of rows has not been measured
 FUSE_DECODE_ROPE = False
 
 
