@@ -6084,8 +6084,8 @@ setting it {{ch15_pf_verdict}}, and the engine keeps {{ch15_pf_library}}.
 # on. The prediction for the first version, written before any run from the H200's
 # version-7 int8 profile (the rotary write's own time there, a sixteenth of its
 # group's): the write's launch goes, and attention grows by the owning block's store
-# and barrier and the queries' extra loads of their partners and angles, a tenth of
-# that (`FUSE_PREDICTED_US` below holds both versions' figures).
+# and barrier and the queries' extra loads of their partners and angles, by much
+# less (`FUSE_PREDICTED_US` below holds both versions' figures, the figure draws them).
 # `bench/ch15_step_profile.py --formats int8-head bf16 --fuse-rope off on` profiles
 # each format with the launch apart and inside, one after the other on the same GPU.
 
